@@ -1,0 +1,86 @@
+"""`tiller` command line: one dispatcher, subcommands imported lazily so `tiller --help` is fast.
+
+Every subcommand is a module function `main(argv: list[str]) -> int | None`. A `UserError` raised
+anywhere below prints one clear line and exits 2; any other exception keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from tiller.errors import UserError
+
+# name -> ("module:function", one-line help). Later subsystems add their line here.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "rl": ("tiller.trainer.main_ppo:main", "RL post-training (PPO, GRPO, RLOO, ...) with verl's config keys"),
+    "demo": ("tiller.trainer.demo:main", "built-in demo: tiny model, SFT warm-up, GRPO; shows accuracy before/after"),
+    "sft": ("tiller.trainer.sft:main", "supervised fine-tuning"),
+    "rm": ("tiller.trainer.rm:main", "pairwise reward-model training"),
+    "dpo": ("tiller.trainer.preference:main_dpo", "DPO / IPO / cDPO preference training"),
+    "kto": ("tiller.trainer.preference:main_kto", "KTO preference training"),
+    "config": ("tiller.config.cli:main", "show the resolved configuration: tiller config show [key=value ...]"),
+    "data": ("tiller.data.cli:main", "prepare datasets: tiller data gsm8k --out DIR"),
+    "export": ("tiller.trainer.checkpoint:export_main", "export a checkpoint as a Hugging Face model dir"),
+    "report": ("tiller.tracking.report:main", "plots and a summary table for a run directory"),
+    "serve-rm": ("tiller.rewards.server:main", "serve a reward model over HTTP"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: tiller <command> [options] [key=value ...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `tiller <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _resolve(target: str):
+    module_name, func_name = target.split(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, func_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from tiller import __version__
+
+        print(f"tiller {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=3)
+        hint = f" (did you mean: {', '.join(close)}?)" if close else ""
+        print(f"tiller: error: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        func = _resolve(COMMANDS[name][0])
+        code = func(rest)
+    except UserError as err:
+        print(f"tiller {name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tiller {name}: interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+def run_main(func, argv: list[str] | None = None) -> None:
+    """Entry for `python -m tiller.x` modules: same error handling as the `tiller` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = func(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(int(code or 0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
