@@ -1,0 +1,531 @@
+"""The RL configuration tree, typed, with verl's key names (`verl/trainer/config/ppo_trainer.yaml`).
+
+Every field is defined once here with a one-line doc (the string literal under it). Defaults follow verl
+where they make sense on any machine; where verl assumes 8 GPUs (batch sizes, learning rates for 7B
+models, vLLM as the rollout engine) tiller picks CPU-friendly values and says so.
+
+Sections a user can extend with verl's `+key=value` syntax are typed `dict[str, Any]` (e.g.
+`custom_reward_function.reward_kwargs`, `actor_rollout_ref.model.override_config`); every other key
+is closed: a typo is an error that suggests the closest valid keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None
+    """Tokenizer path; defaults to actor_rollout_ref.model.path."""
+    train_files: list[str] = field(default_factory=list)
+    """Training prompt files: parquet (verl schema) or jsonl."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation prompt files: parquet (verl schema) or jsonl."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages, or a plain string."""
+    reward_fn_key: str = "data_source"
+    """Column used to route each sample to its reward scorer."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens (after the chat template)."""
+    max_response_length: int = 128
+    """Longest response in tokens."""
+    train_batch_size: int = 32
+    """Prompts per RL step (verl: 1024; CPU-friendly here)."""
+    val_batch_size: Optional[int] = None
+    """Prompts per validation generation call; None = the whole validation set at once."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by data.seed)."""
+    seed: int = 1
+    """Seed of the training-data shuffle."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length instead of applying data.truncation."""
+    truncation: str = "error"
+    """What to do with a prompt over max_prompt_length: error | left | right."""
+    return_raw_chat: bool = False
+    """Keep the raw chat messages on each sample (needed by a reward model with its own template)."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template (add_generation_prompt)."""
+    max_samples: int = -1
+    """Use at most this many training prompts (-1 = all)."""
+    val_max_samples: int = -1
+    """Use at most this many validation prompts (-1 = all)."""
+    dataloader_num_workers: int = 0
+    """Accepted for verl compatibility; tiller tokenizes in the main process."""
+
+
+# ------------------------------------------------------------------------------------ actor / rollout
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model dir or hub id; empty = tiller's built-in demo model."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer dir; defaults to model.path."""
+    external_lib: Optional[str] = None
+    """Python module imported before loading (registers custom architectures)."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Keys overriding the model's HF config (open-ended: use +key=value)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    use_remove_padding: bool = False
+    """Accepted for verl compatibility; tiller pads."""
+    trust_remote_code: bool = False
+    """Pass trust_remote_code to from_pretrained."""
+    lora_rank: int = 0
+    """LoRA rank for the actor (0 = full fine-tuning)."""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    target_modules: Any = "all-linear"
+    """LoRA target modules: a list of module names or 'all-linear'."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_warmup_steps: int = -1
+    """Warmup steps; -1 = use lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup as a fraction of total training steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor as a fraction of lr."""
+    warmup_style: str = "constant"
+    """Schedule after warmup: constant | cosine."""
+    total_training_steps: int = -1
+    """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla | gspo | gpg | cispo | sapo | geo_mean | clip_cov | kl_cov."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens clipped by covariance."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: covariance lower bound."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: covariance upper bound."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of tokens given the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the KL penalty."""
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for positive advantages."""
+    sapo_tau_neg: float = 1.05
+    """sapo: temperature of the soft gate for negative advantages."""
+
+
+@dataclass
+class AdaptiveEntropyConfig:
+    enable: bool = False
+    """Skywork-OR1 adaptive entropy: raise/lower entropy_coeff to hold entropy near target_entropy."""
+    target_entropy: float = 0.2
+    """Target entropy (nats per token); the bonus applies only while entropy is below it."""
+    delta: float = 0.005
+    """Step by which the coefficient moves each update."""
+    max_coeff: float = 0.05
+    """Upper clip of the coefficient."""
+    init_coeff: float = 0.0
+    """Starting coefficient."""
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp"
+    """Parallel strategy inside a worker group when trainer.backend=ray: fsdp (FSDP2) | ddp | none."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step (multiplied by rollout.n inside the trainer, as in verl)."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Samples per forward/backward (gradient accumulation splits a mini-batch into these)."""
+    ppo_micro_batch_size: Optional[int] = None
+    """Deprecated in verl; use ppo_micro_batch_size_per_gpu."""
+    use_dynamic_bsz: bool = False
+    """Accepted for verl compatibility; tiller uses fixed micro-batches."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Accepted for verl compatibility."""
+    ppo_epochs: int = 1
+    """Passes over each RL batch."""
+    shuffle: bool = False
+    """Shuffle samples before splitting into mini-batches."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon (used for low/high when those are not set)."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip epsilon (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
+    """Skywork-OR1 adaptive entropy control."""
+    use_kl_loss: bool = False
+    """Add KL(actor || ref) to the loss (GRPO style) instead of to the reward."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """kl | abs | mse | low_var_kl | k3+ (straight-through)."""
+    use_torch_compile: bool = False
+    """torch.compile the actor forward."""
+    dtype: str = "float32"
+    """Training compute dtype: float32 | bfloat16 (autocast; fp16 is not offered: it is unusable on CPU)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss choice and its hyper-parameters."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Actor optimizer (verl: lr 1e-6 for 7B models; tiny models need more)."""
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    """Samples per reference forward."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """Deprecated in verl; use log_prob_micro_batch_size_per_gpu."""
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = 1
+    """Samples per validation prompt (mean@n, best@n, maj@n)."""
+    do_sample: bool = False
+    """Sample during validation (False = greedy)."""
+    temperature: float = 0.0
+    """Validation temperature."""
+    top_p: float = 1.0
+    """Validation top-p."""
+    top_k: int = -1
+    """Validation top-k (-1 = off)."""
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn tool-using rollouts."""
+    max_assistant_turns: int = 4
+    """Most assistant turns per conversation."""
+    tool_config_path: Optional[str] = None
+    """YAML listing the tools available to the model."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "native"
+    """Rollout engine: native (tiller's batched sampler) | hf (model.generate) | vllm."""
+    n: int = 1
+    """Samples per prompt (GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_k: int = -1
+    """Top-k (-1 = off)."""
+    top_p: float = 1.0
+    """Top-p."""
+    min_p: float = 0.0
+    """Min-p (0 = off)."""
+    do_sample: bool = True
+    """Sample (False = greedy)."""
+    prompt_length: Optional[int] = None
+    """Defaults to data.max_prompt_length."""
+    response_length: Optional[int] = None
+    """Defaults to data.max_response_length."""
+    response_length_schedule: list[list[int]] = field(default_factory=list)
+    """Skywork-OR1 multi-stage length: [[from_step, max_response_length], ...]."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    dtype: str = "bfloat16"
+    """Rollout compute dtype: bfloat16 | float32."""
+    log_prob_micro_batch_size_per_gpu: int = 16
+    """Samples per old-logprob forward."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """Deprecated in verl; use log_prob_micro_batch_size_per_gpu."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory for weights + KV cache."""
+    tensor_model_parallel_size: int = 1
+    """vLLM tensor parallel size."""
+    enforce_eager: bool = True
+    """vLLM: disable CUDA graphs."""
+    free_cache_engine: bool = True
+    """vLLM: release the KV cache between rollouts (sleep/wake)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM scheduler budget."""
+    calculate_log_probs: bool = True
+    """Return the sampler's per-token logprobs."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling for validation (greedy by default)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn tool-using rollouts."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the engine (open-ended: use +key=value)."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    """Actor, rollout and reference share one worker (verl's hybrid engine)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy (used for KL)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+
+
+# --------------------------------------------------------------------------------------------- critic
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None
+    """Critic model dir; defaults to actor_rollout_ref.model.path (a value head is added)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer dir; defaults to the critic's model path."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Keys overriding the critic's HF config (open-ended)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward."""
+    trust_remote_code: bool = False
+    """Pass trust_remote_code to from_pretrained."""
+
+
+@dataclass
+class CriticConfig:
+    strategy: str = "fsdp"
+    """Parallel strategy when trainer.backend=ray: fsdp | ddp | none."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """The value model."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    """Critic optimizer (verl: lr 1e-5)."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Prompts per critic optimizer step; defaults to the actor's."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Samples per critic forward/backward."""
+    forward_micro_batch_size_per_gpu: int = 16
+    """Samples per value forward."""
+    ppo_epochs: Optional[int] = None
+    """Critic passes per batch; defaults to the actor's."""
+    shuffle: bool = False
+    """Shuffle before mini-batching."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss."""
+    dtype: str = "float32"
+    """Training compute dtype: float32 | bfloat16."""
+
+
+# --------------------------------------------------------------------------------------------- reward
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None
+    """Reward model dir (AutoModelForSequenceClassification, or a causal LM with value head)."""
+    input_tokenizer: Optional[str] = None
+    """Tokenizer of the policy, when the RM's differs (responses are re-rendered)."""
+    trust_remote_code: bool = False
+    """Pass trust_remote_code to from_pretrained."""
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO overlong shaping: penalise responses in the last `len` tokens before the limit."""
+    len: int = 16
+    """Buffer length L_buf (tokens)."""
+    penalty_factor: float = 1.0
+    """Penalty at the limit."""
+    log: bool = False
+    """Log the penalty as a reward component."""
+
+
+@dataclass
+class DiversityConfig:
+    enable: bool = False
+    """DARLING diversity-aware reward."""
+    partitioner: str = "ngram"
+    """How responses are grouped into equivalence classes: exact | ngram | embedding | llm."""
+    fusion: str = "multiplicative"
+    """multiplicative (paper) | additive."""
+    weight: float = 1.0
+    """Weight of the diversity term for additive fusion."""
+    ngram_n: int = 2
+    """n of the n-gram Jaccard partitioner."""
+    threshold: float = 0.5
+    """Similarity at or above which two responses are the same class (jaccard / cosine)."""
+    embedding_model: Optional[str] = None
+    """Sentence-embedding model dir for the embedding partitioner."""
+    llm_url: Optional[str] = None
+    """OpenAI-compatible endpoint for the LLM judge partitioner."""
+    llm_model: Optional[str] = None
+    """Model name sent to the LLM judge endpoint."""
+    short_answer_tokens: int = 5
+    """Answers of at most this many tokens are compared by unigram overlap."""
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    """Score with a reward model."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    """The reward model."""
+    micro_batch_size_per_gpu: int = 16
+    """Samples per reward-model forward."""
+    max_length: Optional[int] = None
+    """Longest prompt + response the RM sees."""
+    reward_manager: str = "naive"
+    """naive | batch | parallel | dapo."""
+    num_workers: int = 2
+    """Processes of the parallel reward manager."""
+    timeout: float = 30.0
+    """Seconds per sample (parallel manager) or per request (remote); a timeout scores 0."""
+    remote_url: Optional[str] = None
+    """HTTP endpoint of a remote reward server."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong reward shaping."""
+    diversity: DiversityConfig = field(default_factory=DiversityConfig)
+    """DARLING diversity-aware reward."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    """Python file defining the reward function."""
+    name: str = "compute_score"
+    """Function name: compute_score(data_source, solution_str, ground_truth, extra_info)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the function (open-ended: use +key=value)."""
+
+
+# ------------------------------------------------------------------------------------------ algorithm
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """fixed | adaptive."""
+    kl_coef: float = 0.001
+    """Initial / fixed KL coefficient."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling / Skywork online filtering: drop groups whose metric is constant."""
+    metric: str = "acc"
+    """acc | score | seq_reward | seq_final_reward."""
+    max_num_gen_batches: int = 0
+    """Extra generation rounds to refill the batch (0 = keep what survives)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    """gae | grpo | grpo_passk | rloo | remax | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | gpg."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL(actor || ref) from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for KL-in-reward: kl | abs | mse | low_var_kl."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """KL-in-reward coefficient controller."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Online filtering of groups with no learning signal."""
+
+
+# -------------------------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "tiller"
+    """Project name (tracking)."""
+    experiment_name: str = "run"
+    """Experiment name (tracking, run dir)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """console | jsonl | tensorboard | wandb | mlflow."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps (overrides total_epochs)."""
+    nnodes: int = 1
+    """Ray: nodes."""
+    n_gpus_per_node: int = 1
+    """Ray: GPUs per node (on CPU: workers per node)."""
+    backend: str = "local"
+    """local (one process) | ray."""
+    cpus_per_worker: int = 1
+    """Ray on CPU: CPUs (and torch threads) per worker."""
+    ray_address: Optional[str] = None
+    """Join an existing Ray cluster (ray.init(address=...)); None starts a local one."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1 = only at the end)."""
+    test_freq: int = -1
+    """Validate every N steps (-1 = only at the end)."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Only validate, then exit."""
+    critic_warmup: int = 0
+    """Steps of critic-only training before the actor updates."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint if any) | disable | resume_path."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint dir for resume_mode=resume_path."""
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N checkpoints."""
+    balance_batch: bool = False
+    """Accepted for verl compatibility (balances tokens across data-parallel ranks)."""
+    log_val_generations: int = 0
+    """Validation generations to log as text each validation."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    seed: int = 1
+    """Seed of sampling and initialisation."""
+    num_threads: int = 0
+    """torch threads in the driver process (0 = leave torch's default)."""
+    progress: bool = True
+    """Show a live progress line."""
+
+
+@dataclass
+class RLConfig:
+    """The whole RL job, verl's tree."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,124 @@
+"""Cross-field checks of an RLConfig, with messages a user understands.
+
+Name lists here are the choices the config accepts; tests check they match the registries
+(`tiller.algos`, `tiller.rollout`, `tiller.rewards`) so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from tiller.config.schema import RLConfig
+from tiller.errors import ConfigError
+
+ADV_ESTIMATORS = (
+    "gae", "grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline", "opo", "gpg",
+)
+POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
+ROLLOUT_ENGINES = ("native", "hf", "vllm")
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+PARTITIONERS = ("exact", "ngram", "embedding", "llm")
+DTYPES = ("float32", "fp32", "bfloat16", "bf16")
+# estimators whose baseline comes from the other samples of the same prompt
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
+
+
+def _choice(key: str, value: object, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        import difflib
+
+        close = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key} = {value!r} is not one of: {', '.join(valid)}{hint}")
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def validate_rl(cfg: RLConfig) -> None:
+    data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+    actor, rollout = arr.actor, arr.rollout
+
+    _choice("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
+    _choice("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
+    _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
+    _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
+    _choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
+    _choice("actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_ENGINES)
+    _choice("actor_rollout_ref.rollout.dtype", rollout.dtype, DTYPES)
+    _choice("actor_rollout_ref.actor.dtype", actor.dtype, DTYPES)
+    _choice("critic.dtype", cfg.critic.dtype, DTYPES)
+    _choice("actor_rollout_ref.actor.strategy", actor.strategy, ("fsdp", "fsdp2", "ddp", "none"))
+    _choice("actor_rollout_ref.actor.optim.warmup_style", actor.optim.warmup_style, ("constant", "cosine"))
+    _choice("critic.optim.warmup_style", cfg.critic.optim.warmup_style, ("constant", "cosine"))
+    _choice("data.truncation", data.truncation, ("error", "left", "right", "middle"))
+    _choice("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS)
+    _choice("reward_model.diversity.partitioner", cfg.reward_model.diversity.partitioner, PARTITIONERS)
+    _choice("reward_model.diversity.fusion", cfg.reward_model.diversity.fusion, ("multiplicative", "additive"))
+    _choice("algorithm.filter_groups.metric", algo.filter_groups.metric,
+            ("acc", "score", "seq_reward", "seq_final_reward"))
+    _choice("trainer.backend", tr.backend, ("local", "ray"))
+    _choice("trainer.resume_mode", tr.resume_mode, ("auto", "disable", "resume_path"))
+    _choice("trainer.device", tr.device, ("cpu", "cuda"))
+    for name in tr.logger:
+        _choice("trainer.logger", name, LOGGERS)
+
+    _positive("data.train_batch_size", data.train_batch_size)
+    _positive("data.max_prompt_length", data.max_prompt_length)
+    _positive("data.max_response_length", data.max_response_length)
+    _positive("actor_rollout_ref.rollout.n", rollout.n)
+    _positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
+    _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
+    _positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)
+    _positive("actor_rollout_ref.actor.optim.lr", actor.optim.lr)
+
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size} prompts) must divide "
+            f"data.train_batch_size ({data.train_batch_size} prompts): each step is split into whole mini-batches"
+        )
+    mini_samples = actor.ppo_mini_batch_size * rollout.n
+    if mini_samples % actor.ppo_micro_batch_size_per_gpu:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) must "
+            f"divide a mini-batch of ppo_mini_batch_size x rollout.n = {actor.ppo_mini_batch_size} x {rollout.n} "
+            f"= {mini_samples} samples"
+        )
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of one prompt, so it needs "
+            f"actor_rollout_ref.rollout.n >= 2 (got {rollout.n})"
+        )
+    if actor.clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
+    if tr.resume_mode == "resume_path" and not tr.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
+    if data.val_batch_size is not None and data.val_batch_size <= 0:
+        raise ConfigError(f"data.val_batch_size must be > 0 or null, got {data.val_batch_size}")
+    if rollout.val_kwargs.n > 1 and not rollout.val_kwargs.do_sample:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.val_kwargs.n > 1 needs val_kwargs.do_sample=True "
+            "(greedy decoding would give n identical answers)"
+        )
+    for i, stage in enumerate(rollout.response_length_schedule):
+        if len(stage) != 2 or stage[0] < 0 or stage[1] <= 0:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.response_length_schedule[{i}] = {stage} must be [from_step, length]"
+            )
+    if cfg.reward_model.overlong_buffer.enable and cfg.reward_model.overlong_buffer.len >= data.max_response_length:
+        raise ConfigError(
+            f"reward_model.overlong_buffer.len ({cfg.reward_model.overlong_buffer.len}) must be shorter than "
+            f"data.max_response_length ({data.max_response_length})"
+        )
+    if cfg.reward_model.diversity.partitioner == "embedding" and cfg.reward_model.diversity.enable \
+            and not cfg.reward_model.diversity.embedding_model:
+        raise ConfigError("reward_model.diversity.partitioner=embedding needs reward_model.diversity.embedding_model")
+    if cfg.reward_model.diversity.partitioner == "llm" and cfg.reward_model.diversity.enable \
+            and not cfg.reward_model.diversity.llm_url:
+        raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
