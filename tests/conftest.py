@@ -1,0 +1,29 @@
+"""Session-wide fixtures: tiny Qwen2 and Llama models built with the tiny-model kit, one torch thread.
+
+The models (~1.1M parameters, 512-token byte-level BPE vocabulary trained on the built-in corpus of
+English, digits and arithmetic) are built once per test session into a temp dir and loaded by tests
+through `from_pretrained`, exactly as a user's model dir would be.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path to a saved ~1.1M-parameter Qwen2-architecture model + tokenizer (seed 0)."""
+    from tiller.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2", n_params=1_000_000, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """Path to a saved ~1.1M-parameter Llama-architecture model + tokenizer (seed 0)."""
+    from tiller.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", n_params=1_000_000, seed=0)

@@ -1,0 +1,76 @@
+"""Load Hugging Face causal LMs and tokenizers from a local directory or hub id, with user-facing errors.
+
+`load_tokenizer` guarantees a pad token (falls back to eos, as TRL and verl do) and can force the
+padding side; `load_causal_lm` maps a dtype name ("float32", "bfloat16", "auto") to torch and turns a
+missing path into a `UserError` naming it instead of a hub lookup traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tiller.errors import UserError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
+
+
+def resolve_dtype(dtype) -> torch.dtype | str:
+    """`torch.dtype`, a name from `DTYPES`, or None (float32)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def _check_path(path, what: str) -> str:
+    """A local path that must exist, or a hub id (`name` / `org/name`) passed through."""
+    path = os.path.expanduser(os.fspath(path))
+    looks_local = path.startswith((".", "/")) or path.count("/") > 1 or path.endswith("/")
+    if looks_local and not os.path.exists(path):
+        raise UserError(f"{what} path not found: {path}")
+    return path
+
+
+def load_tokenizer(path, padding_side: str | None = None, trust_remote_code: bool = False):
+    """`AutoTokenizer.from_pretrained(path)` with a pad token guaranteed and an optional padding side."""
+    from transformers import AutoTokenizer
+
+    path = _check_path(path, "tokenizer")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise UserError(f"cannot load tokenizer from {path!r}: {err}") from err
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise UserError(f"tokenizer at {path!r} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    if padding_side is not None:
+        if padding_side not in ("left", "right"):
+            raise UserError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        tok.padding_side = padding_side
+    return tok
+
+
+def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
+                   attn_implementation: str | None = None, device=None):
+    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype` (name or torch.dtype), optionally moved to `device`."""
+    from transformers import AutoModelForCausalLM
+
+    path = _check_path(path, "model")
+    kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        raise UserError(f"cannot load model from {path!r}: {err}") from err
+    if device is not None:
+        model = model.to(device)
+    return model
