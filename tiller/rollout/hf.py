@@ -1,0 +1,118 @@
+"""`hf` rollout engine: Hugging Face `model.generate`, the reference every other engine is checked against.
+
+Prompts are left-padded into one batch; `num_return_sequences=n` gives the n samples per prompt
+(contiguous, as the contract wants). Per-token logprobs come from `output_scores`, which holds the
+logits *after* HF's warpers (temperature, top-k, top-p, min-p in that order), so
+`log_softmax(scores)[token]` is the log-probability under the distribution the token was drawn from.
+Stop strings are watched by a `StoppingCriteria` built on `StopStringWatcher`, and every row is cut by
+`finalize_row`, the same rule the native engine uses.
+
+Deviations from plain `generate`: every sampling knob is set explicitly (so a checkpoint's
+`generation_config`, e.g. `top_k=20`, never leaks in), and `ignore_eos` is implemented by giving
+`generate` no eos id rather than suppressing eos logits (the distribution stays unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from tiller.rollout.base import (
+    RolloutOutput,
+    SamplingParams,
+    StopStringWatcher,
+    WeightView,
+    check_prompts,
+    eval_mode,
+    finalize_row,
+    left_pad,
+    pad_token_id,
+    resolve_dtype,
+    stop_ids_for,
+)
+
+
+_NO_TOKEN = 2**31 - 1
+
+
+class _StopStringCriteria(StoppingCriteria):
+    """Marks rows done once their generated text contains a stop string."""
+
+    def __init__(self, watcher: StopStringWatcher, prompt_width: int):
+        self.watcher = watcher
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        responses = input_ids[:, self.prompt_width :].tolist()
+        return torch.tensor(self.watcher.hits(responses), dtype=torch.bool, device=input_ids.device)
+
+
+class HFRolloutEngine:
+    """Generation through `model.generate`; shares the actor module (or a dtype-cast copy of it)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.weights = WeightView(model, resolve_dtype(dtype))
+        self.generator_seed = seed
+        self._calls = 0
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        sampling.validate()
+        model = self.weights.module
+        check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
+        device = next(model.parameters()).device
+        pad_id = pad_token_id(model, self.tokenizer)
+        stop_ids = stop_ids_for(model, self.tokenizer, sampling)
+        watcher = StopStringWatcher(self.tokenizer, sampling.stop)
+        input_ids, attention_mask = left_pad(prompt_ids, pad_id, device)
+        width = input_ids.shape[1]
+        gen_cfg = GenerationConfig(
+            do_sample=sampling.do_sample,
+            temperature=float(sampling.temperature) if sampling.do_sample else 1.0,
+            top_k=max(int(sampling.top_k), 0),
+            top_p=float(sampling.top_p),
+            min_p=float(sampling.min_p) if sampling.min_p > 0 else None,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            max_new_tokens=int(sampling.max_new_tokens),
+            num_return_sequences=int(sampling.n),
+            # an id no model emits stands for "no eos": None would be filled in from model.generation_config
+            eos_token_id=stop_ids or [_NO_TOKEN],
+            pad_token_id=pad_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+            use_cache=True,
+        )
+        criteria = StoppingCriteriaList([_StopStringCriteria(watcher, width)]) if watcher else None
+        seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
+        self._calls += 1
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eval_mode(model):
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=gen_cfg,
+                    stopping_criteria=criteria,
+                )
+        sequences = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] processed logits
+        token_logp = torch.log_softmax(scores, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)
+        result = RolloutOutput()
+        for row, (toks, lps) in enumerate(zip(sequences.tolist(), token_logp.tolist())):
+            ids, lp, reason = finalize_row(toks, lps, stop_ids, watcher)
+            result.prompt_ids.append(list(prompt_ids[row // sampling.n]))
+            result.response_ids.append(ids)
+            result.logprobs.append(lp)
+            result.finish_reason.append(reason)
+        return result
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """No-op for a shared fp32 module without `state_dict`; otherwise refresh the weights in use."""
+        self.weights.refresh(state_dict)
+
+    def sleep(self) -> None:
+        self.weights.drop()
+
+    def wake(self) -> None:
+        self.weights.restore()
