@@ -1,0 +1,176 @@
+"""What a worker sees of its group: rank, world size, collectives, model wrapping (DDP / FSDP2).
+
+Every function here is the identity (rank 0 of 1, no communication, model unchanged) when
+torch.distributed is not initialised, so a worker written against this module runs unchanged in one
+process (``backend=local``, breakpoints work) and as one rank of a Ray group (``backend=ray``).
+
+Gradient convention (deviation from torch's defaults): tiller normalises losses by *global* token
+or sequence counts (``all_reduce_sum`` of the local counts), so the per-rank loss is already this
+rank's share of the global loss and the global gradient is the **sum** of the rank gradients.
+``wrap_model`` therefore configures DDP and FSDP2 to sum gradients instead of averaging them
+(torch's default divides by the world size). This is what makes "2 ranks x B/2 == 1 process x B"
+hold exactly, as in verl's global-token normalisation.
+
+FSDP2 is ``torch.distributed.fsdp.fully_shard`` (per-parameter DTensor sharding, PyTorch >= 2.6):
+each decoder layer (found via the Hugging Face ``_no_split_modules`` class names) is sharded, then
+the root, so only one layer's full parameters are materialised at a time. bf16 mixed precision
+uses ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: parameters, optimizer state and
+gradient reduction stay fp32.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiller.errors import ConfigError
+
+STRATEGIES = ("none", "ddp", "fsdp")
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in its worker group (0 when not distributed)."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks in this worker group (1 when not distributed)."""
+    return dist.get_world_size() if _initialized() else 1
+
+
+def is_distributed() -> bool:
+    """True when torch.distributed is initialised with more than one rank."""
+    return _initialized() and dist.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    """Device tensors must be on for collectives: CUDA for NCCL, CPU for gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over all ranks (a new tensor, on `t`'s device); `t` itself when not distributed.
+
+    Use it for global counts: ``global_tokens = all_reduce_sum(response_mask.sum())``.
+    Not differentiable (the result is detached).
+    """
+    if not is_distributed():
+        return t
+    out = t.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
+
+
+def all_gather_object(obj) -> list:
+    """`[obj of rank 0, obj of rank 1, ...]` (picklable objects); `[obj]` when not distributed."""
+    if not is_distributed():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op when not distributed)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def init_distributed(rank_: int, world_size_: int, master_addr: str, master_port: int, *,
+                     backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Join the group's process group (called by the worker host before the worker is built).
+
+    `backend` defaults to NCCL when CUDA is available, else gloo. MASTER_ADDR / MASTER_PORT,
+    RANK, WORLD_SIZE and LOCAL_RANK are also exported so libraries that read them agree.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank_),
+                      WORLD_SIZE=str(world_size_), LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank_,
+                            world_size=world_size_, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy_distributed() -> None:
+    if _initialized():
+        dist.destroy_process_group()
+
+
+def _layer_classes(model: nn.Module) -> tuple[type, ...]:
+    """Classes of the repeated blocks to shard one by one (HF `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def _sum_allreduce_hook(process_group, bucket):
+    """DDP comm hook: all-reduce SUM (torch's default hook divides by the world size)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def wrap_model(model: nn.Module, strategy: str = "fsdp", param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Data-parallel wrapper for training: "fsdp" (FSDP2 `fully_shard`), "ddp", or "none".
+
+    Gradients are summed over ranks (see the module docstring). `param_dtype` (e.g. torch.bfloat16)
+    is FSDP2's compute dtype for parameters; reductions stay fp32. When not distributed, or with
+    strategy "none", the model is returned unchanged. Build the optimizer *after* wrapping (FSDP2
+    replaces parameters by sharded DTensors).
+    """
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"parallel strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy == "none" or not is_distributed():
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        ddp.register_comm_hook(None, _sum_allreduce_hook)
+        return ddp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    layer_classes = _layer_classes(model)
+    if layer_classes:
+        for module in model.modules():
+            if isinstance(module, layer_classes):
+                fully_shard(module, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under a DDP wrapper (FSDP2 shards in place, so its model is the module)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict, on the CPU, on every rank; keys as in the unwrapped model.
+
+    Collective under FSDP2 (every rank must call it). When not distributed the tensors are the
+    model's own (detached, moved to the CPU if needed), so copy them before the next update if
+    you keep them.
+    """
+    model = unwrap_model(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if hasattr(value, "full_tensor"):  # DTensor (FSDP2 shard): all-gather the full tensor
+            value = value.full_tensor()
+        out[key] = value.detach().cpu()
+    return out

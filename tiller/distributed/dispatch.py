@@ -1,0 +1,52 @@
+"""How a worker-group call is split over ranks and how the rank results are put back together.
+
+Dispatch modes (verl's ``Dispatch.ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` / ``RANK_ZERO``, plus ``all``):
+
+- ``broadcast``: every rank gets the same arguments; the caller gets rank 0's result.
+- ``dp``: the first positional argument is a `Batch`; it is padded (by cycling its first rows) to a
+  multiple of the world size and cut into ``world_size`` consecutive equal chunks, chunk r to rank r.
+  Batch results are concatenated in rank order and the padding rows dropped; dict results (metrics)
+  come from rank 0 (ranks agree after their all-reduce); tuples are merged element by element.
+  Padding duplicates rows, so training calls should pass batches whose length is a multiple of the
+  world size (then no padding happens and the update equals the one-process update).
+- ``rank0``: only rank 0 runs (it must not call collectives).
+- ``all``: every rank gets the same arguments; the caller gets the list of all rank results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiller.errors import ConfigError
+
+DISPATCH_MODES = ("broadcast", "dp", "rank0", "all")
+
+
+def check_mode(dispatch: str) -> None:
+    if dispatch not in DISPATCH_MODES:
+        raise ConfigError(f"dispatch mode {dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
+
+
+def split_dp(args: tuple, world_size: int) -> tuple[list[tuple], int, int]:
+    """Per-rank positional args for "dp": ``(per_rank_args, pad, padded_len)``."""
+    if not args or not hasattr(args[0], "pad_to_multiple"):
+        got = type(args[0]).__name__ if args else "no arguments"
+        raise TypeError(f"dispatch='dp' needs a Batch as the first positional argument, got {got}")
+    batch, rest = args[0], args[1:]
+    padded, pad = batch.pad_to_multiple(world_size)
+    return [(chunk, *rest) for chunk in padded.chunk(world_size)], pad, len(padded)
+
+
+def _is_batch(x: Any) -> bool:
+    return hasattr(x, "pad_to_multiple") and hasattr(x, "unpad")
+
+
+def merge_dp(results: list, pad: int, padded_len: int):
+    """Put the rank results of a "dp" call back together (see the module docstring)."""
+    first = results[0]
+    if _is_batch(first):
+        merged = type(first).concat(results)
+        return merged.unpad(pad) if len(merged) == padded_len else merged
+    if isinstance(first, tuple):
+        return tuple(merge_dp([r[i] for r in results], pad, padded_len) for i in range(len(first)))
+    return first
