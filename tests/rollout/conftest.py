@@ -7,10 +7,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def load(path):
+def load(path, sharpen: float = 0.0):
+    """Model + tokenizer from a kit dir. `sharpen` adds seeded noise of that std to every matrix: the kit's
+    fresh init gives near-flat logits whose greedy output repeats one token, which would make greedy
+    equality tests weak; with noise 0.1 greedy continuations vary token to token."""
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
+    if sharpen:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.add_(torch.randn(p.shape, generator=gen) * sharpen)
     return model, tok
 
 
@@ -22,6 +31,16 @@ def qwen(tiny_model_dir):
 @pytest.fixture(scope="module")
 def llama(tiny_llama_dir):
     return load(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def sharp_qwen(tiny_model_dir):
+    return load(tiny_model_dir, sharpen=0.1)
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tiny_llama_dir):
+    return load(tiny_llama_dir, sharpen=0.1)
 
 
 PROMPTS = ["1+2=", "The cat sat on the mat and", "12*3", "hello"]

@@ -9,7 +9,7 @@ from tests.rollout.conftest import prompt_ids, reference_logprobs
 from tiller.errors import ConfigError, UserError
 from tiller.rollout import RolloutEngine, SamplingParams, build_rollout_engine
 
-ENGINES = ["hf"]
+ENGINES = ["hf", "native"]
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)

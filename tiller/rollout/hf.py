@@ -1,9 +1,8 @@
 """`hf` rollout engine: Hugging Face `model.generate`, the reference every other engine is checked against.
 
-Prompts are left-padded into one batch; `num_return_sequences=n` gives the n samples per prompt
-(contiguous, as the contract wants). Per-token logprobs come from `output_scores`, which holds the
-logits *after* HF's warpers (temperature, top-k, top-p, min-p in that order), so
-`log_softmax(scores)[token]` is the log-probability under the distribution the token was drawn from.
+Prompts are left-padded into one batch, each repeated n times (contiguous, as the contract wants).
+Per-token logprobs come from `output_scores`, which holds the logits *after* HF's warpers
+(temperature, top-k, top-p, min-p in that order), so `log_softmax(scores)[token]` is the log-probability under the distribution the token was drawn from.
 Stop strings are watched by a `StoppingCriteria` built on `StopStringWatcher`, and every row is cut by
 `finalize_row`, the same rule the native engine uses.
 
@@ -64,18 +63,18 @@ class HFRolloutEngine:
         pad_id = pad_token_id(model, self.tokenizer)
         stop_ids = stop_ids_for(model, self.tokenizer, sampling)
         watcher = StopStringWatcher(self.tokenizer, sampling.stop)
-        input_ids, attention_mask = left_pad(prompt_ids, pad_id, device)
+        # each prompt repeated n times (what num_return_sequences does, which greedy decoding refuses)
+        expanded = [p for p in prompt_ids for _ in range(sampling.n)]
+        input_ids, attention_mask = left_pad(expanded, pad_id, device)
         width = input_ids.shape[1]
+        knobs = dict(temperature=float(sampling.temperature), top_k=max(int(sampling.top_k), 0),
+                     top_p=float(sampling.top_p), min_p=float(sampling.min_p) if sampling.min_p > 0 else None,
+                     typical_p=1.0) if sampling.do_sample else {}
         gen_cfg = GenerationConfig(
             do_sample=sampling.do_sample,
-            temperature=float(sampling.temperature) if sampling.do_sample else 1.0,
-            top_k=max(int(sampling.top_k), 0),
-            top_p=float(sampling.top_p),
-            min_p=float(sampling.min_p) if sampling.min_p > 0 else None,
-            typical_p=1.0,
+            **knobs,
             repetition_penalty=1.0,
             max_new_tokens=int(sampling.max_new_tokens),
-            num_return_sequences=int(sampling.n),
             # an id no model emits stands for "no eos": None would be filled in from model.generation_config
             eos_token_id=stop_ids or [_NO_TOKEN],
             pad_token_id=pad_id,

@@ -1,0 +1,77 @@
+"""The native engine against HF generate: greedy token-for-token equality, compaction, sampling knobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rollout.conftest import PROMPTS, prompt_ids
+from tiller.rollout import SamplingParams, build_rollout_engine
+from tiller.rollout.sampling import warp_logits
+
+MORE_PROMPTS = PROMPTS + ["x", "Once upon a time there was a little"]
+
+
+@pytest.mark.parametrize("arch", ["sharp_qwen", "sharp_llama"])
+def test_greedy_native_equals_hf_token_for_token(arch, request):
+    model, tok = request.getfixturevalue(arch)
+    prompts = prompt_ids(tok, MORE_PROMPTS)  # lengths 1..8 tokens: real left padding in both engines
+    assert len({len(p) for p in prompts}) >= 4
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=24, ignore_eos=True)
+    hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
+    native = build_rollout_engine("native", model, tok, prefill_tokens=16).generate(prompts, greedy)
+    assert native.response_ids == hf.response_ids
+    assert len(set(map(tuple, hf.response_ids))) == len(prompts)  # the continuations differ per prompt
+    for a, b in zip(native.logprobs, hf.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_rows_leaving_the_batch_do_not_change_others(sharp_qwen):
+    """Stop ids end rows at different steps, so the batch is compacted several times; greedy rows are
+    independent, so every row must still equal HF's (which never compacts)."""
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    free = build_rollout_engine("hf", model, tok).generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True))
+    stops = sorted({r[k] for r, k in zip(free.response_ids, [3, 7, 12, 20, 25, 29])})
+    greedy = SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True, stop_token_ids=stops)
+    hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
+    native = build_rollout_engine("native", model, tok, compact_fraction=0.01).generate(prompts, greedy)
+    assert native.response_ids == hf.response_ids and native.finish_reason == hf.finish_reason
+    assert len({len(r) for r in native.response_ids}) >= 3 and "stop" in native.finish_reason
+
+
+def test_waves_give_the_same_greedy_output(sharp_qwen):
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(n=3, do_sample=False, max_new_tokens=10)
+    one = build_rollout_engine("native", model, tok).generate(prompts, greedy)
+    waves = build_rollout_engine("native", model, tok, max_num_seqs=4).generate(prompts, greedy)
+    assert waves.response_ids == one.response_ids and waves.prompt_ids == one.prompt_ids
+
+
+def test_warp_logits_worked_numbers():
+    # logits log([0.5, 0.25, 0.15, 0.1]): probabilities 0.5, 0.25, 0.15, 0.1.
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    inf = float("-inf")
+    # top-k 2 keeps 0.5 and 0.25 -> renormalised 2/3, 1/3
+    kept = warp_logits(logits, top_k=2).softmax(-1)
+    torch.testing.assert_close(kept, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    # top-p 0.7: ascending cumsum 0.1, 0.25, 0.5, 1.0; drop cum <= 0.3 -> drop 0.1 and 0.15; keep 0.5, 0.25
+    assert warp_logits(logits, top_p=0.7)[0, 2:].tolist() == [inf, inf]
+    # min-p 0.4: threshold 0.4 * 0.5 = 0.2 -> keep 0.5 and 0.25 only
+    assert torch.isfinite(warp_logits(logits, min_p=0.4)).tolist() == [[True, True, False, False]]
+    # temperature 2: probabilities ~ sqrt(p): 0.7071, 0.5, 0.3873, 0.3162 over their sum 1.9106
+    torch.testing.assert_close(warp_logits(logits, temperature=2.0).softmax(-1),
+                               torch.tensor([[0.3701, 0.2617, 0.2027, 0.1655]]), atol=1e-4, rtol=0)
+
+
+def test_sampled_tokens_respect_top_k_and_top_p(qwen):
+    model, tok = qwen
+    engine = build_rollout_engine("native", model, tok)
+    out = engine.generate(prompt_ids(tok)[:2], SamplingParams(n=4, top_k=1, max_new_tokens=6, seed=0,
+                                                               ignore_eos=True))
+    greedy = engine.generate(prompt_ids(tok)[:2], SamplingParams(n=4, do_sample=False, max_new_tokens=6,
+                                                                  ignore_eos=True))
+    assert out.response_ids == greedy.response_ids  # top-k 1 is greedy
+    assert all(lp == 0.0 for row in out.logprobs for lp in row)  # a one-token distribution: log 1 = 0

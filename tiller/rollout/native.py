@@ -1,0 +1,274 @@
+"""`native` rollout engine: tiller's batched sampler for Hugging Face causal LMs (Qwen2, Llama, ...).
+
+What it does, per call (Kwon et al. 2023 "PagedAttention" and nanochat's engine are the models; this is
+the single-device, no-paging version):
+
+1. Prefill each prompt once, in left-padded chunks, and write its keys / values into a preallocated
+   cache *n times* (the n samples of a prompt share its prefill; only the first token's logits are kept).
+2. Decode all rows together, one token per step: the HF module's own forward runs with our `KVBuffer`
+   as `past_key_values` (keys / values written in place, attention over the filled prefix only), an
+   explicit 4D padding mask and explicit position ids, and `logits_to_keep=1`.
+3. Sample on the device (`tiller.rollout.sampling`: temperature, top-k, top-p, min-p in HF's order) with
+   a seeded `torch.Generator`, and keep the sampled token's logprob.
+4. Rows that hit a stop token or stop string (watched incrementally on a window of decoded text) leave:
+   once enough rows are done the batch and its cache are compacted, so work tracks live rows.
+
+Layout: all rows share one write position. Prompts are right-aligned at column `P` (the longest prompt);
+response token t sits at column `P + t` for every row; a row's columns before `P - len(prompt)` are
+masked. Position ids are `len(prompt) + t`, as HF's `generate` computes them from the attention mask, so
+greedy output equals `model.generate`'s token for token.
+
+bf16: `dtype="bfloat16"` runs a bf16 copy of the weights (refreshed by `update_weights()`), which measured
+faster than autocast on CPU (autocast re-casts every weight at every step). Logits are cast to fp32
+before sampling.
+
+Deviations: no paged / prefix cache across calls; rows are grouped in waves of `max_num_seqs` rather than
+refilled continuously; only `sdpa` and `eager` attention implementations are driven.
+
+Letters: `B` live rows, `H` kv heads, `L` cache columns, `D` head dim, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiller.errors import UserError
+from tiller.rollout.base import (
+    RolloutOutput,
+    SamplingParams,
+    StopStringWatcher,
+    WeightView,
+    check_prompts,
+    eval_mode,
+    finalize_row,
+    pad_token_id,
+    resolve_dtype,
+    stop_ids_for,
+)
+from tiller.rollout.sampling import sample_tokens
+
+
+class KVBuffer:
+    """A preallocated key / value cache that HF attention layers write into through `update()`.
+
+    Buffers are [B, H, L, D] per layer, allocated lazily at the first write (so head counts and dims come
+    from the model itself). `write_pos` is the column the current forward writes at; `update` returns
+    the filled prefix `[:, :, :write_pos + q]`. In prefill mode (`prefill_rows` set), the chunk's keys are
+    copied into rows `prefill_rows` (repeated `repeat` times) at columns `prefill_cols`, and attention
+    runs over the chunk's own keys.
+    """
+
+    is_compileable = False
+
+    def __init__(self, batch: int, max_len: int, device: torch.device):
+        self.batch, self.max_len, self.device = batch, max_len, device
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        self.write_pos = 0
+        self.prefill_rows: slice | None = None
+        self.prefill_cols: slice | None = None
+        self.repeat = 1
+
+    def _alloc(self, layer: int, like: torch.Tensor) -> None:
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        shape = (self.batch, like.shape[1], self.max_len, like.shape[3])
+        # zeros, not empty: masked columns still enter the attention matmuls, and 0 * NaN garbage is NaN
+        self.keys[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+        self.values[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states / value_states [B, H, q, D] -> the keys / values attention should use."""
+        if layer_idx >= len(self.keys) or self.keys[layer_idx] is None:
+            self._alloc(layer_idx, key_states)
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        if self.prefill_rows is not None:
+            k, v = key_states, value_states
+            if self.repeat > 1:
+                k, v = k.repeat_interleave(self.repeat, dim=0), v.repeat_interleave(self.repeat, dim=0)
+            k_buf[self.prefill_rows, :, self.prefill_cols] = k
+            v_buf[self.prefill_rows, :, self.prefill_cols] = v
+            return key_states, value_states
+        end = self.write_pos + key_states.shape[2]
+        k_buf[:, :, self.write_pos : end] = key_states
+        v_buf[:, :, self.write_pos : end] = value_states
+        return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.write_pos
+
+    def select_rows(self, keep: torch.Tensor, upto: int) -> None:
+        """Keep only rows `keep` (LongTensor [B']); columns >= `upto` are not copied (not written yet)."""
+        for i in range(len(self.keys)):
+            for bufs in (self.keys, self.values):
+                old = bufs[i]
+                new = torch.zeros((len(keep), *old.shape[1:]), dtype=old.dtype, device=old.device)
+                new[:, :, :upto] = old[keep, :, :upto]
+                bufs[i] = new
+        self.batch = len(keep)
+
+
+class NativeRolloutEngine:
+    """Batched sampling with a static KV cache; shares the actor module (or a dtype-cast copy of it).
+
+    Options: `dtype` ("bfloat16" | "float32" | None), `seed`, `max_num_seqs` (rows decoded together; more
+    prompts run in waves), `prefill_tokens` (padded tokens per prefill chunk), `compact_fraction` (compact
+    the batch once this fraction of its rows is done), `num_threads` (torch threads during generate).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
+                 max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
+                 num_threads: int | None = None):
+        impl = getattr(model.config, "_attn_implementation", "eager")
+        if impl not in ("sdpa", "eager"):
+            raise UserError(
+                f"rollout.name=native drives the 'sdpa' or 'eager' attention implementation, the model uses "
+                f"{impl!r}; load it with attn_implementation='sdpa' or use rollout.name=hf"
+            )
+        self.tokenizer = tokenizer
+        self.weights = WeightView(model, resolve_dtype(dtype))
+        self.max_num_seqs = max_num_seqs
+        self.prefill_tokens = prefill_tokens
+        self.compact_fraction = compact_fraction
+        self.num_threads = num_threads
+        self.generator_seed = seed
+        self._calls = 0
+
+    # ------------------------------------------------------------------------------------------ API
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        sampling.validate()
+        model = self.weights.module
+        check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
+        device = next(model.parameters()).device
+        seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
+        self._calls += 1
+        generator = torch.Generator(device=device).manual_seed(seed)
+        stop_ids = stop_ids_for(model, self.tokenizer, sampling)
+        watcher = StopStringWatcher(self.tokenizer, sampling.stop)
+        per_wave = max(1, self.max_num_seqs // sampling.n)
+        result = RolloutOutput()
+        old_threads = torch.get_num_threads()
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        try:
+            with eval_mode(model), torch.inference_mode():
+                for start in range(0, len(prompt_ids), per_wave):
+                    wave = prompt_ids[start : start + per_wave]
+                    tokens, logprobs = self._generate_wave(model, wave, sampling, stop_ids, watcher, generator)
+                    for row, (toks, lps) in enumerate(zip(tokens, logprobs)):
+                        ids, lp, reason = finalize_row(toks, lps, stop_ids, watcher)
+                        result.prompt_ids.append(list(wave[row // sampling.n]))
+                        result.response_ids.append(ids)
+                        result.logprobs.append(lp)
+                        result.finish_reason.append(reason)
+        finally:
+            torch.set_num_threads(old_threads)
+        return result
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """No-op for a shared module without `state_dict`; refreshes the bf16 copy when there is one."""
+        self.weights.refresh(state_dict)
+
+    def sleep(self) -> None:
+        self.weights.drop()
+
+    def wake(self) -> None:
+        self.weights.restore()
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _mask(self, valid: torch.Tensor, dtype: torch.dtype, impl: str) -> torch.Tensor:
+        """bool valid [..] -> the 4D mask the attention implementation wants (bool for sdpa, additive else)."""
+        if impl == "sdpa":
+            return valid
+        return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(
+            ~valid, torch.finfo(dtype).min)
+
+    def _prefill(self, model, prompts, cache: KVBuffer, width: int, n: int, pad_id: int) -> torch.Tensor:
+        """Run all prompts through the model in chunks, filling `cache`; returns first logits [G*n, V]."""
+        device, impl = cache.device, model.config._attn_implementation
+        dtype = next(model.parameters()).dtype
+        order = list(range(len(prompts)))
+        last_logits: list[torch.Tensor] = []
+        g = 0
+        while g < len(order):
+            w = len(prompts[g])
+            g_end = g + 1  # grow the chunk while its padded size stays within the token budget
+            while g_end < len(order) and max(w, len(prompts[g_end])) * (g_end + 1 - g) <= self.prefill_tokens:
+                w = max(w, len(prompts[g_end]))
+                g_end += 1
+            chunk = prompts[g:g_end]
+            c = len(chunk)
+            ids = torch.full((c, w), pad_id, dtype=torch.long)
+            valid_k = torch.zeros((c, w), dtype=torch.bool)
+            for i, p in enumerate(chunk):
+                ids[i, w - len(p) :] = torch.tensor(p)
+                valid_k[i, w - len(p) :] = True
+            ids, valid_k = ids.to(device), valid_k.to(device)
+            pos = (valid_k.long().cumsum(-1) - 1).clamp_min(0)
+            causal = torch.ones((w, w), dtype=torch.bool, device=device).tril()
+            eye = torch.eye(w, dtype=torch.bool, device=device)
+            valid = (causal[None] & valid_k[:, None, :]) | eye[None]  # pad queries see themselves: no NaN rows
+            cache.prefill_rows, cache.prefill_cols, cache.repeat = slice(g * n, g_end * n), slice(width - w, width), n
+            out = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl), position_ids=pos,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+            last_logits.append(out.logits[:, -1, :].float().repeat_interleave(n, dim=0))
+            g = g_end
+        cache.prefill_rows = cache.prefill_cols = None
+        cache.repeat = 1
+        return torch.cat(last_logits, dim=0)
+
+    def _generate_wave(self, model, prompts, sampling: SamplingParams, stop_ids, watcher, generator):
+        """Generate for one wave of prompts; returns raw (tokens, logprobs) lists per row, row-major."""
+        device = next(model.parameters()).device
+        impl = model.config._attn_implementation
+        dtype = next(model.parameters()).dtype
+        n, max_new = sampling.n, sampling.max_new_tokens
+        rows_total = len(prompts) * n
+        width = max(len(p) for p in prompts)
+        cache = KVBuffer(rows_total, width + max_new, device)
+        logits = self._prefill(model, prompts, cache, width, n, pad_token_id(model, self.tokenizer))
+
+        prompt_len = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(n)
+        columns = torch.arange(width + max_new, device=device)
+        valid_all = (columns[None, :] >= (width - prompt_len)[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        mask_all = self._mask(valid_all, dtype, impl)
+        out_tokens = torch.zeros((rows_total, max_new), dtype=torch.long, device=device)
+        out_logp = torch.zeros((rows_total, max_new), dtype=torch.float32, device=device)
+        lengths = torch.full((rows_total,), max_new, dtype=torch.long)
+        rows = torch.arange(rows_total, device=device)  # original row of each live batch row
+        alive = torch.ones(rows_total, dtype=torch.bool, device=device)
+        stop_tensor = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+        sample_kw = dict(do_sample=sampling.do_sample, temperature=sampling.temperature, top_k=sampling.top_k,
+                         top_p=sampling.top_p, min_p=sampling.min_p, generator=generator)
+        for t in range(max_new):
+            tokens, logp = sample_tokens(logits, **sample_kw)
+            out_tokens[rows, t] = tokens
+            out_logp[rows, t] = logp
+            done = torch.isin(tokens, stop_tensor) if len(stop_ids) else torch.zeros_like(alive)
+            if watcher:
+                window = out_tokens[rows, max(0, t + 1 - watcher.window) : t + 1].tolist()
+                done |= torch.tensor(watcher.hits(window), device=device)
+            done &= alive
+            if bool(done.any()):
+                lengths[rows[done].cpu()] = t + 1
+                alive &= ~done
+            if t + 1 == max_new or not bool(alive.any()):
+                break
+            n_alive = int(alive.sum())
+            if len(alive) - n_alive >= max(1, self.compact_fraction * len(alive)):
+                keep = alive.nonzero().squeeze(-1)
+                cache.select_rows(keep, width + t)
+                rows, tokens, alive = rows[keep], tokens[keep], alive[keep]
+                prompt_len, mask_all = prompt_len[keep], mask_all[keep]
+            cache.write_pos = width + t
+            out = model(input_ids=tokens[:, None], attention_mask=mask_all[..., : width + t + 1],
+                        position_ids=(prompt_len + t)[:, None], past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            logits = out.logits[:, -1, :]
+        tokens_list, logp_list = out_tokens.tolist(), out_logp.tolist()
+        lengths_list = lengths.tolist()
+        return ([tokens_list[r][: lengths_list[r]] for r in range(rows_total)],
+                [logp_list[r][: lengths_list[r]] for r in range(rows_total)])
