@@ -1,0 +1,263 @@
+"""Policy losses: per-token surrogate losses for the actor update (aggregation is a separate step).
+
+One signature (registry `POLICY_LOSSES`, verl's names):
+
+    fn(logp[B, T], old_logp[B, T], advantages[B, T], response_mask[B, T], **hyper)
+        -> (per_token_loss[B, T], metrics: dict[str, 0-dim detached Tensor])
+
+`logp` carries the gradient; `old_logp` (behaviour policy) and `advantages` are constants. The
+loss is 0 outside `response_mask`. Metrics always hold `pg_clipfrac`, `pg_clipfrac_lower` and
+`ppo_kl` (masked mean of old_logp - logp; for kl_cov the mean |log ratio|, as verl); the trainer
+adds the `actor/` prefix. Every loss is row-local (a row's loss depends only on that row, apart from
+clip_cov / kl_cov's token selection), so with `aggregate_loss` and global counts micro-batch
+gradients sum exactly to the mini-batch gradient.
+
+Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / eps_hi = clip ratios):
+- vanilla: PPO clip (Schulman et al. 2017, arXiv 1707.06347) max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi)),
+  DAPO clip-higher via separate eps_lo / eps_hi (Yu et al. 2025, arXiv 2503.14476), dual-clip for
+  A < 0: min(that, -A c) with c = clip_ratio_c > 1 (Ye et al. 2019, arXiv 1912.09729). rho is
+  clamped to [-20, 20] before exp, as verl.
+- gspo: sequence-level ratio s_i = exp(mean_t rho_it) (Zheng et al. 2025, arXiv 2507.18071), applied
+  per token as s_it = sg(s_i) * exp(logp_it - sg(logp_it)) (so grad s_it = s_i grad logp_it), log
+  clamped at 10, then PPO clip. Intended with seq-mean-token-mean (verl forces it).
+- gpg: -A logp (Chu et al. 2025, arXiv 2504.02546); no ratio, no clip.
+- cispo: -sg(clip(r, 1-eps_lo, 1+eps_hi)) A logp (MiniMax-M1, arXiv 2506.13585): every token keeps
+  its gradient, the clipped IS weight is a constant. The loss *value* contains logp (only its
+  gradient is meaningful).
+- sapo: soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, loss -f(r) A, tau = sapo_tau_pos for A > 0
+  else sapo_tau_neg (Gao et al. 2025, arXiv 2511.20347). Intended with seq-mean-token-mean.
+- geo_mean: GMPO (Zhao et al. 2025, arXiv 2507.20673): per-sequence loss -mean_t(A) exp(mean_t
+  clip_sgn(rho)), where rho is clipped to [-eps_lo, eps_hi] on the side that limits the update for
+  the sign of A. tiller returns that sequence loss on every valid token of the row, so
+  seq-mean-token-mean reproduces verl's torch.mean over sequences exactly.
+- clip_cov: PPO clip, plus: among tokens not already clipped whose centred covariance
+  (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub), a random
+  max(1, floor(clip_cov_ratio * N_valid)) of them get zero loss (no gradient) (Cui et al. 2025,
+  arXiv 2505.22617). Pass `generator` for reproducible selection.
+- kl_cov: unclipped -A r; the top max(1, floor(kl_cov_ratio * N_valid)) tokens by that covariance
+  get an extra ppo_kl_coef |rho| penalty (same paper).
+
+Deviations from verl: losses are returned per token; metrics are tensors (no `.item()`); clip_cov /
+kl_cov choose tokens with a rank test instead of `.item()` + topk (same distribution / same tokens
+up to ties) and clamp rho to [-20, 20] like vanilla so extreme ratios stay finite; geo_mean uses
+max(n_i, 1) where verl uses n_i + 1e-8 (a 1e-8 relative difference). Covariance statistics of
+clip_cov / kl_cov are per call (per micro-batch), as in verl and the paper's code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from tiller.algos.utils import Registry, masked_mean, reject_unknown
+from tiller.errors import ConfigError
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
+register_policy_loss = POLICY_LOSSES.register
+
+#: keyword names any policy loss accepts (each uses its own subset; `loss_mode` is ignored).
+POLICY_HYPER = (
+    "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb",
+    "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "sapo_tau_pos", "sapo_tau_neg", "loss_mode", "generator",
+)
+
+#: the aggregation verl forces for these losses; the trainer should use it (others: config's choice).
+FORCED_LOSS_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered as `name`; ConfigError listing the valid names otherwise."""
+    return POLICY_LOSSES.get(name)
+
+
+def _zero_outside(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.bool(), loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+
+def _clip_range(clip_ratio: float, low: float | None, high: float | None) -> tuple[float, float]:
+    return (clip_ratio if low is None else low), (clip_ratio if high is None else high)
+
+
+def _metrics(mask: torch.Tensor, log_ratio: torch.Tensor, clipfrac=None, clipfrac_lower=None) -> dict[str, torch.Tensor]:
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    return {
+        "pg_clipfrac": (zero if clipfrac is None else clipfrac).detach(),
+        "pg_clipfrac_lower": (zero if clipfrac_lower is None else clipfrac_lower).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+
+
+def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float):
+    """(max(-A r, -A clip(r)), -A r, -A clip(r))."""
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    return torch.maximum(l1, l2), l1, l2
+
+
+@register_policy_loss("vanilla")
+def vanilla_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clip with clip-higher and dual-clip (see module doc)."""
+    reject_unknown("vanilla", extra, POLICY_HYPER)
+    if not clip_ratio_c > 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip), got {clip_ratio_c}")
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    clip1, l1, l2 = _clipped_surrogate(torch.exp(log_ratio), advantages, low, high)
+    l3 = -advantages * clip_ratio_c
+    clip2 = torch.minimum(l3, clip1)
+    loss = torch.where(advantages < 0, clip2, clip1)
+    clipfrac = masked_mean((l2 > l1).to(logp.dtype), response_mask)
+    lower = masked_mean(((clip1 > l3) & (advantages < 0)).to(logp.dtype), response_mask)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac, lower)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: PPO clip on the length-normalised sequence ratio, spread over tokens (see module doc)."""
+    reject_unknown("gspo", extra, POLICY_HYPER)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    log_ratio = logp - old_logp
+    m = response_mask.to(logp.dtype)
+    seq_log_ratio = (torch.where(response_mask.bool(), log_ratio, 0.0).sum(-1) / m.sum(-1).clamp(min=1)).detach()
+    log_s = torch.clamp(logp - logp.detach() + seq_log_ratio.unsqueeze(-1), max=10.0)
+    loss, l1, l2 = _clipped_surrogate(torch.exp(log_s), advantages, low, high)
+    clipfrac = masked_mean((l2 > l1).to(logp.dtype), response_mask)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac)
+
+
+@register_policy_loss("gpg")
+def gpg_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG / plain REINFORCE surrogate -A logp."""
+    reject_unknown("gpg", extra, POLICY_HYPER)
+    loss = -advantages * logp
+    return _zero_outside(loss, response_mask), _metrics(response_mask, logp - old_logp)
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: clipped, stop-gradient IS weight times -A logp."""
+    reject_unknown("cispo", extra, POLICY_HYPER)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - low, 1 + high)
+    loss = -clipped.detach() * advantages * logp
+    clipfrac = masked_mean((ratio != clipped).to(logp.dtype), response_mask)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac)
+
+
+@register_policy_loss("sapo")
+def sapo_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: smooth sigmoid gate in place of the hard clip."""
+    reject_unknown("sapo", extra, POLICY_HYPER)
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, torch.as_tensor(sapo_tau_pos, dtype=logp.dtype), torch.as_tensor(sapo_tau_neg, dtype=logp.dtype))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return _zero_outside(-gate * advantages, response_mask), _metrics(response_mask, log_ratio)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO: geometric mean of sign-aware clipped token ratios; sequence loss on each valid token."""
+    reject_unknown("geo_mean", extra, POLICY_HYPER)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    log_ratio = logp - old_logp
+    sgn = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -low, high)
+    rho = sgn * torch.minimum(sgn * log_ratio, sgn * clamped)
+    m = response_mask.to(logp.dtype)
+    n = m.sum(-1).clamp(min=1)
+    seq_ratio = torch.exp(torch.where(response_mask.bool(), rho, 0.0).sum(-1) / n)
+    seq_adv = torch.where(response_mask.bool(), advantages, 0.0).sum(-1) / n
+    loss = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(logp)
+    clipped = log_ratio != clamped
+    clipfrac = masked_mean((clipped & (advantages > 0)).to(logp.dtype), response_mask)
+    lower = masked_mean((clipped & (advantages < 0)).to(logp.dtype), response_mask)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac, lower)
+
+
+def _centred_cov(advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean A)(logp - mean logp) with means over valid tokens; detached. [B, T]."""
+    a, lp = advantages.detach(), logp.detach()
+    return (a - masked_mean(a, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _top_k_mask(keys: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, T]: the eligible entries with the k largest keys (k a 0-dim tensor; no .item())."""
+    flat = torch.where(eligible, keys, torch.full_like(keys, float("-inf"))).reshape(-1)
+    order = torch.argsort(flat, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return eligible & (rank.reshape(keys.shape) < k)
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov: PPO clip, and a random few high-covariance tokens are detached (zero loss)."""
+    reject_unknown("clip_cov", extra, POLICY_HYPER)
+    if not clip_cov_ratio > 0:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    valid = response_mask.bool()
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    loss, l1, l2 = _clipped_surrogate(torch.exp(log_ratio), advantages, low, high)
+    cov = _centred_cov(advantages, logp, response_mask)
+    eligible = valid & ~(l2 > l1) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    k = torch.floor(clip_cov_ratio * valid.sum().to(torch.float64)).clamp(min=1)
+    keys = torch.rand(logp.shape, generator=generator, dtype=torch.float64, device="cpu").to(logp.device)
+    selected = _top_k_mask(keys, eligible, k)
+    loss = torch.where(selected, torch.zeros_like(loss), loss)
+    clipfrac = masked_mean(selected.to(logp.dtype), response_mask)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac)
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 1.0, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov: -A r, with a |log ratio| penalty on the highest-covariance tokens."""
+    reject_unknown("kl_cov", extra, POLICY_HYPER)
+    if not kl_cov_ratio > 0:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    valid = response_mask.bool()
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    abs_kl = log_ratio.abs()
+    base = -advantages * torch.exp(log_ratio)
+    k = torch.floor(kl_cov_ratio * valid.sum().to(torch.float64)).clamp(min=1)
+    selected = _top_k_mask(_centred_cov(advantages, logp, response_mask), valid, k)
+    loss = torch.where(selected, base + ppo_kl_coef * abs_kl, base)
+    metrics = _metrics(response_mask, log_ratio)
+    metrics["ppo_kl"] = masked_mean(abs_kl, response_mask).detach()
+    return _zero_outside(loss, response_mask), metrics
