@@ -1,0 +1,220 @@
+"""Reward managers: turn a list of `RewardRequest`s into scores with a rule / user function.
+
+- `naive`: one call `compute_score(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`
+  per sample (verl's NaiveRewardManager).
+- `batch`: one call per batch, `compute_score(data_sources=[...], solution_strs=[...],
+  ground_truths=[...], extra_infos=[...], **reward_kwargs) -> list` (verl's BatchRewardManager).
+- `parallel`: the per-sample calls spread over worker processes (`KillablePool`); a sample that
+  runs past `timeout` seconds has its worker killed and scores 0 (counted in reward/num_timeouts).
+- `dapo`: `naive` plus DAPO's overlong reward shaping (Yu et al. 2025, arXiv 2503.14476, eq. 13):
+
+      r += min(-(|y| - (L_max - L_buf)) / L_buf * penalty_factor, 0)
+
+  with |y| the response length in tokens and L_max = data.max_response_length: responses shorter
+  than L_max - L_buf are untouched, the penalty grows linearly to -penalty_factor at L_max.
+
+A return value may be a number or a dict with `score` (other numeric keys become per-sample extras,
+NaN where a sample lacks them). A function that raises, or returns NaN / inf / no score, gives 0 and
+is counted in `reward/num_errors`; a `UserError` (bad config or data) is raised, not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from tiller.errors import ConfigError, UserError
+from tiller.rewards._procpool import FuncRef, KillablePool, resolve_ref
+from tiller.rewards.types import RewardRequest
+
+DEFAULT_REF: FuncRef = ("module", "tiller.rewards.registry", "default_compute_score")
+
+
+@dataclass
+class ScoreBatch:
+    """Raw scores of a batch before shaping: scores [B], numeric extras [B] each, error counts."""
+
+    scores: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def load_function_ref(path: str | None, name: str) -> FuncRef:
+    """A reference to `name` in the Python file `path` (checked now, so a typo fails at start)."""
+    if not path:
+        return DEFAULT_REF
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"custom_reward_function.path: file not found: {path}")
+    ref: FuncRef = ("file", str(file.resolve()), name)
+    try:
+        fn = resolve_ref(ref)
+    except AttributeError:
+        raise ConfigError(f"custom_reward_function.name: {path} defines no function {name!r}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's file failed to import
+        raise ConfigError(f"custom_reward_function.path: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    if not callable(fn):
+        raise ConfigError(f"custom_reward_function.name: {name!r} in {path} is not callable")
+    return ref
+
+
+def _unpack(value: Any) -> tuple[float, dict[str, float], bool]:
+    """(score, numeric extras, is_error) of one return value."""
+    extras: dict[str, float] = {}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key != "score" and isinstance(item, (bool, int, float, np.number)):
+                extras[key] = float(item)
+        value = value.get("score")
+    try:
+        score = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0, extras, True
+    if not math.isfinite(score):
+        return 0.0, extras, True
+    return score, extras, False
+
+
+def _collect(values: list[Any], errors: list[bool]) -> ScoreBatch:
+    n = len(values)
+    scores = np.zeros(n, dtype=np.float32)
+    extras: dict[str, np.ndarray] = {}
+    num_errors = 0
+    for i, (value, failed) in enumerate(zip(values, errors)):
+        if failed:
+            num_errors += 1
+            continue
+        score, sample_extras, bad = _unpack(value)
+        num_errors += bad
+        scores[i] = score
+        for key, item in sample_extras.items():
+            extras.setdefault(key, np.full(n, np.nan, dtype=np.float32))[i] = item
+    return ScoreBatch(scores, extras, {"reward/num_errors": float(num_errors)})
+
+
+def _call_or_error(fn: Callable, *args, **kwargs) -> tuple[Any, bool]:
+    try:
+        return fn(*args, **kwargs), False
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - a failing reward function scores 0, counted
+        return None, True
+
+
+class NaiveRewardManager:
+    """Per-sample calls in this process."""
+
+    def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None):
+        self.ref = ref
+        self.fn = resolve_ref(ref)
+        self.reward_kwargs = dict(reward_kwargs or {})
+
+    def score(self, requests: list[RewardRequest]) -> ScoreBatch:
+        results = [_call_or_error(self.fn, r.data_source, r.response, r.ground_truth, r.extra_info,
+                                  **self.reward_kwargs) for r in requests]
+        return _collect([v for v, _ in results], [e for _, e in results])
+
+
+def _default_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs) -> list:
+    from tiller.rewards.registry import default_compute_score
+
+    return [default_compute_score(*args, **kwargs) for args in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+
+
+class BatchRewardManager:
+    """One call for the whole batch; the function returns one value per sample."""
+
+    def __init__(self, ref: FuncRef | None = None, reward_kwargs: dict | None = None):
+        self.fn = _default_batch if ref in (None, DEFAULT_REF) else resolve_ref(ref)  # type: ignore[arg-type]
+        self.reward_kwargs = dict(reward_kwargs or {})
+
+    def score(self, requests: list[RewardRequest]) -> ScoreBatch:
+        values, failed = _call_or_error(
+            self.fn, data_sources=[r.data_source for r in requests], solution_strs=[r.response for r in requests],
+            ground_truths=[r.ground_truth for r in requests], extra_infos=[r.extra_info for r in requests],
+            **self.reward_kwargs)
+        if failed or not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(requests):
+            return _collect([None] * len(requests), [True] * len(requests))
+        return _collect(list(values), [False] * len(requests))
+
+
+_USER_ERRORS = ("UserError:", "ConfigError:", "DataError:")
+
+
+class ParallelRewardManager:
+    """Per-sample calls in `num_workers` processes, each sample bounded by `timeout` seconds."""
+
+    def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None,
+                 num_workers: int = 2, timeout: float = 30.0):
+        if timeout <= 0:
+            raise ConfigError(f"reward_model.timeout must be > 0, got {timeout}")
+        self.ref = ref
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self.timeout = timeout
+        self.pool = KillablePool(num_workers, preload=("tiller.rewards.registry",))
+
+    def score(self, requests: list[RewardRequest]) -> ScoreBatch:
+        args = [(r.data_source, r.response, r.ground_truth, r.extra_info) for r in requests]
+        outcomes = self.pool.map(self.ref, args, self.timeout, self.reward_kwargs)
+        for outcome in outcomes:
+            if outcome.status == "error" and outcome.error.startswith(_USER_ERRORS):
+                raise UserError(outcome.error.split(": ", 1)[1])
+        batch = _collect([o.value for o in outcomes], [o.status != "ok" for o in outcomes])
+        timeouts = sum(o.status == "timeout" for o in outcomes)
+        batch.metrics["reward/num_timeouts"] = float(timeouts)
+        batch.metrics["reward/num_errors"] -= timeouts
+        return batch
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def overlong_penalty(response_length: np.ndarray, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> np.ndarray:
+    """DAPO overlong shaping term [B] (<= 0) for response lengths [B] in tokens.
+
+    >>> overlong_penalty(np.array([10, 13, 16]), 16, 4, 1.0).tolist()
+    [0.0, -0.25, -1.0]
+    """
+    if buffer_len <= 0 or buffer_len > max_response_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len must be in [1, data.max_response_length="
+                          f"{max_response_length}], got {buffer_len}")
+    expected = max_response_length - buffer_len
+    exceed = response_length.astype(np.float64) - expected
+    return np.minimum(-exceed / buffer_len * penalty_factor, 0.0).astype(np.float32)
+
+
+class DapoRewardManager(NaiveRewardManager):
+    """`naive` scoring plus overlong shaping (when `buffer_len` is set) and the `acc` extra."""
+
+    def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None, *,
+                 max_response_length: int, buffer_len: int | None = None, penalty_factor: float = 1.0,
+                 log_penalty: bool = True):
+        super().__init__(ref, reward_kwargs)
+        self.max_response_length = max_response_length
+        self.buffer_len = buffer_len
+        self.penalty_factor = penalty_factor
+        self.log_penalty = log_penalty
+        if buffer_len is not None:
+            overlong_penalty(np.zeros(1), max_response_length, buffer_len, penalty_factor)  # validate now
+
+    def score(self, requests: list[RewardRequest]) -> ScoreBatch:
+        batch = super().score(requests)
+        batch.extras.setdefault("acc", batch.scores.copy())
+        if self.buffer_len is None:
+            return batch
+        lengths = np.array([r.response_length for r in requests])
+        penalty = overlong_penalty(lengths, self.max_response_length, self.buffer_len, self.penalty_factor)
+        batch.scores = batch.scores + penalty
+        if self.log_penalty:
+            batch.extras["overlong_reward"] = penalty
+            batch.extras["overlong"] = (penalty < 0).astype(np.float32)
+        batch.metrics["reward/overlong_frac"] = float((penalty < 0).mean()) if len(penalty) else 0.0
+        return batch
+
+
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo")
