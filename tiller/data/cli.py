@@ -1,0 +1,37 @@
+"""`tiller data <dataset> --out DIR`: write a public dataset as verl-schema parquet files.
+
+    tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N]
+    tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tiller data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="dataset", required=True)
+    g = sub.add_parser("gsm8k", help="GSM8K -> train/test parquet (verl's gsm8k.py format)")
+    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--src", default=None, help="dir with GSM8K train.jsonl and test.jsonl "
+                                               "(default: /work/shared/data/gsm8k)")
+    g.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
+    a = sub.add_parser("arithmetic", help="the built-in demo task (tiller/arithmetic) -> train/test parquet")
+    a.add_argument("--out", required=True)
+    a.add_argument("--train", type=int, default=2000)
+    a.add_argument("--test", type=int, default=256)
+    a.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.dataset == "gsm8k":
+        from tiller.data.preprocess import gsm8k
+
+        paths = gsm8k.convert(args.src or gsm8k.DEFAULT_SRC, args.out, max_rows=args.max_rows)
+    else:
+        from tiller.tasks import arithmetic
+
+        paths = arithmetic.write_task(args.out, n_train=args.train, n_test=args.test, seed=args.seed)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0

@@ -1,0 +1,248 @@
+"""RL prompt sets: verl's parquet schema (or JSONL), tokenized once, and a seeded, resumable sampler.
+
+A row of an RL prompt file (verl's `RLHFDataset` schema):
+
+    data_source:  str                    routes the sample to its reward scorer (`data.reward_fn_key`)
+    prompt:       list of chat messages  [{"role": "user", "content": "..."}]  (`data.prompt_key`),
+                  or a plain string (rendered as one user message when a chat template is used)
+    ability:      str                    (kept, unused)
+    reward_model: {"style": "rule", "ground_truth": ...}
+    extra_info:   dict                   (passed to the reward function)
+
+JSONL rows may also give `ground_truth` at the top level. Prompts are rendered with the tokenizer's
+chat template (`add_generation_prompt=True`) and tokenized without extra special tokens. A prompt longer
+than `data.max_prompt_length` is dropped (`filter_overlong_prompts`) or handled by `data.truncation`:
+`error` (a `DataError` naming the file and row), `left` (keep the end), `right` (keep the start) or
+`middle` (keep both ends).
+
+`PromptSampler` yields the prompt indices of each step: a permutation per epoch drawn from
+`numpy.random.default_rng(seed + epoch)` (no shuffle: in file order), whole batches only (drop last, as
+verl). Its position (`epoch`, `index`) is part of every checkpoint, so a resumed run sees the same prompts.
+
+Deviations from verl: no multimodal fields; prompts are not padded here (the rollout pads).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from tiller.errors import ConfigError, DataError
+
+
+@dataclass
+class PromptItem:
+    """One tokenized prompt."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+    raw_prompt: Any = None
+    uid: str = ""
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a `.parquet` or `.jsonl` / `.json` file as dicts; a `DataError` names the file on any problem."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data file not found: {p}")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(p).to_pylist()
+        except Exception as err:  # pyarrow raises several types for a corrupt file
+            raise DataError(f"cannot read parquet file {p}: {err}") from err
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with open(p, encoding="utf-8") as fh:
+            text = fh.read()
+        if suffix == ".json" and text.lstrip().startswith("["):
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{p}: invalid JSON: {err}") from err
+        else:
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{p}:{lineno}: invalid JSON line: {err.msg}") from err
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise DataError(f"{p}: row {bad} is not a JSON object")
+        return rows
+    raise DataError(f"{p}: unsupported data file type {suffix!r}; use .parquet or .jsonl")
+
+
+def write_rows(rows: Sequence[dict], path: str | Path) -> Path:
+    """Write rows to `.parquet` or `.jsonl` atomically (temp file then rename)."""
+    import os
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    if p.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+    else:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for r in rows:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str) -> str:
+    """Prompt text as the policy sees it: chat messages through the template, strings as one user turn."""
+    if isinstance(raw, np.ndarray):
+        raw = raw.tolist()
+    if isinstance(raw, str):
+        messages = [{"role": "user", "content": raw}]
+    elif isinstance(raw, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in raw) and raw:
+        messages = [dict(m) for m in raw]
+    else:
+        raise DataError(f"{where}: prompt must be a string or a non-empty list of chat messages "
+                        f"({{'role': ..., 'content': ...}}), got {type(raw).__name__}")
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if isinstance(raw, str):
+        return raw
+    return "\n".join(str(m["content"]) for m in messages)
+
+
+def _fit_length(ids: list[int], max_len: int, truncation: str, where: str) -> list[int]:
+    if len(ids) <= max_len:
+        return ids
+    if truncation == "left":
+        return ids[-max_len:]
+    if truncation == "right":
+        return ids[:max_len]
+    if truncation == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
+    raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={max_len}; "
+                    "set data.truncation=left|right|middle or data.filter_overlong_prompts=True")
+
+
+class RLDataset:
+    """Tokenized prompts from one or more files (see the module docstring for the schema).
+
+    `self.num_filtered` counts prompts dropped by `filter_overlong_prompts`.
+    """
+
+    def __init__(self, files: Sequence[str] | str, tokenizer, *, prompt_key: str = "prompt",
+                 reward_fn_key: str = "data_source", max_prompt_length: int = 256, truncation: str = "error",
+                 filter_overlong_prompts: bool = False, apply_chat_template: bool = True,
+                 return_raw_chat: bool = False, max_samples: int = -1, what: str = "data.train_files"):
+        files = [files] if isinstance(files, (str, Path)) else list(files)
+        if not files:
+            raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")
+        self.items: list[PromptItem] = []
+        self.num_filtered = 0
+        for path in files:
+            rows = read_rows(path)
+            if not rows:
+                raise DataError(f"{path}: the file has no rows")
+            for key in (prompt_key, reward_fn_key):
+                if key not in rows[0]:
+                    raise DataError(f"{path}: missing column {key!r} (columns: {', '.join(rows[0])}); "
+                                    f"set data.{'prompt_key' if key == prompt_key else 'reward_fn_key'}")
+            for i, row in enumerate(rows):
+                where = f"{path} row {i}"
+                if row.get(prompt_key) is None:
+                    raise DataError(f"{where}: empty {prompt_key!r}")
+                text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if not ids:
+                    raise DataError(f"{where}: prompt tokenizes to 0 tokens")
+                if len(ids) > max_prompt_length and filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                ids = _fit_length(ids, max_prompt_length, truncation, where)
+                self.items.append(PromptItem(
+                    prompt_ids=list(ids), prompt_text=text, data_source=str(row[reward_fn_key]),
+                    ground_truth=_ground_truth(row), extra_info=dict(row.get("extra_info") or {}),
+                    raw_prompt=row[prompt_key] if return_raw_chat else None, uid=f"{Path(path).stem}-{i}",
+                ))
+                if 0 < max_samples <= len(self.items):
+                    break
+            if 0 < max_samples <= len(self.items):
+                break
+        if not self.items:
+            why = (f" (all {self.num_filtered} prompts are longer than data.max_prompt_length="
+                   f"{max_prompt_length} and data.filter_overlong_prompts=True)") if self.num_filtered else ""
+            raise DataError(f"{what}: no prompts left{why}")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def _ground_truth(row: dict) -> Any:
+    rm = row.get("reward_model")
+    if isinstance(rm, dict) and "ground_truth" in rm:
+        gt = rm["ground_truth"]
+    else:
+        gt = row.get("ground_truth")
+    return gt.tolist() if isinstance(gt, np.ndarray) else gt
+
+
+def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: int = -1,
+                     what: str = "data.train_files") -> RLDataset:
+    """`RLDataset` from a `tiller.config.schema.DataConfig`."""
+    return RLDataset(files, tokenizer, prompt_key=data_cfg.prompt_key, reward_fn_key=data_cfg.reward_fn_key,
+                     max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
+                     filter_overlong_prompts=data_cfg.filter_overlong_prompts,
+                     apply_chat_template=data_cfg.apply_chat_template, return_raw_chat=data_cfg.return_raw_chat,
+                     max_samples=max_samples, what=what)
+
+
+class PromptSampler:
+    """Indices of the prompts of each step: seeded permutation per epoch, whole batches, resumable."""
+
+    def __init__(self, num_prompts: int, batch_size: int, *, shuffle: bool = True, seed: int = 1):
+        if batch_size > num_prompts:
+            raise ConfigError(f"data.train_batch_size={batch_size} is larger than the training set "
+                              f"({num_prompts} prompts); lower it or add data")
+        self.num_prompts, self.batch_size, self.shuffle, self.seed = num_prompts, batch_size, shuffle, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_prompts // self.batch_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_prompts)
+        return np.random.default_rng(self.seed + epoch).permutation(self.num_prompts)
+
+    def next_batch(self) -> list[int]:
+        """The next `batch_size` prompt indices; moves to the next epoch when fewer than that remain."""
+        if self.index + self.batch_size > self.num_prompts:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        out = self._order[self.index:self.index + self.batch_size].tolist()
+        self.index += self.batch_size
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_prompts": self.num_prompts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,1 @@
+"""Built-in verifiable tasks (procedurally generated, no download): `arithmetic` is the demo's task."""

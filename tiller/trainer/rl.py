@@ -1,0 +1,433 @@
+"""The RL driver: PPO and the GRPO family (GRPO, Dr.GRPO, RLOO, ReMax, REINFORCE++, OPO, GPG, DAPO-style).
+
+One step, in the order `RLTrainer.train_step` runs it (each phase a named timer, `timing_s/<name>`):
+
+    prompts (seeded sampler)  -> gen: rollout.n samples per prompt (token ids + sampling logprobs)
+    -> gen_max: greedy baseline (ReMax only)      -> reward: scorer / custom fn, on the last response token
+    -> old_log_prob (skipped when the update is exactly on-policy) -> ref (KL only) -> values (GAE only)
+    -> adv: optional KL in reward, then the advantage estimator  -> filter_groups (optional)
+    -> update_critic (GAE) -> update_actor (ppo_epochs x mini-batches x micro-batches)
+    -> sync_weights (actor -> rollout engine) -> metrics, validation, checkpoint.
+
+PPO: Schulman et al. 2017 (arXiv 1707.06347) with GAE; GRPO: Shao et al. 2024 (arXiv 2402.03300);
+the design follows verl's `RayPPOTrainer` (HybridFlow, Sheng et al. 2024, arXiv 2409.19256): the driver
+holds data, rewards and advantages; workers (`tiller.workers`) hold models and run through
+`tiller.distributed` worker groups (in-process for backend=local, Ray actors for backend=ray).
+
+Deviations from verl: the reward runs in the driver process (no separate reward worker); the critic's
+checkpoint lives in `checkpoints/critic/global_step_N` next to the actor's; `filter_groups` with
+`max_num_gen_batches=0` trains on the groups that survive instead of regenerating.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiller.config.schema import RLConfig
+from tiller.errors import ConfigError
+from tiller.protocol import Batch
+from tiller.rewards.types import RewardRequest
+
+CRITIC_SUBDIR = "critic"
+
+
+class RLTrainer:
+    """Runs `cfg` end to end: `RLTrainer(cfg).fit()` returns the last step's metrics."""
+
+    def __init__(self, cfg: RLConfig):
+        from tiller.algos.kl import build_kl_controller
+        from tiller.data.rl_dataset import PromptSampler, build_rl_dataset
+        from tiller.models.loading import load_tokenizer
+
+        self.cfg = cfg
+        data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+        if tr.num_threads > 0:
+            torch.set_num_threads(tr.num_threads)
+        if not arr.model.path:
+            raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
+                              "(or run `tiller demo` for the built-in model and task)")
+        torch.manual_seed(tr.seed)
+        self.n = arr.rollout.n
+        self.prompt_width = arr.rollout.prompt_length or data.max_prompt_length
+        self.response_width = arr.rollout.response_length or data.max_response_length
+        self.run_dir = Path(tr.default_local_dir).expanduser()
+        self.ckpt_root = self.run_dir / "checkpoints"
+        tok_path = data.tokenizer or arr.model.tokenizer_path or arr.model.path
+        self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
+        self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples)
+        self.val_ds = None
+        if data.val_files:
+            self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
+                                           what="data.val_files")
+        self.sampler = PromptSampler(len(self.train_ds), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        self.total_steps = tr.total_training_steps or self.sampler.steps_per_epoch * tr.total_epochs
+        if self.total_steps <= 0:
+            raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
+        self.use_critic = algo.adv_estimator == "gae"
+        self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
+        # on-policy (one epoch, one mini-batch): the update's own detached logprobs are the old ones
+        self.on_policy = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == data.train_batch_size
+        self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
+                                           algo.kl_ctrl.horizon)
+        self.entropy_ctrl = None
+        ae = arr.actor.adaptive_entropy
+        if ae.enable:
+            from tiller.algos.entropy import AdaptiveEntropyController
+
+            self.entropy_ctrl = AdaptiveEntropyController(ae.init_coeff, ae.target_entropy, ae.delta, ae.max_coeff)
+        self._last_entropy = float("inf")
+        self.reward_fn = self._build_reward_fn()
+        self._start_workers()
+        self.global_step = 0
+        self.tracker = None
+
+    # --------------------------------------------------------------------------------- set-up
+    def _build_reward_fn(self):
+        from tiller.rewards import build_reward_manager
+
+        return build_reward_manager(self.cfg, self.tokenizer)
+
+    def _start_workers(self) -> None:
+        from tiller.distributed import create_worker_group
+        from tiller.workers.actor import ActorRolloutRefWorker
+        from tiller.workers.critic import CriticWorker
+
+        tr = self.cfg.trainer
+        self.world_size = tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
+        opts = dict(backend=tr.backend, world_size=self.world_size, cpus_per_worker=tr.cpus_per_worker,
+                    ray_address=tr.ray_address)
+        if tr.backend == "ray" and tr.device == "cuda":
+            opts["gpus_per_worker"] = 1
+        for size, key in ((self.cfg.data.train_batch_size, "data.train_batch_size"),
+                          (self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
+                           "actor_rollout_ref.actor.ppo_mini_batch_size")):
+            if (size * self.n) % self.world_size:
+                raise ConfigError(f"{key} x rollout.n = {size * self.n} samples must divide evenly over "
+                                  f"{self.world_size} workers")
+        self.actor = create_worker_group(
+            ActorRolloutRefWorker, dict(config=self.cfg, total_training_steps=self.total_steps,
+                                        need_ref=self.need_ref), name="actor_rollout_ref", **opts)
+        self.critic = None
+        if self.use_critic:
+            self.critic = create_worker_group(CriticWorker, dict(config=self.cfg, total_training_steps=self.total_steps),
+                                              name="critic", colocate_with=self.actor if tr.backend == "ray" else None,
+                                              **opts)
+
+    def _open_tracker(self):
+        from tiller.config import to_dict
+        from tiller.tracking import Tracker
+
+        tr = self.cfg.trainer
+        return Tracker(self.run_dir, loggers=tuple(tr.logger), project=tr.project_name,
+                       experiment=tr.experiment_name, config=to_dict(self.cfg))
+
+    # ----------------------------------------------------------------------------------- loop
+    def fit(self) -> dict[str, float]:
+        """Resume if asked, validate, train `total_steps` steps; returns the last logged metrics."""
+        from tiller.tracking import timer
+
+        tr = self.cfg.trainer
+        self._maybe_resume()
+        self.tracker = self._open_tracker()
+        last: dict[str, float] = {}
+        try:
+            if self.val_ds is not None and (tr.val_before_train or tr.val_only) and self.global_step == 0:
+                last = self.validate()
+                self.tracker.log(last, step=0)
+                if tr.val_only:
+                    return last
+            while self.global_step < self.total_steps:
+                self.global_step += 1
+                metrics = self.train_step()
+                is_last = self.global_step >= self.total_steps
+                if self.val_ds is not None and ((tr.test_freq > 0 and self.global_step % tr.test_freq == 0) or is_last):
+                    with timer("testing", metrics):
+                        metrics.update(self.validate())
+                if (tr.save_freq > 0 and self.global_step % tr.save_freq == 0) or is_last:
+                    with timer("save_checkpoint", metrics):
+                        self.save_checkpoint()
+                metrics["training/global_step"] = self.global_step
+                metrics["training/epoch"] = self.sampler.epoch
+                self.tracker.log(metrics, step=self.global_step)
+                last = metrics
+        finally:
+            self.tracker.close()
+        return last
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step (see the module docstring); returns its metrics."""
+        from tiller.tracking import timer
+
+        m: dict[str, float] = {}
+        actor, critic = self.actor, self.critic
+        with timer("step", m):
+            prompts = self._next_prompts()
+            with timer("gen", m):
+                batch = actor.execute("generate_sequences", prompts, dispatch="dp")
+            baseline = None
+            if self.cfg.algorithm.adv_estimator == "remax":
+                with timer("gen_max", m):
+                    baseline = self._greedy_baseline(prompts)
+            with timer("reward", m):
+                self._compute_reward(batch, m)
+            if not self.on_policy or self.cfg.algorithm.use_kl_in_reward:
+                with timer("old_log_prob", m):
+                    batch = batch.union(actor.execute("compute_log_prob", batch, dispatch="dp"))
+            if self.need_ref:
+                with timer("ref", m):
+                    batch = batch.union(actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
+            if self.use_critic:
+                with timer("values", m):
+                    batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
+            with timer("adv", m):
+                self._compute_advantage(batch, m, baseline)
+            if self.cfg.algorithm.filter_groups.enable:
+                with timer("filter_groups", m):
+                    batch = self._filter_groups(batch, m)
+            train_batch = self._for_update(batch)
+            if self.use_critic and len(train_batch):
+                with timer("update_critic", m):
+                    m.update(critic.execute("update_critic", train_batch, dispatch="dp"))
+            if self.global_step > self.cfg.trainer.critic_warmup and len(train_batch):
+                with timer("update_actor", m):
+                    m.update(actor.execute("update_actor", train_batch, dispatch="dp"))
+                self._update_entropy_ctrl(m)
+            with timer("sync_weights", m):
+                actor.execute("sync_rollout_weights")
+        m.update(self._data_metrics(batch, m))
+        return m
+
+    # --------------------------------------------------------------------------------- phases
+    def _prompt_batch(self, items, sampling: dict, tag: str) -> Batch:
+        fields = {
+            "prompt_ids": [it.prompt_ids for it in items],
+            "prompt_text": [it.prompt_text for it in items],
+            "data_source": [it.data_source for it in items],
+            "ground_truth": [it.ground_truth for it in items],
+            "extra_info": [it.extra_info for it in items],
+            "uid": [f"{tag}-{j}" for j in range(len(items))],
+        }
+        meta = {"sampling": sampling, "prompt_width": self.prompt_width, "response_width": self.response_width,
+                "temperature": self.cfg.actor_rollout_ref.rollout.temperature, "global_step": self.global_step}
+        return Batch(fields=fields, meta=meta)
+
+    def _train_sampling(self) -> dict:
+        r = self.cfg.actor_rollout_ref.rollout
+        length = self.response_width
+        for start, max_len in r.response_length_schedule:  # Skywork-OR1 multi-stage length
+            if self.global_step >= start:
+                length = min(max_len, self.response_width)
+        return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                    max_new_tokens=length, do_sample=r.do_sample, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+                    seed=self.cfg.trainer.seed * 1_000_003 + self.global_step)
+
+    def _next_prompts(self) -> Batch:
+        items = [self.train_ds[i] for i in self.sampler.next_batch()]
+        return self._prompt_batch(items, self._train_sampling(), tag=f"s{self.global_step}")
+
+    def _greedy_baseline(self, prompts: Batch) -> torch.Tensor:
+        """ReMax's b(x): the score of the greedy response to each prompt, repeated n times -> [B]."""
+        greedy = Batch(fields=dict(prompts.fields), meta=dict(prompts.meta))
+        greedy.meta["sampling"] = {**prompts.meta["sampling"], "n": 1, "do_sample": False}
+        out = self.actor.execute("generate_sequences", greedy, dispatch="dp")
+        scores, _, _ = self._score(out)
+        return torch.as_tensor(scores, dtype=torch.float32).repeat_interleave(self.n)
+
+    def _score(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+        """Decode responses and call the reward manager: (scores[B], extras, metrics)."""
+        lengths = batch["response_mask"].sum(-1).tolist()
+        responses = batch["responses"]
+        texts = self.tokenizer.batch_decode([responses[i, :n].tolist() for i, n in enumerate(lengths)],
+                                            skip_special_tokens=True)
+        requests = [
+            RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
+                          response=texts[i], ground_truth=batch["ground_truth"][i],
+                          extra_info=dict(batch["extra_info"][i] or {}), response_length=int(lengths[i]),
+                          group=str(batch["uid"][i]))
+            for i in range(len(batch))
+        ]
+        result = self.reward_fn(requests)
+        scores = np.asarray(result.scores, dtype=np.float32)
+        batch["response_text"] = texts
+        return scores, dict(result.extras), dict(result.metrics)
+
+    def _compute_reward(self, batch: Batch, m: dict) -> None:
+        """`token_level_scores[B, T]`: the scalar reward on each response's last token (0 elsewhere)."""
+        scores, extras, metrics = self._score(batch)
+        mask = batch["response_mask"]
+        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+        last = (mask.sum(-1) - 1).clamp(min=0)
+        token_scores[torch.arange(len(batch)), last] = torch.from_numpy(scores) * (mask.sum(-1) > 0).float()
+        batch["token_level_scores"] = token_scores
+        batch["score"] = torch.from_numpy(scores)
+        batch["acc"] = torch.as_tensor(np.asarray(extras.get("acc", scores), dtype=np.float32))
+        for k, v in extras.items():
+            arr = np.asarray(v)
+            if arr.dtype.kind in "fiub" and arr.shape == (len(batch),):
+                m[f"reward_extra/{k}/mean"] = float(arr.astype(np.float64).mean())
+        m.update(metrics)
+
+    def _compute_advantage(self, batch: Batch, m: dict, baseline: torch.Tensor | None) -> None:
+        """KL in reward (optional) then the registered estimator: `advantages`, `returns` [B, T]."""
+        from tiller.algos.advantages import get_advantage_estimator
+        from tiller.algos.kl import apply_kl_in_reward
+
+        algo = self.cfg.algorithm
+        mask = batch["response_mask"]
+        rewards = batch["token_level_scores"]
+        if algo.use_kl_in_reward:
+            rewards, km = apply_kl_in_reward(rewards, batch["old_log_probs"], batch["ref_log_prob"], mask,
+                                             self.kl_ctrl.value, kind=algo.kl_penalty)
+            m["actor/reward_kl_penalty"] = float(km["kl"])
+            m["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
+            self.kl_ctrl.update(float(km["kl"]), n_steps=self.cfg.data.train_batch_size)
+        batch["token_level_rewards"] = rewards
+        hyper = dict(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        if baseline is not None:
+            hyper["baseline_rewards"] = baseline
+        values = batch["values"] if "values" in batch else None
+        adv, ret = get_advantage_estimator(algo.adv_estimator)(rewards, mask, list(batch["uid"]), values, **hyper)
+        batch["advantages"], batch["returns"] = adv.float(), ret.float()
+
+    def _filter_groups(self, batch: Batch, m: dict) -> Batch:
+        """DAPO dynamic sampling: keep the groups whose metric is not the same for all n samples."""
+        metric = self.cfg.algorithm.filter_groups.metric
+        values = {"acc": batch["acc"], "score": batch["score"]}.get(metric)
+        if values is None:
+            values = batch["token_level_rewards"].sum(-1)
+        by_group: dict[str, list[float]] = defaultdict(list)
+        for uid, v in zip(batch["uid"], values.tolist()):
+            by_group[uid].append(v)
+        keep_groups = {u for u, vs in by_group.items() if max(vs) - min(vs) > 1e-8}
+        keep = np.array([u in keep_groups for u in batch["uid"]])
+        m["batch/num_groups"] = float(len(by_group))
+        m["batch/num_groups_kept"] = float(len(keep_groups))
+        return batch.index(keep)
+
+    def _for_update(self, batch: Batch) -> Batch:
+        """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
+        keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
+                "advantages", "returns"]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "values") if k in batch]
+        out = batch.select(keys)
+        a = self.cfg.actor_rollout_ref.actor
+        coeff = a.entropy_coeff
+        if self.entropy_ctrl is not None:
+            coeff = self.entropy_ctrl.effective_coeff(self._last_entropy)
+        ppo_epochs = self.cfg.critic.ppo_epochs or a.ppo_epochs
+        critic_mini = (self.cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * self.n // self.world_size
+        out.meta = {"mini_batch_size": a.ppo_mini_batch_size * self.n // self.world_size,
+                    "critic_mini_batch_size": critic_mini, "ppo_epochs": ppo_epochs,
+                    "temperature": self.cfg.actor_rollout_ref.rollout.temperature,
+                    "global_step": self.global_step, "entropy_coeff": coeff}
+        pad = (-len(out)) % self.world_size
+        if pad and len(out):
+            extra = out.index(list(range(pad)))
+            extra["response_mask"] = torch.zeros_like(extra["response_mask"])
+            out = Batch.concat([out, extra])
+        return out
+
+    def _update_entropy_ctrl(self, m: dict) -> None:
+        if "actor/entropy" in m:
+            self._last_entropy = m["actor/entropy"]
+        if self.entropy_ctrl is not None:
+            m["actor/entropy_coeff"] = self.entropy_ctrl.effective_coeff(self._last_entropy)
+            self.entropy_ctrl.update(self._last_entropy)
+
+    # -------------------------------------------------------------------------------- metrics
+    def _data_metrics(self, batch: Batch, m: dict) -> dict[str, float]:
+        from tiller.trainer.rl_metrics import data_metrics
+
+        out = data_metrics(batch, self.response_width)
+        if self.use_critic and "values" in batch:
+            from tiller.workers.critic import value_metrics
+
+            out.update(value_metrics(batch["values"], batch["returns"], batch["response_mask"]))
+        step_s = m.get("timing_s/step", 0.0)
+        tokens = float(batch["attention_mask"].sum())
+        out["perf/total_num_tokens"] = tokens
+        out["perf/throughput"] = tokens / step_s / self.world_size if step_s > 0 else 0.0
+        return out
+
+    def validate(self) -> dict[str, float]:
+        """Generate for the validation set with `rollout.val_kwargs`; `val-core/<source>/acc/mean@N` etc."""
+        from tiller.trainer.rl_metrics import validation_metrics
+
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        sampling = dict(n=vk.n, temperature=vk.temperature if vk.do_sample else 1.0, top_p=vk.top_p, top_k=vk.top_k,
+                        max_new_tokens=self.response_width, do_sample=vk.do_sample,
+                        stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242)
+        size = self.cfg.data.val_batch_size or len(self.val_ds)
+        rows = []
+        for start in range(0, len(self.val_ds), size):
+            items = self.val_ds.items[start:start + size]
+            prompts = self._prompt_batch(items, sampling, tag=f"v{start}")
+            out = self.actor.execute("generate_sequences", prompts, dispatch="dp")
+            scores, extras, _ = self._score(out)
+            accs = np.asarray(extras.get("acc", scores), dtype=np.float64)
+            preds = extras.get("pred", out["response_text"])
+            for i in range(len(out)):
+                rows.append((str(out["data_source"][i]), str(out["uid"][i]), float(scores[i]), float(accs[i]),
+                             str(preds[i]), str(out["prompt_text"][i]), str(out["response_text"][i])))
+        n_log = self.cfg.trainer.log_val_generations
+        for ds, _, score, _, _, prompt, response in rows[:n_log]:
+            print(f"[val {ds}] score={score:g} | {prompt!r} -> {response!r}")
+        return validation_metrics(rows, vk.n)
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Critic first (its own dir), then the actor with the driver's state (its marker marks the step)."""
+        keep = self.cfg.trainer.max_actor_ckpt_to_keep
+        if self.critic is not None:
+            self.critic.execute("save_checkpoint", str(self.ckpt_root / CRITIC_SUBDIR), self.global_step,
+                                keep + 1 if keep else None)
+        extra = {"sampler": self.sampler.state_dict(), "kl_coef": float(self.kl_ctrl.value),
+                 "entropy_coeff": None if self.entropy_ctrl is None else self.entropy_ctrl.value,
+                 "last_entropy": self._last_entropy}
+        return Path(self.actor.execute("save_checkpoint", str(self.ckpt_root), self.global_step, extra, keep))
+
+    def _maybe_resume(self) -> None:
+        from tiller.trainer.checkpoint import latest_checkpoint, resolve_checkpoint
+
+        tr = self.cfg.trainer
+        if tr.resume_mode == "disable":
+            return
+        if tr.resume_mode == "resume_path":
+            path = resolve_checkpoint(tr.resume_from_path)
+        else:
+            path = latest_checkpoint(self.ckpt_root)
+            if path is None:
+                return
+        state = self.actor.execute("load_checkpoint", str(path))
+        self.global_step = int(state["step"])
+        if self.critic is not None:
+            self.critic.execute("load_checkpoint", str(Path(path).parent / CRITIC_SUBDIR / Path(path).name))
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
+        if self.entropy_ctrl is not None and state.get("entropy_coeff") is not None:
+            self.entropy_ctrl.value = float(state["entropy_coeff"])
+        self._last_entropy = float(state.get("last_entropy", float("inf")))
+        print(f"resumed from {path} (step {self.global_step})")
+
+    def shutdown(self) -> None:
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.shutdown()
+
+
+def run(cfg: RLConfig) -> dict[str, float]:
+    """Train with `cfg`; returns the last step's metrics (workers shut down after)."""
+    start = time.time()
+    trainer = RLTrainer(cfg)
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.shutdown()
+    metrics = dict(metrics)
+    metrics["wall_s"] = time.time() - start
+    return metrics

@@ -1,0 +1,64 @@
+"""Metrics of an RL step and of validation, with verl's names (`verl/trainer/ppo/metric_utils.py`).
+
+Step: `critic/score/*` (sequence score), `critic/rewards/*` (after KL in reward), `critic/advantages/*`,
+`critic/returns/*` (over response tokens), `response_length/{mean,max,min,clip_ratio}`,
+`prompt_length/{mean,max,min}`, `response/finish_stop_ratio`.
+Validation, per data source and N = val_kwargs.n: `val-core/<source>/acc/mean@N`, for N > 1 also
+`val-core/<source>/acc/best@N` (the best of N) and `val-core/<source>/acc/maj@N` (the accuracy of the
+most frequent prediction, ties broken by first appearance), and `val-aux/<source>/reward/mean@N`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import numpy as np
+import torch
+
+from tiller.protocol import Batch
+
+
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {f"{name}/mean": 0.0, f"{name}/max": 0.0, f"{name}/min": 0.0}
+    v = values.double()
+    return {f"{name}/mean": float(v.mean()), f"{name}/max": float(v.max()), f"{name}/min": float(v.min())}
+
+
+def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """verl's data metrics of one step's batch (all samples, before group filtering)."""
+    mask = batch["response_mask"].bool()
+    out: dict[str, float] = {}
+    out.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
+    out.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    out.update(_stats("critic/advantages", batch["advantages"][mask]))
+    out.update(_stats("critic/returns", batch["returns"][mask]))
+    resp_len = mask.sum(-1).float()
+    out.update(_stats("response_length", resp_len))
+    out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
+    prompt_len = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
+    out.update(_stats("prompt_length", prompt_len))
+    if "finish_reason" in batch:
+        out["response/finish_stop_ratio"] = float(np.mean([r == "stop" for r in batch["finish_reason"]]))
+    return out
+
+
+def validation_metrics(rows: list[tuple], n: int) -> dict[str, float]:
+    """rows: (data_source, uid, score, acc, pred, prompt, response) per sample -> val metrics."""
+    groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for ds, uid, score, acc, pred, *_ in rows:
+        groups[ds][uid].append((score, acc, pred))
+    out: dict[str, float] = {}
+    for ds, by_prompt in sorted(groups.items()):
+        mean_acc = [np.mean([a for _, a, _ in s]) for s in by_prompt.values()]
+        mean_score = [np.mean([sc for sc, _, _ in s]) for s in by_prompt.values()]
+        out[f"val-core/{ds}/acc/mean@{n}"] = float(np.mean(mean_acc))
+        out[f"val-aux/{ds}/reward/mean@{n}"] = float(np.mean(mean_score))
+        if n > 1:
+            out[f"val-core/{ds}/acc/best@{n}"] = float(np.mean([max(a for _, a, _ in s) for s in by_prompt.values()]))
+            maj = []
+            for samples in by_prompt.values():
+                top = Counter(p for _, _, p in samples).most_common(1)[0][0]
+                maj.append(next(a for _, a, p in samples if p == top))
+            out[f"val-core/{ds}/acc/maj@{n}"] = float(np.mean(maj))
+    return out

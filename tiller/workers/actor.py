@@ -1,0 +1,310 @@
+"""ActorRolloutRefWorker: the policy (training), its rollout engine and the frozen reference policy.
+
+verl's hybrid engine as a plain class: one worker holds the actor module, a rollout engine that
+shares it (in-process engines read the actor's weights; `sync_rollout_weights` refreshes a bf16 copy)
+and, when a KL term is used, the reference policy (a frozen copy, or the LoRA base with adapters off).
+Every method takes and returns a `Batch` (or plain values), so `tiller.distributed` can run copies of
+this class as Ray actors with the batch split across ranks (dispatch "dp"); global token and sequence
+counts come from `all_reduce_sum`, so the loss normalisation is global.
+
+Actor update (PPO, Schulman et al. 2017; verl's `dp_actor.update_policy`): for each of `ppo_epochs`
+passes, split the batch into mini-batches of `ppo_mini_batch_size x n` samples (divided among ranks),
+each into micro-batches of `ppo_micro_batch_size_per_gpu`; per micro-batch
+    loss = agg(policy_loss) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)),
+aggregated with the mini-batch's global counts so the accumulated gradient is the mini-batch gradient;
+then clip the global grad norm and take an AdamW step (skipped when the norm is not finite). The lr
+schedule advances once per RL step.
+
+Deviation from verl: when the update is exactly on-policy (one epoch, one mini-batch) the behaviour
+logprobs are the detached current logprobs of the same forward, which saves a forward pass (verl does
+the same with `use_rollout_log_probs` off and on-policy batches in recent versions).
+
+Letters: `B` samples, `P` prompt width, `T` response width.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from tiller.algos.aggregate import aggregate_loss
+from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits
+from tiller.algos.kl import kl_penalty
+from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
+from tiller.distributed import context as dist_ctx
+from tiller.protocol import Batch
+from tiller.workers.common import (
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    pad_right,
+    position_ids_from_mask,
+    response_forward,
+    set_num_threads,
+)
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
+
+
+class ActorRolloutRefWorker:
+    """Actor + rollout + reference in one process (see module docstring).
+
+    Args:
+        config: the `RLConfig` (only `actor_rollout_ref`, `data` and `trainer` are read).
+        total_training_steps: length of the lr schedule.
+        need_ref: load a reference policy (KL loss or KL in reward).
+    """
+
+    def __init__(self, config, total_training_steps: int, need_ref: bool = False):
+        from tiller.models.loading import load_causal_lm, load_tokenizer
+
+        self.cfg = config
+        arr = config.actor_rollout_ref
+        self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
+        set_num_threads(config.trainer.num_threads)
+        self.device = torch.device(config.trainer.device)
+        if arr.model.external_lib:
+            import importlib
+
+            importlib.import_module(arr.model.external_lib)
+        tok_path = arr.model.tokenizer_path or config.data.tokenizer or arr.model.path
+        self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
+        module = load_causal_lm(arr.model.path, dtype="float32", trust_remote_code=arr.model.trust_remote_code,
+                                device=self.device)
+        for key, value in arr.model.override_config.items():
+            setattr(module.config, key, value)
+        self.lora = arr.model.lora_rank > 0
+        if self.lora:
+            from tiller.models.lora import apply_lora
+
+            module = apply_lora(module, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
+                                target_modules=arr.model.target_modules)
+        self.ref_module = None
+        if need_ref and not self.lora:
+            self.ref_module = copy.deepcopy(module).requires_grad_(False).eval()
+        if arr.model.enable_gradient_checkpointing:
+            module.gradient_checkpointing_enable()
+        module.train()
+        self.module = module
+        self.model = dist_ctx.wrap_model(module, strategy=self.actor_cfg.strategy.replace("fsdp2", "fsdp"))
+        if self.actor_cfg.use_torch_compile:
+            self.model = torch.compile(self.model)
+        self.optimizer = build_optimizer(self.model, self.actor_cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
+        self.rollout = self._build_rollout()
+
+    # ------------------------------------------------------------------------------------- rollout
+    def _build_rollout(self):
+        from tiller.rollout import build_rollout_engine
+
+        name = self.rollout_cfg.name
+        opts = dict(dtype=self.rollout_cfg.dtype, seed=self.cfg.trainer.seed, **self.rollout_cfg.engine_kwargs)
+        if name == "vllm":
+            raise NotImplementedError("rollout.name=vllm is served by tiller.rollout; not wired in this worker yet")
+        try:
+            return build_rollout_engine(name, dist_ctx.unwrap_model(self.module), self.tokenizer, **opts)
+        except ModuleNotFoundError:
+            if name != "native":
+                raise
+            return build_rollout_engine("hf", dist_ctx.unwrap_model(self.module), self.tokenizer, **opts)
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Sample `n` responses per prompt.
+
+        prompts: fields `prompt_ids` (list[int] per prompt) plus any per-prompt fields (copied to each
+            sample); meta `sampling` (kwargs of `SamplingParams`), `prompt_width` P, `response_width` T.
+        Returns B = len(prompts) x n rows (the n samples of a prompt adjacent) with tensors
+            prompts[B, P] (left-padded), responses[B, T], input_ids / attention_mask / position_ids[B, P+T],
+            response_mask[B, T], rollout_log_probs[B, T] and field `finish_reason`.
+        """
+        from tiller.rollout import SamplingParams
+
+        sampling = SamplingParams(**prompts.meta["sampling"])
+        if sampling.seed is not None:
+            sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank()
+        P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
+        out = self.rollout.generate([list(p) for p in prompts["prompt_ids"]], sampling)
+        pad = self.tokenizer.pad_token_id
+        B = len(out)
+        prompt_t = torch.full((B, P), pad, dtype=torch.long)
+        resp_t = torch.full((B, T), pad, dtype=torch.long)
+        pmask = torch.zeros((B, P), dtype=torch.long)
+        rmask = torch.zeros((B, T), dtype=torch.long)
+        rlogp = torch.zeros((B, T), dtype=torch.float32)
+        for i, (p_ids, r_ids, lps) in enumerate(zip(out.prompt_ids, out.response_ids, out.logprobs)):
+            p_ids, r_ids, lps = p_ids[-P:], r_ids[:T], lps[:T]
+            prompt_t[i, P - len(p_ids):] = torch.tensor(p_ids, dtype=torch.long)
+            pmask[i, P - len(p_ids):] = 1
+            if r_ids:
+                resp_t[i, :len(r_ids)] = torch.tensor(r_ids, dtype=torch.long)
+                rmask[i, :len(r_ids)] = 1
+                rlogp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        attention_mask = torch.cat([pmask, rmask], dim=1)
+        batch = prompts.select([k for k in prompts.fields if k != "prompt_ids"]).repeat(sampling.n)
+        batch.meta = dict(prompts.meta)
+        batch["prompts"], batch["responses"] = prompt_t, resp_t
+        batch["input_ids"] = torch.cat([prompt_t, resp_t], dim=1)
+        batch["attention_mask"] = attention_mask
+        batch["position_ids"] = position_ids_from_mask(attention_mask)
+        batch["response_mask"] = rmask
+        batch["rollout_log_probs"] = rlogp
+        batch["finish_reason"] = list(out.finish_reason)
+        return batch
+
+    def sync_rollout_weights(self) -> None:
+        """Push the actor's current weights to the rollout engine (a no-op for a shared fp32 module)."""
+        self.rollout.update_weights()
+
+    # ------------------------------------------------------------------------------- log-probs
+    def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False):
+        """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`)."""
+        P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
+        logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
+                                          mb["attention_mask"].to(self.device), P,
+                                          mb["response_mask"].to(self.device))
+        logits = logits.float() / temperature
+        labels = mb["responses"][:, :t_used].to(self.device)
+        logp = pad_right(logprobs_from_logits(logits, labels), T)
+        entropy = None
+        if want_entropy:
+            entropy = pad_right(entropy_from_logits(logits if entropy_grad else logits.detach()), T)
+        return logp, entropy
+
+    @torch.no_grad()
+    def _batch_logp(self, model, batch: Batch, micro: int, dtype: str) -> torch.Tensor:
+        temperature = float(batch.meta.get("temperature", self.rollout_cfg.temperature))
+        was_training = model.training
+        model.eval()
+        try:
+            with autocast(dtype, self.device):
+                parts = [self._logp_entropy(model, mb, temperature, False)[0] for mb in batch.split(micro)]
+        finally:
+            model.train(was_training)
+        return torch.cat(parts, dim=0).cpu()
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Behaviour-policy logprobs of the responses: Batch with `old_log_probs[B, T]`."""
+        logp = self._batch_logp(self.model, batch, self.rollout_cfg.log_prob_micro_batch_size_per_gpu,
+                                self.actor_cfg.dtype)
+        return Batch({"old_log_probs": logp})
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Reference-policy logprobs: Batch with `ref_log_prob[B, T]`."""
+        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        if self.lora:
+            with dist_ctx.unwrap_model(self.module).disable_adapter():
+                logp = self._batch_logp(self.model, batch, micro, self.actor_cfg.dtype)
+        else:
+            if self.ref_module is None:
+                raise RuntimeError("compute_ref_log_prob: the worker was built with need_ref=False")
+            logp = self._batch_logp(self.ref_module, batch, micro, self.actor_cfg.dtype)
+        return Batch({"ref_log_prob": logp})
+
+    # --------------------------------------------------------------------------------- update
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO-style update on `batch` (see module docstring); returns `actor/...` metrics.
+
+        batch tensors: input_ids, attention_mask, prompts, responses, response_mask, advantages[B, T];
+        optional old_log_probs (else on-policy: the detached current logprobs) and ref_log_prob (KL loss).
+        meta: `mini_batch_size` (samples per mini-batch on this rank), `temperature`, `global_step`,
+        `entropy_coeff` (overrides the config's, for adaptive entropy).
+        """
+        a = self.actor_cfg
+        mini = int(batch.meta.get("mini_batch_size", len(batch)))
+        entropy_coeff = float(batch.meta.get("entropy_coeff", a.entropy_coeff))
+        stats: dict[str, list[float]] = {}
+        self.model.train()
+        for epoch in range(a.ppo_epochs):
+            data = batch
+            if a.shuffle:
+                g = torch.Generator().manual_seed(self.cfg.trainer.seed * 100_003 + int(batch.meta.get("global_step", 0))
+                                                  * 31 + epoch)
+                data = batch.index(torch.randperm(len(batch), generator=g))
+            for mb in data.split(mini):
+                for k, v in self._update_mini_batch(mb, entropy_coeff).items():
+                    stats.setdefault(k, []).append(v)
+        self.scheduler.step()
+        metrics = {f"actor/{k}": _mean(v) for k, v in stats.items()}
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def _update_mini_batch(self, mb: Batch, entropy_coeff: float) -> dict[str, float]:
+        a = self.actor_cfg
+        loss_mode = a.policy_loss.loss_mode
+        agg_mode = FORCED_LOSS_AGG_MODE.get(loss_mode, a.loss_agg_mode)
+        policy_loss = get_policy_loss(loss_mode)
+        hyper = dict(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                     clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
+                     clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
+                     kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+                     sapo_tau_pos=a.policy_loss.sapo_tau_pos, sapo_tau_neg=a.policy_loss.sapo_tau_neg)
+        mask_all = mb["response_mask"].float()
+        counts = dist_ctx.all_reduce_sum(torch.tensor([mask_all.sum(), float(len(mb))], dtype=torch.float64))
+        n_tok, n_seq = counts[0].item(), counts[1].item()
+        T = mask_all.shape[1]
+        temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
+        sums: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in mb.split(a.ppo_micro_batch_size_per_gpu):
+            mask = micro["response_mask"].to(self.device).float()
+            with autocast(a.dtype, self.device):
+                logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0)
+            old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
+            adv = micro["advantages"].to(self.device)
+            pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
+            agg = dict(global_tokens=n_tok, global_seqs=n_seq, max_len=T)
+            pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
+            loss = pg_loss
+            ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)
+            if entropy_coeff != 0.0:
+                loss = loss - entropy_coeff * aggregate_loss(entropy, mask, agg_mode, **agg)
+            if a.use_kl_loss:
+                kl = kl_penalty(logp, micro["ref_log_prob"].to(self.device), a.kl_loss_type)
+                kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
+                loss = loss + a.kl_loss_coef * kl_loss
+                sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(kl_loss.detach())
+            loss.backward()
+            w = float(mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metric means
+            sums["pg_loss"] = sums.get("pg_loss", 0.0) + float(pg_loss.detach())
+            sums["entropy"] = sums.get("entropy", 0.0) + float(ent.detach())
+            for k, v in pg_metrics.items():
+                sums[k] = sums.get(k, 0.0) + w * float(v)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            sums["grad_norm_nonfinite"] = 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] = grad_norm
+        return sums
+
+    # --------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
+        """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
+        from tiller.trainer.checkpoint import save_checkpoint
+
+        path = None
+        if dist_ctx.rank() == 0:
+            path = save_checkpoint(ckpt_root, step, model=dist_ctx.unwrap_model(self.module),
+                                   optimizer=self.optimizer, scheduler=self.scheduler, extra_state=extra_state,
+                                   tokenizer=self.tokenizer, keep=keep)
+        dist_ctx.barrier()
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
+        from tiller.trainer.checkpoint import load_checkpoint
+
+        state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
+                                scheduler=self.scheduler)
+        self.rollout.update_weights()
+        return state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) actor weights on the CPU (for tests and export)."""
+        return {k: v.clone() for k, v in dist_ctx.full_state_dict(self.model).items()}

@@ -1,0 +1,139 @@
+"""CriticWorker: the value model V(s_t) for PPO's GAE (Schulman et al. 2015, 2017; verl's dp_critic).
+
+The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the critic path (default:
+the actor's model dir), so it starts from the policy's transformer with a fresh scalar head, as in verl.
+`compute_values` returns V at every response position (the state before each response token);
+`update_critic` regresses them on the GAE returns with verl's clipped value loss
+    L = 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),
+aggregated with global counts over `ppo_epochs` x mini-batches x micro-batches, grad clipping and AdamW.
+
+Letters: `B` samples, `T` response width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tiller.algos.aggregate import aggregate_loss
+from tiller.algos.value_loss import explained_variance, value_loss
+from tiller.distributed import context as dist_ctx
+from tiller.errors import UserError
+from tiller.protocol import Batch
+from tiller.workers.common import autocast, build_optimizer, build_scheduler, pad_right, response_forward, set_num_threads
+
+
+class CriticWorker:
+    """Value model + optimizer (see module docstring)."""
+
+    def __init__(self, config, total_training_steps: int):
+        from transformers import AutoModelForTokenClassification
+
+        self.cfg = config
+        self.ccfg = config.critic
+        set_num_threads(config.trainer.num_threads)
+        self.device = torch.device(config.trainer.device)
+        path = self.ccfg.model.path or config.actor_rollout_ref.model.path
+        try:
+            module = AutoModelForTokenClassification.from_pretrained(
+                path, num_labels=1, dtype=torch.float32, trust_remote_code=self.ccfg.model.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
+        for key, value in self.ccfg.model.override_config.items():
+            setattr(module.config, key, value)
+        if module.config.pad_token_id is None:
+            module.config.pad_token_id = module.config.eos_token_id
+        if self.ccfg.model.enable_gradient_checkpointing:
+            module.gradient_checkpointing_enable()
+        module.to(self.device).train()
+        self.module = module
+        self.model = dist_ctx.wrap_model(module, strategy=self.ccfg.strategy.replace("fsdp2", "fsdp"))
+        self.optimizer = build_optimizer(self.model, self.ccfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.ccfg.optim, total_training_steps)
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
+        out, _ = response_forward(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
+                                  P, mb["response_mask"].to(self.device))
+        return pad_right(out.squeeze(-1).float(), T) * mb["response_mask"].to(self.device)
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """Batch with `values[B, T]` (0 outside the response mask)."""
+        self.model.eval()
+        with autocast(self.ccfg.dtype, self.device):
+            parts = [self._values(mb) for mb in batch.split(self.ccfg.forward_micro_batch_size_per_gpu)]
+        self.model.train()
+        return Batch({"values": torch.cat(parts).cpu()})
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Fit V to `returns[B, T]` (batch also holds `values` from collection time); `critic/...` metrics.
+
+        meta: `critic_mini_batch_size` (samples per mini-batch on this rank), `ppo_epochs`.
+        """
+        mini = int(batch.meta.get("critic_mini_batch_size", len(batch)))
+        epochs = int(batch.meta.get("ppo_epochs", 1))
+        stats: dict[str, list[float]] = {}
+        for _ in range(epochs):
+            for mb in batch.split(mini):
+                for k, v in self._update_mini_batch(mb).items():
+                    stats.setdefault(k, []).append(v)
+        self.scheduler.step()
+        metrics = {f"critic/{k}": float(np.mean(v)) for k, v in stats.items()}
+        metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def _update_mini_batch(self, mb: Batch) -> dict[str, float]:
+        c = self.ccfg
+        mask_all = mb["response_mask"].float()
+        counts = dist_ctx.all_reduce_sum(torch.tensor([mask_all.sum(), float(len(mb))], dtype=torch.float64))
+        agg = dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=mask_all.shape[1])
+        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in mb.split(c.ppo_micro_batch_size_per_gpu):
+            mask = micro["response_mask"].to(self.device).float()
+            with autocast(c.dtype, self.device):
+                vpreds = self._values(micro)
+            tok_loss, m = value_loss(vpreds, micro["returns"].to(self.device), micro["values"].to(self.device),
+                                     mask, c.cliprange_value)
+            loss = aggregate_loss(tok_loss, mask, c.loss_agg_mode, **agg)
+            loss.backward()
+            w = float(mask.sum()) / max(agg["global_tokens"], 1.0)
+            sums["vf_loss"] += float(loss.detach())
+            sums["vf_clipfrac"] += w * float(m["vf_clipfrac"])
+            sums["vpred_mean"] += w * float(m["vpred_mean"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] = grad_norm
+        return sums
+
+    def save_checkpoint(self, ckpt_root: str, step: int, keep: int | None = None) -> str:
+        from tiller.trainer.checkpoint import save_checkpoint
+
+        path = None
+        if dist_ctx.rank() == 0:
+            path = save_checkpoint(ckpt_root, step, model=dist_ctx.unwrap_model(self.module),
+                                   optimizer=self.optimizer, scheduler=self.scheduler, keep=keep)
+        dist_ctx.barrier()
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> dict:
+        from tiller.trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
+                               scheduler=self.scheduler, restore_rng=False)
+
+
+def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """verl's critic/values/* and critic/vf_explained_var over the batch."""
+    m = mask.bool()
+    v = values[m]
+    return {
+        "critic/values/mean": float(v.mean()) if v.numel() else 0.0,
+        "critic/values/max": float(v.max()) if v.numel() else 0.0,
+        "critic/values/min": float(v.min()) if v.numel() else 0.0,
+        "critic/vf_explained_var": float(explained_variance(values, returns, mask)),
+    }
