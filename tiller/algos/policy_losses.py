@@ -39,7 +39,8 @@ Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / e
 
 Deviations from verl: losses are returned per token; metrics are tensors (no `.item()`); clip_cov /
 kl_cov choose tokens with a rank test instead of `.item()` + topk (same distribution / same tokens
-up to ties) and clamp rho to [-20, 20] like vanilla so extreme ratios stay finite; geo_mean uses
+up to ties); clip_cov, kl_cov and geo_mean clamp rho to [-20, 20] like vanilla so extreme ratios
+stay finite (verl leaves geo_mean's clamp commented out: exp(mean rho) overflows float32); geo_mean uses
 max(n_i, 1) where verl uses n_i + 1e-8 (a 1e-8 relative difference). Covariance statistics of
 clip_cov / kl_cov are per call (per micro-batch), as in verl and the paper's code.
 """
@@ -187,7 +188,7 @@ def geo_mean_loss(
     """GMPO: geometric mean of sign-aware clipped token ratios; sequence loss on each valid token."""
     reject_unknown("geo_mean", extra, POLICY_HYPER)
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    log_ratio = logp - old_logp
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sgn = torch.sign(advantages)
     clamped = torch.clamp(log_ratio, -low, high)
     rho = sgn * torch.minimum(sgn * log_ratio, sgn * clamped)
