@@ -18,8 +18,8 @@ Per run:
 Best effort, documented: without root and without unprivileged user namespaces there is no uid
 switch (RLIMIT_NPROC then counts all processes of the user, and the program could signal processes
 of the same user); if `unshare` is refused the network stays reachable (`network_isolated=False`
-in the result). World-writable directories such as /tmp stay writable (up to RLIMIT_FSIZE per
-file). `preexec_fn` runs between fork and exec; it only makes syscalls (no locks, no imports).
+in the result). The work dir's parent is private (0o711), but world-writable directories such as
+/tmp stay writable by the program (up to RLIMIT_FSIZE per file). `preexec_fn` runs between fork and exec; it only makes syscalls (no locks, no imports).
 
 `SandboxPool.map` runs many programs concurrently (threads waiting on subprocesses).
 """
@@ -116,6 +116,19 @@ def sandbox_python() -> str:
     return sys.executable
 
 
+_ROOT_DIR: str | None = None
+
+
+def _sandbox_root() -> str:
+    """A private parent for work dirs (0o711: others may traverse, not list or write), so a program
+    cannot write next to its own directory (`../x`)."""
+    global _ROOT_DIR
+    if _ROOT_DIR is None or not os.path.isdir(_ROOT_DIR):
+        _ROOT_DIR = tempfile.mkdtemp(prefix="tiller-sandboxes-")
+        os.chmod(_ROOT_DIR, 0o711)
+    return _ROOT_DIR
+
+
 def _allocate_uid() -> int:
     with _uid_lock:
         slot = next(_uid_counter) % 10_000
@@ -174,11 +187,13 @@ def _kill_uid(uid: int) -> None:
                 continue
             try:
                 with open(f"/proc/{entry}/status") as fh:
-                    uid_line = next(line for line in fh if line.startswith("Uid:"))
-                if int(uid_line.split()[1]) == uid:
+                    fields = dict(line.split(":", 1) for line in fh if line[:4] in ("Stat", "Uid:"))
+                if fields["State"].split()[0] in ("Z", "X"):  # already dead, waiting to be reaped
+                    continue
+                if int(fields["Uid"].split()[0]) == uid:
                     found = True
                     os.kill(int(entry), signal.SIGKILL)
-            except (OSError, StopIteration, ValueError):
+            except (OSError, KeyError, ValueError):
                 continue
         if not found:
             return
@@ -239,7 +254,7 @@ def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimit
     uid = _allocate_uid() if _is_root() else None
     isolated = (not limits.network) and network_isolation_available()
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tiller-sandbox-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="run-", dir=_sandbox_root()) as workdir:
         program = os.path.join(workdir, "main.py")
         with open(program, "w", encoding="utf-8") as fh:
             fh.write(code)

@@ -16,6 +16,7 @@ tests passed (`mode="fraction"`). The dict also carries `pass_rate` and `num_tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -24,7 +25,7 @@ from tiller.rewards.sandbox import SandboxLimits, SandboxPool, run_program
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _POOL: SandboxPool | None = None
-DEFAULT_LIMITS = SandboxLimits(cpu_time_s=5, wall_time_s=10.0, memory_mb=1024)
+DEFAULT_LIMITS = SandboxLimits(cpu_time_s=4, wall_time_s=8.0, memory_mb=1024)
 
 
 def extract_code(response: str) -> str:
@@ -145,11 +146,15 @@ def _run_tests(code: str, spec: dict, extra_info: dict | None, pool: SandboxPool
 
 
 def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                  mode: str = "binary") -> dict:
-    """Score a code response: all tests pass -> 1.0 (binary) or the fraction passed (fraction)."""
+                  mode: str = "binary", **limits: Any) -> dict:
+    """Score a code response: all tests pass -> 1.0 (binary) or the fraction passed (fraction).
+
+    `limits` override fields of `DEFAULT_LIMITS` per test run (cpu_time_s, wall_time_s, memory_mb, ...).
+    """
     if mode not in ("binary", "fraction"):
         raise ValueError(f"code reward mode must be 'binary' or 'fraction', got {mode!r}")
-    passed = run_tests(extract_code(solution_str), ground_truth, extra_info)
+    run_limits = dataclasses.replace(DEFAULT_LIMITS, **limits) if limits else None
+    passed = run_tests(extract_code(solution_str), ground_truth, extra_info, run_limits)
     rate = sum(passed) / len(passed)
     score = rate if mode == "fraction" else float(all(passed))
     return {"score": score, "pass_rate": rate, "num_tests": float(len(passed))}
