@@ -1,0 +1,160 @@
+"""KL estimators and controllers, KL-in-reward, value loss, explained variance, entropy."""
+
+import math
+
+import pytest
+import torch
+
+import algos_reference as ref
+from tiller.algos import (
+    AdaptiveEntropyController,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    build_kl_controller,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalty,
+    logprobs_from_logits,
+    value_loss,
+)
+from tiller.errors import ConfigError
+
+D = torch.float64
+LN2 = math.log(2.0)
+
+
+def test_kl_estimators_worked_numbers():
+    # d = logp - ref = ln 0.5 - ln 0.25 = ln 2 = 0.693147
+    lp, rf = torch.tensor([math.log(0.5)], dtype=D), torch.tensor([math.log(0.25)], dtype=D)
+    assert kl_penalty(lp, rf, "kl").item() == pytest.approx(LN2)
+    assert kl_penalty(lp, rf, "k1").item() == pytest.approx(LN2)
+    assert kl_penalty(rf, lp, "abs").item() == pytest.approx(LN2)
+    assert kl_penalty(lp, rf, "mse").item() == pytest.approx(0.5 * LN2**2)  # 0.240227
+    # k3 = exp(-d) + d - 1 = 0.5 + 0.693147 - 1 = 0.193147 ; reversed (d = -ln2): 2 - 0.693147 - 1 = 0.306853
+    assert kl_penalty(lp, rf, "low_var_kl").item() == pytest.approx(0.193147, abs=1e-6)
+    assert kl_penalty(rf, lp, "k3").item() == pytest.approx(0.306853, abs=1e-6)
+    # verl's clamps: d = -100 -> exp(20) - 20 - 1 clamped to 10; d = +100 -> exp(-20) + 20 - 1 = 19 -> 10
+    assert kl_penalty(torch.tensor([-100.0]), torch.tensor([0.0]), "k3").item() == 10.0
+    assert kl_penalty(torch.tensor([100.0]), torch.tensor([0.0]), "k3").item() == 10.0
+    with pytest.raises(ConfigError, match="low_var_kl"):
+        kl_penalty(lp, rf, "k4")
+
+
+def test_kl_straight_through_value_of_k3_gradient_of_k2():
+    lp = torch.tensor([math.log(0.5)], dtype=D, requires_grad=True)
+    rf = torch.tensor([math.log(0.25)], dtype=D)
+    v = kl_penalty(lp, rf, "k3+")
+    v.backward()
+    # value: k3 = 0.193147; gradient: d(k2)/dlogp = d = ln 2 (plain k3 would give 1 - exp(-d) = 0.5)
+    assert v.item() == pytest.approx(0.193147, abs=1e-6)
+    assert lp.grad.item() == pytest.approx(LN2)
+    lp.grad = None
+    kl_penalty(lp, rf, "low_var_kl").backward()
+    assert lp.grad.item() == pytest.approx(0.5)
+    assert torch.equal(kl_penalty(lp, rf, "k2+"), kl_penalty(lp, rf, "k2"))
+
+
+def test_k1_and_k3_expectations_equal_exact_kl():
+    # E_{v ~ p}[k(log p_v, log q_v)] = KL(p || q) for k1 and k3 (unbiased estimators); k2 is not.
+    # k3 = q/p - 1 - log(q/p): E_p[q/p - 1] = 0. (Logit scale 0.5 keeps every k3 under verl's clamp
+    # at 10; a token with q/p > ~12.3 would be clamped and bias k3 low.)
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(0.5 * torch.randn(50, generator=g, dtype=D), -1)
+    logq = torch.log_softmax(0.5 * torch.randn(50, generator=g, dtype=D), -1)
+    exact = (logp.exp() * (logp - logq)).sum()
+    for kind in ("k1", "k3"):
+        assert (logp.exp() * kl_penalty(logp, logq, kind)).sum().item() == pytest.approx(exact.item(), rel=1e-9)
+
+
+def test_kl_controllers():
+    fixed = FixedKLController(0.05)
+    fixed.update(10.0, 100)
+    assert fixed.value == 0.05
+    # adaptive: error = clip(0.15/0.1 - 1, -0.2, 0.2) = 0.2; beta *= 1 + 0.2 * 10 / 100 = 1.02
+    c = AdaptiveKLController(0.1, target_kl=0.1, horizon=100)
+    c.update(0.15, n_steps=10)
+    assert c.value == pytest.approx(0.102)
+    c.update(0.0, n_steps=10)  # error -0.2 -> * 0.98
+    assert c.value == pytest.approx(0.102 * 0.98)
+    assert isinstance(build_kl_controller("adaptive", 0.1, 0.1, 100), AdaptiveKLController)
+    with pytest.raises(ConfigError, match="horizon"):
+        AdaptiveKLController(0.1, 0.1, 0)
+    with pytest.raises(ConfigError, match="fixed, adaptive"):
+        build_kl_controller("pid", 0.1)
+
+
+def test_apply_kl_in_reward_worked_numbers():
+    # k1 per token: old - ref = [0.5, 0, -0.5, (pad)]; rewards = scores - 0.1 * kl
+    scores = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=D)
+    old = torch.tensor([[-1.0, -1.0, -1.0, -9.0]], dtype=D)
+    refp = torch.tensor([[-1.5, -1.0, -0.5, 0.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1, 1, 0]], dtype=D)
+    rewards, met = apply_kl_in_reward(scores, old, refp, mask, kl_coef=0.1, kind="kl")
+    ref.assert_close(rewards, [[-0.05, 0.0, 1.05, 0.0]], atol=1e-12)
+    assert met["kl"].item() == pytest.approx(0.0)  # mean of [0.5, 0, -0.5]
+    _, met = apply_kl_in_reward(scores, old, refp, mask, kl_coef=0.1, kind="abs")
+    assert met["kl"].item() == pytest.approx(1.0 / 3)
+
+
+def test_value_loss_worked_numbers():
+    # values 1.0, c 0.2. token 0: vpred 1.5, return 2.0: v_clip 1.2; (1.5-2)^2 = 0.25 < (1.2-2)^2 = 0.64
+    #   -> 0.5 * 0.64 = 0.32, the clipped term wins (no gradient)
+    # token 1: vpred 1.1 inside the clip -> 0.5 * 0.81 = 0.405, grad = vpred - return = -0.9
+    vpreds = torch.tensor([[1.5, 1.1, 7.0]], dtype=D, requires_grad=True)
+    returns = torch.tensor([[2.0, 2.0, 0.0]], dtype=D)
+    values = torch.ones(1, 3, dtype=D)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=D)
+    loss, met = value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
+    ref.assert_close(loss, [[0.32, 0.405, 0.0]], atol=1e-12)
+    loss.sum().backward()
+    ref.assert_close(vpreds.grad, [[0.0, -0.9, 0.0]], atol=1e-12)
+    assert met["vf_clipfrac"].item() == 0.5
+
+
+def test_explained_variance_worked_numbers():
+    # values [1, 2, 3], returns [1, 2, 4]: Var[resid [0, 0, 1]] = 1/3, Var[returns] = 7/3 -> 1 - 1/7
+    values = torch.tensor([[1.0, 2.0, 3.0, 50.0]], dtype=D)
+    returns = torch.tensor([[1.0, 2.0, 4.0, -50.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1, 1, 0]], dtype=D)
+    assert explained_variance(values, returns, mask).item() == pytest.approx(6 / 7)
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+
+
+def test_entropy_worked_numbers():
+    # uniform over 4: ln 4 = 1.386294 ; probs [0.25, 0.75] (logits [0, ln 3]):
+    #   H = 0.25 ln 4 + 0.75 ln(4/3) = 0.346574 + 0.215762 = 0.562335
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9]], dtype=D)
+    ref.assert_close(entropy_from_logits(logits), [1.386294, 0.562335], atol=1e-6)
+
+
+def test_entropy_and_logprobs_chunked_equal_unchunked_with_grads():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=g, dtype=D, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 7), generator=g)
+    direct_h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    direct_lp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    gh = torch.autograd.grad(direct_h.sum() + direct_lp.sum(), logits)[0]
+    for chunk in (1, 4, 100):
+        h = entropy_from_logits(logits, chunk_size=chunk)
+        lp = logprobs_from_logits(logits, labels, chunk_size=chunk)
+        ref.assert_close(h, direct_h, atol=1e-12)
+        ref.assert_close(lp, direct_lp, atol=1e-12)
+        ref.assert_close(torch.autograd.grad(h.sum() + lp.sum(), logits)[0], gh, atol=1e-12)
+    # half precision in, float32 out
+    assert entropy_from_logits(logits.detach().bfloat16()).dtype == torch.float32
+    with pytest.raises(ValueError, match="disagree"):
+        logprobs_from_logits(logits, labels[:, :3])
+
+
+def test_adaptive_entropy_controller():
+    # c0 = 0, target 0.2, delta 0.005, cap 0.008
+    c = AdaptiveEntropyController(init_coeff=0.0, target_entropy=0.2, delta=0.005, max_coeff=0.008)
+    assert c.effective_coeff(0.1) == 0.0  # below target but c is still 0
+    assert c.update(0.1) == pytest.approx(0.005)  # below target: raise
+    assert c.effective_coeff(0.1) == pytest.approx(0.005)
+    assert c.update(0.1) == pytest.approx(0.008)  # clipped at c_max
+    assert c.effective_coeff(0.3) == 0.0  # above target: the bonus is off...
+    assert c.update(0.3) == pytest.approx(0.003)  # ...and c decreases
+    assert c.update(0.3) == 0.0 and c.update(0.3) == 0.0  # clipped at 0
+    assert c.update(0.2) == 0.0  # at target: no move

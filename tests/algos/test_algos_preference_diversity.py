@@ -1,0 +1,159 @@
+"""DPO / cDPO / IPO, KTO, pairwise RM loss; DARLING diversity; masked helpers and group ids."""
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import algos_reference as ref
+from tiller.algos import (
+    diversity_from_partition,
+    dpo_loss,
+    fuse_diversity,
+    group_ids,
+    kto_loss,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    pairwise_rm_loss,
+)
+from tiller.errors import ConfigError, DataError
+
+D = torch.float64
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=D)
+
+
+def softplus(x):
+    return math.log1p(math.exp(x))
+
+
+def test_dpo_worked_numbers():
+    # h = (pc - pr) - (rc - rr) = (-1 + 3) - (-2 + 2) = 2 ; beta 0.1 -> beta h = 0.2
+    # sigmoid: -log sigma(0.2) = softplus(-0.2) = 0.598139
+    loss, cr, rr = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1)
+    assert loss.item() == pytest.approx(softplus(-0.2))
+    assert loss.item() == pytest.approx(0.598139, abs=1e-6)
+    # implicit rewards beta (pi - ref): chosen 0.1 * 1, rejected 0.1 * -1
+    assert cr.item() == pytest.approx(0.1) and rr.item() == pytest.approx(-0.1)
+    # cDPO eps 0.1: 0.9 * softplus(-0.2) + 0.1 * softplus(0.2) = 0.538325 + 0.079814 = 0.618139
+    loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, label_smoothing=0.1)
+    assert loss.item() == pytest.approx(0.618139, abs=1e-6)
+    # IPO: (h - 1 / (2 beta))^2 = (2 - 5)^2 = 9
+    loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, loss_type="ipo")
+    assert loss.item() == pytest.approx(9.0)
+    with pytest.raises(ConfigError, match="sigmoid, ipo"):
+        dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), beta=0.1, loss_type="hinge")
+
+
+def test_dpo_gradient_direction_and_extremes():
+    pc = t(-1.0, -500.0).requires_grad_(True)
+    pr = t(-1.0, -1.0).requires_grad_(True)
+    loss, _, _ = dpo_loss(pc, pr, t(-1.0, -1.0), t(-1.0, -1.0), beta=1.0)
+    loss.sum().backward()
+    # at h = 0: loss ln 2, d loss / d pc = -sigma(-h) = -0.5: raising the chosen log-prob lowers the loss
+    assert loss[0].item() == pytest.approx(math.log(2))
+    assert pc.grad[0].item() == pytest.approx(-0.5) and pr.grad[0].item() == pytest.approx(0.5)
+    assert torch.isfinite(loss).all() and loss[1].item() == pytest.approx(499.0)
+
+
+def test_kto_worked_numbers():
+    # logratio r = [-1 + 1.5, -2 + 1.5] = [0.5, -0.5]; z = 0.2; beta 0.5
+    # desirable: 1 - sigma(0.5 (0.5 - 0.2)) = 1 - sigma(0.15) = 0.462570
+    # undesirable (w 1.33): 1.33 (1 - sigma(0.5 (0.2 + 0.5))) = 1.33 (1 - sigma(0.35)) = 1.33 * 0.413382 = 0.549798
+    loss, met = kto_loss(t(-1.0, -2.0), t(-1.5, -1.5), torch.tensor([True, False]), t(0.2), beta=0.5, undesirable_weight=1.33)
+    ref.assert_close(loss, [0.462570, 0.549798], atol=1e-6)
+    assert met["kl"].item() == pytest.approx(0.2)
+    assert met["rewards_chosen_sum"].item() == pytest.approx(0.25) and met["num_chosen"].item() == 1
+    assert met["rewards_rejected_sum"].item() == pytest.approx(-0.25) and met["num_rejected"].item() == 1
+    # a negative KL estimate is clamped at 0, and no gradient flows into it
+    z = t(-1.0).requires_grad_(True)
+    loss, met = kto_loss(t(-1.0), t(-1.0), torch.tensor([True]), z, beta=1.0)
+    assert met["kl"].item() == 0.0 and loss.item() == pytest.approx(0.5)
+    assert not loss.requires_grad
+
+
+def test_pairwise_rm_loss_worked_numbers():
+    # -log sigma(2 - 1) = softplus(-1) = 0.313262 ; with margin 0.5: softplus(-0.5) = 0.474077
+    c, r = t(2.0, 2.0), t(1.0, 1.0)
+    ref.assert_close(pairwise_rm_loss(c, r), [0.313262, 0.313262], atol=1e-6)
+    ref.assert_close(pairwise_rm_loss(c, r, margin=t(0.5, 0.0)), [0.474077, 0.313262], atol=1e-6)
+    ref.assert_close(pairwise_rm_loss(c, r, kind="logexp"), pairwise_rm_loss(c, r), atol=1e-15)
+    # extreme score gaps stay finite: softplus(-1e4) = 0, softplus(1e4) = 1e4
+    ref.assert_close(pairwise_rm_loss(t(1e4, -1e4), t(0.0, 0.0), kind="logexp"), [0.0, 1e4], atol=1e-9)
+    with pytest.raises(ConfigError, match="sigmoid, logexp"):
+        pairwise_rm_loss(c, r, kind="hinge")
+
+
+def test_diversity_worked_numbers():
+    # group 0: classes [a, a, b, c], n = 4 -> (4 - |class|) / 3 = [2/3, 2/3, 1, 1]
+    # group 1: a singleton -> 1 by convention ; group 2: all alike [x, x, x] -> 0
+    # the same class label "a" in group 2's position means nothing across groups
+    classes = ["a", "a", "b", "c", "a", "x", "x", "x"]
+    groups = [0, 0, 0, 0, 1, 2, 2, 2]
+    div = diversity_from_partition(classes, groups)
+    ref.assert_close(div, [2 / 3, 2 / 3, 1, 1, 1, 0, 0, 0], atol=1e-7)
+    # all distinct -> 1 everywhere
+    ref.assert_close(diversity_from_partition([0, 1, 2], ["p", "p", "p"]), [1, 1, 1])
+
+
+def test_diversity_matches_pairwise_loop():
+    g = np.random.default_rng(0)
+    classes = g.integers(0, 3, size=40).tolist()
+    groups = g.integers(0, 6, size=40).tolist()
+    expected = []
+    for i in range(40):
+        peers = [j for j in range(40) if groups[j] == groups[i] and j != i]
+        expected.append(1.0 if not peers else sum(classes[j] != classes[i] for j in peers) / len(peers))
+    ref.assert_close(diversity_from_partition(classes, groups), expected, atol=1e-6)
+
+
+def test_fuse_diversity_worked_numbers():
+    quality = t(1.0, 0.0, 1.0, 1.0)
+    div = t(2 / 3, 2 / 3, 1.0, 0.5)
+    groups = [0, 0, 1, 1]
+    # multiplicative (paper): quality * Div
+    ref.assert_close(fuse_diversity(quality, div, groups), [2 / 3, 0.0, 1.0, 0.5])
+    # additive, weight 0.5: quality + 0.5 Div
+    ref.assert_close(fuse_diversity(quality, div, groups, mode="additive", weight=0.5), [4 / 3, 1 / 3, 1.5, 1.25])
+    # group_max: group 0 max 2/3 -> [1, 1]; group 1 max 1 -> [1, 0.5]
+    ref.assert_close(fuse_diversity(quality, div, groups, normalization="group_max"), [1.0, 0.0, 1.0, 0.5])
+    # a collapsed group (all Div 0) stays at 0 with group_max, never NaN
+    ref.assert_close(fuse_diversity(t(1.0, 1.0), t(0.0, 0.0), [0, 0], normalization="group_max"), [0.0, 0.0])
+    with pytest.raises(ConfigError, match="multiplicative, additive"):
+        fuse_diversity(quality, div, groups, mode="max")
+    with pytest.raises(DataError):
+        fuse_diversity(quality, div[:2], groups)
+
+
+def test_masked_helpers_worked_numbers():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [3.0, float("inf"), 6.0]], dtype=D)
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]], dtype=D)
+    # valid values [1, 2, 3, 6]: mean 3; unbiased var = (4 + 1 + 0 + 9) / 3 = 14/3
+    assert masked_mean(x, m).item() == pytest.approx(3.0)
+    ref.assert_close(masked_mean(x, m, dim=-1), [1.5, 4.5])
+    assert masked_var(x, m).item() == pytest.approx(14 / 3)
+    assert masked_var(x, m, unbiased=False).item() == pytest.approx(3.5)
+    w = masked_whiten(x, m)
+    ref.assert_close(w, [[-2 / math.sqrt(14 / 3), -1 / math.sqrt(14 / 3), 0.0], [0.0, 0.0, 3 / math.sqrt(14 / 3)]], atol=1e-8)
+    # shift_mean=False keeps the mean: (x - 3) / std + 3
+    assert masked_whiten(x, m, shift_mean=False)[0, 0].item() == pytest.approx(-2 / math.sqrt(14 / 3) + 3, abs=1e-8)
+    # one valid element: var 0, whitened 0 ; none: mean 0
+    one = torch.tensor([[5.0, 7.0]], dtype=D)
+    assert masked_whiten(one, torch.tensor([[1.0, 0.0]], dtype=D)).abs().sum().item() == 0.0
+    assert masked_mean(one, torch.zeros(1, 2)).item() == 0.0
+
+
+def test_group_ids_forms():
+    ids, g = group_ids(["b", "a", "b", "c"])
+    assert g == 3 and ids.tolist() == [1, 0, 1, 2]
+    ids, g = group_ids(np.array(["x", 3, "x"], dtype=object))
+    assert g == 2 and ids[0] == ids[2] != ids[1]
+    ids, g = group_ids(torch.tensor([7, 7, 2]))
+    assert g == 2 and Counter(ids.tolist()) == Counter({1: 2, 0: 1})
+    with pytest.raises(DataError, match="1-D"):
+        group_ids(np.zeros((2, 2)))
