@@ -1,0 +1,86 @@
+"""Score (prompt, response) pairs with a reward model: one scalar per pair, batched, no grad.
+
+Two model kinds, told apart by the checkpoint's `architectures`:
+- `*ForSequenceClassification` with `num_labels=1` (the usual RM head, e.g. Skywork-Reward,
+  trained by `tiller rm`): the model itself pools the last non-pad token;
+- a causal LM with a value head, saved as `*ForTokenClassification` with `num_labels=1`
+  (verl / OpenRLHF style): we take the value at the last non-pad token.
+
+Each pair is rendered with the reward model's own chat template (`[user: prompt, assistant:
+response]`); when `extra_info["raw_prompt"]` holds the chat messages they are used as the
+conversation instead of the decoded prompt text. A tokenizer without a chat template gets
+`prompt + response`. Texts longer than `max_length` tokens are cut from the left, keeping the end
+of the response. Pairs are scored `micro_batch_size` at a time, padded on the right.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiller.errors import UserError
+from tiller.rewards.managers import ScoreBatch
+from tiller.rewards.types import RewardRequest
+
+
+def _render(tokenizer: Any, prompt: Any, response: str) -> str:
+    messages = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": str(prompt)}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+    return "".join(m["content"] for m in messages) + response
+
+
+class RewardModelScorer:
+    """A reward model loaded from a local dir; `score_texts(prompts, responses) -> [B] float32`."""
+
+    def __init__(self, path: str, micro_batch_size: int = 16, max_length: int | None = None,
+                 trust_remote_code: bool = False, device: str | None = None, dtype: torch.dtype = torch.float32):
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+        from tiller.models.loading import load_tokenizer
+
+        if micro_batch_size < 1:
+            raise UserError(f"reward_model.micro_batch_size_per_gpu must be >= 1, got {micro_batch_size}")
+        self.tokenizer = load_tokenizer(path, padding_side="right", trust_remote_code=trust_remote_code)
+        self.tokenizer.truncation_side = "left"
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise UserError(f"reward_model.model.path: cannot load a model config from {path!r}: {err}") from err
+        if getattr(config, "num_labels", 1) != 1:
+            raise UserError(f"reward_model.model.path: {path} has num_labels={config.num_labels}; a reward model needs 1")
+        archs = getattr(config, "architectures", None) or []
+        self.token_level = any(a.endswith("ForTokenClassification") for a in archs)
+        auto = AutoModelForTokenClassification if self.token_level else AutoModelForSequenceClassification
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = auto.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype).to(self.device)
+        self.model.eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+
+    @torch.no_grad()
+    def _forward(self, texts: list[str]) -> torch.Tensor:
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=self.max_length is not None,
+                             max_length=self.max_length, add_special_tokens=False).to(self.device)
+        logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+        if not self.token_level:
+            return logits[:, 0].float()  # [b]: the model pooled the last non-pad token
+        # logits [b, L, 1]; right padding, so the last real token is at (number of real tokens - 1)
+        last = enc["attention_mask"].sum(dim=1) - 1
+        return logits[torch.arange(len(texts), device=logits.device), last, 0].float()
+
+    def score_texts(self, prompts: list[Any], responses: list[str]) -> np.ndarray:
+        """[B] scores of prompt/response pairs (prompts: strings or lists of chat messages)."""
+        texts = [_render(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        out = [self._forward(texts[i:i + self.micro_batch_size]).cpu()
+               for i in range(0, len(texts), self.micro_batch_size)]
+        return torch.cat(out).numpy().astype(np.float32) if out else np.zeros(0, dtype=np.float32)
+
+    def score(self, requests: list[RewardRequest]) -> ScoreBatch:
+        prompts = [r.extra_info.get("raw_prompt", r.prompt) if r.extra_info else r.prompt for r in requests]
+        scores = self.score_texts(prompts, [r.response for r in requests])
+        return ScoreBatch(scores=scores, extras={"rm_score": scores.copy()}, metrics={"reward/num_errors": 0.0})
