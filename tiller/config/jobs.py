@@ -1,0 +1,336 @@
+"""Typed configs of the offline jobs: `tiller sft`, `tiller rm`, `tiller dpo`, `tiller kto`.
+
+Key names follow verl's `sft_trainer.yaml` where it has them (`data.train_files`, `data.prompt_key`,
+`data.response_key`, `data.max_length`, `data.truncation`, `data.micro_batch_size_per_gpu`,
+`data.train_batch_size`, `model.partial_pretrain`, `model.lora_rank`, `optim.lr`,
+`optim.warmup_steps_ratio`, `optim.clip_grad`, `trainer.total_epochs`, `trainer.default_local_dir`,
+...), plus OpenRLHF's `input_key` / `output_key` and TRL's preference column names (`prompt`,
+`chosen`, `rejected`; KTO: `completion`, `label`). Load one with
+`tiller.config.load_config(overrides, config_file, schema=SFTConfig, validate=validate_job)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tiller.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training files: parquet or jsonl."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation files (eval loss and perplexity); empty = no validation."""
+    format: str = "auto"
+    """auto (messages if data.messages_key is a column) | prompt_response | messages."""
+    prompt_key: str = "prompt"
+    """Prompt column: a string or a list of chat messages."""
+    response_key: str = "response"
+    """Response column: a string."""
+    input_key: Optional[str] = None
+    """OpenRLHF's name for the prompt column; overrides data.prompt_key when set."""
+    output_key: Optional[str] = None
+    """OpenRLHF's name for the response column; overrides data.response_key when set."""
+    messages_key: str = "messages"
+    """Chat-conversation column (list of {role, content}); loss on every assistant turn."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (as the RL trainer does)."""
+    max_length: int = 512
+    """Longest prompt + response in tokens."""
+    truncation: str = "error"
+    """Over max_length: error | left (drop the start) | right (drop the end)."""
+    train_batch_size: int = 16
+    """Sequences per optimizer step (global batch)."""
+    micro_batch_size_per_gpu: int = 4
+    """Rows per forward/backward (gradient accumulation = train_batch_size / this)."""
+    packing: bool = False
+    """Pack several sequences per row (positions restart, attention stays inside each sequence)."""
+    pack_length: Optional[int] = None
+    """Tokens per packed row; None = data.max_length."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by trainer.seed)."""
+    max_samples: int = -1
+    """Use at most this many training rows (-1 = all)."""
+    val_max_samples: int = -1
+    """Use at most this many validation rows (-1 = all)."""
+
+
+@dataclass
+class PreferenceDataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training files: parquet or jsonl."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation files; empty = no validation."""
+    prompt_key: str = "prompt"
+    """Prompt column: a string or a list of chat messages."""
+    chosen_key: str = "chosen"
+    """Preferred response column: a string or a list of assistant messages."""
+    rejected_key: str = "rejected"
+    """Dispreferred response column: a string or a list of assistant messages."""
+    margin_key: Optional[str] = None
+    """RM only: column with a per-pair margin (Llama-2); None = no margin."""
+    ref_chosen_logps_key: Optional[str] = None
+    """DPO: column of precomputed reference log-prob sums of chosen (then no reference model is run)."""
+    ref_rejected_logps_key: Optional[str] = None
+    """DPO: column of precomputed reference log-prob sums of rejected."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template."""
+    max_length: int = 512
+    """Longest prompt + response in tokens."""
+    truncation: str = "error"
+    """Over max_length: error | left (drop the prompt start) | right (drop the response end)."""
+    train_batch_size: int = 16
+    """Pairs (KTO: examples) per optimizer step."""
+    micro_batch_size_per_gpu: int = 4
+    """Pairs (KTO: examples) per forward/backward."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by trainer.seed)."""
+    max_samples: int = -1
+    """Use at most this many training rows (-1 = all)."""
+    val_max_samples: int = -1
+    """Use at most this many validation rows (-1 = all)."""
+
+
+@dataclass
+class KTODataConfig(PreferenceDataConfig):
+    completion_key: str = "completion"
+    """KTO: completion column (TRL's unpaired format)."""
+    label_key: str = "label"
+    """KTO: desirable (true) / undesirable (false) column."""
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class JobModelConfig:
+    partial_pretrain: str = ""
+    """Model to train: a Hugging Face causal-LM dir (verl's name)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer dir; None = model.partial_pretrain."""
+    ref_path: Optional[str] = None
+    """DPO / KTO reference model; None = partial_pretrain (with LoRA: the base with adapters disabled)."""
+    trust_remote_code: bool = False
+    """Pass trust_remote_code to from_pretrained."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    attn_implementation: Optional[str] = None
+    """transformers attention: sdpa | eager | flash_attention_2; None = transformers' default."""
+    lora_rank: int = 0
+    """LoRA rank (0 = full fine-tuning)."""
+    lora_alpha: int = 16
+    """LoRA alpha (scale = alpha / rank)."""
+    lora_dropout: float = 0.0
+    """LoRA dropout."""
+    target_modules: Any = "all-linear"
+    """LoRA target modules: a list of module names or 'all-linear'."""
+
+
+@dataclass
+class JobOptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps_ratio: float = 0.0
+    """Linear warmup as a fraction of total steps."""
+    lr_scheduler: str = "cosine"
+    """After warmup: cosine | constant."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    clip_grad: float = 1.0
+    """Max global gradient norm (<= 0 disables clipping)."""
+    dtype: str = "float32"
+    """Compute dtype: float32 | bfloat16 (autocast; weights and optimizer stay float32)."""
+
+
+@dataclass
+class JobTrainerConfig:
+    project_name: str = "tiller"
+    """Project name (tracking)."""
+    experiment_name: str = "run"
+    """Experiment name (tracking, run dir)."""
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/, hf_model/."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """console | jsonl | tensorboard | wandb | mlflow."""
+    total_epochs: int = 1
+    """Passes over the training data."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many optimizer steps (overrides total_epochs)."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1 = only at the end)."""
+    test_freq: int = -1
+    """Validate every N steps (-1 = only at the end)."""
+    max_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N checkpoints."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint in the run dir, if any) | disable | resume_path."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint dir for resume_mode=resume_path."""
+    export_hf: bool = True
+    """At the end write <default_local_dir>/hf_model: a from_pretrained-ready model, LoRA merged."""
+    seed: int = 1
+    """Seed of initialisation, shuffling and dropout."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    num_threads: int = 0
+    """torch threads (0 = leave torch's default)."""
+
+
+# ----------------------------------------------------------------------------------------- algorithms
+
+
+@dataclass
+class RMAlgoConfig:
+    loss: str = "sigmoid"
+    """Pairwise loss: sigmoid (-log sigma(s_c - s_r - margin)) | logexp (OpenRLHF's name, same value)."""
+
+
+@dataclass
+class DPOAlgoConfig:
+    loss: str = "dpo"
+    """dpo | ipo | cdpo (conservative DPO: dpo with label smoothing)."""
+    beta: float = 0.1
+    """Inverse temperature beta (IPO: the regularisation tau)."""
+    label_smoothing: float = 0.0
+    """cDPO: probability that a label is flipped (must be > 0 for cdpo, 0 for ipo)."""
+
+
+@dataclass
+class KTOAlgoConfig:
+    beta: float = 0.1
+    """Inverse temperature beta."""
+    desirable_weight: float = 1.0
+    """lambda_D: weight of desirable examples."""
+    undesirable_weight: float = 1.0
+    """lambda_U: weight of undesirable examples."""
+
+
+# --------------------------------------------------------------------------------------------- jobs
+
+
+@dataclass
+class SFTConfig:
+    """`tiller sft`: supervised fine-tuning."""
+
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: JobModelConfig = field(default_factory=JobModelConfig)
+    optim: JobOptimConfig = field(default_factory=JobOptimConfig)
+    trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+
+
+@dataclass
+class RMConfig:
+    """`tiller rm`: pairwise reward model."""
+
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    model: JobModelConfig = field(default_factory=JobModelConfig)
+    optim: JobOptimConfig = field(default_factory=JobOptimConfig)
+    trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+    algorithm: RMAlgoConfig = field(default_factory=RMAlgoConfig)
+
+
+@dataclass
+class DPOConfig:
+    """`tiller dpo`: DPO / IPO / cDPO."""
+
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    model: JobModelConfig = field(default_factory=JobModelConfig)
+    optim: JobOptimConfig = field(default_factory=JobOptimConfig)
+    trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+    algorithm: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
+
+
+@dataclass
+class KTOConfig:
+    """`tiller kto`: Kahneman-Tversky optimisation."""
+
+    data: KTODataConfig = field(default_factory=KTODataConfig)
+    model: JobModelConfig = field(default_factory=JobModelConfig)
+    optim: JobOptimConfig = field(default_factory=JobOptimConfig)
+    trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+    algorithm: KTOAlgoConfig = field(default_factory=KTOAlgoConfig)
+
+
+# ------------------------------------------------------------------------------------------ validate
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def _choice(key: str, value: object, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        import difflib
+
+        close = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key} = {value!r} is not one of: {', '.join(valid)}{hint}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def validate_job(cfg: Any) -> None:
+    """Cross-field checks shared by the four jobs, then the job's own."""
+    data, model, optim, tr = cfg.data, cfg.model, cfg.optim, cfg.trainer
+    if not model.partial_pretrain:
+        raise ConfigError("model.partial_pretrain is required: the Hugging Face model dir to train")
+    if not data.train_files:
+        raise ConfigError("data.train_files is required: one or more parquet / jsonl files")
+    for key in ("max_length", "train_batch_size", "micro_batch_size_per_gpu"):
+        _positive(f"data.{key}", getattr(data, key))
+    if data.train_batch_size % data.micro_batch_size_per_gpu:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be a multiple of "
+                          f"data.micro_batch_size_per_gpu ({data.micro_batch_size_per_gpu})")
+    _choice("data.truncation", data.truncation, ("error", "left", "right"))
+    _positive("optim.lr", optim.lr)
+    _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant"))
+    _choice("optim.dtype", optim.dtype, ("float32", "fp32", "bfloat16", "bf16"))
+    if not 0 <= optim.warmup_steps_ratio < 1:
+        raise ConfigError(f"optim.warmup_steps_ratio must be in [0, 1), got {optim.warmup_steps_ratio}")
+    if model.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank must be >= 0, got {model.lora_rank}")
+    for name in tr.logger:
+        _choice("trainer.logger", name, LOGGERS)
+    _choice("trainer.resume_mode", tr.resume_mode, ("auto", "disable", "resume_path"))
+    if tr.resume_mode == "resume_path" and not tr.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    _positive("trainer.total_epochs", tr.total_epochs)
+    if isinstance(cfg, SFTConfig):
+        _choice("data.format", data.format, ("auto", "prompt_response", "messages"))
+        if data.pack_length is not None:
+            _positive("data.pack_length", data.pack_length)
+    if isinstance(cfg, RMConfig):
+        _choice("algorithm.loss", cfg.algorithm.loss, ("sigmoid", "logexp"))
+    if isinstance(cfg, DPOConfig):
+        _validate_dpo(cfg)
+    if isinstance(cfg, KTOConfig):
+        _positive("algorithm.beta", cfg.algorithm.beta)
+        if cfg.algorithm.desirable_weight < 0 or cfg.algorithm.undesirable_weight < 0:
+            raise ConfigError("algorithm.desirable_weight and algorithm.undesirable_weight must be >= 0")
+        if cfg.data.train_batch_size < 2:
+            raise ConfigError("KTO needs data.train_batch_size >= 2: the KL baseline pairs each prompt with "
+                              "another example's completion")
+
+
+def _validate_dpo(cfg: DPOConfig) -> None:
+    algo = cfg.algorithm
+    _choice("algorithm.loss", algo.loss, ("dpo", "ipo", "cdpo"))
+    _positive("algorithm.beta", algo.beta)
+    if not 0 <= algo.label_smoothing < 0.5:
+        raise ConfigError(f"algorithm.label_smoothing must be in [0, 0.5), got {algo.label_smoothing}")
+    if algo.loss == "cdpo" and algo.label_smoothing == 0:
+        raise ConfigError("algorithm.loss=cdpo needs algorithm.label_smoothing > 0 (e.g. 0.1)")
+    if algo.loss == "ipo" and algo.label_smoothing != 0:
+        raise ConfigError("algorithm.label_smoothing applies to dpo / cdpo, not ipo")
+    keys = (cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key)
+    if (keys[0] is None) != (keys[1] is None):
+        raise ConfigError("set both data.ref_chosen_logps_key and data.ref_rejected_logps_key, or neither")

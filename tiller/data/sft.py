@@ -1,0 +1,207 @@
+"""SFT datasets: prompt / response pairs or chat conversations, tokenized with a loss mask.
+
+Two row formats (parquet or JSONL; `tiller.data.rl_dataset.read_rows` reads both):
+
+- prompt / response (verl's `SFTDataset`, `data.prompt_key` / `data.response_key`; OpenRLHF's
+  `input_key` / `output_key` are accepted as aliases). The prompt is a string or a list of chat
+  messages and is rendered exactly as the RL trainer renders prompts (`render_prompt`: the chat
+  template with `add_generation_prompt=True`); the response is tokenized as is and followed by the
+  eos token, which ends an assistant turn in ChatML. Loss on response tokens (and that eos) only.
+- chat messages (verl's `MultiTurnSFTDataset`, `data.messages_key`): a list of
+  `{"role", "content"}` turns rendered with the chat template; loss on EVERY assistant turn. The
+  mask comes from the template's `{% generation %}` markers (`return_assistant_tokens_mask=True`);
+  a template without them is handled by incremental rendering: the assistant span of turn i is the
+  text that `messages[:i+1]` adds to `messages[:i]` rendered with `add_generation_prompt=True`.
+
+`data.format=auto` picks messages when the messages column is present, else prompt / response.
+
+Length: a sequence over `data.max_length` tokens raises a `DataError` naming file and row
+(`data.truncation=error`, the default), or is cut: `right` keeps the start (the response tail is
+lost), `left` keeps the end (the prompt head is lost). An example left with no loss token raises.
+
+Each example is stored as `input_ids` and `labels` (the next-token target at every position, -100
+where no loss is taken; the last position is always -100), so packed sequences never predict across
+a boundary: see `tiller.data.packing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from tiller.errors import DataError
+
+IGNORE = -100
+FORMATS = ("auto", "prompt_response", "messages")
+
+
+@dataclass
+class SFTExample:
+    """One tokenized training sequence.
+
+    input_ids: [L] token ids.  labels: [L] target of position t (= input_ids[t+1]) or -100.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(1 for x in self.labels if x != IGNORE)
+
+
+def shifted_labels(input_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:
+    """labels[t] = input_ids[t+1] where loss_mask[t+1] else -100; labels[-1] = -100."""
+    out = [IGNORE] * len(input_ids)
+    for t in range(len(input_ids) - 1):
+        if loss_mask[t + 1]:
+            out[t] = int(input_ids[t + 1])
+    return out
+
+
+def _as_list(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def _check_text(value: Any, what: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {what} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(f"{where}: {what} is empty")
+    return value
+
+
+def encode_prompt_response(prompt: Any, response: Any, tokenizer, apply_chat_template: bool,
+                           where: str) -> tuple[list[int], list[int]]:
+    """(prompt_ids, response_ids) with the response followed by eos; raises `DataError` on empty text."""
+    from tiller.data.rl_dataset import render_prompt
+
+    prompt = _as_list(prompt)
+    if isinstance(prompt, str):
+        _check_text(prompt, "prompt", where)
+    text = render_prompt(prompt, tokenizer, apply_chat_template, where)
+    response = _check_text(_as_list(response), "response", where)
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        response_ids = response_ids + [tokenizer.eos_token_id]
+    return list(prompt_ids), list(response_ids)
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    messages = _as_list(messages)
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: message {i} must be a dict with 'role' and 'content'")
+        out.append({"role": str(m["role"]), "content": m["content"]})
+    assistant = [m for m in out if m["role"] == "assistant"]
+    if not assistant:
+        raise DataError(f"{where}: the conversation has no assistant turn to learn from")
+    if any(not str(m["content"]).strip() for m in assistant):
+        raise DataError(f"{where}: an assistant turn is empty")
+    return out
+
+
+def encode_messages(messages: Any, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a chat conversation: mask 1 on every assistant turn's tokens."""
+    messages = _check_messages(messages, where)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: chat-message data needs a tokenizer with a chat template")
+    if "{% generation %}" in tokenizer.chat_template or "{%- generation %}" in tokenizer.chat_template:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    return _encode_incremental(messages, tokenizer, where)
+
+
+def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _encode_incremental(messages: list[dict], tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """Loss mask by rendering growing prefixes (templates without generation markers)."""
+    full = _render_ids(tokenizer, messages, False)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(_render_ids(tokenizer, messages[:i], True)) if i else 0
+        end = len(_render_ids(tokenizer, messages[: i + 1], False))
+        if full[:end] != _render_ids(tokenizer, messages[: i + 1], False):
+            raise DataError(f"{where}: the chat template does not render turns as a prefix; "
+                            "add {% generation %} markers to it for multi-turn SFT")
+        for t in range(start, min(end, len(full))):
+            mask[t] = 1
+    return full, mask
+
+
+def fit_length(ids: list[int], mask: list[int], max_length: int, truncation: str,
+               where: str) -> tuple[list[int], list[int]]:
+    """Apply `data.max_length` / `data.truncation` (error | left | right) to a full sequence."""
+    if len(ids) <= max_length:
+        return ids, mask
+    if truncation == "right":
+        return ids[:max_length], mask[:max_length]
+    if truncation == "left":
+        return ids[-max_length:], mask[-max_length:]
+    raise DataError(f"{where}: sequence has {len(ids)} tokens > data.max_length={max_length}; "
+                    "raise data.max_length or set data.truncation=left|right")
+
+
+def detect_format(rows: list[dict], data_cfg, path: str) -> str:
+    fmt = data_cfg.format
+    if fmt != "auto":
+        return fmt
+    return "messages" if rows and data_cfg.messages_key in rows[0] else "prompt_response"
+
+
+def prompt_response_keys(data_cfg) -> tuple[str, str]:
+    """(prompt key, response key) with OpenRLHF's input_key / output_key taking precedence when set."""
+    return (data_cfg.input_key or data_cfg.prompt_key, data_cfg.output_key or data_cfg.response_key)
+
+
+def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str) -> SFTExample:
+    """Tokenize one row into an `SFTExample` (see the module docstring)."""
+    if fmt == "messages":
+        key = data_cfg.messages_key
+        if key not in row:
+            raise DataError(f"{where}: missing key {key!r} (data.messages_key); row has {sorted(row)}")
+        ids, mask = encode_messages(row[key], tokenizer, where)
+    else:
+        pkey, rkey = prompt_response_keys(data_cfg)
+        for key, name in ((pkey, "data.prompt_key"), (rkey, "data.response_key")):
+            if key not in row:
+                raise DataError(f"{where}: missing key {key!r} ({name}); row has {sorted(row)}")
+        p_ids, r_ids = encode_prompt_response(row[pkey], row[rkey], tokenizer, data_cfg.apply_chat_template, where)
+        ids, mask = p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+    ids, mask = fit_length(ids, mask, data_cfg.max_length, data_cfg.truncation, where)
+    example = SFTExample(input_ids=ids, labels=shifted_labels(ids, mask))
+    if example.num_loss_tokens == 0:
+        raise DataError(f"{where}: no response token is left to learn from (after data.truncation="
+                        f"{data_cfg.truncation!r} to data.max_length={data_cfg.max_length})")
+    return example
+
+
+def load_sft_examples(files: Sequence[str], data_cfg, tokenizer, max_samples: int = -1) -> list[SFTExample]:
+    """Read and tokenize every row of `files` (see the module docstring); `DataError` names file and row."""
+    from tiller.data.rl_dataset import read_rows
+
+    if data_cfg.format not in FORMATS:
+        raise DataError(f"data.format={data_cfg.format!r} is not one of: {', '.join(FORMATS)}")
+    examples: list[SFTExample] = []
+    for path in files:
+        rows = read_rows(path)
+        fmt = detect_format(rows, data_cfg, str(path))
+        for i, row in enumerate(rows):
+            examples.append(encode_row(row, fmt, data_cfg, tokenizer, f"{path} row {i}"))
+            if 0 < max_samples <= len(examples):
+                return examples
+    if not examples:
+        raise DataError(f"no training rows in {', '.join(map(str, files)) or '(no files: set data.train_files)'}")
+    return examples

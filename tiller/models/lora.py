@@ -1,0 +1,70 @@
+"""LoRA adapters through peft: `apply_lora`, `merge_lora`, `is_lora`.
+
+LoRA (Hu et al. 2021, arXiv 2106.09685) freezes a weight W and learns a low-rank update:
+W x + (alpha / r) B A x, with A [r, in] random and B [out, r] zero at start, so the adapted model
+starts out equal to the base. `merge_lora` folds B A into W (peft's `merge_and_unload`), giving a
+plain transformers model that `save_pretrained` / `from_pretrained` handle like any other.
+
+For a sequence-classification model (reward model) the fresh `score` head is trained in full
+(peft `modules_to_save`), as TRL and OpenRLHF do; `all-linear` never adapts the output head.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tiller.errors import ConfigError
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """True for a peft model (adapters attached)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: Any = "all-linear",
+               dropout: float = 0.0, modules_to_save: Sequence[str] | None = None):
+    """Wrap `model` with LoRA adapters of rank `rank`; only adapter (and `modules_to_save`) weights train.
+
+    target_modules: "all-linear" (every linear layer but the output head) or module-name suffixes
+    such as ["q_proj", "v_proj"]. A sequence-classification model keeps its `score` head trainable.
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if rank <= 0:
+        raise ConfigError(f"model.lora_rank must be > 0 to apply LoRA, got {rank}")
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        target_modules = [target_modules]
+    if not isinstance(target_modules, str):
+        target_modules = [str(t) for t in target_modules]
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        unknown = [t for t in target_modules if t not in names]
+        if unknown:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"model.target_modules: no module named {unknown} in the model; "
+                              f"linear layers: {', '.join(linear)}")
+    is_seq_cls = type(model).__name__.endswith("ForSequenceClassification")
+    config = LoraConfig(
+        r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+        task_type=TaskType.SEQ_CLS if is_seq_cls else TaskType.CAUSAL_LM,
+        modules_to_save=list(modules_to_save) if modules_to_save else None,
+    )
+    return get_peft_model(model, config)
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain transformers model with adapters merged into the weights (a non-LoRA model as is)."""
+    if is_lora(model):
+        return model.merge_and_unload()
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Name -> parameter for every parameter with requires_grad."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,257 @@
+"""The training loop shared by `tiller sft`, `tiller rm`, `tiller dpo` and `tiller kto`.
+
+A job (`Job` below) knows its data and its loss; this loop owns everything else, identically for
+the four: seeded shuffling (a permutation per epoch from `numpy.random.default_rng(seed + epoch)`,
+so the data order is a pure function of the step and a resumed run sees the same batches),
+gradient accumulation, bf16 autocast, AdamW with linear warmup + cosine / constant schedule,
+gradient clipping, validation, the run records (config.yaml, metrics.jsonl, TensorBoard through
+`tiller.tracking.Tracker`), atomic checkpoints and resume (`tiller.trainer.checkpoint`) and the final
+export of a `from_pretrained`-ready model (LoRA merged) to `<run dir>/hf_model`.
+
+Global-batch invariance: the job's loss for a micro-batch is its SHARE of the step loss, i.e. a sum
+over its items divided by a normaliser computed once over the whole step (`Job.normalizer`: e.g.
+the step's response-token count for SFT, its pair count for DPO). Summing `.backward()` over the
+micro-batches then gives exactly the gradient of the step loss, whatever the micro-batch size.
+Metrics follow the same rule (each is a share; the loop sums them over micro-batches).
+
+Steps: `data.train_batch_size` examples per optimizer step; an epoch is ceil(N / batch) steps (the
+last batch of an epoch may be smaller; no example is dropped). `trainer.total_training_steps`
+overrides `trainer.total_epochs`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from tiller.errors import ConfigError, UserError
+
+
+class Job(Protocol):
+    """What a trainer plugs into `run_training`."""
+
+    def micro_batches(self, examples: Sequence[Any]) -> list[Any]:
+        """Collate one step's examples into micro-batches (tensors on CPU)."""
+
+    def normalizer(self, examples: Sequence[Any]) -> float:
+        """The step loss is sum(item losses) / normalizer(examples)."""
+
+    def prepare_step(self, model: torch.nn.Module, micro_batches: list[Any]) -> None:
+        """Called before the micro-batch losses of a step (e.g. KTO's KL baseline); may do nothing."""
+
+    def loss(self, model: torch.nn.Module, micro: Any, normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(this micro-batch's share of the step loss, metric shares summed over micro-batches)."""
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Turn summed metric shares into the logged values (e.g. perplexity); may return `sums`."""
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move tensors inside dicts / lists / tuples to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def resolve_device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name!r} but CUDA is not available; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    return max(1, math.ceil(num_examples / batch_size))
+
+
+def batch_indices(step: int, num_examples: int, batch_size: int, seed: int, shuffle: bool) -> list[int]:
+    """Example indices of optimizer step `step` (0-based): a pure function of its arguments."""
+    spe = steps_per_epoch(num_examples, batch_size)
+    epoch, k = divmod(step, spe)
+    order = np.random.default_rng(seed + epoch).permutation(num_examples) if shuffle else np.arange(num_examples)
+    return [int(i) for i in order[k * batch_size:(k + 1) * batch_size]]
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, style: str, min_lr_ratio: float):
+    """Multiplier of the peak lr at step s: linear warmup to 1, then cosine to min_lr_ratio or constant."""
+
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if style == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def autocast(device: torch.device, dtype_name: str):
+    bf16 = dtype_name in ("bfloat16", "bf16")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+@torch.no_grad()
+def evaluate(job: Job, model: torch.nn.Module, examples: Sequence[Any], batch_size: int, device: torch.device,
+             dtype_name: str = "float32") -> dict[str, float]:
+    """Job metrics over the whole of `examples` (normalised over all of them), model left in train mode."""
+    was_training = model.training
+    model.eval()
+    norm = job.normalizer(examples)
+    sums: dict[str, float] = {}
+    try:
+        for start in range(0, len(examples), batch_size):
+            micros = [to_device(m, device) for m in job.micro_batches(examples[start:start + batch_size])]
+            with autocast(device, dtype_name):
+                job.prepare_step(model, micros)
+                for micro in micros:
+                    loss, metrics = job.loss(model, micro, norm)
+                    _accumulate(sums, {"loss": loss, **metrics})
+    finally:
+        model.train(was_training)
+    return job.summarize(sums)
+
+
+def _accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor]) -> None:
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + float(v.detach().float().item() if torch.is_tensor(v) else v)
+
+
+# ----------------------------------------------------------------------------------------- export
+
+
+def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
+    """Save `model` (LoRA merged into a copy-free unload) + tokenizer to `out_dir` atomically."""
+    from tiller.models.lora import merge_lora
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain = merge_lora(model)
+    plain.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+# ------------------------------------------------------------------------------------------- loop
+
+
+def _resume(cfg, ckpt_root: Path, model, optimizer, scheduler) -> int:
+    from tiller.trainer.checkpoint import latest_checkpoint, load_checkpoint
+
+    mode = cfg.trainer.resume_mode
+    if mode == "disable":
+        return 0
+    path = cfg.trainer.resume_from_path if mode == "resume_path" else latest_checkpoint(ckpt_root)
+    if path is None:
+        return 0
+    state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    print(f"resumed from {path} at step {state['step']}")
+    return int(state["step"])
+
+
+def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_examples: Sequence[Any],
+                 val_examples: Sequence[Any] = (), device: torch.device | None = None) -> dict[str, float]:
+    """Train `model` with `job` as configured by `cfg` (any of the job configs); returns the last metrics."""
+    from tiller.config import to_dict
+    from tiller.tracking import Tracker
+    from tiller.trainer.checkpoint import save_checkpoint
+
+    tr, optim_cfg, data = cfg.trainer, cfg.optim, cfg.data
+    device = device or resolve_device(tr.device)
+    run_dir = Path(tr.default_local_dir)
+    ckpt_root = run_dir / "checkpoints"
+    batch_size = data.train_batch_size
+    total = tr.total_training_steps or tr.total_epochs * steps_per_epoch(len(train_examples), batch_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                                  weight_decay=optim_cfg.weight_decay)
+    warmup = int(optim_cfg.warmup_steps_ratio * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(total, warmup, optim_cfg.lr_scheduler, optim_cfg.min_lr_ratio))
+    start = _resume(cfg, ckpt_root, model, optimizer, scheduler)
+    tracker = Tracker(run_dir, loggers=tuple(tr.logger), project=tr.project_name, experiment=tr.experiment_name,
+                      config=to_dict(cfg))
+    last: dict[str, float] = {}
+    model.train()
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            idx = batch_indices(step, len(train_examples), batch_size, tr.seed, data.shuffle)
+            metrics = _train_step(job, model, [train_examples[i] for i in idx], optimizer, params,
+                                  optim_cfg, device)
+            scheduler.step()
+            metrics["train/lr"] = scheduler.get_last_lr()[0]
+            metrics["train/epoch"] = step // steps_per_epoch(len(train_examples), batch_size)
+            metrics["timing_s/step"] = time.perf_counter() - t0
+            done = step + 1
+            if val_examples and ((tr.test_freq > 0 and done % tr.test_freq == 0) or done == total):
+                val = evaluate(job, model, val_examples, batch_size, device, optim_cfg.dtype)
+                metrics.update({f"val/{k}": v for k, v in val.items()})
+            tracker.log(metrics, step=done)
+            last = metrics
+            if (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total:
+                save_checkpoint(ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
+                                extra_state={"total_steps": total}, tokenizer=tokenizer, keep=tr.max_ckpt_to_keep)
+    finally:
+        tracker.close()
+    if tr.export_hf:
+        out = export_model(model, tokenizer, run_dir / "hf_model")
+        print(f"exported the trained model to {out}")
+    return last
+
+
+def _train_step(job: Job, model, examples: list, optimizer, params, optim_cfg, device) -> dict[str, float]:
+    micros = [to_device(m, device) for m in job.micro_batches(examples)]
+    norm = job.normalizer(examples)
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    with autocast(device, optim_cfg.dtype):
+        with torch.no_grad():
+            job.prepare_step(model, micros)
+        for micro in micros:
+            loss, metrics = job.loss(model, micro, norm)
+            loss.backward()
+            _accumulate(sums, {"loss": loss, **metrics})
+    clip = optim_cfg.clip_grad if optim_cfg.clip_grad > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)  # skip a step with inf / NaN gradients
+    else:
+        optimizer.step()
+    out = {f"train/{k}": v for k, v in job.summarize(sums).items()}
+    out["train/grad_norm"] = float(grad_norm)
+    return out

@@ -1,0 +1,162 @@
+"""`tiller sft`: supervised fine-tuning with loss on response tokens only.
+
+Loss: the mean negative log-likelihood of the response tokens of the whole optimizer step,
+    L = - sum_{i, t in response_i} log pi(y_t | y_<t) / N_tok,   N_tok = response tokens in the step,
+so every response token of the step weighs the same however the step is split into micro-batches or
+packed into rows (global token-mean, `tiller.algos.aggregate_loss(..., "token-mean", global_tokens=)`).
+Validation reports the same token-mean `val/loss` over the whole validation set and
+`val/perplexity = exp(val/loss)`.
+
+Data: `tiller.data.sft` (prompt / response or chat messages, every assistant turn learned);
+packing: `tiller.data.packing` (`data.packing=True`). Deviation from verl's SFT trainer: verl
+averages each micro-batch's tokens and then the micro-batches; tiller normalises by the step's token
+count (the two agree only when every micro-batch holds the same number of response tokens).
+
+Example:
+    tiller sft model.partial_pretrain=./tiny data.train_files=[train.jsonl] data.val_files=[val.jsonl] \\
+        data.packing=True optim.lr=1e-4 trainer.total_epochs=3 trainer.default_local_dir=runs/sft
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Sequence
+
+import torch
+
+from tiller.algos import aggregate_loss, logprobs_from_logits
+from tiller.config.jobs import SFTConfig
+from tiller.data.packing import forward_logits, make_micro_batches
+from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
+
+
+class SFTJob:
+    """Token-mean NLL on response tokens (see the module docstring)."""
+
+    def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None):
+        self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
+        self.packing, self.pack_length = packing, pack_length
+
+    def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
+        return make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
+
+    def normalizer(self, examples: Sequence[SFTExample]) -> float:
+        return float(sum(e.num_loss_tokens for e in examples))
+
+    def prepare_step(self, model, micro_batches) -> None:
+        return None
+
+    def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
+        logits = forward_logits(model, micro)
+        labels = micro["labels"]
+        mask = labels != IGNORE
+        logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))
+        loss = aggregate_loss(-logp, mask, "token-mean", global_tokens=normalizer)
+        return loss, {"num_tokens": mask.sum()}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        out = dict(sums)
+        out["perplexity"] = math.exp(min(sums["loss"], 50.0))
+        return out
+
+
+def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
+    """Load the model to train (`causal_lm` or a 1-label `seq_cls` head) and its tokenizer, LoRA applied."""
+    from tiller.models.loading import load_causal_lm, load_tokenizer
+    from tiller.models.lora import apply_lora
+
+    m = cfg.model
+    tokenizer = load_tokenizer(m.tokenizer_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code)
+    if head == "seq_cls":
+        model = load_seq_cls(m.partial_pretrain, tokenizer, m.trust_remote_code, m.attn_implementation)
+    else:
+        model = load_causal_lm(m.partial_pretrain, trust_remote_code=m.trust_remote_code,
+                               attn_implementation=m.attn_implementation)
+    if m.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if m.lora_rank > 0:
+        if m.enable_gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules, m.lora_dropout)
+    return model, tokenizer
+
+
+def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """`AutoModelForSequenceClassification(num_labels=1)` from a causal-LM dir (the head starts random)."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from tiller.errors import UserError
+
+    kwargs = dict(num_labels=1, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the fresh `score` head is expected, not worth a warning table
+    try:
+        if path.startswith((".", "/")) and not os.path.exists(path):
+            raise UserError(f"model path not found: {path}")
+        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load {path!r} as a sequence-classification model: {err}") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def parse_job_args(prog: str, description: str, argv: list[str], schema):
+    """argparse with the shared config options, then `load_config` with `validate_job`."""
+    from tiller.config import load_config
+    from tiller.config.cli import add_config_args
+    from tiller.config.jobs import validate_job
+
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    args = parser.parse_args(argv)
+    if args.preset:
+        from tiller.errors import ConfigError
+
+        raise ConfigError(f"{prog}: --preset applies to `tiller rl`; use --config FILE.yaml")
+    return load_config(args.overrides, config_file=args.config, schema=schema, validate=validate_job)
+
+
+def setup(cfg) -> None:
+    from tiller.trainer.loop import seed_everything
+
+    if cfg.trainer.num_threads > 0:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    seed_everything(cfg.trainer.seed)
+
+
+def train_sft(cfg: SFTConfig) -> dict[str, float]:
+    """Run SFT as configured; returns the last logged metrics."""
+    from tiller.trainer.loop import resolve_device, run_training
+
+    setup(cfg)
+    device = resolve_device(cfg.trainer.device)
+    model, tokenizer = build_model_and_tokenizer(cfg)
+    model.to(device)
+    data = cfg.data
+    train = load_sft_examples(data.train_files, data, tokenizer, data.max_samples)
+    val = load_sft_examples(data.val_files, data, tokenizer, data.val_max_samples) if data.val_files else []
+    job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
+                 data.pack_length or data.max_length)
+    return run_training(cfg, job, model, tokenizer, train, val, device=device)
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_job_args("tiller sft", __doc__, argv, SFTConfig)
+    train_sft(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    from tiller.cli import run_main
+
+    run_main(main)
