@@ -170,10 +170,11 @@ def compute_grpo_passk(
     """Pass@k: the best response of each group gets (r_max - r_second) [/ (std + eps)], the rest 0."""
     reject_unknown("grpo_passk", extra, ADV_HYPER)
     _check_shapes(token_rewards, response_mask, group_index)
-    ids, g = group_ids(group_index, device=token_rewards.device)
-    sizes = np.bincount(ids.cpu().numpy(), minlength=g)
+    ids, g = group_ids(group_index)
+    sizes = np.bincount(ids.numpy(), minlength=g)
     if (sizes < 2).any():
         raise DataError(f"grpo_passk needs at least 2 samples per group; smallest group has {sizes.min()}")
+    ids = ids.to(token_rewards.device)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         b = scores.shape[0]

@@ -92,8 +92,9 @@ def group_ids(group_index: Any, device: torch.device | str | None = None) -> tup
 
 
 def group_counts(ids: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Members per group: [G]."""
-    return torch.bincount(ids, minlength=num_groups).to(dtype)
+    """Members per group: [G] (index_add rather than bincount: it has kernels on every device)."""
+    ones = torch.ones(ids.shape[0], dtype=dtype, device=ids.device)
+    return torch.zeros(num_groups, dtype=dtype, device=ids.device).index_add_(0, ids, ones)
 
 
 def group_mean(scores: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:
