@@ -91,3 +91,15 @@ def test_build_reward_manager_with_a_reward_model(rm_dir):
 def test_bad_paths_are_user_errors(tmp_path):
     with pytest.raises(UserError):
         RewardModelScorer(str(tmp_path / "nope"))
+
+
+def test_served_reward_model_gives_the_same_scores(rm_dir):
+    from test_rewards_remote import serve
+
+    from tiller.rewards.remote import RemoteRewardClient
+    from tiller.rewards.server import create_app
+
+    scorer = RewardModelScorer(str(rm_dir))
+    with serve(create_app(scorer)) as url:
+        remote = RemoteRewardClient(url).score_texts(PROMPTS, RESPONSES, [{} for _ in PROMPTS])
+    np.testing.assert_allclose(remote, scorer.score_texts(PROMPTS, RESPONSES), atol=1e-5)
