@@ -204,7 +204,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
         optimizer, lr_lambda(total, warmup, optim_cfg.lr_scheduler, optim_cfg.min_lr_ratio))
     start = _resume(cfg, ckpt_root, model, optimizer, scheduler)
     tracker = Tracker(run_dir, loggers=tuple(tr.logger), project=tr.project_name, experiment=tr.experiment_name,
-                      config=to_dict(cfg))
+                      config=to_dict(cfg), total_steps=total, resume_from_step=start or None)
     last: dict[str, float] = {}
     model.train()
     try:

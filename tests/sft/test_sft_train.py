@@ -1,0 +1,123 @@
+"""`tiller sft` end to end on the tiny model: learning, run records, resume, LoRA, export, CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.sft.conftest import MEMO, job_overrides
+from tiller.config import load_config
+from tiller.config.jobs import SFTConfig, validate_job
+from tiller.trainer.sft import train_sft
+
+
+def _cfg(overrides: list[str]) -> SFTConfig:
+    return load_config(overrides, schema=SFTConfig, validate=validate_job)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_memorises_and_writes_run_records(tiny_model_dir, sft_file, tmp_path):
+    run = tmp_path / "run"
+    cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+        "data.val_files": f"[{sft_file}]", "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4,
+        "data.packing": True, "optim.lr": 3e-3, "trainer.total_training_steps": 60, "trainer.test_freq": 30,
+        "trainer.logger": "[jsonl,tensorboard]"}))
+    last = train_sft(cfg)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    first, final = rows[0]["train/loss"], rows[-1]["train/loss"]
+    assert final < 0.2 * first, (first, final)
+    # validation on the (memorised) set: loss and perplexity = exp(loss)
+    assert "val/loss" in rows[29] and "val/loss" in rows[59] and "val/loss" not in rows[0]
+    assert last["val/perplexity"] == pytest.approx(torch.tensor(last["val/loss"]).exp().item(), rel=1e-6)
+    assert last["val/loss"] < 0.5 * rows[29]["val/loss"]
+    assert (run / "config.yaml").exists() and any((run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "global_step_60" / "model").is_dir()
+    # the exported model loads like any HF model and answers a training prompt greedily
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    tok = AutoTokenizer.from_pretrained(run / "hf_model")
+    correct = 0
+    for question, answer in MEMO:
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+        correct += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == answer
+    assert correct >= 6, correct
+
+
+def test_resume_continues_the_same_trajectory(tiny_model_dir, sft_file, tmp_path):
+    common = {"data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2, "optim.lr": 1e-3,
+              "trainer.export_hf": False}
+    full = tmp_path / "full"
+    train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, full, **common, **{"trainer.total_training_steps": 4})))
+    part = tmp_path / "part"
+    # first 2 steps, checkpoint, then a new process-equivalent call resumes to step 4
+    train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, part, **common, **{"trainer.total_training_steps": 2})))
+    train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, part, **common, **{"trainer.total_training_steps": 4})))
+    a, b = _metrics(full), _metrics(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-5, abs=1e-6)
+
+
+def test_lora_trains_only_adapters_and_exports_merged(tiny_model_dir, sft_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tiller.models.lora import apply_lora, merge_lora
+    from tiller.trainer.checkpoint import export_hf
+
+    run = tmp_path / "lora"
+    cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+        "model.lora_rank": 4, "model.lora_alpha": 8, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8,
+        "optim.lr": 1e-2, "trainer.total_training_steps": 3}))
+    train_sft(cfg)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    merged = AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    base_sd, merged_sd = base.state_dict(), merged.state_dict()
+    assert base_sd.keys() == merged_sd.keys()  # a plain model: no lora_A / lora_B keys left
+    changed = {k for k in base_sd if not torch.equal(base_sd[k], merged_sd[k])}
+    # LoRA targets every linear layer but the (tied) head: those weights moved, embeddings and norms did not
+    assert changed and all(k.endswith("proj.weight") for k in changed)
+    # the checkpoint holds only the adapter; `tiller export` merges it into the same weights
+    ckpt = run / "checkpoints" / "global_step_3"
+    assert (ckpt / "model" / "adapter_model.safetensors").exists()
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "exported"))
+    for k, v in exported.state_dict().items():
+        torch.testing.assert_close(v, merged_sd[k])
+    # and in-process: a fresh LoRA model has only adapter parameters trainable
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert type(merge_lora(peft_model)).__name__ == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("data.micro_batch_size_per_gpu=3", "multiple of data.micro_batch_size_per_gpu"),
+    ("data.prompt_kee=x", "did you mean data.prompt_key"),
+    ("data.truncation=middle", "data.truncation"),
+])
+def test_cli_config_errors_exit_2(tiny_model_dir, sft_file, tmp_path, capsys, override, needle):
+    from tiller.cli import main
+
+    code = main(["sft", *job_overrides(tiny_model_dir, sft_file, tmp_path / "r"), override])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cli_bad_data_exit_2(tiny_model_dir, tmp_path, capsys):
+    from tests.sft.conftest import write_jsonl
+    from tiller.cli import main
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi"}])
+    code = main(["sft", *job_overrides(tiny_model_dir, bad, tmp_path / "r")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl row 0" in err and "missing key 'response'" in err
