@@ -136,3 +136,15 @@ def test_loading_errors_name_the_problem(tmp_path, tiny_model_dir):
     assert load_tokenizer(tiny_model_dir, padding_side="right").padding_side == "right"
     with pytest.raises(UserError, match="arch"):
         build_model(train_tokenizer(alphabet="ab"), arch="gpt9")
+
+
+def test_module_cli_builds_model_and_rejects_missing_corpus(tmp_path, capsys):
+    from tiller.models.tiny import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"{a} + {a} = {2 * a}" for a in range(200)))
+    assert main(["--out", str(tmp_path / "m"), "--arch", "llama", "--n-params", "2e5", "--corpus", str(corpus)]) == 0
+    assert "llama model" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.model_type == "llama"
+    with pytest.raises(UserError, match="nope.txt"):
+        main(["--out", str(tmp_path / "x"), "--corpus", str(tmp_path / "nope.txt")])

@@ -16,7 +16,7 @@ builds them from scratch:
    closest to `n_params`, builds the transformers config (vocab = len(tokenizer), tied embeddings,
    pad / eos / bos ids set) and initialises it under `torch.manual_seed(seed)` inside a forked RNG,
    so the same seed gives the same weights and the caller's RNG is untouched.
-3. `make_tiny_model` does both and saves them with `save_pretrained` (safetensors) into one directory,
+3. `make_tiny_model` (also `python -m tiller.models.tiny --out DIR --n-params 30e6`) does both and saves them with `save_pretrained` (safetensors) into one directory,
    written atomically (temp dir then rename); `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained`
    load it like any hub model.
 
@@ -296,7 +296,36 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", n_params: i
     return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tiller.models.tiny [--out DIR --arch qwen2 --n-params 30e6]`: build a model, or print shapes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tiller.models.tiny", description=(
+        "Build a tiny random-init causal LM + byte-level BPE tokenizer (built-in corpus) into --out; "
+        "without --out, print the shape table."))
+    parser.add_argument("--out", help="output directory (Hugging Face format)")
+    parser.add_argument("--arch", default="qwen2", choices=ARCHS)
+    parser.add_argument("--n-params", type=float, default=1e6, help="target parameter count, e.g. 30e6")
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--corpus", help="text file to train the tokenizer on (one line per example)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not args.out:
+        print(shape_table(args.vocab_size, args.arch))
+        return 0
+    corpus = None
+    if args.corpus:
+        if not os.path.exists(args.corpus):
+            raise UserError(f"--corpus file not found: {args.corpus}")
+        corpus = Path(args.corpus).read_text().splitlines()
+    path = make_tiny_model(args.out, args.arch, int(args.n_params), corpus=corpus, vocab_size=args.vocab_size,
+                           seed=args.seed)
+    n = count_params(choose_shape(int(args.n_params), args.vocab_size, args.arch), args.vocab_size, args.arch)
+    print(f"wrote {args.arch} model ({n / 1e6:.2f}M parameters) to {path}")
+    return 0
+
+
 if __name__ == "__main__":
-    print(shape_table())
-    print()
-    print(shape_table(arch="llama"))
+    from tiller.cli import run_main
+
+    run_main(main)
