@@ -16,9 +16,9 @@ builds them from scratch:
    closest to `n_params`, builds the transformers config (vocab = len(tokenizer), tied embeddings,
    pad / eos / bos ids set) and initialises it under `torch.manual_seed(seed)` inside a forked RNG,
    so the same seed gives the same weights and the caller's RNG is untouched.
-3. `make_tiny_model` (also `python -m tiller.models.tiny --out DIR --n-params 30e6`) does both and saves them with `save_pretrained` (safetensors) into one directory,
-   written atomically (temp dir then rename); `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained`
-   load it like any hub model.
+3. `make_tiny_model` (also `python -m tiller.models.tiny --out DIR --n-params 30e6`) does both and
+   saves them with `save_pretrained` (safetensors) into one directory, written atomically (temp dir
+   then rename); `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained` load it like any hub model.
 
 Shapes chosen by `build_model` (vocab 512, Qwen2; Llama differs only by the q/k/v biases;
 `python -m tiller.models.tiny` prints this table):
