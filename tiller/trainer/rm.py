@@ -1,0 +1,105 @@
+"""`tiller rm`: a pairwise (Bradley-Terry) reward model on a causal LM with a scalar head.
+
+Model: `AutoModelForSequenceClassification.from_pretrained(causal_lm_dir, num_labels=1)`: the
+pretrained transformer plus a fresh linear `score` head read at the last non-pad token (transformers'
+sequence classification), so the exported dir loads with the same call and is what the RL trainer's
+reward model loads (`reward_model.enable=True reward_model.model.path=<run dir>/hf_model`).
+
+Loss (InstructGPT, Ouyang et al. 2022; margin from Llama-2, Touvron et al. 2023), per pair,
+    l = -log sigma(s_chosen - s_rejected - margin),
+averaged over the pairs of the optimizer step (`tiller.algos.pairwise_rm_loss`). Metrics:
+`accuracy` (share of pairs with s_chosen > s_rejected; ties count as wrong), mean chosen / rejected
+scores and their gap. Pairs are rendered exactly as the RL reward-model scorer renders them (the
+conversation through the chat template, `tiller.data.preference.render_conversation`), so the
+exported model gives the same scores in `tiller.rewards.reward_model.RewardModelScorer`.
+Deviation: no score centring / normalisation term (OpenRLHF and TRL offer an optional one).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tiller.algos import pairwise_rm_loss
+from tiller.config.jobs import RMConfig
+from tiller.data.packing import collate_padded
+from tiller.data.preference import PairExample, load_preference_examples
+
+
+def pair_batch(pairs: Sequence[PairExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows: input_ids / attention_mask / labels [2m, L], margin [m]."""
+    batch = collate_padded([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
+    batch["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    return batch
+
+
+def sequence_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Scalar score per row [R] from a 1-label sequence-classification model (last non-pad token)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    return out.logits[:, 0].float()
+
+
+class RMJob:
+    """Pairwise reward-model loss (see the module docstring)."""
+
+    def __init__(self, pad_id: int, micro_batch_size: int, loss_kind: str = "sigmoid", use_margin: bool = False):
+        self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
+        self.loss_kind, self.use_margin = loss_kind, use_margin
+
+    def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
+        m = self.micro_batch_size
+        return [pair_batch(examples[i:i + m], self.pad_id) for i in range(0, len(examples), m)]
+
+    def normalizer(self, examples: Sequence[PairExample]) -> float:
+        return float(len(examples))
+
+    def prepare_step(self, model, micro_batches) -> None:
+        return None
+
+    def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
+        scores = sequence_scores(model, micro)
+        chosen, rejected = scores.chunk(2)
+        margin = micro["margin"] if self.use_margin else None
+        loss = pairwise_rm_loss(chosen, rejected, margin, kind=self.loss_kind).sum() / normalizer
+        detached = (chosen.detach(), rejected.detach())
+        return loss, {
+            "accuracy": (detached[0] > detached[1]).float().sum() / normalizer,
+            "score_chosen": detached[0].sum() / normalizer,
+            "score_rejected": detached[1].sum() / normalizer,
+            "score_gap": (detached[0] - detached[1]).sum() / normalizer,
+        }
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        return dict(sums)
+
+
+def train_rm(cfg: RMConfig) -> dict[str, float]:
+    """Train a reward model as configured; returns the last logged metrics."""
+    from tiller.trainer.loop import resolve_device, run_training
+    from tiller.trainer.sft import build_model_and_tokenizer, setup
+
+    setup(cfg)
+    device = resolve_device(cfg.trainer.device)
+    model, tokenizer = build_model_and_tokenizer(cfg, head="seq_cls")
+    model.to(device)
+    data = cfg.data
+    train = load_preference_examples(data.train_files, data, tokenizer, "rm", data.max_samples)
+    val = (load_preference_examples(data.val_files, data, tokenizer, "rm", data.val_max_samples)
+           if data.val_files else [])
+    job = RMJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, cfg.algorithm.loss, bool(data.margin_key))
+    return run_training(cfg, job, model, tokenizer, train, val, device=device)
+
+
+def main(argv: list[str]) -> int:
+    from tiller.trainer.sft import parse_job_args
+
+    cfg = parse_job_args("tiller rm", __doc__, argv, RMConfig)
+    train_rm(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    from tiller.cli import run_main
+
+    run_main(main)
