@@ -1,0 +1,153 @@
+"""`tiller dpo` / `tiller kto`: losses equal hand computations on fixed log-probs; training widens the margin."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.sft.conftest import job_overrides, write_jsonl
+from tiller.config import load_config
+from tiller.config.jobs import DPOConfig, KTOConfig, validate_job
+from tiller.data.preference import load_preference_examples
+from tiller.models.loading import load_causal_lm, load_tokenizer
+from tiller.trainer.preference import DPOJob, KTOJob, Reference, train_dpo, train_kto
+
+ROWS = [{"prompt": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": "I do not know.",
+         "ref_c": -30.0 - a, "ref_r": -20.0 + b / 4} for a, b in [(1, 2), (3, 4), (5, 6)]]
+
+
+def _sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def _hand_logp(model, tok, prompt: str, completion: str) -> tuple[float, int]:
+    """Sum of log pi(completion tokens | prompt) by direct log_softmax + gather, and the token count."""
+    p_text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    p_ids = tok(p_text, add_special_tokens=False)["input_ids"]
+    c_ids = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = torch.tensor([p_ids + c_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+    return sum(logp[len(p_ids) + j - 1, t].item() for j, t in enumerate(c_ids)), len(c_ids)
+
+
+@pytest.fixture(scope="module")
+def tok_model(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir), load_causal_lm(tiny_model_dir).eval()
+
+
+@pytest.mark.parametrize("loss, eps", [("dpo", 0.0), ("cdpo", 0.1), ("ipo", 0.0)])
+def test_dpo_job_equals_hand_computed_loss(tmp_path, tok_model, loss, eps):
+    tok, model = tok_model
+    cfg = DPOConfig()
+    cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key = "ref_c", "ref_r"
+    pairs = load_preference_examples([write_jsonl(tmp_path / "p.jsonl", ROWS)], cfg.data, tok, "paired")
+    beta = 0.5
+    job = DPOJob(None, tok.pad_token_id, micro_batch_size=2, loss=loss, beta=beta, label_smoothing=eps)
+    got = sum(job.loss(model, m, 3.0)[0].item() for m in job.micro_batches(pairs))
+    want = 0.0
+    for r in ROWS:
+        (pc, nc), (pr, nr) = _hand_logp(model, tok, r["prompt"], r["chosen"]), _hand_logp(model, tok, r["prompt"], r["rejected"])
+        rc, rr = r["ref_c"], r["ref_r"]
+        if loss == "ipo":  # IPO on length-averaged log-probs: (h - 1/(2 beta))^2
+            h = (pc / nc - pr / nr) - (rc / nc - rr / nr)
+            want += (h - 1 / (2 * beta)) ** 2
+        else:  # -(1-eps) log sigma(beta h) - eps log sigma(-beta h)
+            h = (pc - pr) - (rc - rr)
+            want += -(1 - eps) * math.log(_sig(beta * h)) - eps * math.log(_sig(-beta * h))
+    assert got == pytest.approx(want / 3, rel=1e-5)
+
+
+def test_kto_job_equals_hand_computed_loss(tmp_path, tok_model):
+    tok, model = tok_model
+    from tiller.models.tiny import build_model
+
+    ref = build_model(tok, "qwen2", n_params=1_000_000, seed=7).eval()  # a different reference
+    rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in ROWS for k in ("chosen", "rejected")]
+    cfg = KTOConfig()
+    examples = load_preference_examples([write_jsonl(tmp_path / "k.jsonl", rows)], cfg.data, tok, "unpaired")
+    beta, w_d, w_u = 0.3, 1.0, 1.5
+    job = KTOJob(Reference(model=ref), tok.pad_token_id, micro_batch_size=4, max_length=512, beta=beta,
+                 desirable_weight=w_d, undesirable_weight=w_u)
+    micros = job.micro_batches(examples)
+    job.prepare_step(model, micros)
+    got = sum(job.loss(model, m, 6.0)[0].item() for m in micros)
+    # z0: mean over i of log pi - log ref on (prompt_i, completion_{i-1}), clamped at 0
+    n = len(rows)
+    kl = [_hand_logp(model, tok, rows[i]["prompt"], rows[i - 1]["completion"])[0]
+          - _hand_logp(ref, tok, rows[i]["prompt"], rows[i - 1]["completion"])[0] for i in range(n)]
+    z = max(0.0, sum(kl) / n)
+    assert job.kl_baseline.item() == pytest.approx(sum(kl) / n, rel=1e-5, abs=1e-6)
+    want = 0.0
+    for r in rows:
+        ratio = _hand_logp(model, tok, r["prompt"], r["completion"])[0] - _hand_logp(ref, tok, r["prompt"], r["completion"])[0]
+        want += w_d * (1 - _sig(beta * (ratio - z))) if r["label"] else w_u * (1 - _sig(beta * (z - ratio)))
+    assert got == pytest.approx(want / n, rel=1e-5)
+
+
+def test_kto_policy_equal_to_reference_worked_number(tmp_path, tok_model):
+    # policy == reference: every log-ratio and the KL baseline are 0, so each desirable example costs
+    # w_d (1 - sigma(0)) = 0.5 w_d and each undesirable 0.5 w_u; w_d=1, w_u=2, 3 + 3 examples:
+    # (3 * 0.5 + 3 * 1.0) / 6 = 0.75
+    tok, model = tok_model
+    rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in ROWS for k in ("chosen", "rejected")]
+    examples = load_preference_examples([write_jsonl(tmp_path / "k.jsonl", rows)], KTOConfig().data, tok, "unpaired")
+    job = KTOJob(Reference(model=model), tok.pad_token_id, 6, 512, beta=0.1, desirable_weight=1.0, undesirable_weight=2.0)
+    micros = job.micro_batches(examples)
+    job.prepare_step(model, micros)
+    assert job.loss(model, micros[0], 6.0)[0].item() == pytest.approx(0.75, abs=1e-6)
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"prompt": f"What is {a} + {a + 3}?", "chosen": f"The answer is {2 * a + 3}.", "rejected": "I do not know."}
+            for a in range(n)]
+
+
+def _metrics(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dpo_widens_the_margin(tiny_model_dir, tmp_path, lora):
+    train = write_jsonl(tmp_path / "d.jsonl", _rows(8))
+    run = tmp_path / "dpo"
+    extra = {"model.lora_rank": 8, "model.lora_alpha": 16, "optim.lr": 3e-3} if lora else {"optim.lr": 1e-3}
+    cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4, "algorithm.beta": 0.1,
+        "trainer.total_training_steps": 6, "trainer.export_hf": False, **extra}), schema=DPOConfig, validate=validate_job)
+    train_dpo(cfg)
+    rows = _metrics(run)
+    # step 1 sees policy == reference: implicit rewards 0, loss log 2
+    assert rows[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[-1]["train/rewards/margins"] > 0.5 and rows[-1]["train/rewards/accuracies"] == 1.0
+    assert rows[-1]["train/loss"] < 0.6 * math.log(2)
+
+
+def test_kto_separates_desirable_from_undesirable(tiny_model_dir, tmp_path):
+    rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in _rows(6) for k in ("chosen", "rejected")]
+    train = write_jsonl(tmp_path / "k.jsonl", rows)
+    run = tmp_path / "kto"
+    cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
+        "data.train_batch_size": 12, "data.micro_batch_size_per_gpu": 4, "optim.lr": 1e-3,
+        "trainer.total_training_steps": 6, "trainer.export_hf": False}), schema=KTOConfig, validate=validate_job)
+    last = train_kto(cfg)
+    first = _metrics(run)[0]
+    assert first["train/loss"] == pytest.approx(0.5, abs=1e-5)  # policy == ref: 1 - sigma(0) each
+    assert last["train/rewards/margins"] > 0.5 and last["train/loss"] < 0.45
+    assert last["train/rewards/chosen"] > 0 > last["train/rewards/rejected"]
+
+
+def test_dpo_config_errors():
+    from tiller.errors import ConfigError
+
+    base = ["model.partial_pretrain=x", "data.train_files=[a.jsonl]"]
+    with pytest.raises(ConfigError, match="cdpo needs algorithm.label_smoothing"):
+        load_config(base + ["algorithm.loss=cdpo"], schema=DPOConfig, validate=validate_job)
+    with pytest.raises(ConfigError, match="did you mean 'ipo'"):
+        load_config(base + ["algorithm.loss=ipoo"], schema=DPOConfig, validate=validate_job)
+    with pytest.raises(ConfigError, match="both data.ref_chosen_logps_key"):
+        load_config(base + ["data.ref_chosen_logps_key=rc"], schema=DPOConfig, validate=validate_job)

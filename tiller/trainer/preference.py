@@ -1,0 +1,240 @@
+"""`tiller dpo` (DPO / IPO / cDPO) and `tiller kto`: offline preference training of a causal LM.
+
+Sequence log-probabilities: log pi(y | x) = sum over completion tokens of log pi(y_t | x, y_<t)
+(prompt tokens excluded), for the policy and for a frozen reference.
+
+DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r)):
+  dpo:  -log sigma(beta h);  cdpo (Mitchell 2023): -(1-eps) log sigma(beta h) - eps log sigma(-beta h);
+  ipo (Azar et al. 2023, arXiv 2310.12036): (h - 1/(2 beta))^2 on LENGTH-AVERAGED log-probs (as TRL).
+The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs.
+
+KTO (Ethayarajh et al. 2024, arXiv 2402.01306), r = log pi(y|x) - log ref(y|x):
+  desirable: w_D (1 - sigma(beta (r - z0))), undesirable: w_U (1 - sigma(beta (z0 - r))),
+  z0 = max(0, mean over the step of log pi(y'|x) - log ref(y'|x)), detached, where (x, y') are
+  MISMATCHED pairs: the prompt of example i with the completion of example i-1 (TRL's KL dataset).
+The math is `tiller.algos.kto_loss`; the step loss is the mean over the step's examples.
+Deviation: TRL estimates z0 per device micro-batch; tiller estimates it once over the whole
+optimizer step (a no-grad pre-pass), so the update does not depend on the micro-batch size.
+
+Reference: `model.ref_path` (default `model.partial_pretrain`) loaded frozen; with LoRA and no
+`ref_path`, the policy with its adapters disabled IS the base model, so no second copy is loaded
+(as TRL / peft do). DPO can instead read precomputed reference log-prob sums from the data
+(`data.ref_chosen_logps_key` / `data.ref_rejected_logps_key`); then no reference model runs.
+Logged as TRL names them: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+logps/chosen, logps/rejected (DPO); kl, rewards/chosen, rewards/rejected (KTO).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tiller.algos import dpo_loss, kto_loss, logprobs_from_logits
+from tiller.config.jobs import DPOConfig, KTOConfig
+from tiller.data.packing import collate_padded, forward_logits
+from tiller.data.preference import PairExample, UnpairedExample, load_preference_examples, make_sequence
+from tiller.data.sft import IGNORE
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of completion-token log-probs [R], completion-token count [R]) of a padded batch."""
+    logits = forward_logits(model, batch)
+    labels = batch["labels"]
+    mask = labels != IGNORE
+    logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))
+    return torch.where(mask, logp, torch.zeros_like(logp)).sum(-1), mask.sum(-1)
+
+
+class Reference:
+    """Frozen reference log-probs: a separate model, or the LoRA policy with adapters disabled."""
+
+    def __init__(self, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None):
+        self.model, self.policy = model, policy
+
+    @torch.no_grad()
+    def logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.model is not None:
+            return sequence_logps(self.model, batch)
+        with self.policy.disable_adapter():
+            return sequence_logps(self.policy, batch)
+
+
+def build_reference(cfg, policy: torch.nn.Module, device: torch.device) -> Reference:
+    from tiller.models.loading import load_causal_lm
+    from tiller.models.lora import is_lora
+
+    if is_lora(policy) and cfg.model.ref_path is None:
+        return Reference(policy=policy)
+    ref = load_causal_lm(cfg.model.ref_path or cfg.model.partial_pretrain,
+                         trust_remote_code=cfg.model.trust_remote_code,
+                         attn_implementation=cfg.model.attn_implementation).to(device).eval()
+    ref.requires_grad_(False)
+    return Reference(model=ref)
+
+
+class DPOJob:
+    """DPO / IPO / cDPO (see the module docstring)."""
+
+    def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss: str = "dpo",
+                 beta: float = 0.1, label_smoothing: float = 0.0):
+        self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
+        self.loss_type = "ipo" if loss == "ipo" else "sigmoid"
+        self.beta, self.label_smoothing = beta, label_smoothing
+
+    def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for i in range(0, len(examples), self.micro_batch_size):
+            pairs = examples[i:i + self.micro_batch_size]
+            batch = collate_padded([p.chosen for p in pairs] + [p.rejected for p in pairs], self.pad_id)
+            if pairs[0].ref_chosen_logp is not None:
+                batch["ref_logps"] = torch.tensor([p.ref_chosen_logp for p in pairs]
+                                                  + [p.ref_rejected_logp for p in pairs], dtype=torch.float32)
+            out.append(batch)
+        return out
+
+    def normalizer(self, examples) -> float:
+        return float(len(examples))
+
+    def prepare_step(self, model, micro_batches) -> None:
+        return None
+
+    def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
+        logps, counts = sequence_logps(model, micro)
+        if "ref_logps" in micro:
+            ref_logps = micro["ref_logps"]
+        elif self.reference is None:
+            raise ValueError("DPO needs a reference model or precomputed reference log-probs")
+        else:
+            ref_logps, _ = self.reference.logps(micro)
+        if self.loss_type == "ipo":  # IPO on length-averaged log-probs, as TRL
+            logps, ref_logps = logps / counts.clamp(min=1), ref_logps / counts.clamp(min=1)
+        pc, pr = logps.chunk(2)
+        rc, rr = ref_logps.chunk(2)
+        losses, chosen_r, rejected_r = dpo_loss(pc, pr, rc, rr, self.beta, self.loss_type, self.label_smoothing)
+        n = normalizer
+        return losses.sum() / n, {
+            "rewards/chosen": chosen_r.sum() / n,
+            "rewards/rejected": rejected_r.sum() / n,
+            "rewards/accuracies": (chosen_r > rejected_r).float().sum() / n,
+            "rewards/margins": (chosen_r - rejected_r).sum() / n,
+            "logps/chosen": pc.detach().sum() / n,
+            "logps/rejected": pr.detach().sum() / n,
+        }
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        return dict(sums)
+
+
+class KTOJob:
+    """KTO with the KL baseline from mismatched pairs of the whole step (see the module docstring)."""
+
+    def __init__(self, reference: Reference, pad_id: int, micro_batch_size: int, max_length: int,
+                 beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
+        self.max_length = max_length
+        self.beta, self.w_d, self.w_u = beta, desirable_weight, undesirable_weight
+        self.kl_baseline = torch.zeros(())
+
+    def micro_batches(self, examples: Sequence[UnpairedExample]) -> list[dict[str, torch.Tensor]]:
+        n = len(examples)
+        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, "left", "kto") for e in examples]
+        # prompt i with the completion of example i-1 (a rotation: no example meets its own completion)
+        kl_seqs = [make_sequence(examples[i].prompt_ids, examples[(i - 1) % n].completion_ids, self.max_length,
+                                 "left", "kto KL pair") for i in range(n)]
+        out = []
+        for i in range(0, n, self.micro_batch_size):
+            batch = collate_padded(seqs[i:i + self.micro_batch_size], self.pad_id)
+            batch["desirable"] = torch.tensor([e.desirable for e in examples[i:i + self.micro_batch_size]])
+            batch["kl"] = collate_padded(kl_seqs[i:i + self.micro_batch_size], self.pad_id)
+            out.append(batch)
+        return out
+
+    def normalizer(self, examples) -> float:
+        return float(len(examples))
+
+    @torch.no_grad()
+    def prepare_step(self, model, micro_batches) -> None:
+        """z0 = mean over the step's mismatched pairs of log pi - log ref (clamped at 0 in kto_loss)."""
+        total, count = torch.zeros(()), 0
+        for micro in micro_batches:
+            policy, _ = sequence_logps(model, micro["kl"])
+            ref, _ = self.reference.logps(micro["kl"])
+            total = total + (policy - ref).sum().cpu()
+            count += policy.shape[0]
+        self.kl_baseline = total / max(count, 1)
+
+    def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
+        logps, _ = sequence_logps(model, micro)
+        ref_logps, _ = self.reference.logps(micro)
+        kl = self.kl_baseline.to(logps.device)
+        losses, m = kto_loss(logps, ref_logps, micro["desirable"].to(logps.device), kl, self.beta, self.w_d, self.w_u)
+        share = logps.shape[0] / normalizer
+        return losses.sum() / normalizer, {
+            "kl": m["kl"] * share,
+            "rewards_chosen_sum": m["rewards_chosen_sum"], "rewards_rejected_sum": m["rewards_rejected_sum"],
+            "num_chosen": m["num_chosen"].float(), "num_rejected": m["num_rejected"].float(),
+        }
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        out = {"loss": sums["loss"], "kl": sums["kl"]}
+        if sums["num_chosen"]:
+            out["rewards/chosen"] = sums["rewards_chosen_sum"] / sums["num_chosen"]
+        if sums["num_rejected"]:
+            out["rewards/rejected"] = sums["rewards_rejected_sum"] / sums["num_rejected"]
+        if "rewards/chosen" in out and "rewards/rejected" in out:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+
+def _load(cfg, kind: str):
+    from tiller.trainer.loop import resolve_device
+    from tiller.trainer.sft import build_model_and_tokenizer, setup
+
+    setup(cfg)
+    device = resolve_device(cfg.trainer.device)
+    model, tokenizer = build_model_and_tokenizer(cfg)
+    model.to(device)
+    data = cfg.data
+    train = load_preference_examples(data.train_files, data, tokenizer, kind, data.max_samples)
+    val = load_preference_examples(data.val_files, data, tokenizer, kind, data.val_max_samples) if data.val_files else []
+    return model, tokenizer, train, val, device
+
+
+def train_dpo(cfg: DPOConfig) -> dict[str, float]:
+    """Run DPO / IPO / cDPO as configured; returns the last logged metrics."""
+    from tiller.trainer.loop import run_training
+
+    model, tokenizer, train, val, device = _load(cfg, "paired")
+    precomputed = cfg.data.ref_chosen_logps_key is not None
+    reference = None if precomputed else build_reference(cfg, model, device)
+    algo = cfg.algorithm
+    job = DPOJob(reference, tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu, algo.loss, algo.beta,
+                 algo.label_smoothing)
+    return run_training(cfg, job, model, tokenizer, train, val, device=device)
+
+
+def train_kto(cfg: KTOConfig) -> dict[str, float]:
+    """Run KTO as configured; returns the last logged metrics."""
+    from tiller.trainer.loop import run_training
+
+    model, tokenizer, train, val, device = _load(cfg, "unpaired")
+    algo = cfg.algorithm
+    job = KTOJob(build_reference(cfg, model, device), tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu,
+                 cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight)
+    return run_training(cfg, job, model, tokenizer, train, val, device=device)
+
+
+def main_dpo(argv: list[str]) -> int:
+    from tiller.trainer.sft import parse_job_args
+
+    train_dpo(parse_job_args("tiller dpo", __doc__, argv, DPOConfig))
+    return 0
+
+
+def main_kto(argv: list[str]) -> int:
+    from tiller.trainer.sft import parse_job_args
+
+    train_kto(parse_job_args("tiller kto", __doc__, argv, KTOConfig))
+    return 0
+
