@@ -214,3 +214,21 @@ def test_load_missing_path_is_user_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no checkpoint"):
         load_checkpoint(tmp_path / "empty")
+
+
+def test_ddp_wrapped_model_saves_plain_keys(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+        save_checkpoint(tmp_path / "ck", 1, model=ddp)
+        plain = torch.nn.Linear(3, 2)
+        load_checkpoint(tmp_path / "ck", model=plain)  # keys have no "module." prefix
+        assert torch.equal(plain.weight, ddp.module.weight)
+        fresh = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+        load_checkpoint(tmp_path / "ck", model=fresh)
+        assert torch.equal(fresh.module.weight, ddp.module.weight)
+    finally:
+        dist.destroy_process_group()

@@ -156,8 +156,20 @@ def _is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers, so keys have no prefix."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def _save_module(model: torch.nn.Module, out: Path) -> None:
     """HF / PEFT models via save_pretrained (safetensors); any other module as model.safetensors."""
+    model = _unwrap(model)
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(out, safe_serialization=True)
@@ -171,6 +183,7 @@ def _load_module(model: torch.nn.Module, src: Path) -> None:
     """Load weights saved by `_save_module` into `model` in place (strict, tied weights allowed)."""
     from safetensors.torch import load_file
 
+    model = _unwrap(model)
     if _is_peft(model):
         from peft import set_peft_model_state_dict
 
