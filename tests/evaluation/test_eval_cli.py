@@ -1,0 +1,136 @@
+"""`tiller generate` and `tiller eval` end to end on the tiny model, plus eval's bookkeeping with a scripted engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiller.cli import main as cli
+from tiller.rollout import RolloutOutput
+
+FAST = ["actor_rollout_ref.rollout.dtype=float32", "data.max_response_length=6"]
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    with open(path, "w") as fh:
+        for a, b in [(1, 2), (3, 4), (5, 5)]:
+            fh.write(json.dumps({"data_source": "tiller/arithmetic",
+                                 "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                                 "reward_model": {"style": "rule", "ground_truth": str(a + b)}}) + "\n")
+    return path
+
+
+def test_generate_writes_n_responses_per_prompt_reproducibly(tiny_model_dir, prompt_file, tmp_path):
+    outs = []
+    for name in ("a.jsonl", "b.jsonl"):
+        code = cli(["generate", "--data", str(prompt_file), "--out", str(tmp_path / name), "--model",
+                    str(tiny_model_dir), "--no-progress", "actor_rollout_ref.rollout.n=3", "trainer.seed=5", *FAST])
+        assert code == 0
+        outs.append([json.loads(line) for line in open(tmp_path / name)])
+    rows = outs[0]
+    assert len(rows) == 3
+    for row in rows:
+        assert len(row["responses"]) == 3 and len(row["finish_reasons"]) == 3
+        assert all(1 <= n <= 6 for n in row["response_lengths"])
+        assert row["prompt_text"].startswith("<|im_start|>user\n")
+        assert row["data_source"] == "tiller/arithmetic"  # input columns kept
+    assert outs[0] == outs[1]  # same seed, same samples
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "prompts.jsonl"]  # no temp files
+
+
+def test_generate_plain_text_prompts_to_parquet(tiny_model_dir, tmp_path):
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "hello"}\n{"prompt": "2+2="}\n')
+    out = tmp_path / "g.parquet"
+    assert cli(["generate", "--data", str(src), "--out", str(out), "--model", str(tiny_model_dir), "--no-progress",
+                "actor_rollout_ref.rollout.do_sample=False", *FAST]) == 0
+    table = pq.read_table(out).to_pylist()
+    assert [len(r["responses"]) for r in table] == [1, 1]
+
+
+def test_generate_and_eval_bad_input_exit_2(tiny_model_dir, tmp_path, capsys):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"question": "hello"}\n')
+    assert cli(["generate", "--data", str(src), "--out", str(tmp_path / "o.jsonl"), "--model", str(tiny_model_dir)]) == 2
+    assert "missing column 'prompt'" in capsys.readouterr().err
+    assert cli(["generate", "--data", str(src), "--out", str(tmp_path / "o.txt"), "--model", str(tiny_model_dir)]) == 2
+    assert cli(["eval", "--model", str(tiny_model_dir)]) == 2
+    assert "data.val_files" in capsys.readouterr().err
+    assert cli(["eval", "--model", str(tmp_path / "nope"), "--data", str(src)]) == 2
+
+
+def test_eval_cli_writes_metrics_json(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
+    code = cli(["eval", "--model", str(tiny_model_dir), "--data", str(prompt_file), "--out", str(out), "--samples",
+                str(samples), "--no-progress", "actor_rollout_ref.rollout.val_kwargs.n=4",
+                "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", *FAST])
+    assert code == 0
+    report = json.loads(out.read_text())
+    m = report["metrics"]["tiller/arithmetic"]
+    assert m["num_prompts"] == 3 and m["n"] == 4
+    assert set(m) >= {"mean@4", "pass@1", "pass@2", "pass@4", "maj@1", "maj@2", "maj@4", "reward/mean@4"}
+    assert m["pass@1"] == pytest.approx(m["mean@4"])  # pass@1 is the mean accuracy
+    assert m["pass@1"] <= m["pass@2"] <= m["pass@4"]
+    assert len(samples.read_text().splitlines()) == 12
+    assert "pass@4" in capsys.readouterr().out  # the table
+
+
+class ScriptedEngine:
+    """Answers prompt i's sample j with a fixed text; checks eval's row bookkeeping."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+
+    def generate(self, prompt_ids, sampling):
+        out = RolloutOutput()
+        for p in prompt_ids:
+            question = self.tokenizer.decode(p)
+            for j in range(sampling.n):
+                ids = self.tokenizer(self.script(question, j), add_special_tokens=False)["input_ids"]
+                out.prompt_ids.append(p)
+                out.response_ids.append(ids)
+                out.logprobs.append([0.0] * len(ids))
+                out.finish_reason.append("stop")
+        return out
+
+
+def test_eval_metrics_with_scripted_answers(tiny_model_dir, prompt_file, monkeypatch):
+    """Prompts 1+2, 3+4, 5+5 with n=4 scripted samples:
+    1+2: "3","3","0","0"  -> c=2, maj "3" (tie 2-2, first)      correct
+    3+4: "7","1","1","2"  -> c=1, maj "1"                      wrong
+    5+5: "0","0","0","0"  -> c=0                                wrong
+    mean@4 = (2/4 + 1/4 + 0)/3 = 0.25
+    pass@2 = (1 - C(2,2)/C(4,2)) + (1 - C(3,2)/C(4,2)) + 0 = (5/6 + 1/2)/3 = 4/9
+    pass@4 = (1 + 1 + 0)/3 = 2/3;  maj@4 = (1 + 0 + 0)/3 = 1/3
+    """
+    import tiller.evaluation.runner as runner
+    from tiller.config import load_config
+    from tiller.evaluation.evaluate import run_eval
+    from tiller.models.loading import load_tokenizer
+
+    answers = {"1+2": ["3", "3", "0", "0"], "3+4": ["7", "1", "1", "2"], "5+5": ["0"] * 4}
+    tok = load_tokenizer(tiny_model_dir, padding_side="left")
+
+    def script(question, j):
+        key = next(k for k in answers if k in question)
+        return f"{key}={answers[key][j]}"
+
+    monkeypatch.setattr(runner, "policy_from_config",
+                        lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
+                       "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"])
+    report, records = run_eval(cfg, progress=False)
+    m = report["metrics"]["tiller/arithmetic"]
+    assert m["mean@4"] == pytest.approx(0.25)
+    assert m["pass@2"] == pytest.approx(4 / 9)
+    assert m["pass@4"] == pytest.approx(2 / 3)
+    assert m["maj@4"] == pytest.approx(1 / 3)
+    assert [r["pred"] for r in records[:4]] == ["3", "3", "0", "0"]
+    assert [r["prompt_index"] for r in records] == [0] * 4 + [1] * 4 + [2] * 4

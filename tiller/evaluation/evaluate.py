@@ -1,0 +1,155 @@
+"""`tiller eval`: sample n responses per validation prompt, score them by data_source, and report
+mean@n, pass@k and maj@k per data source (metrics in `tiller.evaluation.metrics`).
+
+    tiller eval actor_rollout_ref.model.path=DIR data.val_files=[test.parquet] \\
+        actor_rollout_ref.rollout.val_kwargs.n=8 actor_rollout_ref.rollout.val_kwargs.do_sample=True \\
+        actor_rollout_ref.rollout.val_kwargs.temperature=0.7 --out eval.json
+
+The keys are the RL trainer's (verl's): prompts from `data.val_files` (verl schema: `prompt`,
+`data_source`, `reward_model.ground_truth`, `extra_info`), sampling from `actor_rollout_ref.rollout.val_kwargs`
+(greedy by default), the engine from `rollout.name` / `rollout.dtype`, the reward from `reward_model.*` and
+`custom_reward_function.*` (the same reward manager as training), the seed from `trainer.seed`.
+A sample is correct when the scorer's `acc` (or, without one, its score) is > 0.5. maj@k votes over the
+answers `tiller.evaluation.answers.extract_answer` reads (or the scorer's `pred`).
+
+Writes `--out` (JSON, atomically): {"metrics": {source: {...}}, "model", "data_files", "sampling", "num_tokens",
+"wall_s"}; `--samples FILE.jsonl` also writes every sample (prompt, response, score, acc, pred).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from tiller.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tiller.config.cli import add_config_args
+
+    parser = argparse.ArgumentParser(prog="tiller eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="eval.json", metavar="FILE.json", help="metrics JSON (default eval.json)")
+    parser.add_argument("--samples", metavar="FILE.jsonl", help="also write every scored sample here")
+    parser.add_argument("--model", metavar="DIR", help="shortcut for actor_rollout_ref.model.path=DIR")
+    parser.add_argument("--data", action="append", default=[], metavar="FILE",
+                        help="shortcut for data.val_files (repeat for several)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="prompts per engine call (default data.val_batch_size, else 64)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_args(parser)
+    return parser
+
+
+def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int) -> list[dict]:
+    """One record per sample (prompt i's samples at rows i*n .. i*n+n-1) with score, acc and pred."""
+    from tiller.evaluation.answers import extract_answer
+    from tiller.rewards import RewardRequest
+
+    requests = [RewardRequest(data_source=it.data_source, prompt=it.prompt_text, response=texts[i * n + j],
+                              ground_truth=it.ground_truth, extra_info=dict(it.extra_info),
+                              response_length=lengths[i * n + j], group=str(i))
+                for i, it in enumerate(items) for j in range(n)]
+    result = reward_fn(requests)
+    scores = np.asarray(result.scores, dtype=np.float64)
+    accs = np.asarray(result.extras.get("acc", scores), dtype=np.float64)
+    preds = result.extras.get("pred")
+    records = []
+    for b, req in enumerate(requests):
+        pred = preds[b] if preds is not None else extract_answer(req.data_source, req.response)
+        records.append({"data_source": req.data_source, "prompt_index": b // n, "sample_index": b % n,
+                        "score": float(scores[b]), "acc": float(accs[b] > 0.5),
+                        "pred": None if pred is None or pred == "[INVALID]" else str(pred),
+                        "prompt": req.prompt, "response": req.response, "ground_truth": _jsonable(req.ground_truth)})
+    return records
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)
+
+
+def format_table(metrics: dict[str, dict[str, float]]) -> str:
+    """A plain-text table: one row per data source, one column per metric."""
+    cols: list[str] = []
+    for m in metrics.values():
+        cols += [k for k in m if k not in cols and k != "n"]
+    header = ["data_source", *cols]
+    body = [[src] + [f"{m[c]:.0f}" if c == "num_prompts" else (f"{m[c]:.4f}" if c in m else "-") for c in cols]
+            for src, m in metrics.items()]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Generate and score `cfg.data.val_files`; returns (report dict, per-sample records)."""
+    from tiller.data.rl_dataset import build_rl_dataset
+    from tiller.evaluation.metrics import evaluation_metrics
+    from tiller.evaluation.runner import decode, generate_batched, policy_from_config, sampling_from_rollout
+    from tiller.rewards import build_reward_manager
+
+    if not cfg.data.val_files:
+        raise ConfigError("tiller eval needs data.val_files=[FILE, ...] (or --data FILE)")
+    policy = policy_from_config(cfg)
+    items = build_rl_dataset(cfg.data, policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
+                             what="data.val_files").items
+    r = cfg.actor_rollout_ref.rollout
+    sampling = sampling_from_rollout(r, r.response_length or cfg.data.max_response_length,
+                                     cfg.trainer.seed, val=True)
+    start = time.time()
+    out = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling,
+                           batch_size=batch_size or cfg.data.val_batch_size or 64, progress=progress, desc="eval")
+    gen_s = time.time() - start
+    texts = [decode(policy.tokenizer, ids) for ids in out.response_ids]
+    reward_fn = build_reward_manager(cfg, policy.tokenizer)
+    try:
+        records = score_samples(reward_fn, items, texts, [len(ids) for ids in out.response_ids], sampling.n)
+    finally:
+        if hasattr(reward_fn, "close"):
+            reward_fn.close()
+    report = {
+        "metrics": evaluation_metrics(records, seed=cfg.trainer.seed),
+        "model": cfg.actor_rollout_ref.model.path,
+        "data_files": list(cfg.data.val_files),
+        "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(sampling).items()},
+        "num_tokens": out.num_tokens,
+        "generate_s": gen_s,
+        "wall_s": time.time() - start,
+    }
+    return report, records
+
+
+def main(argv: list[str]) -> int:
+    from tiller.config import load_config
+    from tiller.data.rl_dataset import write_rows
+    from tiller.evaluation.runner import atomic_write_text
+
+    args = _parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"actor_rollout_ref.model.path={args.model}")
+    if args.data:
+        overrides.append(f"data.val_files=[{','.join(args.data)}]")
+    cfg = load_config(overrides, config_file=args.config, preset=args.preset)
+    report, records = run_eval(cfg, batch_size=args.batch_size, progress=not args.no_progress)
+    print(format_table(report["metrics"]))
+    path = atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+    if args.samples:
+        write_rows(records, args.samples)
+    print(f"wrote {path} ({report['num_tokens']} tokens generated in {report['generate_s']:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    from tiller.cli import run_main
+
+    run_main(main)

@@ -1,0 +1,167 @@
+"""What `tiller generate`, `tiller eval` and `tiller serve` share: load a policy for inference, load prompt
+files, and generate for many prompts in batches with a progress bar.
+
+The model is loaded directly in the rollout dtype (`bfloat16` by default: the fast path on CPUs with
+AVX-512 bf16, see docs) and handed to the engine with `dtype=None`, so no second copy of the weights is
+kept (the trainer's engines keep an fp32 actor plus a bf16 copy; inference needs only one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from tiller.errors import ConfigError, DataError
+from tiller.rollout import RolloutOutput, SamplingParams
+
+
+@dataclass
+class Policy:
+    """An engine ready to generate, with its tokenizer and the model dir it came from."""
+
+    engine: Any
+    tokenizer: Any
+    model_path: str
+    model: Any = None
+
+
+def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat16", seed: int = 0,
+                tokenizer_path: str | None = None, device: str = "cpu", trust_remote_code: bool = False,
+                engine_kwargs: dict | None = None) -> Policy:
+    """Load a causal LM + tokenizer from `model_path` and build the rollout engine `engine` around it."""
+    import torch
+
+    from tiller.models.loading import load_causal_lm, load_tokenizer
+    from tiller.rollout import build_rollout_engine
+
+    if not model_path:
+        raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model dir)")
+    tokenizer = load_tokenizer(tokenizer_path or model_path, padding_side="left", trust_remote_code=trust_remote_code)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
+    opts = dict(engine_kwargs or {})
+    if engine == "vllm":
+        return Policy(build_rollout_engine("vllm", model_path, tokenizer, dtype=dtype, seed=seed, **opts),
+                      tokenizer, model_path)
+    model = load_causal_lm(model_path, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
+    model.eval()
+    model.requires_grad_(False)
+    return Policy(build_rollout_engine(engine, model, tokenizer, dtype=None, seed=seed, **opts),
+                  tokenizer, model_path, model)
+
+
+def tokenize_prompt(text: str, tokenizer, max_len: int, truncation: str, where: str) -> list[int]:
+    """Token ids of a rendered prompt, fitted to `max_len` by `truncation` (error | left | right | middle)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise DataError(f"{where}: prompt tokenizes to 0 tokens")
+    if len(ids) <= max_len:
+        return list(ids)
+    if truncation == "left":
+        return list(ids[-max_len:])
+    if truncation == "right":
+        return list(ids[:max_len])
+    if truncation == "middle":
+        head = max_len // 2
+        return list(ids[:head]) + list(ids[len(ids) - (max_len - head):])
+    raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={max_len}; "
+                    "set data.truncation=left|right|middle")
+
+
+def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 1024,
+                     truncation: str = "error", apply_chat_template: bool = True,
+                     max_samples: int = -1) -> tuple[list[dict], list[list[int]]]:
+    """Rows of prompt files (verl schema, or any file with a `prompt_key` column of text or chat messages)
+    and the token ids of each rendered prompt. Each row gets `prompt_text` (the rendered prompt)."""
+    from tiller.data.rl_dataset import read_rows, render_prompt
+
+    if not files:
+        raise ConfigError("no prompt files: pass --data FILE (or data.val_files=[...])")
+    rows_out: list[dict] = []
+    ids_out: list[list[int]] = []
+    for path in files:
+        rows = read_rows(path)
+        if not rows:
+            raise DataError(f"{path}: the file has no rows")
+        if prompt_key not in rows[0]:
+            raise DataError(f"{path}: missing column {prompt_key!r} (columns: {', '.join(rows[0])}); "
+                            "set data.prompt_key")
+        for i, row in enumerate(rows):
+            where = f"{path} row {i}"
+            if row.get(prompt_key) is None:
+                raise DataError(f"{where}: empty {prompt_key!r}")
+            text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where)
+            ids_out.append(tokenize_prompt(text, tokenizer, max_prompt_length, truncation, where))
+            rows_out.append({**row, "prompt_text": text})
+            if 0 < max_samples <= len(rows_out):
+                return rows_out, ids_out
+    return rows_out, ids_out
+
+
+def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingParams, *, batch_size: int = 64,
+                     progress: bool = True, desc: str = "generate") -> RolloutOutput:
+    """`engine.generate` over `batch_size` prompts at a time, concatenated (n samples per prompt contiguous).
+
+    With `sampling.seed` set, batch `j` uses seed `seed + j`, so a run is reproducible for a given batch size.
+    """
+    from dataclasses import replace
+
+    from tqdm.auto import tqdm
+
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    out = RolloutOutput()
+    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, leave=False)
+    try:
+        for j, start in enumerate(range(0, len(prompt_ids), batch_size)):
+            chunk = prompt_ids[start:start + batch_size]
+            call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
+            res = engine.generate(chunk, call)
+            out.prompt_ids += res.prompt_ids
+            out.response_ids += res.response_ids
+            out.logprobs += res.logprobs
+            out.finish_reason += res.finish_reason
+            bar.update(len(chunk))
+            bar.set_postfix(tokens=out.num_tokens)
+    finally:
+        bar.close()
+    return out
+
+
+def sampling_from_rollout(rollout_cfg, max_new_tokens: int, seed: int, *, val: bool = False) -> SamplingParams:
+    """SamplingParams from `actor_rollout_ref.rollout` (training keys) or its `val_kwargs` (val=True)."""
+    r = rollout_cfg
+    if val:
+        vk = r.val_kwargs
+        return SamplingParams(n=vk.n, temperature=vk.temperature if vk.do_sample else 1.0, top_p=vk.top_p,
+                              top_k=vk.top_k, max_new_tokens=max_new_tokens, do_sample=vk.do_sample,
+                              stop=tuple(r.stop), seed=seed)
+    return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 1.0, top_p=r.top_p, top_k=r.top_k,
+                          min_p=r.min_p, max_new_tokens=max_new_tokens, do_sample=r.do_sample, stop=tuple(r.stop),
+                          ignore_eos=r.ignore_eos, seed=seed)
+
+
+def policy_from_config(cfg) -> Policy:
+    """`load_policy` with an RLConfig's model / rollout / trainer keys."""
+    arr = cfg.actor_rollout_ref
+    return load_policy(arr.model.path, engine=arr.rollout.name, dtype=arr.rollout.dtype, seed=cfg.trainer.seed,
+                       tokenizer_path=arr.model.tokenizer_path or cfg.data.tokenizer, device=cfg.trainer.device,
+                       trust_remote_code=arr.model.trust_remote_code, engine_kwargs=dict(arr.rollout.engine_kwargs))
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Response text without special tokens (what scorers and users see)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` via a temp file and `os.replace`."""
+    import os
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, p)
+    return p
