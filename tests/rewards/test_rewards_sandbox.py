@@ -84,6 +84,7 @@ def test_memory_bomb_hits_the_address_space_limit():
 
 def test_writing_outside_its_directory_fails(tmp_path):
     target = tmp_path / "escaped.txt"
+    shared_tmp = f"/tmp/tiller-sandbox-escape-{os.getpid()}.txt"
     code = (
         "import os\n"
         f"for path in [{str(target)!r}, '../escaped.txt', {os.path.abspath('escaped_by_sandbox.txt')!r}]:\n"
@@ -94,11 +95,14 @@ def test_writing_outside_its_directory_fails(tmp_path):
         "        print('denied', path, type(exc).__name__)\n"
         "open('inside.txt', 'w').write('fine')\n"
         "print('inside ok')\n"
+        f"open({shared_tmp!r}, 'w').write('x')\n"  # as root: lands in the run's private tmpfs
     )
     result = run_program(code, limits=SMALL)
     assert "WROTE" not in result.stdout, result.stdout
     assert "inside ok" in result.stdout
     assert not target.exists() and not os.path.exists("escaped_by_sandbox.txt")
+    if os.geteuid() == 0:
+        assert not os.path.exists(shared_tmp)
 
 
 def test_big_file_is_stopped_by_the_file_size_limit():

@@ -5,7 +5,9 @@ Per run:
 - an empty temporary working directory (the program file is the only thing in it);
 - a minimal environment (PATH, LANG, HOME=TMPDIR=the work dir): nothing of ours leaks (no tokens);
 - in the child, before exec (`preexec_fn`): a new network namespace (`unshare(CLONE_NEWNET)`, only
-  a downed loopback inside, so no sockets reach anything), then rlimits: CPU time, address space,
+  a downed loopback inside, so no sockets reach anything); as root also a private mount namespace
+  with fresh tmpfs over /tmp, /var/tmp and /dev/shm (the world-writable places), so nothing the
+  program writes outside its work dir reaches the host; then rlimits: CPU time, address space,
   processes, file size, open files, no core dumps;
 - when we run as root (containers, CI), the child also drops to an unprivileged uid of its own
   (one per concurrent run, no passwd entry needed), because root ignores RLIMIT_NPROC: this is what
@@ -18,8 +20,8 @@ Per run:
 Best effort, documented: without root and without unprivileged user namespaces there is no uid
 switch (RLIMIT_NPROC then counts all processes of the user, and the program could signal processes
 of the same user); if `unshare` is refused the network stays reachable (`network_isolated=False`
-in the result). The work dir's parent is private (0o711), but world-writable directories such as
-/tmp stay writable by the program (up to RLIMIT_FSIZE per file). `preexec_fn` runs between fork and exec; it only makes syscalls (no locks, no imports).
+in the result). Without root there is no private /tmp: the work dir's parent is private (0o711), but
+world-writable directories stay writable (up to RLIMIT_FSIZE per file). `preexec_fn` runs between fork and exec; it only makes syscalls (no locks, no imports).
 
 `SandboxPool.map` runs many programs concurrently (threads waiting on subprocesses).
 """
@@ -43,6 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
+_SCRATCH_DIRS = (b"/tmp", b"/var/tmp", b"/dev/shm")
 _UID_BASE = 1_600_000_000
 _uid_counter = itertools.count()
 _uid_lock = threading.Lock()
@@ -117,6 +122,10 @@ def sandbox_python() -> str:
 
 
 _ROOT_DIR: str | None = None
+# The work dir's path may be covered by the private /tmp; the process still holds it as its cwd,
+# so the program is opened relative to the cwd.
+_BOOTSTRAP = ("import sys; sys.argv[0] = 'main.py'; exec(compile(open('main.py', encoding='utf-8').read(), "
+              "'main.py', 'exec'), {'__name__': '__main__', '__file__': 'main.py', '__builtins__': __builtins__})")
 
 
 def _sandbox_root() -> str:
@@ -139,8 +148,16 @@ def _make_preexec(limits: SandboxLimits, uid: int | None):
     """Build the function run in the child between fork and exec (syscalls only)."""
 
     def preexec() -> None:
-        if not limits.network:
-            _libc.unshare(CLONE_NEWNET)  # failure leaves the network as it is (reported by probe)
+        net = 0 if limits.network else CLONE_NEWNET
+        if uid is not None and _libc.unshare(net | CLONE_NEWNS) == 0:
+            # Private mounts first, so nothing below propagates to the host; then fresh, small tmpfs
+            # scratch dirs. The process keeps its cwd (the work dir) even where /tmp is covered.
+            if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+                size = b"size=%dm,mode=1777" % (2 * limits.max_file_mb)
+                for scratch in _SCRATCH_DIRS:
+                    _libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV, size)
+        elif net:
+            _libc.unshare(net)  # failure leaves the network as it is (reported by the probe)
         cpu = max(1, int(limits.cpu_time_s))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         mem = limits.memory_mb * 1024 * 1024
@@ -267,7 +284,7 @@ def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimit
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
             proc = subprocess.Popen(
-                [sandbox_python(), "-I", program, *args], cwd=workdir, env=env,
+                [sandbox_python(), "-I", "-c", _BOOTSTRAP, *args], cwd=workdir, env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, preexec_fn=_make_preexec(limits, uid), close_fds=True,
             )
