@@ -150,8 +150,9 @@ def wrap_model(model: nn.Module, strategy: str = "fsdp", param_dtype: torch.dtyp
                 fully_shard(module, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
+        if hasattr(module, "set_gradient_divide_factor"):  # every fully_shard-ed module
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
 
 

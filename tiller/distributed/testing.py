@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tiller.distributed import context
+from tiller.errors import UserError
 
 
 class _Block(nn.Module):
@@ -80,10 +81,15 @@ class MLPRegressionWorker:
         return {"rank": context.rank(), "world_size": context.world_size(), "pid": os.getpid(),
                 "threads": torch.get_num_threads(), "distributed": context.is_distributed()}
 
-    def fail(self, on_rank: int = 0, how: str = "raise") -> None:
-        """Test hook: on rank `on_rank` raise ValueError ("raise") or kill this process ("kill")."""
+    def fail(self, on_rank: int = 0, how: str = "raise", peers_wait: bool = True) -> None:
+        """Test hook: rank `on_rank` raises ValueError ("raise"), UserError ("user") or kills its own
+        process ("kill"); with `peers_wait` the other ranks wait in a barrier, as in a training step."""
         if context.rank() != on_rank:
+            if peers_wait:
+                context.barrier()
             return
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "user":
+            raise UserError(f"bad input on rank {on_rank}")
         raise ValueError(f"requested failure on rank {on_rank}")
