@@ -85,6 +85,7 @@ class RLTrainer:
         self._start_workers()
         self.global_step = 0
         self.tracker = None
+        self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
 
     # --------------------------------------------------------------------------------- set-up
     def _build_reward_fn(self):
@@ -124,7 +125,8 @@ class RLTrainer:
 
         tr = self.cfg.trainer
         return Tracker(self.run_dir, loggers=tuple(tr.logger), project=tr.project_name,
-                       experiment=tr.experiment_name, config=to_dict(self.cfg))
+                       experiment=tr.experiment_name, config=to_dict(self.cfg), total_steps=self.total_steps,
+                       resume_from_step=self.global_step if self.global_step > 0 else None)
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
@@ -377,7 +379,9 @@ class RLTrainer:
         n_log = self.cfg.trainer.log_val_generations
         for ds, _, score, _, _, prompt, response in rows[:n_log]:
             print(f"[val {ds}] score={score:g} | {prompt!r} -> {response!r}")
-        return validation_metrics(rows, vk.n)
+        metrics = validation_metrics(rows, vk.n)
+        self.val_history.append((self.global_step, metrics))
+        return metrics
 
     # ---------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:

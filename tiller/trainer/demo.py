@@ -1,0 +1,244 @@
+"""`tiller demo`: watch RL teach a tiny model two-digit addition on a laptop CPU, in a few minutes.
+
+1. Starter model (cached under `~/.cache/tiller/demo/`, or `$TILLER_CACHE/demo/`): a ~2M-parameter Qwen2
+   from the tiny-model kit, given a short supervised warm-up on the task (cross-entropy on the answer
+   tokens) that stops as soon as greedy accuracy on a dev split first reaches `--warmup-target` (0.3):
+   the model is partly right, so sampled groups contain both right and wrong answers.
+2. GRPO (Shao et al. 2024) on `tiller/arithmetic` (`tiller.tasks.arithmetic`): n = 8 samples per prompt,
+   group z-score advantages, groups whose answers are all right or all wrong dropped (DAPO's dynamic
+   sampling), no KL, AdamW lr 1e-4 (settings measured on this CPU class; see ENVIRONMENT.md).
+3. Greedy accuracy on 256 held-out prompts (pairs never seen in training) before and after RL.
+
+The run dir holds `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `plots/demo_curves.png` (reward and
+accuracy per step) and `summary.json` (`val_acc_before`, `val_acc_after`, `wall_s`, ...). Any RL config key
+can be overridden: `tiller demo actor_rollout_ref.actor.optim.lr=2e-4 trainer.total_training_steps=100`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tiller.tasks import arithmetic
+
+DEMO_VERSION = 1
+VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("TILLER_CACHE") or Path.home() / ".cache" / "tiller"
+    return Path(base) / "demo"
+
+
+# ------------------------------------------------------------------------------------ warm-up
+def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
+    """(prompt + answer + eos token ids, prompt length) per row."""
+    out = []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tokenizer(row["reward_model"]["ground_truth"], add_special_tokens=False)["input_ids"]
+        out.append((p_ids + a_ids + [tokenizer.eos_token_id], len(p_ids)))
+    return out
+
+
+def _sft_batch(examples, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids / attention_mask [b, L] and labels [b, L] (-100 outside the answer)."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (seq, p_len) in enumerate(examples):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+        labels[i, p_len:len(seq)] = torch.tensor(seq[p_len:])
+    return ids, mask, labels
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6) -> float:
+    """Fraction of `rows` whose greedy answer is right (the task's scorer)."""
+    from tiller.rewards import default_compute_score
+    from tiller.rollout import SamplingParams, build_rollout_engine
+
+    engine = build_rollout_engine("native", model, tokenizer, dtype=None)
+    prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)["input_ids"] for r in rows]
+    out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=max_new_tokens))
+    texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+    scores = [float(default_compute_score(arithmetic.DATA_SOURCE, t, r["reward_model"]["ground_truth"], {}))
+              for t, r in zip(texts, rows)]
+    return sum(scores) / len(scores)
+
+
+def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, target: float, seed: int,
+            lr: float = 2e-3, batch_size: int = 64, eval_every: int = 50, max_steps: int = 4000,
+            log=print) -> tuple[float, int]:
+    """Supervised steps on (prompt -> answer) until greedy dev accuracy >= target; returns (acc, steps)."""
+    examples = _encode_sft(tokenizer, train_rows)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    acc, step = 0.0, 0
+    model.train()
+    while step < max_steps:
+        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
+        ids, mask, labels = _sft_batch([examples[i] for i in idx], tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % eval_every == 0:
+            acc = greedy_accuracy(model, tokenizer, dev_rows)
+            model.train()
+            log(f"  warm-up step {step}: loss {float(loss):.3f}, dev greedy accuracy {acc:.3f}")
+            if acc >= target:
+                break
+    model.eval()
+    return acc, step
+
+
+def starter_model(args, log=print) -> Path:
+    """The cached warmed-up model dir; built (tokenizer, model, warm-up) on first use."""
+    from tiller.models.tiny import build_model, train_tokenizer
+
+    key = hashlib.sha1(json.dumps([DEMO_VERSION, args.seed, args.model_params, args.warmup_target]).encode())
+    out = cache_root() / f"starter-{key.hexdigest()[:10]}"
+    if (out / "config.json").exists() and not args.rebuild:
+        log(f"starter model: {out} (cached)")
+        return out
+    log(f"building the starter model ({args.model_params / 1e6:.1f}M-parameter Qwen2, supervised warm-up "
+        f"to {args.warmup_target:.2f} greedy accuracy) ...")
+    t0 = time.time()
+    tokenizer = train_tokenizer()
+    model = build_model(tokenizer, "qwen2", n_params=args.model_params, seed=args.seed)
+    train, _ = arithmetic.make_splits(n_train=args.train_size + 256, n_test=256, seed=args.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        acc, steps = warm_up(model, tokenizer, train[:-256], train[-256:], target=args.warmup_target,
+                             seed=args.seed, log=log)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warmup.json").write_text(json.dumps({"dev_acc": acc, "steps": steps, "seconds": time.time() - t0}))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log(f"starter model ready in {time.time() - t0:.0f} s (dev accuracy {acc:.3f} after {steps} steps): {out}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ RL
+def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[str]:
+    """The demo's RL config (verl keys); user overrides are appended after these."""
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files=[{data_dir / 'train.parquet'}]",
+        f"data.val_files=[{data_dir / 'test.parquet'}]",
+        "data.max_prompt_length=32", "data.max_response_length=6", "data.train_batch_size=32",
+        f"data.seed={args.seed}",
+        "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",
+        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0.0",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
+        "trainer.save_freq=-1", "trainer.resume_mode=disable", f"trainer.seed={args.seed}",
+        f"trainer.num_threads={args.threads}", f"trainer.default_local_dir={run_dir}",
+        "trainer.project_name=tiller", "trainer.experiment_name=demo",
+    ]
+
+
+def plot_curves(metrics_path: Path, out_png: Path) -> Path | None:
+    """Reward (mean score per step) and held-out accuracy curves as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r.get("metrics", r) | {"step": r.get("step", r.get("metrics", {}).get("step", 0))} for r in rows]
+    reward = [(r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
+    acc = [(r["step"], r[VAL_KEY]) for r in rows if VAL_KEY in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, series, title in ((axes[0], reward, "train reward (mean score)"),
+                              (axes[1], acc, "held-out greedy accuracy")):
+        if series:
+            ax.plot(*zip(*series), marker="." if len(series) < 40 else None)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tiller demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    parser.add_argument("--steps", type=int, default=150, help="GRPO steps")
+    parser.add_argument("--test-freq", type=int, default=25, help="validate every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
+    parser.add_argument("--model-params", type=int, default=2_000_000)
+    parser.add_argument("--warmup-target", type=float, default=0.3)
+    parser.add_argument("--train-size", type=int, default=4000)
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the cached starter model")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
+    args = parser.parse_args(argv)
+    return run_demo(args)
+
+
+def run_demo(args) -> int:
+    from tiller.config import load_config
+    from tiller.trainer.checkpoint import write_text_atomic
+    from tiller.trainer.rl import RLTrainer
+
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    run_dir = Path(args.out).expanduser().resolve()
+    model_dir = starter_model(args)
+    t_warm = time.time() - t0
+    data_dir = run_dir / "data"
+    arithmetic.write_task(data_dir, n_train=args.train_size, n_test=256, seed=args.seed)
+    cfg = load_config(rl_overrides(model_dir, data_dir, run_dir, args) + list(args.overrides))
+    print(f"GRPO: {args.steps} steps x {cfg.data.train_batch_size} prompts x n={cfg.actor_rollout_ref.rollout.n}; "
+          f"run dir {run_dir}")
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    wall = time.time() - t0
+    history = trainer.val_history
+    acc_before, acc_after = history[0][1][VAL_KEY], history[-1][1][VAL_KEY]
+    png = plot_curves(run_dir / "metrics.jsonl", run_dir / "plots" / "demo_curves.png")
+    summary = {"val_acc_before": acc_before, "val_acc_after": acc_after, "val_acc_gain": acc_after - acc_before,
+               "val_prompts": 256, "rl_steps": trainer.global_step, "wall_s": wall, "warmup_s": t_warm,
+               "rl_s": wall - t_warm, "starter_model": str(model_dir), "seed": args.seed, "threads": args.threads,
+               "plot": str(png)}
+    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    print(f"held-out accuracy (256 prompts, greedy): before RL {acc_before:.3f} -> after RL {acc_after:.3f} "
+          f"({acc_after - acc_before:+.3f}) in {wall:.0f} s")
+    print(f"run dir: {run_dir} (summary.json, metrics.jsonl, tensorboard/, plots/demo_curves.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    from tiller.cli import run_main
+
+    run_main(main)
