@@ -141,8 +141,13 @@ def test_entropy_and_logprobs_chunked_equal_unchunked_with_grads():
         ref.assert_close(h, direct_h, atol=1e-12)
         ref.assert_close(lp, direct_lp, atol=1e-12)
         ref.assert_close(torch.autograd.grad(h.sum() + lp.sum(), logits)[0], gh, atol=1e-12)
-    # half precision in, float32 out
-    assert entropy_from_logits(logits.detach().bfloat16()).dtype == torch.float32
+    # half precision in: float32 out, gradient in the logits' dtype and close to the float64 one
+    half = logits.detach().bfloat16().requires_grad_(True)
+    h = entropy_from_logits(half, chunk_size=5)
+    assert h.dtype == torch.float32
+    (h.sum() + logprobs_from_logits(half, labels, chunk_size=5).sum()).backward()
+    assert half.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(half.grad.double(), gh, atol=0.05, rtol=0.05)
     with pytest.raises(ValueError, match="disagree"):
         logprobs_from_logits(logits, labels[:, :3])
 

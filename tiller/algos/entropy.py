@@ -1,12 +1,13 @@
 """Token entropy and log-probabilities from logits, chunked; Skywork-OR1's adaptive entropy control.
 
 `entropy_from_logits(logits[..., V])` -> [...]: H = logsumexp(z) - sum_v softmax(z)_v z_v, computed
-`chunk_size` rows at a time. When the logits require grad each chunk runs under activation
-checkpointing, so the softmax of only one chunk is alive at a time in forward and backward: peak
-extra memory ~ chunk_size x V instead of N x V.
+`chunk_size` rows at a time, by a custom autograd function whose backward uses the closed form
+dH/dz = -p (z - E_p[z]) and fills the gradient buffer chunk by chunk: besides the logits and their
+gradient, only one chunk's softmax (chunk_size x V) is ever alive.
 
 `logprobs_from_logits(logits[..., V], labels[...])` -> [...]: log_softmax gathered at the labels,
-= z_label - logsumexp(z), chunked the same way (no full log_softmax tensor is materialised).
+= z_label - logsumexp(z), chunked the same way (gradient onehot(label) - p); no full log_softmax
+tensor is materialised. Both are first-order differentiable only (no double backward).
 
 AdaptiveEntropyController (Skywork-OR1, He et al. 2025, arXiv 2505.22312, "adaptive entropy
 control"): a coefficient c_k, target entropy H*, step delta and cap c_max. After each step with
@@ -21,51 +22,95 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from tiller.errors import ConfigError
 
 
-def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _logprob_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def _out_dtype(logits: torch.Tensor) -> torch.dtype:
+    return _upcast(logits[:0]).dtype
 
 
-def _chunked(fn, chunk_size: int, *tensors: torch.Tensor) -> torch.Tensor:
+def _check_chunk(chunk_size: int) -> None:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    n = tensors[0].shape[0]
-    if n <= chunk_size:
-        return fn(*tensors)
-    use_ckpt = torch.is_grad_enabled() and tensors[0].requires_grad
-    outs = []
-    for start in range(0, n, chunk_size):
-        parts = [t[start : start + chunk_size] for t in tensors]
-        outs.append(checkpoint(fn, *parts, use_reentrant=False) if use_ckpt else fn(*parts))
-    return torch.cat(outs, dim=0)
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+class _ChunkedEntropy(torch.autograd.Function):
+    """H(z) per row, computed and differentiated `chunk` rows at a time.
+
+    dH/dz = -p * (z - sum_v p_v z_v): the backward rebuilds p for one chunk at a time and writes
+    straight into the gradient buffer, so no [N, V] temporary beyond that buffer is ever alive.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, chunk: int) -> torch.Tensor:  # logits [N, V]
+        out = torch.empty(logits.shape[0], dtype=_out_dtype(logits), device=logits.device)
+        for s in range(0, logits.shape[0], chunk):
+            z = _upcast(logits[s : s + chunk])
+            out[s : s + chunk] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(logits)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            z = _upcast(logits[s : s + ctx.chunk])
+            p = torch.softmax(z, -1)
+            mean_z = (p * z).sum(-1, keepdim=True)
+            grad[s : s + ctx.chunk] = (-p * (z - mean_z) * grad_out[s : s + ctx.chunk, None]).to(grad.dtype)
+        return grad, None
+
+
+class _ChunkedLogProb(torch.autograd.Function):
+    """log softmax(z)[y] per row, chunked; d/dz = onehot(y) - p, written chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:  # [N, V], [N]
+        out = torch.empty(logits.shape[0], dtype=_out_dtype(logits), device=logits.device)
+        for s in range(0, logits.shape[0], chunk):
+            z = _upcast(logits[s : s + chunk])
+            picked = z.gather(-1, labels[s : s + chunk, None]).squeeze(-1)
+            out[s : s + chunk] = picked - torch.logsumexp(z, -1)
+        ctx.save_for_backward(logits, labels)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            go = grad_out[s : s + ctx.chunk, None]
+            g = -torch.softmax(_upcast(logits[s : s + ctx.chunk]), -1) * go
+            g.scatter_add_(1, labels[s : s + ctx.chunk, None], go.to(g.dtype))
+            grad[s : s + ctx.chunk] = g.to(grad.dtype)
+        return grad, None, None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
     """Categorical entropy per position: logits [..., V] -> [...] (float32 for half inputs)."""
-    lead = logits.shape[:-1]
+    _check_chunk(chunk_size)
     flat = logits.reshape(-1, logits.shape[-1])
-    return _chunked(_entropy_rows, chunk_size, flat).reshape(lead)
+    return _ChunkedEntropy.apply(flat, chunk_size).reshape(logits.shape[:-1])
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
     """log softmax(logits)[labels]: logits [..., V], labels [...] (long) -> [...]."""
+    _check_chunk(chunk_size)
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
-    lead = labels.shape
     flat = logits.reshape(-1, logits.shape[-1])
-    return _chunked(_logprob_rows, chunk_size, flat, labels.reshape(-1).long()).reshape(lead)
+    return _ChunkedLogProb.apply(flat, labels.reshape(-1).long(), chunk_size).reshape(labels.shape)
 
 
 class AdaptiveEntropyController:
