@@ -75,3 +75,18 @@ def test_rm_margin_and_bad_inputs(tiny_model_dir, tmp_path):
     missing = write_jsonl(tmp_path / "miss.jsonl", [{"prompt": "x", "chosen": "a", "rejected": "b"}])
     with pytest.raises(DataError, match=r"missing key 'margin' \(data.margin_key\)"):
         load_preference_examples([missing], cfg.data, tok, "rm")
+
+
+def test_rm_lora_exports_a_plain_sequence_classifier(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    train = write_jsonl(tmp_path / "train.jsonl", _pairs([(i, i + 1) for i in range(8)]))
+    run = tmp_path / "rm_lora"
+    cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
+        "model.lora_rank": 4, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 3e-3,
+        "trainer.total_training_steps": 3}), schema=RMConfig, validate=validate_job)
+    train_rm(cfg)
+    model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")
+    keys = model.state_dict().keys()
+    assert "score.weight" in keys and not any("lora" in k or "modules_to_save" in k for k in keys)
+    assert (run / "checkpoints" / "global_step_3" / "model" / "adapter_model.safetensors").exists()

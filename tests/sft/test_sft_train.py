@@ -121,3 +121,35 @@ def test_cli_bad_data_exit_2(tiny_model_dir, tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "bad.jsonl row 0" in err and "missing key 'response'" in err
+
+
+def test_bf16_autocast_learns_and_keeps_fp32_weights(tiny_model_dir, sft_file, tmp_path):
+    run = tmp_path / "bf16"
+    cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+        "optim.dtype": "bfloat16", "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8,
+        "optim.lr": 3e-3, "trainer.total_training_steps": 8}))
+    train_sft(cfg)
+    rows = _metrics(run)
+    assert rows[-1]["train/loss"] < 0.7 * rows[0]["train/loss"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run / "hf_model" / "model.safetensors"))
+    assert all(v.dtype == torch.float32 for v in weights.values())
+
+
+def test_multiturn_messages_train(tiny_model_dir, tmp_path):
+    from tests.sft.conftest import write_jsonl
+
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a},
+                          {"role": "user", "content": "And doubled?"}, {"role": "assistant", "content": str(2 * int(a))}]}
+            for q, a in MEMO]
+    train = write_jsonl(tmp_path / "chat.jsonl", rows)
+    run = tmp_path / "chat"
+    train_sft(_cfg(job_overrides(tiny_model_dir, train, run, **{
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4, "data.packing": True, "optim.lr": 3e-3,
+        "trainer.total_training_steps": 10, "trainer.export_hf": False})))
+    rows = _metrics(run)
+    # loss on both assistant turns: each answer's digits (one token per digit) + <|im_end|>;
+    # answers 3 7 6 9 9 8 9 9 (8 digits) and doubled 6 14 12 18 18 16 18 18 (15 digits): 8+8 + 15+8 = 39
+    assert rows[0]["train/num_tokens"] == sum(len(a) + 1 + len(str(2 * int(a))) + 1 for _, a in MEMO) == 39
+    assert rows[-1]["train/loss"] < 0.6 * rows[0]["train/loss"]
