@@ -14,8 +14,9 @@ multiplicative fusion its reward is left unchanged.
 Fusion, applied to the scalar reward before the advantage estimator:
 - `multiplicative` (the paper): r_i = quality_i * Norm(Div_i);
 - `additive` (an option, not in the paper): r_i = quality_i + weight * Norm(Div_i).
-Norm is `normalization="none"` (default: Div is already in [0, 1], as in the paper) or
-`"group_max"` (divide by the largest Div of the group, so the most novel response keeps its full
+The paper writes Norm(Div) and describes it as the normalised count of distinct responses; tiller
+reads the 1/(n-1) averaging above as that normalisation, so `normalization="none"` (default) uses
+Div as is. `"group_max"` (an option) (divide by the largest Div of the group, so the most novel response keeps its full
 quality; a group whose Div are all 0 keeps Norm = 0).
 With multiplicative fusion a negative quality becomes *more* negative for novel responses; use
 rewards in [0, 1] as the paper does.
