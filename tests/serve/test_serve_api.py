@@ -1,0 +1,209 @@
+"""The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (random free port), tiny model, httpx."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    import uvicorn
+
+    from tiller.serve.app import create_app
+    from tiller.serve.server import _parser, build_served_model
+
+    args = _parser().parse_args([str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
+                                 "--max-model-len", "64", "--max-tokens", "8", "--batch-wait-ms", "50"])
+    served = build_served_model(args)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):  # bounded: 20 s
+        if srv.started:
+            break
+        time.sleep(0.1)
+    assert srv.started, "server did not start"
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        yield client, served
+    srv.should_exit = True
+    thread.join(10)
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "2+3="}], "max_tokens": 6}
+
+
+def test_models_and_health(server):
+    client, _ = server
+    assert client.get("/health").json() == {"status": "ok"}
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["tiny"]
+    assert data["data"][0]["max_model_len"] == 64
+
+
+def test_chat_completion_greedy_matches_engine_and_counts_usage(server):
+    client, served = server
+    from tiller.rollout import SamplingParams
+
+    body = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "logprobs": True}).json()
+    assert body["object"] == "chat.completion" and body["model"] == "tiny"
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    # the same prompt through the engine directly: the server renders the chat template like the trainer
+    tok = served.tokenizer
+    prompt = tok(tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    ref = served.batcher.engine.generate([prompt], SamplingParams(max_new_tokens=6, do_sample=False))
+    assert choice["message"]["content"] == tok.decode(ref.response_ids[0], skip_special_tokens=True)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ref.response_ids[0]),
+                             "total_tokens": len(prompt) + len(ref.response_ids[0])}
+    lps = choice["logprobs"]["content"]
+    assert len(lps) == len(ref.response_ids[0])
+    assert [e["logprob"] for e in lps] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    assert all(e["logprob"] <= 0 for e in lps)
+
+
+def test_chat_n_seed_and_max_tokens(server):
+    client, _ = server
+    req = {**CHAT, "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5}
+    a = client.post("/v1/chat/completions", json=req).json()
+    b = client.post("/v1/chat/completions", json=req).json()
+    assert len(a["choices"]) == 3 and [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in a["choices"]] == [c["message"]["content"] for c in b["choices"]]
+    assert a["usage"]["completion_tokens"] <= 15
+    assert all(c["finish_reason"] in ("stop", "length") for c in a["choices"])
+
+
+def test_completions_batch_prompt_list_logprobs_and_echo(server):
+    client, _ = server
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": ["1+1=", "hello"], "n": 2,
+                                                "max_tokens": 4, "temperature": 0.8, "logprobs": 0}).json()
+    assert body["object"] == "text_completion" and len(body["choices"]) == 4
+    for c in body["choices"]:
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) <= 4
+    echo = client.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 3, "temperature": 0,
+                                                "echo": True}).json()
+    assert echo["choices"][0]["text"].startswith("1+1=")
+
+
+def test_stop_string_is_cut_from_text(server):
+    client, _ = server
+    free = client.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 8, "temperature": 0}).json()
+    text = free["choices"][0]["text"]
+    if len(text) < 3:
+        pytest.skip("greedy text too short to pick a stop string")
+    stop = text[1:3]
+    cut = client.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 8, "temperature": 0,
+                                               "stop": stop}).json()["choices"][0]
+    assert cut["text"] == text[:text.find(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_chat_streaming_sse_concatenates_to_the_full_answer(server):
+    client, _ = server
+    req = {**CHAT, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    full = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0}).json()
+    with client.stream("POST", "/v1/chat/completions", json=req) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"] == full["usage"]
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals == [full["choices"][0]["finish_reason"]]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(server, body, param):
+    client, _ = server
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
+
+
+def test_bad_completion_requests_and_unknown_model(server):
+    client, _ = server
+    assert client.post("/v1/completions", json={"prompt": ""}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": [1, 10**9]}).status_code == 400
+    assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+                       ).status_code == 400
+    resp = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_concurrent_requests_share_engine_calls(server):
+    client, served = server
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = dict(served.batcher.stats)
+    req = {"prompt": "1+2=", "max_tokens": 3, "temperature": 0.7}
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: client.post("/v1/completions", json=req).json(), range(6)))
+    assert all(len(r["choices"]) == 1 for r in results)
+    calls = served.batcher.stats["engine_calls"] - before["engine_calls"]
+    assert served.batcher.stats["requests"] - before["requests"] == 6
+    assert calls < 6  # micro-batching merged some of them (50 ms window)
+
+
+@pytest.mark.slow  # a fresh python process imports torch + transformers: ~10-25 s on 2 busy cores
+def test_tiller_serve_cli_subprocess(tiny_model_dir):
+    """`tiller serve` as a user starts it: a real process, polled (bounded) until it answers."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tiller.cli", "serve", str(tiny_model_dir), "--port", str(port),
+                             "--dtype", "float32", "--threads", "1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # bounded: 60 s
+            if proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert proc.poll() is None, proc.stdout.read().decode()
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == tiny_model_dir.name
+        body = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+        assert body["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_tiller_serve_cli_bad_model_dir_exits_2(tmp_path):
+    from tiller.cli import main as cli
+
+    assert cli(["serve", str(tmp_path / "missing")]) == 2

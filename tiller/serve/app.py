@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`.
+
+Requests go through a `MicroBatcher` to one rollout engine (native | hf | vllm), so concurrent requests with
+the same sampling settings share an engine call. Chat prompts are rendered with the tokenizer's chat template
+(`add_generation_prompt=True`) and tokenized without extra special tokens, as the trainer does, so a served
+checkpoint sees exactly the prompts it was trained on.
+
+Semantics and deviations from the OpenAI API:
+- `temperature=0` is greedy decoding. `seed` makes a request reproducible (it then runs in its own engine call).
+- `stop` strings end a choice and are not part of the returned text (as OpenAI); the token that completed
+  the string is still counted in `usage.completion_tokens`.
+- `logprobs` are those of the sampling distribution (after temperature / top-k / top-p), the quantity RL
+  training uses; only the sampled token is reported (`top_logprobs` > 0 is refused with a 400).
+- Streaming (`stream=true`, both endpoints) uses OpenAI's SSE chunk format, but the engine is not
+  incremental: a choice's chunks are sent once its generation has finished.
+- `usage.prompt_tokens` counts each prompt once, whatever `n` is; completion tokens include a stop token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from tiller.errors import UserError
+from tiller.rollout import RolloutOutput, SamplingParams
+from tiller.serve.batcher import MicroBatcher
+from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
+
+
+class ServedModel:
+    """What the handlers need: engine (behind a batcher), tokenizer, name and limits."""
+
+    def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
+                 max_batch_prompts: int = 64, max_wait_s: float = 0.005):
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_model_len = int(max_model_len)
+        self.max_tokens_default = int(max_tokens_default)
+        self.created = int(time.time())
+        self.batcher = MicroBatcher(engine, max_batch_prompts=max_batch_prompts, max_wait_s=max_wait_s)
+
+    # ------------------------------------------------------------------------------------ helpers
+    def check_model(self, requested: str | None) -> None:
+        if requested and requested != self.name:
+            raise RequestError(f"The model `{requested}` does not exist; this server serves `{self.name}`",
+                               "model", status=404, code="model_not_found")
+
+    def sampling(self, req: SamplingFields, max_tokens: int | None, prompt_lens: list[int]) -> SamplingParams:
+        req.check_supported()
+        longest = max(prompt_lens)
+        room = self.max_model_len - longest
+        if room < 1:
+            raise RequestError(f"the prompt has {longest} tokens; the model's context is {self.max_model_len}",
+                               "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        if max_tokens is None:
+            max_tokens = min(self.max_tokens_default, room)
+        elif max_tokens > room:
+            raise RequestError(f"max_tokens={max_tokens} + prompt ({longest} tokens) exceeds the model's context "
+                               f"of {self.max_model_len} tokens", "max_tokens")
+        greedy = req.temperature == 0.0
+        params = SamplingParams(n=req.n, temperature=1.0 if greedy else req.temperature, top_p=req.top_p,
+                                top_k=req.top_k, min_p=req.min_p, max_new_tokens=max_tokens, do_sample=not greedy,
+                                stop=tuple(req.stop_list()), seed=req.seed, ignore_eos=req.ignore_eos)
+        try:
+            params.validate()
+        except UserError as err:
+            raise RequestError(str(err)) from None
+        return params
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        if req.tools:
+            raise RequestError("tools are not supported by tiller serve", "tools")
+        try:
+            text = self.tokenizer.apply_chat_template(req.text_messages(), add_generation_prompt=req.add_generation_prompt,
+                                                      tokenize=False)
+        except RequestError:
+            raise
+        except Exception as err:  # jinja errors from the model's own template
+            raise RequestError(f"the chat template rejected the messages: {err}", "messages") from None
+        ids = self.encode_text(text)
+        if not ids:
+            raise RequestError("the rendered prompt is empty", "messages")
+        return ids
+
+    async def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        vocab = len(self.tokenizer)
+        for p in prompts:
+            if min(p) < 0 or max(p) >= vocab:
+                raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return await asyncio.wrap_future(self.batcher.submit(prompts, sampling))
+
+    def finish_text(self, ids: list[int], stops: tuple[str, ...]) -> str:
+        """Decoded text without special tokens, cut before the first stop string."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stops if s in text]
+        return text[:min(cuts)] if cuts else text
+
+    def token_logprobs(self, ids: list[int], logprobs: list[float]) -> list[tuple[str, float]]:
+        return [(self.tokenizer.decode([t], skip_special_tokens=False), float(lp)) for t, lp in zip(ids, logprobs)]
+
+
+def _usage(prompts: list[list[int]], out: RolloutOutput) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = out.num_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def _text_deltas(served: ServedModel, ids: list[int], final: str) -> list[str]:
+    """Pieces of `final`, one per token where the token's text is complete; they concatenate to `final`."""
+    pieces, emitted = [], 0
+    for i in range(1, len(ids) + 1):
+        prefix = served.tokenizer.decode(ids[:i], skip_special_tokens=True)
+        if final.startswith(prefix) and len(prefix) > emitted:
+            pieces.append(final[emitted:len(prefix)])
+            emitted = len(prefix)
+    if emitted < len(final):
+        pieces.append(final[emitted:])
+    return pieces
+
+
+# ------------------------------------------------------------------------------------------- chat
+async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> dict | Any:
+    served.check_model(req.model)
+    if req.top_logprobs:
+        raise RequestError("top_logprobs > 0 is not supported (only the sampled token's logprob)", "top_logprobs")
+    prompt = served.render_chat(req)
+    sampling = served.sampling(req, req.max_completion_tokens or req.max_tokens, [len(prompt)])
+    out = await served.generate([prompt], sampling)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    choices = []
+    for i in range(len(out)):
+        text = served.finish_text(out.response_ids[i], sampling.stop)
+        choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": out.finish_reason[i], "logprobs": None}
+        if req.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+                for tok, lp in served.token_logprobs(out.response_ids[i], out.logprobs[i])]}
+        choices.append(choice)
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": served.name,
+            "choices": choices, "usage": _usage([prompt], out)}
+    if req.stream:
+        return _stream_chat(served, body, out, req)
+    return body
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def _stream_chat(served: ServedModel, body: dict, out: RolloutOutput, req: ChatCompletionRequest):
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": served.name}
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+    def events():
+        for choice in body["choices"]:
+            i = choice["index"]
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+            for piece in _text_deltas(served, out.response_ids[i], choice["message"]["content"]):
+                yield _sse({**base, "choices": [{"index": i, "delta": {"content": piece}, "logprobs": None,
+                                                 "finish_reason": None}]})
+            yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": choice["logprobs"],
+                                             "finish_reason": choice["finish_reason"]}]})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": body["usage"]})
+        yield _sse("[DONE]")
+
+    return events()
+
+
+# ------------------------------------------------------------------------------------ completions
+async def completion(served: ServedModel, req: CompletionRequest) -> dict | Any:
+    served.check_model(req.model)
+    if req.best_of is not None and req.best_of != req.n:
+        raise RequestError("best_of other than n is not supported", "best_of")
+    if req.suffix:
+        raise RequestError("suffix is not supported", "suffix")
+    prompts = [served.encode_text(p) if isinstance(p, str) else list(p) for p in req.prompt_list()]
+    if any(not p for p in prompts):
+        raise RequestError("a prompt tokenizes to 0 tokens", "prompt")
+    sampling = served.sampling(req, req.max_tokens, [len(p) for p in prompts])
+    out = await served.generate(prompts, sampling)
+    rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
+    choices = []
+    for i in range(len(out)):
+        text = served.finish_text(out.response_ids[i], sampling.stop)
+        if req.echo:
+            text = served.tokenizer.decode(prompts[i // n], skip_special_tokens=False) + text
+        choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": out.finish_reason[i], "logprobs": None}
+        if req.logprobs is not None:
+            pairs = served.token_logprobs(out.response_ids[i], out.logprobs[i])
+            offsets, pos = [], 0
+            for tok, _ in pairs:
+                offsets.append(pos)
+                pos += len(tok)
+            choice["logprobs"] = {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
+                                  "top_logprobs": None, "text_offset": offsets}
+        choices.append(choice)
+    body = {"id": rid, "object": "text_completion", "created": created, "model": served.name, "choices": choices,
+            "usage": _usage(prompts, out)}
+    if req.stream:
+        return _stream_completion(served, body, out, req)
+    return body
+
+
+def _stream_completion(served: ServedModel, body: dict, out: RolloutOutput, req: CompletionRequest):
+    base = {"id": body["id"], "object": "text_completion", "created": body["created"], "model": served.name}
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+    def events():
+        for choice in body["choices"]:
+            i = choice["index"]
+            for piece in _text_deltas(served, out.response_ids[i], choice["text"]) if not req.echo else [choice["text"]]:
+                yield _sse({**base, "choices": [{"index": i, "text": piece, "logprobs": None, "finish_reason": None}]})
+            yield _sse({**base, "choices": [{"index": i, "text": "", "logprobs": choice["logprobs"],
+                                             "finish_reason": choice["finish_reason"]}]})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": body["usage"]})
+        yield _sse("[DONE]")
+
+    return events()
+
+
+# ------------------------------------------------------------------------------------------- app
+def create_app(served: ServedModel):
+    """The FastAPI app around a `ServedModel` (its batcher thread is closed on shutdown)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        served.batcher.close()
+
+    app = FastAPI(title="tiller OpenAI-compatible server", lifespan=lifespan)
+
+    def error(status: int, message: str, param: str | None, code: str | None = None) -> JSONResponse:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(status_code=status,
+                            content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError):
+        return error(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(UserError)
+    async def on_user_error(request: Request, exc: UserError):
+        return error(400, str(exc), None)
+
+    def respond(result):
+        if isinstance(result, dict):
+            return result
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                            "owned_by": "tiller", "max_model_len": served.max_model_len}]}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return dict(served.batcher.stats)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        return respond(await chat_completion(served, req))
+
+    @app.post("/v1/completions")
+    async def complete(req: CompletionRequest):
+        return respond(await completion(served, req))
+
+    return app

@@ -1,0 +1,114 @@
+"""Request bodies of the OpenAI-compatible endpoints (the subset tiller serves) and their checks.
+
+Fields follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`, plus vLLM's
+`top_k`, `min_p` and `ignore_eos` extensions. Unknown fields are ignored (clients send many). Values tiller
+cannot honour (penalties, `top_logprobs` > 0, `best_of` > n, tools) are refused with a 400 naming the field,
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tiller.errors import UserError
+
+
+class RequestError(UserError):
+    """A bad request: becomes HTTP 400 with OpenAI's error body naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    user: Optional[str] = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise RequestError("stop must hold at most 16 non-empty strings", "stop")
+        return stops
+
+    def check_supported(self) -> None:
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                raise RequestError(f"{name} is not supported by tiller serve (use {neutral})", name)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+
+    def text_messages(self) -> list[dict[str, str]]:
+        """Messages with content flattened to text (`[{"type": "text", "text": ...}]` parts joined)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in ("system", "user", "assistant", "tool", "developer"):
+                raise RequestError(f"messages[{i}].role {m.role!r} is not one of system, user, assistant, tool",
+                                   f"messages[{i}].role")
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise RequestError(f"messages[{i}].content: only text parts are supported, got "
+                                           f"{part.get('type')!r}", f"messages[{i}].content")
+                    parts.append(str(part.get("text", "")))
+                content = "".join(parts)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        return out
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items or any(len(x) == 0 for x in items):
+            raise RequestError("prompt must be a non-empty string, list of strings or token ids", "prompt")
+        return items

@@ -1,0 +1,83 @@
+"""`tiller serve MODEL_DIR`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over a rollout engine.
+
+    tiller serve ./checkpoint --port 8000 --engine native --dtype bfloat16
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "2+3="}], "max_tokens": 16, "temperature": 0}'
+
+Any OpenAI client works (`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`). Endpoints and the
+deviations from OpenAI's API are listed in `tiller.serve.app`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tiller.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiller serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model dir (e.g. from `tiller export`)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--served-model-name", default=None, help="model id clients pass (default: the dir name)")
+    p.add_argument("--engine", default="native", choices=("native", "hf", "vllm"), help="rollout engine")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 (default bfloat16)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: MODEL_DIR)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded requests")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion limit (default: the model's max_position_embeddings)")
+    p.add_argument("--max-tokens", type=int, default=512, help="completion length when a request gives none")
+    p.add_argument("--max-batch-prompts", type=int, default=64, help="prompts per engine call")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def build_served_model(args: argparse.Namespace):
+    """Load the policy and wrap it in a `ServedModel` (no server started)."""
+    from tiller.evaluation.runner import load_policy
+    from tiller.serve.app import ServedModel
+
+    policy = load_policy(args.model, engine=args.engine, dtype=args.dtype, seed=args.seed,
+                         tokenizer_path=args.tokenizer, device=args.device, trust_remote_code=args.trust_remote_code)
+    max_len = args.max_model_len
+    if max_len is None:
+        cfg = getattr(policy.model, "config", None)
+        max_len = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+    if max_len < 2:
+        raise UserError(f"--max-model-len must be >= 2, got {max_len}")
+    name = args.served_model_name or Path(str(args.model).rstrip("/")).name
+    return ServedModel(policy.engine, policy.tokenizer, name=name, max_model_len=max_len,
+                       max_tokens_default=args.max_tokens, max_batch_prompts=args.max_batch_prompts,
+                       max_wait_s=args.batch_wait_ms / 1000.0)
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    args = _parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from tiller.serve.app import create_app
+
+    served = build_served_model(args)
+    config = uvicorn.Config(create_app(served), host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(config)
+    print(f"tiller serve: model {served.name!r} (engine {args.engine}, context {served.max_model_len}) "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    from tiller.cli import run_main
+
+    run_main(main)
