@@ -153,3 +153,14 @@ def test_multiturn_messages_train(tiny_model_dir, tmp_path):
     # answers 3 7 6 9 9 8 9 9 (8 digits) and doubled 6 14 12 18 18 16 18 18 (15 digits): 8+8 + 15+8 = 39
     assert rows[0]["train/num_tokens"] == sum(len(a) + 1 + len(str(2 * int(a))) + 1 for _, a in MEMO) == 39
     assert rows[-1]["train/loss"] < 0.6 * rows[0]["train/loss"]
+
+
+def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, sft_file, tmp_path):
+    losses = []
+    for gc in (False, True):
+        run = tmp_path / f"gc{gc}"
+        train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+            "model.enable_gradient_checkpointing": gc, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4,
+            "optim.lr": 1e-3, "trainer.total_training_steps": 2, "trainer.export_hf": False})))
+        losses.append([r["train/loss"] for r in _metrics(run)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

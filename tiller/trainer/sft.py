@@ -75,7 +75,8 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         model = load_causal_lm(m.partial_pretrain, trust_remote_code=m.trust_remote_code,
                                attn_implementation=m.attn_implementation)
     if m.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed it; the old name warns
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
     if m.lora_rank > 0:
         if m.enable_gradient_checkpointing:
