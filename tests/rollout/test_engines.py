@@ -8,6 +8,7 @@ import torch
 from tests.rollout.conftest import prompt_ids, reference_logprobs
 from tiller.errors import ConfigError, UserError
 from tiller.rollout import RolloutEngine, SamplingParams, build_rollout_engine
+from tiller.rollout.base import cpu_bf16_is_fast
 
 ENGINES = ["hf", "native"]
 
@@ -98,11 +99,15 @@ def test_bad_input_is_user_error(engine_name, qwen):
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
-def test_bf16_copy_follows_actor_weights(engine_name, qwen):
+def test_cast_copy_follows_actor_weights(engine_name, qwen):
+    """A dtype-cast copy (bf16 where this CPU has fast bf16, else float64: the same code path) must be
+    refreshed by update_weights() after the actor's parameters change."""
     model, tok = qwen
     actor = type(model)(model.config)
     actor.load_state_dict(model.state_dict())
-    engine = build_rollout_engine(engine_name, actor, tok, dtype="bfloat16")
+    copy_dtype = torch.bfloat16 if cpu_bf16_is_fast() else torch.float64
+    engine = build_rollout_engine(engine_name, actor, tok, dtype=copy_dtype)
+    assert engine.weights.is_copy and next(engine.weights.module.parameters()).dtype == copy_dtype
     prompts = prompt_ids(tok)[:2]
     greedy = SamplingParams(do_sample=False, max_new_tokens=8, ignore_eos=True)
     before = engine.generate(prompts, greedy)
@@ -113,5 +118,18 @@ def test_bf16_copy_follows_actor_weights(engine_name, qwen):
     engine.update_weights()
     after = engine.generate(prompts, greedy)
     assert after.response_ids != before.response_ids
-    reference = build_rollout_engine(engine_name, actor, tok, dtype="bfloat16").generate(prompts, greedy)
+    reference = build_rollout_engine(engine_name, actor, tok, dtype=copy_dtype).generate(prompts, greedy)
     assert after.response_ids == reference.response_ids
+
+
+def test_bf16_on_a_cpu_without_fast_bf16_falls_back_to_fp32(qwen, monkeypatch):
+    import tiller.rollout.base as base
+
+    model, tok = qwen
+    monkeypatch.setitem(base._BF16_FAST, "cpu", False)
+    with pytest.warns(UserWarning, match="no fast bf16"):
+        engine = build_rollout_engine("native", model, tok, dtype="bfloat16")
+    assert engine.weights.module is model and not engine.weights.is_copy
+    monkeypatch.setitem(base._BF16_FAST, "cpu", True)
+    engine = build_rollout_engine("native", model, tok, dtype="bfloat16")
+    assert next(engine.weights.module.parameters()).dtype == torch.bfloat16

@@ -232,6 +232,40 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return table[dtype]
 
 
+_BF16_FAST: dict[str, bool] = {}
+
+
+def cpu_bf16_is_fast() -> bool:
+    """Whether bf16 matmuls on this CPU are at least as fast as fp32 (measured once per process).
+
+    CPUs with AVX-512 BF16 or AMX run bf16 GEMMs 2-4x faster than fp32; CPUs without them (AVX2 only)
+    can be ~1000x slower, which would turn a bf16 rollout into a stall.
+    """
+    if "cpu" not in _BF16_FAST:
+        import time
+
+        def best(dtype) -> float:
+            a = torch.ones(128, 128, dtype=dtype)
+            a @ a
+            t = time.perf_counter()
+            a @ a
+            return time.perf_counter() - t
+
+        _BF16_FAST["cpu"] = best(torch.bfloat16) <= 1.5 * best(torch.float32)
+    return _BF16_FAST["cpu"]
+
+
+def effective_dtype(dtype: torch.dtype | None, device: torch.device, fallback: bool = True) -> torch.dtype | None:
+    """bf16 on a CPU whose bf16 matmuls are slow falls back to fp32 (with a warning) unless `fallback=False`."""
+    if fallback and dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16_is_fast():
+        import warnings
+
+        warnings.warn("rollout: this CPU has no fast bf16 matmul (no AVX-512 BF16 / AMX); rolling out in "
+                      "float32 instead of bfloat16 (pass dtype_fallback=False to force bf16)", stacklevel=3)
+        return torch.float32
+    return dtype
+
+
 class WeightView:
     """The module an in-process engine runs: the actor itself, or a copy cast to another dtype.
 
@@ -239,8 +273,9 @@ class WeightView:
     `update_weights()` after every optimizer step, which lands here).
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None, dtype_fallback: bool = True):
         self.source = model
+        dtype = effective_dtype(dtype, next(model.parameters()).device, dtype_fallback)
         model_dtype = next(model.parameters()).dtype
         self.is_copy = dtype is not None and dtype != model_dtype
         if self.is_copy:

@@ -49,9 +49,10 @@ class _StopStringCriteria(StoppingCriteria):
 class HFRolloutEngine:
     """Generation through `model.generate`; shares the actor module (or a dtype-cast copy of it)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
+                 dtype_fallback: bool = True):
         self.tokenizer = tokenizer
-        self.weights = WeightView(model, resolve_dtype(dtype))
+        self.weights = WeightView(model, resolve_dtype(dtype), dtype_fallback)
         self.generator_seed = seed
         self._calls = 0
 

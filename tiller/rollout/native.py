@@ -114,12 +114,13 @@ class NativeRolloutEngine:
 
     Options: `dtype` ("bfloat16" | "float32" | None), `seed`, `max_num_seqs` (rows decoded together; more
     prompts run in waves), `prefill_tokens` (padded tokens per prefill chunk), `compact_fraction` (compact
-    the batch once this fraction of its rows is done), `num_threads` (torch threads during generate).
+    the batch once this fraction of its rows is done), `num_threads` (torch threads during generate),
+    `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
                  max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, dtype_fallback: bool = True):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -127,7 +128,7 @@ class NativeRolloutEngine:
                 f"{impl!r}; load it with attn_implementation='sdpa' or use rollout.name=hf"
             )
         self.tokenizer = tokenizer
-        self.weights = WeightView(model, resolve_dtype(dtype))
+        self.weights = WeightView(model, resolve_dtype(dtype), dtype_fallback)
         self.max_num_seqs = max_num_seqs
         self.prefill_tokens = prefill_tokens
         self.compact_fraction = compact_fraction

@@ -1,0 +1,246 @@
+"""Multi-turn, tool-using rollouts: an agent loop over any rollout engine.
+
+Each sample is a conversation grown token by token (the ReAct pattern, Yao et al. 2023, arXiv 2210.03629,
+in the Qwen / Hermes tool-call format that verl's `ToolAgentLoop` also uses):
+
+1. the engine generates one assistant turn for every live conversation (one batched `generate` call per
+   turn, n=1 per row; the n samples of a prompt are n rows);
+2. the turn's text is searched for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
+   none -> the conversation is finished;
+3. otherwise each call runs (`tiller.rollout.tools`; errors come back as text) and the results are appended
+   as `tool` messages, rendered by the tokenizer's own chat template, plus the generation prompt of the
+   next assistant turn;
+4. repeat until no tool call, `max_assistant_turns` turns, or the response budget is spent.
+
+The response of a sample is everything after its prompt: model tokens (response_mask 1, with the
+engine's sampling logprobs) and template + tool-result tokens (response_mask 0, logprob 0). Tokens are
+never re-tokenized: what the model generated is kept id for id, so the trainer's log-probabilities are of
+exactly the sequence that was sampled.
+
+How tool messages become tokens: the chat template renders `[user, assistant, tool...]` with
+`add_generation_prompt=True` and `[user, assistant]` without; the difference, taken from just after the
+assistant turn's end-of-turn token (eos), is the text between the model's eos and the next assistant
+turn (e.g. `\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n`). When a turn did not end with an
+eos (a stop string like `</tool_call>` cut it), the eos is inserted first (masked). Templates that
+reject the `tool` role get the result as a `user` message wrapped in `<tool_response>...</tool_response>`.
+
+Deviations from verl's agent loop: synchronous (one batched call per turn, not per-request async);
+no interaction agents; the total response length `max_response_length` (default
+`sampling.max_new_tokens`) bounds model + tool tokens together, as verl's `response_length` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from tiller.rollout.base import RolloutOutput, SamplingParams, eos_token_ids
+from tiller.rollout.tools import Tool
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    error: str | None = None  # set when the block could not be parsed
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Tool calls in a turn's text; a malformed block gives a ToolCall with `error` set.
+
+    >>> parse_tool_calls('x <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    [ToolCall(name='calculator', arguments={'expression': '1+1'}, error=None)]
+    """
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(body)
+            name, args = obj["name"], obj.get("arguments", {})
+            if isinstance(args, str):  # OpenAI style: arguments as a JSON string
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("name must be a string and arguments an object")
+            calls.append(ToolCall(name, args))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            calls.append(ToolCall("", {}, error=f"invalid tool call {body[:200]!r}: {err}"))
+    return calls
+
+
+def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int) -> list[str]:
+    """The text result of every call (errors as `Error: ...`), each cut to `max_chars`."""
+    out = []
+    for call in calls:
+        if call.error:
+            text = f"Error: {call.error}"
+        elif call.name not in tools:
+            text = f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or 'none'}"
+        else:
+            try:
+                text = str(tools[call.name](call.arguments))
+            except Exception as err:  # noqa: BLE001 - a broken tool must not end the rollout
+                text = f"Error: {type(err).__name__}: {err}"
+        out.append(text[:max_chars])
+    return out
+
+
+class ToolResponseEncoder:
+    """Token ids that follow a finished assistant turn: tool messages + the next generation prompt."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_token_ids(None, tokenizer))
+        eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.eos_text = tokenizer.decode([eos_id]) if eos_id is not None else ""
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def text(self, results: Sequence[str]) -> str:
+        """The text between an assistant turn's eos and the next assistant turn's first token."""
+        base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "ASSISTANT_TURN"}]
+        try:
+            full = self._render(base + [{"role": "tool", "content": r} for r in results], True)
+        except Exception:  # noqa: BLE001 - templates without a tool role raise from jinja
+            wrapped = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+            full = self._render(base + [{"role": "user", "content": wrapped}], True)
+        prefix = self._render(base, False)
+        marker = "ASSISTANT_TURN" + self.eos_text
+        end = prefix.rfind(marker)
+        if end >= 0 and full.startswith(prefix[:end + len(marker)]):
+            return full[end + len(marker):]
+        common = len(prefix) if full.startswith(prefix) else 0
+        return full[common:]
+
+    def encode(self, results: Sequence[str], turn_ended_with_eos: bool) -> list[int]:
+        text = self.text(results)
+        if not turn_ended_with_eos:
+            text = self.eos_text + text
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class AgentRolloutOutput(RolloutOutput):
+    """`RolloutOutput` of multi-turn samples (len(prompts) * n rows, a prompt's n samples contiguous).
+
+    `response_ids` hold model and tool tokens; `response_mask` is 1 on model tokens, 0 on tool / template
+    tokens; `logprobs` are the engine's sampling logprobs on model tokens and 0.0 elsewhere.
+    """
+
+    response_mask: list[list[int]] = field(default_factory=list)
+    num_turns: list[int] = field(default_factory=list)
+    """Assistant turns per sample."""
+    num_tool_calls: list[int] = field(default_factory=list)
+    tool_errors: list[int] = field(default_factory=list)
+    """Tool calls whose result was an error (malformed call, unknown tool, failing tool)."""
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    finish: str = ""
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int) -> bool:
+        """Append tokens (logprobs None = tool tokens); False when the budget cut them."""
+        room = budget - len(self.ids)
+        kept = list(ids)[:room]
+        self.ids += kept
+        self.mask += [1 if logprobs is not None else 0] * len(kept)
+        self.logprobs += list(logprobs)[:room] if logprobs is not None else [0.0] * len(kept)
+        return len(kept) == len(ids)
+
+
+def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
+                   tools: dict[str, Tool] | Sequence[Tool], *, max_assistant_turns: int = 4,
+                   max_response_length: int | None = None, max_tool_response_chars: int = 1024,
+                   max_calls_per_turn: int = 4) -> AgentRolloutOutput:
+    """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
+
+    prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
+    `render_prompt_with_tools`). `sampling.max_new_tokens` caps each assistant turn;
+    `max_response_length` (default `sampling.max_new_tokens`) caps the whole response.
+    """
+    tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
+    if max_assistant_turns < 1:
+        raise ValueError(f"max_assistant_turns must be >= 1, got {max_assistant_turns}")
+    budget = max_response_length or sampling.max_new_tokens
+    encoder = ToolResponseEncoder(tokenizer)
+    rows = [_Row(list(p)) for p in prompt_ids for _ in range(sampling.n)]
+    for turn in range(max_assistant_turns):
+        live = [r for r in rows if not r.finish]
+        if not live:
+            break
+        step = min(sampling.max_new_tokens, max(budget - len(r.ids) for r in live))
+        call = replace(sampling, n=1, max_new_tokens=step,
+                       seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn)
+        out = engine.generate([r.prompt + r.ids for r in live], call)
+        for row, ids, lps, reason in zip(live, out.response_ids, out.logprobs, out.finish_reason):
+            row.turns += 1
+            if not row.add(ids, lps, budget) or reason == "length":
+                row.finish = "length"
+                continue
+            calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))[:max_calls_per_turn]
+            if not calls or turn == max_assistant_turns - 1:
+                row.finish = "stop"
+                continue
+            results = run_tool_calls(calls, tools, max_tool_response_chars)
+            row.calls += len(calls)
+            row.errors += sum(r.startswith("Error:") for r in results)
+            ended = bool(ids) and ids[-1] in encoder.eos_ids
+            if not row.add(encoder.encode(results, ended), None, budget) or len(row.ids) >= budget:
+                row.finish = "length"
+    for r in rows:
+        r.finish = r.finish or "stop"
+    return AgentRolloutOutput(
+        prompt_ids=[r.prompt for r in rows], response_ids=[r.ids for r in rows], logprobs=[r.logprobs for r in rows],
+        finish_reason=[r.finish for r in rows], response_mask=[r.mask for r in rows],
+        num_turns=[r.turns for r in rows], num_tool_calls=[r.calls for r in rows],
+        tool_errors=[r.errors for r in rows])
+
+
+def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, Tool] | Sequence[Tool]) -> str:
+    """The prompt text with the tools' schemas passed to the chat template (`tools=`), generation prompt on."""
+    schemas = [t.schema for t in (tools.values() if isinstance(tools, dict) else tools)]
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False)
+
+
+@dataclass
+class AgentLoop:
+    """The multi-turn settings of `actor_rollout_ref.rollout.multi_turn`, ready to run."""
+
+    tools: dict[str, Tool]
+    max_assistant_turns: int = 4
+    max_tool_response_chars: int = 1024
+
+    def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 max_response_length: int | None = None) -> AgentRolloutOutput:
+        return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools,
+                              max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
+                              max_tool_response_chars=self.max_tool_response_chars)
+
+
+def build_agent_loop(rollout_cfg: Any) -> AgentLoop | None:
+    """`AgentLoop` from `actor_rollout_ref.rollout` when `multi_turn.enable`, else None.
+
+    Without `tool_config_path` the built-in calculator is the only tool.
+    """
+    from tiller.errors import ConfigError
+    from tiller.rollout.tools import CalculatorTool, load_tools
+
+    mt = rollout_cfg.multi_turn
+    if not mt.enable:
+        return None
+    if mt.max_assistant_turns < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, "
+                          f"got {mt.max_assistant_turns}")
+    tools = load_tools(mt.tool_config_path) if mt.tool_config_path else {"calculator": CalculatorTool()}
+    return AgentLoop(tools=tools, max_assistant_turns=mt.max_assistant_turns)
