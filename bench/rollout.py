@@ -1,0 +1,164 @@
+"""Rollout throughput: tiller's `native` engine against Hugging Face `generate` (and vLLM when installed).
+
+One invocation builds random-init Qwen2 models with the tiny-model kit (~2M, ~30M, ~120M parameters),
+samples `--prompts` prompts x `--new-tokens` tokens with every engine on the same model and prompts
+(`ignore_eos`, so every sample is full length in every engine), in fp32 and bf16, and prints one JSON
+line per case:
+
+    {"model": "30M", "params": ..., "dtype": "float32", "native_tok_s": ..., "hf_tok_s": ...,
+     "ratio_native_over_hf": ..., "native_gflops": ..., "hf_gflops": ..., "gemm_peak_gflops": ...}
+
+GFLOP/s is approximate: 2 x params x generated tokens / s (prefill and attention not counted).
+`gemm_peak_gflops` is a 2048^3 matmul in the same dtype measured in the same run. Engines alternate
+within each repeat and the best repeat counts, because other processes share the cores.
+
+bf16 on a CPU without fast bf16 matmuls (no AVX-512 BF16 / AMX) would take hours; those cases print a
+line with `skipped` and the measured bf16 / fp32 GEMM rates instead.
+
+    python bench/rollout.py                      # 2M, 30M, 120M; fp32 and bf16; 64 x 128
+    python bench/rollout.py --quick              # 2M and 30M, 16 x 32, one repeat
+    python bench/rollout.py --sizes 30M --dtypes float32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SIZES = {"2M": 2_000_000, "30M": 30_000_000, "120M": 120_000_000}
+
+
+def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * size**3 / best / 1e9
+
+
+def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of 16-48 tokens cut from the kit's built-in corpus."""
+    from tiller.models.tiny import builtin_corpus
+
+    rng = random.Random(seed)
+    ids = tokenizer(" ".join(builtin_corpus()))["input_ids"]
+    prompts = []
+    for _ in range(count):
+        length = rng.randint(16, 48)
+        start = rng.randrange(0, len(ids) - length)
+        prompts.append(ids[start : start + length])
+    return prompts
+
+
+def time_engine(engine, prompts, sampling) -> float:
+    """Generated tokens per second of one call."""
+    t = time.perf_counter()
+    out = engine.generate(prompts, sampling)
+    elapsed = time.perf_counter() - t
+    assert out.num_tokens == len(prompts) * sampling.n * sampling.max_new_tokens, "a sample stopped early"
+    return out.num_tokens / elapsed
+
+
+def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiller.rollout import SamplingParams, build_rollout_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    prompts = make_prompts(tokenizer, args.prompts)
+    sampling = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    built = {}
+    for e in engines:
+        source = str(model_dir) if e == "vllm" else model
+        options = {"dtype": dtype}
+        if e != "vllm":
+            options["dtype_fallback"] = False
+        built[e] = build_rollout_engine(e, source, tokenizer, **options)
+        built[e].generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
+    rates = {e: 0.0 for e in engines}
+    for _ in range(args.repeats):
+        for e in engines:
+            rates[e] = max(rates[e], time_engine(built[e], prompts, sampling))
+    row = {"model": name, "params": params, "dtype": dtype, "prompts": args.prompts, "n": args.n,
+           "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
+    for e in engines:
+        row[f"{e}_tok_s"] = round(rates[e], 1)
+        row[f"{e}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
+    if "native" in rates and "hf" in rates:
+        row["ratio_native_over_hf"] = round(rates["native"] / rates["hf"], 3)
+    if "native" in rates and "vllm" in rates:
+        row["ratio_native_over_vllm"] = round(rates["native"] / rates["vllm"], 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2M,30M,120M", help=f"comma list of {sorted(SIZES)}")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--engines", default=None, help="comma list; default native,hf (+vllm when installed)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
+    parser.add_argument("--model-dir", default=None, help="where to build / reuse the models (default: temp)")
+    parser.add_argument("--quick", action="store_true", help="2M and 30M, 16 prompts x 32 tokens, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.prompts, args.new_tokens, args.repeats = "2M,30M", 16, 32, 1
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    from tiller.models.tiny import make_tiny_model
+    from tiller.rollout.base import cpu_bf16_is_fast
+
+    engines = args.engines.split(",") if args.engines else ["native", "hf"]
+    if args.engines is None:
+        try:
+            import vllm  # noqa: F401
+
+            engines.append("vllm")
+        except ImportError:
+            pass
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
+    bf16_fast = cpu_bf16_is_fast()
+    peak = {"float32": gemm_gflops(torch.float32),
+            "bfloat16": gemm_gflops(torch.bfloat16) if bf16_fast else gemm_gflops(torch.bfloat16, 256, 1)}
+    root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="tiller-bench-"))
+    for name in sizes:
+        model_dir = root / f"qwen2-{name}"
+        if not (model_dir / "config.json").exists():
+            make_tiny_model(model_dir, arch="qwen2", n_params=SIZES[name], seed=0)
+        for dtype in args.dtypes.split(","):
+            if dtype == "bfloat16" and not bf16_fast:
+                row = {"model": name, "dtype": dtype, "skipped": "this CPU has no fast bf16 matmul",
+                       "gemm_peak_gflops": round(peak[dtype], 2), "gemm_peak_fp32_gflops": round(peak["float32"], 1)}
+            else:
+                row = bench_case(name, model_dir, dtype, engines, args)
+                row["gemm_peak_gflops"] = round(peak[dtype], 1)
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
