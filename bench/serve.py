@@ -1,0 +1,99 @@
+"""`tiller serve` under concurrent load: micro-batching on against off (one prompt per engine call).
+
+Builds a random-init Qwen2 with the tiny-model kit (`--params`), starts the real server (uvicorn on
+127.0.0.1, free port) twice, once with `--max-batch-prompts 1` and once with `--max-batch-prompts 64`, and
+sends `--requests` chat requests from `--clients` threads (`ignore_eos`, so every request generates
+`--tokens` tokens). Prints one JSON line per setting:
+
+    {"max_batch_prompts": 64, "requests": 64, "wall_s": ..., "req_s": ..., "tok_s": ..., "p50_s": ...,
+     "engine_calls": ...}
+
+    python bench/serve.py                       # 2M params, 64 requests x 32 tokens, 16 clients
+    python bench/serve.py --params 30000000 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(model_dir: str, max_batch: int, args) -> dict:
+    import httpx
+    import uvicorn
+
+    from tiller.serve.app import create_app
+    from tiller.serve.server import _parser, build_served_model
+
+    served = build_served_model(_parser().parse_args([model_dir, "--dtype", args.dtype, "--max-batch-prompts",
+                                                      str(max_batch), "--batch-wait-ms", "5"]))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(300):
+        if server.started:
+            break
+        time.sleep(0.1)
+    body = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "max_tokens": args.tokens,
+            "temperature": 1.0, "ignore_eos": True}
+    latencies: list[float] = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        client.post("/v1/chat/completions", json={**body, "max_tokens": 2})  # warm-up
+
+        def one(_):
+            t0 = time.perf_counter()
+            r = client.post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+            return r.json()["usage"]["completion_tokens"]
+
+        calls0 = served.batcher.stats["engine_calls"]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            tokens = sum(pool.map(one, range(args.requests)))
+        wall = time.perf_counter() - start
+        calls = served.batcher.stats["engine_calls"] - calls0
+    server.should_exit = True
+    thread.join(10)
+    latencies.sort()
+    return {"max_batch_prompts": max_batch, "requests": args.requests, "clients": args.clients,
+            "tokens_per_request": args.tokens, "wall_s": round(wall, 2), "req_s": round(args.requests / wall, 2),
+            "tok_s": round(tokens / wall, 1), "p50_s": round(latencies[len(latencies) // 2], 3),
+            "engine_calls": calls}
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=int, default=2_000_000)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from tiller.models.tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_tiny_model(f"{tmp}/model", arch="qwen2", n_params=args.params, seed=0))
+        for max_batch in (1, 64):
+            print(json.dumps({"params": args.params, "dtype": args.dtype, **run_case(model_dir, max_batch, args)}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
