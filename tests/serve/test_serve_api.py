@@ -27,7 +27,7 @@ def server(tiny_model_dir):
     from tiller.serve.server import _parser, build_served_model
 
     args = _parser().parse_args([str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-                                 "--max-model-len", "64", "--max-tokens", "8", "--batch-wait-ms", "50"])
+                                 "--max-model-len", "512", "--max-tokens", "8", "--batch-wait-ms", "50"])
     served = build_served_model(args)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
@@ -52,7 +52,7 @@ def test_models_and_health(server):
     assert client.get("/health").json() == {"status": "ok"}
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["tiny"]
-    assert data["data"][0]["max_model_len"] == 64
+    assert data["data"][0]["max_model_len"] == 512
 
 
 def test_chat_completion_greedy_matches_engine_and_counts_usage(server):
@@ -138,7 +138,7 @@ def test_chat_streaming_sse_concatenates_to_the_full_answer(server):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(server, body, param):
     client, _ = server
@@ -207,3 +207,68 @@ def test_tiller_serve_cli_bad_model_dir_exits_2(tmp_path):
     from tiller.cli import main as cli
 
     assert cli(["serve", str(tmp_path / "missing")]) == 2
+
+
+def test_tool_messages_render_and_tool_calls_are_parsed():
+    from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    history = [{"role": "user", "content": "6*7?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}]},
+               {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    # a template without tools / tool_calls support (the tiny kit's ChatML): system prompt + inline blocks
+    msgs, passed = prepare_messages(history, tools, "{% for message in messages %}...{% endfor %}")
+    assert passed is None and msgs[0]["role"] == "system" and '"name": "calculator"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    # a Qwen2.5-style template: tools= and tool_calls with arguments as objects
+    msgs, passed = prepare_messages(history, tools, "{% if tools %}...{% endif %} message.tool_calls")
+    assert passed == tools and msgs[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "6*7"}
+
+    content, calls = extract_tool_calls('Let me compute. <tool_call>{"name": "calculator", "arguments": '
+                                        '{"expression": "1+1"}}</tool_call>')
+    assert content == "Let me compute."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "calculator", {"expression": "1+1"})]
+    assert extract_tool_calls("<tool_call>oops</tool_call>") == ("<tool_call>oops</tool_call>", [])
+
+
+def test_chat_with_tools_returns_tool_calls(server, monkeypatch):
+    """The engine is scripted to emit a tool call; the server turns it into OpenAI `tool_calls`."""
+    client, served = server
+    from tiller.rollout import RolloutOutput
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    seen = []
+
+    class Scripted:
+        def generate(self, prompt_ids, sampling):
+            seen.append(served.tokenizer.decode(prompt_ids[0]))
+            ids = served.tokenizer(call, add_special_tokens=False)["input_ids"]
+            return RolloutOutput([prompt_ids[0]], [ids], [[0.0] * len(ids)], ["stop"])
+
+    monkeypatch.setattr(served.batcher, "engine", Scripted())
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "math",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "6*7?"}],
+                                                     "tools": tools, "max_tokens": 8}).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (tc,) = choice["message"]["tool_calls"]
+    assert tc["function"]["name"] == "calculator" and json.loads(tc["function"]["arguments"]) == {"expression": "6*7"}
+    assert "<tools>" in seen[0] and '"name": "calculator"' in seen[0]  # schemas reached the prompt
+    with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "6*7?"}],
+                                                             "tools": tools, "max_tokens": 8, "stream": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(streamed) == 1 and streamed[0][0]["function"]["name"] == "calculator"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(d.get("content") for d in deltas)
+    plain = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "6*7?"}],
+                                                      "tools": tools, "tool_choice": "none", "max_tokens": 8}).json()
+    assert plain["choices"][0]["message"]["content"] == call
+    forced = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                       "tool_choice": "required"})
+    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"

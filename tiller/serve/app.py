@@ -14,6 +14,8 @@ Semantics and deviations from the OpenAI API:
 - Streaming (`stream=true`, both endpoints) uses OpenAI's SSE chunk format, but the engine is not
   incremental: a choice's chunks are sent once its generation has finished.
 - `usage.prompt_tokens` counts each prompt once, whatever `n` is; completion tokens include a stop token.
+- Function calling (`tools`, `tool_choice` auto | none) maps to the Hermes / Qwen `<tool_call>` format
+  (`tiller.serve.tool_calls`); forcing a tool is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tiller.errors import UserError
 from tiller.rollout import RolloutOutput, SamplingParams
 from tiller.serve.batcher import MicroBatcher
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
+from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
 
 
 class ServedModel:
@@ -76,11 +79,13 @@ class ServedModel:
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        if req.tools:
-            raise RequestError("tools are not supported by tiller serve", "tools")
+        if req.tool_choice not in (None, "auto", "none"):
+            raise RequestError("tool_choice must be 'auto' or 'none' (forcing a tool is not supported)",
+                               "tool_choice")
+        messages, tools = prepare_messages(req.text_messages(), req.tools, self.tokenizer.chat_template)
         try:
-            text = self.tokenizer.apply_chat_template(req.text_messages(), add_generation_prompt=req.add_generation_prompt,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=req.add_generation_prompt, tokenize=False)
         except RequestError:
             raise
         except Exception as err:  # jinja errors from the model's own template
@@ -138,8 +143,13 @@ async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> di
     choices = []
     for i in range(len(out)):
         text = served.finish_text(out.response_ids[i], sampling.stop)
-        choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": out.finish_reason[i], "logprobs": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = out.finish_reason[i]
+        if req.tools and req.tool_choice != "none":
+            content, calls = extract_tool_calls(text)
+            if calls:
+                message, reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": reason, "logprobs": None}
         if req.logprobs:
             choice["logprobs"] = {"content": [
                 {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
@@ -165,8 +175,16 @@ def _stream_chat(served: ServedModel, body: dict, out: RolloutOutput, req: ChatC
             i = choice["index"]
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-            for piece in _text_deltas(served, out.response_ids[i], choice["message"]["content"]):
+            message = choice["message"]
+            calls = message.get("tool_calls")
+            pieces = (_text_deltas(served, out.response_ids[i], message["content"]) if calls is None
+                      else [message["content"] or ""])
+            for piece in filter(None, pieces):
                 yield _sse({**base, "choices": [{"index": i, "delta": {"content": piece}, "logprobs": None,
+                                                 "finish_reason": None}]})
+            if calls:
+                deltas = [{"index": k, **c} for k, c in enumerate(calls)]
+                yield _sse({**base, "choices": [{"index": i, "delta": {"tool_calls": deltas}, "logprobs": None,
                                                  "finish_reason": None}]})
             yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": choice["logprobs"],
                                              "finish_reason": choice["finish_reason"]}]})

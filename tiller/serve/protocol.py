@@ -2,7 +2,7 @@
 
 Fields follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`, plus vLLM's
 `top_k`, `min_p` and `ignore_eos` extensions. Unknown fields are ignored (clients send many). Values tiller
-cannot honour (penalties, `top_logprobs` > 0, `best_of` > n, tools) are refused with a 400 naming the field,
+cannot honour (penalties, `top_logprobs` > 0, `best_of` > n, forced `tool_choice`) are refused with a 400 naming the field,
 never silently dropped.
 """
 
@@ -70,10 +70,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     add_generation_prompt: bool = True
 
-    def text_messages(self) -> list[dict[str, str]]:
-        """Messages with content flattened to text (`[{"type": "text", "text": ...}]` parts joined)."""
+    def text_messages(self) -> list[dict[str, Any]]:
+        """Messages with content flattened to text (`[{"type": "text", "text": ...}]` parts joined); the
+        `tool_calls`, `tool_call_id` and `name` fields are kept."""
         out = []
         for i, m in enumerate(self.messages):
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -88,7 +90,11 @@ class ChatCompletionRequest(SamplingFields):
                                            f"{part.get('type')!r}", f"messages[{i}].content")
                     parts.append(str(part.get("text", "")))
                 content = "".join(parts)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                if (m.model_extra or {}).get(key) is not None:
+                    msg[key] = m.model_extra[key]
+            out.append(msg)
         return out
 
 

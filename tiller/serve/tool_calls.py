@@ -1,0 +1,93 @@
+"""OpenAI function calling on top of the Hermes / Qwen `<tool_call>` format (the one `tiller.rollout.agent`
+parses), so agent frameworks can drive a served model.
+
+In: `tools` (OpenAI function schemas) go to the chat template's `tools=` argument; a template that does not
+use them (no `tools` variable in its source) gets them as a system message in Qwen2.5's wording instead.
+Assistant messages with `tool_calls` are passed on with `arguments` as objects (what Qwen2.5's template
+expects), or, for templates that do not render `tool_calls`, written into the content as `<tool_call>` blocks;
+`tool` messages keep their role.
+Out: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the completion become
+`message.tool_calls` (arguments as a JSON string, ids `call_<hex>`), the remaining text the `content`
+(None when empty), and `finish_reason` "tool_calls". Malformed blocks stay in the content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from tiller.rollout.agent import TOOL_CALL, parse_tool_calls
+from tiller.serve.protocol import RequestError
+
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+)
+
+
+def _arguments(value: Any, where: str) -> dict:
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise RequestError(f"{where}: arguments must be a JSON object (or its JSON string)", where)
+    return parsed
+
+
+def prepare_messages(messages: list[dict], tools: list[dict] | None, template: str) -> tuple[list[dict], list | None]:
+    """Messages and `tools=` value for `apply_chat_template` (see the module docstring)."""
+    renders_calls = "tool_calls" in template
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls and m["role"] == "assistant":
+            parsed = []
+            for j, c in enumerate(calls):
+                fn = c.get("function", c) if isinstance(c, dict) else {}
+                if not isinstance(fn.get("name"), str):
+                    raise RequestError(f"messages[{i}].tool_calls[{j}].function.name is required",
+                                       f"messages[{i}].tool_calls[{j}]")
+                parsed.append({"name": fn["name"],
+                               "arguments": _arguments(fn.get("arguments", {}), f"messages[{i}].tool_calls[{j}]")})
+            if renders_calls:
+                m["tool_calls"] = [{"type": "function", "function": p} for p in parsed]
+            else:
+                blocks = "".join(f"<tool_call>\n{json.dumps(p)}\n</tool_call>" for p in parsed)
+                m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + blocks
+        out.append(m)
+    if not tools:
+        return out, None
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("function", {}).get("name"), str):
+            raise RequestError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{j}]")
+    if "tools" in template:
+        return out, tools
+    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out, None
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content without the well-formed tool-call blocks or None, OpenAI `tool_calls`)."""
+    calls = parse_tool_calls(text)
+    if not calls or all(c.error for c in calls):
+        return text, []
+    tool_calls, content = [], text
+    for call, match in zip(calls, TOOL_CALL.finditer(text)):
+        if call.error:
+            continue
+        tool_calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": call.name, "arguments": json.dumps(call.arguments)}})
+        content = content.replace(match.group(0), "", 1)
+    content = content.strip()
+    return content or None, tool_calls
