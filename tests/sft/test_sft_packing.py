@@ -88,3 +88,13 @@ def test_micro_batch_size_does_not_change_the_step_gradient(tiny_model_dir):
     assert abs(loss_1 - loss_6) < 1e-5
     for name, g in grads_6.items():
         torch.testing.assert_close(grads_1[name], g, atol=1e-5, rtol=1e-4)
+
+
+def test_default_pack_length():
+    from tiller.trainer.sft import default_pack_length
+
+    # lengths 10, 20, 30: mean 20 -> 4 x 20 = 80 > longest 30; capped by max_length
+    ex = [SFTExample([1] * n, [-100] * n) for n in (10, 20, 30)]
+    assert default_pack_length(ex, 512) == 80
+    assert default_pack_length(ex, 64) == 64
+    assert default_pack_length([SFTExample([1] * 100, [-100] * 100)] + ex, 512) == 160  # mean 40 -> 160

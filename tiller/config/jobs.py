@@ -50,7 +50,7 @@ class SFTDataConfig:
     packing: bool = False
     """Pack several sequences per row (positions restart, attention stays inside each sequence)."""
     pack_length: Optional[int] = None
-    """Tokens per packed row; None = data.max_length."""
+    """Tokens per packed row; None = min(data.max_length, max(longest sequence, 4 x mean length))."""
     shuffle: bool = True
     """Shuffle each epoch (seeded by trainer.seed)."""
     max_samples: int = -1

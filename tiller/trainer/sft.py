@@ -62,6 +62,19 @@ class SFTJob:
         return out
 
 
+def default_pack_length(examples: Sequence[SFTExample], max_length: int) -> int:
+    """Row capacity for packing: a few typical sequences per row, never below the longest one.
+
+    Attention on CPU (sdpa / eager, no variable-length kernel) costs capacity^2 per row even with the
+    block-diagonal mask, so rows much longer than needed are slower than padding. Measured (2M model,
+    1 thread, fwd+bwd of 128 arithmetic SFT sequences of ~38 tokens, best of 3): padded 2.30 s, rows of
+    152 (this default) 2.33 s, rows of 512 3.54 s. Packing pays off when lengths vary: 64 sequences of
+    16-256 tokens on a 5M model, padded 15-24 s vs packed rows of 256 7.5-14 s (noisy shared CPU).
+    """
+    lengths = [len(e.input_ids) for e in examples]
+    return min(max_length, max(max(lengths), 4 * math.ceil(sum(lengths) / len(lengths))))
+
+
 def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
     """Load the model to train (`causal_lm` or a 1-label `seq_cls` head) and its tokenizer, LoRA applied."""
     from tiller.models.loading import load_causal_lm, load_tokenizer
@@ -147,7 +160,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     train = load_sft_examples(data.train_files, data, tokenizer, data.max_samples)
     val = load_sft_examples(data.val_files, data, tokenizer, data.val_max_samples) if data.val_files else []
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
-                 data.pack_length or data.max_length)
+                 data.pack_length or default_pack_length(train, data.max_length))
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 
