@@ -75,3 +75,22 @@ def test_sampled_tokens_respect_top_k_and_top_p(qwen):
                                                                   ignore_eos=True))
     assert out.response_ids == greedy.response_ids  # top-k 1 is greedy
     assert all(lp == 0.0 for row in out.logprobs for lp in row)  # a one-token distribution: log 1 = 0
+
+
+def test_fused_decode_equals_hf_forward_decode_and_follows_weights(sharp_llama):
+    model, tok = sharp_llama
+    actor = type(model)(model.config)
+    actor.load_state_dict(model.state_dict())
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=16, ignore_eos=True)
+    fused = build_rollout_engine("native", actor, tok)
+    plain = build_rollout_engine("native", actor, tok, fused_decode=False)
+    a = fused.generate(prompts, greedy)
+    assert fused._fused is not None and plain._fused is None
+    assert a.response_ids == plain.generate(prompts, greedy).response_ids
+    with torch.no_grad():  # an optimizer step, in place, with no update_weights() call
+        for p in actor.parameters():
+            p.mul_(1.5)
+    b = fused.generate(prompts, greedy)
+    assert b.response_ids != a.response_ids
+    assert b.response_ids == plain.generate(prompts, greedy).response_ids

@@ -58,6 +58,7 @@ class HFRolloutEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         sampling.validate()
+        self.weights.sync_if_stale()
         model = self.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
         device = next(model.parameters()).device

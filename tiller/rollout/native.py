@@ -7,7 +7,8 @@ the single-device, no-paging version):
    cache *n times* (the n samples of a prompt share its prefill; only the first token's logits are kept).
 2. Decode all rows together, one token per step: the HF module's own forward runs with our `KVBuffer`
    as `past_key_values` (keys / values written in place, attention over the filled prefix only), an
-   explicit 4D padding mask and explicit position ids, and `logits_to_keep=1`.
+   explicit 4D padding mask and explicit position ids, and `logits_to_keep=1`. For Llama / Qwen2 the
+   decode step instead runs `FusedDecoder` (same modules, q/k/v and gate/up fused into one matmul each).
 3. Sample on the device (`tiller.rollout.sampling`: temperature, top-k, top-p, min-p in HF's order) with
    a seeded `torch.Generator`, and keep the sampled token's logprob.
 4. Rows that hit a stop token or stop string (watched incrementally on a window of decoded text) leave:
@@ -45,6 +46,8 @@ from tiller.rollout.base import (
     resolve_dtype,
     stop_ids_for,
 )
+from tiller.rollout.fused_decode import FusedDecoder
+from tiller.rollout.fused_decode import supports as supports_fused
 from tiller.rollout.sampling import sample_tokens
 
 
@@ -115,12 +118,13 @@ class NativeRolloutEngine:
     Options: `dtype` ("bfloat16" | "float32" | None), `seed`, `max_num_seqs` (rows decoded together; more
     prompts run in waves), `prefill_tokens` (padded tokens per prefill chunk), `compact_fraction` (compact
     the batch once this fraction of its rows is done), `num_threads` (torch threads during generate),
-    `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning).
+    `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning),
+    `fused_decode` (Llama / Qwen2: decode with fused qkv and gate-up matmuls, `tiller.rollout.fused_decode`).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
                  max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
-                 num_threads: int | None = None, dtype_fallback: bool = True):
+                 num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -133,6 +137,8 @@ class NativeRolloutEngine:
         self.prefill_tokens = prefill_tokens
         self.compact_fraction = compact_fraction
         self.num_threads = num_threads
+        self.fused_decode = fused_decode
+        self._fused: FusedDecoder | None = None
         self.generator_seed = seed
         self._calls = 0
 
@@ -140,8 +146,15 @@ class NativeRolloutEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         sampling.validate()
+        self.weights.sync_if_stale()
         model = self.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
+        if self.fused_decode and supports_fused(model):
+            if self._fused is None or self._fused.model is not model:
+                self._fused = FusedDecoder(model)
+            self._fused.sync()
+        else:
+            self._fused = None
         device = next(model.parameters()).device
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1
@@ -265,10 +278,12 @@ class NativeRolloutEngine:
                 rows, tokens, alive = rows[keep], tokens[keep], alive[keep]
                 prompt_len, mask_all = prompt_len[keep], mask_all[keep]
             cache.write_pos = width + t
-            out = model(input_ids=tokens[:, None], attention_mask=mask_all[..., : width + t + 1],
-                        position_ids=(prompt_len + t)[:, None], past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
-            logits = out.logits[:, -1, :]
+            mask, positions = mask_all[..., : width + t + 1], (prompt_len + t)[:, None]
+            if self._fused is not None:
+                logits = self._fused.step(tokens[:, None], positions, mask, cache)
+            else:
+                logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
         tokens_list, logp_list = out_tokens.tolist(), out_logp.tolist()
         lengths_list = lengths.tolist()
         return ([tokens_list[r][: lengths_list[r]] for r in range(rows_total)],

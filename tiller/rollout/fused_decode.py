@@ -1,0 +1,111 @@
+"""A fused one-token decode step for Llama-family decoders (Llama, Qwen2), used by the native engine.
+
+Hugging Face's modules run q, k, v and gate, up as separate matmuls and go through generic attention
+dispatch each step. At decode time (one new token per row, `M = rows`), those matmuls are small and the
+k / v ones skinny (grouped-query attention), so fusing them is the cheapest way to a higher fraction of
+the GEMM peak (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear` do the same):
+
+    qkv = x W_qkv^T (+ b_qkv)         W_qkv = [W_q; W_k; W_v]
+    gate, up = split(x W_gu^T)         W_gu = [W_gate; W_up]
+
+Everything else reuses the model's own modules and functions (embedding, RMSNorms, rotary embedding,
+`apply_rotary_pos_emb`, o_proj, down_proj, act_fn, lm_head), so numerics match the HF forward.
+Grouped-query attention for one query token is computed by folding each kv head's query group into the
+query-length axis (HF's `pack_gqa`), so keys / values are never repeated.
+
+The fused matrices are copies; `sync()` rebuilds them whenever a source parameter changed in place
+(tracked by tensor version counters), so the engine never decodes with stale weights.
+
+Letters: `B` rows, `L` cache columns, `D` head dim, `Hq` / `Hk` query / kv heads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from tiller.rollout.base import _versions
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def supports(model) -> bool:
+    """True for a plain (no adapters) Llama / Qwen2 causal LM with full attention in every layer."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED or not hasattr(model, "model"):
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return False
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return False
+    linear_names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for layer in model.model.layers:
+        mods = [getattr(layer.self_attn, n, None) for n in linear_names]
+        mods += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(m) is not torch.nn.Linear for m in mods):
+            return False
+        if layer.mlp.gate_proj.bias is not None or layer.mlp.up_proj.bias is not None:
+            return False
+    return True
+
+
+class FusedDecoder:
+    """Holds the fused weights of `model` and runs its one-token decode step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.rotary = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        attn = model.model.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_q = model.config.num_attention_heads
+        self.n_kv = getattr(model.config, "num_key_value_heads", None) or self.n_q
+        self.scaling = attn.scaling
+        self._seen = None
+        self.sync()
+
+    def sync(self) -> None:
+        """Rebuild the fused copies if any parameter of the model changed since the last build."""
+        seen = _versions(self.model)
+        if seen == self._seen:
+            return
+        self.qkv_w, self.qkv_b, self.gate_up_w = [], [], []
+        with torch.no_grad():
+            for layer in self.model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.qkv_w.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach())
+                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+                self.qkv_b.append(torch.cat(biases).detach() if all(b is not None for b in biases) else None)
+                if any(b is not None for b in biases) and self.qkv_b[-1] is None:
+                    raise ValueError("fused decode: q/k/v must all have biases or none")
+                self.gate_up_w.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
+        self._seen = _versions(self.model)
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """One decode step. input_ids, position_ids [B, 1]; mask [B, 1, 1, L] bool (True = attend);
+        `cache` a KVBuffer positioned at the write column. Returns logits [B, V]."""
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids)  # [B, 1, E]
+        cos, sin = inner.rotary_emb(x, position_ids)
+        b, d, n_q, n_kv = x.shape[0], self.head_dim, self.n_q, self.n_kv
+        group = n_q // n_kv
+        q_mask = mask  # [B, 1, 1, L] broadcasts over kv heads and the folded query group
+        for i, layer in enumerate(inner.layers):
+            h = layer.input_layernorm(x)
+            qkv = F.linear(h, self.qkv_w[i], self.qkv_b[i])
+            q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+            q = q.view(b, 1, n_q, d).transpose(1, 2)
+            k = k.view(b, 1, n_kv, d).transpose(1, 2)
+            v = v.view(b, 1, n_kv, d).transpose(1, 2)
+            q, k = self.rotary(q, k, cos, sin)
+            k, v = cache.update(k, v, i)
+            # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]
+            o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=q_mask,
+                                               scale=self.scaling)
+            x = x + layer.self_attn.o_proj(o.reshape(b, 1, n_q * d))
+            h = layer.post_attention_layernorm(x)
+            gate, up = F.linear(h, self.gate_up_w[i]).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        x = inner.norm(x)
+        return self.model.lm_head(x[:, -1])
