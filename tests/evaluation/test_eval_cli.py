@@ -134,3 +134,35 @@ def test_eval_metrics_with_scripted_answers(tiny_model_dir, prompt_file, monkeyp
     assert m["maj@4"] == pytest.approx(1 / 3)
     assert [r["pred"] for r in records[:4]] == ["3", "3", "0", "0"]
     assert [r["prompt_index"] for r in records] == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_eval_multi_turn_with_the_calculator(tiny_model_dir, prompt_file, monkeypatch):
+    """A scripted policy that asks the calculator, then repeats its result: every answer is right, each sample
+    takes 2 turns and 1 tool call, and the prompts carry the tool schema."""
+    import re
+
+    import tiller.evaluation.runner as runner
+    from tiller.config import load_config
+    from tiller.evaluation.evaluate import run_eval
+    from tiller.models.loading import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir, padding_side="left")
+    seen = []
+
+    def script(context, j):
+        seen.append(context)
+        if "<|im_start|>tool\n" in context:
+            return "so " + context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0] + "<|im_end|>"
+        a, b = re.findall(r"(\d+)\+(\d+)=", context)[-1]
+        return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}+{b}"}}}}</tool_call><|im_end|>'
+
+    monkeypatch.setattr(runner, "policy_from_config",
+                        lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
+                       "actor_rollout_ref.rollout.multi_turn.enable=True", "data.max_prompt_length=512",
+                       "data.max_response_length=300"])
+    report, records = run_eval(cfg, progress=False)
+    assert report["metrics"]["tiller/arithmetic"]["mean@1"] == 1.0
+    assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0}
+    assert [r["pred"] for r in records] == ["3", "7", "10"]
+    assert '"name": "calculator"' in seen[0]

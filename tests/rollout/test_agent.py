@@ -288,5 +288,7 @@ def test_real_tiny_model_continues_after_tool_tokens(tiny_model_dir, tok):
 
 def test_render_prompt_with_tools_keeps_the_template(tok):
     text = render_prompt_with_tools(tok, [{"role": "user", "content": "x"}], [CalculatorTool()])
-    assert text.endswith("<|im_start|>assistant\n")
+    assert text.endswith("<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n")
+    # the tiny ChatML template ignores `tools=`, so the schemas go into a system message
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "calculator"' in text
     assert json.dumps(CalculatorTool().schema)  # schemas are JSON-serialisable for templates

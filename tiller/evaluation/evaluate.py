@@ -12,6 +12,12 @@ The keys are the RL trainer's (verl's): prompts from `data.val_files` (verl sche
 A sample is correct when the scorer's `acc` (or, without one, its score) is > 0.5. maj@k votes over the
 answers `tiller.evaluation.answers.extract_answer` reads (or the scorer's `pred`).
 
+With `actor_rollout_ref.rollout.multi_turn.enable=True` the samples are multi-turn tool rollouts
+(`tiller.rollout.agent`, tools from `multi_turn.tool_config_path`, default the calculator): prompts are
+rendered with the tools' schemas, `rollout.response_length` / `data.max_response_length` bounds the whole
+conversation and `val_kwargs` sampling each turn; the scorer sees the full response (tool results included);
+the report adds `agent` means of turns, tool calls and tool errors.
+
 Writes `--out` (JSON, atomically): {"metrics": {source: {...}}, "model", "data_files", "sampling", "num_tokens",
 "wall_s"}; `--samples FILE.jsonl` also writes every sample (prompt, response, score, acc, pred).
 """
@@ -21,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -96,18 +102,24 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tu
     from tiller.evaluation.metrics import evaluation_metrics
     from tiller.evaluation.runner import decode, generate_batched, policy_from_config, sampling_from_rollout
     from tiller.rewards import build_reward_manager
+    from tiller.rollout.agent import build_agent_loop
 
     if not cfg.data.val_files:
         raise ConfigError("tiller eval needs data.val_files=[FILE, ...] (or --data FILE)")
     policy = policy_from_config(cfg)
-    items = build_rl_dataset(cfg.data, policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
+    items = build_rl_dataset(replace(cfg.data, return_raw_chat=True), policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
                              what="data.val_files").items
     r = cfg.actor_rollout_ref.rollout
     sampling = sampling_from_rollout(r, r.response_length or cfg.data.max_response_length,
                                      cfg.trainer.seed, val=True)
     start = time.time()
-    out = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling,
-                           batch_size=batch_size or cfg.data.val_batch_size or 64, progress=progress, desc="eval")
+    size = batch_size or cfg.data.val_batch_size or 64
+    agent = build_agent_loop(r)
+    if agent is None:
+        out = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling, batch_size=size,
+                               progress=progress, desc="eval")
+    else:
+        out = _agent_generate(agent, policy, items, sampling, cfg, size, progress)
     gen_s = time.time() - start
     texts = [decode(policy.tokenizer, ids) for ids in out.response_ids]
     reward_fn = build_reward_manager(cfg, policy.tokenizer)
@@ -125,7 +137,37 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tu
         "generate_s": gen_s,
         "wall_s": time.time() - start,
     }
+    if agent is not None:
+        report["agent"] = {"turns/mean": float(np.mean(out.num_turns)),
+                           "tool_calls/mean": float(np.mean(out.num_tool_calls)),
+                           "tool_errors/mean": float(np.mean(out.tool_errors))}
     return report, records
+
+
+def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progress: bool):
+    """Multi-turn tool rollouts for the eval prompts, re-rendered with the tools' schemas, in batches."""
+    from tqdm.auto import tqdm
+
+    from tiller.evaluation.runner import tokenize_prompt
+    from tiller.rollout.agent import AgentRolloutOutput, render_prompt_with_tools
+
+    d, tok = cfg.data, policy.tokenizer
+    prompts = []
+    for i, it in enumerate(items):
+        raw = it.raw_prompt.tolist() if isinstance(it.raw_prompt, np.ndarray) else it.raw_prompt
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else [dict(m) for m in raw]
+        text = render_prompt_with_tools(tok, messages, agent.tools)
+        it.prompt_text = text
+        prompts.append(tokenize_prompt(text, tok, d.max_prompt_length, d.truncation, f"data.val_files prompt {i}"))
+    out = AgentRolloutOutput()
+    budget = cfg.actor_rollout_ref.rollout.response_length or d.max_response_length
+    for j, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="eval (tools)", disable=not progress)):
+        call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
+        res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget)
+        for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",
+                     "num_tool_calls", "tool_errors"):
+            getattr(out, name).extend(getattr(res, name))
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -207,9 +207,32 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         tool_errors=[r.errors for r in rows])
 
 
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+)
+
+
+def with_tools_system_message(messages: list[dict], schemas: list[dict]) -> list[dict]:
+    """`messages` with the tool schemas described in the system message (Qwen2.5's wording), for chat templates
+    that do not take `tools=` themselves."""
+    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in schemas))
+    out = [dict(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{system}"
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out
+
+
 def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, Tool] | Sequence[Tool]) -> str:
-    """The prompt text with the tools' schemas passed to the chat template (`tools=`), generation prompt on."""
+    """The prompt text with the tools' schemas, generation prompt on: passed as `tools=` when the chat template
+    uses them (Qwen2.5, Hermes, Llama 3.1), else as a system message (`with_tools_system_message`)."""
     schemas = [t.schema for t in (tools.values() if isinstance(tools, dict) else tools)]
+    if schemas and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+        messages, schemas = with_tools_system_message(messages, schemas), []
     return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False)
 
 

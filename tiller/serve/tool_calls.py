@@ -17,16 +17,8 @@ import json
 import uuid
 from typing import Any
 
-from tiller.rollout.agent import TOOL_CALL, parse_tool_calls
+from tiller.rollout.agent import TOOL_CALL, parse_tool_calls, with_tools_system_message
 from tiller.serve.protocol import RequestError
-
-HERMES_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
-)
-
 
 def _arguments(value: Any, where: str) -> dict:
     if isinstance(value, dict):
@@ -69,12 +61,7 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, template: s
             raise RequestError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{j}]")
     if "tools" in template:
         return out, tools
-    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
-    if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
-    else:
-        out.insert(0, {"role": "system", "content": system})
-    return out, None
+    return with_tools_system_message(out, tools), None
 
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
