@@ -2,8 +2,9 @@
 files, and generate for many prompts in batches with a progress bar.
 
 The model is loaded directly in the rollout dtype (`bfloat16` by default: the fast path on CPUs with
-AVX-512 bf16, see docs) and handed to the engine with `dtype=None`, so no second copy of the weights is
-kept (the trainer's engines keep an fp32 actor plus a bf16 copy; inference needs only one).
+AVX-512 bf16 or AMX and on GPUs; on a CPU without fast bf16 matmuls it falls back to float32 with a warning,
+as the engines do) and handed to the engine with `dtype=None`, so no second copy of the weights is kept (the
+trainer's engines keep an fp32 actor plus a bf16 copy; inference needs only one).
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
     if engine == "vllm":
         return Policy(build_rollout_engine("vllm", model_path, tokenizer, dtype=dtype, seed=seed, **opts),
                       tokenizer, model_path)
-    model = load_causal_lm(model_path, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
+    from tiller.models.loading import resolve_dtype
+    from tiller.rollout.base import effective_dtype
+
+    # bf16 on a CPU without fast bf16 matmuls falls back to fp32 (with a warning), as the engines do
+    load_dtype = resolve_dtype(dtype)
+    if isinstance(load_dtype, torch.dtype):
+        load_dtype = effective_dtype(load_dtype, torch.device(device))
+    model = load_causal_lm(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, device=device)
     model.eval()
     model.requires_grad_(False)
     return Policy(build_rollout_engine(engine, model, tokenizer, dtype=None, seed=seed, **opts),
