@@ -56,10 +56,11 @@ def test_generate_plain_text_prompts_to_parquet(tiny_model_dir, tmp_path):
 def test_generate_and_eval_bad_input_exit_2(tiny_model_dir, tmp_path, capsys):
     src = tmp_path / "p.jsonl"
     src.write_text('{"question": "hello"}\n')
-    assert cli(["generate", "--data", str(src), "--out", str(tmp_path / "o.jsonl"), "--model", str(tiny_model_dir)]) == 2
+    assert cli(["generate", "--data", str(src), "--out", str(tmp_path / "o.jsonl"), "--model", str(tiny_model_dir),
+                *FAST]) == 2
     assert "missing column 'prompt'" in capsys.readouterr().err
     assert cli(["generate", "--data", str(src), "--out", str(tmp_path / "o.txt"), "--model", str(tiny_model_dir)]) == 2
-    assert cli(["eval", "--model", str(tiny_model_dir)]) == 2
+    assert cli(["eval", "--model", str(tiny_model_dir), *FAST]) == 2
     assert "data.val_files" in capsys.readouterr().err
     assert cli(["eval", "--model", str(tmp_path / "nope"), "--data", str(src)]) == 2
 
