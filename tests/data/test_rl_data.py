@@ -135,3 +135,20 @@ def test_data_cli_writes_parquet(tmp_path, capsys):
 def test_arithmetic_splits_are_deterministic():
     assert arithmetic.make_splits(10, 5, seed=3) == arithmetic.make_splits(10, 5, seed=3)
     assert arithmetic.make_splits(10, 5, seed=3) != arithmetic.make_splits(10, 5, seed=4)
+
+
+def test_reasoning_gym_rows_round_trip_through_the_scorer(tmp_path):
+    pytest.importorskip("reasoning_gym")
+    from tiller.cli import main
+    from tiller.rewards import default_compute_score
+
+    assert main(["data", "reasoning-gym", "--task", "letter_counting", "--out", str(tmp_path), "--train", "6",
+                 "--test", "3"]) == 0
+    train, test = read_rows(tmp_path / "train.parquet"), read_rows(tmp_path / "test.parquet")
+    assert len(train) == 6 and len(test) == 3
+    r = test[0]
+    assert r["data_source"] == "reasoning_gym/letter_counting" and "<answer>" in r["prompt"][0]["content"]
+    gt = r["reward_model"]["ground_truth"]
+    assert default_compute_score(r["data_source"], f"<answer>{gt}</answer>", gt, r["extra_info"]) == 1.0
+    assert default_compute_score(r["data_source"], f"<answer>{int(gt) + 1}</answer>", gt, r["extra_info"]) == 0.0
+    assert main(["data", "reasoning-gym", "--task", "no_such_task", "--out", str(tmp_path / "x")]) == 2

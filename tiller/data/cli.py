@@ -2,6 +2,7 @@
 
     tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N]
     tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
+    tiller data reasoning-gym --task letter_counting --out data/lc [--train N --test N --format jsonl]
 """
 
 from __future__ import annotations
@@ -23,8 +24,20 @@ def main(argv: list[str]) -> int:
     a.add_argument("--train", type=int, default=2000)
     a.add_argument("--test", type=int, default=256)
     a.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("reasoning-gym", help="a reasoning-gym task -> train/test (data_source reasoning_gym/<task>)")
+    r.add_argument("--task", required=True, help="task name, e.g. letter_counting, basic_arithmetic, countdown")
+    r.add_argument("--out", required=True)
+    r.add_argument("--train", type=int, default=1000)
+    r.add_argument("--test", type=int, default=200)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     args = parser.parse_args(argv)
-    if args.dataset == "gsm8k":
+    if args.dataset == "reasoning-gym":
+        from tiller.data.preprocess import reasoning_gym
+
+        paths = reasoning_gym.convert(args.task, args.out, n_train=args.train, n_test=args.test, seed=args.seed,
+                                      fmt=args.format)
+    elif args.dataset == "gsm8k":
         from tiller.data.preprocess import gsm8k
 
         paths = gsm8k.convert(args.src or gsm8k.DEFAULT_SRC, args.out, max_rows=args.max_rows)

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
+from tiller.data.rl_dataset import render_prompt
 from tiller.tasks import arithmetic
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
 
 
@@ -39,12 +40,17 @@ def cache_root() -> Path:
 
 
 # ------------------------------------------------------------------------------------ warm-up
+def _prompt_ids(tokenizer, row: dict) -> list[int]:
+    """The prompt as the RL run renders it (plain text: `data.apply_chat_template=false` keeps it short)."""
+    text = render_prompt(row["prompt"], tokenizer, apply_chat_template=False, where="demo")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _encode_sft(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
     """(prompt + answer + eos token ids, prompt length) per row."""
     out = []
     for row in rows:
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        p_ids = _prompt_ids(tokenizer, row)
         a_ids = tokenizer(row["reward_model"]["ground_truth"], add_special_tokens=False)["input_ids"]
         out.append((p_ids + a_ids + [tokenizer.eos_token_id], len(p_ids)))
     return out
@@ -69,8 +75,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
     from tiller.rollout import SamplingParams, build_rollout_engine
 
     engine = build_rollout_engine("native", model, tokenizer, dtype=None)
-    prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                         add_special_tokens=False)["input_ids"] for r in rows]
+    prompts = [_prompt_ids(tokenizer, r) for r in rows]
     out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=max_new_tokens))
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     scores = [float(default_compute_score(arithmetic.DATA_SOURCE, t, r["reward_model"]["ground_truth"], {}))
@@ -79,7 +84,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
 
 
 def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, target: float, seed: int,
-            lr: float = 2e-3, batch_size: int = 64, eval_every: int = 50, max_steps: int = 4000,
+            lr: float = 3e-3, batch_size: int = 64, eval_every: int = 25, max_steps: int = 4000,
             log=print) -> tuple[float, int]:
     """Supervised steps on (prompt -> answer) until greedy dev accuracy >= target; returns (acc, steps)."""
     examples = _encode_sft(tokenizer, train_rows)
@@ -99,7 +104,7 @@ def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, t
         if step % eval_every == 0:
             acc = greedy_accuracy(model, tokenizer, dev_rows)
             model.train()
-            log(f"  warm-up step {step}: loss {float(loss):.3f}, dev greedy accuracy {acc:.3f}")
+            log(f"  warm-up step {step}: loss {loss.item():.3f}, dev greedy accuracy {acc:.3f}")
             if acc >= target:
                 break
     model.eval()
@@ -123,7 +128,7 @@ def starter_model(args, log=print) -> Path:
     train, _ = arithmetic.make_splits(n_train=args.train_size + 256, n_test=256, seed=args.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        acc, steps = warm_up(model, tokenizer, train[:-256], train[-256:], target=args.warmup_target,
+        acc, steps = warm_up(model, tokenizer, train[:-256], train[-128:], target=args.warmup_target,
                              seed=args.seed, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -144,7 +149,8 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
         f"actor_rollout_ref.model.path={model_dir}",
         f"data.train_files=[{data_dir / 'train.parquet'}]",
         f"data.val_files=[{data_dir / 'test.parquet'}]",
-        "data.max_prompt_length=32", "data.max_response_length=6", "data.train_batch_size=32",
+        "data.max_prompt_length=16", "data.max_response_length=6", "data.train_batch_size=32",
+        "data.apply_chat_template=false",
         f"data.seed={args.seed}",
         "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
@@ -193,7 +199,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=150, help="GRPO steps")
     parser.add_argument("--test-freq", type=int, default=25, help="validate every N steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a busy 2-core machine a second thread mostly spin-waits)")
     parser.add_argument("--model-params", type=int, default=2_000_000)
     parser.add_argument("--warmup-target", type=float, default=0.3)
     parser.add_argument("--train-size", type=int, default=4000)
