@@ -9,6 +9,8 @@ line per case:
      "ratio_native_over_hf": ..., "native_gflops": ..., "hf_gflops": ..., "gemm_peak_gflops": ...}
 
 GFLOP/s is approximate: 2 x params x generated tokens / s (prefill and attention not counted).
+Rates are given per wall-clock second and per CPU second of this process (`*_tok_per_cpu_s`,
+`ratio_native_over_hf_cpu_time`): on shared cores the CPU-time ratio is the steadier one.
 `gemm_peak_gflops` is a 2048^3 matmul in the same dtype measured in the same run. Engines alternate
 within each repeat and the best repeat counts, because other processes share the cores.
 
@@ -62,13 +64,13 @@ def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def time_engine(engine, prompts, sampling) -> float:
-    """Generated tokens per second of one call."""
-    t = time.perf_counter()
+def time_engine(engine, prompts, sampling) -> tuple[float, float]:
+    """Generated tokens per wall-clock second and per CPU second (this process) of one call."""
+    t, c = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, sampling)
-    elapsed = time.perf_counter() - t
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - c
     assert out.num_tokens == len(prompts) * sampling.n * sampling.max_new_tokens, "a sample stopped early"
-    return out.num_tokens / elapsed
+    return out.num_tokens / elapsed, out.num_tokens / cpu
 
 
 def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args) -> dict:
@@ -90,16 +92,20 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args)
         built[e] = build_rollout_engine(e, source, tokenizer, **options)
         built[e].generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
     rates = {e: 0.0 for e in engines}
+    cpu_rates = {e: 0.0 for e in engines}
     for _ in range(args.repeats):
         for e in engines:
-            rates[e] = max(rates[e], time_engine(built[e], prompts, sampling))
+            wall, cpu = time_engine(built[e], prompts, sampling)
+            rates[e], cpu_rates[e] = max(rates[e], wall), max(cpu_rates[e], cpu)
     row = {"model": name, "params": params, "dtype": dtype, "prompts": args.prompts, "n": args.n,
            "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
     for e in engines:
         row[f"{e}_tok_s"] = round(rates[e], 1)
+        row[f"{e}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
         row[f"{e}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
     if "native" in rates and "hf" in rates:
         row["ratio_native_over_hf"] = round(rates["native"] / rates["hf"], 3)
+        row["ratio_native_over_hf_cpu_time"] = round(cpu_rates["native"] / cpu_rates["hf"], 3)
     if "native" in rates and "vllm" in rates:
         row["ratio_native_over_vllm"] = round(rates["native"] / rates["vllm"], 3)
     return row

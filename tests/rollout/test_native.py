@@ -7,7 +7,7 @@ import torch
 
 from tests.rollout.conftest import PROMPTS, prompt_ids
 from tiller.rollout import SamplingParams, build_rollout_engine
-from tiller.rollout.sampling import warp_logits
+from tiller.rollout.sampling import draw_from, warp_logits
 
 MORE_PROMPTS = PROMPTS + ["x", "Once upon a time there was a little"]
 
@@ -94,3 +94,14 @@ def test_fused_decode_equals_hf_forward_decode_and_follows_weights(sharp_llama):
     b = fused.generate(prompts, greedy)
     assert b.response_ids != a.response_ids
     assert b.response_ids == plain.generate(prompts, greedy).response_ids
+
+
+def test_draw_from_matches_the_distribution():
+    probs = torch.tensor([[0.5, 0.25, 0.0, 0.15, 0.1]]).repeat(20000, 1)
+    tokens = draw_from(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=5).double() / len(tokens)
+    # standard error of a frequency near 0.5 over 20000 draws is 0.0035; allow ~4 of them
+    torch.testing.assert_close(freq, probs[0].double(), atol=0.015, rtol=0)
+    assert freq[2] == 0  # a zero-probability token is never drawn
+    again = draw_from(probs, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
