@@ -3,7 +3,8 @@
 One invocation builds random-init Qwen2 models with the tiny-model kit (~2M, ~30M, ~120M parameters),
 samples `--prompts` prompts x `--new-tokens` tokens with every engine on the same model and prompts
 (`ignore_eos`, so every sample is full length in every engine), in fp32 and bf16, and prints one JSON
-line per case:
+line per case. A second workload, `rl`, is closer to an RL step: groups of n=8 samples per prompt whose
+lengths vary (stop ids), where sharing a prompt's prefill and dropping finished rows pay off:
 
     {"model": "30M", "params": ..., "dtype": "float32", "native_tok_s": ..., "hf_tok_s": ...,
      "ratio_native_over_hf": ..., "native_gflops": ..., "hf_gflops": ..., "gemm_peak_gflops": ...}
@@ -64,16 +65,31 @@ def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def time_engine(engine, prompts, sampling) -> tuple[float, float]:
+def time_engine(engine, prompts, sampling, full_length: bool) -> tuple[float, float]:
     """Generated tokens per wall-clock second and per CPU second (this process) of one call."""
     t, c = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, sampling)
     elapsed, cpu = time.perf_counter() - t, time.process_time() - c
-    assert out.num_tokens == len(prompts) * sampling.n * sampling.max_new_tokens, "a sample stopped early"
+    if full_length:
+        assert out.num_tokens == len(prompts) * sampling.n * sampling.max_new_tokens, "a sample stopped early"
     return out.num_tokens / elapsed, out.num_tokens / cpu
 
 
-def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args) -> dict:
+def workload(tokenizer, args, kind: str):
+    """(prompts, sampling) for the `fixed` case (the issue's: every sample full length, n=1) or the `rl`
+    case (prompts / 8 groups of n=8; 6 stop ids, so with a near-uniform random-init model a sample stops
+    with probability ~6/512 per token and lengths vary, as RL responses do)."""
+    from tiller.rollout import SamplingParams
+
+    if kind == "fixed":
+        return make_prompts(tokenizer, args.prompts), SamplingParams(
+            n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    stop_ids = list(range(100, 106))
+    return make_prompts(tokenizer, max(1, args.prompts // 8)), SamplingParams(
+        n=8, max_new_tokens=args.new_tokens, ignore_eos=True, stop_token_ids=stop_ids, seed=0)
+
+
+def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args, kind: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiller.rollout import SamplingParams, build_rollout_engine
@@ -81,8 +97,7 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
-    prompts = make_prompts(tokenizer, args.prompts)
-    sampling = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    prompts, sampling = workload(tokenizer, args, kind)
     built = {}
     for e in engines:
         source = str(model_dir) if e == "vllm" else model
@@ -95,10 +110,10 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args)
     cpu_rates = {e: 0.0 for e in engines}
     for _ in range(args.repeats):
         for e in engines:
-            wall, cpu = time_engine(built[e], prompts, sampling)
+            wall, cpu = time_engine(built[e], prompts, sampling, kind == "fixed")
             rates[e], cpu_rates[e] = max(rates[e], wall), max(cpu_rates[e], cpu)
-    row = {"model": name, "params": params, "dtype": dtype, "prompts": args.prompts, "n": args.n,
-           "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
+    row = {"model": name, "params": params, "dtype": dtype, "workload": kind, "prompts": len(prompts),
+           "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
     for e in engines:
         row[f"{e}_tok_s"] = round(rates[e], 1)
         row[f"{e}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
@@ -117,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--engines", default=None, help="comma list; default native,hf (+vllm when installed)")
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (fixed workload)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
     parser.add_argument("--model-dir", default=None, help="where to build / reuse the models (default: temp)")
     parser.add_argument("--quick", action="store_true", help="2M and 30M, 16 prompts x 32 tokens, 1 repeat")
+    parser.add_argument("--workloads", default="fixed,rl",
+                        help="fixed: every sample full length (the issue's case); rl: n=8 groups, varied lengths")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.prompts, args.new_tokens, args.repeats = "2M,30M", 16, 32, 1
@@ -159,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             if dtype == "bfloat16" and not bf16_fast:
                 row = {"model": name, "dtype": dtype, "skipped": "this CPU has no fast bf16 matmul",
                        "gemm_peak_gflops": round(peak[dtype], 2), "gemm_peak_fp32_gflops": round(peak["float32"], 1)}
-            else:
-                row = bench_case(name, model_dir, dtype, engines, args)
+                print(json.dumps(row), flush=True)
+                continue
+            for kind in args.workloads.split(","):
+                row = bench_case(name, model_dir, dtype, engines, args, kind)
                 row["gemm_peak_gflops"] = round(peak[dtype], 1)
-            print(json.dumps(row), flush=True)
+                print(json.dumps(row), flush=True)
     return 0
 
 
