@@ -156,6 +156,17 @@ def wrap_model(model: nn.Module, strategy: str = "fsdp", param_dtype: torch.dtyp
     return model
 
 
+def set_grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduces gradients over ranks; call it before each micro-batch's
+    forward with ``enabled = is_last_micro_batch``. Needed for DDP, whose every backward all-reduces
+    the accumulated gradient (earlier micro-batches would be counted again); for FSDP2 it only saves
+    communication (it accumulates reduced shards correctly either way). No-op otherwise."""
+    if type(model).__name__ == "DistributedDataParallel":
+        model.require_backward_grad_sync = enabled  # what DDP.no_sync() toggles
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module under a DDP wrapper (FSDP2 shards in place, so its model is the module)."""
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
@@ -175,3 +186,59 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             value = value.full_tensor()
         out[key] = value.detach().cpu()
     return out
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when some parameter is an FSDP2 shard (a DTensor)."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (every rank holds it) into `model`, sharded (FSDP2) or not."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap_model(model).load_state_dict(state)
+
+
+class FullOptimizerState:
+    """An FSDP2 optimizer's state in unsharded form, behind `state_dict()` / `load_state_dict()`.
+
+    ``gather()`` is collective (every rank calls it); afterwards ``state_dict()`` returns the gathered
+    dict without communicating, so rank 0 alone can hand this object to a checkpoint writer that calls
+    ``optimizer.state_dict()``. ``load_state_dict(full)`` is collective too. Keys are parameter names
+    (torch.distributed.checkpoint's format), not the integer ids of ``torch.optim``'s own state dict.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self._gathered: dict | None = None
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True)
+
+    def gather(self) -> FullOptimizerState:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        self._gathered = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        return self
+
+    def state_dict(self) -> dict:
+        if self._gathered is None:
+            raise RuntimeError("FullOptimizerState.state_dict(): call gather() on every rank first")
+        return self._gathered
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self._options())
+
+
+def checkpointable_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """What to hand a checkpoint writer/reader as "the optimizer": the optimizer itself, or for an
+    FSDP2 model a gathered `FullOptimizerState` (collective: call on every rank)."""
+    return FullOptimizerState(model, optimizer).gather() if is_sharded(model) else optimizer

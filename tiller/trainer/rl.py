@@ -83,6 +83,9 @@ class RLTrainer:
         self._last_entropy = float("inf")
         self.reward_fn = self._build_reward_fn()
         self._start_workers()
+        # prompts are sampled in this many equal chunks, each with its own seed (ActorRolloutRefWorker):
+        # one per rank by default; set it to N to reproduce an N-rank run's samples in one process
+        self.rollout_seed_chunks = self.world_size
         self.global_step = 0
         self.tracker = None
         self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
@@ -215,7 +218,8 @@ class RLTrainer:
             "uid": [f"{tag}-{j}" for j in range(len(items))],
         }
         meta = {"sampling": sampling, "prompt_width": self.prompt_width, "response_width": self.response_width,
-                "temperature": self.cfg.actor_rollout_ref.rollout.temperature, "global_step": self.global_step}
+                "temperature": self.cfg.actor_rollout_ref.rollout.temperature, "global_step": self.global_step,
+                "seed_chunks": self.rollout_seed_chunks}
         return Batch(fields=fields, meta=meta)
 
     def _train_sampling(self) -> dict:

@@ -66,6 +66,8 @@ class ActorRolloutRefWorker:
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
         set_num_threads(config.trainer.num_threads)
+        # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
+        torch.manual_seed(config.trainer.seed)
         self.device = torch.device(config.trainer.device)
         if arr.model.external_lib:
             import importlib
@@ -90,7 +92,13 @@ class ActorRolloutRefWorker:
             module.gradient_checkpointing_enable()
         module.train()
         self.module = module
-        self.model = dist_ctx.wrap_model(module, strategy=self.actor_cfg.strategy.replace("fsdp2", "fsdp"))
+        strategy = self.actor_cfg.strategy.replace("fsdp2", "fsdp")
+        # FSDP2 shards in place and every forward all-gathers (a collective): ranks sampling different
+        # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
+        self.rollout_module = module
+        if strategy == "fsdp" and dist_ctx.is_distributed():
+            self.rollout_module = copy.deepcopy(module).requires_grad_(False)
+        self.model = dist_ctx.wrap_model(module, strategy=strategy)
         if self.actor_cfg.use_torch_compile:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim)
@@ -106,11 +114,11 @@ class ActorRolloutRefWorker:
         if name == "vllm":
             raise NotImplementedError("rollout.name=vllm is served by tiller.rollout; not wired in this worker yet")
         try:
-            return build_rollout_engine(name, dist_ctx.unwrap_model(self.module), self.tokenizer, **opts)
+            return build_rollout_engine(name, self.rollout_module, self.tokenizer, **opts)
         except ModuleNotFoundError:
             if name != "native":
                 raise
-            return build_rollout_engine("hf", dist_ctx.unwrap_model(self.module), self.tokenizer, **opts)
+            return build_rollout_engine("hf", self.rollout_module, self.tokenizer, **opts)
 
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample `n` responses per prompt.
@@ -124,10 +132,8 @@ class ActorRolloutRefWorker:
         from tiller.rollout import SamplingParams
 
         sampling = SamplingParams(**prompts.meta["sampling"])
-        if sampling.seed is not None:
-            sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank()
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
-        out = self.rollout.generate([list(p) for p in prompts["prompt_ids"]], sampling)
+        out = self._generate_seeded(prompts, sampling)
         pad = self.tokenizer.pad_token_id
         B = len(out)
         prompt_t = torch.full((B, P), pad, dtype=torch.long)
@@ -155,9 +161,36 @@ class ActorRolloutRefWorker:
         batch["finish_reason"] = list(out.finish_reason)
         return batch
 
+    def _generate_seeded(self, prompts: Batch, sampling):
+        """Generate in `meta["seed_chunks"]` equal prompt chunks over the group (default: one per rank),
+        chunk c seeded `seed + 7919 c`: the samples then do not depend on how chunks map to ranks, so a
+        run on N ranks can be reproduced in one process with seed_chunks=N."""
+        ids = [list(p) for p in prompts["prompt_ids"]]
+        chunks = int(prompts.meta.get("seed_chunks") or dist_ctx.world_size())
+        per_rank, rest = divmod(chunks, dist_ctx.world_size())
+        if sampling.seed is None or per_rank <= 1 or rest or len(ids) % per_rank:
+            if sampling.seed is not None:
+                sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank() * max(per_rank, 1)
+            return self.rollout.generate(ids, sampling)
+        from dataclasses import replace
+
+        from tiller.rollout import RolloutOutput
+
+        size, out = len(ids) // per_rank, RolloutOutput()
+        for j in range(per_rank):
+            seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
+            part = self.rollout.generate(ids[j * size:(j + 1) * size], replace(sampling, seed=seed))
+            for key in ("prompt_ids", "response_ids", "logprobs", "finish_reason"):
+                getattr(out, key).extend(getattr(part, key))
+        return out
+
     def sync_rollout_weights(self) -> None:
-        """Push the actor's current weights to the rollout engine (a no-op for a shared fp32 module)."""
-        self.rollout.update_weights()
+        """Push the actor's current weights to the rollout engine (a no-op for a shared fp32 module;
+        under FSDP2 the gathered full weights go into the rollout's unsharded copy, on every rank)."""
+        if self.rollout_module is not self.module:
+            self.rollout.update_weights(dist_ctx.full_state_dict(self.model))
+        else:
+            self.rollout.update_weights()
 
     # ------------------------------------------------------------------------------- log-probs
     def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False):
@@ -249,7 +282,9 @@ class ActorRolloutRefWorker:
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in mb.split(a.ppo_micro_batch_size_per_gpu):
+        micros = mb.split(a.ppo_micro_batch_size_per_gpu)
+        for i, micro in enumerate(micros):
+            dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             with autocast(a.dtype, self.device):
                 logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0)
@@ -280,6 +315,10 @@ class ActorRolloutRefWorker:
         else:
             sums["grad_norm_nonfinite"] = 1.0
         self.optimizer.zero_grad(set_to_none=True)
+        if dist_ctx.is_distributed():  # the sums above are this rank's share of global means
+            keys = sorted(k for k in sums if k != "grad_norm_nonfinite")
+            total = dist_ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+            sums.update(zip(keys, total.tolist()))
         sums["grad_norm"] = grad_norm
         return sums
 
@@ -288,11 +327,14 @@ class ActorRolloutRefWorker:
         """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
         from tiller.trainer.checkpoint import save_checkpoint
 
-        path = None
+        path, model = None, dist_ctx.unwrap_model(self.module)
+        optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
+        if self.rollout_module is not self.module:  # FSDP2: save the unsharded copy, synced to the shards
+            self.rollout.update_weights(dist_ctx.full_state_dict(self.model))
+            model = self.rollout_module
         if dist_ctx.rank() == 0:
-            path = save_checkpoint(ckpt_root, step, model=dist_ctx.unwrap_model(self.module),
-                                   optimizer=self.optimizer, scheduler=self.scheduler, extra_state=extra_state,
-                                   tokenizer=self.tokenizer, keep=keep)
+            path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
+                                   extra_state=extra_state, tokenizer=self.tokenizer, keep=keep)
         dist_ctx.barrier()
         return str(path)
 
@@ -300,8 +342,15 @@ class ActorRolloutRefWorker:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
         from tiller.trainer.checkpoint import load_checkpoint
 
-        state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
-                                scheduler=self.scheduler)
+        if self.rollout_module is self.module:
+            state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
+                                    scheduler=self.scheduler)
+            self.rollout.update_weights()
+            return state
+        # FSDP2: read the full weights into the unsharded copy, then scatter them into the shards
+        state = load_checkpoint(path, model=self.rollout_module, scheduler=self.scheduler,
+                                optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer))
+        dist_ctx.load_full_state_dict(self.model, self.rollout_module.state_dict())
         self.rollout.update_weights()
         return state
 

@@ -27,16 +27,23 @@ class CriticWorker:
     """Value model + optimizer (see module docstring)."""
 
     def __init__(self, config, total_training_steps: int):
-        from transformers import AutoModelForTokenClassification
+        from transformers import AutoConfig, AutoModelForTokenClassification
 
         self.cfg = config
         self.ccfg = config.critic
         set_num_threads(config.trainer.num_threads)
+        # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
+        torch.manual_seed(config.trainer.seed)
         self.device = torch.device(config.trainer.device)
         path = self.ccfg.model.path or config.actor_rollout_ref.model.path
         try:
-            module = AutoModelForTokenClassification.from_pretrained(
-                path, num_labels=1, dtype=torch.float32, trust_remote_code=self.ccfg.model.trust_remote_code)
+            # no dropout on the value head (as verl): per-rank dropout masks would also break the
+            # "N ranks == 1 process" equivalence
+            trust = self.ccfg.model.trust_remote_code
+            model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust)
+            model_config.classifier_dropout = 0.0
+            module = AutoModelForTokenClassification.from_pretrained(path, config=model_config, dtype=torch.float32,
+                                                                     trust_remote_code=trust)
         except (OSError, ValueError) as err:
             raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
         for key, value in self.ccfg.model.override_config.items():
@@ -47,7 +54,14 @@ class CriticWorker:
             module.gradient_checkpointing_enable()
         module.to(self.device).train()
         self.module = module
-        self.model = dist_ctx.wrap_model(module, strategy=self.ccfg.strategy.replace("fsdp2", "fsdp"))
+        strategy = self.ccfg.strategy.replace("fsdp2", "fsdp")
+        # FSDP2 shards in place: checkpoints are written from an unsharded CPU copy (filled at save time)
+        self.full_module = None
+        if strategy == "fsdp" and dist_ctx.is_distributed():
+            import copy
+
+            self.full_module = copy.deepcopy(module).to("cpu").requires_grad_(False)
+        self.model = dist_ctx.wrap_model(module, strategy=strategy)
         self.optimizer = build_optimizer(self.model, self.ccfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.ccfg.optim, total_training_steps)
 
@@ -90,7 +104,9 @@ class CriticWorker:
         agg = dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=mask_all.shape[1])
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in mb.split(c.ppo_micro_batch_size_per_gpu):
+        micros = mb.split(c.ppo_micro_batch_size_per_gpu)
+        for i, micro in enumerate(micros):
+            dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             with autocast(c.dtype, self.device):
                 vpreds = self._values(micro)
@@ -107,24 +123,37 @@ class CriticWorker:
         if np.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if dist_ctx.is_distributed():  # the sums above are this rank's share of global means
+            keys = sorted(sums)
+            total = dist_ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+            sums.update(zip(keys, total.tolist()))
         sums["grad_norm"] = grad_norm
         return sums
 
     def save_checkpoint(self, ckpt_root: str, step: int, keep: int | None = None) -> str:
         from tiller.trainer.checkpoint import save_checkpoint
 
-        path = None
+        path, model = None, dist_ctx.unwrap_model(self.module)
+        optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
+        if self.full_module is not None:
+            self.full_module.load_state_dict(dist_ctx.full_state_dict(self.model))
+            model = self.full_module
         if dist_ctx.rank() == 0:
-            path = save_checkpoint(ckpt_root, step, model=dist_ctx.unwrap_model(self.module),
-                                   optimizer=self.optimizer, scheduler=self.scheduler, keep=keep)
+            path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
+                                   keep=keep)
         dist_ctx.barrier()
         return str(path)
 
     def load_checkpoint(self, path: str) -> dict:
         from tiller.trainer.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
-                               scheduler=self.scheduler, restore_rng=False)
+        if self.full_module is None:
+            return load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
+                                   scheduler=self.scheduler, restore_rng=False)
+        state = load_checkpoint(path, model=self.full_module, scheduler=self.scheduler, restore_rng=False,
+                                optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer))
+        dist_ctx.load_full_state_dict(self.model, self.full_module.state_dict())
+        return state
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

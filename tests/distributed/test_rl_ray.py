@@ -1,0 +1,133 @@
+"""GRPO through the real driver on Ray: 2 workers x 1 thread == one process; a killed worker is named
+and resume_mode=auto continues the same trajectory (issue 8's done-when tests).
+
+The local reference run samples its prompts in 2 seeded chunks (`rollout_seed_chunks = 2`), as the
+2 ranks do, so both runs see the same responses; everything after that is fp32 math whose only
+difference is the order of the cross-rank gradient sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from tiller.config import load_config  # noqa: E402
+from tiller.distributed import WorkerError  # noqa: E402
+from tiller.tasks import arithmetic  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+REWARD_SRC = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+'''
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl_data")
+    arithmetic.write_task(root, n_train=48, n_test=8, seed=0)
+    (root / "reward.py").write_text(REWARD_SRC)
+    return root
+
+
+def make_cfg(run_dir, model_dir, data, *overrides):
+    return load_config([
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data / 'train.parquet'}]",
+        f"custom_reward_function.path={data / 'reward.py'}", "data.train_batch_size=4",
+        "data.max_prompt_length=32", "data.max_response_length=6", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", *overrides,
+    ])
+
+
+def train(cfg, seed_chunks=None, on_execute=None):
+    """Fit; returns (per-step actor/pg_loss, final full weights). `on_execute(trainer, method)` runs
+    before each actor-group call (used to kill a worker mid-step)."""
+    from tiller.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(cfg)
+    try:
+        if seed_chunks:
+            trainer.rollout_seed_chunks = seed_chunks
+        losses: list[float] = []
+        execute = trainer.actor.execute
+
+        def spy(method, *args, **kwargs):
+            if on_execute:
+                on_execute(trainer, method)
+            out = execute(method, *args, **kwargs)
+            if method == "update_actor":
+                losses.append(out["actor/pg_loss"])
+            return out
+
+        trainer.actor.execute = spy
+        trainer.fit()
+        return losses, execute("state_dict")
+    finally:
+        trainer.shutdown()
+
+
+def assert_same(a, b, atol=1e-5):
+    (losses_a, state_a), (losses_b, state_b) = a, b
+    assert len(losses_a) == len(losses_b) == 3
+    assert losses_a == pytest.approx(losses_b, abs=atol)
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        torch.testing.assert_close(state_a[key], state_b[key], atol=atol, rtol=0)
+
+
+RAY = ("trainer.backend=ray", "trainer.nnodes=1", "trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1")
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tiny_model_dir, rl_data):
+    return train(make_cfg(tmp_path_factory.mktemp("local"), tiny_model_dir, rl_data), seed_chunks=2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_grpo_two_ray_workers_equal_one_process(strategy, ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
+    ray_run = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *RAY, f"actor_rollout_ref.actor.strategy={strategy}"))
+    assert_same(ray_run, local_run)
+
+
+@pytest.mark.slow  # ~20-40 s: PPO with a critic group colocated with the actor group
+def test_ppo_gae_with_critic_two_ray_workers_equal_one_process(ray_session, tmp_path, tiny_model_dir, rl_data):
+    gae = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
+    local = train(make_cfg(tmp_path / "local", tiny_model_dir, rl_data, *gae), seed_chunks=2)
+    ray_run = train(make_cfg(tmp_path / "ray", tiny_model_dir, rl_data, *gae, *RAY, "critic.strategy=fsdp"))
+    assert_same(ray_run, local)
+
+
+@pytest.mark.slow  # ~15-35 s: two more Ray groups and FSDP2 checkpoints
+def test_killed_worker_is_named_and_auto_resume_continues(ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
+    cfg = make_cfg(tmp_path, tiny_model_dir, rl_data, *RAY, "trainer.save_freq=1", "trainer.resume_mode=auto")
+
+    def kill_rank1_in_step3(trainer, method):
+        if method == "update_actor" and trainer.global_step == 3:  # in the third step
+            import os
+            import signal
+
+            os.kill(trainer.actor.pids[1], signal.SIGKILL)
+
+    with pytest.raises(WorkerError, match=r"'actor_rollout_ref' rank 1 \(pid \d+ .*\) died during 'update_actor'"):
+        train(cfg, on_execute=kill_rank1_in_step3)
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("global_step_*"))
+    assert ckpts == ["global_step_1", "global_step_2"]
+    # resume_mode=auto: a new driver picks up global_step_2 and runs step 3 only
+    losses, state = train(cfg)
+    assert len(losses) == 1
+    assert losses[0] == pytest.approx(local_run[0][2], abs=1e-5)
+    for key in state:
+        torch.testing.assert_close(state[key], local_run[1][key], atol=1e-5, rtol=0)
