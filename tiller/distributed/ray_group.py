@@ -112,6 +112,11 @@ class _WorkerHost:
         self.worker = worker_cls(**init_kwargs)
         return os.getpid(), ray.util.get_node_ip_address()
 
+    def peak_rss_mb(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
     def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
         fn = getattr(self.worker, method, None)
         if fn is None or not callable(fn):
@@ -221,6 +226,10 @@ class RayWorkerGroup:
         raise WorkerError(f"worker group {self.name!r} rank {rank} ({where}) raised in {method!r}: "
                           f"{type(cause).__name__ if cause else type(err).__name__}: {cause or err}",
                           group=self.name, rank=rank, method=method) from err
+
+    def peak_rss_mb(self) -> list[float]:
+        """Peak resident memory of each rank's process, in MiB."""
+        return ray.get([a.peak_rss_mb.remote() for a in self._actors])
 
     def shutdown(self) -> None:
         """Kill the actors and release the pool once no colocated group uses it."""
