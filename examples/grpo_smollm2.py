@@ -10,7 +10,7 @@ What it does:
    Hugging Face dir under ~/.cache/tiller/smollm2-135m-instruct (once).
 2. Writes reasoning-gym `letter_counting` prompts in verl's schema (`tiller data reasoning-gym`); the
    reward is the task's own scorer on the text inside `<answer>...</answer>`.
-3. Runs `tiller rl` with GRPO (n samples per prompt, no KL, bf16 autocast training, bf16 rollout) and
+3. Runs `tiller rl` with GRPO (n samples per prompt, no KL, fp32 training, bf16 rollout where fast) and
    prints held-out accuracy (greedy, `val-core/reasoning_gym/letter_counting/acc/mean@1`) before and after.
 
 Any RL key can be overridden on the command line (verl's names), e.g.
@@ -73,7 +73,7 @@ def overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[str]
         f"actor_rollout_ref.rollout.n={args.n}", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.dtype=bfloat16", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
-        "actor_rollout_ref.actor.dtype=bfloat16", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.actor.dtype={args.dtype}", f"actor_rollout_ref.actor.optim.lr={args.lr}",
         "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
@@ -94,6 +94,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=2e-6)
     p.add_argument("--val-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", help="training dtype: bfloat16 only pays on CPUs with AVX-512 BF16 / AMX")
     p.add_argument("--cache", default=str(Path(os.environ.get("TILLER_CACHE", Path.home() / ".cache" / "tiller"))))
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()

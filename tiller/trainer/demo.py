@@ -30,7 +30,7 @@ import torch
 from tiller.data.rl_dataset import render_prompt
 from tiller.tasks import arithmetic
 
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
 
 
@@ -84,12 +84,19 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
 
 
 def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, target: float, seed: int,
-            lr: float = 3e-3, batch_size: int = 64, eval_every: int = 25, max_steps: int = 4000,
+            lr: float = 1e-3, batch_size: int = 64, eval_every: int = 25, max_steps: int = 1000,
             log=print) -> tuple[float, int]:
     """Supervised steps on (prompt -> answer) until greedy dev accuracy >= target; returns (acc, steps)."""
+    from functools import partial
+
+    from tiller.workers.common import lr_lambda
+
     examples = _encode_sft(tokenizer, train_rows)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # linear warmup then cosine decay over max_steps: a decaying lr stops the late-phase oscillation
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_lambda, warmup=min(50, max_steps // 10), total=max_steps,
+                                                            style="cosine", min_lr_ratio=0.05))
     acc, step = 0.0, 0
     model.train()
     while step < max_steps:
@@ -100,6 +107,7 @@ def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, t
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         step += 1
         if step % eval_every == 0:
             acc = greedy_accuracy(model, tokenizer, dev_rows)
