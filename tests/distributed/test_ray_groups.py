@@ -1,6 +1,6 @@
 """Ray worker groups on CPU: 2 ranks (1 thread each) == 1 process; colocation; failures name the rank.
 
-One Ray session for the module (Ray start is ~5 s). Every group here is 2 actors of 1 CPU on a
+One Ray session for all Ray tests (tests/distributed/conftest.py; Ray start is ~5 s). Every group here is 2 actors of 1 CPU on a
 2-CPU Ray cluster, so a second *split* group has no room while a *colocated* one fits.
 """
 
@@ -18,13 +18,6 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def fsdp_group(ray_session):
     group = create_worker_group(MLPRegressionWorker, {"seed": 7, "strategy": "fsdp"}, backend="ray",
                                 world_size=2, cpus_per_worker=1, name="actor")
@@ -37,8 +30,8 @@ def _batches(steps=3, n=8, seed=0):
     return [Batch({"x": torch.randn(n, 8, generator=g), "y": torch.randn(n, 2, generator=g)}) for _ in range(steps)]
 
 
-def _run(group, batches):
-    losses = [group.execute("train_step", b, dispatch="dp")["loss"] for b in batches]
+def _run(group, batches, micro=None):
+    losses = [group.execute("train_step", b, micro=micro, dispatch="dp")["loss"] for b in batches]
     return losses, group.execute("state_dict")
 
 
@@ -63,6 +56,7 @@ def test_fsdp2_two_ranks_equal_one_process(fsdp_group):
     batches = _batches()
     local = create_worker_group(MLPRegressionWorker, {"seed": 7, "strategy": "fsdp"})
     _assert_same_run(_run(fsdp_group, batches), _run(local, batches))
+    _assert_same_run(_run(fsdp_group, batches, micro=3), _run(local, batches, micro=3))
     # dp predict on 7 rows: padded to 8 over 2 ranks, merged back to 7 in order
     seven = batches[0].index(slice(0, 7))
     pred = fsdp_group.execute("predict", seven, dispatch="dp")
@@ -78,6 +72,9 @@ def test_ddp_colocated_two_ranks_equal_one_process(fsdp_group):
         batches = _batches(seed=1)
         local = create_worker_group(MLPRegressionWorker, {"seed": 11, "strategy": "ddp"})
         _assert_same_run(_run(ddp, batches), _run(local, batches))
+        # gradient accumulation (2 micro-batches of 2 rows per rank vs 4 of 2 in one process): DDP must
+        # reduce once, after the last micro-batch, or the first micro-batch's gradient counts twice
+        _assert_same_run(_run(ddp, batches, micro=2), _run(local, batches, micro=2))
         with pytest.raises(ConfigError, match="no room"):
             create_worker_group(MLPRegressionWorker, {}, backend="ray", world_size=2, name="reward",
                                 placement_timeout_s=1.0)

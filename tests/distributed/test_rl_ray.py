@@ -26,13 +26,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def rl_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_data")
     arithmetic.write_task(root, n_train=48, n_test=8, seed=0)

@@ -54,17 +54,22 @@ class MLPRegressionWorker:
         self.model = context.wrap_model(_MLP(in_dim, hidden, out_dim, layers), strategy, param_dtype=param_dtype)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
 
-    def train_step(self, batch, sleep_s: float = 0.0) -> dict[str, float]:
-        """One SGD step on this rank's rows `x [b, in_dim]`, `y [b, out_dim]`; returns the global loss."""
-        x, y = batch["x"], batch["y"]
-        global_rows = context.all_reduce_sum(torch.tensor(float(x.shape[0])))
-        loss = ((self.model(x).float() - y) ** 2).sum() / global_rows
+    def train_step(self, batch, micro: int | None = None, sleep_s: float = 0.0) -> dict[str, float]:
+        """One SGD step on this rank's rows `x [b, in_dim]`, `y [b, out_dim]`, accumulated over
+        micro-batches of `micro` rows (default: one); returns the global loss."""
+        global_rows = context.all_reduce_sum(torch.tensor(float(len(batch))))
+        micros = batch.split(micro or len(batch))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = torch.zeros(())
+        for i, mb in enumerate(micros):
+            context.set_grad_sync(self.model, i == len(micros) - 1)
+            loss = ((self.model(mb["x"]).float() - mb["y"]) ** 2).sum() / global_rows
+            loss.backward()
+            total += loss.detach()
         self.optimizer.step()
         if sleep_s:
             time.sleep(sleep_s)
-        return {"loss": float(context.all_reduce_sum(loss.detach()))}
+        return {"loss": float(context.all_reduce_sum(total))}
 
     def predict(self, batch):
         """`batch` plus ``pred [b, out_dim]``."""
