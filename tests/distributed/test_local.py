@@ -87,6 +87,10 @@ def test_dp_split_pads_and_merge_unpads():
     assert per_rank[1][1] == "extra"
     merged = merge_dp([r[0] for r in per_rank], pad, padded_len)
     assert merged["i"].tolist() == [0, 1, 2, 3, 4] and list(merged["tag"]) == list("abcde")
+    # a method returning 3 rows per input row (n samples per prompt): the pad row's 3 copies are dropped
+    tripled = [r[0].repeat(3) for r in per_rank]
+    merged3 = merge_dp(tripled, pad, padded_len)
+    assert merged3["i"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
     # tuples merge element-wise; dicts come from rank 0
     out = merge_dp([(r[0], {"m": k}) for k, r in enumerate(per_rank)], pad, padded_len)
     assert out[0]["i"].tolist() == [0, 1, 2, 3, 4] and out[1] == {"m": 0}

@@ -5,7 +5,8 @@ Dispatch modes (verl's ``Dispatch.ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` / ``RANK_Z
 - ``broadcast``: every rank gets the same arguments; the caller gets rank 0's result.
 - ``dp``: the first positional argument is a `Batch`; it is padded (by cycling its first rows) to a
   multiple of the world size and cut into ``world_size`` consecutive equal chunks, chunk r to rank r.
-  Batch results are concatenated in rank order and the padding rows dropped; dict results (metrics)
+  Batch results are concatenated in rank order and the padding rows dropped (a method that returns k
+  rows per input row, e.g. n samples per prompt, must keep them in input order); dict results (metrics)
   come from rank 0 (ranks agree after their all-reduce); tuples are merged element by element.
   Padding duplicates rows, so training calls should pass batches whose length is a multiple of the
   world size (then no padding happens and the update equals the one-process update).
@@ -46,7 +47,10 @@ def merge_dp(results: list, pad: int, padded_len: int):
     first = results[0]
     if _is_batch(first):
         merged = type(first).concat(results)
-        return merged.unpad(pad) if len(merged) == padded_len else merged
+        if pad and padded_len and len(merged) % padded_len == 0:
+            # k output rows per input row, in input order (e.g. n samples per prompt): drop the pad's
+            return merged.unpad(pad * (len(merged) // padded_len))
+        return merged
     if isinstance(first, tuple):
         return tuple(merge_dp([r[i] for r in results], pad, padded_len) for i in range(len(first)))
     return first
