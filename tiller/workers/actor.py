@@ -98,7 +98,9 @@ class ActorRolloutRefWorker:
         self.rollout_module = module
         if strategy == "fsdp" and dist_ctx.is_distributed():
             self.rollout_module = copy.deepcopy(module).requires_grad_(False)
-        self.model = dist_ctx.wrap_model(module, strategy=strategy)
+        # bf16: FSDP2 all-gathers bf16 parameters (MixedPrecisionPolicy; fp32 shards, fp32 grad reduction)
+        param_dtype = torch.bfloat16 if self.actor_cfg.dtype in ("bfloat16", "bf16") else None
+        self.model = dist_ctx.wrap_model(module, strategy=strategy, param_dtype=param_dtype)
         if self.actor_cfg.use_torch_compile:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim)
