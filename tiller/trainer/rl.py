@@ -124,12 +124,17 @@ class RLTrainer:
 
     def _open_tracker(self):
         from tiller.config import to_dict
-        from tiller.tracking import Tracker
+        from tiller.tracking import CONSOLE_KEYS, Tracker
 
         tr = self.cfg.trainer
+        keys = dict(CONSOLE_KEYS)
+        n_val = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
+        for ds in sorted({it.data_source for it in self.val_ds.items} if self.val_ds else ()):
+            if "/" in ds:  # the console shows plain names itself; nested ones (tiller/arithmetic) are added here
+                keys[f"val-core/{ds}/acc/mean@{n_val}"] = f"val/{ds}"
         return Tracker(self.run_dir, loggers=tuple(tr.logger), project=tr.project_name,
                        experiment=tr.experiment_name, config=to_dict(self.cfg), total_steps=self.total_steps,
-                       resume_from_step=self.global_step if self.global_step > 0 else None)
+                       resume_from_step=self.global_step if self.global_step > 0 else None, console_keys=keys)
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
