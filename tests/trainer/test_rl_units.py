@@ -1,0 +1,119 @@
+"""Pieces of the RL trainer checked with worked numbers and invariances (no full loop)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tiller.config import load_config
+from tiller.protocol import Batch
+from tiller.trainer.rl_metrics import validation_metrics
+from tiller.workers.common import lr_lambda, position_ids_from_mask, response_forward
+
+
+def test_lr_schedule_worked_numbers():
+    kw = dict(warmup=2, total=10, style="cosine", min_lr_ratio=0.0)
+    assert lr_lambda(0, **kw) == 0.5  # (0 + 1) / 2
+    assert lr_lambda(1, **kw) == 1.0
+    assert lr_lambda(2, **kw) == 1.0  # progress 0 -> 0.5 (1 + cos 0) = 1
+    assert math.isclose(lr_lambda(6, **kw), 0.5)  # progress (6-2)/8 = 0.5 -> 0.5 (1 + cos pi/2)
+    assert math.isclose(lr_lambda(10, **kw), 0.0, abs_tol=1e-12)
+    assert math.isclose(lr_lambda(10, **{**kw, "min_lr_ratio": 0.1}), 0.1)
+    assert lr_lambda(7, warmup=0, total=10, style="constant", min_lr_ratio=0.0) == 1.0
+
+
+def test_validation_metrics_mean_best_maj():
+    # prompt p1: 3 samples, acc 1, 0, 0 with predictions "5", "4", "4" -> mean 1/3, best 1, maj ("4") 0
+    # prompt p2: acc 1, 1, 0 with predictions "7", "7", "8"          -> mean 2/3, best 1, maj ("7") 1
+    rows = [("ds", "p1", 1.0, 1.0, "5", "", ""), ("ds", "p1", 0.0, 0.0, "4", "", ""), ("ds", "p1", 0.0, 0.0, "4", "", ""),
+            ("ds", "p2", 1.0, 1.0, "7", "", ""), ("ds", "p2", 1.0, 1.0, "7", "", ""), ("ds", "p2", 0.5, 0.0, "8", "", "")]
+    m = validation_metrics(rows, 3)
+    assert math.isclose(m["val-core/ds/acc/mean@3"], (1 / 3 + 2 / 3) / 2)
+    assert m["val-core/ds/acc/best@3"] == 1.0
+    assert m["val-core/ds/acc/maj@3"] == 0.5
+    assert math.isclose(m["val-aux/ds/reward/mean@3"], (1 / 3 + 2.5 / 3) / 2)
+    assert set(validation_metrics(rows[:1], 1)) == {"val-core/ds/acc/mean@1", "val-aux/ds/reward/mean@1"}
+
+
+def _sequences(pad: int = 0):
+    """3 rows, prompt width 4 (left pad), response width 3 (right pad)."""
+    prompts = torch.tensor([[pad, pad, 11, 12], [pad, 21, 22, 23], [pad, pad, pad, 31]])
+    responses = torch.tensor([[13, 14, pad], [24, pad, pad], [32, 33, 34]])
+    pmask = (prompts != pad).long()
+    rmask = (responses != pad).long()
+    return prompts, responses, torch.cat([pmask, rmask], 1), rmask
+
+
+def test_trimmed_forward_equals_full_width_forward(tiny_model_dir):
+    from tiller.models.loading import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir).eval()
+    prompts, responses, attn, rmask = _sequences()
+    ids = torch.cat([prompts, responses], 1)
+    with torch.no_grad():
+        logits, t_used = response_forward(model, ids, attn, 4, rmask)
+        full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
+    assert t_used == 3  # longest response
+    # the logits at column P + t - 1 predict response token t
+    torch.testing.assert_close(logits * rmask[..., None], full[:, 3:6] * rmask[..., None], atol=1e-5, rtol=1e-4)
+
+
+def _worker(model_dir, micro: int, agg: str = "token-mean", *extra: str):
+    from tiller.workers.actor import ActorRolloutRefWorker
+
+    cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=hf",
+                       f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.train_batch_size=4",
+                       "actor_rollout_ref.rollout.n=2", f"actor_rollout_ref.actor.loss_agg_mode={agg}",
+                       "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.grad_clip=1e9", *extra])
+    return ActorRolloutRefWorker(cfg, total_training_steps=1)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_actor_update_is_micro_batch_invariant(tiny_model_dir, agg):
+    # 8 samples with different response lengths: one micro-batch of 8 == four of 2 (global-count normalisation)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, 300, (8, 4), generator=g)
+    responses = torch.randint(5, 300, (8, 5), generator=g)
+    lengths = torch.tensor([5, 1, 3, 2, 5, 4, 1, 2])
+    rmask = (torch.arange(5)[None] < lengths[:, None]).long()
+    attn = torch.cat([torch.ones(8, 4, dtype=torch.long), rmask], 1)
+    batch = Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                   "attention_mask": attn, "response_mask": rmask,
+                   "advantages": torch.randn(8, 5, generator=g) * rmask,
+                   "old_log_probs": -torch.rand(8, 5, generator=g) - 5.0},
+                  meta={"mini_batch_size": 8, "temperature": 1.0})
+    # Adam with eps=1 (>> |g|) and lr=1 makes the first update ~ -g, so the weight change compares gradients
+    # (with a small eps Adam's g / |g| turns float noise in near-zero gradients into whole steps)
+    deltas, metrics = [], []
+    for micro in (8, 2):
+        w = _worker(tiny_model_dir, micro, agg, "actor_rollout_ref.actor.optim.eps=1.0",
+                    "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0.0")
+        before = w.state_dict()
+        metrics.append(w.update_actor(batch))
+        deltas.append({k: v - before[k] for k, v in w.state_dict().items()})
+    scale = max(float(d.abs().max()) for d in deltas[0].values())
+    assert scale > 1e-4  # the update did something
+    for k in deltas[0]:
+        torch.testing.assert_close(deltas[0][k], deltas[1][k], atol=1e-4 * scale, rtol=1e-3)
+    assert math.isclose(metrics[0]["actor/pg_loss"], metrics[1]["actor/pg_loss"], rel_tol=1e-4, abs_tol=1e-6)
+    assert math.isclose(metrics[0]["actor/grad_norm"], metrics[1]["actor/grad_norm"], rel_tol=1e-4)
+
+
+def test_generate_sequences_layout(tiny_model_dir):
+    w = _worker(tiny_model_dir, 8)
+    prompts = Batch(fields={"prompt_ids": [[5, 6, 7], [8, 9]], "uid": ["a", "b"]},
+                    meta={"sampling": {"n": 2, "max_new_tokens": 4, "seed": 3}, "prompt_width": 5, "response_width": 6})
+    out = w.generate_sequences(prompts)
+    assert len(out) == 4 and list(out["uid"]) == ["a", "a", "b", "b"]
+    assert out["prompts"].shape == (4, 5) and out["responses"].shape == (4, 6)
+    assert out["prompts"][2].tolist()[-2:] == [8, 9] and out["attention_mask"][2, :3].sum() == 0
+    lengths = out["response_mask"].sum(-1)
+    assert (lengths >= 1).all() and (lengths <= 4).all()
+    # response_mask is a prefix; rollout logprobs are 0 on padding and < 0 on sampled tokens
+    assert torch.equal(out["response_mask"], (torch.arange(6)[None] < lengths[:, None]).long())
+    assert (out["rollout_log_probs"][out["response_mask"].bool()] <= 0).all()
+    assert (out["rollout_log_probs"][~out["response_mask"].bool()] == 0).all()
+    assert torch.equal(out["position_ids"][0, 2:5], torch.tensor([0, 1, 2]))
