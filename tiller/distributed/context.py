@@ -224,7 +224,15 @@ class FullOptimizerState:
     def gather(self) -> FullOptimizerState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        self._gathered = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        gathered = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        # un-sharded entries (Adam's `step`) come back as the live tensors: copy them, or the snapshot
+        # would move on with the optimizer (and a loader would share them with it)
+        live = {id(v) for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)}
+        for state in gathered.get("state", {}).values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and id(value) in live:
+                    state[key] = value.clone()
+        self._gathered = gathered
         return self
 
     def state_dict(self) -> dict:
