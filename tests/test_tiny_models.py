@@ -148,3 +148,13 @@ def test_module_cli_builds_model_and_rejects_missing_corpus(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.model_type == "llama"
     with pytest.raises(UserError, match="nope.txt"):
         main(["--out", str(tmp_path / "x"), "--corpus", str(tmp_path / "nope.txt")])
+
+
+@pytest.mark.parametrize("n_params", [1e6, 30e6, 60e6, 100e6, 120e6, 150e6])
+def test_chosen_shapes_have_valid_grouped_query_attention(n_params):
+    from tiller.models.tiny import choose_shape
+
+    # 120M once picked 13 heads over 3 kv heads, which no attention implementation can split
+    s = choose_shape(int(n_params), 512)
+    assert s["num_attention_heads"] % s["num_key_value_heads"] == 0
+    assert s["num_attention_heads"] * s["head_dim"] == s["hidden_size"]

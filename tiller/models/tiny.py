@@ -187,7 +187,8 @@ def _candidate_shapes() -> list[tuple[int, int]]:
 def _shape(hidden: int, layers: int) -> dict:
     head_dim = 32 if hidden <= 256 else 64
     heads = hidden // head_dim
-    kv_heads = heads if heads < 8 else heads // 4
+    # grouped-query attention from 8 heads up: the largest divisor of `heads` not above heads // 4
+    kv_heads = heads if heads < 8 else max(d for d in range(1, heads // 4 + 1) if heads % d == 0)
     return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv_heads, intermediate_size=3 * hidden, head_dim=head_dim)
 
