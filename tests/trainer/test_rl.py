@@ -240,3 +240,16 @@ def test_reward_function_that_raises_scores_zero_and_is_counted(tmp_path, tiny_m
     metrics, _, _ = _train(cfg)
     assert metrics["reward/num_errors"] > 0
     assert 0.0 <= metrics["critic/score/mean"] <= 1.0 and math.isfinite(metrics["critic/score/max"])
+
+
+def test_lora_actor_with_kl_and_resume_path(tmp_path, tiny_model_dir, rl_data):
+    common = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+              "actor_rollout_ref.actor.use_kl_loss=true", "data.val_files=[]")
+    metrics, changed, _ = _train(make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *common))
+    assert changed and metrics["actor/kl_loss"] >= 0
+    _finite(metrics)
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
+    metrics, _, _ = _train(make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *common, "trainer.total_training_steps=3",
+                                    "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}"))
+    assert metrics["training/global_step"] == 3
+    assert (tmp_path / "run" / "checkpoints" / "global_step_3" / "state.pt").exists()

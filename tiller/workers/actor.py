@@ -95,8 +95,10 @@ class ActorRolloutRefWorker:
         strategy = self.actor_cfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place and every forward all-gathers (a collective): ranks sampling different
         # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
-        self.rollout_module = module
-        if strategy == "fsdp" and dist_ctx.is_distributed():
+        # LoRA: the engine runs the adapter-injected base model (the PeftModel wrapper hides `.model.layers`)
+        self.rollout_module = module.get_base_model() if self.lora else module
+        self._rollout_is_copy = strategy == "fsdp" and dist_ctx.is_distributed()
+        if self._rollout_is_copy:
             self.rollout_module = copy.deepcopy(module).requires_grad_(False)
         # bf16: FSDP2 all-gathers bf16 parameters (MixedPrecisionPolicy; fp32 shards, fp32 grad reduction)
         param_dtype = torch.bfloat16 if self.actor_cfg.dtype in ("bfloat16", "bf16") else None
@@ -189,7 +191,7 @@ class ActorRolloutRefWorker:
     def sync_rollout_weights(self) -> None:
         """Push the actor's current weights to the rollout engine (a no-op for a shared fp32 module;
         under FSDP2 the gathered full weights go into the rollout's unsharded copy, on every rank)."""
-        if self.rollout_module is not self.module:
+        if self._rollout_is_copy:
             self.rollout.update_weights(dist_ctx.full_state_dict(self.model))
         else:
             self.rollout.update_weights()
@@ -331,7 +333,7 @@ class ActorRolloutRefWorker:
 
         path, model = None, dist_ctx.unwrap_model(self.module)
         optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
-        if self.rollout_module is not self.module:  # FSDP2: save the unsharded copy, synced to the shards
+        if self._rollout_is_copy:  # FSDP2: save the unsharded copy, synced to the shards
             self.rollout.update_weights(dist_ctx.full_state_dict(self.model))
             model = self.rollout_module
         if dist_ctx.rank() == 0:
@@ -344,7 +346,7 @@ class ActorRolloutRefWorker:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
         from tiller.trainer.checkpoint import load_checkpoint
 
-        if self.rollout_module is self.module:
+        if not self._rollout_is_copy:
             state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
                                     scheduler=self.scheduler)
             self.rollout.update_weights()
