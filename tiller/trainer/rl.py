@@ -296,7 +296,7 @@ class RLTrainer:
                                              self.kl_ctrl.value, kind=algo.kl_penalty)
             m["actor/reward_kl_penalty"] = float(km["kl"])
             m["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
-            self.kl_ctrl.update(float(km["kl"]), n_steps=self.cfg.data.train_batch_size)
+            self.kl_ctrl.update(float(km["kl"]), n_steps=len(batch))  # verl: samples in the batch
         batch["token_level_rewards"] = rewards
         hyper = dict(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
         if baseline is not None:
