@@ -90,3 +90,23 @@ def test_rm_lora_exports_a_plain_sequence_classifier(tiny_model_dir, tmp_path):
     keys = model.state_dict().keys()
     assert "score.weight" in keys and not any("lora" in k or "modules_to_save" in k for k in keys)
     assert (run / "checkpoints" / "global_step_3" / "model" / "adapter_model.safetensors").exists()
+
+
+def test_tiller_export_of_a_lora_rm_checkpoint_gives_the_same_classifier(tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from tiller.trainer.checkpoint import export_hf
+
+    train = write_jsonl(tmp_path / "train.jsonl", _pairs([(i, i + 1) for i in range(8)]))
+    run = tmp_path / "rm_lora"
+    cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
+        "model.lora_rank": 4, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 3e-3,
+        "trainer.total_training_steps": 2}), schema=RMConfig, validate=validate_job)
+    train_rm(cfg)
+    exported = export_hf(run / "checkpoints" / "global_step_2", tmp_path / "exported")
+    a = AutoModelForSequenceClassification.from_pretrained(run / "hf_model").eval()
+    b = AutoModelForSequenceClassification.from_pretrained(exported).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(a(input_ids=ids).logits, b(input_ids=ids).logits, atol=1e-5)

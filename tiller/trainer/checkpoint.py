@@ -124,11 +124,14 @@ def list_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
 
 
 def _remove_stale_temps(root: Path) -> None:
-    """Remove temp (being written) and trash (being deleted) dirs left by dead processes."""
-    for p in [*root.glob(f"{PREFIX}*.tmp-*"), *root.glob(f"{PREFIX}*.del-*")]:
+    """Remove temp (being written) and trash (being deleted) dirs and temp marker files left by dead processes."""
+    for p in [*root.glob(f"{PREFIX}*.tmp-*"), *root.glob(f"{PREFIX}*.del-*"), *root.glob(".*.tmp-*")]:
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 # ---- RNG ---------------------------------------------------------------------------------------------
@@ -339,12 +342,32 @@ def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: st
     return out
 
 
+def _auto_class(src: Path):
+    """The transformers Auto class a saved model (or LoRA adapter) belongs to: causal LM, RM or critic."""
+    import json
+
+    import transformers
+
+    if (src / "adapter_config.json").exists():
+        task = json.loads((src / "adapter_config.json").read_text()).get("task_type") or "CAUSAL_LM"
+        return {"SEQ_CLS": transformers.AutoModelForSequenceClassification,
+                "TOKEN_CLS": transformers.AutoModelForTokenClassification}.get(task, transformers.AutoModelForCausalLM)
+    archs = json.loads((src / "config.json").read_text()).get("architectures") or [""] \
+        if (src / "config.json").exists() else [""]
+    if archs[0].endswith("ForSequenceClassification"):
+        return transformers.AutoModelForSequenceClassification
+    if archs[0].endswith("ForTokenClassification"):
+        return transformers.AutoModelForTokenClassification
+    return transformers.AutoModelForCausalLM
+
+
 def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from tiller.models.loading import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype) if dtype is not None else "auto"
+    auto_cls = _auto_class(src)
     if (src / "adapter_config.json").exists():
         import json
 
@@ -353,10 +376,11 @@ def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
         base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base or not (Path(base).exists() or base.count("/") == 1):
             raise UserError(f"cannot merge the adapter in {src}: its base model {base!r} is not available")
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
+        extra = {} if auto_cls.__name__ == "AutoModelForCausalLM" else {"num_labels": 1}
+        model = auto_cls.from_pretrained(base, dtype=torch_dtype, **extra)
         model = PeftModel.from_pretrained(model, str(src)).merge_and_unload()
     else:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype)
+        model = auto_cls.from_pretrained(src, dtype=torch_dtype)
     model.save_pretrained(out, safe_serialization=True)
     if (src / "tokenizer_config.json").exists():
         AutoTokenizer.from_pretrained(src).save_pretrained(out)
