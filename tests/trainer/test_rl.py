@@ -192,7 +192,7 @@ def test_killed_process_leaves_a_loadable_checkpoint_and_resumes(tmp_path, tiny_
     assert step >= 2
     done = _cli(["rl", *_overrides(run_dir, tiny_model_dir, rl_data, f"trainer.total_training_steps={step + 1}")])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"resumed from {ckpt}" in done.stdout
+    assert f"resumed from {ckpt}" in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
     assert (run_dir / "checkpoints" / f"global_step_{step + 1}" / "state.pt").exists()
 
 

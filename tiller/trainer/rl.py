@@ -196,10 +196,11 @@ class RLTrainer:
                     batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
             with timer("adv", m):
                 self._compute_advantage(batch, m, baseline)
+            kept = batch
             if self.cfg.algorithm.filter_groups.enable:
                 with timer("filter_groups", m):
-                    batch = self._filter_groups(batch, m)
-            train_batch = self._for_update(batch)
+                    kept = self._filter_groups(batch, m)
+            train_batch = self._for_update(kept)
             if self.use_critic and len(train_batch):
                 with timer("update_critic", m):
                     m.update(critic.execute("update_critic", train_batch, dispatch="dp"))
