@@ -6,8 +6,12 @@
    the model is partly right, so sampled groups contain both right and wrong answers.
 2. GRPO (Shao et al. 2024) on `tiller/arithmetic` (`tiller.tasks.arithmetic`): n = 8 samples per prompt,
    group z-score advantages, groups whose answers are all right or all wrong dropped (DAPO's dynamic
-   sampling), no KL, AdamW lr 1e-4 (settings measured on this CPU class; see ENVIRONMENT.md).
+   sampling), no KL, AdamW lr 1e-4, 150 steps of 32 prompts.
 3. Greedy accuracy on 256 held-out prompts (pairs never seen in training) before and after RL.
+
+Measured (seed 0, 1 thread, shared 2-core CPU): warm-up 400 steps to 0.375 dev accuracy, then held-out
+accuracy 0.320 -> 0.746; 136 s in all on a quiet machine, 352 s under heavy load (the warm-up is cached,
+so later runs take the RL part only).
 
 The run dir holds `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `plots/demo_curves.png` (reward and
 accuracy per step) and `summary.json` (`val_acc_before`, `val_acc_after`, `wall_s`, ...). Any RL config key
