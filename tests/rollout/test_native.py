@@ -129,3 +129,14 @@ def test_top_p_min_p_logprobs_match_hf_warpers(sharp_qwen):
             ref = torch.log_softmax(scores, dim=-1)[0, response[t]]
             assert torch.isfinite(ref)  # the sampled token survived HF's filters too
             assert abs(logprobs[t] - ref.item()) < 1e-4
+
+
+def test_fused_decode_declines_a_peft_wrapped_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tiller.models.lora import apply_lora
+    from tiller.rollout.fused_decode import supports
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert supports(model)
+    assert not supports(apply_lora(model, rank=2, alpha=4))

@@ -34,8 +34,8 @@ SUPPORTED = ("llama", "qwen2")
 def supports(model) -> bool:
     """True for a plain (no adapters) Llama / Qwen2 causal LM with full attention in every layer."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED or not hasattr(model, "model"):
-        return False
+    if getattr(config, "model_type", None) not in SUPPORTED or not hasattr(getattr(model, "model", None), "layers"):
+        return False  # a PeftModel's .model is the wrapped LM, not the decoder stack
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         return False
     if getattr(config, "pretraining_tp", 1) != 1:
