@@ -10,15 +10,24 @@ Engines are each trainer's default on CPU: tiller's `native` rollout (bf16 weigh
 
     python bench/grpo_vs_trl.py [--steps 4] [--prompts 8] [--n 8] [--max-new 32] [--params 30e6] [--threads 2]
 
-Prints one JSON line: {"tiller_s_per_step", "trl_s_per_step", "speedup" (= trl / tiller), settings...}.
+Prints one JSON line: {"tiller_s_per_step", "trl_s_per_step", "speedup" (= trl / tiller), the same three
+over process CPU seconds ("*_cpu_s_per_step", "cpu_speedup"), settings...}. The two trainers run one after
+the other, so on a shared machine the wall-clock ratio also measures how busy the machine was in each half
+(one run here: tiller 56.7 s vs TRL 5.8 s per step at --threads 2, the same code measuring ~10 s each at
+--threads 1 a minute later); with --threads 1 the CPU-second ratio is the robust one.
 Needs `pip install trl` (check it keeps your torch).
 
 Measured (2026-11, shared 2-core AMD EPYC *without* AVX-512 BF16, so both train in fp32 and the rollout's
-bf16 falls back to fp32; TRL 1.16, defaults above): speedup 0.98 (tiller 5.83 s, TRL 5.73 s per step) at
-32 new tokens. Both steps are dominated by the same fp32 forward + backward of the 30M model (~4 s of
-tiller's 5.8 s; generation 1.8 s), which no trainer can shorten on this CPU; tiller's advantages (native
-rollout, bf16) need a CPU with fast bf16 or a GPU. Timings on a shared machine swing 2-4x between runs:
-compare ratios from one invocation only.
+bf16 falls back to fp32; TRL 1.16, defaults above, --threads 1, steps 2-3): speedup 0.88
+(tiller 10.96 s, TRL 9.60 s per step; CPU seconds 10.89 vs 9.57); a separate profiled run measured 9.9 vs 10.3 s,
+so the two are within this machine's ~10% run-to-run noise.
+Where the time goes (pyinstrument, one step each, 1 thread): tiller = generation 2.3 s (native engine) +
+update 7.6 s (forward 2.8, backward 4.6, AdamW 0.17); TRL = generation 3.0 s (HF generate) + forward 2.8 s +
+backward 4.4 s. The update does the same work in both (one forward + backward of 64 x (14 + 32) tokens; on
+policy both skip the old-logprob pass, with beta=0 both skip the reference); the only gap is generation.
+What would move the ratio: a shared-prompt forward (run each group's prompt once and expand its KV cache to
+the n samples; exact math, measured 8.1 -> 4.9 CPU s for this shape's forward + backward, more with long
+prompts), or a CPU with fast bf16 / a GPU for tiller's bf16 rollout.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ def build_inputs(root: Path, args) -> tuple[Path, Path]:
     return model_dir, root / "data"
 
 
-def run_tiller(model_dir: Path, data_dir: Path, root: Path, args) -> list[float]:
+def run_tiller(model_dir: Path, data_dir: Path, root: Path, args) -> tuple[list[float], list[float]]:
     from tiller.config import load_config
     from tiller.trainer.rl import RLTrainer
 
@@ -63,19 +72,20 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args) -> list[float]
         "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'tiller_run'}",
     ])
     trainer = RLTrainer(cfg)
-    times = []
+    times, cpu = [], []
     try:
         for step in range(1, args.steps + 1):
             trainer.global_step = step
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             trainer.train_step()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     finally:
         trainer.shutdown()
-    return times
+    return times, cpu
 
 
-def run_trl(model_dir: Path, data_dir: Path, root: Path, args) -> list[float]:
+def run_trl(model_dir: Path, data_dir: Path, root: Path, args) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -93,13 +103,14 @@ def run_trl(model_dir: Path, data_dir: Path, root: Path, args) -> list[float]:
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.times, self._t = [], 0.0
+            self.times, self.cpu, self._t, self._c = [], [], 0.0, 0.0
 
         def on_step_begin(self, *a, **k):
-            self._t = time.perf_counter()
+            self._t, self._c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self._t)
+            self.cpu.append(time.process_time() - self._c)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -115,7 +126,7 @@ def run_trl(model_dir: Path, data_dir: Path, root: Path, args) -> list[float]:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    return timer.times
+    return timer.times, timer.cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, data_dir = build_inputs(root, args)
         result = {"model_params": args.params, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new,
                   "beta": args.beta, "steps_timed": args.steps - args.warmup, "threads": args.threads}
-        if args.only in (None, "tiller"):
-            t = run_tiller(model_dir, data_dir, root, args)
-            result["tiller_s_per_step"] = statistics.mean(t[args.warmup:])
-        if args.only in (None, "trl"):
-            t = run_trl(model_dir, data_dir, root, args)
-            result["trl_s_per_step"] = statistics.mean(t[args.warmup:])
+        for name, run in (("tiller", run_tiller), ("trl", run_trl)):
+            if args.only in (None, name):
+                t, cpu = run(model_dir, data_dir, root, args)
+                result[f"{name}_s_per_step"] = statistics.mean(t[args.warmup:])
+                result[f"{name}_cpu_s_per_step"] = statistics.mean(cpu[args.warmup:])
         if "tiller_s_per_step" in result and "trl_s_per_step" in result:
             result["speedup"] = result["trl_s_per_step"] / result["tiller_s_per_step"]
+            result["cpu_speedup"] = result["trl_cpu_s_per_step"] / result["tiller_cpu_s_per_step"]
     print(json.dumps(result))
     return 0
 
