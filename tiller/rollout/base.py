@@ -347,3 +347,25 @@ class eval_mode:
     def __exit__(self, *exc):
         self.module.train(self.was_training)
         return False
+
+
+class InProcessEngine:
+    """What the in-process engines (`hf`, `native`) share: the actor's module behind a `WeightView`
+    (the module itself, or a dtype-cast copy refreshed on `update_weights`), a tokenizer and a seed."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
+                 dtype_fallback: bool = True):
+        self.tokenizer = tokenizer
+        self.weights = WeightView(model, resolve_dtype(dtype), dtype_fallback)
+        self.generator_seed = seed
+        self._calls = 0
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """No-op for a shared module without `state_dict`; otherwise refresh the weights in use (cast copies)."""
+        self.weights.refresh(state_dict)
+
+    def sleep(self) -> None:
+        self.weights.drop()
+
+    def wake(self) -> None:
+        self.weights.restore()

@@ -20,13 +20,12 @@ from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
     StopStringWatcher,
-    WeightView,
+    InProcessEngine,
     check_prompts,
     eval_mode,
     finalize_row,
     left_pad,
     pad_token_id,
-    resolve_dtype,
     stop_ids_for,
 )
 
@@ -46,15 +45,8 @@ class _StopStringCriteria(StoppingCriteria):
         return torch.tensor(self.watcher.hits(responses), dtype=torch.bool, device=input_ids.device)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(InProcessEngine):
     """Generation through `model.generate`; shares the actor module (or a dtype-cast copy of it)."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
-                 dtype_fallback: bool = True):
-        self.tokenizer = tokenizer
-        self.weights = WeightView(model, resolve_dtype(dtype), dtype_fallback)
-        self.generator_seed = seed
-        self._calls = 0
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         sampling.validate()
@@ -107,13 +99,3 @@ class HFRolloutEngine:
             result.logprobs.append(lp)
             result.finish_reason.append(reason)
         return result
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """No-op for a shared fp32 module without `state_dict`; otherwise refresh the weights in use."""
-        self.weights.refresh(state_dict)
-
-    def sleep(self) -> None:
-        self.weights.drop()
-
-    def wake(self) -> None:
-        self.weights.restore()

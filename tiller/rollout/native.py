@@ -38,12 +38,11 @@ from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
     StopStringWatcher,
-    WeightView,
+    InProcessEngine,
     check_prompts,
     eval_mode,
     finalize_row,
     pad_token_id,
-    resolve_dtype,
     stop_ids_for,
 )
 from tiller.rollout.fused_decode import FusedDecoder
@@ -112,7 +111,7 @@ class KVBuffer:
         self.batch = len(keep)
 
 
-class NativeRolloutEngine:
+class NativeRolloutEngine(InProcessEngine):
     """Batched sampling with a static KV cache; shares the actor module (or a dtype-cast copy of it).
 
     Options: `dtype` ("bfloat16" | "float32" | None), `seed`, `max_num_seqs` (rows decoded together; more
@@ -131,16 +130,13 @@ class NativeRolloutEngine:
                 f"rollout.name=native drives the 'sdpa' or 'eager' attention implementation, the model uses "
                 f"{impl!r}; load it with attn_implementation='sdpa' or use rollout.name=hf"
             )
-        self.tokenizer = tokenizer
-        self.weights = WeightView(model, resolve_dtype(dtype), dtype_fallback)
+        super().__init__(model, tokenizer, dtype=dtype, seed=seed, dtype_fallback=dtype_fallback)
         self.max_num_seqs = max_num_seqs
         self.prefill_tokens = prefill_tokens
         self.compact_fraction = compact_fraction
         self.num_threads = num_threads
         self.fused_decode = fused_decode
         self._fused: FusedDecoder | None = None
-        self.generator_seed = seed
-        self._calls = 0
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -180,16 +176,6 @@ class NativeRolloutEngine:
         finally:
             torch.set_num_threads(old_threads)
         return result
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """No-op for a shared module without `state_dict`; refreshes the bf16 copy when there is one."""
-        self.weights.refresh(state_dict)
-
-    def sleep(self) -> None:
-        self.weights.drop()
-
-    def wake(self) -> None:
-        self.weights.restore()
 
     # ------------------------------------------------------------------------------------ internals
 
