@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

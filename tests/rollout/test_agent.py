@@ -21,7 +21,7 @@ from tiller.rollout.agent import (
     render_prompt_with_tools,
     run_agent_loop,
 )
-from tiller.rollout.tools import CalculatorTool, FunctionTool, load_tools, safe_eval
+from tiller.rollout.tools import CalculatorTool, load_tools, safe_eval
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 

@@ -214,7 +214,7 @@ def load_config(
                     OmegaConf.update(cfg, key, value, merge=True, force_add=True)
             else:
                 OmegaConf.update(cfg, key, value, merge=False)
-        except OmegaConfBaseException as err:
+        except OmegaConfBaseException:
             expected = _type_name(paths.get(key, Any))
             raise ConfigError(
                 f"command line: {key} = {value!r} is not a valid {expected} (expected type: {expected})"
