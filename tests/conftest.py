@@ -27,3 +27,11 @@ def tiny_llama_dir(tmp_path_factory):
     from tiller.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", n_params=1_000_000, seed=0)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in `vllm` module at sys.modules["vllm"] (see tests/fake_vllm.py)."""
+    from tests.fake_vllm import install
+
+    return install(monkeypatch)

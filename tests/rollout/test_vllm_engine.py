@@ -8,64 +8,14 @@ the contiguous n-samples layout, the shared stop rule, weight sync and sleep / w
 from __future__ import annotations
 
 import sys
-import types
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tests.fake_vllm import FakeLLM as _FakeLLM
 from tests.rollout.conftest import prompt_ids
 from tiller.errors import UserError
 from tiller.rollout import SamplingParams, build_rollout_engine
-
-
-@dataclass
-class _Logprob:
-    logprob: float
-
-
-class _FakeLLM:
-    instances: list = []
-
-    def __init__(self, model, logprobs_mode=None, **kwargs):
-        self.model_dir, self.kwargs, self.logprobs_mode = model, kwargs, logprobs_mode
-        self.loaded, self.calls = [], []
-        _FakeLLM.instances.append(self)
-
-    def generate(self, requests, sampling_params, use_tqdm=False):
-        self.calls.append(sampling_params)
-        outs = []
-        for req in requests:
-            completions = []
-            for j in range(sampling_params.n):
-                # token k of sample j: (first prompt token + 10 j + k) % 50, logprob -(k + 1) / 10
-                toks = [(req["prompt_token_ids"][0] + 10 * j + k) % 50 for k in range(sampling_params.max_tokens)]
-                lps = [{t: _Logprob(-(k + 1) / 10)} for k, t in enumerate(toks)]
-                completions.append(types.SimpleNamespace(token_ids=toks, logprobs=lps, finish_reason="length"))
-            outs.append(types.SimpleNamespace(outputs=completions))
-        return outs
-
-    def apply_model(self, func):
-        return [func(self)]
-
-    def load_weights(self, weights):
-        self.loaded.append(dict(weights))
-
-    def sleep(self, level=1):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self):
-        self.calls.append("wake_up")
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    module = types.ModuleType("vllm")
-    module.LLM = _FakeLLM
-    module.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    _FakeLLM.instances.clear()
-    return module
 
 
 def test_missing_vllm_names_the_extra(monkeypatch, qwen):

@@ -50,6 +50,36 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
+def _merged_lora_state(peft_model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain-model weights with every LoRA adapter folded in, from the PeftModel's full `state`.
+
+    For a LoRA linear layer W' = W + scaling * B @ A (B [out, r], A [r, in], scaling = alpha / r; transposed
+    for fan_in_fan_out layers), what peft's `merge_and_unload` computes, without touching the model. Keys
+    lose peft's `base_model.model.` prefix and `.base_layer`, and adapter tensors are dropped, so the names
+    are the HF model's (what vLLM's `load_weights` maps).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from tiller.errors import ConfigError
+
+    merged = {k: v for k, v in state.items() if ".lora_" not in k}
+    for name, layer in peft_model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        key = f"{name}.base_layer.weight"
+        weight = merged[key].clone()
+        for adapter in layer.active_adapters:
+            a, b = state.get(f"{name}.lora_A.{adapter}.weight"), state.get(f"{name}.lora_B.{adapter}.weight")
+            if a is None or b is None or layer.use_dora.get(adapter, False):
+                raise ConfigError(f"rollout.name=vllm: cannot merge LoRA layer {name!r} (adapter {adapter!r}: "
+                                  "only plain linear LoRA is supported)")
+            delta = (b.float() @ a.float()) * layer.scaling[adapter]
+            weight += (delta.T if getattr(layer, "fan_in_fan_out", False) else delta).to(weight.dtype)
+        merged[key] = weight
+    prefix = "base_model.model."
+    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in merged.items()}
+
+
 class ActorRolloutRefWorker:
     """Actor + rollout + reference in one process (see module docstring).
 
@@ -97,6 +127,7 @@ class ActorRolloutRefWorker:
         # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
         # LoRA: the engine runs the adapter-injected base model (the PeftModel wrapper hides `.model.layers`)
         self.rollout_module = module.get_base_model() if self.lora else module
+        # (vllm keeps its own weights, but the copy is still the unsharded module a checkpoint saves)
         self._rollout_is_copy = strategy == "fsdp" and dist_ctx.is_distributed()
         if self._rollout_is_copy:
             self.rollout_module = copy.deepcopy(module).requires_grad_(False)
@@ -113,10 +144,15 @@ class ActorRolloutRefWorker:
     def _build_rollout(self):
         from tiller.rollout import build_rollout_engine
 
-        name = self.rollout_cfg.name
-        opts = dict(dtype=self.rollout_cfg.dtype, seed=self.cfg.trainer.seed, **self.rollout_cfg.engine_kwargs)
-        if name == "vllm":
-            raise NotImplementedError("rollout.name=vllm is served by tiller.rollout; not wired in this worker yet")
+        name, r = self.rollout_cfg.name, self.rollout_cfg
+        if name == "vllm":  # vLLM loads the actor's model dir; its weights follow via sync_rollout_weights
+            return build_rollout_engine(
+                "vllm", self.cfg.actor_rollout_ref.model.path, self.tokenizer, dtype=r.dtype,
+                seed=self.cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
+                enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
+                max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs=dict(r.engine_kwargs))
+        opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
         try:
             return build_rollout_engine(name, self.rollout_module, self.tokenizer, **opts)
         except ModuleNotFoundError:
@@ -137,7 +173,14 @@ class ActorRolloutRefWorker:
 
         sampling = SamplingParams(**prompts.meta["sampling"])
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
-        out = self._generate_seeded(prompts, sampling)
+        free_cache = self.rollout_cfg.name == "vllm" and self.rollout_cfg.free_cache_engine
+        if free_cache:  # verl's hybrid engine: KV cache and weights on the GPU only while generating
+            self.rollout.wake()
+        try:
+            out = self._generate_seeded(prompts, sampling)
+        finally:
+            if free_cache:
+                self.rollout.sleep()
         pad = self.tokenizer.pad_token_id
         B = len(out)
         prompt_t = torch.full((B, P), pad, dtype=torch.long)
@@ -190,8 +233,15 @@ class ActorRolloutRefWorker:
 
     def sync_rollout_weights(self) -> None:
         """Push the actor's current weights to the rollout engine (a no-op for a shared fp32 module;
-        under FSDP2 the gathered full weights go into the rollout's unsharded copy, on every rank)."""
-        if self._rollout_is_copy:
+        under FSDP2 the gathered full weights go into the rollout's unsharded copy, on every rank; vllm
+        gets the full state dict, LoRA adapters merged, through `load_weights`, woken first if asleep)."""
+        if self.rollout_cfg.name == "vllm":
+            state = dist_ctx.full_state_dict(self.module)  # collective under FSDP2
+            if self.lora:
+                state = _merged_lora_state(self.module, state)
+            self.rollout.wake()  # a sleeping vLLM holds no weights to load into; the next generate sleeps it
+            self.rollout.update_weights(state)
+        elif self._rollout_is_copy:
             self.rollout.update_weights(dist_ctx.full_state_dict(self.model))
         else:
             self.rollout.update_weights()
@@ -334,7 +384,7 @@ class ActorRolloutRefWorker:
         path, model = None, dist_ctx.unwrap_model(self.module)
         optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
         if self._rollout_is_copy:  # FSDP2: save the unsharded copy, synced to the shards
-            self.rollout.update_weights(dist_ctx.full_state_dict(self.model))
+            self._refresh_copy(dist_ctx.full_state_dict(self.model))
             model = self.rollout_module
         if dist_ctx.rank() == 0:
             path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
@@ -349,14 +399,24 @@ class ActorRolloutRefWorker:
         if not self._rollout_is_copy:
             state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
                                     scheduler=self.scheduler)
-            self.rollout.update_weights()
+            self.sync_rollout_weights()
             return state
         # FSDP2: read the full weights into the unsharded copy, then scatter them into the shards
         state = load_checkpoint(path, model=self.rollout_module, scheduler=self.scheduler,
                                 optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer))
         dist_ctx.load_full_state_dict(self.model, self.rollout_module.state_dict())
-        self.rollout.update_weights()
+        if self.rollout_cfg.name == "vllm":
+            self.sync_rollout_weights()
+        else:
+            self.rollout.update_weights()
         return state
+
+    def _refresh_copy(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights into the unsharded copy (through the in-process engine, which shares it)."""
+        if self.rollout_cfg.name == "vllm":
+            self.rollout_module.load_state_dict(state)
+        else:
+            self.rollout.update_weights(state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered) actor weights on the CPU (for tests and export)."""
