@@ -77,15 +77,20 @@ def test_rm_margin_and_bad_inputs(tiny_model_dir, tmp_path):
         load_preference_examples([missing], cfg.data, tok, "rm")
 
 
-def test_rm_lora_exports_a_plain_sequence_classifier(tiny_model_dir, tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
+def _train_lora_rm(tiny_model_dir, tmp_path, steps: int):
     train = write_jsonl(tmp_path / "train.jsonl", _pairs([(i, i + 1) for i in range(8)]))
     run = tmp_path / "rm_lora"
     cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
         "model.lora_rank": 4, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 3e-3,
-        "trainer.total_training_steps": 3}), schema=RMConfig, validate=validate_job)
+        "trainer.total_training_steps": steps}), schema=RMConfig, validate=validate_job)
     train_rm(cfg)
+    return run
+
+
+def test_rm_lora_exports_a_plain_sequence_classifier(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    run = _train_lora_rm(tiny_model_dir, tmp_path, steps=3)
     model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")
     keys = model.state_dict().keys()
     assert "score.weight" in keys and not any("lora" in k or "modules_to_save" in k for k in keys)
@@ -98,12 +103,7 @@ def test_tiller_export_of_a_lora_rm_checkpoint_gives_the_same_classifier(tiny_mo
 
     from tiller.trainer.checkpoint import export_hf
 
-    train = write_jsonl(tmp_path / "train.jsonl", _pairs([(i, i + 1) for i in range(8)]))
-    run = tmp_path / "rm_lora"
-    cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
-        "model.lora_rank": 4, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 3e-3,
-        "trainer.total_training_steps": 2}), schema=RMConfig, validate=validate_job)
-    train_rm(cfg)
+    run = _train_lora_rm(tiny_model_dir, tmp_path, steps=2)
     exported = export_hf(run / "checkpoints" / "global_step_2", tmp_path / "exported")
     a = AutoModelForSequenceClassification.from_pretrained(run / "hf_model").eval()
     b = AutoModelForSequenceClassification.from_pretrained(exported).eval()
