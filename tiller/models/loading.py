@@ -38,6 +38,15 @@ def _check_path(path, what: str) -> str:
     return path
 
 
+def _load_failure(what: str, path: str, err: Exception) -> str:
+    """One clear line: a name that is neither a local dir nor reachable on the hub says so first."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not os.path.exists(path):
+        return (f"cannot load {what} from {path!r}: no such local directory, and it could not be fetched as a "
+                f"Hugging Face hub id ({first})")
+    return f"cannot load {what} from {path!r}: {first}"
+
+
 def load_tokenizer(path, padding_side: str | None = None, trust_remote_code: bool = False):
     """`AutoTokenizer.from_pretrained(path)` with a pad token guaranteed and an optional padding side."""
     from transformers import AutoTokenizer
@@ -46,7 +55,7 @@ def load_tokenizer(path, padding_side: str | None = None, trust_remote_code: boo
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as err:
-        raise UserError(f"cannot load tokenizer from {path!r}: {err}") from err
+        raise UserError(_load_failure("tokenizer", path, err)) from err
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise UserError(f"tokenizer at {path!r} has neither a pad nor an eos token")
@@ -70,7 +79,7 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
-        raise UserError(f"cannot load model from {path!r}: {err}") from err
+        raise UserError(_load_failure("model", path, err)) from err
     if device is not None:
         model = model.to(device)
     return model
