@@ -167,3 +167,19 @@ def test_eval_multi_turn_with_the_calculator(tiny_model_dir, prompt_file, monkey
     assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0}
     assert [r["pred"] for r in records] == ["3", "7", "10"]
     assert '"name": "calculator"' in seen[0]
+
+
+def test_generate_and_eval_accept_keys_after_options(tiny_model_dir, prompt_file, tmp_path):
+    """`tiller eval key=v --out F key2=v` (keys on both sides of an option) parses, as users type it."""
+    gens = tmp_path / "g.jsonl"
+    code = cli(["generate", "actor_rollout_ref.rollout.n=2", "--data", str(prompt_file), "--out", str(gens),
+                "--no-progress", "--model", str(tiny_model_dir), "trainer.seed=5", *FAST])
+    assert code == 0
+    assert all(len(json.loads(line)["responses"]) == 2 for line in open(gens))
+    out = tmp_path / "eval.json"
+    code = cli(["eval", f"actor_rollout_ref.model.path={tiny_model_dir}", "--out", str(out), "--no-progress",
+                f"data.val_files=[{prompt_file}]", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+                *FAST])
+    assert code == 0
+    assert json.loads(out.read_text())["metrics"]["tiller/arithmetic"]["n"] == 2.0

@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
     from tiller.data.rl_dataset import write_rows
     from tiller.evaluation.runner import atomic_write_text
 
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.model:
         overrides.append(f"actor_rollout_ref.model.path={args.model}")

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         sampling_from_rollout,
     )
 
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"actor_rollout_ref.model.path={args.model}"] if args.model else [])
     cfg = load_config(overrides, config_file=args.config, preset=args.preset)
     if not args.out.endswith((".jsonl", ".parquet")):
