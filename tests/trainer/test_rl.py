@@ -96,6 +96,7 @@ def test_tiny_full_loop_learns_something(tmp_path, tiny_model_dir, rl_data, esti
     if estimator == "remax":
         assert "timing_s/gen_max" in metrics
     assert (tmp_path / "run" / "checkpoints" / "global_step_2" / "state.pt").exists()
+    assert (tmp_path / "run" / "plots" / "main.png").stat().st_size > 0  # the run's curves, without `tiller report`
 
 
 ALL_RUNS = [("adv", e) for e in ADV_ESTIMATORS if e not in ("gae", "grpo", "rloo", "remax", "reinforce_plus_plus")]

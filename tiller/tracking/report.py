@@ -106,8 +106,8 @@ def _figure(series: Series, panels: list[tuple[str, list[str]]], path: Path) -> 
 
 
 def write_plots(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                series: Series | None = None) -> list[Path]:
-    """Write main.png and one PNG per metric family; returns the paths written."""
+                series: Series | None = None, families: bool = True) -> list[Path]:
+    """Write main.png and (with `families`) one PNG per metric family; returns the paths written."""
     run_dir = Path(run_dir)
     series = series if series is not None else read_metrics(run_dir / "metrics.jsonl")
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
@@ -117,10 +117,12 @@ def write_plots(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
     main = [(t, ks) for t, ks in main if ks]
     if main:
         written.append(_figure(series, main, out / "main.png"))
-    families: dict[str, list[str]] = {}
+    if not families:
+        return written
+    by_family: dict[str, list[str]] = {}
     for k in series:
-        families.setdefault(k.split("/", 1)[0] if "/" in k else "other", []).append(k)
-    for family, keys in families.items():
+        by_family.setdefault(k.split("/", 1)[0] if "/" in k else "other", []).append(k)
+    for family, keys in by_family.items():
         for part in range(0, len(keys), PANELS_PER_FIGURE):
             chunk = keys[part:part + PANELS_PER_FIGURE]
             suffix = "" if part == 0 else f"_{part // PANELS_PER_FIGURE + 1}"

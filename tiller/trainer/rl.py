@@ -167,6 +167,10 @@ class RLTrainer:
                 last = metrics
         finally:
             self.tracker.close()
+        if "jsonl" in tr.logger:  # the run's main curves as plots/main.png (`tiller report` draws them all)
+            from tiller.tracking.report import write_plots
+
+            write_plots(self.run_dir, families=False)
         return last
 
     def train_step(self) -> dict[str, float]:
