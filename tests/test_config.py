@@ -61,6 +61,8 @@ def test_cross_field_checks():
         load_config(["actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"])
     with pytest.raises(ConfigError, match="needs actor_rollout_ref.rollout.n >= 2"):
         load_config(["algorithm.adv_estimator=rloo"])
+    with pytest.raises(ConfigError, match=r"val_kwargs\.do_sample=True needs val_kwargs\.temperature > 0"):
+        load_config(["actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=true"])
     with pytest.raises(ConfigError, match="not one of.*did you mean 'grpo'"):
         load_config(["algorithm.adv_estimator=grp"])
 

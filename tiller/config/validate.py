@@ -106,6 +106,15 @@ def validate_rl(cfg: RLConfig) -> None:
             "actor_rollout_ref.rollout.val_kwargs.n > 1 needs val_kwargs.do_sample=True "
             "(greedy decoding would give n identical answers)"
         )
+    if rollout.val_kwargs.do_sample and rollout.val_kwargs.temperature <= 0:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=True needs val_kwargs.temperature > 0 "
+            f"(got {rollout.val_kwargs.temperature}; the validation default 0 means greedy)"
+        )
+    if rollout.do_sample and rollout.temperature <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.temperature must be > 0 when rollout.do_sample=True (got {rollout.temperature})"
+        )
     for i, stage in enumerate(rollout.response_length_schedule):
         if len(stage) != 2 or stage[0] < 0 or stage[1] <= 0:
             raise ConfigError(
