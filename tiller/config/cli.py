@@ -7,12 +7,13 @@ import argparse
 from tiller.config.loader import PRESET_DIR, load_config, to_yaml
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """The options every config-driven command shares."""
+def add_config_args(parser: argparse.ArgumentParser, presets: bool = True) -> None:
+    """The options every config-driven command shares (`presets`: the RL presets apply to this command)."""
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with config values (verl's tree)")
-    parser.add_argument(
-        "--preset", help=f"built-in preset: {', '.join(sorted(p.stem for p in PRESET_DIR.glob('*.yaml')))}"
-    )
+    if presets:
+        parser.add_argument(
+            "--preset", help=f"built-in RL preset: {', '.join(sorted(p.stem for p in PRESET_DIR.glob('*.yaml')))}"
+        )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.train_batch_size=64")
 
 

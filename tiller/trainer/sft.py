@@ -131,12 +131,8 @@ def parse_job_args(prog: str, description: str, argv: list[str], schema):
 
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(parser)
+    add_config_args(parser, presets=False)
     args = parser.parse_args(argv)
-    if args.preset:
-        from tiller.errors import ConfigError
-
-        raise ConfigError(f"{prog}: --preset applies to `tiller rl`; use --config FILE.yaml")
     return load_config(args.overrides, config_file=args.config, schema=schema, validate=validate_job)
 
 
