@@ -110,9 +110,6 @@ def test_eval_metrics_with_scripted_answers(tiny_model_dir, prompt_file, monkeyp
     pass@2 = (1 - C(2,2)/C(4,2)) + (1 - C(3,2)/C(4,2)) + 0 = (5/6 + 1/2)/3 = 4/9
     pass@4 = (1 + 1 + 0)/3 = 2/3;  maj@4 = (1 + 0 + 0)/3 = 1/3
     """
-    import tiller.evaluation.runner as runner
-    from tiller.config import load_config
-    from tiller.evaluation.evaluate import run_eval
     from tiller.models.loading import load_tokenizer
 
     answers = {"1+2": ["3", "3", "0", "0"], "3+4": ["7", "1", "1", "2"], "5+5": ["0"] * 4}
@@ -122,12 +119,10 @@ def test_eval_metrics_with_scripted_answers(tiny_model_dir, prompt_file, monkeyp
         key = next(k for k in answers if k in question)
         return f"{key}={answers[key][j]}"
 
-    monkeypatch.setattr(runner, "policy_from_config",
-                        lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
-    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
-                       "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
-                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"])
-    report, records = run_eval(cfg, progress=False)
+    report, records = _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompt_file,
+                                     "actor_rollout_ref.rollout.val_kwargs.n=4",
+                                     "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                                     "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")
     m = report["metrics"]["tiller/arithmetic"]
     assert m["mean@4"] == pytest.approx(0.25)
     assert m["pass@2"] == pytest.approx(4 / 9)
@@ -142,9 +137,6 @@ def test_eval_multi_turn_with_the_calculator(tiny_model_dir, prompt_file, monkey
     takes 2 turns and 1 tool call, and the prompts carry the tool schema."""
     import re
 
-    import tiller.evaluation.runner as runner
-    from tiller.config import load_config
-    from tiller.evaluation.evaluate import run_eval
     from tiller.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir, padding_side="left")
@@ -157,12 +149,9 @@ def test_eval_multi_turn_with_the_calculator(tiny_model_dir, prompt_file, monkey
         a, b = re.findall(r"(\d+)\+(\d+)=", context)[-1]
         return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}+{b}"}}}}</tool_call><|im_end|>'
 
-    monkeypatch.setattr(runner, "policy_from_config",
-                        lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
-    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
-                       "actor_rollout_ref.rollout.multi_turn.enable=True", "data.max_prompt_length=512",
-                       "data.max_response_length=300"])
-    report, records = run_eval(cfg, progress=False)
+    report, records = _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompt_file,
+                                     "actor_rollout_ref.rollout.multi_turn.enable=True",
+                                     "data.max_prompt_length=512", "data.max_response_length=300")
     assert report["metrics"]["tiller/arithmetic"]["mean@1"] == 1.0
     assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0}
     assert [r["pred"] for r in records] == ["3", "7", "10"]
@@ -183,3 +172,16 @@ def test_generate_and_eval_accept_keys_after_options(tiny_model_dir, prompt_file
                 *FAST])
     assert code == 0
     assert json.loads(out.read_text())["metrics"]["tiller/arithmetic"]["n"] == 2.0
+
+
+def _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompt_file, *overrides):
+    """run_eval with the policy replaced by a scripted engine answering `script(context, j)`."""
+    import tiller.evaluation.runner as runner
+    from tiller.config import load_config
+    from tiller.evaluation.evaluate import run_eval
+
+    monkeypatch.setattr(runner, "policy_from_config",
+                        lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
+                       *overrides])
+    return run_eval(cfg, progress=False)

@@ -37,6 +37,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.protocol import Batch
 from tiller.workers.common import (
     autocast,
+    global_counts,
     build_optimizer,
     build_scheduler,
     pad_right,
@@ -329,10 +330,8 @@ class ActorRolloutRefWorker:
                      clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
                      kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
                      sapo_tau_pos=a.policy_loss.sapo_tau_pos, sapo_tau_neg=a.policy_loss.sapo_tau_neg)
-        mask_all = mb["response_mask"].float()
-        counts = dist_ctx.all_reduce_sum(torch.tensor([mask_all.sum(), float(len(mb))], dtype=torch.float64))
-        n_tok, n_seq = counts[0].item(), counts[1].item()
-        T = mask_all.shape[1]
+        agg = global_counts(mb)
+        n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
@@ -345,7 +344,6 @@ class ActorRolloutRefWorker:
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
             adv = micro["advantages"].to(self.device)
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
-            agg = dict(global_tokens=n_tok, global_seqs=n_seq, max_len=T)
             pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
             loss = pg_loss
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)

@@ -20,7 +20,7 @@ from tiller.algos.value_loss import explained_variance, value_loss
 from tiller.distributed import context as dist_ctx
 from tiller.errors import UserError
 from tiller.protocol import Batch
-from tiller.workers.common import autocast, build_optimizer, build_scheduler, pad_right, response_forward, set_num_threads
+from tiller.workers.common import autocast, build_optimizer, global_counts, build_scheduler, pad_right, response_forward, set_num_threads
 
 
 class CriticWorker:
@@ -99,9 +99,7 @@ class CriticWorker:
 
     def _update_mini_batch(self, mb: Batch) -> dict[str, float]:
         c = self.ccfg
-        mask_all = mb["response_mask"].float()
-        counts = dist_ctx.all_reduce_sum(torch.tensor([mask_all.sum(), float(len(mb))], dtype=torch.float64))
-        agg = dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=mask_all.shape[1])
+        agg = global_counts(mb)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         micros = mb.split(c.ppo_micro_batch_size_per_gpu)
