@@ -53,7 +53,7 @@ def build_inputs(root: Path, args) -> tuple[Path, Path]:
     return model_dir, root / "data"
 
 
-def run_tiller(model_dir: Path, data_dir: Path, root: Path, args) -> tuple[list[float], list[float]]:
+def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> tuple[list[float], list[float]]:
     from tiller.config import load_config
     from tiller.trainer.rl import RLTrainer
 
@@ -69,7 +69,7 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args) -> tuple[list[
         f"actor_rollout_ref.actor.kl_loss_coef={args.beta}", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.dtype=float32",
         f"trainer.total_training_steps={args.steps}", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
-        "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'tiller_run'}",
+        "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'tiller_run'}", *args.tiller_opt,
     ])
     trainer = RLTrainer(cfg)
     times, cpu = [], []
@@ -77,15 +77,18 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args) -> tuple[list[
         for step in range(1, args.steps + 1):
             trainer.global_step = step
             t0, c0 = time.perf_counter(), time.process_time()
-            trainer.train_step()
+            m = trainer.train_step()
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
+            if step > args.warmup:
+                for phase in ("gen", "update_actor"):
+                    phases.setdefault(phase, []).append(m[f"timing_s/{phase}"])
     finally:
         trainer.shutdown()
     return times, cpu
 
 
-def run_trl(model_dir: Path, data_dir: Path, root: Path, args) -> tuple[list[float], list[float]]:
+def run_trl(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", choices=["tiller", "trl"], default=None)
+    p.add_argument("--tiller-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra tiller config override (repeatable), e.g. actor_rollout_ref.actor.share_prompt_forward=false")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="tiller-bench-") as tmp:
@@ -150,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
                   "beta": args.beta, "steps_timed": args.steps - args.warmup, "threads": args.threads}
         for name, run in (("tiller", run_tiller), ("trl", run_trl)):
             if args.only in (None, name):
-                t, cpu = run(model_dir, data_dir, root, args)
+                phases: dict[str, list[float]] = {}
+                t, cpu = run(model_dir, data_dir, root, args, phases)
                 result[f"{name}_s_per_step"] = statistics.mean(t[args.warmup:])
                 result[f"{name}_cpu_s_per_step"] = statistics.mean(cpu[args.warmup:])
+                result.update({f"{name}_{k}_s": statistics.mean(v) for k, v in phases.items()})
         if "tiller_s_per_step" in result and "trl_s_per_step" in result:
             result["speedup"] = result["trl_s_per_step"] / result["tiller_s_per_step"]
             result["cpu_speedup"] = result["trl_cpu_s_per_step"] / result["tiller_cpu_s_per_step"]

@@ -60,6 +60,63 @@ def test_trimmed_forward_equals_full_width_forward(tiny_model_dir):
     torch.testing.assert_close(logits * rmask[..., None], full[:, 3:6] * rmask[..., None], atol=1e-5, rtol=1e-4)
 
 
+def _grouped_sequences():
+    """6 rows: prompts A (3 samples), B (2), C (1) of different lengths, left padded to P=5; responses of
+    lengths 1..4 right padded to T=4 (B's two samples differ only after the first token)."""
+    prompts = torch.tensor([[0, 0, 11, 12, 13]] * 3 + [[0, 21, 22, 23, 24]] * 2 + [[0, 0, 0, 31, 32]])
+    responses = torch.tensor([[41, 42, 43, 0], [44, 0, 0, 0], [45, 46, 47, 48],
+                              [51, 52, 0, 0], [51, 53, 54, 55], [61, 62, 63, 0]])
+    pmask, rmask = (prompts != 0).long(), (responses != 0).long()
+    return prompts, responses, torch.cat([pmask, rmask], 1), rmask
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_shared_prompt_forward_equals_per_sample_forward(tiny_model_dir, tiny_llama_dir, arch):
+    # each distinct prompt runs once and its KV cache serves its samples: the same logits and the same
+    # gradients as one full forward per sample (the LM head on the response slots only, too)
+    from tiller.models.loading import load_causal_lm
+    from tiller.workers.common import forward_options
+
+    model = load_causal_lm(tiny_model_dir if arch == "qwen2" else tiny_llama_dir).train()
+    assert forward_options(model, True) == {"logits_to_keep": True, "share_prompts": True}
+    assert forward_options(model, False)["share_prompts"] is False
+    prompts, responses, attn, rmask = _grouped_sequences()
+    ids = torch.cat([prompts, responses], 1)
+    weights = torch.randn(6, 4, 1, generator=torch.Generator().manual_seed(0))
+    results = []
+    for opts in ({}, {"logits_to_keep": True}, {"logits_to_keep": True, "share_prompts": True}):
+        model.zero_grad()
+        logits, t_used = response_forward(model, ids, attn, 5, rmask, **opts)
+        assert t_used == 4 and logits.shape[:2] == (6, 4)
+        (logits.log_softmax(-1) * rmask[..., None] * weights).sum().backward()
+        results.append((logits.detach() * rmask[..., None],
+                        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    with torch.no_grad():  # column P + t - 1 of the full-width forward predicts response token t
+        full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
+    torch.testing.assert_close(results[0][0], full[:, 4:8] * rmask[..., None], atol=1e-5, rtol=1e-4)
+    for logits, grads in results[1:]:
+        torch.testing.assert_close(logits, results[0][0], atol=1e-5, rtol=1e-4)
+        assert grads.keys() == results[0][1].keys() and len(grads) > 10
+        for name, g in grads.items():
+            scale = float(results[0][1][name].abs().max()) + 1e-8
+            torch.testing.assert_close(g / scale, results[0][1][name] / scale, atol=1e-4, rtol=1e-3)
+
+
+def test_shared_prompt_forward_one_token_responses(tiny_model_dir):
+    from tiller.models.loading import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir).eval()
+    prompts, responses, attn, rmask = _grouped_sequences()
+    responses, rmask = responses[:, :1], rmask[:, :1]
+    attn = torch.cat([attn[:, :5], rmask], 1)
+    ids = torch.cat([prompts, responses], 1)
+    with torch.no_grad():
+        plain, _ = response_forward(model, ids, attn, 5, rmask)
+        shared, t_used = response_forward(model, ids, attn, 5, rmask, logits_to_keep=True, share_prompts=True)
+    assert t_used == 1
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-4)
+
+
 def _worker(model_dir, micro: int, agg: str = "token-mean", *extra: str):
     from tiller.workers.actor import ActorRolloutRefWorker
 

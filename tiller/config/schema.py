@@ -182,6 +182,10 @@ class ActorConfig:
     """kl | abs | mse | low_var_kl | k3+ (straight-through)."""
     use_torch_compile: bool = False
     """torch.compile the actor forward."""
+    share_prompt_forward: bool = True
+    """Run each distinct prompt of a micro-batch once and reuse its KV cache for all its samples, in the
+    actor, old-logprob and reference forwards (exact; the n samples of a group cost one prompt). Off: one
+    full forward per sample, as verl. Needs an HF causal LM (past_key_values); off under gradient checkpointing."""
     dtype: str = "float32"
     """Training compute dtype: float32 | bfloat16 (autocast; fp16 is not offered: it is unusable on CPU)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)

@@ -40,6 +40,7 @@ from tiller.workers.common import (
     global_counts,
     build_optimizer,
     build_scheduler,
+    forward_options,
     pad_right,
     position_ids_from_mask,
     response_forward,
@@ -123,6 +124,7 @@ class ActorRolloutRefWorker:
             module.gradient_checkpointing_enable()
         module.train()
         self.module = module
+        self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
         strategy = self.actor_cfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place and every forward all-gathers (a collective): ranks sampling different
         # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
@@ -253,7 +255,7 @@ class ActorRolloutRefWorker:
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
         logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
                                           mb["attention_mask"].to(self.device), P,
-                                          mb["response_mask"].to(self.device))
+                                          mb["response_mask"].to(self.device), **self._forward_opts)
         logits = logits.float() / temperature
         labels = mb["responses"][:, :t_used].to(self.device)
         logp = pad_right(logprobs_from_logits(logits, labels), T)

@@ -3,8 +3,12 @@
 Sequence layout (verl's): `input_ids[B, P + T]` = left-padded prompt `[B, P]` then right-padded response
 `[B, T]`; `attention_mask` marks real tokens; `position_ids = cumsum(attention_mask) - 1` (clamped at 0).
 The logits at column `P + t - 1` predict response token `t`. Each micro-batch is trimmed to the columns
-some row uses (leading all-pad prompt columns, trailing all-pad response columns) before the forward,
-and the result is padded back to `T`, so a micro-batch of short answers costs what its tokens cost.
+some row uses (leading all-pad prompt columns, trailing all-pad response columns, and the last response
+column, whose output predicts nothing) before the forward, and the result is padded back to `T`, so a
+micro-batch of short answers costs what its tokens cost. Causal LMs compute logits only over the response
+slots (`logits_to_keep`), and with `share_prompts` each distinct prompt of a micro-batch runs once: its KV
+cache is expanded to every sample of the prompt and the responses run on top of it (the same math as one
+forward per sample; the n samples of a GRPO group then cost one prompt, not n).
 
 Letters: `B` samples, `P` prompt width, `T` response width, `V` vocabulary.
 """
@@ -78,19 +82,73 @@ def trim_bounds(attention_mask: torch.Tensor, prompt_width: int, response_mask: 
 
 
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                     response_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+                     response_mask: torch.Tensor, *, logits_to_keep: bool = False,
+                     share_prompts: bool = False) -> tuple[torch.Tensor, int]:
     """Run `model` on the trimmed micro-batch; returns (output tensor over the response slots, t_used).
 
     The output is `logits[B, t_used, V]` for a causal LM (column j predicts response token j), or the
     per-token head output `[B, t_used, 1]` for a token-classification (value) model: the value of the
     state before response token j, as verl's critic.
+
+    logits_to_keep: the model takes HF's `logits_to_keep` (causal LMs): the LM head runs on the response
+        slots only, not on the prompt.
+    share_prompts: the model is an HF causal LM that takes `past_key_values` (and `logits_to_keep`): rows
+        with the same prompt (tokens and padding) share one prompt forward (see `shared_prompt_forward`).
     """
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
-    ids, mask = input_ids[:, left:right], attention_mask[:, left:right]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
     t_used = right - prompt_width
-    start = prompt_width - 1 - left
-    return out.logits[:, start:start + t_used], t_used
+    # the output at column P + t - 1 is the one for response token t: the last response column is not input
+    ids, mask = input_ids[:, left:right - 1], attention_mask[:, left:right - 1]
+    p = prompt_width - left
+    if share_prompts:
+        prompt_key = torch.cat([ids[:, :p], mask[:, :p]], dim=1)
+        unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
+        if len(unique) < len(ids):
+            return shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:], inverse), t_used
+    kwargs = {"logits_to_keep": t_used} if logits_to_keep else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
+                **kwargs)
+    return out.logits[:, -t_used:], t_used  # the last t_used columns: P - 1 ... P + t_used - 2
+
+
+def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, prompt_ids: torch.Tensor,
+                          prompt_mask: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Logits over the response slots with each distinct prompt run once (exact, differentiable).
+
+    ids, mask: `[B, p + t - 1]` trimmed input (p prompt columns, left-padded, then t - 1 response columns).
+    prompt_ids, prompt_mask: `[U, p]` the distinct prompts; inverse: `[B]` row b's prompt in `[0, U)`.
+    Returns `[B, t, V]`: column 0 from the prompt forward's last position (it predicts response token 0),
+    columns 1.. from a second forward of the response columns over the prompt KV cache, expanded by
+    `inverse` (an index-select, so gradients from every sample flow back into the one prompt forward).
+    Only the attention over the prompt is shared; position ids continue from each prompt's length.
+    """
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    first = out.logits[inverse]  # [B, 1, V]
+    if ids.shape[1] == p:  # one-token responses: nothing after the prompt
+        return first
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    rest = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, p:],
+                 past_key_values=cache, use_cache=True).logits
+    return torch.cat([first, rest], dim=1)
+
+
+def forward_options(module, share_prompts: bool) -> dict[str, bool]:
+    """`response_forward` keyword options an HF causal LM `module` supports (a PeftModel: its base model).
+
+    `logits_to_keep` when its forward takes it; `share_prompts` when asked for, the forward also takes
+    `past_key_values`, and gradient checkpointing is off (HF turns the cache off under it while training).
+    """
+    import inspect
+
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    params = inspect.signature(base.forward).parameters
+    keep = "logits_to_keep" in params
+    share = (share_prompts and keep and "past_key_values" in params
+             and not getattr(base, "is_activation_checkpointing",
+                             getattr(base, "is_gradient_checkpointing", False)))
+    return {"logits_to_keep": keep, "share_prompts": share}
 
 
 def pad_right(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
