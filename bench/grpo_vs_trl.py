@@ -1,33 +1,37 @@
 """tiller vs TRL's GRPOTrainer: seconds per GRPO step at equal settings, in one invocation.
 
 Both trainers get the same ~30M-parameter Qwen2 (tiny-model kit, random init, saved to a temp dir and
-loaded with `from_pretrained`), the same arithmetic prompts (chat template), the same reward (the
-`tiller/arithmetic` scorer), `n` samples per prompt, max completion length, temperature 1.0, beta (KL
-coefficient; 0 = no reference model), one PPO epoch (`num_iterations`), token-mean loss ("dapo" in TRL),
-group-std-scaled advantages, AdamW at the same lr, fp32 training, torch threads set once for both.
-Engines are each trainer's default on CPU: tiller's `native` rollout (bf16 weights copy), TRL's
-`model.generate` (fp32). Steps 1..warmup are not timed.
+loaded with `from_pretrained`), the same prompts (chat template; `--task arithmetic`: two-digit sums,
+~14 tokens; `--task gsm8k`: GSM8K questions with verl's instruction, ~100-300 tokens with the kit's
+512-token vocabulary, none cut), the same reward (tiller's scorer for the data source), `n` samples per
+prompt, max completion length, temperature 1.0, beta (KL coefficient; 0 = no reference model), one PPO
+epoch (`num_iterations`), token-mean loss ("dapo" in TRL), group-std-scaled advantages, AdamW at the same
+lr, fp32 training, the same torch threads. Engines and process settings are each trainer's defaults on
+CPU: tiller's `native` rollout, shared-prompt forward and malloc tuning; TRL's `model.generate`. Each
+trainer runs in its own subprocess (so threads, allocator settings and caches do not carry over);
+steps 1..warmup are not timed.
 
-    python bench/grpo_vs_trl.py [--steps 4] [--prompts 8] [--n 8] [--max-new 32] [--params 30e6] [--threads 2]
+    python bench/grpo_vs_trl.py [--task arithmetic|gsm8k] [--steps 4] [--prompts 8] [--n 8] [--max-new 32]
+                                [--params 30e6] [--threads 2] [--tiller-opt KEY=VALUE ...]
 
 Prints one JSON line: {"tiller_s_per_step", "trl_s_per_step", "speedup" (= trl / tiller), the same three
-over process CPU seconds ("*_cpu_s_per_step", "cpu_speedup"), settings...}. The two trainers run one after
-the other, so on a shared machine the wall-clock ratio also measures how busy the machine was in each half
-(one run here: tiller 56.7 s vs TRL 5.8 s per step at --threads 2, the same code measuring ~10 s each at
---threads 1 a minute later); with --threads 1 the CPU-second ratio is the robust one.
-Needs `pip install trl` (check it keeps your torch).
+over process CPU seconds ("*_cpu_s_per_step", "cpu_speedup"), tiller's phases ("tiller_gen_s",
+"tiller_update_actor_s"), settings...}. On a shared machine the two halves can see different load; with
+--threads 1 the CPU-second ratio is the robust one. Needs `pip install trl` (check it keeps your torch).
 
-Measured (2026-11, shared 2-core AMD EPYC *without* AVX-512 BF16, so both train in fp32 and the rollout's
-bf16 falls back to fp32; TRL 1.16, defaults above, --threads 1, steps 2-3): speedup 0.88
-(tiller 10.96 s, TRL 9.60 s per step; CPU seconds 10.89 vs 9.57); a separate profiled run measured 9.9 vs 10.3 s,
-so the two are within this machine's ~10% run-to-run noise.
-Where the time goes (pyinstrument, one step each, 1 thread): tiller = generation 2.3 s (native engine) +
-update 7.6 s (forward 2.8, backward 4.6, AdamW 0.17); TRL = generation 3.0 s (HF generate) + forward 2.8 s +
-backward 4.4 s. The update does the same work in both (one forward + backward of 64 x (14 + 32) tokens; on
-policy both skip the old-logprob pass, with beta=0 both skip the reference); the only gap is generation.
-What would move the ratio: a shared-prompt forward (run each group's prompt once and expand its KV cache to
-the n samples; exact math, measured 8.1 -> 4.9 CPU s for this shape's forward + backward, more with long
-prompts), or a CPU with fast bf16 / a GPU for tiller's bf16 rollout.
+Measured (2026-11, shared 2-core AMD EPYC without AVX-512, so everything runs in fp32; TRL 1.16, --threads 1,
+--steps 3, 2 timed steps):
+
+    task        prompts x n  new tokens  tiller s/step (gen + update)  TRL s/step  speedup
+    arithmetic  8 x 8        32          9.67 (2.88 + 6.79)            13.58       1.40
+    gsm8k       4 x 8        64          17.32 (5.74 + 11.57)          63.05       3.64
+
+Where the gap comes from: both updates are fp32 GEMM-bound (~65 GFLOP/s on one core), so what counts is
+the work. tiller runs each group's prompt once in the update (its KV cache expanded to the n samples;
+`actor.share_prompt_forward`, exact) and in the rollout (one prefill per prompt), computes the LM head on
+response positions only, and keeps freed pages mapped between steps (`trainer.tune_cpu_malloc`, ~15% of an
+update here). With 14-token prompts that saves ~30% of the update; with GSM8K-length prompts, where the
+prompt is most of every sequence, most of it. Before these (same machine, arithmetic): 0.81-0.88.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,11 +50,20 @@ import torch
 
 def build_inputs(root: Path, args) -> tuple[Path, Path]:
     from tiller.models.tiny import make_tiny_model
-    from tiller.tasks import arithmetic
 
-    model_dir = make_tiny_model(root / "model", arch="qwen2", n_params=int(args.params), seed=0)
-    n_rows = args.prompts * (args.steps + 2)
-    arithmetic.write_task(root / "data", n_train=n_rows, n_test=8, seed=0)
+    model_dir = root / "model"
+    if not model_dir.exists():
+        make_tiny_model(model_dir, arch="qwen2", n_params=int(args.params), seed=0)
+    if not (root / "data" / "train.parquet").exists():
+        n_rows = args.prompts * (args.steps + 2)
+        if args.task == "gsm8k":
+            from tiller.data.preprocess import gsm8k
+
+            gsm8k.convert(args.gsm8k_src, root / "data", max_rows=n_rows)
+        else:
+            from tiller.tasks import arithmetic
+
+            arithmetic.write_task(root / "data", n_train=n_rows, n_test=8, seed=0)
     return model_dir, root / "data"
 
 
@@ -59,7 +73,7 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
 
     cfg = load_config([
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data_dir / 'train.parquet'}]",
-        f"data.train_batch_size={args.prompts}", "data.max_prompt_length=32",
+        f"data.train_batch_size={args.prompts}", f"data.max_prompt_length={args.max_prompt}",
         f"data.max_response_length={args.max_new}", "data.shuffle=false",
         "algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={args.n}",
         "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
@@ -100,9 +114,11 @@ def run_trl(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> 
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
                                  for r in rows])
 
+    source = rows[0]["data_source"]
+
     def reward(prompts, completions, ground_truth, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(default_compute_score("tiller/arithmetic", t, g)) for t, g in zip(texts, ground_truth)]
+        return [float(default_compute_score(source, t, g)) for t, g in zip(texts, ground_truth)]
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -132,6 +148,18 @@ def run_trl(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> 
     return timer.times, timer.cpu
 
 
+def measure(name: str, root: Path, args) -> dict[str, float]:
+    """Time one trainer in this process: {name_s_per_step, name_cpu_s_per_step, name_<phase>_s}."""
+    torch.set_num_threads(args.threads)
+    model_dir, data_dir = build_inputs(root, args)
+    phases: dict[str, list[float]] = {}
+    t, cpu = {"tiller": run_tiller, "trl": run_trl}[name](model_dir, data_dir, root, args, phases)
+    out = {f"{name}_s_per_step": statistics.mean(t[args.warmup:]),
+           f"{name}_cpu_s_per_step": statistics.mean(cpu[args.warmup:])}
+    out.update({f"{name}_{k}_s": statistics.mean(v) for k, v in phases.items()})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)
@@ -139,28 +167,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--task", choices=["arithmetic", "gsm8k"], default="arithmetic",
+                   help="arithmetic (~14-token prompts) or GSM8K questions (~100-300 tokens with the kit's 512-token vocabulary)")
+    p.add_argument("--gsm8k-src", default=None, help="dir with GSM8K train/test.jsonl (default: tiller data gsm8k's)")
+    p.add_argument("--max-prompt", type=int, default=None, help="max prompt tokens (default 32; gsm8k 512: no GSM8K prompt is cut)")
     p.add_argument("--params", type=float, default=30e6)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", choices=["tiller", "trl"], default=None)
+    p.add_argument("--only", choices=["tiller", "trl"], default=None,
+                   help="time one trainer in this process (default: each in its own subprocess)")
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # shared model/data of the subprocesses
     p.add_argument("--tiller-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="extra tiller config override (repeatable), e.g. actor_rollout_ref.actor.share_prompt_forward=false")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.max_prompt is None:
+        args.max_prompt = 512 if args.task == "gsm8k" else 32
+    if args.gsm8k_src is None:
+        from tiller.data.preprocess.gsm8k import DEFAULT_SRC
+
+        args.gsm8k_src = DEFAULT_SRC
+    result = {"task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
+              "max_new_tokens": args.max_new, "beta": args.beta, "steps_timed": args.steps - args.warmup,
+              "threads": args.threads}
     with tempfile.TemporaryDirectory(prefix="tiller-bench-") as tmp:
-        root = Path(tmp)
-        model_dir, data_dir = build_inputs(root, args)
-        result = {"model_params": args.params, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new,
-                  "beta": args.beta, "steps_timed": args.steps - args.warmup, "threads": args.threads}
-        for name, run in (("tiller", run_tiller), ("trl", run_trl)):
-            if args.only in (None, name):
-                phases: dict[str, list[float]] = {}
-                t, cpu = run(model_dir, data_dir, root, args, phases)
-                result[f"{name}_s_per_step"] = statistics.mean(t[args.warmup:])
-                result[f"{name}_cpu_s_per_step"] = statistics.mean(cpu[args.warmup:])
-                result.update({f"{name}_{k}_s": statistics.mean(v) for k, v in phases.items()})
-        if "tiller_s_per_step" in result and "trl_s_per_step" in result:
+        root = Path(args.workdir or tmp)
+        if args.only:
+            result.update(measure(args.only, root, args))
+        else:  # separate processes: threads, allocator settings and caches do not carry from one to the other
+            build_inputs(root, args)
+            own = [a for a in (argv if argv is not None else sys.argv[1:])]
+            for name in ("tiller", "trl"):
+                proc = subprocess.run([sys.executable, __file__, *own, "--only", name, "--workdir", str(root)],
+                                      check=True, stdout=subprocess.PIPE, text=True)
+                result.update({k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()
+                               if k.startswith(name)})
             result["speedup"] = result["trl_s_per_step"] / result["tiller_s_per_step"]
             result["cpu_speedup"] = result["trl_cpu_s_per_step"] / result["tiller_cpu_s_per_step"]
     print(json.dumps(result))

@@ -335,6 +335,9 @@ class CriticConfig:
     """Aggregation of the value loss."""
     dtype: str = "float32"
     """Training compute dtype: float32 | bfloat16."""
+    share_prompt_forward: bool = True
+    """Run each distinct prompt of a micro-batch once and reuse its KV cache for all its samples (exact;
+    as actor.share_prompt_forward). Off under gradient checkpointing."""
 
 
 # --------------------------------------------------------------------------------------------- reward
@@ -518,6 +521,9 @@ class TrainerConfig:
     """Seed of sampling and initialisation."""
     num_threads: int = 0
     """torch threads in the driver process (0 = leave torch's default)."""
+    tune_cpu_malloc: bool = True
+    """CPU runs on Linux/glibc: keep freed memory in the process (mallopt) so each step's activations reuse
+    pages instead of faulting in fresh ones (~10-20% faster CPU steps); off: glibc's defaults."""
     progress: bool = True
     """Show a live progress line."""
 

@@ -32,6 +32,7 @@ from tiller.config.schema import RLConfig
 from tiller.errors import ConfigError
 from tiller.protocol import Batch
 from tiller.rewards.types import RewardRequest
+from tiller.workers.common import prepare_process
 
 CRITIC_SUBDIR = "critic"
 
@@ -46,8 +47,7 @@ class RLTrainer:
 
         self.cfg = cfg
         data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
-        if tr.num_threads > 0:
-            torch.set_num_threads(tr.num_threads)
+        prepare_process(tr)
         if not arr.model.path:
             raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
                               "(or run `tiller demo` for the built-in model and task)")

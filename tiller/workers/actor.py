@@ -44,7 +44,7 @@ from tiller.workers.common import (
     pad_right,
     position_ids_from_mask,
     response_forward,
-    set_num_threads,
+    prepare_process,
 )
 
 
@@ -97,7 +97,7 @@ class ActorRolloutRefWorker:
         self.cfg = config
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
-        set_num_threads(config.trainer.num_threads)
+        prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
         self.device = torch.device(config.trainer.device)

@@ -92,8 +92,8 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
     logits_to_keep: the model takes HF's `logits_to_keep` (causal LMs): the LM head runs on the response
         slots only, not on the prompt.
-    share_prompts: the model is an HF causal LM that takes `past_key_values` (and `logits_to_keep`): rows
-        with the same prompt (tokens and padding) share one prompt forward (see `shared_prompt_forward`).
+    share_prompts: the model is an HF model that takes `past_key_values`: rows with the same prompt (tokens
+        and padding) share one prompt forward (see `shared_prompt_forward`).
     """
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
@@ -104,7 +104,8 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         prompt_key = torch.cat([ids[:, :p], mask[:, :p]], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
         if len(unique) < len(ids):
-            return shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:], inverse), t_used
+            return shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:], inverse,
+                                         logits_to_keep=logits_to_keep), t_used
     kwargs = {"logits_to_keep": t_used} if logits_to_keep else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
                 **kwargs)
@@ -112,22 +113,27 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, prompt_ids: torch.Tensor,
-                          prompt_mask: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Logits over the response slots with each distinct prompt run once (exact, differentiable).
+                          prompt_mask: torch.Tensor, inverse: torch.Tensor, logits_to_keep: bool = False) -> torch.Tensor:
+    """Outputs over the response slots with each distinct prompt run once (exact, differentiable).
 
     ids, mask: `[B, p + t - 1]` trimmed input (p prompt columns, left-padded, then t - 1 response columns).
     prompt_ids, prompt_mask: `[U, p]` the distinct prompts; inverse: `[B]` row b's prompt in `[0, U)`.
-    Returns `[B, t, V]`: column 0 from the prompt forward's last position (it predicts response token 0),
-    columns 1.. from a second forward of the response columns over the prompt KV cache, expanded by
-    `inverse` (an index-select, so gradients from every sample flow back into the one prompt forward).
-    Only the attention over the prompt is shared; position ids continue from each prompt's length.
+    Returns `[B, t, V]` (V = 1 for a value head): column 0 from the prompt forward's last position (it
+    predicts response token 0), columns 1.. from a second forward of the response columns over the prompt
+    KV cache expanded by `inverse` (an index-select, so the gradients of every sample flow back into the
+    one prompt forward). Position ids continue from each prompt's length. The cache is passed in and filled
+    in place, so models whose output does not return it (token classification) share prompts too.
     """
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    keep = {"logits_to_keep": 1} if logits_to_keep else {}
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                use_cache=True, logits_to_keep=1)
-    first = out.logits[inverse]  # [B, 1, V]
+                past_key_values=cache, use_cache=True, **keep)
+    first = out.logits[:, -1:][inverse]  # [B, 1, V]
     if ids.shape[1] == p:  # one-token responses: nothing after the prompt
         return first
-    cache = out.past_key_values
     cache.batch_select_indices(inverse)
     rest = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, p:],
                  past_key_values=cache, use_cache=True).logits
@@ -135,20 +141,18 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
 
 
 def forward_options(module, share_prompts: bool) -> dict[str, bool]:
-    """`response_forward` keyword options an HF causal LM `module` supports (a PeftModel: its base model).
+    """`response_forward` keyword options an HF `module` supports (a PeftModel: its base model).
 
-    `logits_to_keep` when its forward takes it; `share_prompts` when asked for, the forward also takes
-    `past_key_values`, and gradient checkpointing is off (HF turns the cache off under it while training).
+    `logits_to_keep` when its forward takes it (causal LMs); `share_prompts` when asked for, the forward
+    takes `past_key_values`, and gradient checkpointing is off (HF turns the cache off under it).
     """
     import inspect
 
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     params = inspect.signature(base.forward).parameters
-    keep = "logits_to_keep" in params
-    share = (share_prompts and keep and "past_key_values" in params
-             and not getattr(base, "is_activation_checkpointing",
-                             getattr(base, "is_gradient_checkpointing", False)))
-    return {"logits_to_keep": keep, "share_prompts": share}
+    checkpointing = getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
+    share = share_prompts and "past_key_values" in params and not checkpointing
+    return {"logits_to_keep": "logits_to_keep" in params, "share_prompts": share}
 
 
 def pad_right(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
@@ -161,6 +165,40 @@ def pad_right(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
 def set_num_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def tune_cpu_malloc() -> bool:
+    """Make glibc keep freed memory for reuse; True when applied (Linux with glibc), else False.
+
+    PyTorch on the CPU has no caching allocator: every step allocates its activations and gradients afresh,
+    and glibc hands large blocks back to the kernel (munmap, heap trimming) as soon as they are freed, so
+    the next step page-faults and zero-fills them again. Raising the mmap threshold to glibc's maximum
+    (32 MiB) puts blocks up to that size on the heap, and a 2 GiB trim threshold / 256 MiB top pad keep the
+    heap's free pages mapped. The cost is RSS that does not shrink between steps, as with jemalloc or
+    tcmalloc (PyTorch's CPU tuning guides recommend those; this needs no LD_PRELOAD). Process-wide.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
+        return False
+    settings = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20))
+    return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def prepare_process(trainer_cfg) -> None:
+    """Per-process CPU settings of a worker or driver: torch threads and (CPU devices) malloc tuning."""
+    set_num_threads(trainer_cfg.num_threads)
+    if trainer_cfg.tune_cpu_malloc and torch.device(trainer_cfg.device).type == "cpu":
+        tune_cpu_malloc()
 
 
 def global_counts(mini_batch) -> dict[str, float]:

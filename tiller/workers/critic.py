@@ -20,7 +20,16 @@ from tiller.algos.value_loss import explained_variance, value_loss
 from tiller.distributed import context as dist_ctx
 from tiller.errors import UserError
 from tiller.protocol import Batch
-from tiller.workers.common import autocast, build_optimizer, global_counts, build_scheduler, pad_right, response_forward, set_num_threads
+from tiller.workers.common import (
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    forward_options,
+    global_counts,
+    pad_right,
+    prepare_process,
+    response_forward,
+)
 
 
 class CriticWorker:
@@ -31,7 +40,7 @@ class CriticWorker:
 
         self.cfg = config
         self.ccfg = config.critic
-        set_num_threads(config.trainer.num_threads)
+        prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
         self.device = torch.device(config.trainer.device)
@@ -54,6 +63,7 @@ class CriticWorker:
             module.gradient_checkpointing_enable()
         module.to(self.device).train()
         self.module = module
+        self._forward_opts = forward_options(module, self.ccfg.share_prompt_forward)
         strategy = self.ccfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place: checkpoints are written from an unsharded CPU copy (filled at save time)
         self.full_module = None
@@ -68,7 +78,7 @@ class CriticWorker:
     def _values(self, mb: Batch) -> torch.Tensor:
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
         out, _ = response_forward(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                                  P, mb["response_mask"].to(self.device))
+                                  P, mb["response_mask"].to(self.device), **self._forward_opts)
         return pad_right(out.squeeze(-1).float(), T) * mb["response_mask"].to(self.device)
 
     @torch.no_grad()
