@@ -140,3 +140,20 @@ def test_fused_decode_declines_a_peft_wrapped_model(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert supports(model)
     assert not supports(apply_lora(model, rank=2, alpha=4))
+
+
+def test_prefill_chunks_group_similar_lengths():
+    from tiller.rollout.native import prefill_chunks
+
+    # sorted: 10, 11, 12 | 29, 30. Adding 29 to the first chunk would pad to 4 x 29 = 116 with 54 padded
+    # slots (> 1/8 of 116), so it starts a chunk; 30 joins it (60 slots, 1 padded)
+    assert prefill_chunks([30, 10, 11, 29, 12], 4096) == [[1, 2, 4], [3, 0]]
+    # the token budget splits equal lengths too: 3 x 10 = 30 > 25
+    assert prefill_chunks([10, 10, 10, 10], 25) == [[0, 1], [2, 3]]
+    lengths = [(7 * i) % 41 + 1 for i in range(64)]
+    chunks = prefill_chunks(lengths, 256)
+    assert sorted(i for c in chunks for i in c) == list(range(64))  # every prompt exactly once
+    for c in chunks:
+        padded = max(lengths[i] for i in c) * len(c)
+        assert padded <= 256 or len(c) == 1
+        assert padded - sum(lengths[i] for i in c) <= padded / 8

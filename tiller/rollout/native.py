@@ -3,8 +3,9 @@
 What it does, per call (Kwon et al. 2023 "PagedAttention" and nanochat's engine are the models; this is
 the single-device, no-paging version):
 
-1. Prefill each prompt once, in left-padded chunks, and write its keys / values into a preallocated
-   cache *n times* (the n samples of a prompt share its prefill; only the first token's logits are kept).
+1. Prefill each prompt once, in left-padded chunks of similar lengths (shortest first), and write its
+   keys / values into a preallocated cache *n times* (the n samples of a prompt share its prefill; only
+   the first token's logits are kept).
 2. Decode all rows together, one token per step: the HF module's own forward runs with our `KVBuffer`
    as `past_key_values` (keys / values written in place, attention over the filled prefix only), an
    explicit 4D padding mask and explicit position ids, and `logits_to_keep=1`. For Llama / Qwen2 the
@@ -50,13 +51,37 @@ from tiller.rollout.fused_decode import supports as supports_fused
 from tiller.rollout.sampling import sample_tokens
 
 
+def prefill_chunks(lengths: list[int], token_budget: int, max_waste: float = 0.125) -> list[list[int]]:
+    """Group prompt indices into prefill chunks: shortest first; a chunk grows while its padded size
+    (count x longest) stays within `token_budget` and its padding within `max_waste` of that size.
+
+    >>> prefill_chunks([30, 10, 11, 29, 12], 4096)
+    [[1, 2, 4], [3, 0]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    real = 0
+    for i in order:
+        padded = lengths[i] * (len(chunk) + 1)  # sorted: the newcomer is the longest
+        if chunk and (padded > token_budget or padded - real - lengths[i] > max_waste * padded):
+            chunks.append(chunk)
+            chunk, real = [], 0
+        chunk.append(i)
+        real += lengths[i]
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
 class KVBuffer:
     """A preallocated key / value cache that HF attention layers write into through `update()`.
 
     Buffers are [B, H, L, D] per layer, allocated lazily at the first write (so head counts and dims come
     from the model itself). `write_pos` is the column the current forward writes at; `update` returns
     the filled prefix `[:, :, :write_pos + q]`. In prefill mode (`prefill_rows` set), the chunk's keys are
-    copied into rows `prefill_rows` (repeated `repeat` times) at columns `prefill_cols`, and attention
+    copied into rows `prefill_rows` (a LongTensor; each chunk row repeated `repeat` times) at columns
+    `prefill_cols`, and attention
     runs over the chunk's own keys.
     """
 
@@ -67,7 +92,7 @@ class KVBuffer:
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         self.write_pos = 0
-        self.prefill_rows: slice | None = None
+        self.prefill_rows: torch.Tensor | None = None
         self.prefill_cols: slice | None = None
         self.repeat = 1
 
@@ -187,20 +212,17 @@ class NativeRolloutEngine(InProcessEngine):
             ~valid, torch.finfo(dtype).min)
 
     def _prefill(self, model, prompts, cache: KVBuffer, width: int, n: int, pad_id: int) -> torch.Tensor:
-        """Run all prompts through the model in chunks, filling `cache`; returns first logits [G*n, V]."""
+        """Run all prompts through the model in chunks, filling `cache`; returns first logits [G*n, V].
+
+        Prompts go shortest first into chunks of similar lengths (`prefill_chunks`), so a chunk pads little;
+        each chunk's keys / values land in its prompts' rows (n per prompt) at the right-aligned columns.
+        """
         device, impl = cache.device, model.config._attn_implementation
         dtype = next(model.parameters()).dtype
-        order = list(range(len(prompts)))
-        last_logits: list[torch.Tensor] = []
-        g = 0
-        while g < len(order):
-            w = len(prompts[g])
-            g_end = g + 1  # grow the chunk while its padded size stays within the token budget
-            while g_end < len(order) and max(w, len(prompts[g_end])) * (g_end + 1 - g) <= self.prefill_tokens:
-                w = max(w, len(prompts[g_end]))
-                g_end += 1
-            chunk = prompts[g:g_end]
-            c = len(chunk)
+        first_logits: torch.Tensor | None = None
+        for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens):
+            chunk = [prompts[i] for i in chunk_idx]
+            c, w = len(chunk), max(len(p) for p in chunk)
             ids = torch.full((c, w), pad_id, dtype=torch.long)
             valid_k = torch.zeros((c, w), dtype=torch.bool)
             for i, p in enumerate(chunk):
@@ -211,14 +233,17 @@ class NativeRolloutEngine(InProcessEngine):
             causal = torch.ones((w, w), dtype=torch.bool, device=device).tril()
             eye = torch.eye(w, dtype=torch.bool, device=device)
             valid = (causal[None] & valid_k[:, None, :]) | eye[None]  # pad queries see themselves: no NaN rows
-            cache.prefill_rows, cache.prefill_cols, cache.repeat = slice(g * n, g_end * n), slice(width - w, width), n
+            rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
+            cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
             out = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl), position_ids=pos,
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-            last_logits.append(out.logits[:, -1, :].float().repeat_interleave(n, dim=0))
-            g = g_end
+            logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
+            if first_logits is None:
+                first_logits = torch.empty((len(prompts) * n, logits.shape[-1]), dtype=torch.float32, device=device)
+            first_logits[rows] = logits
         cache.prefill_rows = cache.prefill_cols = None
         cache.repeat = 1
-        return torch.cat(last_logits, dim=0)
+        return first_logits
 
     def _generate_wave(self, model, prompts, sampling: SamplingParams, stop_ids, watcher, generator):
         """Generate for one wave of prompts; returns raw (tokens, logprobs) lists per row, row-major."""
