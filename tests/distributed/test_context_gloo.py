@@ -80,3 +80,51 @@ def test_collectives_and_fsdp2_checkpoint_round_trip_on_gloo():
         one.train_step(b, micro=2)
     for key, value in one.state_dict().items():
         torch.testing.assert_close(r0["state"][key], value, atol=1e-5, rtol=0)
+
+
+def _shared_forward_rank(rank: int, port: int, model_dir: str, strategy: str, out: dict) -> None:
+    import torch
+
+    from tiller.distributed import context
+    from tiller.models.loading import load_causal_lm
+    from tiller.workers.common import position_ids_from_mask, response_forward
+
+    torch.set_num_threads(1)
+    context.init_distributed(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        module = load_causal_lm(model_dir).train()
+        model = context.wrap_model(module, strategy=strategy)
+        # rank 0: one prompt sampled 3 times (shared path); rank 1: distinct prompts and one-token
+        # responses (no prompt repeats and nothing after the prompt: locally that is the plain path)
+        if rank == 0:
+            prompts, responses = torch.tensor([[0, 11, 12]] * 3), torch.tensor([[21, 22], [23, 0], [24, 25]])
+        else:
+            prompts, responses = torch.tensor([[0, 11, 12], [13, 14, 15]]), torch.tensor([[21, 0], [26, 0]])
+        pmask, rmask = (prompts != 0).long(), (responses != 0).long()
+        ids, attn = torch.cat([prompts, responses], 1), torch.cat([pmask, rmask], 1)
+        res = {}
+        for step in range(2):  # two micro-batches: the second syncs gradients
+            context.set_grad_sync(model, step == 1)
+            logits, t_used = response_forward(model, ids, attn, 3, rmask, logits_to_keep=True, share_prompts=True)
+            (logits.log_softmax(-1)[..., 5] * rmask[:, :t_used]).sum().backward()
+        with torch.no_grad():
+            full = module(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
+        res["t_used"] = t_used
+        res["maxdiff"] = float(((logits.detach() - full[:, 2:2 + t_used]) * rmask[:, :t_used, None]).abs().max())
+        res["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        out[rank] = res
+    finally:
+        context.destroy_distributed()
+
+
+def test_shared_prompt_forward_keeps_ranks_in_lockstep(tiny_model_dir):
+    # a rank with repeated prompts runs two forwards per micro-batch; a rank without must run two as well,
+    # or FSDP2's all-gathers / DDP's buffer broadcasts pair up wrongly and the group hangs
+    for strategy in ("fsdp", "ddp"):
+        out = mp.Manager().dict()
+        mp.spawn(_shared_forward_rank, args=(_free_port(), str(tiny_model_dir), strategy, out), nprocs=2, join=True)
+        assert out[0]["t_used"] == 2 and out[1]["t_used"] == 1
+        for rank in (0, 1):
+            assert out[rank]["maxdiff"] < 1e-4, (strategy, out[rank])
+        assert out[0]["grad_norm"] > 0 and abs(out[0]["grad_norm"] - out[1]["grad_norm"]) < 1e-4 * out[0]["grad_norm"]

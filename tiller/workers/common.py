@@ -95,17 +95,25 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     share_prompts: the model is an HF model that takes `past_key_values`: rows with the same prompt (tokens
         and padding) share one prompt forward (see `shared_prompt_forward`).
     """
+    from tiller.distributed import context as dist_ctx
+
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
+    # Under torch.distributed every rank must run the same number of forwards (FSDP2 all-gathers and DDP
+    # broadcasts buffers in each one), so there ranks share prompts even when none repeats, and a
+    # one-token micro-batch keeps a response column for the second forward.
+    lockstep = share_prompts and dist_ctx.is_distributed()
     # the output at column P + t - 1 is the one for response token t: the last response column is not input
-    ids, mask = input_ids[:, left:right - 1], attention_mask[:, left:right - 1]
+    cut = right if lockstep and t_used == 1 else right - 1
+    ids, mask = input_ids[:, left:cut], attention_mask[:, left:cut]
     p = prompt_width - left
     if share_prompts:
         prompt_key = torch.cat([ids[:, :p], mask[:, :p]], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
-        if len(unique) < len(ids):
-            return shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:], inverse,
-                                         logits_to_keep=logits_to_keep), t_used
+        if len(unique) < len(ids) or lockstep:
+            out = shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:], inverse,
+                                        logits_to_keep=logits_to_keep)
+            return out[:, :t_used], t_used
     kwargs = {"logits_to_keep": t_used} if logits_to_keep else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
                 **kwargs)
