@@ -81,8 +81,7 @@ class KVBuffer:
     from the model itself). `write_pos` is the column the current forward writes at; `update` returns
     the filled prefix `[:, :, :write_pos + q]`. In prefill mode (`prefill_rows` set), the chunk's keys are
     copied into rows `prefill_rows` (a LongTensor; each chunk row repeated `repeat` times) at columns
-    `prefill_cols`, and attention
-    runs over the chunk's own keys.
+    `prefill_cols`, and attention runs over the chunk's own keys.
     """
 
     is_compileable = False

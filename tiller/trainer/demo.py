@@ -10,8 +10,8 @@
 3. Greedy accuracy on 256 held-out prompts (pairs never seen in training) before and after RL.
 
 Measured (seed 0, 1 thread, shared 2-core CPU): warm-up 400 steps to 0.375 dev accuracy, then held-out
-accuracy 0.320 -> 0.738; 145 s in all on a quiet machine (70 s warm-up, 75 s RL), 352 s under heavy load (the warm-up is cached,
-so later runs take the RL part only). The gain depends on the seed: the seed-0 starter stops while the
+accuracy 0.320 -> 0.738; 145 s in all on a quiet machine (70 s warm-up, 75 s RL), 352 s under heavy load
+(the warm-up is cached, so later runs take the RL part only). The gain depends on the seed: the seed-0 starter stops while the
 warm-up is still climbing and GRPO carries it on; seeds 1 and 2 (warm-ups of 850 / 650 steps) gained
 -0.15 / +0.05 at lr 1e-4 and +0.08 (seed 1) at lr 5e-5 in 150 steps.
 
