@@ -16,8 +16,9 @@ steps 1..warmup are not timed.
 
 Prints one JSON line: {"tiller_s_per_step", "trl_s_per_step", "speedup" (= trl / tiller), the same three
 over process CPU seconds ("*_cpu_s_per_step", "cpu_speedup"), tiller's phases ("tiller_gen_s",
-"tiller_update_actor_s"), settings...}. On a shared machine the two halves can see different load; with
---threads 1 the CPU-second ratio is the robust one. Needs `pip install trl` (check it keeps your torch).
+"tiller_update_actor_s"), settings..., "host": `tiller.hostinfo.compact_host_facts()`}. On a shared machine
+the two halves can see different load; with --threads 1 the CPU-second ratio is the robust one. Needs
+`pip install trl` (check it keeps your torch).
 
 Measured (2026-11, shared 2-core AMD EPYC without AVX-512, so everything runs in fp32; TRL 1.16, --threads 1,
 --steps 3, 2 timed steps):
@@ -204,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                                if k.startswith(name)})
             result["speedup"] = result["trl_s_per_step"] / result["tiller_s_per_step"]
             result["cpu_speedup"] = result["trl_cpu_s_per_step"] / result["tiller_cpu_s_per_step"]
+    torch.set_num_threads(args.threads)  # the host facts at the threads both trainers ran with
+    from tiller.hostinfo import compact_host_facts
+
+    result["host"] = compact_host_facts()
     print(json.dumps(result))
     return 0
 

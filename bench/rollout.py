@@ -12,7 +12,8 @@ lengths vary (stop ids), where sharing a prompt's prefill and dropping finished 
 GFLOP/s is approximate: 2 x params x generated tokens / s (prefill and attention not counted).
 Rates are given per wall-clock second and per CPU second of this process (`*_tok_per_cpu_s`,
 `ratio_native_over_hf_cpu_time`): on shared cores the CPU-time ratio is the steadier one.
-`gemm_peak_gflops` is a 2048^3 matmul in the same dtype measured in the same run. Engines alternate
+`gemm_peak_gflops` is a 2048^3 matmul in the same dtype measured in the same run; `host` is
+`tiller.hostinfo.compact_host_facts()` (CPU kind, threads, GEMM rates, bf16 decision, versions). Engines alternate
 within each repeat and the best repeat counts, because other processes share the cores.
 
 bf16 on a CPU without fast bf16 matmuls (no AVX-512 BF16 / AMX) would take hours; those cases print a
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from tiller.hostinfo import compact_host_facts
     from tiller.models.tiny import make_tiny_model
     from tiller.rollout.base import cpu_bf16_is_fast
 
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     bf16_fast = cpu_bf16_is_fast()
+    host = compact_host_facts()  # at this run's thread count, before any model is built
     peak = {"float32": gemm_gflops(torch.float32),
             "bfloat16": gemm_gflops(torch.bfloat16) if bf16_fast else gemm_gflops(torch.bfloat16, 256, 1)}
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="tiller-bench-"))
@@ -178,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes.split(","):
             if dtype == "bfloat16" and not bf16_fast:
                 row = {"model": name, "dtype": dtype, "skipped": "this CPU has no fast bf16 matmul",
-                       "gemm_peak_gflops": round(peak[dtype], 2), "gemm_peak_fp32_gflops": round(peak["float32"], 1)}
+                       "gemm_peak_gflops": round(peak[dtype], 2), "gemm_peak_fp32_gflops": round(peak["float32"], 1),
+                       "host": host}
                 print(json.dumps(row), flush=True)
                 continue
             for kind in args.workloads.split(","):
                 row = bench_case(name, model_dir, dtype, engines, args, kind)
                 row["gemm_peak_gflops"] = round(peak[dtype], 1)
+                row["host"] = host
                 print(json.dumps(row), flush=True)
     return 0
 

@@ -10,7 +10,8 @@ Runs alternate local / ray `--repeats` times and the best mean of each is kept (
 box only ever slow a run down).
 
 Prints one JSON line: local_s_per_step, ray_s_per_step, ray_over_local, ray_peak_rss_mb (driver +
-workers, peak resident set), ray_system_rss_mb (Ray's own daemons at the end), and the setup.
+workers, peak resident set), ray_system_rss_mb (Ray's own daemons at the end), the setup, and
+"host" (`tiller.hostinfo.compact_host_facts()`: CPU kind, threads, GEMM rates, bf16 decision, versions).
 
     python bench/scale.py                    # ~2-4 minutes on 2 cores
     python bench/scale.py --n-params 4000000 --steps 6
@@ -91,9 +92,11 @@ def main() -> None:
     import ray
     import torch
 
+    from tiller.hostinfo import compact_host_facts
     from tiller.models.tiny import make_tiny_model
     from tiller.tasks import arithmetic
 
+    host = compact_host_facts()  # before Ray starts: the GEMM rates of a quiet host
     root = Path(tempfile.mkdtemp(prefix="tiller_scale_"))
     model = make_tiny_model(root / "model", arch="qwen2", n_params=args.n_params, seed=0)
     arithmetic.write_task(root / "data", n_train=512, n_test=8, seed=0)
@@ -133,6 +136,7 @@ def main() -> None:
                   "response_length": args.response_length, "steps": args.steps, "strategy": args.strategy,
                   "local": "1 process, best of 2 threads / 1 thread", "ray": "2 workers x 1 CPU x 1 thread"},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": host,
     }))
 
 

@@ -6,7 +6,7 @@ sends `--requests` chat requests from `--clients` threads (`ignore_eos`, so ever
 `--tokens` tokens). Prints one JSON line per setting:
 
     {"max_batch_prompts": 64, "requests": 64, "wall_s": ..., "req_s": ..., "tok_s": ..., "p50_s": ...,
-     "engine_calls": ...}
+     "engine_calls": ..., "host": {...}}   # host: tiller.hostinfo.compact_host_facts()
 
     python bench/serve.py                       # 2M params, 64 requests x 32 tokens, 16 clients
     python bench/serve.py --params 30000000 --dtype bfloat16
@@ -86,13 +86,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from tiller.hostinfo import compact_host_facts
     from tiller.models.tiny import make_tiny_model
 
+    host = compact_host_facts()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(f"{tmp}/model", arch="qwen2", n_params=args.params, seed=0))
         for max_batch in (1, 64):
-            print(json.dumps({"params": args.params, "dtype": args.dtype, **run_case(model_dir, max_batch, args)}),
-                  flush=True)
+            print(json.dumps({"params": args.params, "dtype": args.dtype, **run_case(model_dir, max_batch, args),
+                              "host": host}), flush=True)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,11 @@ def fake_vllm(monkeypatch):
     from tests.fake_vllm import install
 
     return install(monkeypatch)
+
+
+@pytest.fixture
+def force_bf16(monkeypatch):
+    """bf16 compute on, whatever this host's CPU decides: the bf16 code paths run (slowly on AVX2) everywhere."""
+    from tiller import hostinfo
+
+    monkeypatch.setattr(hostinfo, "_DECISION", hostinfo.Bf16Decision(True, "forced on by the test"))

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tiller.evaluation.generate:main", "sample n responses per prompt from a prompt file"),
     "eval": ("tiller.evaluation.evaluate:main", "evaluate a model: mean@n, pass@k, maj@k per data source"),
     "serve": ("tiller.serve.server:main", "OpenAI-compatible HTTP server: tiller serve MODEL_DIR"),
+    "env": ("tiller.env_cli:main", "versions, CPU / GPU, GEMM speed and the bf16 decision: paste into bug reports"),
 }
 
 
@@ -71,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tiller {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tiller env | head`: the reader left; no traceback (Python's documented recipe)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return int(code or 0)
 
 

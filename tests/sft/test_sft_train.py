@@ -35,7 +35,8 @@ def test_sft_memorises_and_writes_run_records(tiny_model_dir, sft_file, tmp_path
     # validation on the (memorised) set: loss and perplexity = exp(loss)
     assert "val/loss" in rows[29] and "val/loss" in rows[59] and "val/loss" not in rows[0]
     assert last["val/perplexity"] == pytest.approx(torch.tensor(last["val/loss"]).exp().item(), rel=1e-6)
-    assert last["val/loss"] < 0.5 * rows[29]["val/loss"]
+    # the validation set is the training set: memorised, its loss falls far below the untrained loss
+    assert last["val/loss"] < 0.2 * first, (first, last["val/loss"])
     assert (run / "config.yaml").exists() and any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "global_step_60" / "model").is_dir()
     # the exported model loads like any HF model and answers a training prompt greedily
@@ -123,7 +124,7 @@ def test_cli_bad_data_exit_2(tiny_model_dir, tmp_path, capsys):
     assert "bad.jsonl row 0" in err and "missing key 'response'" in err
 
 
-def test_bf16_autocast_learns_and_keeps_fp32_weights(tiny_model_dir, sft_file, tmp_path):
+def test_bf16_autocast_learns_and_keeps_fp32_weights(tiny_model_dir, sft_file, tmp_path, force_bf16):
     run = tmp_path / "bf16"
     cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{
         "optim.dtype": "bfloat16", "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8,

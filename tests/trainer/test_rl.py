@@ -113,7 +113,7 @@ def test_every_estimator_and_loss_mode_runs(tmp_path, tiny_model_dir, rl_data, k
     _finite(metrics)
 
 
-def test_kl_loss_kl_in_reward_entropy_and_filter_groups(tmp_path, tiny_model_dir, rl_data):
+def test_kl_loss_kl_in_reward_entropy_and_filter_groups(tmp_path, tiny_model_dir, rl_data, force_bf16):
     cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "actor_rollout_ref.actor.use_kl_loss=true",
                    "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
                    "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.filter_groups.enable=true",

@@ -24,6 +24,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from tiller.errors import ConfigError, UserError
+from tiller.hostinfo import bf16_decision
 
 
 @dataclass
@@ -233,35 +234,37 @@ def resolve_dtype(dtype) -> torch.dtype | None:
 
 
 _BF16_FAST: dict[str, bool] = {}
+"""Override of the bf16 decision for the rollout ("cpu" -> bool; tests set it); empty = follow
+`tiller.hostinfo.bf16_decision()`."""
 
 
 def cpu_bf16_is_fast() -> bool:
-    """Whether bf16 matmuls on this CPU are at least as fast as fp32 (measured once per process).
+    """Whether bf16 compute on this CPU is used: `tiller.hostinfo.bf16_decision().use_bf16` (decided once
+    per process from the CPU's features, confirmed by a GEMM timing), unless `_BF16_FAST` overrides it.
 
     CPUs with AVX-512 BF16 or AMX run bf16 GEMMs 2-4x faster than fp32; CPUs without them (AVX2 only)
-    can be ~1000x slower, which would turn a bf16 rollout into a stall.
+    can be ~100x slower, which would turn a bf16 rollout into a stall.
     """
-    if "cpu" not in _BF16_FAST:
-        import time
+    if "cpu" in _BF16_FAST:
+        return _BF16_FAST["cpu"]
+    return bf16_decision().use_bf16
 
-        def best(dtype) -> float:
-            a = torch.ones(128, 128, dtype=dtype)
-            a @ a
-            t = time.perf_counter()
-            a @ a
-            return time.perf_counter() - t
 
-        _BF16_FAST["cpu"] = best(torch.bfloat16) <= 1.5 * best(torch.float32)
-    return _BF16_FAST["cpu"]
+def _bf16_refusal_reason() -> str:
+    """Why `cpu_bf16_is_fast()` said no: the decision's reason, or the override."""
+    if "cpu" in _BF16_FAST:
+        return "tiller.rollout.base._BF16_FAST overrides the decision"
+    return bf16_decision().reason
 
 
 def effective_dtype(dtype: torch.dtype | None, device: torch.device, fallback: bool = True) -> torch.dtype | None:
-    """bf16 on a CPU whose bf16 matmuls are slow falls back to fp32 (with a warning) unless `fallback=False`."""
+    """bf16 on a CPU where bf16 is not used (see `cpu_bf16_is_fast`) falls back to fp32, with a warning
+    naming the reason, unless `fallback=False`."""
     if fallback and dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16_is_fast():
         import warnings
 
-        warnings.warn("rollout: this CPU has no fast bf16 matmul (no AVX-512 BF16 / AMX); rolling out in "
-                      "float32 instead of bfloat16 (pass dtype_fallback=False to force bf16)", stacklevel=3)
+        warnings.warn(f"rollout: no fast bf16 on this CPU: {_bf16_refusal_reason()}; rolling out in float32 "
+                      "instead of bfloat16 (pass dtype_fallback=False to force bf16)", stacklevel=3)
         return torch.float32
     return dtype
 

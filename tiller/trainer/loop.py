@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tiller.errors import ConfigError, UserError
+from tiller.hostinfo import bf16_compute_allowed
 
 
 class Job(Protocol):
@@ -109,7 +110,9 @@ def lr_lambda(total_steps: int, warmup_steps: int, style: str, min_lr_ratio: flo
 
 
 def autocast(device: torch.device, dtype_name: str):
-    bf16 = dtype_name in ("bfloat16", "bf16")
+    """bf16 autocast when `optim.dtype` is bfloat16, else disabled (fp32). On a CPU where
+    `tiller.hostinfo.bf16_decision()` says no, bf16 falls back to fp32 with one warning giving the reason."""
+    bf16 = dtype_name in ("bfloat16", "bf16") and bf16_compute_allowed(device.type, "optim.dtype")
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
 
 

@@ -34,6 +34,7 @@ from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits
 from tiller.algos.kl import kl_penalty
 from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
 from tiller.distributed import context as dist_ctx
+from tiller.hostinfo import bf16_compute_allowed
 from tiller.protocol import Batch
 from tiller.workers.common import (
     autocast,
@@ -135,7 +136,9 @@ class ActorRolloutRefWorker:
         if self._rollout_is_copy:
             self.rollout_module = copy.deepcopy(module).requires_grad_(False)
         # bf16: FSDP2 all-gathers bf16 parameters (MixedPrecisionPolicy; fp32 shards, fp32 grad reduction)
-        param_dtype = torch.bfloat16 if self.actor_cfg.dtype in ("bfloat16", "bf16") else None
+        bf16 = self.actor_cfg.dtype in ("bfloat16", "bf16") and bf16_compute_allowed(self.device.type,
+                                                                                    "actor_rollout_ref.actor.dtype")
+        param_dtype = torch.bfloat16 if bf16 else None
         self.model = dist_ctx.wrap_model(module, strategy=strategy, param_dtype=param_dtype)
         if self.actor_cfg.use_torch_compile:
             self.model = torch.compile(self.model)

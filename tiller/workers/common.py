@@ -21,15 +21,22 @@ import math
 import torch
 
 from tiller.errors import ConfigError
+from tiller.hostinfo import bf16_compute_allowed
 
 BF16 = ("bfloat16", "bf16")
 
 
-def autocast(dtype: str, device: torch.device | str = "cpu"):
-    """bf16 autocast when `dtype` is bfloat16, else a no-op context (fp32)."""
+def autocast(dtype: str, device: torch.device | str = "cpu", key: str = "actor_rollout_ref.actor.dtype"):
+    """bf16 autocast when `dtype` is bfloat16, else a no-op context (fp32).
+
+    On a CPU where `tiller.hostinfo.bf16_decision()` says no (no AVX-512 BF16 / AMX, or bf16 measured
+    slower), bf16 falls back to fp32 like the rollout does, with one warning naming `key` (the config key
+    that asked for bf16) and the reason.
+    """
     if dtype in BF16:
         dev = torch.device(device).type
-        return torch.autocast(device_type=dev, dtype=torch.bfloat16)
+        if bf16_compute_allowed(dev, key):
+            return torch.autocast(device_type=dev, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 

@@ -85,7 +85,7 @@ class CriticWorker:
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values[B, T]` (0 outside the response mask)."""
         self.model.eval()
-        with autocast(self.ccfg.dtype, self.device):
+        with autocast(self.ccfg.dtype, self.device, key="critic.dtype"):
             parts = [self._values(mb) for mb in batch.split(self.ccfg.forward_micro_batch_size_per_gpu)]
         self.model.train()
         return Batch({"values": torch.cat(parts).cpu()})
@@ -116,7 +116,7 @@ class CriticWorker:
         for i, micro in enumerate(micros):
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
-            with autocast(c.dtype, self.device):
+            with autocast(c.dtype, self.device, key="critic.dtype"):
                 vpreds = self._values(micro)
             tok_loss, m = value_loss(vpreds, micro["returns"].to(self.device), micro["values"].to(self.device),
                                      mask, c.cliprange_value)
