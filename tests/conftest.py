@@ -7,10 +7,14 @@ through `from_pretrained`, exactly as a user's model dir would be.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(1)
+# one thread by default (a busy 2-core host runs 1 thread best); TILLER_TEST_THREADS=2 runs the suite with 2,
+# to check that no test depends on the reduction order a thread count gives
+torch.set_num_threads(int(os.environ.get("TILLER_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")

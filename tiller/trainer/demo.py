@@ -36,7 +36,7 @@ import torch
 from tiller.data.rl_dataset import render_prompt
 from tiller.tasks import arithmetic
 
-DEMO_VERSION = 3
+DEMO_VERSION = 4
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
 
 
@@ -90,9 +90,16 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
 
 
 def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, target: float, seed: int,
-            lr: float = 1e-3, batch_size: int = 64, eval_every: int = 25, max_steps: int = 1000,
+            lr: float = 1e-3, batch_size: int = 64, eval_every: int = 25, max_steps: int = 1500,
             log=print) -> tuple[float, int]:
-    """Supervised steps on (prompt -> answer) until greedy dev accuracy >= target; returns (acc, steps)."""
+    """Supervised steps on (prompt -> answer) until greedy dev accuracy >= target; returns (acc, steps).
+
+    The lr is constant after a 50-step linear warmup, never decayed: a decaying lr lets the model settle
+    into a sharp minimum, and how sharp depends on when the target is reached (i.e. on the seed). Measured
+    on seed 1 with the cosine decay this replaced: a step of norm 0.03 along the policy gradient took the
+    expected reward of the step's own prompts from 0.34 to 0.22, and RL at lr 1e-4 lost accuracy; at a
+    constant lr the same step raised it (0.15 -> 0.17, and 0.19 at norm 0.1).
+    """
     from functools import partial
 
     from tiller.workers.common import lr_lambda
@@ -100,9 +107,8 @@ def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, t
     examples = _encode_sft(tokenizer, train_rows)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # linear warmup then cosine decay over max_steps: a decaying lr stops the late-phase oscillation
     sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_lambda, warmup=min(50, max_steps // 10), total=max_steps,
-                                                            style="cosine", min_lr_ratio=0.05))
+                                                            style="constant", min_lr_ratio=1.0))
     acc, step = 0.0, 0
     model.train()
     while step < max_steps:
@@ -170,7 +176,9 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.dtype=float32",  # a 2M model is overhead-bound: bf16 buys nothing
         "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",
-        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        # a 10-step lr warmup: Adam's first steps move every weight by ~lr whatever the gradient's noise
+        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+        "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0.0",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
@@ -216,7 +224,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a busy 2-core machine a second thread mostly spin-waits)")
     parser.add_argument("--model-params", type=int, default=2_000_000)
-    parser.add_argument("--warmup-target", type=float, default=0.3)
+    parser.add_argument("--warmup-target", type=float, default=0.4)
     parser.add_argument("--train-size", type=int, default=4000)
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached starter model")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
