@@ -2,18 +2,17 @@
 
 1. Starter model (cached under `~/.cache/tiller/demo/`, or `$TILLER_CACHE/demo/`): a ~2M-parameter Qwen2
    from the tiny-model kit, given a short supervised warm-up on the task (cross-entropy on the answer
-   tokens) that stops as soon as greedy accuracy on a dev split first reaches `--warmup-target` (0.3):
-   the model is partly right, so sampled groups contain both right and wrong answers.
+   tokens, constant lr) that stops as soon as greedy accuracy on a dev split first reaches `--warmup-target`
+   (0.4): the model is partly right, so sampled groups contain both right and wrong answers.
 2. GRPO (Shao et al. 2024) on `tiller/arithmetic` (`tiller.tasks.arithmetic`): n = 8 samples per prompt,
    group z-score advantages, groups whose answers are all right or all wrong dropped (DAPO's dynamic
-   sampling), no KL, AdamW lr 1e-4, 150 steps of 32 prompts.
+   sampling), no KL, AdamW lr 1e-4 after a 10-step warmup, 150 steps of 32 prompts.
 3. Greedy accuracy on 256 held-out prompts (pairs never seen in training) before and after RL.
 
-Measured (seed 0, 1 thread, shared 2-core CPU): warm-up 400 steps to 0.375 dev accuracy, then held-out
-accuracy 0.320 -> 0.738; 145 s in all on a quiet machine (70 s warm-up, 75 s RL), 352 s under heavy load
-(the warm-up is cached, so later runs take the RL part only). The gain depends on the seed: the seed-0 starter stops while the
-warm-up is still climbing and GRPO carries it on; seeds 1 and 2 (warm-ups of 850 / 650 steps) gained
--0.15 / +0.05 at lr 1e-4 and +0.08 (seed 1) at lr 5e-5 in 150 steps.
+Measured (`bench/demo_seeds.py`, seeds 0-4, 2-core AMD EPYC with AVX2 only, 1 thread each, machine shared):
+held-out gains +0.40 / +0.24 / +0.40 / +0.38 / +0.08 (median +0.38) in 255-370 s from a fresh cache, most
+of it the warm-up (500-1450 steps, depending on the seed). Why the warm-up's lr is constant: see `warm_up`.
+One GRPO step of this pipeline equals a plain-torch reference (tests/trainer/test_grpo_reference.py).
 
 The run dir holds `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `plots/demo_curves.png` (reward and
 accuracy per step) and `summary.json` (`val_acc_before`, `val_acc_after`, `wall_s`, ...). Any RL config key
