@@ -45,6 +45,19 @@ def _resolve(target: str):
     return getattr(module, func_name)
 
 
+def _show_tiller_log() -> None:
+    """tiller's own log lines (logger "tiller.*", INFO and up: e.g. the CPU bf16 decision and its reason, made
+    once per process) go to stderr as `tiller: ...`; a program embedding tiller configures logging itself."""
+    import logging
+
+    log = logging.getLogger("tiller")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("tiller: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -63,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean: {', '.join(close)}?)" if close else ""
         print(f"tiller: error: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    _show_tiller_log()
     try:
         func = _resolve(COMMANDS[name][0])
         code = func(rest)
