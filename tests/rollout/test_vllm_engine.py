@@ -1,8 +1,10 @@
-"""The vllm engine's glue, against a stand-in `vllm` module (vLLM itself is an optional GPU extra).
+"""The vllm engine's glue, against a stand-in `vllm` module (the real engine: tests/vllm/, the `vllm` lane).
 
 The stand-in records what the engine asks for and answers like vLLM's offline API (RequestOutput with
-CompletionOutput token ids, per-step logprob dicts, finish reasons), so the mapping of sampling knobs,
-the contiguous n-samples layout, the shared stop rule, weight sync and sleep / wake are all checked.
+CompletionOutput token ids, per-step logprob dicts, finish reasons), and like vLLM V1 it lets only plain
+values cross to its workers, so the mapping of sampling knobs, per-prompt seeds, the contiguous n-samples
+layout, the shared stop rule, weight sync (bytes through `collective_rpc` to tiller's worker extension)
+and sleep / wake are all checked.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def test_missing_vllm_names_the_extra(monkeypatch, qwen):
         build_rollout_engine("vllm", model, tok)
 
 
-def test_generate_maps_params_and_layout(fake_vllm, qwen):
+def test_generate_maps_params_and_layout(fake_vllm, qwen, force_bf16):
     model, tok = qwen
     engine = build_rollout_engine("vllm", model, tok, dtype="bfloat16", enable_sleep_mode=True)
     llm = _FakeLLM.instances[0]
@@ -33,15 +35,20 @@ def test_generate_maps_params_and_layout(fake_vllm, qwen):
     prompts = [[7, 1, 2], [20, 3]]
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4, top_k=5, seed=3, ignore_eos=True,
                                                   stop_token_ids=[19]))
-    sp = llm.calls[-1]
+    sp = llm.calls[-1][0]
     assert (sp.n, sp.max_tokens, sp.top_k, sp.seed, sp.ignore_eos, sp.logprobs) == (2, 4, 5, 3, True, 0)
+    # vLLM seeds sample j of a request seed + j: prompt 1 starts after prompt 0's two samples
+    assert [p.seed for p in llm.calls[-1]] == [3, 5]
+    assert llm.kwargs["worker_extension_cls"] == "tiller.rollout.vllm_worker.TillerWorkerExtension"
     # prompt 0: sample 0 tokens 7,8,9,10; sample 1 tokens 17,18,19 (stop id 19 kept, cut after it)
     assert out.response_ids[:2] == [[7, 8, 9, 10], [17, 18, 19]]
     assert out.finish_reason[:2] == ["length", "stop"]
     assert out.logprobs[1] == pytest.approx([-0.1, -0.2, -0.3])
     assert out.prompt_ids == [prompts[0], prompts[0], prompts[1], prompts[1]]
     engine.generate(prompts, SamplingParams(do_sample=False, temperature=0.3, max_new_tokens=2))
-    assert llm.calls[-1].temperature == 0.0  # greedy is temperature 0 in vLLM
+    assert llm.calls[-1][0].temperature == 0.0  # greedy is temperature 0 in vLLM
+    with pytest.raises(TypeError, match="not serializable"):  # what the old lambda-based weight sync hit
+        llm.apply_model(lambda model: None)
 
 
 def test_weight_sync_and_sleep_wake(fake_vllm, qwen):
@@ -57,3 +64,35 @@ def test_weight_sync_and_sleep_wake(fake_vllm, qwen):
     engine.sleep()  # idempotent
     engine.generate(prompt_ids(tok)[:1], SamplingParams(max_new_tokens=2))  # wakes itself first
     assert llm.calls[:2] == [("sleep", 1), "wake_up"]
+
+
+def test_weight_buckets_round_trip_any_dtype():
+    from tiller.rollout.vllm_worker import pack_buckets, unpack_tensor
+
+    state = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.tensor(2.5),
+             "d": torch.zeros(0, 3)}
+    buckets = pack_buckets(state, bucket_bytes=40)  # a (48 bytes) alone, then b + c, then d
+    assert [[item[0] for item in b] for b in buckets] == [["a"], ["b", "c", "d"]]
+    back = dict(unpack_tensor(item) for b in buckets for item in b)
+    for k, v in state.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+
+
+def test_own_worker_extension_must_keep_tillers(fake_vllm, qwen):
+    from tiller.errors import ConfigError
+
+    model, tok = qwen
+    with pytest.raises(ConfigError, match="worker_extension_cls"):
+        build_rollout_engine("vllm", model, tok, engine_kwargs={"worker_extension_cls": "collections.OrderedDict"})
+
+
+def test_bf16_falls_back_to_fp32_on_a_cpu_without_fast_bf16(fake_vllm, qwen, monkeypatch):
+    from tiller.rollout import base
+
+    model, tok = qwen
+    monkeypatch.setitem(base._BF16_FAST, "cpu", False)
+    with pytest.warns(UserWarning, match="rolling out in float32"):
+        build_rollout_engine("vllm", model, tok, dtype="bfloat16")
+    assert _FakeLLM.instances[-1].kwargs["dtype"] == "float32"
+    build_rollout_engine("vllm", model, tok, dtype="bfloat16", dtype_fallback=False)
+    assert _FakeLLM.instances[-1].kwargs["dtype"] == "bfloat16"

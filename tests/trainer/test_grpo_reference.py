@@ -102,6 +102,7 @@ def test_grpo_step_equals_plain_torch_reference(tiny_model_dir, data_dir, tmp_pa
         f"custom_reward_function.path={data_dir / 'reward.py'}", "data.apply_chat_template=false",
         "data.train_batch_size=4", "data.max_prompt_length=8", "data.max_response_length=5",
         "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+        "algorithm.filter_groups.max_num_gen_batches=1",  # one generation round: train on the groups that pass
         f"actor_rollout_ref.rollout.n={N}", f"actor_rollout_ref.rollout.temperature={TEMP}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={4 // minis}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         f"actor_rollout_ref.actor.share_prompt_forward={share}", f"actor_rollout_ref.actor.optim.lr={LR}",

@@ -117,7 +117,8 @@ def test_kl_loss_kl_in_reward_entropy_and_filter_groups(tmp_path, tiny_model_dir
     cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "actor_rollout_ref.actor.use_kl_loss=true",
                    "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
                    "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.filter_groups.enable=true",
-                   "algorithm.filter_groups.metric=score", "actor_rollout_ref.actor.dtype=bfloat16",
+                   "algorithm.filter_groups.metric=score", "algorithm.filter_groups.max_num_gen_batches=1",
+                   "actor_rollout_ref.actor.dtype=bfloat16",
                    "actor_rollout_ref.actor.optim.warmup_style=cosine", "actor_rollout_ref.actor.optim.lr_warmup_steps=1")
     metrics, changed, _ = _train(cfg)
     assert changed

@@ -225,3 +225,20 @@ def test_tune_cpu_malloc_keeps_freed_blocks_mapped():
     assert info["tuned"]["mmapped_during"] < block, info  # from the heap instead ...
     assert info["tuned"]["heap_after"] >= block, info  # ... which keeps the freed pages (no trim)
     assert info["plain"]["heap_after"] < block, info
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from tiller.trainer.rl import RLTrainer
+
+    fake = SimpleNamespace(cfg=load_config(["trainer.progress=true"]), total_steps=5, global_step=1)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert RLTrainer._progress_bar(fake).disable  # piped / logged output: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = RLTrainer._progress_bar(fake)
+    assert not bar.disable and bar.total == 5 and bar.n == 1  # resumed at step 1
+    bar.close()
+    fake.cfg.trainer.progress = False
+    assert RLTrainer._progress_bar(fake).disable

@@ -34,12 +34,16 @@ def _assert_same(loaded: dict, expected: dict):
 
 
 def test_grpo_syncs_weights_and_sleeps_between_rollouts(tmp_path, tiny_model_dir, rl_data, fake_vllm):  # noqa: F811
-    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *VLLM, "trainer.save_freq=1")
+    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *VLLM, "trainer.save_freq=1",
+                   "+actor_rollout_ref.model.override_config.attention_dropout=0.0")
     trainer, _, llm = _trainer(cfg)
     assert llm.model_dir == str(tiny_model_dir) and llm.logprobs_mode == "processed_logprobs"
     kw = llm.kwargs
     assert (kw["gpu_memory_utilization"], kw["max_num_batched_tokens"], kw["max_num_seqs"]) == (0.3, 512, 8)
     assert (kw["tensor_parallel_size"], kw["enforce_eager"], kw["dtype"], kw["seed"]) == (1, True, "float32", cfg.trainer.seed)
+    # vLLM reads the model dir's config itself: the actor's config overrides go along; weights sync by name
+    assert kw["hf_overrides"] == {"attention_dropout": 0.0} and kw["trust_remote_code"] is False
+    assert kw["worker_extension_cls"] == "tiller.rollout.vllm_worker.TillerWorkerExtension"
     before = trainer.actor.execute("state_dict")
     metrics = trainer.fit()
     after = trainer.actor.execute("state_dict")

@@ -23,6 +23,7 @@ from tiller.algos.policy_losses import (
     register_policy_loss,
 )
 from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss
+from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
 from tiller.algos.utils import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
 from tiller.algos.value_loss import explained_variance, value_loss
 
@@ -55,5 +56,7 @@ __all__ = [
     "pairwise_rm_loss",
     "register_advantage_estimator",
     "register_policy_loss",
+    "rollout_correction",
+    "rollout_mismatch_metrics",
     "value_loss",
 ]

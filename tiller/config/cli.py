@@ -1,28 +1,76 @@
-"""`tiller config show [--config FILE] [--preset NAME] [key=value ...]`: print the resolved config."""
+"""`tiller config show|keys`: the resolved config, and the state of every verl key.
+
+    tiller config show [--config FILE | --config-path DIR --config-name NAME] [--preset NAME] [key=value ...]
+    tiller config keys [--markdown]
+
+`show` prints the resolved RL config as YAML (and, on stderr, the verl keys you set that have no effect in
+tiller); `keys` lists every key with its state (honoured / no-op / refused) and why, `--markdown` as the
+table committed in docs/verl-keys.md.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tiller.config.loader import PRESET_DIR, load_config, to_yaml
 
 
+class _HydraConfigArg(argparse.Action):
+    """Hydra's `--config-path DIR --config-name NAME` (as in verl's launch scripts) = `--config DIR/NAME.yaml`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        path, name = getattr(namespace, "config_path", None), getattr(namespace, "config_name", None)
+        if name is not None:
+            stem = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+            namespace.config = str(Path(path or ".") / stem)
+
+
 def add_config_args(parser: argparse.ArgumentParser, presets: bool = True) -> None:
     """The options every config-driven command shares (`presets`: the RL presets apply to this command)."""
-    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with config values (verl's tree)")
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with config values (verl's tree); its "
+                        "Hydra `defaults:` list is followed (`ppo_trainer` = tiller's defaults)")
+    parser.add_argument("--config-path", "-cp", dest="config_path", metavar="DIR", action=_HydraConfigArg,
+                        help="Hydra style: the directory of --config-name")
+    parser.add_argument("--config-name", "-cn", dest="config_name", metavar="NAME", action=_HydraConfigArg,
+                        help="Hydra style: --config-path/NAME.yaml as --config")
     if presets:
         parser.add_argument(
             "--preset", help=f"built-in RL preset: {', '.join(sorted(p.stem for p in PRESET_DIR.glob('*.yaml')))}"
         )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.train_batch_size=64")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="Hydra overrides: key=value, +key=value (add), ++key=value (add or set), ~key (reset)")
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tiller config", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tiller config", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print the resolved RL config as YAML")
     add_config_args(show)
+    keys = sub.add_parser("keys", help="every RL key: honoured, no-op or refused, and why")
+    keys.add_argument("--markdown", action="store_true", help="the table of docs/verl-keys.md")
     args = parser.parse_args(argv)
+    if args.action == "keys":
+        return _keys(args.markdown)
+    from tiller.config.edge import report_noop_keys
+
     cfg = load_config(args.overrides, config_file=args.config, preset=args.preset)
+    report_noop_keys(cfg)
     print(to_yaml(cfg), end="")
+    return 0
+
+
+def _keys(markdown: bool) -> int:
+    from tiller.config import edge
+
+    if markdown:
+        print(edge.markdown(), end="")
+        return 0
+    states = edge.key_states()
+    width = max(len(k.key) for k in states)
+    for k in states:
+        where = f" [read in {', '.join(k.readers)}]" if k.readers else ""
+        print(f"{k.key.ljust(width)}  {k.state:<8}  {k.note}{where}")
     return 0

@@ -1,10 +1,20 @@
 """Load a typed config: defaults <- preset / --config FILE.yaml <- dotted command-line overrides.
 
-Built on omegaconf structured configs. What this module adds is the user-facing errors:
+Built on omegaconf structured configs, with Hydra's grammar (what verl's command lines are written in):
+- a YAML file is composed with `hydra.compose`, so its `defaults:` list works as in verl (other YAMLs of
+  its directory, config groups, `_self_` ordering); `ppo_trainer` there names tiller's own defaults;
+- overrides are parsed by Hydra's own parser (`OverridesParser`): quoting, lists `[a,b]`, dicts `{a: 1}`,
+  `null`, interpolations `${...}`, and applied with Hydra's semantics: `key=v` changes, `+key=v` adds
+  (an error if the key is already set), `++key=v` adds or changes, `~key` / `~key=v` deletes (a typed key
+  cannot vanish: it goes back to its default, which is what verl's code falls back to);
+- a single value given to a list-of-strings key is a one-element list (`data.train_files=a.parquet`).
+What this module adds is the user-facing errors:
 - an unknown key names itself and the closest valid keys (`algorithm.adv_estimatr` ->
   `did you mean algorithm.adv_estimator?`);
 - a wrong type names the key, the value and the expected type;
-- verl's `+key=value` adds a key only inside an open-ended section (a `dict[str, Any]` field).
+- new keys only go inside an open-ended section (a `dict[str, Any]` field).
+The keys a user gave (file and command line) are kept with the result (`given_keys(cfg)`), for the
+verl edge (`tiller.config.edge`): deprecated keys and no-op keys are judged by what was written.
 Cross-field checks live with each schema (`tiller.config.validate`).
 """
 
@@ -105,38 +115,151 @@ def _check_keys(node: Any, cls: type, prefix: str, source: str, paths: dict[str,
             _check_keys(value, inner, path + ".", source, paths)
 
 
-def _parse_override(item: str, paths: dict[str, Any]) -> tuple[str, Any, bool]:
-    if "=" not in item:
-        raise ConfigError(f"command line: {item!r} is not a key=value override")
-    key, raw = item.split("=", 1)
-    add = key.startswith("+")
-    key = key.lstrip("+").strip()
-    if not key:
-        raise ConfigError(f"command line: {item!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str) and value.lower() in ("null", "none", "~"):
-        value = None
-    if key in paths:
-        if add:
-            raise ConfigError(f"command line: {key!r} already exists; drop the '+' to override it")
-        return key, value, add
+def _is_str_list(tp: Any) -> bool:
+    tp = _unwrap_optional(tp)
+    return typing.get_origin(tp) is list and typing.get_args(tp) in ((str,), ())
+
+
+def _coerce_str_lists(node: Any, cls: type) -> Any:
+    """A file's scalar under a list-of-strings key becomes a one-element list (verl takes a path or a list)."""
+    if not isinstance(node, dict):
+        return node
+    types = _field_types(cls)
+    for key, value in node.items():
+        tp = types.get(key)
+        if tp is None:
+            continue
+        inner = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(inner):
+            _coerce_str_lists(value, inner)
+        elif _is_str_list(tp) and isinstance(value, str) and not value.startswith("${"):
+            node[key] = [value]
+    return node
+
+
+def _parse_overrides(items: list[str] | tuple[str, ...]) -> list:
+    """Hydra's own parser: one `Override` per command-line item (ConfigError naming the item)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for item in items:
+        try:
+            (override,) = parser.parse_overrides([item])
+        except HydraException as err:
+            msg = " ".join(str(err).split())
+            raise ConfigError(f"command line: {item!r} is not a valid override: {msg}") from None
+        if override.package is not None:
+            raise ConfigError(f"command line: {item!r} selects a config group; tiller has no config groups "
+                              "(set the keys themselves)")
+        if override.is_sweep_override():
+            raise ConfigError(f"command line: {item!r}: comma-separated values are a Hydra sweep (multirun); "
+                              "a list is written in brackets: key=[a,b]")
+        out.append(override)
+    return out
+
+
+def _override_value(override, key: str, paths: dict[str, Any]) -> Any:
+    value = override.value()
+    tp = paths.get(key)
+    raw = override.input_line.split("=", 1)[1] if "=" in (override.input_line or "") else ""
+    if tp is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and _unwrap_optional(tp) is str:
+        value = raw.strip()  # Hydra reads 0.5_2 as 0.52 and 2_1 as 21: a string key keeps what was typed
+    if tp is not None and _is_str_list(tp) and isinstance(value, str) and not value.startswith("${"):
+        value = [value]  # verl takes a path or a list
+    return value
+
+
+def _open_parent(key: str, paths: dict[str, Any]) -> str | None:
     parent = key.rsplit(".", 1)[0] if "." in key else ""
-    open_parent = next((p for p in _prefixes(parent) if p in paths and _is_open_dict(paths[p])), None)
-    if open_parent is not None:
-        if not add:
+    return next((p for p in _prefixes(parent) if p in paths and _is_open_dict(paths[p])), None)
+
+
+def _apply_override(cfg: DictConfig, override, paths: dict[str, Any], schema: type, given: set[str]) -> str:
+    """Apply one parsed override with Hydra's semantics and tiller's errors; returns its key.
+
+    One departure: `+key=v` on a key of tiller's schema that nothing set yet sets it. tiller's tree holds the
+    keys of every verl version, so a key a script adds with `+` (absent from its verl's tree) is here already."""
+    key = override.key_or_group
+    line = override.input_line
+    known = key in paths
+    open_parent = None if known else _open_parent(key, paths)
+    if not known and open_parent is None:
+        if override.is_add():
             raise ConfigError(
-                f"command line: {key!r} is not a key of {open_parent!r}; add it with +{key}={raw}"
-            )
-        return key, value, add
-    if add:
+                f"command line: {line}: only open-ended sections accept new keys "
+                f"({', '.join(p for p, t in paths.items() if _is_open_dict(t))}){_suggest(key, list(paths))}")
+        raise ConfigError(f"command line: unknown key {key!r}{_suggest(key, list(paths))}")
+    current = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+    exists = known or _has_key(cfg, key)
+    if override.is_delete():
+        value = override.value()
+        if not exists:
+            raise ConfigError(f"command line: {line}: cannot delete {key!r}, it is not set")
+        if value is not None and value != _plain(current):
+            raise ConfigError(f"command line: {line}: the value of {key!r} is {_plain(current)!r}, not {value!r}")
+        if known:  # a typed key cannot vanish: back to its default
+            default = OmegaConf.select(OmegaConf.structured(schema), key)
+            _update(cfg, key, default, paths, merge=False)
+        else:
+            parent, _, leaf = key.rpartition(".")
+            with _open_struct(cfg):
+                del OmegaConf.select(cfg, parent)[leaf]
+        return key
+    value = _override_value(override, key, paths)
+    if override.is_add():
+        if known and key in given and current is not None and not isinstance(value, (dict, list)):
+            raise ConfigError(f"command line: {key!r} is already set; drop the '+' to override it "
+                              f"({line[1:]}), or write ++{line[1:]}")
+        if not known and exists and not isinstance(value, (dict, list)):
+            raise ConfigError(f"command line: {key!r} already exists; drop the '+' to override it ({line[1:]})")
+        _update(cfg, key, value, paths, merge=True, add=not known)
+    elif override.is_force_add():
+        _update(cfg, key, value, paths, merge=True, add=not known)
+    else:
+        if not exists:
+            raise ConfigError(f"command line: {key!r} is not a key of {open_parent!r}; add it with +{line}")
+        _update(cfg, key, value, paths, merge=True)
+    return key
+
+
+def _has_key(cfg: DictConfig, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return isinstance(node, DictConfig) and leaf in node
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def _update(cfg: DictConfig, key: str, value: Any, paths: dict[str, Any], *, merge: bool, add: bool = False) -> None:
+    try:
+        if add:
+            with _open_struct(cfg):
+                OmegaConf.update(cfg, key, value, merge=merge, force_add=True)
+        else:
+            OmegaConf.update(cfg, key, value, merge=merge)
+    except OmegaConfBaseException:
+        expected = _type_name(paths.get(key, Any))
         raise ConfigError(
-            f"command line: +{key}: only open-ended sections accept new keys "
-            f"({', '.join(p for p, t in paths.items() if _is_open_dict(t))}){_suggest(key, list(paths))}"
-        )
-    raise ConfigError(f"command line: unknown key {key!r}{_suggest(key, list(paths))}")
+            f"command line: {key} = {value!r} is not a valid {expected} (expected type: {expected})"
+        ) from None
+
+
+def _leaf_keys(node: Any, prefix: str, paths: dict[str, Any]) -> set[str]:
+    """Dotted keys a user mapping sets: leaves, and open-ended sections as a whole."""
+    out: set[str] = set()
+    if not isinstance(node, dict):
+        return out
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        out.add(path)
+        if isinstance(value, dict) and path in paths and not _is_open_dict(paths[path]):
+            out |= _leaf_keys(value, path + ".", paths)
+    return out
 
 
 def _prefixes(path: str) -> list[str]:
@@ -165,17 +288,46 @@ def _merge(base: DictConfig, other: Any, paths: dict[str, Any], source: str) -> 
         raise ConfigError(_format_omegaconf_error(err, paths, source)) from None
 
 
+# names a YAML's `defaults:` list may give for the base config: tiller's own defaults (the schema)
+BASE_CONFIG_NAMES = ("ppo_trainer",)
+
+
+def _compose_yaml(path: Path) -> dict:
+    """The file composed by `hydra.compose` (its `defaults:` list resolved), as a plain mapping."""
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+
+    store = ConfigStore.instance()
+    for name in BASE_CONFIG_NAMES:
+        store.store(name=name, node={})  # the structured defaults come first anyway
+    try:
+        with warnings.catch_warnings():
+            # verl's YAMLs name its own config dir in `hydra.searchpath`: nothing to find there
+            warnings.filterwarnings("ignore", message=r".*provider=hydra\.searchpath.*is not available")
+            with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base="1.3"):
+                composed = compose(config_name=path.stem)
+    except (HydraException, OmegaConfBaseException) as err:
+        msg = " ".join(str(err).split("\n\nConfig search path")[0].split())
+        raise ConfigError(f"{path}: {msg}") from None
+    return OmegaConf.to_container(composed, resolve=False)  # type: ignore[return-value]
+
+
 def _load_yaml(path: Path, cls: type, paths: dict[str, Any]) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    data.pop("defaults", None)  # hydra's defaults list has no meaning here
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys, got {raw!r}")
+    data = _compose_yaml(path) if path.suffix in (".yaml", ".yml") else raw
     data.pop("hydra", None)
     _check_keys(data, cls, "", str(path), paths)
-    return data
+    return _coerce_str_lists(data, cls)
 
 
 def preset_path(name: str) -> Path:
@@ -204,29 +356,36 @@ def load_config(
             validate = validate_rl
     paths = schema_paths(schema)
     cfg = OmegaConf.structured(schema)
-    for source in ([preset_path(preset)] if preset else []) + ([Path(config_file)] if config_file else []):
-        cfg = _merge(cfg, _load_yaml(source, schema, paths), paths, str(source))
-    for item in overrides:
-        key, value, add = _parse_override(item, paths)
-        try:
-            if add:
-                with _open_struct(cfg):
-                    OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-            else:
-                OmegaConf.update(cfg, key, value, merge=False)
-        except OmegaConfBaseException:
-            expected = _type_name(paths.get(key, Any))
-            raise ConfigError(
-                f"command line: {key} = {value!r} is not a valid {expected} (expected type: {expected})"
-            ) from None
+    given: set[str] = set()
+    sources = [(preset_path(preset), False)] if preset else []
+    sources += [(Path(config_file), True)] if config_file else []
+    for source, by_user in sources:
+        data = _load_yaml(source, schema, paths)
+        if by_user:
+            given |= _leaf_keys(data, "", paths)
+        cfg = _merge(cfg, data, paths, str(source))
+    for override in _parse_overrides(overrides):
+        key = _apply_override(cfg, override, paths, schema, given)
+        value = override.value() if not override.is_delete() else None
+        given |= {key} | (_leaf_keys(value, key + ".", paths) if isinstance(value, dict) else set())
     try:
         OmegaConf.resolve(cfg)
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(_format_omegaconf_error(err, paths, "config")) from None
+    object.__setattr__(obj, GIVEN_KEYS_ATTR, frozenset(given))
     if validate is not None:
         validate(obj)
     return obj  # type: ignore[return-value]
+
+
+GIVEN_KEYS_ATTR = "_tiller_given_keys"
+
+
+def given_keys(cfg: Any) -> frozenset[str] | None:
+    """The dotted keys the user set (config file and command line; a preset's do not count) for a config
+    returned by `load_config`, or None for one built otherwise."""
+    return getattr(cfg, GIVEN_KEYS_ATTR, None)
 
 
 class _open_struct:
@@ -255,4 +414,5 @@ def from_dict(data: dict, schema: type[T]) -> T:
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
-__all__ = ["load_config", "to_dict", "to_yaml", "from_dict", "schema_paths", "preset_path", "ListConfig"]
+__all__ = ["load_config", "to_dict", "to_yaml", "from_dict", "schema_paths", "preset_path", "given_keys",
+           "ListConfig"]

@@ -22,9 +22,9 @@ class DataConfig:
     tokenizer: Optional[str] = None
     """Tokenizer path; defaults to actor_rollout_ref.model.path."""
     train_files: list[str] = field(default_factory=list)
-    """Training prompt files: parquet (verl schema) or jsonl."""
+    """Training prompt files: parquet (verl schema) or jsonl; a path or a list of paths."""
     val_files: list[str] = field(default_factory=list)
-    """Validation prompt files: parquet (verl schema) or jsonl."""
+    """Validation prompt files: parquet (verl schema) or jsonl; a path or a list of paths."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a list of chat messages, or a plain string."""
     reward_fn_key: str = "data_source"
@@ -35,6 +35,9 @@ class DataConfig:
     """Longest response in tokens."""
     train_batch_size: int = 32
     """Prompts per RL step (verl: 1024; CPU-friendly here)."""
+    gen_batch_size: Optional[int] = None
+    """Prompts per generation round (DAPO recipe); None = train_batch_size. With
+    algorithm.filter_groups.enable, rounds repeat until train_batch_size groups survive the filter."""
     val_batch_size: Optional[int] = None
     """Prompts per validation generation call; None = the whole validation set at once."""
     shuffle: bool = True
@@ -61,6 +64,30 @@ class DataConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """verl's `fsdp_config`: how a worker shards and offloads. tiller's FSDP2 always shards over every rank
+    of the group and keeps parameters and optimizer state on the worker's device, so these knobs are
+    accepted and have no effect (`tiller config keys` lists them)."""
+
+    param_offload: bool = False
+    """Offload parameters to CPU between uses (verl); tiller keeps them on the worker's device."""
+    optimizer_offload: bool = False
+    """Offload optimizer state to CPU between steps (verl); tiller keeps it on the worker's device."""
+    offload_policy: bool = False
+    """FSDP2 CPUOffloadPolicy (verl); tiller does not offload."""
+    reshard_after_forward: bool = True
+    """FSDP2 reshard_after_forward (verl); tiller reshards after every forward."""
+    fsdp_size: int = -1
+    """Ranks per FSDP shard group (-1 = all, verl); tiller shards over every rank of the group."""
+    forward_prefetch: bool = False
+    """FSDP forward prefetch (verl); a GPU overlap tuning."""
+    model_dtype: str = "fp32"
+    """Dtype of the sharded parameters (verl); tiller keeps fp32 master weights (compute dtype: actor.dtype)."""
+    wrap_policy: dict[str, Any] = field(default_factory=dict)
+    """FSDP wrap policy (verl); tiller wraps each decoder layer (open-ended: use +key=value)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """Hugging Face model dir or hub id; empty = tiller's built-in demo model."""
@@ -73,7 +100,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = False
-    """Accepted for verl compatibility; tiller pads."""
+    """verl: pack sequences without padding (flash-attn varlen); tiller pads, trimmed per micro-batch."""
+    use_shm: bool = False
+    """verl: copy the model to /dev/shm before loading; tiller loads from model.path."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
     lora_rank: int = 0
@@ -147,13 +176,22 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step (multiplied by rollout.n inside the trainer, as in verl)."""
     ppo_micro_batch_size_per_gpu: int = 8
-    """Samples per forward/backward (gradient accumulation splits a mini-batch into these)."""
+    """Samples per forward/backward on each worker (gradient accumulation splits a mini-batch into these)."""
     ppo_micro_batch_size: Optional[int] = None
-    """Deprecated in verl; use ppo_micro_batch_size_per_gpu."""
+    """Deprecated (verl): a global micro-batch size, converted to ppo_micro_batch_size_per_gpu = this /
+    number of workers, with a deprecation line; setting both is an error."""
     use_dynamic_bsz: bool = False
-    """Accepted for verl compatibility; tiller uses fixed micro-batches."""
+    """Token-budget micro-batches: pack samples into micro-batches of at most ppo_max_token_len_per_gpu
+    padded tokens instead of ppo_micro_batch_size_per_gpu rows (the update is the same, global counts)."""
     ppo_max_token_len_per_gpu: int = 16384
-    """Accepted for verl compatibility."""
+    """With use_dynamic_bsz: padded tokens (rows x (prompt + response) width) per actor micro-batch."""
+    ulysses_sequence_parallel_size: int = 1
+    """verl's Ulysses sequence parallelism (splits each sequence over GPUs to save memory); tiller runs
+    whole sequences on each worker: the update is the same, memory per worker is not reduced."""
+    use_token_level_loss: Optional[bool] = None
+    """Deprecated (early verl): True = loss_agg_mode token-mean, False = seq-mean-token-mean."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl's sharding / offload knobs of the actor (no effect in tiller)."""
     ppo_epochs: int = 1
     """Passes over each RL batch."""
     shuffle: bool = False
@@ -197,9 +235,17 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16
-    """Samples per reference forward."""
+    """Samples per reference forward on each worker."""
     log_prob_micro_batch_size: Optional[int] = None
-    """Deprecated in verl; use log_prob_micro_batch_size_per_gpu."""
+    """Deprecated (verl): a global size, converted to log_prob_micro_batch_size_per_gpu = this / workers."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget micro-batches for the reference forward; None = actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Padded tokens per reference micro-batch with dynamic batches; None = actor.ppo_max_token_len_per_gpu."""
+    ulysses_sequence_parallel_size: int = 1
+    """verl's Ulysses sequence parallelism for the reference (as actor.ulysses_sequence_parallel_size)."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl's sharding / offload knobs of the reference (no effect in tiller)."""
 
 
 @dataclass
@@ -224,6 +270,16 @@ class MultiTurnConfig:
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None
     """YAML listing the tools available to the model."""
+    format: str = "hermes"
+    """Tool-call format: hermes (`<tool_call>{json}</tool_call>`, Qwen's), the one tiller parses."""
+
+
+@dataclass
+class TraceConfig:
+    backend: Optional[str] = None
+    """verl's rollout tracing backend (weave | mlflow); tiller records no rollout traces."""
+    token2text: bool = False
+    """verl: decode token ids in rollout traces."""
 
 
 @dataclass
@@ -255,9 +311,21 @@ class RolloutConfig:
     dtype: str = "bfloat16"
     """Rollout compute dtype: bfloat16 | float32."""
     log_prob_micro_batch_size_per_gpu: int = 16
-    """Samples per old-logprob forward."""
+    """Samples per old-logprob forward on each worker."""
     log_prob_micro_batch_size: Optional[int] = None
-    """Deprecated in verl; use log_prob_micro_batch_size_per_gpu."""
+    """Deprecated (verl): a global size, converted to log_prob_micro_batch_size_per_gpu = this / workers."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Token-budget micro-batches for the old-logprob forward; None = actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Padded tokens per old-logprob micro-batch with dynamic batches; None = actor.ppo_max_token_len_per_gpu."""
+    mode: str = "sync"
+    """verl: sync (SPMD engine) | async (server + agent loop); tiller's engines run in the worker either way."""
+    load_format: str = "dummy_dtensor"
+    """verl: how vLLM initialises weights before the first sync; tiller's vllm loads model.path."""
+    layered_summon: bool = False
+    """verl: gather LoRA FSDP weights layer by layer for the sync; tiller merges the adapters at once."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill (rollout.name=vllm)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
     tensor_model_parallel_size: int = 1
@@ -274,6 +342,8 @@ class RolloutConfig:
     """Sampling for validation (greedy by default)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn tool-using rollouts."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """verl's rollout tracing (no effect in tiller)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the engine (open-ended: use +key=value)."""
 
@@ -281,7 +351,7 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
-    """Actor, rollout and reference share one worker (verl's hybrid engine)."""
+    """Actor, rollout and reference share one worker (verl's hybrid engine); the only layout tiller has."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -307,6 +377,10 @@ class CriticModelConfig:
     """Recompute activations in backward."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
+    use_remove_padding: bool = False
+    """verl: pack sequences without padding; tiller pads, trimmed per micro-batch."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl's sharding / offload knobs of the critic (no effect in tiller)."""
 
 
 @dataclass
@@ -320,13 +394,26 @@ class CriticConfig:
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step; defaults to the actor's."""
     ppo_micro_batch_size_per_gpu: int = 8
-    """Samples per critic forward/backward."""
+    """Samples per critic forward/backward on each worker."""
+    ppo_micro_batch_size: Optional[int] = None
+    """Deprecated (verl): a global size, converted to ppo_micro_batch_size_per_gpu = this / workers (and
+    forward_micro_batch_size_per_gpu too, unless forward_micro_batch_size is given)."""
     forward_micro_batch_size_per_gpu: int = 16
-    """Samples per value forward."""
+    """Samples per value forward on each worker."""
+    forward_micro_batch_size: Optional[int] = None
+    """Deprecated (verl): a global size, converted to forward_micro_batch_size_per_gpu = this / workers."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Token-budget micro-batches for the critic; None = actor_rollout_ref.actor.use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """With use_dynamic_bsz: padded tokens per critic update micro-batch."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """With use_dynamic_bsz: padded tokens per value-forward micro-batch; None = ppo_max_token_len_per_gpu."""
+    ulysses_sequence_parallel_size: int = 1
+    """verl's Ulysses sequence parallelism for the critic (as actor.ulysses_sequence_parallel_size)."""
     ppo_epochs: Optional[int] = None
     """Critic passes per batch; defaults to the actor's."""
     shuffle: bool = False
-    """Shuffle before mini-batching."""
+    """Shuffle samples before splitting into mini-batches (seeded, as actor.shuffle)."""
     grad_clip: float = 1.0
     """Max global grad norm."""
     cliprange_value: float = 0.5
@@ -348,9 +435,14 @@ class RewardModelModelConfig:
     path: Optional[str] = None
     """Reward model dir (AutoModelForSequenceClassification, or a causal LM with value head)."""
     input_tokenizer: Optional[str] = None
-    """Tokenizer of the policy, when the RM's differs (responses are re-rendered)."""
+    """verl: the policy's tokenizer, to re-render responses when the RM's differs; tiller always hands the
+    RM decoded text rendered with the RM's own chat template, which is what this key switches on in verl."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
+    use_remove_padding: bool = False
+    """verl: pack sequences without padding; tiller pads."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl's sharding / offload knobs of the reward model (no effect in tiller)."""
 
 
 @dataclass
@@ -397,6 +489,16 @@ class RewardModelConfig:
     """The reward model."""
     micro_batch_size_per_gpu: int = 16
     """Samples per reward-model forward."""
+    micro_batch_size: Optional[int] = None
+    """Deprecated (verl): a global size, converted to micro_batch_size_per_gpu = this / workers."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Token-budget micro-batches for the reward model; None = critic.use_dynamic_bsz."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Tokens (rows x longest sequence) per reward-model micro-batch with dynamic batches; None =
+    critic.forward_max_token_len_per_gpu."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reward manager (verl): dapo takes overlong_buffer_cfg {enable, len,
+    penalty_factor, log} and max_resp_len (open-ended: use +key=value)."""
     max_length: Optional[int] = None
     """Longest prompt + response the RM sees."""
     reward_manager: str = "naive"
@@ -421,6 +523,8 @@ class CustomRewardFunctionConfig:
     """Function name: compute_score(data_source, solution_str, ground_truth, extra_info)."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the function (open-ended: use +key=value)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong shaping where the first DAPO recipe put it (the same as reward_model.overlong_buffer)."""
 
 
 # ------------------------------------------------------------------------------------------ algorithm
@@ -445,7 +549,32 @@ class FilterGroupsConfig:
     metric: str = "acc"
     """acc | score | seq_reward | seq_final_reward."""
     max_num_gen_batches: int = 0
-    """Extra generation rounds to refill the batch (0 = keep what survives)."""
+    """Most generation rounds per step while collecting train_batch_size groups that pass the filter
+    (0 = no cap, as DAPO); at the cap the step trains on the groups collected so far."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction` (decoupled mode): weights and masks from p_old / p_rollout, computed
+    by the driver after KL in reward (`tiller.algos.rollout_correction`); turning either on makes the actor
+    compute old logprobs even when the update is on-policy."""
+
+    rollout_is: Optional[str] = None
+    """Truncated importance sampling of the policy gradient by p_old / p_rollout: null (off) | token | sequence."""
+    rollout_is_threshold: float = 2.0
+    """Cap of the importance weights (TIS)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the importance weights by their batch mean (tokens, or sequences for rollout_is=sequence)."""
+    rollout_rs: Optional[str] = None
+    """Rejection (masking) of tokens / sequences, comma-separated: token_k1 | seq_sum_k1 | seq_mean_k1 (ratio in
+    [lo, hi]; IcePop-style) | token_k2 | token_k3 | seq_{sum,mean,max}_k{2,3} (divergence <= threshold); null = off."""
+    rollout_rs_threshold: Optional[str] = None
+    """Bounds of rollout_rs: k1 options "lo_hi" (e.g. 0.5_2.0) or hi (lo = 1/hi); k2/k3 options an upper bound;
+    one value for all options or one per option, comma-separated."""
+    bypass_mode: bool = False
+    """verl's bypass mode (rollout logprobs as old logprobs, no recompute): not available in tiller yet (refused)."""
+    loss_type: str = "ppo_clip"
+    """verl's bypass-mode loss (ppo_clip | reinforce): only ppo_clip, since bypass mode is refused."""
 
 
 @dataclass
@@ -466,6 +595,8 @@ class AlgorithmConfig:
     """KL-in-reward coefficient controller."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Online filtering of groups with no learning signal."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Correct for the rollout engine sampling from a slightly different policy than the actor (TIS / masking)."""
 
 
 # -------------------------------------------------------------------------------------------- trainer
@@ -512,7 +643,8 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: Optional[int] = None
     """Keep only the newest N checkpoints."""
     balance_batch: bool = False
-    """Accepted for verl compatibility (balances tokens across data-parallel ranks)."""
+    """Reorder each step's batch so every data-parallel worker gets an equal token count (verl's
+    seqlen-balanced partition; whole GRPO groups where the group count allows)."""
     log_val_generations: int = 0
     """Validation generations to log as text each validation."""
     device: str = "cpu"
@@ -525,7 +657,9 @@ class TrainerConfig:
     """CPU runs on Linux/glibc: keep freed memory in the process (mallopt) so each step's activations reuse
     pages instead of faulting in fresh ones (~10-20% faster CPU steps); off: glibc's defaults."""
     progress: bool = True
-    """Show a live progress line."""
+    """Show a live progress bar (tqdm) on a terminal; off when the output is not a TTY."""
+    use_legacy_worker_impl: str = "auto"
+    """verl: which of its worker implementations to run; tiller has one."""
 
 
 @dataclass

@@ -40,6 +40,9 @@ def _positive(key: str, value: int | float) -> None:
 
 
 def validate_rl(cfg: RLConfig) -> None:
+    from tiller.config.edge import apply_edge
+
+    apply_edge(cfg)  # deprecated keys converted, follower keys resolved, refused values raised
     data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
 
@@ -84,12 +87,13 @@ def validate_rl(cfg: RLConfig) -> None:
             f"data.train_batch_size ({data.train_batch_size} prompts): each step is split into whole mini-batches"
         )
     mini_samples = actor.ppo_mini_batch_size * rollout.n
-    if mini_samples % actor.ppo_micro_batch_size_per_gpu:
+    if not actor.use_dynamic_bsz and mini_samples % actor.ppo_micro_batch_size_per_gpu:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) must "
             f"divide a mini-batch of ppo_mini_batch_size x rollout.n = {actor.ppo_mini_batch_size} x {rollout.n} "
             f"= {mini_samples} samples"
         )
+    _validate_batches(cfg)
     if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of one prompt, so it needs "
@@ -125,9 +129,66 @@ def validate_rl(cfg: RLConfig) -> None:
             f"reward_model.overlong_buffer.len ({cfg.reward_model.overlong_buffer.len}) must be shorter than "
             f"data.max_response_length ({data.max_response_length})"
         )
+    _validate_rollout_correction(algo.rollout_correction)
     if cfg.reward_model.diversity.partitioner == "embedding" and cfg.reward_model.diversity.enable \
             and not cfg.reward_model.diversity.embedding_model:
         raise ConfigError("reward_model.diversity.partitioner=embedding needs reward_model.diversity.embedding_model")
     if cfg.reward_model.diversity.partitioner == "llm" and cfg.reward_model.diversity.enable \
             and not cfg.reward_model.diversity.llm_url:
         raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
+
+
+def _validate_batches(cfg: RLConfig) -> None:
+    """Token budgets hold one whole sequence; gen_batch_size only with dynamic sampling."""
+    data, arr, critic = cfg.data, cfg.actor_rollout_ref, cfg.critic
+    seq = (arr.rollout.prompt_length or data.max_prompt_length) + (arr.rollout.response_length
+                                                                  or data.max_response_length)
+    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.use_dynamic_bsz,
+                arr.actor.ppo_max_token_len_per_gpu),
+               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_use_dynamic_bsz,
+                arr.rollout.log_prob_max_token_len_per_gpu),
+               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_use_dynamic_bsz,
+                arr.ref.log_prob_max_token_len_per_gpu),
+               ("critic.ppo_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+               ("critic.forward_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)]
+    for key, on, budget in budgets:
+        if on and budget < seq:
+            raise ConfigError(f"{key}={budget} is below one sequence (max prompt + response length = {seq} "
+                              "tokens): a micro-batch holds at least one whole sequence; raise it")
+    for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                "critic.forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"):
+        section, _, leaf = key.rpartition(".")
+        node = cfg
+        for part in section.split("."):
+            node = getattr(node, part)
+        _positive(key, getattr(node, leaf))
+    _positive("data.gen_batch_size", data.gen_batch_size)
+    if data.gen_batch_size != data.train_batch_size and not cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} differs from data.train_batch_size="
+                          f"{data.train_batch_size}: it only applies with algorithm.filter_groups.enable=True "
+                          "(DAPO dynamic sampling); drop it or enable the filter")
+    if cfg.algorithm.filter_groups.max_num_gen_batches < 0:
+        raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no cap)")
+
+
+def _validate_rollout_correction(rc) -> None:
+    """algorithm.rollout_correction: names and thresholds usable, verl's bypass mode refused."""
+    from tiller.algos.rollout_correction import ROLLOUT_IS_LEVELS, parse_rs_options
+
+    key = "algorithm.rollout_correction"
+    if rc.rollout_is is not None:
+        _choice(f"{key}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS)
+        _positive(f"{key}.rollout_is_threshold", rc.rollout_is_threshold)
+    elif rc.rollout_is_batch_normalize:
+        raise ConfigError(f"{key}.rollout_is_batch_normalize=True needs {key}.rollout_is=token|sequence")
+    parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)  # ConfigError naming the key
+    if rc.rollout_rs is None and rc.rollout_rs_threshold is not None:
+        raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold} has no effect without "
+                          f"{key}.rollout_rs (e.g. token_k1)")
+    if rc.bypass_mode:
+        raise ConfigError(f"{key}.bypass_mode=True (rollout logprobs as the old logprobs) is not available in "
+                          "tiller yet; use the default decoupled mode (the actor recomputes the old logprobs)")
+    if rc.loss_type != "ppo_clip":
+        raise ConfigError(f"{key}.loss_type={rc.loss_type!r} only applies in bypass_mode, which tiller does not "
+                          "have yet; leave it at ppo_clip")

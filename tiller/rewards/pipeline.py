@@ -56,6 +56,37 @@ class RewardPipeline:
                 part.close()
 
 
+MANAGER_KWARGS = ("overlong_buffer_cfg", "max_resp_len")  # what reward_model.reward_kwargs may hold (dapo)
+
+
+def overlong_buffer(cfg: Any) -> tuple[dict | None, str]:
+    """DAPO's overlong shaping settings {enable, len, penalty_factor, log} and where they were set.
+
+    verl has put them in three places over time: `reward_model.overlong_buffer` (the DAPO recipe),
+    `custom_reward_function.overlong_buffer` (the recipe's first version) and
+    `reward_model.reward_kwargs.overlong_buffer_cfg` (verl's reward-manager kwargs). The enabled one wins;
+    two enabled with different settings is an error. (None, "") when none is enabled.
+    """
+    found = []
+    for where, ob in (("reward_model.overlong_buffer", cfg.reward_model.overlong_buffer),
+                      ("custom_reward_function.overlong_buffer", cfg.custom_reward_function.overlong_buffer)):
+        if ob.enable:
+            found.append((where, {"enable": True, "len": ob.len, "penalty_factor": ob.penalty_factor, "log": ob.log}))
+    kw = dict(cfg.reward_model.reward_kwargs.get("overlong_buffer_cfg") or {})
+    if kw.get("enable"):
+        unknown = set(kw) - {"enable", "len", "penalty_factor", "log"}
+        if unknown:
+            raise ConfigError(f"reward_model.reward_kwargs.overlong_buffer_cfg: unknown keys {sorted(unknown)}; "
+                              "valid: enable, len, penalty_factor, log")
+        found.append(("reward_model.reward_kwargs.overlong_buffer_cfg",
+                      {"enable": True, "len": int(kw.get("len", 0)),
+                       "penalty_factor": float(kw.get("penalty_factor", 1.0)), "log": bool(kw.get("log", False))}))
+    if len({str(sorted(v.items())) for _, v in found}) > 1:
+        raise ConfigError(f"DAPO overlong shaping is enabled in {' and '.join(w for w, _ in found)} with different "
+                          "settings: keep one")
+    return (found[0][1], found[0][0]) if found else (None, "")
+
+
 def _rule_manager(cfg: Any) -> Any:
     rm, custom = cfg.reward_model, cfg.custom_reward_function
     name = rm.reward_manager
@@ -63,18 +94,26 @@ def _rule_manager(cfg: Any) -> Any:
         raise ConfigError(f"reward_model.reward_manager: unknown {name!r}; valid: {', '.join(REWARD_MANAGERS)}")
     ref = load_function_ref(custom.path, custom.name)
     kwargs = dict(custom.reward_kwargs or {})
-    if rm.overlong_buffer.enable and name != "dapo":
-        raise ConfigError("reward_model.overlong_buffer.enable needs reward_model.reward_manager=dapo")
+    manager_kwargs = dict(rm.reward_kwargs or {})
+    unknown = set(manager_kwargs) - set(MANAGER_KWARGS)
+    if unknown:
+        raise ConfigError(f"reward_model.reward_kwargs: unknown keys {sorted(unknown)}; the reward managers take "
+                          f"{', '.join(MANAGER_KWARGS)} (dapo); a scoring function's keyword arguments go in "
+                          "custom_reward_function.reward_kwargs")
+    ob, where = overlong_buffer(cfg)
+    if ob is not None and name != "dapo":
+        raise ConfigError(f"{where}.enable needs reward_model.reward_manager=dapo")
     if name == "naive":
         return NaiveRewardManager(ref, kwargs)
     if name == "batch":
         return BatchRewardManager(ref if custom.path else None, kwargs)
     if name == "parallel":
         return ParallelRewardManager(ref, kwargs, num_workers=rm.num_workers, timeout=rm.timeout)
-    ob = rm.overlong_buffer
-    return DapoRewardManager(ref, kwargs, max_response_length=cfg.data.max_response_length,
-                             buffer_len=ob.len if ob.enable else None, penalty_factor=ob.penalty_factor,
-                             log_penalty=True)
+    # verl's dapo manager takes the length limit as max_resp_len; data.max_response_length by default
+    max_len = int(manager_kwargs.get("max_resp_len") or cfg.data.max_response_length)
+    return DapoRewardManager(ref, kwargs, max_response_length=max_len,
+                             buffer_len=ob["len"] if ob else None, penalty_factor=ob["penalty_factor"] if ob else 1.0,
+                             log_penalty=bool(ob and ob["log"]))
 
 
 def build_reward_manager(cfg: Any, tokenizer: Any = None) -> Callable[[list[RewardRequest]], RewardResult]:
@@ -92,7 +131,8 @@ def build_reward_manager(cfg: Any, tokenizer: Any = None) -> Callable[[list[Rewa
         from tiller.rewards.reward_model import RewardModelScorer
 
         base = RewardModelScorer(rm.model.path, micro_batch_size=rm.micro_batch_size_per_gpu,
-                                 max_length=rm.max_length, trust_remote_code=rm.model.trust_remote_code)
+                                 max_length=rm.max_length, trust_remote_code=rm.model.trust_remote_code,
+                                 max_tokens=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None)
     else:
         base = _rule_manager(cfg)
     diversity = None

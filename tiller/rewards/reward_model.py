@@ -10,7 +10,9 @@ Each pair is rendered with the reward model's own chat template (`[user: prompt,
 response]`); when `extra_info["raw_prompt"]` holds the chat messages they are used as the
 conversation instead of the decoded prompt text. A tokenizer without a chat template gets
 `prompt + response`. Texts longer than `max_length` tokens are cut from the left, keeping the end
-of the response. Pairs are scored `micro_batch_size` at a time, padded on the right.
+of the response. Pairs are scored `micro_batch_size` at a time, padded on the right; with `max_tokens`
+(verl's `reward_model.use_dynamic_bsz` / `forward_max_token_len_per_gpu`) they are packed instead into
+micro-batches of at most that many padded tokens (rows x longest text), sorted by length.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class RewardModelScorer:
     """A reward model loaded from a local dir; `score_texts(prompts, responses) -> [B] float32`."""
 
     def __init__(self, path: str, micro_batch_size: int = 16, max_length: int | None = None,
-                 trust_remote_code: bool = False, device: str | None = None, dtype: torch.dtype = torch.float32):
+                 trust_remote_code: bool = False, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 max_tokens: int | None = None):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
         from tiller.models.loading import load_tokenizer
@@ -61,6 +64,7 @@ class RewardModelScorer:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
+        self.max_tokens = max_tokens
 
     @torch.no_grad()
     def _forward(self, texts: list[str]) -> torch.Tensor:
@@ -76,9 +80,29 @@ class RewardModelScorer:
     def score_texts(self, prompts: list[Any], responses: list[str]) -> np.ndarray:
         """[B] scores of prompt/response pairs (prompts: strings or lists of chat messages)."""
         texts = [_render(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
-        out = [self._forward(texts[i:i + self.micro_batch_size]).cpu()
-               for i in range(0, len(texts), self.micro_batch_size)]
-        return torch.cat(out).numpy().astype(np.float32) if out else np.zeros(0, dtype=np.float32)
+        if not texts:
+            return np.zeros(0, dtype=np.float32)
+        parts = [list(range(i, min(i + self.micro_batch_size, len(texts))))
+                 for i in range(0, len(texts), self.micro_batch_size)]
+        if self.max_tokens is not None:
+            parts = self._token_budget_parts(texts)
+        scores = torch.empty(len(texts))
+        for idx in parts:
+            scores[idx] = self._forward([texts[i] for i in idx]).cpu()
+        return scores.numpy().astype(np.float32)
+
+    def _token_budget_parts(self, texts: list[str]) -> list[list[int]]:
+        """Indices of micro-batches of at most `max_tokens` padded tokens (rows x longest text)."""
+        from tiller.data.seqlen import token_budget_micro_batches
+
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        if self.max_length is not None:
+            lengths = [min(n, self.max_length) for n in lengths]
+        try:
+            return token_budget_micro_batches([0] * len(texts), lengths, list(range(len(texts))), self.max_tokens)
+        except ValueError as err:
+            raise UserError(f"reward_model.forward_max_token_len_per_gpu={self.max_tokens}: {err}; raise it "
+                            "(or set reward_model.max_length)") from None
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
         prompts = [r.extra_info.get("raw_prompt", r.prompt) if r.extra_info else r.prompt for r in requests]

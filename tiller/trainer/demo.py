@@ -172,6 +172,7 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
         "data.apply_chat_template=false",
         f"data.seed={args.seed}",
         "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=1",  # one generation round: train on the groups that pass
         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.dtype=float32",  # a 2M model is overhead-bound: bf16 buys nothing
         "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",

@@ -3,8 +3,9 @@
     tiller rl [--config FILE.yaml] [--preset NAME] key=value ...
     python -m tiller.trainer.main_ppo algorithm.adv_estimator=grpo data.train_files=[a.parquet] ...
 
-A verl command line ports by changing the entry point. With neither `actor_rollout_ref.model.path` nor
-`data.train_files` given, this runs the built-in demo (`tiller demo`).
+A verl command line ports by changing the entry point (Hydra's `--config-path` / `--config-name` work
+too). `tiller rl` with no arguments at all runs the built-in demo (`tiller demo`); with arguments it needs
+`actor_rollout_ref.model.path`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     args = parser.parse_args(argv)
-    cfg = load_config(args.overrides, config_file=args.config, preset=args.preset)
-    if not cfg.actor_rollout_ref.model.path and not cfg.data.train_files:
+    if not argv:
         from tiller.trainer import demo
 
-        print("tiller rl: no model and no data given: running the built-in demo (`tiller demo`)")
+        print("tiller rl: no arguments: running the built-in demo (`tiller demo`)")
         return demo.main([])
+    cfg = load_config(args.overrides, config_file=args.config, preset=args.preset)
+    if not cfg.actor_rollout_ref.model.path:
+        from tiller.errors import ConfigError
+
+        raise ConfigError("actor_rollout_ref.model.path is not set: give the policy's Hugging Face model dir "
+                          "(or run `tiller demo`, or `tiller rl` with no arguments, for the built-in demo)")
     from tiller.trainer.rl import run
 
     metrics = run(cfg)

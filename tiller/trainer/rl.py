@@ -4,10 +4,19 @@ One step, in the order `RLTrainer.train_step` runs it (each phase a named timer,
 
     prompts (seeded sampler)  -> gen: rollout.n samples per prompt (token ids + sampling logprobs)
     -> gen_max: greedy baseline (ReMax only)      -> reward: scorer / custom fn, on the last response token
-    -> old_log_prob (skipped when the update is exactly on-policy) -> ref (KL only) -> values (GAE only)
-    -> adv: optional KL in reward, then the advantage estimator  -> filter_groups (optional)
+    -> filter_groups (optional, DAPO dynamic sampling: more generation rounds until train_batch_size
+       groups with a varying metric are collected)  -> balance_batch (optional: equal tokens per worker)
+    -> old_log_prob (skipped when the update is exactly on-policy and nothing else needs it)
+    -> ref (KL only) -> values (GAE only)
+    -> adv: optional KL in reward, rollout correction (optional: TIS weights, rejection mask), then the
+       advantage estimator
     -> update_critic (GAE) -> update_actor (ppo_epochs x mini-batches x micro-batches)
     -> sync_weights (actor -> rollout engine) -> metrics, validation, checkpoint.
+
+Rollout-vs-actor mismatch (`training/rollout_probs_diff_{mean,max,std}`,
+`training/rollout_actor_probs_pearson_corr`, verl's names) is logged every step for every engine: from
+`old_log_probs` when they are computed, else by the actor from its update's own (detached, on-policy)
+logprobs of the same tokens. A rollout engine whose weights lag the actor shows up there at once.
 
 PPO: Schulman et al. 2017 (arXiv 1707.06347) with GAE; GRPO: Shao et al. 2024 (arXiv 2402.03300);
 the design follows verl's `RayPPOTrainer` (HybridFlow, Sheng et al. 2024, arXiv 2409.19256): the driver
@@ -15,8 +24,9 @@ holds data, rewards and advantages; workers (`tiller.workers`) hold models and r
 `tiller.distributed` worker groups (in-process for backend=local, Ray actors for backend=ray).
 
 Deviations from verl: the reward runs in the driver process (no separate reward worker); the critic's
-checkpoint lives in `checkpoints/critic/global_step_N` next to the actor's; `filter_groups` with
-`max_num_gen_batches=0` trains on the groups that survive instead of regenerating.
+checkpoint lives in `checkpoints/critic/global_step_N` next to the actor's; when `filter_groups` reaches
+`max_num_gen_batches` rounds without train_batch_size groups, the step trains on the groups it has (verl
+raises an error); the KL-in-reward controller is updated once per step, not once per generation round.
 """
 
 from __future__ import annotations
@@ -45,8 +55,11 @@ class RLTrainer:
         from tiller.data.rl_dataset import PromptSampler, build_rl_dataset
         from tiller.models.loading import load_tokenizer
 
+        from tiller.config.edge import report_noop_keys
+
         self.cfg = cfg
         data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+        report_noop_keys(cfg)  # one line: the verl keys the user set that have no effect here
         prepare_process(tr)
         if not arr.model.path:
             raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
@@ -64,7 +77,9 @@ class RLTrainer:
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
                                            what="data.val_files")
-        self.sampler = PromptSampler(len(self.train_ds), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        # prompts are drawn data.gen_batch_size at a time (DAPO's dynamic sampling may draw several per step)
+        self.sampler = PromptSampler(len(self.train_ds), data.gen_batch_size or data.train_batch_size,
+                                     shuffle=data.shuffle, seed=data.seed)
         self.total_steps = tr.total_training_steps or self.sampler.steps_per_epoch * tr.total_epochs
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
@@ -72,6 +87,10 @@ class RLTrainer:
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
         # on-policy (one epoch, one mini-batch): the update's own detached logprobs are the old ones
         self.on_policy = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == data.train_batch_size
+        rc = algo.rollout_correction
+        self.rollout_correction = rc.rollout_is is not None or rc.rollout_rs is not None
+        # old logprobs are computed unless the update's own detached logprobs can stand in for them
+        self.need_old_log_prob = not self.on_policy or algo.use_kl_in_reward or self.rollout_correction
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
                                            algo.kl_ctrl.horizon)
         self.entropy_ctrl = None
@@ -151,9 +170,11 @@ class RLTrainer:
                 self.tracker.log(last, step=0)
                 if tr.val_only:
                     return last
+            progress = self._progress_bar()
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 metrics = self.train_step()
+                progress.update(1)
                 is_last = self.global_step >= self.total_steps
                 if self.val_ds is not None and ((tr.test_freq > 0 and self.global_step % tr.test_freq == 0) or is_last):
                     with timer("testing", metrics):
@@ -165,6 +186,7 @@ class RLTrainer:
                 metrics["training/epoch"] = self.sampler.epoch
                 self.tracker.log(metrics, step=self.global_step)
                 last = metrics
+            progress.close()
         finally:
             self.tracker.close()
         if "jsonl" in tr.logger:  # the run's main curves as plots/main.png (`tiller report` draws them all)
@@ -173,6 +195,16 @@ class RLTrainer:
             write_plots(self.run_dir, families=False)
         return last
 
+    def _progress_bar(self):
+        """trainer.progress: a tqdm bar of the training steps on a terminal (off when stderr is not a TTY)."""
+        import sys
+
+        from tqdm.auto import tqdm
+
+        on = self.cfg.trainer.progress and sys.stderr.isatty()
+        return tqdm(total=self.total_steps, initial=self.global_step, desc="tiller rl", unit="step",
+                    disable=not on, dynamic_ncols=True, leave=False)
+
     def train_step(self) -> dict[str, float]:
         """One RL step (see the module docstring); returns its metrics."""
         from tiller.tracking import timer
@@ -180,31 +212,26 @@ class RLTrainer:
         m: dict[str, float] = {}
         actor, critic = self.actor, self.critic
         with timer("step", m):
-            prompts = self._next_prompts()
-            with timer("gen", m):
-                batch = actor.execute("generate_sequences", prompts, dispatch="dp")
-            baseline = None
-            if self.cfg.algorithm.adv_estimator == "remax":
-                with timer("gen_max", m):
-                    baseline = self._greedy_baseline(prompts)
-            with timer("reward", m):
-                self._compute_reward(batch, m)
-            if not self.on_policy or self.cfg.algorithm.use_kl_in_reward:
+            batch = self._collect_batch(m)  # gen (+ gen_max) + reward; DAPO: rounds until enough groups pass
+            if not len(batch):  # no group passed algorithm.filter_groups (within the cap): nothing to train on
+                return m
+            if self.cfg.trainer.balance_batch and self.world_size > 1:
+                batch = self._balance_batch(batch, m)
+            if self.need_old_log_prob and "old_log_probs" not in batch:
                 with timer("old_log_prob", m):
                     batch = batch.union(actor.execute("compute_log_prob", batch, dispatch="dp"))
-            if self.need_ref:
+            if "old_log_probs" in batch:
+                m.update(self._mismatch_metrics(batch))
+            if self.need_ref and "ref_log_prob" not in batch:
                 with timer("ref", m):
                     batch = batch.union(actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
             if self.use_critic:
                 with timer("values", m):
                     batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
             with timer("adv", m):
+                baseline = batch["reward_baselines"] if "reward_baselines" in batch else None
                 self._compute_advantage(batch, m, baseline)
-            kept = batch
-            if self.cfg.algorithm.filter_groups.enable:
-                with timer("filter_groups", m):
-                    kept = self._filter_groups(batch, m)
-            train_batch = self._for_update(kept)
+            train_batch = self._for_update(batch)
             if self.use_critic and len(train_batch):
                 with timer("update_critic", m):
                     m.update(critic.execute("update_critic", train_batch, dispatch="dp"))
@@ -242,9 +269,84 @@ class RLTrainer:
                     max_new_tokens=length, do_sample=r.do_sample, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                     seed=self.cfg.trainer.seed * 1_000_003 + self.global_step)
 
-    def _next_prompts(self) -> Batch:
+    def _next_prompts(self, round_: int = 1) -> Batch:
+        """The next data.gen_batch_size prompts (= train_batch_size unless DAPO's dynamic sampling)."""
         items = [self.train_ds[i] for i in self.sampler.next_batch()]
-        return self._prompt_batch(items, self._train_sampling(), tag=f"s{self.global_step}")
+        tag = f"s{self.global_step}" if round_ == 1 else f"s{self.global_step}r{round_}"
+        sampling = self._train_sampling()
+        if round_ > 1:  # each round its own samples
+            sampling["seed"] = sampling["seed"] + 7_919_993 * (round_ - 1)
+        return self._prompt_batch(items, sampling, tag=tag)
+
+    def _generate_scored(self, round_: int, m: dict) -> Batch:
+        """One generation round: prompts -> n samples each (+ ReMax's greedy baseline) -> reward."""
+        from tiller.tracking import timer
+
+        prompts = self._next_prompts(round_)
+        with timer("gen", m):
+            batch = self.actor.execute("generate_sequences", prompts, dispatch="dp")
+        if self.cfg.algorithm.adv_estimator == "remax":
+            with timer("gen_max", m):
+                batch["reward_baselines"] = self._greedy_baseline(prompts)
+        with timer("reward", m):
+            self._compute_reward(batch, m)
+        return batch
+
+    def _collect_batch(self, m: dict) -> Batch:
+        """The step's batch. With algorithm.filter_groups (DAPO dynamic sampling, Yu et al. 2025, arXiv
+        2503.14476): generation rounds of data.gen_batch_size prompts, each filtered to the groups whose
+        metric varies, until data.train_batch_size groups are collected (then exactly that many are kept)
+        or max_num_gen_batches rounds ran (0 = no cap; at the cap the step trains on what was collected,
+        where verl raises). Metrics: batch/num_gen_batches, batch/num_groups, batch/num_groups_kept."""
+        from tiller.tracking import timer
+
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return self._generate_scored(1, m)
+        want, kept, n_kept, n_seen, rounds = self.cfg.data.train_batch_size, [], 0, 0, 0
+        while n_kept < want and (fg.max_num_gen_batches <= 0 or rounds < fg.max_num_gen_batches):
+            rounds += 1
+            batch = self._generate_scored(rounds, m)
+            if fg.metric == "seq_final_reward" and self.cfg.algorithm.use_kl_in_reward:
+                batch = self._kl_inputs(batch, m)  # the filter needs the KL-penalised rewards (as verl)
+            with timer("filter_groups", m):
+                n_seen += len(set(batch["uid"]))
+                batch = self._filter_groups(batch)
+            n_kept += len(set(batch["uid"]))
+            kept.append(batch)
+        batch = Batch.concat(kept) if len(kept) > 1 else kept[0]
+        if n_kept > want:  # groups are contiguous (n rows each): keep the first train_batch_size
+            batch = batch.index(list(range(want * self.n)))
+        elif n_kept < want and rounds > 1:  # (a cap of one round asks for "train on what passes")
+            print(f"tiller: step {self.global_step}: {n_kept} of {want} groups passed "
+                  f"algorithm.filter_groups after {rounds} generation rounds (max_num_gen_batches); "
+                  "training on those")
+        m["batch/num_gen_batches"] = float(rounds)
+        m["batch/num_groups"] = float(n_seen)
+        m["batch/num_groups_kept"] = float(len(set(batch["uid"])))
+        return batch
+
+    def _kl_inputs(self, batch: Batch, m: dict) -> Batch:
+        """Old and reference logprobs of a generation round (KL in reward, before filtering)."""
+        from tiller.tracking import timer
+
+        with timer("old_log_prob", m):
+            batch = batch.union(self.actor.execute("compute_log_prob", batch, dispatch="dp"))
+        with timer("ref", m):
+            batch = batch.union(self.actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
+        return batch
+
+    def _balance_batch(self, batch: Batch, m: dict) -> Batch:
+        """trainer.balance_batch: reorder rows so each data-parallel worker's contiguous share holds an
+        equal number of tokens (verl's `_balance_batch`, metrics `global_seqlen/*`); whole groups move
+        together when the groups split evenly over the workers (`tiller.data.seqlen.balanced_order`)."""
+        from tiller.data.seqlen import balanced_order
+
+        if len(batch) % self.world_size:
+            return batch
+        order, metrics = balanced_order(batch["attention_mask"].sum(-1).tolist(), list(batch["uid"]), self.world_size)
+        m.update(metrics)
+        return batch.index(order)
 
     def _greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax's b(x): the score of the greedy response to each prompt, repeated n times -> [B]."""
@@ -303,6 +405,8 @@ class RLTrainer:
             m["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
             self.kl_ctrl.update(float(km["kl"]), n_steps=len(batch))  # verl: samples in the batch
         batch["token_level_rewards"] = rewards
+        if self.rollout_correction:  # verl's order: after KL in reward, before the estimator
+            mask = self._rollout_correction(batch, m)
         hyper = dict(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
         if baseline is not None:
             hyper["baseline_rewards"] = baseline
@@ -310,27 +414,62 @@ class RLTrainer:
         adv, ret = get_advantage_estimator(algo.adv_estimator)(rewards, mask, list(batch["uid"]), values, **hyper)
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
 
-    def _filter_groups(self, batch: Batch, m: dict) -> Batch:
-        """DAPO dynamic sampling: keep the groups whose metric is not the same for all n samples."""
-        metric = self.cfg.algorithm.filter_groups.metric
-        values = {"acc": batch["acc"], "score": batch["score"]}.get(metric)
-        if values is None:
-            values = batch["token_level_rewards"].sum(-1)
+    def _rollout_correction(self, batch: Batch, m: dict) -> torch.Tensor:
+        """TIS weights (`rollout_is_weights[B, T]`, when rollout_is is set) and the rejection mask (`loss_mask[B, T]`,
+        the response mask with rejected tokens 0) from old vs rollout logprobs; `rollout_corr/*` metrics.
+        Returns the loss mask (what the estimator and the updates use; data metrics keep `response_mask`)."""
+        from tiller.algos.rollout_correction import rollout_correction
+
+        rc = self.cfg.algorithm.rollout_correction
+        weights, loss_mask, metrics = rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold, rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
+        if rc.rollout_is is not None:
+            batch["rollout_is_weights"] = weights
+        batch["loss_mask"] = loss_mask
+        m.update({f"rollout_corr/{k}": float(v) for k, v in metrics.items()})
+        return loss_mask
+
+    def _mismatch_metrics(self, batch: Batch) -> dict[str, float]:
+        """`training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` (old vs rollout)."""
+        from tiller.algos.rollout_correction import rollout_mismatch_metrics
+
+        metrics = rollout_mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
+        return {f"training/{k}": float(v) for k, v in metrics.items()}
+
+    def _filter_groups(self, batch: Batch) -> Batch:
+        """DAPO dynamic sampling: keep the groups whose metric is not the same for all n samples (and, as
+        verl, groups of one sample). Metrics as verl's: acc, score, seq_reward = sum of
+        token_level_scores, seq_final_reward = sum of token_level_rewards (after KL in reward)."""
+        from tiller.algos.kl import apply_kl_in_reward
+
+        algo = self.cfg.algorithm
+        metric = algo.filter_groups.metric
+        if metric in ("acc", "score"):
+            values = batch[metric]
+        elif metric == "seq_final_reward" and algo.use_kl_in_reward:
+            values = apply_kl_in_reward(batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                                        batch["response_mask"], self.kl_ctrl.value, kind=algo.kl_penalty)[0].sum(-1)
+        else:
+            values = batch["token_level_scores"].sum(-1)
         by_group: dict[str, list[float]] = defaultdict(list)
         for uid, v in zip(batch["uid"], values.tolist()):
             by_group[uid].append(v)
-        keep_groups = {u for u, vs in by_group.items() if max(vs) - min(vs) > 1e-8}
+        keep_groups = {u for u, vs in by_group.items() if max(vs) - min(vs) > 1e-8 or len(vs) == 1}
         keep = np.array([u in keep_groups for u in batch["uid"]])
-        m["batch/num_groups"] = float(len(by_group))
-        m["batch/num_groups_kept"] = float(len(keep_groups))
         return batch.index(keep)
 
     def _for_update(self, batch: Batch) -> Batch:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "values") if k in batch]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "values", "rollout_is_weights") if k in batch]
+        if "old_log_probs" not in batch:  # on-policy: the actor measures the rollout mismatch in its update
+            keys.append("rollout_log_probs")
         out = batch.select(keys)
+        if "loss_mask" in batch:  # rollout correction's rejections: the updates skip those tokens
+            out["response_mask"] = batch["loss_mask"]
         a = self.cfg.actor_rollout_ref.actor
         coeff = a.entropy_coeff
         if self.entropy_ctrl is not None:
@@ -359,6 +498,8 @@ class RLTrainer:
     def _data_metrics(self, batch: Batch, m: dict) -> dict[str, float]:
         from tiller.trainer.rl_metrics import data_metrics
 
+        if not len(batch):  # no group passed algorithm.filter_groups
+            return {}
         out = data_metrics(batch, self.response_width)
         if self.use_critic and "values" in batch:
             from tiller.workers.critic import value_metrics
@@ -433,6 +574,15 @@ class RLTrainer:
         print(f"resumed from {path} (step {self.global_step})")
 
     def shutdown(self) -> None:
+        from tiller.distributed import WorkerError
+
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        try:
+            self.actor.execute("close_rollout", dispatch="all")  # stops vLLM's engine processes now
+        except WorkerError:  # a dead worker group has nothing left to close
+            pass
         for group in (self.actor, self.critic):
             if group is not None:
                 group.shutdown()

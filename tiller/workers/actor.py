@@ -15,9 +15,15 @@ aggregated with the mini-batch's global counts so the accumulated gradient is th
 then clip the global grad norm and take an AdamW step (skipped when the norm is not finite). The lr
 schedule advances once per RL step.
 
+Rollout correction: when the batch carries `rollout_is_weights[B, T]` (verl's TIS, computed by the
+driver from old vs rollout logprobs) each token's policy loss is multiplied by its weight before
+aggregation, as verl's losses do; rejected tokens arrive with response_mask 0.
+
 Deviation from verl: when the update is exactly on-policy (one epoch, one mini-batch) the behaviour
 logprobs are the detached current logprobs of the same forward, which saves a forward pass (verl does
-the same with `use_rollout_log_probs` off and on-policy batches in recent versions).
+the same with `use_rollout_log_probs` off and on-policy batches in recent versions). The rollout-vs-actor
+mismatch metrics (`training/rollout_probs_diff_*`) are then computed here, from those logprobs and the
+batch's `rollout_log_probs`, summed over micro-batches and ranks.
 
 Letters: `B` samples, `P` prompt width, `T` response width.
 """
@@ -33,6 +39,12 @@ from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits
 from tiller.algos.kl import kl_penalty
 from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
+from tiller.algos.rollout_correction import (
+    MISMATCH_SUM_KEYS,
+    merge_mismatch_sums,
+    mismatch_metrics,
+    mismatch_sums,
+)
 from tiller.distributed import context as dist_ctx
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.protocol import Batch
@@ -47,6 +59,7 @@ from tiller.workers.common import (
     response_forward,
     prepare_process,
 )
+from tiller.workers.micro_batches import MicroBatches, split_micro_batches
 
 
 def _mean(values: list[float]) -> float:
@@ -95,6 +108,7 @@ class ActorRolloutRefWorker:
     def __init__(self, config, total_training_steps: int, need_ref: bool = False):
         from tiller.models.loading import load_causal_lm, load_tokenizer
 
+        self._mismatch_parts = None
         self.cfg = config
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
@@ -152,12 +166,18 @@ class ActorRolloutRefWorker:
 
         name, r = self.rollout_cfg.name, self.rollout_cfg
         if name == "vllm":  # vLLM loads the actor's model dir; its weights follow via sync_rollout_weights
+            m = self.cfg.actor_rollout_ref.model
+            extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill)
+            if m.override_config:  # the same config changes the actor got (vLLM's own copy of the HF config)
+                extra["hf_overrides"] = dict(m.override_config)
+            if m.tokenizer_path or self.cfg.data.tokenizer:  # vLLM decodes for stop strings with it
+                extra["tokenizer"] = m.tokenizer_path or self.cfg.data.tokenizer
             return build_rollout_engine(
-                "vllm", self.cfg.actor_rollout_ref.model.path, self.tokenizer, dtype=r.dtype,
+                "vllm", m.path, self.tokenizer, dtype=r.dtype,
                 seed=self.cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
                 enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
-                max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs=dict(r.engine_kwargs))
+                max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs={**extra, **r.engine_kwargs})
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
         try:
             return build_rollout_engine(name, self.rollout_module, self.tokenizer, **opts)
@@ -252,6 +272,12 @@ class ActorRolloutRefWorker:
         else:
             self.rollout.update_weights()
 
+    def close_rollout(self) -> None:
+        """Stop the rollout engine's own processes (vLLM's EngineCore); a no-op for in-process engines."""
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------------------------- log-probs
     def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False):
         """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`)."""
@@ -268,33 +294,39 @@ class ActorRolloutRefWorker:
         return logp, entropy
 
     @torch.no_grad()
-    def _batch_logp(self, model, batch: Batch, micro: int, dtype: str) -> torch.Tensor:
+    def _batch_logp(self, model, batch: Batch, micros: MicroBatches, dtype: str) -> torch.Tensor:
         temperature = float(batch.meta.get("temperature", self.rollout_cfg.temperature))
         was_training = model.training
         model.eval()
         try:
             with autocast(dtype, self.device):
-                parts = [self._logp_entropy(model, mb, temperature, False)[0] for mb in batch.split(micro)]
+                parts = [self._logp_entropy(model, mb, temperature, False)[0] for mb in micros.batches]
         finally:
             model.train(was_training)
-        return torch.cat(parts, dim=0).cpu()
+        return micros.restore(parts).cpu()
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Behaviour-policy logprobs of the responses: Batch with `old_log_probs[B, T]`."""
-        logp = self._batch_logp(self.model, batch, self.rollout_cfg.log_prob_micro_batch_size_per_gpu,
-                                self.actor_cfg.dtype)
+        r = self.rollout_cfg
+        micros = split_micro_batches(batch, rows=r.log_prob_micro_batch_size_per_gpu,
+                                     max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                     key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+        logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype)
         return Batch({"old_log_probs": logp})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Reference-policy logprobs: Batch with `ref_log_prob[B, T]`."""
-        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        ref = self.cfg.actor_rollout_ref.ref
+        micros = split_micro_batches(batch, rows=ref.log_prob_micro_batch_size_per_gpu,
+                                     max_tokens=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
+                                     else None, key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
         if self.lora:
             with dist_ctx.unwrap_model(self.module).disable_adapter():
-                logp = self._batch_logp(self.model, batch, micro, self.actor_cfg.dtype)
+                logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype)
         else:
             if self.ref_module is None:
                 raise RuntimeError("compute_ref_log_prob: the worker was built with need_ref=False")
-            logp = self._batch_logp(self.ref_module, batch, micro, self.actor_cfg.dtype)
+            logp = self._batch_logp(self.ref_module, batch, micros, self.actor_cfg.dtype)
         return Batch({"ref_log_prob": logp})
 
     # --------------------------------------------------------------------------------- update
@@ -310,6 +342,9 @@ class ActorRolloutRefWorker:
         mini = int(batch.meta.get("mini_batch_size", len(batch)))
         entropy_coeff = float(batch.meta.get("entropy_coeff", a.entropy_coeff))
         stats: dict[str, list[float]] = {}
+        # on-policy (no old_log_probs): the mismatch is measured on the update's own logprobs
+        self._mismatch_parts = [] if "old_log_probs" not in batch and "rollout_log_probs" in batch else None
+        mismatch = {}
         self.model.train()
         for epoch in range(a.ppo_epochs):
             data = batch
@@ -320,10 +355,26 @@ class ActorRolloutRefWorker:
             for mb in data.split(mini):
                 for k, v in self._update_mini_batch(mb, entropy_coeff).items():
                     stats.setdefault(k, []).append(v)
+            if self._mismatch_parts is not None:  # after the first epoch (on-policy: the only one)
+                mismatch = self._global_mismatch(self._mismatch_parts)
+                self._mismatch_parts = None
         self.scheduler.step()
         metrics = {f"actor/{k}": _mean(v) for k, v in stats.items()}
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics.update({f"training/{k}": float(v) for k, v in mismatch.items()})
         return metrics
+
+    @staticmethod
+    def _global_mismatch(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Mismatch metrics over this rank's parts and, under torch.distributed, every rank's."""
+        sums = merge_mismatch_sums(parts) if parts else mismatch_sums(torch.zeros(0, 0), torch.zeros(0, 0),
+                                                                      torch.zeros(0, 0))
+        if dist_ctx.is_distributed():
+            total = dist_ctx.all_reduce_sum(torch.stack([sums[k] for k in MISMATCH_SUM_KEYS]))
+            sums.update(zip(MISMATCH_SUM_KEYS, total.unbind()))
+            sums["diff_max"] = torch.tensor(max(dist_ctx.all_gather_object(float(sums["diff_max"]))),
+                                            dtype=torch.float64)
+        return mismatch_metrics(sums)
 
     def _update_mini_batch(self, mb: Batch, entropy_coeff: float) -> dict[str, float]:
         a = self.actor_cfg
@@ -340,15 +391,22 @@ class ActorRolloutRefWorker:
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        micros = mb.split(a.ppo_micro_batch_size_per_gpu)
+        micros = split_micro_batches(mb, rows=a.ppo_micro_batch_size_per_gpu,
+                                     max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                     key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
         for i, micro in enumerate(micros):
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             with autocast(a.dtype, self.device):
                 logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
+            if self._mismatch_parts is not None:
+                self._mismatch_parts.append(mismatch_sums(logp.detach().cpu(), micro["rollout_log_probs"],
+                                                          micro["response_mask"]))
             adv = micro["advantages"].to(self.device)
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
+            if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
+                pg_tok = pg_tok * micro["rollout_is_weights"].to(self.device, pg_tok.dtype)
             pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
             loss = pg_loss
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)

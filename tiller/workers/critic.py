@@ -30,6 +30,7 @@ from tiller.workers.common import (
     prepare_process,
     response_forward,
 )
+from tiller.workers.micro_batches import split_micro_batches
 
 
 class CriticWorker:
@@ -84,22 +85,32 @@ class CriticWorker:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values[B, T]` (0 outside the response mask)."""
+        c = self.ccfg
+        micros = split_micro_batches(batch, rows=c.forward_micro_batch_size_per_gpu,
+                                     max_tokens=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                                     key="critic.forward_max_token_len_per_gpu")
         self.model.eval()
-        with autocast(self.ccfg.dtype, self.device, key="critic.dtype"):
-            parts = [self._values(mb) for mb in batch.split(self.ccfg.forward_micro_batch_size_per_gpu)]
+        with autocast(c.dtype, self.device, key="critic.dtype"):
+            parts = [self._values(mb) for mb in micros.batches]
         self.model.train()
-        return Batch({"values": torch.cat(parts).cpu()})
+        return Batch({"values": micros.restore(parts).cpu()})
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Fit V to `returns[B, T]` (batch also holds `values` from collection time); `critic/...` metrics.
 
-        meta: `critic_mini_batch_size` (samples per mini-batch on this rank), `ppo_epochs`.
+        meta: `critic_mini_batch_size` (samples per mini-batch on this rank), `ppo_epochs`, `global_step`
+        (seeds `critic.shuffle`).
         """
         mini = int(batch.meta.get("critic_mini_batch_size", len(batch)))
         epochs = int(batch.meta.get("ppo_epochs", 1))
         stats: dict[str, list[float]] = {}
-        for _ in range(epochs):
-            for mb in batch.split(mini):
+        for epoch in range(epochs):
+            data = batch
+            if self.ccfg.shuffle:  # seeded per step and epoch, like the actor's (its own stream)
+                g = torch.Generator().manual_seed(self.cfg.trainer.seed * 100_019 + int(batch.meta.get("global_step", 0))
+                                                  * 31 + epoch)
+                data = batch.index(torch.randperm(len(batch), generator=g))
+            for mb in data.split(mini):
                 for k, v in self._update_mini_batch(mb).items():
                     stats.setdefault(k, []).append(v)
         self.scheduler.step()
@@ -112,7 +123,9 @@ class CriticWorker:
         agg = global_counts(mb)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        micros = mb.split(c.ppo_micro_batch_size_per_gpu)
+        micros = split_micro_batches(mb, rows=c.ppo_micro_batch_size_per_gpu,
+                                     max_tokens=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                                     key="critic.ppo_max_token_len_per_gpu").batches
         for i, micro in enumerate(micros):
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()

