@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--task", choices=["arithmetic", "gsm8k"], default="arithmetic",
                    help="arithmetic (~14-token prompts) or GSM8K questions (~100-300 tokens with the kit's 512-token vocabulary)")
-    p.add_argument("--gsm8k-src", default=None, help="dir with GSM8K train/test.jsonl (default: tiller data gsm8k's)")
+    p.add_argument("--gsm8k-src", default=None, help="dir with GSM8K train/test.jsonl (default: openai/gsm8k through `datasets`, as tiller data gsm8k)")
     p.add_argument("--max-prompt", type=int, default=None, help="max prompt tokens (default 32; gsm8k 512: no GSM8K prompt is cut)")
     p.add_argument("--params", type=float, default=30e6)
     p.add_argument("--beta", type=float, default=0.0)
@@ -182,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiller-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="extra tiller config override (repeatable), e.g. actor_rollout_ref.actor.share_prompt_forward=false")
     args = p.parse_args(argv)
+    import importlib.util
+
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:  # one line naming the extra, not a traceback halfway through
+        print(f"bench/grpo_vs_trl.py needs {' and '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
     if args.max_prompt is None:
         args.max_prompt = 512 if args.task == "gsm8k" else 32
-    if args.gsm8k_src is None:
-        from tiller.data.preprocess.gsm8k import DEFAULT_SRC
-
-        args.gsm8k_src = DEFAULT_SRC
     result = {"task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
               "max_new_tokens": args.max_new, "beta": args.beta, "steps_timed": args.steps - args.warmup,
               "threads": args.threads}

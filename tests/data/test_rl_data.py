@@ -119,6 +119,50 @@ def test_gsm8k_conversion_matches_verl(tmp_path):
         gsm8k.convert(src, tmp_path / "out2")
 
 
+def test_gsm8k_without_src_loads_the_dataset_by_name(tmp_path, monkeypatch, capsys):
+    # no --src: openai/gsm8k through datasets.load_dataset (a stand-in module here: no hub in tests)
+    import sys
+    import types
+
+    from tiller.cli import main
+
+    row = {"question": "Tom has 2 apples and buys 3 more. How many?", "answer": "2+3=5\n#### 5"}
+    calls = []
+
+    def load_dataset(name, config):
+        calls.append((name, config))
+        return {"train": [row, row], "test": [row]}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert main(["data", "gsm8k", "--out", str(tmp_path / "g")]) == 0
+    assert calls == [("openai/gsm8k", "main")]
+    assert len(read_rows(tmp_path / "g" / "train.parquet")) == 2
+    assert read_rows(tmp_path / "g" / "test.parquet")[0]["reward_model"]["ground_truth"] == "5"
+
+    def offline(name, config):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    assert main(["data", "gsm8k", "--out", str(tmp_path / "h")]) == 2
+    err = capsys.readouterr().err
+    assert "openai/gsm8k" in err and "--src" in err and "Traceback" not in err
+    assert not (tmp_path / "h").exists()
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: import raises ImportError
+    assert main(["data", "gsm8k", "--out", str(tmp_path / "i")]) == 2
+    assert "pip install datasets" in capsys.readouterr().err
+
+
+def test_library_defaults_hold_no_machine_paths():
+    # a default pointing into one machine's checkout breaks on every other machine
+    import pathlib
+
+    import tiller
+
+    root = pathlib.Path(tiller.__file__).parent
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "/work/" in p.read_text()]
+    assert offenders == []
+
+
 def test_data_cli_writes_parquet(tmp_path, capsys):
     from tiller.cli import main
 

@@ -1,6 +1,7 @@
 """`tiller data <dataset> --out DIR`: write a public dataset as verl-schema parquet files.
 
     tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N]
+        (without --src: openai/gsm8k through `datasets`, from the hub or its local cache)
     tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
     tiller data reasoning-gym --task letter_counting --out data/lc [--train N --test N --format jsonl]
 """
@@ -16,8 +17,8 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="dataset", required=True)
     g = sub.add_parser("gsm8k", help="GSM8K -> train/test parquet (verl's gsm8k.py format)")
     g.add_argument("--out", required=True, help="output directory")
-    g.add_argument("--src", default=None, help="dir with GSM8K train.jsonl and test.jsonl "
-                                               "(default: /work/shared/data/gsm8k)")
+    g.add_argument("--src", default=None, help="dir with GSM8K train.jsonl and test.jsonl (default: load "
+                                               "openai/gsm8k with the `datasets` package, hub or local cache)")
     g.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
     a = sub.add_parser("arithmetic", help="the built-in demo task (tiller/arithmetic) -> train/test parquet")
     a.add_argument("--out", required=True)
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
     elif args.dataset == "gsm8k":
         from tiller.data.preprocess import gsm8k
 
-        paths = gsm8k.convert(args.src or gsm8k.DEFAULT_SRC, args.out, max_rows=args.max_rows)
+        paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows)
     else:
         from tiller.tasks import arithmetic
 
