@@ -11,6 +11,7 @@ CPU: tiller's `native` rollout, shared-prompt forward and malloc tuning; TRL's `
 trainer runs in its own subprocess (so threads, allocator settings and caches do not carry over);
 steps 1..warmup are not timed.
 
+    python bench/grpo_vs_trl.py --quick             # 2M model, 4 prompts x 4, 8 tokens, 2 steps: does it run?
     python bench/grpo_vs_trl.py [--task arithmetic|gsm8k] [--steps 4] [--prompts 8] [--n 8] [--max-new 32]
                                 [--params 30e6] [--threads 2] [--tiller-opt KEY=VALUE ...]
 
@@ -181,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # shared model/data of the subprocesses
     p.add_argument("--tiller-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="extra tiller config override (repeatable), e.g. actor_rollout_ref.actor.share_prompt_forward=false")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 2M model, 4 prompts x n=4, 8 new tokens, 2 steps (1 timed); not a measurement")
     args = p.parse_args(argv)
+    if args.quick:
+        args.params, args.prompts, args.n, args.max_new, args.steps, args.warmup = 2e6, 4, 4, 8, 2, 1
     import importlib.util
 
     missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_prompt is None:
         args.max_prompt = 512 if args.task == "gsm8k" else 32
-    result = {"task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
+    result = {"quick": args.quick, "task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
               "max_new_tokens": args.max_new, "beta": args.beta, "steps_timed": args.steps - args.warmup,
               "threads": args.threads}
     with tempfile.TemporaryDirectory(prefix="tiller-bench-") as tmp:
@@ -199,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             result.update(measure(args.only, root, args))
         else:  # separate processes: threads, allocator settings and caches do not carry from one to the other
             build_inputs(root, args)
-            own = [a for a in (argv if argv is not None else sys.argv[1:])]
+            own = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--quick"]
+            own += ["--params", str(args.params), "--prompts", str(args.prompts), "--n", str(args.n),
+                    "--max-new", str(args.max_new), "--steps", str(args.steps), "--warmup", str(args.warmup)]
             for name in ("tiller", "trl"):
                 proc = subprocess.run([sys.executable, __file__, *own, "--only", name, "--workdir", str(root)],
                                       check=True, stdout=subprocess.PIPE, text=True)

