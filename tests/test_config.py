@@ -199,3 +199,44 @@ def test_tiller_rl_with_overrides_but_no_model_is_an_error(monkeypatch):
         main_ppo.main(["data.train_batch_size=32", "trainer.total_training_steps=3"])
     monkeypatch.setattr(demo, "main", lambda argv: 7)  # `tiller rl` alone: the demo
     assert main_ppo.main([]) == 7
+
+
+def test_verl_new_layout_resolves_onto_the_legacy_keys():
+    # verl 0.8+'s reward.* / model.lora.* / fsdp_config.ulysses keys land on the keys tiller reads
+    cfg = load_config(["reward.custom_reward_function.path=/x/r.py", "reward.reward_manager.name=dapo",
+                       "reward.reward_model.enable=true", "reward.reward_model.model_path=/x/rm",
+                       "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 8}",
+                       "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=32",
+                       "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"])
+    assert cfg.custom_reward_function.path == "/x/r.py" and cfg.reward_model.reward_manager == "dapo"
+    assert cfg.reward_model.enable and cfg.reward_model.model.path == "/x/rm"
+    assert cfg.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"] == 8
+    assert (cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.model.lora_alpha) == (8, 32)
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert cfg.reward.custom_reward_function.path is None  # one canonical config: the legacy keys
+    # the same setting in both layouts names both keys
+    with pytest.raises(ConfigError, match="reward.custom_reward_function.path and custom_reward_function.path"):
+        load_config(["reward.custom_reward_function.path=/a.py", "custom_reward_function.path=/b.py"])
+    with pytest.raises(ConfigError, match="distillation.enable=True is refused"):
+        load_config(["distillation.enable=true"])
+    with pytest.raises(ConfigError, match="adapter_path"):
+        load_config(["actor_rollout_ref.model.lora.adapter_path=/x/adapter"])
+
+
+def test_sapo_tau_names_and_aliases():
+    cfg = load_config(["actor_rollout_ref.actor.policy_loss.sapo_tau_pos=2.0"])
+    assert cfg.actor_rollout_ref.actor.tau_pos == 2.0 and cfg.actor_rollout_ref.actor.tau_neg == 1.05
+    with pytest.raises(ConfigError, match="sapo_tau_neg and actor_rollout_ref.actor.tau_neg are both set"):
+        load_config(["actor_rollout_ref.actor.policy_loss.sapo_tau_neg=2.0", "actor_rollout_ref.actor.tau_neg=2.0"])
+
+
+def test_gdpo_and_bypass_config_checks():
+    with pytest.raises(ConfigError, match="gdpo_reward_keys"):
+        load_config(["algorithm.adv_estimator=gdpo", "actor_rollout_ref.rollout.n=4"])
+    with pytest.raises(ConfigError, match="one weight per key"):
+        load_config(["algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"])
+    with pytest.raises(ConfigError, match="only applies with algorithm.rollout_correction.bypass_mode=True"):
+        load_config(["algorithm.rollout_correction.loss_type=reinforce"])
+    cfg = load_config(["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+                       "actor_rollout_ref.actor.loss_agg_mode=token-sum"])
+    assert cfg.algorithm.rollout_correction.bypass_mode

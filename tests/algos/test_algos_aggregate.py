@@ -16,13 +16,16 @@ def test_worked_numbers():
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [0, 0, 0]], dtype=D)
     # token-mean: (1+2+3+4+5) / 5 = 3
     assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(3.0)
-    # seq-mean-token-sum: (6 + 9 + 0) / 3 rows = 5
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)
-    # seq-mean-token-mean: (6/3 + 9/2 + 0) / 3 = (2 + 4.5) / 3 = 2.166667 (empty row counts, adds 0)
-    assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(6.5 / 3)
-    # seq-mean-token-sum-norm: (6 + 9) / (3 rows * T=3) = 1.666667 ; with max_len 5: 15 / 15 = 1
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(15 / 9)
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_len=5).item() == pytest.approx(1.0)
+    # token-sum: 1+2+3+4+5 = 15
+    assert aggregate_loss(loss, mask, "token-sum").item() == pytest.approx(15.0)
+    # the seq-mean modes count the 2 rows with a valid token (verl excludes fully masked rows)
+    # seq-mean-token-sum: (6 + 9) / 2 rows = 7.5
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(7.5)
+    # seq-mean-token-mean: (6/3 + 9/2) / 2 = (2 + 4.5) / 2 = 3.25
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.25)
+    # seq-mean-token-sum-norm: (6 + 9) / (2 rows * T=3) = 2.5 ; with max_len 5: 15 / 10 = 1.5
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(2.5)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_len=5).item() == pytest.approx(1.5)
     # global counts replace the local ones: token-mean over 10 global tokens = 15 / 10
     assert aggregate_loss(loss, mask, "token-mean", global_tokens=10).item() == pytest.approx(1.5)
     assert aggregate_loss(loss, mask, "seq-mean-token-sum", global_seqs=torch.tensor(5)).item() == pytest.approx(3.0)
@@ -57,7 +60,8 @@ def _grad(name, logp, old, adv, mask, mode, rows, counts):
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-@pytest.mark.parametrize("name", sorted(["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov"]))
+@pytest.mark.parametrize("name", sorted(["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov",
+                                         "dppo_tv", "dppo_kl", "dro", "bypass_mode"]))
 def test_micro_batch_gradients_sum_to_mini_batch_gradient(name, mode):
     logp, old, adv, mask = _batch(0)
     counts = dict(global_tokens=mask.sum(), global_seqs=mask.shape[0], max_len=mask.shape[1])
@@ -96,4 +100,4 @@ def test_value_loss_micro_batch_invariance(mode):
 
 
 def test_all_policy_losses_covered():
-    assert len(POLICY_LOSSES.names()) == 8
+    assert len(POLICY_LOSSES.names()) == 12

@@ -18,6 +18,7 @@ import torch
 from tiller.config import load_config
 from tiller.config.validate import ADV_ESTIMATORS, POLICY_LOSSES
 from tiller.data.rl_dataset import write_rows
+from tiller.errors import ConfigError
 from tiller.tasks import arithmetic
 
 # A reward an untrained model can earn: the fraction of digits in its response (varies within a group).
@@ -99,7 +100,8 @@ def test_tiny_full_loop_learns_something(tmp_path, tiny_model_dir, rl_data, esti
     assert (tmp_path / "run" / "plots" / "main.png").stat().st_size > 0  # the run's curves, without `tiller report`
 
 
-ALL_RUNS = [("adv", e) for e in ADV_ESTIMATORS if e not in ("gae", "grpo", "rloo", "remax", "reinforce_plus_plus")]
+ALL_RUNS = [("adv", e) for e in ADV_ESTIMATORS if e not in ("gae", "grpo", "rloo", "remax", "reinforce_plus_plus",
+                                                             "gdpo")]
 ALL_RUNS += [("loss", m) for m in POLICY_LOSSES]
 
 
@@ -111,6 +113,31 @@ def test_every_estimator_and_loss_mode_runs(tmp_path, tiny_model_dir, rl_data, k
     metrics, changed, _ = _train(cfg)
     assert changed
     _finite(metrics)
+
+
+GDPO_REWARD_SRC = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    correct = float(solution_str.strip().startswith(str(ground_truth)))
+    short = float(len(solution_str) < 4)
+    return {"score": correct + short, "correct": correct, "short": short}
+"""
+
+
+def test_gdpo_reads_named_scores_and_bypass_mode_runs(tmp_path, tiny_model_dir, rl_data):
+    (tmp_path / "gdpo_reward.py").write_text(GDPO_REWARD_SRC)
+    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gdpo",
+                   f"custom_reward_function.path={tmp_path / 'gdpo_reward.py'}",
+                   "algorithm.gdpo_reward_keys=[correct,short]", "algorithm.gdpo_reward_weights=[1.0,0.5]",
+                   "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+                   "algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                   "trainer.total_training_steps=1", "data.val_files=[]")
+    metrics, changed, _ = _train(cfg)
+    assert changed
+    _finite(metrics)
+    assert "timing_s/old_log_prob" not in metrics  # bypass: the rollout logprobs are the old ones
+    assert "actor/rollout_corr/rollout_is_mean" in metrics
+    with pytest.raises(ConfigError, match="gdpo_reward_keys"):
+        make_cfg(tmp_path / "r2", tiny_model_dir, rl_data, "algorithm.adv_estimator=gdpo")
 
 
 def test_kl_loss_kl_in_reward_entropy_and_filter_groups(tmp_path, tiny_model_dir, rl_data, force_bf16):

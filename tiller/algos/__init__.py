@@ -8,7 +8,12 @@ See docs/internals.md for the contract and each module's docstring for the equat
 from tiller.algos.advantages import ADV_ESTIMATORS, get_advantage_estimator, register_advantage_estimator
 from tiller.algos.aggregate import LOSS_AGG_MODES, aggregate_loss
 from tiller.algos.diversity import diversity_from_partition, fuse_diversity
-from tiller.algos.entropy import AdaptiveEntropyController, entropy_from_logits, logprobs_from_logits
+from tiller.algos.entropy import (
+    AdaptiveEntropyController,
+    entropy_from_logits,
+    logprobs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from tiller.algos.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -24,6 +29,7 @@ from tiller.algos.policy_losses import (
 )
 from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
+from tiller.algos.token_baseline import compute_optimal_token_baseline, compute_tir_optimal_token_baseline
 from tiller.algos.utils import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
 from tiller.algos.value_loss import explained_variance, value_loss
 
@@ -38,6 +44,8 @@ __all__ = [
     "aggregate_loss",
     "apply_kl_in_reward",
     "build_kl_controller",
+    "compute_optimal_token_baseline",
+    "compute_tir_optimal_token_baseline",
     "diversity_from_partition",
     "dpo_loss",
     "entropy_from_logits",
@@ -58,5 +66,6 @@ __all__ = [
     "register_policy_loss",
     "rollout_correction",
     "rollout_mismatch_metrics",
+    "sum_pi_squared_from_logits",
     "value_loss",
 ]

@@ -33,6 +33,18 @@ Estimators (paper, and verl `verl/trainer/ppo/core_algos.py`):
   b_g = sum_i |y_i| s_i / sum_i |y_i| (length-weighted); singleton b = 0.
 - gpg: Group Policy Gradient (Chu et al. 2025, arXiv 2504.02546): A_i = alpha (s_i - mean_g) / f_norm
   with alpha = B / #(s_i != 0) (verl computes alpha this way and ignores an `alpha` argument).
+- grpo_vectorized: verl's vectorised GRPO: as grpo, but the group std is sqrt(max(var_g, epsilon)) (a
+  variance floor; groups whose variance is below epsilon differ from grpo).
+- rloo_vectorized: verl's vectorised RLOO: (n s_i - sum_g s) / (n - 1) for groups of n > 1, and 0 (not s_i,
+  as rloo) for a group of one sample.
+- gdpo: Group reward-Decoupled normalisation Policy Optimisation (NVIDIA 2026, verl `compute_gdpo_outcome_
+  advantage`): a reward function returns several named scores; each listed channel k is z-scored in its
+  group separately (GRPO, singleton mean 0 / std 1), the results are summed with weights w_k, and the sum
+  is whitened over the batch's valid tokens:
+      A_i = whiten( sum_k w_k (c_ik - mean_g c_k) / (std_g c_k + epsilon) )
+  `reward_components` maps each name of `gdpo_reward_keys` to its scores [B]; `gdpo_reward_weights`
+  defaults to all 1. Without components (a direct call) the single channel is the summed token reward.
+- optimal_token_baseline / tir_optimal_token_baseline: see `tiller.algos.token_baseline`.
 
 Deviations from verl: outputs are exactly 0 outside `response_mask` (verl leaves values there for
 gae / remax); scores are summed under the mask; opo's baseline is 0 for a group whose responses
@@ -63,7 +75,11 @@ ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", "algorit
 register_advantage_estimator = ADV_ESTIMATORS.register
 
 #: keyword names any estimator accepts (each uses its own subset).
-ADV_HYPER = ("gamma", "lam", "epsilon", "norm_adv_by_std_in_grpo", "baseline_rewards", "f_norm")
+ADV_HYPER = (
+    "gamma", "lam", "epsilon", "norm_adv_by_std_in_grpo", "baseline_rewards", "f_norm",
+    "reward_components", "gdpo_reward_keys", "gdpo_reward_weights",  # gdpo
+    "old_logp", "sum_pi_squared", "rollout_is_weights", "handle_zero_tail",  # optimal token baseline
+)
 
 
 def get_advantage_estimator(name: str) -> AdvantageFn:
@@ -323,4 +339,105 @@ def compute_gpg(
         alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
         mean, _, _ = _group_baseline_stats(scores, group_index)
         adv = _broadcast(alpha * (scores - mean) / f_norm, response_mask)
+    return adv, adv
+
+
+@register_advantage_estimator("grpo_vectorized")
+def compute_grpo_vectorized(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: Any,
+    values: torch.Tensor | None = None,
+    *,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **extra: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorised GRPO: the group std floored at sqrt(epsilon); singleton mean 0, std 1."""
+    reject_unknown("grpo_vectorized", extra, ADV_HYPER)
+    _check_shapes(token_rewards, response_mask, group_index)
+    with torch.no_grad():
+        scores = _scores(token_rewards, response_mask)
+        ids, g = group_ids(group_index, device=scores.device)
+        n = group_counts(ids, g, scores.dtype)
+        mean = group_mean(scores, ids, g)
+        sq = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, ids, (scores - mean[ids]) ** 2)
+        std = torch.sqrt((sq / (n - 1).clamp(min=1)).clamp(min=epsilon))
+        single = n <= 1
+        mean = torch.where(single, torch.zeros_like(mean), mean)[ids]
+        std = torch.where(single, torch.ones_like(std), std)[ids]
+        adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
+        adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@register_advantage_estimator("rloo_vectorized")
+def compute_rloo_vectorized(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: Any,
+    values: torch.Tensor | None = None,
+    **extra: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorised RLOO: (n s_i - sum_g s) / (n - 1), and 0 for a group of one."""
+    reject_unknown("rloo_vectorized", extra, ADV_HYPER)
+    _check_shapes(token_rewards, response_mask, group_index)
+    with torch.no_grad():
+        scores = _scores(token_rewards, response_mask)
+        ids, g = group_ids(group_index, device=scores.device)
+        n = group_counts(ids, g, scores.dtype)[ids]
+        total = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, ids, scores)[ids]
+        adv = torch.where(n > 1, (n * scores - total) / (n - 1).clamp(min=1), torch.zeros_like(scores))
+        adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@register_advantage_estimator("gdpo")
+def compute_gdpo(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: Any,
+    values: torch.Tensor | None = None,
+    *,
+    reward_components: dict[str, Any] | None = None,
+    gdpo_reward_keys: list[str] | None = None,
+    gdpo_reward_weights: list[float] | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **extra: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: each reward channel z-scored in its group, weighted sum, whitened over the batch.
+
+    Args:
+        reward_components: name -> per-sample scores [B] (list, array or tensor), from the reward pipeline.
+        gdpo_reward_keys: the channels to use, in order (algorithm.gdpo_reward_keys).
+        gdpo_reward_weights: one weight per key; None = all 1 (algorithm.gdpo_reward_weights).
+    """
+    reject_unknown("gdpo", extra, ADV_HYPER)
+    _check_shapes(token_rewards, response_mask, group_index)
+    keys = list(gdpo_reward_keys or [])
+    if keys:
+        if reward_components is None:
+            raise ConfigError("algorithm.adv_estimator=gdpo: the reward function returned no named scores; it "
+                              f"must return a dict with the keys of algorithm.gdpo_reward_keys {keys}")
+        missing = [k for k in keys if k not in reward_components]
+        if missing:
+            raise DataError(f"algorithm.gdpo_reward_keys {missing} not among the reward function's named scores "
+                            f"{sorted(reward_components)}; return them in the dict of compute_score")
+        channels = [torch.as_tensor(np.asarray(reward_components[k], dtype=np.float64), dtype=token_rewards.dtype,
+                                    device=token_rewards.device) for k in keys]
+    else:
+        channels = [_scores(token_rewards, response_mask)]
+    weights = [1.0] * len(channels) if gdpo_reward_weights is None else [float(w) for w in gdpo_reward_weights]
+    if len(weights) != len(channels):
+        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(channels)} "
+                          "algorithm.gdpo_reward_keys: give one weight per key")
+    with torch.no_grad():
+        total = torch.zeros_like(channels[0])
+        for w, c in zip(weights, channels):
+            if c.shape != total.shape:
+                raise DataError(f"gdpo: a reward channel has {tuple(c.shape)} scores for {total.shape[0]} samples")
+            mean, std, _ = _group_baseline_stats(c, group_index)
+            total = total + w * ((c - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else c - mean)
+        adv = masked_whiten(_broadcast(total, response_mask), response_mask)
     return adv, adv

@@ -2,6 +2,7 @@
 
 Modes (verl's names; `m` = response mask, `l` = per-token loss, `n_i` = sum_t m_it):
 - token-mean:              sum_it l m / N_tok              (DAPO's token-level mean)
+- token-sum:               sum_it l m                      (no normaliser: the loss scales with the batch)
 - seq-mean-token-sum:      sum_i (sum_t l m) / N_seq
 - seq-mean-token-mean:     sum_i (sum_t l m / n_i) / N_seq (GRPO's original 1/|o_i| per sequence)
 - seq-mean-token-sum-norm: sum_i (sum_t l m) / (N_seq * L_max)  (Dr.GRPO's constant normaliser)
@@ -11,13 +12,17 @@ counts of the whole mini-batch, so that for micro-batches b_1..b_k of a mini-bat
     sum_j aggregate_loss(l[b_j], m[b_j], mode, global counts) == aggregate_loss(l, m, mode, same counts)
 exactly (every mode is a sum over rows divided by a constant), and gradient accumulation by plain
 `.backward()` on each micro-batch yields the mini-batch gradient. Without the keywords the local
-counts are used (N_tok = local valid tokens, N_seq = local rows, L_max = T).
+counts are used (N_tok = local valid tokens, N_seq = local rows with at least one valid token
+(`count_sequences`), L_max = T).
+
+N_seq counts only sequences with at least one valid token, as verl does since early 2026 ("exclude
+fully masked sequences"): an empty response (or a row fully rejected by rollout correction, or a padding
+row) no longer dilutes the seq-mean modes. Before that change tiller (and verl) counted every row.
 
 Deviations from verl:
 - verl's legacy actor aggregates each micro-batch with its own counts and scales by 1/#micro-batches,
   which biases token-mean when micro-batches hold different token counts; tiller does not.
-- A row with no valid token contributes 0 to seq-mean-token-mean (verl divides 0 by 0) but still
-  counts in N_seq, like every row.
+- A row with no valid token contributes 0 to seq-mean-token-mean (verl: 0 / 1e-8 = 0, the same).
 - seq-mean-token-sum-norm divides by N_seq * L_max (Dr.GRPO: (1/G) sum_i sum_t / MAX_TOKENS); verl's
   legacy code divides only by L_max per micro-batch, i.e. a constant factor (micro-batch size) larger.
 """
@@ -29,13 +34,20 @@ import torch
 from tiller.algos.utils import masked_sum
 from tiller.errors import ConfigError
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+)
 
 Count = int | float | torch.Tensor
 
 
 def _as_denominator(value: Count, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def count_sequences(response_mask: torch.Tensor) -> torch.Tensor:
+    """N_seq of the seq-mean modes: rows of `response_mask[B, T]` with at least one valid token (0-dim)."""
+    return (response_mask.sum(-1) > 0).sum()
 
 
 def aggregate_loss(
@@ -51,7 +63,8 @@ def aggregate_loss(
 
     Args:
         global_tokens: valid tokens in the whole mini-batch (token-mean).
-        global_seqs: sequences in the whole mini-batch (the seq-mean-* modes).
+        global_seqs: sequences with at least one valid token in the whole mini-batch (the seq-mean-*
+            modes; `count_sequences`).
         max_len: Dr.GRPO's constant (seq-mean-token-sum-norm); default T.
     """
     if mode not in LOSS_AGG_MODES:
@@ -62,7 +75,9 @@ def aggregate_loss(
     if mode == "token-mean":
         n_tok = fmask.sum() if global_tokens is None else global_tokens
         return masked_sum(per_token_loss, response_mask) / _as_denominator(n_tok, per_token_loss)
-    n_seq = per_token_loss.shape[0] if global_seqs is None else global_seqs
+    if mode == "token-sum":
+        return masked_sum(per_token_loss, response_mask)
+    n_seq = count_sequences(response_mask) if global_seqs is None else global_seqs
     seq_sum = masked_sum(per_token_loss, response_mask, dim=-1)
     if mode == "seq-mean-token-sum":
         return seq_sum.sum() / _as_denominator(n_seq, per_token_loss)

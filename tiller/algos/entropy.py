@@ -9,6 +9,9 @@ gradient, only one chunk's softmax (chunk_size x V) is ever alive.
 = z_label - logsumexp(z), chunked the same way (gradient onehot(label) - p); no full log_softmax
 tensor is materialised. Both are first-order differentiable only (no double backward).
 
+`sum_pi_squared_from_logits(logits[..., V])` -> [...]: sum_v softmax(z)_v^2 per position, chunked, no
+gradient (the optimal token baseline's variance proxy; verl computes it in the actor's forward).
+
 AdaptiveEntropyController (Skywork-OR1, He et al. 2025, arXiv 2505.22312, "adaptive entropy
 control"): a coefficient c_k, target entropy H*, step delta and cap c_max. After each step with
 observed entropy H_k: c_{k+1} = clip(c_k + delta * sign(H* - H_k), 0, c_max). The entropy bonus
@@ -111,6 +114,17 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
     flat = logits.reshape(-1, logits.shape[-1])
     return _ChunkedLogProb.apply(flat, labels.reshape(-1).long(), chunk_size).reshape(labels.shape)
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
+    """sum_v softmax(logits)_v^2 per position: logits [..., V] -> [...] float32 (no gradient)."""
+    _check_chunk(chunk_size)
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    for s in range(0, flat.shape[0], chunk_size):
+        out[s : s + chunk_size] = torch.softmax(flat[s : s + chunk_size].float(), dim=-1).pow(2).sum(-1)
+    return out.reshape(logits.shape[:-1])
 
 
 class AdaptiveEntropyController:

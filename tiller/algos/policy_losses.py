@@ -24,8 +24,10 @@ Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / e
 - cispo: -sg(clip(r, 1-eps_lo, 1+eps_hi)) A logp (MiniMax-M1, arXiv 2506.13585): every token keeps
   its gradient, the clipped IS weight is a constant. The loss *value* contains logp (only its
   gradient is meaningful).
-- sapo: soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, loss -f(r) A, tau = sapo_tau_pos for A > 0
-  else sapo_tau_neg (Gao et al. 2025, arXiv 2511.20347). Intended with seq-mean-token-mean.
+- sapo: soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, loss -f(r) A, tau = tau_pos for A > 0
+  else tau_neg (Gao et al. 2025, arXiv 2511.20347; verl's `actor.tau_pos` / `actor.tau_neg`; the older
+  names sapo_tau_pos / sapo_tau_neg are accepted, both spellings at once is an error). Intended with
+  seq-mean-token-mean.
 - geo_mean: GMPO (Zhao et al. 2025, arXiv 2507.20673): per-sequence loss -mean_t(A) exp(mean_t
   clip_sgn(rho)), where rho is clipped to [-eps_lo, eps_hi] on the side that limits the update for
   the sign of A. tiller returns that sequence loss on every valid token of the row, so
@@ -36,10 +38,28 @@ Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / e
   arXiv 2505.22617). Pass `generator` for reproducible selection.
 - kl_cov: unclipped -A r; the top max(1, floor(kl_cov_ratio * N_valid)) tokens by that covariance
   get an extra ppo_kl_coef |rho| penalty (same paper).
+- dppo_tv / dppo_kl: Divergence PPO (arXiv 2602.04879): instead of clipping the ratio, a token whose
+  update already moved the *probability* too far is masked out of the gradient. With p = exp(logp),
+  p_old = exp(old_logp) and thresholds d_lo / d_hi (verl reuses clip_ratio_low / _high for them):
+      dppo_tv: valid = (p - p_old <= d_hi) if A > 0 else (p - p_old >= -d_lo)
+      dppo_kl: D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) (binary KL);
+               valid = (D <= d_hi or p <= p_old) if A > 0 else (D <= d_lo or p >= p_old)
+  loss = -A sg(min(r, clip_ratio_c)) logp valid: grad = -A min(r, c) grad logp on valid tokens, 0 elsewhere
+  (like cispo, the loss *value* contains logp). pg_clipfrac = fraction of invalid tokens,
+  pg_clipfrac_lower = fraction of valid tokens whose ratio exceeds c.
+- dro: Direct Reward Optimisation with a quadratic log-ratio penalty:
+  loss = -(A logp - dro_beta / 2 (logp - old_logp)^2); grad = -(A - dro_beta rho) grad logp.
+- bypass_mode: verl's loss for `algorithm.rollout_correction.bypass_mode=True`, where old_logp IS the rollout
+  engine's logprobs (no recompute). The rollout correction of `tiller.algos.rollout_correction` is computed
+  inside the loss from the *current* policy: weights w and rejection mask from sg(p) / p_rollout. Then
+  `loss_type=ppo_clip`: vanilla PPO clip against p_rollout on the kept tokens (no w: the ratio already is
+  the IS correction); `loss_type=reinforce`: -A w logp on the kept tokens. Metrics add the correction's
+  (`rollout_is_*`, `rollout_rs_*`, off-policy diagnostics) under their verl names.
 
 Deviations from verl: losses are returned per token; metrics are tensors (no `.item()`); clip_cov /
 kl_cov choose tokens with a rank test instead of `.item()` + topk (same distribution / same tokens
-up to ties); clip_cov, kl_cov and geo_mean clamp rho to [-20, 20] like vanilla so extreme ratios
+up to ties); dppo_tv / dppo_kl default clip_ratio_c to 20 when called bare, but the trainer passes
+actor.clip_ratio_c (3.0 by default) exactly as verl's config does; dro clamps nothing (as verl); clip_cov, kl_cov and geo_mean clamp rho to [-20, 20] like vanilla so extreme ratios
 stay finite (verl leaves geo_mean's clamp commented out: exp(mean rho) overflows float32); geo_mean uses
 max(n_i, 1) where verl uses n_i + 1e-8 (a 1e-8 relative difference). Covariance statistics of
 clip_cov / kl_cov are per call (per micro-batch), as in verl and the paper's code.
@@ -61,7 +81,9 @@ register_policy_loss = POLICY_LOSSES.register
 #: keyword names any policy loss accepts (each uses its own subset; `loss_mode` is ignored).
 POLICY_HYPER = (
     "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb",
-    "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "sapo_tau_pos", "sapo_tau_neg", "loss_mode", "generator",
+    "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg", "sapo_tau_pos", "sapo_tau_neg",
+    "dro_beta", "loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+    "rollout_rs_threshold", "loss_mode", "generator",
 )
 
 #: the aggregation verl forces for these losses; the trainer should use it (others: config's choice).
@@ -168,15 +190,25 @@ def cispo_loss(
 @register_policy_loss("sapo")
 def sapo_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-    *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05, **extra: Any,
+    *, tau_pos: float | None = None, tau_neg: float | None = None, sapo_tau_pos: float | None = None,
+    sapo_tau_neg: float | None = None, **extra: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAPO: smooth sigmoid gate in place of the hard clip."""
+    """SAPO: smooth sigmoid gate in place of the hard clip (tau_pos 1.0, tau_neg 1.05 by default)."""
     reject_unknown("sapo", extra, POLICY_HYPER)
+    tau_pos = _one_of("tau_pos", tau_pos, "sapo_tau_pos", sapo_tau_pos, 1.0)
+    tau_neg = _one_of("tau_neg", tau_neg, "sapo_tau_neg", sapo_tau_neg, 1.05)
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages > 0, torch.as_tensor(sapo_tau_pos, dtype=logp.dtype), torch.as_tensor(sapo_tau_neg, dtype=logp.dtype))
+    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=logp.dtype), torch.as_tensor(tau_neg, dtype=logp.dtype))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return _zero_outside(-gate * advantages, response_mask), _metrics(response_mask, log_ratio)
+
+
+def _one_of(name: str, value: float | None, alias: str, alias_value: float | None, default: float) -> float:
+    """A hyper-parameter with an old alias: either spelling, never both."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"sapo: {name} and {alias} are the same setting; give one")
+    return default if value is None and alias_value is None else (value if value is not None else alias_value)
 
 
 @register_policy_loss("geo_mean")
@@ -261,4 +293,95 @@ def kl_cov_loss(
     loss = torch.where(selected, base + ppo_kl_coef * abs_kl, base)
     metrics = _metrics(response_mask, log_ratio)
     metrics["ppo_kl"] = masked_mean(abs_kl, response_mask).detach()
+    return _zero_outside(loss, response_mask), metrics
+
+
+def _dppo_loss(logp, old_logp, advantages, response_mask, valid, clip_ratio_c):
+    """-A sg(min(r, c)) logp on valid tokens; metrics of the masked tokens (shared by both DPPO variants)."""
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    valid = valid.detach().to(logp.dtype)
+    loss = -advantages * torch.clamp(ratio, max=clip_ratio_c).detach() * logp * valid
+    clipfrac = masked_mean(1.0 - valid, response_mask)
+    lower = masked_mean((ratio > clip_ratio_c).to(logp.dtype) * valid, response_mask)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac, lower)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 20.0, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV: mask tokens whose probability moved more than the TV threshold (see module doc)."""
+    reject_unknown("dppo_tv", extra, POLICY_HYPER)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    diff = (torch.exp(logp) - torch.exp(old_logp)).detach()
+    valid = torch.where(advantages > 0, diff <= high, diff >= -low)
+    return _dppo_loss(logp, old_logp, advantages, response_mask, valid, clip_ratio_c)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, clip_ratio: float = 0.2, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 20.0, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL: mask tokens whose binary KL(p_old || p) passed the threshold in the direction of A."""
+    reject_unknown("dppo_kl", extra, POLICY_HYPER)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    lp, olp = logp.detach(), old_logp
+    p, p_old = torch.exp(lp), torch.exp(olp)
+    binary_kl = p_old * (olp - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    valid = torch.where(advantages > 0, (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old))
+    return _dppo_loss(logp, old_logp, advantages, response_mask, valid, clip_ratio_c)
+
+
+@register_policy_loss("dro")
+def dro_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, dro_beta: float = 0.1, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO: -(A logp - beta / 2 (logp - old_logp)^2), no ratio, no clip."""
+    reject_unknown("dro", extra, POLICY_HYPER)
+    if not dro_beta > 0:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.dro_beta must be > 0, got {dro_beta}")
+    log_ratio = logp - old_logp
+    loss = -(advantages * logp - 0.5 * dro_beta * log_ratio**2)
+    return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio)
+
+
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+@register_policy_loss("bypass_mode")
+def bypass_mode_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, loss_type: str = "ppo_clip", rollout_is: str | None = None, rollout_is_threshold: float = 2.0,
+    rollout_is_batch_normalize: bool = False, rollout_rs: str | None = None,
+    rollout_rs_threshold: str | float | None = None, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode: `old_logp` are the rollout engine's logprobs; correction from sg(logp) vs them (module doc).
+
+    Other keywords (clip_ratio*, clip_ratio_c) go to vanilla for loss_type=ppo_clip.
+    """
+    from tiller.algos.rollout_correction import rollout_correction
+
+    reject_unknown("bypass_mode", extra, POLICY_HYPER)
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ConfigError(f"algorithm.rollout_correction.loss_type = {loss_type!r} is not one of: "
+                          f"{', '.join(BYPASS_LOSS_TYPES)}")
+    weights, kept, corr = rollout_correction(
+        logp.detach(), old_logp, response_mask, rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold)
+    if loss_type == "ppo_clip":
+        vanilla_hyper = {k: v for k, v in extra.items() if k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high",
+                                                                  "clip_ratio_c")}
+        loss, metrics = vanilla_loss(logp, old_logp, advantages, kept, **vanilla_hyper)
+    else:
+        w = weights.to(logp.dtype) if rollout_is is not None else torch.ones_like(logp)
+        loss = _zero_outside(-advantages * logp * w, kept)
+        metrics = _metrics(kept, logp - old_logp)
+    metrics.update(corr)
     return _zero_outside(loss, response_mask), metrics

@@ -1,11 +1,13 @@
-"""`tiller config show|keys`: the resolved config, and the state of every verl key.
+"""`tiller config show|explain|keys`: the resolved config, its batch arithmetic, and the state of every verl key.
 
     tiller config show [--config FILE | --config-path DIR --config-name NAME] [--preset NAME] [key=value ...]
+    tiller config explain [same options as show]
     tiller config keys [--markdown]
 
 `show` prints the resolved RL config as YAML (and, on stderr, the verl keys you set that have no effect in
 tiller); `keys` lists every key with its state (honoured / no-op / refused) and why, `--markdown` as the
-table committed in docs/verl-keys.md.
+table committed in docs/verl-keys.md. `explain` prints what the batch sizes mean together (samples, mini-batches,
+micro-batches per rank, steps) and a peak-memory estimate per rank read from the model's config.json.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print the resolved RL config as YAML")
     add_config_args(show)
+    explain = sub.add_parser("explain", help="batch arithmetic and a peak-memory estimate per rank, before a run")
+    add_config_args(explain)
     keys = sub.add_parser("keys", help="every RL key: honoured, no-op or refused, and why")
     keys.add_argument("--markdown", action="store_true", help="the table of docs/verl-keys.md")
     args = parser.parse_args(argv)
@@ -58,6 +62,11 @@ def main(argv: list[str]) -> int:
 
     cfg = load_config(args.overrides, config_file=args.config, preset=args.preset)
     report_noop_keys(cfg)
+    if args.action == "explain":
+        from tiller.config.explain import explain
+
+        print(explain(cfg), end="")
+        return 0
     print(to_yaml(cfg), end="")
     return 0
 

@@ -79,22 +79,29 @@ _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same;
 _VLLM = "a vLLM engine knob"
 
 RULES: dict[str, Rule] = {
+    "distillation.enable": refused(
+        "on-policy distillation (a teacher model's logprobs as the reward) is not built in tiller",
+        use="distill offline with `tiller sft` on the teacher's generations", allowed=(False,)),
+    "actor_rollout_ref.model.lora.adapter_path": refused(
+        "tiller starts new LoRA adapters; loading a saved adapter is not built",
+        use="merge the adapter into the base model and point model.path at it", allowed=(None,)),
+    "actor_rollout_ref.model.lora.merge": noop("tiller always syncs merged weights (base + adapters) to the rollout "
+                                               "engine"),
     "actor_rollout_ref.hybrid_engine": refused(
         "tiller runs actor, rollout and reference in one worker (verl's hybrid engine); the split layout is "
         "not built", use="leave it True", allowed=(True,)),
     "actor_rollout_ref.rollout.multi_turn.format": refused(
         "tiller's agent loop parses Hermes / Qwen tool calls (<tool_call>{json}</tool_call>) only",
         use="format=hermes with a model whose chat template emits <tool_call> blocks", allowed=("hermes",)),
-    "algorithm.rollout_correction.bypass_mode": refused(
-        "bypass mode (rollout logprobs as the old logprobs) is not built", use="the default decoupled mode "
-        "(bypass_mode=False: the actor recomputes the old logprobs)", allowed=(False,)),
-    "algorithm.rollout_correction.loss_type": refused(
-        "only bypass mode has a choice of loss, and bypass mode is not built", use="leave it at ppo_clip",
-        allowed=("ppo_clip",)),
     "actor_rollout_ref.model.use_remove_padding": noop(_PADDING),
     "critic.model.use_remove_padding": noop(_PADDING),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
+    "actor_rollout_ref.model.use_fused_kernels": noop("tiller computes logprobs chunk by chunk from the logits (no "
+                                                      "fused LM-head kernels)"),
+    "actor_rollout_ref.actor.calculate_sum_pi_squared": noop(
+        "tiller's old-logprob forward returns sum pi^2 whenever algorithm.adv_estimator is an optimal token "
+        "baseline (the only user), set or not"),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": noop(_ULYSSES),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": noop(_ULYSSES),
     "critic.ulysses_sequence_parallel_size": noop(_ULYSSES),
@@ -136,6 +143,8 @@ DEPRECATED: dict[str, tuple[str, bool]] = {
     "critic.forward_micro_batch_size": ("critic.forward_micro_batch_size_per_gpu", True),
     "reward_model.micro_batch_size": ("reward_model.micro_batch_size_per_gpu", True),
     "actor_rollout_ref.actor.use_token_level_loss": ("actor_rollout_ref.actor.loss_agg_mode", False),
+    "actor_rollout_ref.actor.policy_loss.sapo_tau_pos": ("actor_rollout_ref.actor.tau_pos", False),
+    "actor_rollout_ref.actor.policy_loss.sapo_tau_neg": ("actor_rollout_ref.actor.tau_neg", False),
 }
 for _key, (_successor, _) in DEPRECATED.items():
     RULES[_key] = Rule(HONOURED, f"deprecated: converted to {_successor} at load time")
@@ -172,6 +181,29 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 _section_rules()
 
+# verl 0.8+ layout key -> the legacy key tiller resolves it onto (verl's own migration, in reverse)
+LAYOUT_ALIASES: dict[str, str] = {
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_kwargs": "reward_model.reward_kwargs",
+    "reward.num_workers": "reward_model.num_workers",
+    "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.lora.target_modules": "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size":
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size":
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+}
+for _f in ("path", "name", "reward_kwargs", "overlong_buffer.enable", "overlong_buffer.len",
+           "overlong_buffer.penalty_factor", "overlong_buffer.log"):
+    LAYOUT_ALIASES[f"reward.custom_reward_function.{_f}"] = f"custom_reward_function.{_f}"
+for _new, _old in LAYOUT_ALIASES.items():
+    RULES.setdefault(_new, Rule(HONOURED, f"verl 0.8+ layout: the same setting as {_old} (resolved onto it at load "
+                                          "time; setting both is an error)"))
+
 
 # ------------------------------------------------------------------------------------------ access
 def get(cfg: Any, path: str) -> Any:
@@ -200,9 +232,21 @@ def _given(cfg: RLConfig, path: str) -> bool:
     return path in keys
 
 
+def _given_under(cfg: RLConfig, path: str) -> bool:
+    """`path` or, for an open-ended mapping, a key inside it was set by the user."""
+    from tiller.config.loader import given_keys
+
+    keys = given_keys(cfg)
+    if keys is None:
+        return get(cfg, path) != _default(path)
+    return any(k == path or k.startswith(path + ".") for k in keys)
+
+
 # ------------------------------------------------------------------------------------ at load time
 def apply_edge(cfg: RLConfig) -> None:
-    """Convert deprecated keys, resolve keys that follow another key, raise on refused values."""
+    """Resolve verl's two layouts, convert deprecated keys, resolve keys that follow another key, raise on refused
+    values."""
+    _resolve_layouts(cfg)
     _convert_deprecated(cfg)
     _resolve_followers(cfg)
     for path, rule in RULES.items():
@@ -211,6 +255,18 @@ def apply_edge(cfg: RLConfig) -> None:
         value = get(cfg, path)
         if value != _default(path) and value not in rule.allowed:
             raise ConfigError(f"{path}={value!r} is refused: {rule.reason}. Instead: {rule.use}")
+
+
+def _resolve_layouts(cfg: RLConfig) -> None:
+    """verl 0.8+ keys (`reward.*`, `model.lora.*`, `fsdp_config.ulysses_sequence_parallel_size`) onto the legacy
+    keys tiller reads; the new-layout key goes back to its default so `tiller config show` prints one config."""
+    for new, old in LAYOUT_ALIASES.items():
+        if not _given_under(cfg, new):
+            continue
+        if _given_under(cfg, old):
+            raise ConfigError(f"{new} and {old} are the same setting (verl's newer and older layouts): set one of them")
+        _set(cfg, old, get(cfg, new))
+        _set(cfg, new, _default(new))
 
 
 def _convert_deprecated(cfg: RLConfig) -> None:
@@ -225,6 +281,8 @@ def _convert_deprecated(cfg: RLConfig) -> None:
         if old.endswith("use_token_level_loss"):
             converted: Any = "token-mean" if value else "seq-mean-token-mean"
             how = f"{new}={converted}"
+        elif not divide:  # a renamed key: the same value under verl's current name
+            converted, how = value, f"the older name of {new}"
         else:
             if value % workers or value < workers:
                 raise ConfigError(f"{old}={value} is a global size (deprecated in verl): it must be a multiple of "

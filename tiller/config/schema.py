@@ -85,6 +85,25 @@ class FSDPConfig:
     """Dtype of the sharded parameters (verl); tiller keeps fp32 master weights (compute dtype: actor.dtype)."""
     wrap_policy: dict[str, Any] = field(default_factory=dict)
     """FSDP wrap policy (verl); tiller wraps each decoder layer (open-ended: use +key=value)."""
+    ulysses_sequence_parallel_size: Optional[int] = None
+    """verl 0.8+'s place of <section>.ulysses_sequence_parallel_size (the same no-op: whole sequences per worker)."""
+
+
+@dataclass
+class LoraConfig:
+    """verl 0.8+'s `actor_rollout_ref.model.lora` section: resolved at load time onto the older flat keys
+    (model.lora_rank, lora_alpha, target_modules); setting a key in both places is an error."""
+
+    rank: Optional[int] = None
+    """= model.lora_rank (LoRA rank; 0 = full fine-tuning)."""
+    alpha: Optional[int] = None
+    """= model.lora_alpha."""
+    target_modules: Any = None
+    """= model.target_modules (a list of module names or 'all-linear')."""
+    merge: bool = False
+    """verl: merge the adapters into the base weights for the rollout sync; tiller always syncs merged weights."""
+    adapter_path: Optional[str] = None
+    """verl: start from a saved LoRA adapter; refused (tiller starts new adapters)."""
 
 
 @dataclass
@@ -103,6 +122,8 @@ class ModelConfig:
     """verl: pack sequences without padding (flash-attn varlen); tiller pads, trimmed per micro-batch."""
     use_shm: bool = False
     """verl: copy the model to /dev/shm before loading; tiller loads from model.path."""
+    use_fused_kernels: bool = False
+    """verl: fused LM-head + logprob kernels; tiller computes logprobs chunk by chunk from the logits."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
     lora_rank: int = 0
@@ -111,6 +132,8 @@ class ModelConfig:
     """LoRA alpha."""
     target_modules: Any = "all-linear"
     """LoRA target modules: a list of module names or 'all-linear'."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """verl 0.8+'s LoRA section (the same settings as lora_rank / lora_alpha / target_modules)."""
 
 
 @dataclass
@@ -138,7 +161,8 @@ class OptimConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """Policy loss: vanilla | gspo | gpg | cispo | sapo | geo_mean | clip_cov | kl_cov."""
+    """Policy loss: vanilla | gspo | gpg | cispo | sapo | geo_mean | clip_cov | kl_cov | dppo_tv | dppo_kl | dro
+    (bypass_mode is chosen by algorithm.rollout_correction.bypass_mode)."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of tokens clipped by covariance."""
     clip_cov_lb: float = 1.0
@@ -149,10 +173,12 @@ class PolicyLossConfig:
     """kl_cov: fraction of tokens given the KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of the KL penalty."""
-    sapo_tau_pos: float = 1.0
-    """sapo: temperature of the soft gate for positive advantages."""
-    sapo_tau_neg: float = 1.05
-    """sapo: temperature of the soft gate for negative advantages."""
+    sapo_tau_pos: Optional[float] = None
+    """Older name of actor.tau_pos (converted at load time; setting both is an error)."""
+    sapo_tau_neg: Optional[float] = None
+    """Older name of actor.tau_neg (converted at load time; setting both is an error)."""
+    dro_beta: float = 0.1
+    """dro: weight of the quadratic log-ratio penalty beta/2 (logp - old_logp)^2 (> 0)."""
 
 
 @dataclass
@@ -205,9 +231,14 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None
     """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
     clip_ratio_c: float = 3.0
-    """Dual-clip constant for negative advantages (> 1)."""
+    """Dual-clip constant for negative advantages (> 1); dppo_tv / dppo_kl: the cap of the IS ratio."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for positive advantages."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the soft gate for negative advantages."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (the seq-mean
+    modes count only sequences with at least one valid token, as verl)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
@@ -220,6 +251,9 @@ class ActorConfig:
     """kl | abs | mse | low_var_kl | k3+ (straight-through)."""
     use_torch_compile: bool = False
     """torch.compile the actor forward."""
+    calculate_sum_pi_squared: bool = False
+    """verl: return sum_v pi(v)^2 from the old-logprob forward (optimal token baseline); tiller computes it whenever
+    algorithm.adv_estimator needs it."""
     share_prompt_forward: bool = True
     """Run each distinct prompt of a micro-batch once and reuse its KV cache for all its samples, in the
     actor, old-logprob and reference forwards (exact; the n samples of a group cost one prompt). Off: one
@@ -572,15 +606,21 @@ class RolloutCorrectionConfig:
     """Bounds of rollout_rs: k1 options "lo_hi" (e.g. 0.5_2.0) or hi (lo = 1/hi); k2/k3 options an upper bound;
     one value for all options or one per option, comma-separated."""
     bypass_mode: bool = False
-    """verl's bypass mode (rollout logprobs as old logprobs, no recompute): not available in tiller yet (refused)."""
+    """Bypass mode: the rollout engine's logprobs are the old logprobs (no recompute forward); the IS weights and
+    rejection above are computed inside the loss from the current policy (policy loss `bypass_mode`)."""
     loss_type: str = "ppo_clip"
-    """verl's bypass-mode loss (ppo_clip | reinforce): only ppo_clip, since bypass mode is refused."""
+    """Bypass mode's loss: ppo_clip (PPO clip against the rollout policy, no IS weight) | reinforce (-A w logp)."""
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """gae | grpo | grpo_passk | rloo | remax | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | gpg."""
+    """gae | grpo | grpo_vectorized | grpo_passk | rloo | rloo_vectorized | remax | reinforce_plus_plus |
+    reinforce_plus_plus_baseline | opo | gpg | gdpo | optimal_token_baseline | tir_optimal_token_baseline."""
+    gdpo_reward_keys: list[str] = field(default_factory=list)
+    """gdpo: the named scores of the reward function's dict return, each normalised per group separately."""
+    gdpo_reward_weights: Optional[list[float]] = None
+    """gdpo: one weight per gdpo_reward_keys entry; None = all 1."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -663,6 +703,44 @@ class TrainerConfig:
 
 
 @dataclass
+class NewRewardManagerConfig:
+    name: Optional[str] = None
+    """= reward_model.reward_manager (naive | batch | parallel | dapo)."""
+
+
+@dataclass
+class NewRewardModelConfig:
+    enable: Optional[bool] = None
+    """= reward_model.enable."""
+    model_path: Optional[str] = None
+    """= reward_model.model.path."""
+
+
+@dataclass
+class RewardConfig:
+    """verl 0.8+'s `reward` section, resolved at load time onto the legacy top-level `reward_model.*` /
+    `custom_reward_function.*` keys (verl's `migrate_legacy_reward_impl` in reverse); a setting given in both
+    layouts is an error naming both keys. `tiller config show` prints the legacy keys."""
+
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """= custom_reward_function.*"""
+    reward_manager: NewRewardManagerConfig = field(default_factory=NewRewardManagerConfig)
+    """= reward_model.reward_manager (by name)."""
+    reward_model: NewRewardModelConfig = field(default_factory=NewRewardModelConfig)
+    """= reward_model.{enable, model.path}."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """= reward_model.reward_kwargs (DAPO's overlong_buffer_cfg, max_resp_len; open-ended)."""
+    num_workers: Optional[int] = None
+    """= reward_model.num_workers."""
+
+
+@dataclass
+class DistillationConfig:
+    enable: bool = False
+    """verl's on-policy distillation (a teacher's logprobs as the reward); refused: not built in tiller."""
+
+
+@dataclass
 class RLConfig:
     """The whole RL job, verl's tree."""
 
@@ -673,3 +751,5 @@ class RLConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)

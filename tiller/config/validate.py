@@ -11,10 +11,12 @@ from tiller.errors import ConfigError
 
 ADV_ESTIMATORS = (
     "gae", "grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline", "opo", "gpg",
+    "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_vectorized", "rloo_vectorized", "gdpo",
+    "optimal_token_baseline", "tir_optimal_token_baseline",
 )
-POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# bypass_mode is not chosen by loss_mode: algorithm.rollout_correction.bypass_mode selects it
+POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
 REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo")
@@ -22,7 +24,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 # estimators whose baseline comes from the other samples of the same prompt
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
+                    "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def _choice(key: str, value: object, valid: tuple[str, ...]) -> None:
@@ -50,6 +53,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
     _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
+    _validate_new_algorithms(cfg)
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
     _choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
@@ -186,9 +190,19 @@ def _validate_rollout_correction(rc) -> None:
     if rc.rollout_rs is None and rc.rollout_rs_threshold is not None:
         raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold} has no effect without "
                           f"{key}.rollout_rs (e.g. token_k1)")
-    if rc.bypass_mode:
-        raise ConfigError(f"{key}.bypass_mode=True (rollout logprobs as the old logprobs) is not available in "
-                          "tiller yet; use the default decoupled mode (the actor recomputes the old logprobs)")
-    if rc.loss_type != "ppo_clip":
-        raise ConfigError(f"{key}.loss_type={rc.loss_type!r} only applies in bypass_mode, which tiller does not "
-                          "have yet; leave it at ppo_clip")
+    _choice(f"{key}.loss_type", rc.loss_type, ("ppo_clip", "reinforce"))
+    if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
+        raise ConfigError(f"{key}.loss_type={rc.loss_type!r} only applies with {key}.bypass_mode=True (in the "
+                          "default decoupled mode the policy loss is actor.policy_loss.loss_mode)")
+
+
+def _validate_new_algorithms(cfg: RLConfig) -> None:
+    """gdpo's reward channels and weights, dro's beta (verl 2026)."""
+    algo = cfg.algorithm
+    if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
+        raise ConfigError("algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys=[name, ...]: the named scores "
+                          "your reward function returns in its dict, each normalised per group separately")
+    if algo.gdpo_reward_weights is not None and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
+        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
+                          f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys: give one weight per key")
+    _positive("actor_rollout_ref.actor.policy_loss.dro_beta", cfg.actor_rollout_ref.actor.policy_loss.dro_beta)

@@ -47,6 +47,15 @@ from tiller.workers.common import prepare_process
 CRITIC_SUBDIR = "critic"
 
 
+def _print_batch_line(cfg) -> None:
+    """`tiller config explain`'s one-line form on stderr at start-up."""
+    import sys
+
+    from tiller.config.explain import one_line
+
+    print(one_line(cfg), file=sys.stderr)
+
+
 class RLTrainer:
     """Runs `cfg` end to end: `RLTrainer(cfg).fit()` returns the last step's metrics."""
 
@@ -60,6 +69,7 @@ class RLTrainer:
         self.cfg = cfg
         data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
         report_noop_keys(cfg)  # one line: the verl keys the user set that have no effect here
+        _print_batch_line(cfg)  # one line: what the batch sizes mean together, and the memory estimate
         prepare_process(tr)
         if not arr.model.path:
             raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
@@ -88,9 +98,14 @@ class RLTrainer:
         # on-policy (one epoch, one mini-batch): the update's own detached logprobs are the old ones
         self.on_policy = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == data.train_batch_size
         rc = algo.rollout_correction
-        self.rollout_correction = rc.rollout_is is not None or rc.rollout_rs is not None
-        # old logprobs are computed unless the update's own detached logprobs can stand in for them
-        self.need_old_log_prob = not self.on_policy or algo.use_kl_in_reward or self.rollout_correction
+        # bypass mode (verl): the rollout engine's logprobs are the old ones; the correction is inside the loss
+        self.bypass = rc.bypass_mode
+        self.rollout_correction = (rc.rollout_is is not None or rc.rollout_rs is not None) and not self.bypass
+        # old logprobs are computed unless the update's own detached logprobs can stand in for them (the optimal
+        # token baseline also needs the forward's sum of squared probabilities)
+        self.need_sum_pi2 = "optimal_token_baseline" in algo.adv_estimator
+        self.need_old_log_prob = not self.bypass and (not self.on_policy or algo.use_kl_in_reward
+                                                      or self.rollout_correction or self.need_sum_pi2)
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
                                            algo.kl_ctrl.horizon)
         self.entropy_ctrl = None
@@ -217,6 +232,8 @@ class RLTrainer:
                 return m
             if self.cfg.trainer.balance_batch and self.world_size > 1:
                 batch = self._balance_batch(batch, m)
+            if self.bypass and "old_log_probs" not in batch:
+                batch["old_log_probs"] = batch["rollout_log_probs"]
             if self.need_old_log_prob and "old_log_probs" not in batch:
                 with timer("old_log_prob", m):
                     batch = batch.union(actor.execute("compute_log_prob", batch, dispatch="dp"))
@@ -330,8 +347,11 @@ class RLTrainer:
         """Old and reference logprobs of a generation round (KL in reward, before filtering)."""
         from tiller.tracking import timer
 
-        with timer("old_log_prob", m):
-            batch = batch.union(self.actor.execute("compute_log_prob", batch, dispatch="dp"))
+        if self.bypass:
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            with timer("old_log_prob", m):
+                batch = batch.union(self.actor.execute("compute_log_prob", batch, dispatch="dp"))
         with timer("ref", m):
             batch = batch.union(self.actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
         return batch
@@ -388,7 +408,22 @@ class RLTrainer:
             arr = np.asarray(v)
             if arr.dtype.kind in "fiub" and arr.shape == (len(batch),):
                 m[f"reward_extra/{k}/mean"] = float(arr.astype(np.float64).mean())
+        for k in self.cfg.algorithm.gdpo_reward_keys:  # gdpo's reward channels travel with their rows
+            batch[f"reward_channel/{k}"] = self._reward_channel(extras, k, len(batch))
         m.update(metrics)
+
+    @staticmethod
+    def _reward_channel(extras: dict, key: str, n: int) -> torch.Tensor:
+        """One named score of every sample (algorithm.gdpo_reward_keys): DataError if a sample lacks it."""
+        from tiller.errors import DataError
+
+        values = np.asarray(extras.get(key, np.full(n, np.nan)), dtype=np.float64)
+        if values.shape != (n,) or np.isnan(values).any():
+            raise DataError(f"algorithm.gdpo_reward_keys: {key!r} is missing from the reward of "
+                            f"{int(np.isnan(values).sum()) if values.shape == (n,) else n} of {n} samples; the "
+                            f"reward function must return a dict with {key!r} for every sample (named scores "
+                            f"returned: {sorted(extras)})")
+        return torch.as_tensor(values, dtype=torch.float32)
 
     def _compute_advantage(self, batch: Batch, m: dict, baseline: torch.Tensor | None) -> None:
         """KL in reward (optional) then the registered estimator: `advantages`, `returns` [B, T]."""
@@ -410,6 +445,12 @@ class RLTrainer:
         hyper = dict(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
         if baseline is not None:
             hyper["baseline_rewards"] = baseline
+        if algo.adv_estimator == "gdpo":
+            hyper.update(gdpo_reward_keys=list(algo.gdpo_reward_keys), gdpo_reward_weights=algo.gdpo_reward_weights,
+                         reward_components={k: batch[f"reward_channel/{k}"] for k in algo.gdpo_reward_keys})
+        if self.need_sum_pi2:
+            hyper.update(old_logp=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"],
+                         rollout_is_weights=batch["rollout_is_weights"] if "rollout_is_weights" in batch else None)
         values = batch["values"] if "values" in batch else None
         adv, ret = get_advantage_estimator(algo.adv_estimator)(rewards, mask, list(batch["uid"]), values, **hyper)
         batch["advantages"], batch["returns"] = adv.float(), ret.float()

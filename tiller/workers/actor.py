@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from tiller.algos.aggregate import aggregate_loss
-from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits
+from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
 from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
 from tiller.algos.rollout_correction import (
@@ -279,8 +279,10 @@ class ActorRolloutRefWorker:
             close()
 
     # ------------------------------------------------------------------------------- log-probs
-    def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False):
-        """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`)."""
+    def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False,
+                      sum_pi2_out: list | None = None):
+        """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`).
+        With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline)."""
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
         logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
                                           mb["attention_mask"].to(self.device), P,
@@ -291,18 +293,25 @@ class ActorRolloutRefWorker:
         entropy = None
         if want_entropy:
             entropy = pad_right(entropy_from_logits(logits if entropy_grad else logits.detach()), T)
+        if sum_pi2_out is not None:
+            sum_pi2_out.append(pad_right(sum_pi_squared_from_logits(logits.detach()), T))
         return logp, entropy
 
     @torch.no_grad()
-    def _batch_logp(self, model, batch: Batch, micros: MicroBatches, dtype: str) -> torch.Tensor:
+    def _batch_logp(self, model, batch: Batch, micros: MicroBatches, dtype: str,
+                    sum_pi2_out: list | None = None) -> torch.Tensor:
         temperature = float(batch.meta.get("temperature", self.rollout_cfg.temperature))
         was_training = model.training
         model.eval()
+        pi2_parts: list | None = [] if sum_pi2_out is not None else None
         try:
             with autocast(dtype, self.device):
-                parts = [self._logp_entropy(model, mb, temperature, False)[0] for mb in micros.batches]
+                parts = [self._logp_entropy(model, mb, temperature, False, sum_pi2_out=pi2_parts)[0]
+                         for mb in micros.batches]
         finally:
             model.train(was_training)
+        if sum_pi2_out is not None:
+            sum_pi2_out.append(micros.restore(pi2_parts).cpu())
         return micros.restore(parts).cpu()
 
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -311,8 +320,10 @@ class ActorRolloutRefWorker:
         micros = split_micro_batches(batch, rows=r.log_prob_micro_batch_size_per_gpu,
                                      max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
                                      key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
-        logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype)
-        return Batch({"old_log_probs": logp})
+        # the optimal token baseline needs sum_v pi(v)^2 of the same forward (verl: calculate_sum_pi_squared)
+        pi2: list | None = [] if "optimal_token_baseline" in self.cfg.algorithm.adv_estimator else None
+        logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype, sum_pi2_out=pi2)
+        return Batch({"old_log_probs": logp, **({"sum_pi_squared": pi2[0]} if pi2 else {})})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Reference-policy logprobs: Batch with `ref_log_prob[B, T]`."""
@@ -380,12 +391,20 @@ class ActorRolloutRefWorker:
         a = self.actor_cfg
         loss_mode = a.policy_loss.loss_mode
         agg_mode = FORCED_LOSS_AGG_MODE.get(loss_mode, a.loss_agg_mode)
-        policy_loss = get_policy_loss(loss_mode)
         hyper = dict(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                      clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                      clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
                      kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-                     sapo_tau_pos=a.policy_loss.sapo_tau_pos, sapo_tau_neg=a.policy_loss.sapo_tau_neg)
+                     tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=a.policy_loss.dro_beta)
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.bypass_mode:  # verl's apply_bypass_mode: old logprobs = rollout logprobs, correction inside the loss
+            loss_mode = "bypass_mode"
+            hyper = dict(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                         clip_ratio_c=a.clip_ratio_c, loss_type=rc.loss_type, rollout_is=rc.rollout_is,
+                         rollout_is_threshold=rc.rollout_is_threshold,
+                         rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+                         rollout_rs_threshold=rc.rollout_rs_threshold)
+        policy_loss = get_policy_loss(loss_mode)
         agg = global_counts(mb)
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
@@ -422,6 +441,8 @@ class ActorRolloutRefWorker:
             sums["pg_loss"] = sums.get("pg_loss", 0.0) + float(pg_loss.detach())
             sums["entropy"] = sums.get("entropy", 0.0) + float(ent.detach())
             for k, v in pg_metrics.items():
+                if k not in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # bypass mode's correction metrics
+                    k = f"rollout_corr/{k}"
                 sums[k] = sums.get(k, 0.0) + w * float(v)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)

@@ -218,10 +218,12 @@ def prepare_process(trainer_cfg) -> None:
 
 def global_counts(mini_batch) -> dict[str, float]:
     """Aggregation counts of a mini-batch over all ranks: `aggregate_loss` keyword arguments
-    (global_tokens = valid response tokens, global_seqs = sequences, max_len = T), so that the micro-batch
-    losses of every rank sum to the loss of the whole mini-batch."""
+    (global_tokens = valid response tokens, global_seqs = sequences with at least one valid token (verl
+    excludes fully masked ones), max_len = T), so that the micro-batch losses of every rank sum to the loss
+    of the whole mini-batch."""
     from tiller.distributed import context as dist_ctx
 
     mask = mini_batch["response_mask"].float()
-    counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), float(len(mini_batch))], dtype=torch.float64))
+    n_seq = float((mask.sum(-1) > 0).sum())
+    counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), n_seq], dtype=torch.float64))
     return dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=mask.shape[1])

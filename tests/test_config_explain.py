@@ -1,0 +1,129 @@
+"""`tiller config explain`: batch arithmetic worked out by hand, problems in plain words, and the peak-memory
+estimate against the measured peak RSS of short CPU runs (slow)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiller.config import load_config
+from tiller.config.explain import batch_arithmetic, explain, memory_estimate, model_shape, one_line
+from tiller.models.tiny import count_params
+
+
+def test_batch_arithmetic_worked_numbers():
+    # 8 prompts x n 3 = 24 samples; mini-batch 4 prompts -> 2 mini-batches of 12 samples, x 2 epochs = 4 optimizer
+    # steps; 2 ray workers -> 6 samples per rank per mini-batch, micro-batches of 2 -> 3 (grad accumulation);
+    # lengths 48 + 16 = 64 -> 2 x 64 = 128 tokens per micro-batch
+    cfg = load_config(["data.train_batch_size=8", "actor_rollout_ref.rollout.n=3",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.backend=ray",
+                       "trainer.n_gpus_per_node=2", "data.max_prompt_length=48", "data.max_response_length=16",
+                       "trainer.total_epochs=3"])
+    a = batch_arithmetic(cfg)
+    assert (a.samples_per_step, a.mini_batches_per_step, a.optimizer_steps_per_step) == (24, 2, 4)
+    assert (a.workers, a.samples_per_rank, a.grad_accumulation, a.tokens_per_micro_batch) == (2, 6, 3, 128)
+    assert a.total_steps is None and not a.problems  # no training files to count
+    # dynamic batches: budget 200 tokens holds 200 // 64 = 3 rows -> ceil(6 / 3) = 2 micro-batches per rank
+    cfg.actor_rollout_ref.actor.use_dynamic_bsz, cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = True, 200
+    a = batch_arithmetic(cfg)
+    assert (a.rows_per_dynamic_micro_batch, a.grad_accumulation) == (3, 2)
+
+
+def test_problems_in_plain_words_with_the_fix(tmp_path):
+    # 2 prompts x n 3 = 6 samples per mini-batch over 4 workers: does not split
+    cfg = load_config(["data.train_batch_size=2", "actor_rollout_ref.rollout.n=3",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.backend=ray",
+                       "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    problems = batch_arithmetic(cfg).problems
+    assert any("not a multiple of the 4 workers" in p and "Fix:" in p for p in problems), problems
+    # steps from the training file's row count: 10 prompts // 4 = 2 per epoch, x 3 epochs
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join('{"prompt": "x"}\n' for _ in range(10)))
+    cfg = load_config([f"data.train_files=[{rows}]", "data.train_batch_size=4", "actor_rollout_ref.actor."
+                       "ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                       "trainer.total_epochs=3"])
+    a = batch_arithmetic(cfg)
+    assert (a.prompts, a.steps_per_epoch, a.total_steps) == (10, 2, 6)
+
+
+def test_memory_estimate_components(tiny_model_dir):
+    # weights 4 N, gradients 4 N, AdamW 8 N (one rank, no reference without a KL term)
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    shape = model_shape(str(tiny_model_dir))
+    mem = memory_estimate(cfg, shape)
+    assert (mem["weights"], mem["gradients"], mem["optimizer"], mem["reference"]) == (
+        4 * shape.params, 4 * shape.params, 8 * shape.params, 0)
+    cfg.actor_rollout_ref.actor.use_kl_loss = True
+    assert memory_estimate(cfg, shape)["reference"] == 4 * shape.params
+    text = explain(cfg)
+    assert "samples per step" in text and "peak memory per rank" in text and "optimizer" in text
+    assert "peak memory per rank ~" in one_line(cfg)
+
+
+def test_model_shape_counts_parameters_exactly(tiny_model_dir):
+    import json
+
+    hf = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    shape = model_shape(str(tiny_model_dir))
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "head_dim")
+    expected = count_params({k: hf[k] for k in keys}, hf["vocab_size"], "qwen2")
+    assert shape.params == expected
+
+
+# the peak resident set of the child's own address space: /proc/self/status VmHWM (Linux), which starts afresh at
+# exec; getrusage's ru_maxrss is kept across execve, so a child forked from a big pytest process would report the
+# parent's size (the fallback off Linux)
+PEAK = ("def _peak():\n"
+        "    import resource\n"
+        "    try:\n"
+        "        for line in open('/proc/self/status'):\n"
+        "            if line.startswith('VmHWM:'):\n"
+        "                return int(line.split()[1])\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n")
+IDLE = (PEAK + "import sys, torch, transformers, pyarrow.parquet\n"
+        "import tiller.cli, tiller.trainer.rl, tiller.rewards, tiller.workers.actor\n"
+        "print('MAXRSS', _peak(), file=sys.stderr)\n")
+RUN = (PEAK + "import sys\nfrom tiller.cli import main\n"
+       "try:\n    main(sys.argv[1:])\nfinally:\n"
+       "    print('MAXRSS', _peak(), file=sys.stderr)\n")
+
+
+def _maxrss(code: str, args=()) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("MAXRSS")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return int(lines[-1].split()[1]) * 1024  # Linux: KiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_params", [2_000_000, 30_000_000])
+def test_memory_estimate_within_35_percent_of_measured_peak_rss(tmp_path, n_params):
+    from tiller.models.tiny import make_tiny_model
+    from tiller.tasks import arithmetic
+
+    model = make_tiny_model(tmp_path / "model", n_params=n_params, seed=0)
+    arithmetic.write_task(tmp_path, n_train=16, n_test=4, seed=0)
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return float(len(solution_str) % 2)\n")
+    overrides = [f"actor_rollout_ref.model.path={model}", f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                 "data.val_files=[]", f"custom_reward_function.path={tmp_path / 'reward.py'}",
+                 "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_prompt_length=48",
+                 "data.max_response_length=32", "trainer.total_training_steps=2", "trainer.logger=[jsonl]",
+                 "trainer.resume_mode=disable", "trainer.val_before_train=false", "trainer.save_freq=100",
+                 f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.adv_estimator=grpo"]
+    peak, base = _maxrss(RUN, ["rl", *overrides]), _maxrss(IDLE)
+    measured = peak - base
+    cfg = load_config(overrides)
+    estimate = memory_estimate(cfg, model_shape(str(model)))["peak"]
+    print(f"{n_params / 1e6:g}M: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    assert abs(estimate - measured) <= 0.35 * measured, (estimate / 2**20, measured / 2**20, peak / 2**20, base / 2**20)
