@@ -231,14 +231,14 @@ def test_actor_autocast_is_bf16_when_the_decision_says_yes(decision):
 
 
 def test_job_loop_autocast_follows_the_decision(decision):
-    from tiller.trainer.loop import autocast
+    from tiller.workers.common import autocast
 
     decision(False, "bf16 measured slower here")
-    enabled, messages = _record(lambda: _enabled(autocast(torch.device("cpu"), "bfloat16")))
+    enabled, messages = _record(lambda: _enabled(autocast("bfloat16", "cpu", key="optim.dtype")))
     assert not enabled and len(messages) == 1
     assert "optim.dtype=bfloat16" in messages[0] and "bf16 measured slower here" in messages[0]
     decision(True)
-    assert _enabled(autocast(torch.device("cpu"), "bfloat16"))
+    assert _enabled(autocast("bfloat16", "cpu", key="optim.dtype"))
 
 
 def _enabled(ctx) -> bool:

@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tiller.config.checks import check_choice as _choice
+from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
+from tiller.tracking.tracker import LOGGERS
 
 # ----------------------------------------------------------------------------------------------- data
 
@@ -261,21 +264,6 @@ class KTOConfig:
 
 # ------------------------------------------------------------------------------------------ validate
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-
-
-def _choice(key: str, value: object, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        import difflib
-
-        close = difflib.get_close_matches(str(value), valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key} = {value!r} is not one of: {', '.join(valid)}{hint}")
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
 
 
 def validate_job(cfg: Any) -> None:

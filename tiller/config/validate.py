@@ -7,7 +7,10 @@ Name lists here are the choices the config accepts; tests check they match the r
 from __future__ import annotations
 
 from tiller.config.schema import RLConfig
+from tiller.config.checks import check_choice as _choice
+from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
+from tiller.tracking.tracker import LOGGERS
 
 ADV_ESTIMATORS = (
     "gae", "grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus",
@@ -20,26 +23,11 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
 REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 # estimators whose baseline comes from the other samples of the same prompt
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
                     "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
-
-
-def _choice(key: str, value: object, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        import difflib
-
-        close = difflib.get_close_matches(str(value), valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key} = {value!r} is not one of: {', '.join(valid)}{hint}")
-
-
-def _positive(key: str, value: int | float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
 
 
 def validate_rl(cfg: RLConfig) -> None:

@@ -21,6 +21,7 @@ overrides `trainer.total_epochs`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from tiller.errors import ConfigError, UserError
-from tiller.hostinfo import bf16_compute_allowed
+from tiller.workers.common import autocast, lr_lambda
 
 
 class Job(Protocol):
@@ -94,28 +95,6 @@ def batch_indices(step: int, num_examples: int, batch_size: int, seed: int, shuf
     return [int(i) for i in order[k * batch_size:(k + 1) * batch_size]]
 
 
-def lr_lambda(total_steps: int, warmup_steps: int, style: str, min_lr_ratio: float):
-    """Multiplier of the peak lr at step s: linear warmup to 1, then cosine to min_lr_ratio or constant."""
-
-    def f(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if style == "constant":
-            return 1.0
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
-def autocast(device: torch.device, dtype_name: str):
-    """bf16 autocast when `optim.dtype` is bfloat16, else disabled (fp32). On a CPU where
-    `tiller.hostinfo.bf16_decision()` says no, bf16 falls back to fp32 with one warning giving the reason."""
-    bf16 = dtype_name in ("bfloat16", "bf16") and bf16_compute_allowed(device.type, "optim.dtype")
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
-
-
 # ---------------------------------------------------------------------------------------------- eval
 
 
@@ -130,7 +109,7 @@ def evaluate(job: Job, model: torch.nn.Module, examples: Sequence[Any], batch_si
     try:
         for start in range(0, len(examples), batch_size):
             micros = [to_device(m, device) for m in job.micro_batches(examples[start:start + batch_size])]
-            with autocast(device, dtype_name):
+            with autocast(dtype_name, device, key="optim.dtype"):
                 job.prepare_step(model, micros)
                 for micro in micros:
                     loss, metrics = job.loss(model, micro, norm)
@@ -203,8 +182,8 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                                   weight_decay=optim_cfg.weight_decay)
     warmup = int(optim_cfg.warmup_steps_ratio * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(total, warmup, optim_cfg.lr_scheduler, optim_cfg.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_lambda, warmup=warmup, total=total, style=optim_cfg.lr_scheduler, min_lr_ratio=optim_cfg.min_lr_ratio))
     start = _resume(cfg, ckpt_root, model, optimizer, scheduler)
     tracker = Tracker(run_dir, loggers=tuple(tr.logger), project=tr.project_name, experiment=tr.experiment_name,
                       config=to_dict(cfg), total_steps=total, resume_from_step=start or None)
@@ -242,7 +221,7 @@ def _train_step(job: Job, model, examples: list, optimizer, params, optim_cfg, d
     norm = job.normalizer(examples)
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
-    with autocast(device, optim_cfg.dtype):
+    with autocast(optim_cfg.dtype, device, key="optim.dtype"):
         with torch.no_grad():
             job.prepare_step(model, micros)
         for micro in micros:
