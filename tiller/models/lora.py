@@ -65,6 +65,26 @@ def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def lora_template(peft_model: torch.nn.Module) -> torch.nn.Module:
+    """A weightless (meta-device) copy of `peft_model`'s structure, for `merged_state_dict` (take it before
+    FSDP wrapping, which replaces the parameters with shards)."""
+    import copy
+
+    return copy.deepcopy(peft_model).to("meta")
+
+
+def merged_state_dict(template: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's weights with every adapter folded in by peft itself (`merge_and_unload`: LoRA, DoRA
+    and whatever else peft can merge), from the PeftModel's full state dict `state` (e.g. gathered from FSDP
+    shards). Runs on a copy of `template` (`lora_template`) filled with copies of `state`, so the training
+    model and its weights are untouched; the keys are the plain transformers model's."""
+    import copy
+
+    clone = copy.deepcopy(template)
+    clone.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True, assign=True)
+    return {k: v.detach() for k, v in clone.merge_and_unload().state_dict().items()}
+
+
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Name -> parameter for every parameter with requires_grad."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -66,36 +66,6 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
-def _merged_lora_state(peft_model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Plain-model weights with every LoRA adapter folded in, from the PeftModel's full `state`.
-
-    For a LoRA linear layer W' = W + scaling * B @ A (B [out, r], A [r, in], scaling = alpha / r; transposed
-    for fan_in_fan_out layers), what peft's `merge_and_unload` computes, without touching the model. Keys
-    lose peft's `base_model.model.` prefix and `.base_layer`, and adapter tensors are dropped, so the names
-    are the HF model's (what vLLM's `load_weights` maps).
-    """
-    from peft.tuners.lora import LoraLayer
-
-    from tiller.errors import ConfigError
-
-    merged = {k: v for k, v in state.items() if ".lora_" not in k}
-    for name, layer in peft_model.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        key = f"{name}.base_layer.weight"
-        weight = merged[key].clone()
-        for adapter in layer.active_adapters:
-            a, b = state.get(f"{name}.lora_A.{adapter}.weight"), state.get(f"{name}.lora_B.{adapter}.weight")
-            if a is None or b is None or layer.use_dora.get(adapter, False):
-                raise ConfigError(f"rollout.name=vllm: cannot merge LoRA layer {name!r} (adapter {adapter!r}: "
-                                  "only plain linear LoRA is supported)")
-            delta = (b.float() @ a.float()) * layer.scaling[adapter]
-            weight += (delta.T if getattr(layer, "fan_in_fan_out", False) else delta).to(weight.dtype)
-        merged[key] = weight
-    prefix = "base_model.model."
-    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in merged.items()}
-
-
 class ActorRolloutRefWorker:
     """Actor + rollout + reference in one process (see module docstring).
 
@@ -128,10 +98,12 @@ class ActorRolloutRefWorker:
             setattr(module.config, key, value)
         self.lora = arr.model.lora_rank > 0
         if self.lora:
-            from tiller.models.lora import apply_lora
+            from tiller.models.lora import apply_lora, lora_template
 
             module = apply_lora(module, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
                                 target_modules=arr.model.target_modules)
+        # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
+        self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" else None
         self.ref_module = None
         if need_ref and not self.lora:
             self.ref_module = copy.deepcopy(module).requires_grad_(False).eval()
@@ -264,7 +236,9 @@ class ActorRolloutRefWorker:
         if self.rollout_cfg.name == "vllm":
             state = dist_ctx.full_state_dict(self.module)  # collective under FSDP2
             if self.lora:
-                state = _merged_lora_state(self.module, state)
+                from tiller.models.lora import merged_state_dict
+
+                state = merged_state_dict(self._lora_template, state)
             self.rollout.wake()  # a sleeping vLLM holds no weights to load into; the next generate sleeps it
             self.rollout.update_weights(state)
         elif self._rollout_is_copy:
