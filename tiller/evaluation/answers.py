@@ -49,10 +49,10 @@ def _math(response: str) -> str | None:
 
 
 def _math_dapo(response: str) -> str | None:
-    from tiller.rewards.scorers.math import _ANSWER, last_boxed_only_string, normalize_final_answer
+    from tiller.rewards.scorers.math import ANSWER_LINE, last_boxed_only_string, normalize_final_answer
 
     tail = response[-300:]
-    matches = _ANSWER.findall(tail)
+    matches = ANSWER_LINE.findall(tail)
     if matches:
         return normalize_final_answer(matches[-1]) or None
     boxed = last_boxed_only_string(tail)

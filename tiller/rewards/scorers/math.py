@@ -136,13 +136,13 @@ def normalize_final_answer(final_answer: str) -> str:
     return final_answer.strip()
 
 
-_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # DAPO's "Answer: ..." line
 
 
 def compute_score_dapo(solution_str: str, ground_truth: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     """verl's `math_dapo`: the last `Answer: ...` of the final 300 characters; score +1 correct, -1 not."""
     tail = solution_str[-300:]
-    matches = _ANSWER.findall(tail)
+    matches = ANSWER_LINE.findall(tail)
     if matches:
         pred = normalize_final_answer(matches[-1])
     else:
