@@ -35,7 +35,7 @@ from tiller.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tiller.config.cli import add_config_args
+    from tiller.config.args import add_config_args
 
     parser = argparse.ArgumentParser(prog="tiller eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

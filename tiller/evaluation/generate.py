@@ -24,7 +24,7 @@ from tiller.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tiller.config.cli import add_config_args
+    from tiller.config.args import add_config_args
 
     parser = argparse.ArgumentParser(prog="tiller generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

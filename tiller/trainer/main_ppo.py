@@ -15,7 +15,7 @@ import argparse
 
 def main(argv: list[str]) -> int:
     from tiller.config import load_config
-    from tiller.config.cli import add_config_args
+    from tiller.config.args import add_config_args
 
     parser = argparse.ArgumentParser(prog="tiller rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

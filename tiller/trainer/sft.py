@@ -126,7 +126,7 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
 def parse_job_args(prog: str, description: str, argv: list[str], schema):
     """argparse with the shared config options, then `load_config` with `validate_job`."""
     from tiller.config import load_config
-    from tiller.config.cli import add_config_args
+    from tiller.config.args import add_config_args
     from tiller.config.jobs import validate_job
 
     parser = argparse.ArgumentParser(prog=prog, description=description,
