@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tiller.cli import main as cli_main
 from tiller.errors import UserError
-from tiller.trainer.checkpoint import (
+from tiller.models.checkpoint import (
     MARKER, export_hf, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
 )
 
@@ -104,7 +104,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 def test_kill_9_during_saves_leaves_loadable_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import torch
-        from tiller.trainer.checkpoint import save_checkpoint
+        from tiller.models.checkpoint import save_checkpoint
         torch.set_num_threads(1)
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
         opt = torch.optim.AdamW(model.parameters())

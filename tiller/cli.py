@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from tiller.entry import run_main  # noqa: F401  (re-exported: `python -m` entry points used it from here)
 from tiller.errors import UserError
 
 # name -> ("module:function", one-line help). Later subsystems add their line here.
@@ -21,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kto": ("tiller.trainer.preference:main_kto", "KTO preference training"),
     "config": ("tiller.config.cli:main", "show the resolved configuration: tiller config show [key=value ...]"),
     "data": ("tiller.data.cli:main", "prepare datasets: tiller data gsm8k --out DIR"),
-    "export": ("tiller.trainer.checkpoint:export_main", "export a checkpoint as a Hugging Face model dir"),
+    "export": ("tiller.models.checkpoint:export_main", "export a checkpoint as a Hugging Face model dir"),
     "report": ("tiller.tracking.report:main", "plots and a summary table for a run directory"),
     "serve-rm": ("tiller.rewards.server:main", "serve a reward model over HTTP"),
     "generate": ("tiller.evaluation.generate:main", "sample n responses per prompt from a prompt file"),
@@ -92,17 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     return int(code or 0)
-
-
-def run_main(func, argv: list[str] | None = None) -> None:
-    """Entry for `python -m tiller.x` modules: same error handling as the `tiller` script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        code = func(argv)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(int(code or 0))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def test_tiller_export_of_a_lora_rm_checkpoint_gives_the_same_classifier(tiny_mo
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from tiller.trainer.checkpoint import export_hf
+    from tiller.models.checkpoint import export_hf
 
     run = _train_lora_rm(tiny_model_dir, tmp_path, steps=2)
     exported = export_hf(run / "checkpoints" / "global_step_2", tmp_path / "exported")

@@ -73,7 +73,7 @@ def test_lora_trains_only_adapters_and_exports_merged(tiny_model_dir, sft_file, 
     from transformers import AutoModelForCausalLM
 
     from tiller.models.lora import apply_lora, merge_lora
-    from tiller.trainer.checkpoint import export_hf
+    from tiller.models.checkpoint import export_hf
 
     run = tmp_path / "lora"
     cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{

@@ -200,7 +200,7 @@ def _overrides(run_dir, model_dir, data, *extra):
 
 @pytest.mark.slow
 def test_killed_process_leaves_a_loadable_checkpoint_and_resumes(tmp_path, tiny_model_dir, rl_data):
-    from tiller.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tiller.models.checkpoint import latest_checkpoint, load_checkpoint
 
     run_dir = tmp_path / "run"
     args = ["rl", *_overrides(run_dir, tiny_model_dir, rl_data, "trainer.total_training_steps=200",

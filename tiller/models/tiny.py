@@ -327,6 +327,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tiller.cli import run_main
+    from tiller.entry import run_main
 
     run_main(main)

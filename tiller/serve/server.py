@@ -78,6 +78,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from tiller.cli import run_main
+    from tiller.entry import run_main
 
     run_main(main)

@@ -1,1 +1,1 @@
-"""Trainers (RL driver, SFT, RM, preference) and their shared checkpointing (`tiller.trainer.checkpoint`)."""
+"""Trainers: the RL driver, SFT, RM and preference jobs (checkpoint I/O: `tiller.models.checkpoint`)."""

@@ -5,7 +5,7 @@ the four: seeded shuffling (a permutation per epoch from `numpy.random.default_r
 so the data order is a pure function of the step and a resumed run sees the same batches),
 gradient accumulation, bf16 autocast, AdamW with linear warmup + cosine / constant schedule,
 gradient clipping, validation, the run records (config.yaml, metrics.jsonl, TensorBoard through
-`tiller.tracking.Tracker`), atomic checkpoints and resume (`tiller.trainer.checkpoint`) and the final
+`tiller.tracking.Tracker`), atomic checkpoints and resume (`tiller.models.checkpoint`) and the final
 export of a `from_pretrained`-ready model (LoRA merged) to `<run dir>/hf_model`.
 
 Global-batch invariance: the job's loss for a micro-batch is its SHARE of the step loss, i.e. a sum
@@ -150,7 +150,7 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
 
 
 def _resume(cfg, ckpt_root: Path, model, optimizer, scheduler) -> int:
-    from tiller.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tiller.models.checkpoint import latest_checkpoint, load_checkpoint
 
     mode = cfg.trainer.resume_mode
     if mode == "disable":
@@ -168,7 +168,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     """Train `model` with `job` as configured by `cfg` (any of the job configs); returns the last metrics."""
     from tiller.config import to_dict
     from tiller.tracking import Tracker
-    from tiller.trainer.checkpoint import save_checkpoint
+    from tiller.models.checkpoint import save_checkpoint
 
     tr, optim_cfg, data = cfg.trainer, cfg.optim, cfg.data
     device = device or resolve_device(tr.device)

@@ -592,7 +592,7 @@ class RLTrainer:
         return Path(self.actor.execute("save_checkpoint", str(self.ckpt_root), self.global_step, extra, keep))
 
     def _maybe_resume(self) -> None:
-        from tiller.trainer.checkpoint import latest_checkpoint, resolve_checkpoint
+        from tiller.models.checkpoint import latest_checkpoint, resolve_checkpoint
 
         tr = self.cfg.trainer
         if tr.resume_mode == "disable":

@@ -435,7 +435,7 @@ class ActorRolloutRefWorker:
     # --------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
         """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
-        from tiller.trainer.checkpoint import save_checkpoint
+        from tiller.models.checkpoint import save_checkpoint
 
         path, model = None, dist_ctx.unwrap_model(self.module)
         optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
@@ -450,7 +450,7 @@ class ActorRolloutRefWorker:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
-        from tiller.trainer.checkpoint import load_checkpoint
+        from tiller.models.checkpoint import load_checkpoint
 
         if not self._rollout_is_copy:
             state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,

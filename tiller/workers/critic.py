@@ -152,7 +152,7 @@ class CriticWorker:
         return sums
 
     def save_checkpoint(self, ckpt_root: str, step: int, keep: int | None = None) -> str:
-        from tiller.trainer.checkpoint import save_checkpoint
+        from tiller.models.checkpoint import save_checkpoint
 
         path, model = None, dist_ctx.unwrap_model(self.module)
         optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
@@ -166,7 +166,7 @@ class CriticWorker:
         return str(path)
 
     def load_checkpoint(self, path: str) -> dict:
-        from tiller.trainer.checkpoint import load_checkpoint
+        from tiller.models.checkpoint import load_checkpoint
 
         if self.full_module is None:
             return load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,

@@ -1,0 +1,104 @@
+"""tiller's import layering (docs/internals.md, "Layers"), read from the source with `ast`.
+
+Every import of a tiller module points to the same or a lower layer; a package's `cli.py` (a command-line face)
+counts as the top layer; packages of one layer do not import each other in a cycle; no module takes a private
+(`_name`) from another package.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "tiller"
+
+# low to high; keep in step with docs/internals.md
+LAYERS = [
+    ("errors", "protocol", "hostinfo", "entry", "__init__"),
+    ("algos", "config", "data", "models", "tracking"),
+    ("rewards", "rollout", "tasks"),
+    ("distributed", "workers"),
+    ("trainer", "evaluation"),
+    ("serve", "openrlhf", "cli", "env_cli"),
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+TOP = len(LAYERS) - 1
+
+
+def _unit(path: Path) -> tuple[str, int]:
+    """(package, layer) of a source file: `tiller/<package>/...` or a top-level module `tiller/<module>.py`."""
+    rel = path.relative_to(PKG)
+    name = rel.parts[0].removesuffix(".py")
+    assert name in LAYER, f"{rel}: package {name!r} has no layer in tests/test_layers.py (and docs/internals.md)"
+    return name, TOP if rel.name == "cli.py" else LAYER[name]
+
+
+def _imports():
+    """(file, line, imported module, imported names) for every `import tiller...` / `from tiller... import`."""
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("tiller."):
+                yield path, node.lineno, node.module, [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("tiller."):
+                        yield path, node.lineno, alias.name, []
+
+
+def test_imports_point_down():
+    upward = []
+    for path, line, module, _ in _imports():
+        src, src_layer = _unit(path)
+        dst = module.split(".")[1]
+        dst_layer = TOP if module.endswith(".cli") else LAYER.get(dst, TOP)
+        if dst != src and dst_layer > src_layer:
+            upward.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} (layer {dst_layer} > {src_layer})")
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_no_cycles_between_packages():
+    graph = defaultdict(set)
+    for path, _, module, _ in _imports():
+        src, src_layer = _unit(path)
+        dst = module.split(".")[1]
+        if dst != src and src_layer != TOP:  # command-line faces sit on top; they may import anything
+            graph[src].add(dst)
+    cycles = []
+
+    def visit(node, stack):
+        for nxt in graph[node]:
+            if nxt in stack:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif len(stack) < len(LAYER):
+                visit(nxt, stack + [nxt])
+
+    for start in list(graph):
+        visit(start, [start])
+    assert not cycles, "package import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_no_private_names_across_packages():
+    taken = []
+    for path, line, module, names in _imports():
+        src, _ = _unit(path)
+        if module.split(".")[1] != src:
+            taken += [f"{path.relative_to(PKG.parent)}:{line} {module}.{n}" for n in names
+                      if n.startswith("_") and not n.startswith("__")]
+    assert not taken, "private names imported from another package:\n" + "\n".join(taken)
+
+
+def test_the_test_can_fail(tmp_path, monkeypatch):
+    """An upward import planted in a copy of a low module is caught."""
+    import shutil
+
+    fake = tmp_path / "tiller"
+    shutil.copytree(PKG, fake, ignore=shutil.ignore_patterns("__pycache__"))
+    (fake / "algos" / "planted.py").write_text("from tiller.trainer.rl import RLTrainer\n")
+    monkeypatch.setattr(__import__(__name__), "PKG", fake)
+    try:
+        test_imports_point_down()
+    except AssertionError as err:
+        assert "algos/planted.py:1 imports tiller.trainer.rl" in str(err)
+    else:
+        raise AssertionError("the planted upward import was not reported")

@@ -1,0 +1,401 @@
+"""Atomic, resumable checkpoints and export to a plain Hugging Face model directory.
+
+Layout (verl's directory and marker-file names):
+
+    ckpt_root/
+      latest_checkpointed_iteration.txt     # "N", rewritten atomically after each save
+      global_step_N/
+        model/                              # save_pretrained (safetensors) + tokenizer; a PEFT model
+                                            # saves its adapter here (adapter_model.safetensors)
+        <name>/                             # each of `extra_models` (e.g. critic/), same format
+        optimizer.pt  scheduler.pt          # state_dicts (torch.save); <name>.pt for `extra_states`
+        state.pt                            # {"step", "extra" (sampler position, ...), "rng"}
+
+A save writes everything into `global_step_N.tmp-<pid>`, fsyncs the files, then renames the directory
+into place with `os.replace` (atomic on POSIX), and only then rewrites the marker file through a temp
+file + rename. Pruning renames a dir to `global_step_N.del-<pid>` before deleting it. So a process
+killed at any moment leaves only complete `global_step_N` dirs; the temp / trash dirs of dead
+processes are removed by the next save.
+
+RNG states saved: Python `random`, NumPy's global generator, torch CPU (and CUDA when present).
+Generators owned by the caller (e.g. a sampler's `torch.Generator`) belong in `extra_state`.
+`state.pt` is a pickle: load only checkpoints you trust (as with any PyTorch checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiller.errors import UserError
+
+MARKER = "latest_checkpointed_iteration.txt"
+PREFIX = "global_step_"
+
+
+# ---- small filesystem helpers -----------------------------------------------------------------------
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temp file in the same dir, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a checkpoint dir so it is never seen half-deleted: rename it out of view, then rmtree."""
+    trash = path.with_name(f"{path.name}.del-{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move directory `src` to `dst`, replacing an existing `dst` (old one removed after the swap)."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f"{dst.name}.del-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(src, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(PREFIX):
+        return None
+    rest = name[len(PREFIX):]
+    return int(rest) if rest.isdigit() else None
+
+
+def list_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint dirs under `ckpt_root`, oldest step first."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def _remove_stale_temps(root: Path) -> None:
+    """Remove temp (being written) and trash (being deleted) dirs and temp marker files left by dead processes."""
+    for p in [*root.glob(f"{PREFIX}*.tmp-*"), *root.glob(f"{PREFIX}*.del-*"), *root.glob(".*.tmp-*")]:
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+# ---- RNG ---------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- model save / load --------------------------------------------------------------------------------
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers, so keys have no prefix."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _save_module(model: torch.nn.Module, out: Path) -> None:
+    """HF / PEFT models via save_pretrained (safetensors); any other module as model.safetensors."""
+    model = _unwrap(model)
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(out, safe_serialization=True)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(out / "model.safetensors"))
+
+
+def _load_module(model: torch.nn.Module, src: Path) -> None:
+    """Load weights saved by `_save_module` into `model` in place (strict, tied weights allowed)."""
+    from safetensors.torch import load_file
+
+    model = _unwrap(model)
+    if _is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(src / "adapter_model.safetensors")))
+        return
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not (src / shard).exists():
+            raise UserError(f"checkpoint is missing weights file: {src / shard}")
+        state.update(load_file(str(src / shard)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_ptrs = {params[k].data_ptr() for k in state if k in params}
+    # save_pretrained / save_model drop one copy of tied weights (lm_head = embed_tokens): fine if shared.
+    missing = [k for k in missing if not (k in params and params[k].data_ptr() in loaded_ptrs)]
+    if missing or unexpected:
+        raise UserError(f"weights in {src} do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+# ---- public API ---------------------------------------------------------------------------------------
+def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Module | None = None,
+                    optimizer=None, scheduler=None, extra_state: dict | None = None, tokenizer=None,
+                    keep: int | None = None, extra_models: dict[str, torch.nn.Module] | None = None,
+                    extra_states: dict[str, Any] | None = None) -> Path:
+    """Save a checkpoint for `step` atomically; returns `ckpt_root/global_step_<step>`.
+
+    extra_state: plain values restored by `load_checkpoint` (sampler position, KL coefficient, ...).
+    extra_models: other modules by name (e.g. {"critic": critic}), saved to `<name>/`.
+    extra_states: other objects with `state_dict()` by name (e.g. {"critic_optimizer": opt}) -> `<name>.pt`.
+    keep: keep only the newest `keep` checkpoints (None keeps all).
+    """
+    if keep is not None and keep < 1:
+        raise UserError(f"checkpoint keep must be >= 1 or None, got {keep}")
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(root)
+    final = root / f"{PREFIX}{int(step)}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        if model is not None:
+            _save_module(model, tmp / "model")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
+        for name, module in (extra_models or {}).items():
+            _save_module(module, tmp / name)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        for name, obj in (extra_states or {}).items():
+            torch.save(obj.state_dict(), tmp / f"{name}.pt")
+        torch.save({"step": int(step), "extra": dict(extra_state or {}), "rng": rng_state()}, tmp / "state.pt")
+        _fsync_tree(tmp)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_text_atomic(root / MARKER, f"{int(step)}\n")
+    if keep is not None:
+        for old in list_checkpoints(root)[:-keep]:
+            if old != final:
+                _remove_dir(old)
+    return final
+
+
+def latest_checkpoint(ckpt_root: str | os.PathLike) -> Path | None:
+    """The checkpoint named by the marker file, else the highest complete `global_step_N`; None if none."""
+    root = Path(ckpt_root)
+    marker = root / MARKER
+    if marker.exists():
+        text = marker.read_text().strip()
+        if text.isdigit() and (root / f"{PREFIX}{text}" / "state.pt").exists():
+            return root / f"{PREFIX}{text}"
+    complete = [p for p in list_checkpoints(root) if (p / "state.pt").exists()]
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A `global_step_N` dir, a checkpoint root (its latest) or a run dir (its checkpoints/ latest)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"checkpoint path not found: {p}")
+    if (p / "state.pt").exists():
+        return p
+    for root in (p, p / "checkpoints"):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise UserError(f"no checkpoint in {p} (expected state.pt, or {PREFIX}N/ dirs, or checkpoints/)")
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None, scheduler=None,
+                    extra_models: dict[str, torch.nn.Module] | None = None,
+                    extra_states: dict[str, Any] | None = None, restore_rng: bool = True) -> dict:
+    """Restore what `save_checkpoint` wrote into the given objects; returns `{"step": N, **extra_state}`.
+
+    `path` may be a `global_step_N` dir, a checkpoint root or a run dir (see `resolve_checkpoint`).
+    """
+    ckpt = resolve_checkpoint(path)
+    if model is not None:
+        _load_module(model, ckpt / "model")
+    for name, module in (extra_models or {}).items():
+        _load_module(module, ckpt / name)
+    pairs = [("optimizer", optimizer), ("scheduler", scheduler), *(extra_states or {}).items()]
+    for name, obj in pairs:
+        if obj is None:
+            continue
+        file = ckpt / f"{name}.pt"
+        if not file.exists():
+            raise UserError(f"checkpoint {ckpt} has no {file.name}")
+        obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+    if restore_rng:
+        set_rng_state(state["rng"])
+    return {"step": state["step"], **state["extra"]}
+
+
+def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: str | None = None,
+              overwrite: bool = False) -> Path:
+    """Write a Hugging Face model dir (weights + config + tokenizer) from a checkpoint, atomically.
+
+    A PEFT adapter is merged into its base model (`base_model_name_or_path` in adapter_config.json).
+    `dtype` ("bfloat16", "float32", ...) converts the weights; None keeps them as saved.
+    """
+    ckpt = resolve_checkpoint(ckpt_path)
+    src = ckpt / "model"
+    if not src.is_dir():
+        raise UserError(f"checkpoint {ckpt} has no model/ directory")
+    out = Path(to_dir).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"export target {out} exists and is not empty (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if (src / "adapter_config.json").exists() or dtype is not None:
+            _export_via_load(src, tmp, dtype)
+        else:
+            shutil.copytree(src, tmp)
+        _fsync_tree(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _auto_class(src: Path):
+    """The transformers Auto class a saved model (or LoRA adapter) belongs to: causal LM, RM or critic."""
+    import json
+
+    import transformers
+
+    if (src / "adapter_config.json").exists():
+        task = json.loads((src / "adapter_config.json").read_text()).get("task_type") or "CAUSAL_LM"
+        return {"SEQ_CLS": transformers.AutoModelForSequenceClassification,
+                "TOKEN_CLS": transformers.AutoModelForTokenClassification}.get(task, transformers.AutoModelForCausalLM)
+    archs = json.loads((src / "config.json").read_text()).get("architectures") or [""] \
+        if (src / "config.json").exists() else [""]
+    if archs[0].endswith("ForSequenceClassification"):
+        return transformers.AutoModelForSequenceClassification
+    if archs[0].endswith("ForTokenClassification"):
+        return transformers.AutoModelForTokenClassification
+    return transformers.AutoModelForCausalLM
+
+
+def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    from tiller.models.loading import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype) if dtype is not None else "auto"
+    auto_cls = _auto_class(src)
+    if (src / "adapter_config.json").exists():
+        import json
+
+        from peft import PeftModel
+
+        base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base or not (Path(base).exists() or base.count("/") == 1):
+            raise UserError(f"cannot merge the adapter in {src}: its base model {base!r} is not available")
+        extra = {} if auto_cls.__name__ == "AutoModelForCausalLM" else {"num_labels": 1}
+        model = auto_cls.from_pretrained(base, dtype=torch_dtype, **extra)
+        model = PeftModel.from_pretrained(model, str(src)).merge_and_unload()
+    else:
+        model = auto_cls.from_pretrained(src, dtype=torch_dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    if (src / "tokenizer_config.json").exists():
+        AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+
+def export_main(argv: list[str]) -> int:
+    """`tiller export CKPT --to DIR [--dtype bfloat16] [--force]`."""
+    parser = argparse.ArgumentParser(prog="tiller export", description=(
+        "Export a checkpoint (global_step_N dir, checkpoints root or run dir) as a Hugging Face model dir "
+        "that AutoModelForCausalLM.from_pretrained loads. LoRA adapters are merged into the base model."))
+    parser.add_argument("ckpt", help="checkpoint dir, checkpoints root, or run dir")
+    parser.add_argument("--to", required=True, dest="to_dir", help="output directory")
+    parser.add_argument("--dtype", default=None, help="convert weights: float32 | bfloat16 | float16")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    args = parser.parse_args(argv)
+    out = export_hf(args.ckpt, args.to_dir, dtype=args.dtype, overwrite=args.force)
+    print(f"exported {resolve_checkpoint(args.ckpt)} -> {out}")
+    return 0
