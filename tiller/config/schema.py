@@ -678,6 +678,10 @@ class TrainerConfig:
     """auto (latest checkpoint if any) | disable | resume_path."""
     resume_from_path: Optional[str] = None
     """Checkpoint dir for resume_mode=resume_path."""
+    overwrite: bool = False
+    """tiller: a run dir that holds an earlier run (checkpoints/, metrics.jsonl) which this run would not resume
+    (resume_mode=disable, or auto with no checkpoint to resume) is refused unless this is true; true deletes the
+    earlier run's records first, so two runs never mix in one dir."""
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/."""
     max_actor_ckpt_to_keep: Optional[int] = None

@@ -85,6 +85,21 @@ def validate_rl(cfg: RLConfig) -> None:
             f"divide a mini-batch of ppo_mini_batch_size x rollout.n = {actor.ppo_mini_batch_size} x {rollout.n} "
             f"= {mini_samples} samples"
         )
+    critic_mini = cfg.critic.ppo_mini_batch_size
+    if critic_mini is not None:
+        _positive("critic.ppo_mini_batch_size", critic_mini)
+        if data.train_batch_size % critic_mini:
+            raise ConfigError(f"critic.ppo_mini_batch_size ({critic_mini} prompts) must divide data.train_batch_size "
+                              f"({data.train_batch_size} prompts): each step is split into whole mini-batches")
+        if not cfg.critic.use_dynamic_bsz and (critic_mini * rollout.n) % cfg.critic.ppo_micro_batch_size_per_gpu:
+            raise ConfigError(
+                f"critic.ppo_micro_batch_size_per_gpu ({cfg.critic.ppo_micro_batch_size_per_gpu}) must divide a "
+                f"critic mini-batch of ppo_mini_batch_size x rollout.n = {critic_mini} x {rollout.n} samples")
+    if tr.total_training_steps is not None and tr.total_training_steps <= 0:
+        raise ConfigError(f"trainer.total_training_steps must be > 0, got {tr.total_training_steps} (leave it unset, "
+                          "null, to train trainer.total_epochs epochs)")
+    if tr.total_epochs <= 0:
+        raise ConfigError(f"trainer.total_epochs must be > 0, got {tr.total_epochs}")
     _validate_batches(cfg)
     if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         raise ConfigError(

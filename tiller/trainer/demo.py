@@ -194,7 +194,7 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
         "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0.0",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
-        "trainer.save_freq=-1", "trainer.resume_mode=disable", f"trainer.seed={args.seed}",
+        "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.overwrite=true", f"trainer.seed={args.seed}",
         f"trainer.num_threads={args.threads}", f"trainer.default_local_dir={run_dir}",
         "trainer.project_name=tiller", "trainer.experiment_name=demo",
     ]

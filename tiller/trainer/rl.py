@@ -80,6 +80,7 @@ class RLTrainer:
         self.response_width = arr.rollout.response_length or data.max_response_length
         self.run_dir = Path(tr.default_local_dir).expanduser()
         self.ckpt_root = self.run_dir / "checkpoints"
+        self._claim_run_dir()
         tok_path = data.tokenizer or arr.model.tokenizer_path or arr.model.path
         self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples)
@@ -590,6 +591,31 @@ class RLTrainer:
                  "entropy_coeff": None if self.entropy_ctrl is None else self.entropy_ctrl.value,
                  "last_entropy": self._last_entropy}
         return Path(self.actor.execute("save_checkpoint", str(self.ckpt_root), self.global_step, extra, keep))
+
+    def _claim_run_dir(self) -> None:
+        """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue,
+        so checkpoints and metrics of two runs never mix in one dir."""
+        import shutil
+
+        from tiller.models.checkpoint import latest_checkpoint
+
+        tr = self.cfg.trainer
+        records = [p for p in (self.ckpt_root, self.run_dir / "metrics.jsonl", self.run_dir / "tensorboard")
+                   if p.exists() and (p.is_file() or any(p.iterdir()))]
+        if not records:
+            return
+        if tr.resume_mode == "resume_path" or (tr.resume_mode == "auto" and latest_checkpoint(self.ckpt_root)):
+            return  # the run continues from a checkpoint: its records are this run's
+        if not tr.overwrite:
+            why = ("trainer.resume_mode=disable" if tr.resume_mode == "disable"
+                   else "it has no checkpoint to resume from")
+            raise ConfigError(f"trainer.default_local_dir={self.run_dir} holds an earlier run "
+                              f"({', '.join(p.name for p in records)}) and {why}: pass trainer.overwrite=true to "
+                              "replace it, or choose another trainer.default_local_dir")
+        for path in records:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        print(f"trainer.overwrite=true: removed the earlier run's {', '.join(p.name for p in records)} "
+              f"from {self.run_dir}")
 
     def _maybe_resume(self) -> None:
         from tiller.models.checkpoint import latest_checkpoint, resolve_checkpoint
