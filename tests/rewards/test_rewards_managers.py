@@ -179,3 +179,60 @@ def test_config_errors(user_fn, tmp_path):
 def test_empty_batch():
     result = build_reward_manager(RLConfig())([])
     assert result.scores.shape == (0,)
+
+
+SLEEPY_SRC = """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "slow":
+        time.sleep(60)
+    return 1.0 if solution_str == ground_truth else 0.0
+
+def compute_score_batch(data_sources, solution_strs, ground_truths, extra_infos):
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("in_thread", [False, True], ids=["main-thread", "worker-thread"])
+@pytest.mark.parametrize("manager", ["naive", "dapo"])
+def test_a_sleeping_reward_call_times_out_scores_zero_and_is_counted(tmp_path, manager, in_thread):
+    import threading
+    import time
+
+    from tiller.rewards.managers import DapoRewardManager, NaiveRewardManager, load_function_ref
+
+    (tmp_path / "sleepy.py").write_text(SLEEPY_SRC)
+    ref = load_function_ref(str(tmp_path / "sleepy.py"), "compute_score")
+    mgr = (NaiveRewardManager(ref, timeout=0.5) if manager == "naive"
+           else DapoRewardManager(ref, max_response_length=8, timeout=0.5))
+    reqs = [RewardRequest("x", "p", "7", "7"), RewardRequest("x", "p", "slow", "slow"), RewardRequest("x", "p", "3", "7")]
+    out = {}
+    start = time.monotonic()
+    if in_thread:
+        t = threading.Thread(target=lambda: out.update(batch=mgr.score(reqs)))
+        t.start()
+        t.join()
+    else:
+        out["batch"] = mgr.score(reqs)
+    assert time.monotonic() - start < 30  # the 60 s call was cut off, not waited for
+    batch = out["batch"]
+    assert batch.scores.tolist() == [1.0, 0.0, 0.0]
+    assert batch.metrics["reward/num_timeouts"] == 1.0 and batch.metrics["reward/num_errors"] == 0.0
+
+
+def test_a_sleeping_batch_call_times_out_for_the_whole_batch(tmp_path):
+    from tiller.rewards.managers import BatchRewardManager, load_function_ref
+
+    (tmp_path / "sleepy.py").write_text(SLEEPY_SRC)
+    mgr = BatchRewardManager(load_function_ref(str(tmp_path / "sleepy.py"), "compute_score_batch"), timeout=0.5)
+    batch = mgr.score([RewardRequest("x", "p", "1", "1"), RewardRequest("x", "p", "2", "2")])
+    assert batch.scores.tolist() == [0.0, 0.0] and batch.metrics["reward/num_timeouts"] == 2.0
+
+
+def test_reward_timeout_must_be_positive():
+    from tiller.errors import ConfigError
+    from tiller.rewards.managers import NaiveRewardManager
+
+    with pytest.raises(ConfigError, match="reward_model.timeout"):
+        NaiveRewardManager(timeout=0)

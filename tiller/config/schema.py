@@ -540,7 +540,8 @@ class RewardModelConfig:
     num_workers: int = 2
     """Processes of the parallel reward manager."""
     timeout: float = 30.0
-    """Seconds per sample (parallel manager) or per request (remote); a timeout scores 0."""
+    """tiller: seconds per reward-function call (naive / dapo: per sample, batch: per batch, parallel: per sample
+    in its worker) or per remote request; a call past it scores 0 and is counted in reward/num_timeouts."""
     remote_url: Optional[str] = None
     """HTTP endpoint of a remote reward server."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)

@@ -21,6 +21,8 @@ is counted in `reward/num_errors`; a `UserError` (bad config or data) is raised,
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -96,27 +98,81 @@ def _collect(values: list[Any], errors: list[bool]) -> ScoreBatch:
     return ScoreBatch(scores, extras, {"reward/num_errors": float(num_errors)})
 
 
-def _call_or_error(fn: Callable, *args, **kwargs) -> tuple[Any, bool]:
-    try:
-        return fn(*args, **kwargs), False
-    except UserError:
-        raise
-    except Exception:  # noqa: BLE001 - a failing reward function scores 0, counted
-        return None, True
+class _Overran(BaseException):
+    """Raised into a reward call that passed its time limit (a BaseException: `except Exception` in user code
+    does not swallow it)."""
+
+
+def _call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) -> tuple[Any, str]:
+    """(value, "ok" | "error" | "timeout") of one reward call, bounded by `timeout` seconds.
+
+    In the main thread (one-process runs) a SIGALRM timer interrupts the call; elsewhere (a Ray worker's thread)
+    the call runs in a daemon thread that is abandoned when it overruns. A function that installs its own
+    SIGALRM timer (math-verify does) replaces ours for its duration."""
+    if not timeout:
+        try:
+            return fn(*args, **kwargs), "ok"
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - a failing reward function scores 0, counted
+            return None, "error"
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def overran(signum, frame):
+            raise _Overran
+
+        previous = signal.signal(signal.SIGALRM, overran)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            return fn(*args, **kwargs), "ok"
+        except _Overran:
+            return None, "timeout"
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001
+            return None, "error"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - handed back to the caller below
+            box["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name="tiller-reward-call")
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return None, "timeout"
+    if isinstance(box.get("error"), UserError):
+        raise box["error"]
+    return (None, "error") if "error" in box else (box["value"], "ok")
+
+
+def _collect_calls(results: list[tuple[Any, str]]) -> "ScoreBatch":
+    batch = _collect([v for v, _ in results], [status != "ok" for _, status in results])
+    timeouts = sum(status == "timeout" for _, status in results)
+    batch.metrics["reward/num_timeouts"] = float(timeouts)
+    batch.metrics["reward/num_errors"] -= timeouts
+    return batch
 
 
 class NaiveRewardManager:
-    """Per-sample calls in this process."""
+    """Per-sample calls in this process, each bounded by `timeout` seconds (a timeout scores 0, counted in
+    `reward/num_timeouts`)."""
 
-    def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None):
+    def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None, timeout: float = 30.0):
+        _check_timeout(timeout)
         self.ref = ref
         self.fn = resolve_ref(ref)
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.timeout = timeout
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
-        results = [_call_or_error(self.fn, r.data_source, r.response, r.ground_truth, r.extra_info,
-                                  **self.reward_kwargs) for r in requests]
-        return _collect([v for v, _ in results], [e for _, e in results])
+        return _collect_calls([_call_or_error(self.fn, r.data_source, r.response, r.ground_truth, r.extra_info,
+                                              timeout=self.timeout, **self.reward_kwargs) for r in requests])
 
 
 def _default_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs) -> list:
@@ -126,23 +182,32 @@ def _default_batch(data_sources, solution_strs, ground_truths, extra_infos, **kw
 
 
 class BatchRewardManager:
-    """One call for the whole batch; the function returns one value per sample."""
+    """One call for the whole batch, bounded by `timeout` seconds; the function returns one value per sample."""
 
-    def __init__(self, ref: FuncRef | None = None, reward_kwargs: dict | None = None):
+    def __init__(self, ref: FuncRef | None = None, reward_kwargs: dict | None = None, timeout: float = 30.0):
+        _check_timeout(timeout)
         self.fn = _default_batch if ref in (None, DEFAULT_REF) else resolve_ref(ref)  # type: ignore[arg-type]
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.timeout = timeout
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
-        values, failed = _call_or_error(
+        values, status = _call_or_error(
             self.fn, data_sources=[r.data_source for r in requests], solution_strs=[r.response for r in requests],
             ground_truths=[r.ground_truth for r in requests], extra_infos=[r.extra_info for r in requests],
-            **self.reward_kwargs)
-        if failed or not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(requests):
-            return _collect([None] * len(requests), [True] * len(requests))
-        return _collect(list(values), [False] * len(requests))
+            timeout=self.timeout, **self.reward_kwargs)
+        if status == "ok" and (not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(requests)):
+            status = "error"
+        if status != "ok":
+            return _collect_calls([(None, status)] * len(requests))
+        return _collect_calls([(v, "ok") for v in values])
 
 
 _USER_ERRORS = ("UserError:", "ConfigError:", "DataError:")
+
+
+def _check_timeout(timeout: float) -> None:
+    if not timeout or timeout <= 0:
+        raise ConfigError(f"reward_model.timeout must be > 0 seconds, got {timeout}")
 
 
 class ParallelRewardManager:
@@ -193,8 +258,8 @@ class DapoRewardManager(NaiveRewardManager):
 
     def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None, *,
                  max_response_length: int, buffer_len: int | None = None, penalty_factor: float = 1.0,
-                 log_penalty: bool = True):
-        super().__init__(ref, reward_kwargs)
+                 log_penalty: bool = True, timeout: float = 30.0):
+        super().__init__(ref, reward_kwargs, timeout)
         self.max_response_length = max_response_length
         self.buffer_len = buffer_len
         self.penalty_factor = penalty_factor

@@ -104,16 +104,16 @@ def _rule_manager(cfg: Any) -> Any:
     if ob is not None and name != "dapo":
         raise ConfigError(f"{where}.enable needs reward_model.reward_manager=dapo")
     if name == "naive":
-        return NaiveRewardManager(ref, kwargs)
+        return NaiveRewardManager(ref, kwargs, timeout=rm.timeout)
     if name == "batch":
-        return BatchRewardManager(ref if custom.path else None, kwargs)
+        return BatchRewardManager(ref if custom.path else None, kwargs, timeout=rm.timeout)
     if name == "parallel":
         return ParallelRewardManager(ref, kwargs, num_workers=rm.num_workers, timeout=rm.timeout)
     # verl's dapo manager takes the length limit as max_resp_len; data.max_response_length by default
     max_len = int(manager_kwargs.get("max_resp_len") or cfg.data.max_response_length)
     return DapoRewardManager(ref, kwargs, max_response_length=max_len,
                              buffer_len=ob["len"] if ob else None, penalty_factor=ob["penalty_factor"] if ob else 1.0,
-                             log_penalty=bool(ob and ob["log"]))
+                             log_penalty=bool(ob and ob["log"]), timeout=rm.timeout)
 
 
 def build_reward_manager(cfg: Any, tokenizer: Any = None) -> Callable[[list[RewardRequest]], RewardResult]:
