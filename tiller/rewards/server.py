@@ -28,22 +28,45 @@ class ScoreRequest(BaseModel):
 
 
 class RuleScorer:
-    """Scores with `default_compute_score` from the labels (no model)."""
+    """Scores with `default_compute_score` from the labels (no model). Data sources whose scorer runs the
+    response as code (`registry.CODE_SOURCES`, in the sandbox) are refused unless `allow_code_execution`.
+    A scorer that fails on one sample scores it 0, as in training."""
+
+    def __init__(self, allow_code_execution: bool = False):
+        self.allow_code_execution = allow_code_execution
+
+    def check_labels(self, labels: list[dict]) -> None:
+        """UserError (-> 400) naming the label when one cannot be scored at all."""
+        from tiller.rewards.registry import CODE_SOURCES, get_scorer
+
+        for i, label in enumerate(labels):
+            source = label.get("data_source", "")
+            if not isinstance(source, str):
+                raise UserError(f"labels[{i}].data_source must be a string")
+            extra = label.get("extra_info")
+            if extra is not None and not isinstance(extra, dict):
+                raise UserError(f"labels[{i}].extra_info must be an object (a dict), got {type(extra).__name__}")
+            get_scorer(source)  # unknown data source: UserError listing the known ones
+            if source in CODE_SOURCES and not self.allow_code_execution:
+                raise UserError(f"labels[{i}].data_source={source!r} is scored by running the response as code; this "
+                                "server was not started with --allow-code-execution")
 
     def score_texts(self, prompts: list[str], responses: list[str], labels: list[dict]) -> list[float]:
-        from tiller.rewards.managers import _unpack
+        from tiller.rewards.managers import _call_or_error, _unpack
         from tiller.rewards.registry import default_compute_score
 
+        self.check_labels(labels)
         out = []
         for response, label in zip(responses, labels):
-            value = default_compute_score(label.get("data_source", ""), response, label.get("ground_truth"),
-                                          label.get("extra_info") or {})
-            out.append(_unpack(value)[0])
+            value, status = _call_or_error(default_compute_score, label.get("data_source", ""), response,
+                                           label.get("ground_truth"), label.get("extra_info") or {})
+            out.append(_unpack(value)[0] if status == "ok" else 0.0)
         return out
 
 
-def create_app(scorer: Any):
-    """A FastAPI app around `scorer.score_texts(prompts, responses[, labels])`."""
+def create_app(scorer: Any, *, api_key: str | None = None, max_body_bytes: int = 8 << 20):
+    """A FastAPI app around `scorer.score_texts(prompts, responses[, labels])`, behind `tiller.httpguard.Guard`
+    (API key on every route but /health, body cap)."""
     from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="tiller reward server")
@@ -68,7 +91,9 @@ def create_app(scorer: Any):
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         return {"scores": [float(s) if math.isfinite(float(s)) else 0.0 for s in scores]}
 
-    return app
+    from tiller.httpguard import Guard
+
+    return Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,16 +104,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=None)
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health (default: $TILLER_API_KEY)")
+    parser.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (413 past it)")
+    parser.add_argument("--allow-code-execution", action="store_true",
+                        help="rules: score code data sources by running the response in tiller's sandbox")
     args = parser.parse_args(argv)
     import uvicorn
 
+    from tiller.httpguard import resolve_api_key
+
+    if args.max_body_mb <= 0:
+        raise UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    api_key = resolve_api_key(args.api_key)
     if args.model == "rules":
-        scorer: Any = RuleScorer()
+        scorer: Any = RuleScorer(allow_code_execution=args.allow_code_execution)
+        if args.allow_code_execution:
+            from tiller.rewards.sandbox import sandbox_backend
+
+            print(f"tiller serve-rm: code data sources run in the sandbox (backend {sandbox_backend()})", flush=True)
     else:
         from tiller.rewards.reward_model import RewardModelScorer
 
         scorer = RewardModelScorer(args.model, micro_batch_size=args.micro_batch_size,
                                    max_length=args.max_length, device=args.device)
-    print(f"tiller serve-rm: POST http://{args.host}:{args.port}/score", flush=True)
-    uvicorn.run(create_app(scorer), host=args.host, port=args.port, log_level="warning")
+    print(f"tiller serve-rm: POST http://{args.host}:{args.port}/score; body <= {args.max_body_mb:g} MiB; API key "
+          f"{'required' if api_key else 'off (--api-key or TILLER_API_KEY to require one)'}", flush=True)
+    app = create_app(scorer, api_key=api_key, max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -37,8 +37,12 @@ class ServedModel:
     """What the handlers need: engine (behind a batcher), tokenizer, name and limits."""
 
     def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
-                 max_batch_prompts: int = 64, max_wait_s: float = 0.005):
+                 max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_n: int = 64,
+                 max_prompts_per_request: int = 64, max_request_tokens: int = 1 << 20):
         self.tokenizer = tokenizer
+        self.max_n = int(max_n)
+        self.max_prompts_per_request = int(max_prompts_per_request)
+        self.max_request_tokens = int(max_request_tokens)
         self.name = name
         self.max_model_len = int(max_model_len)
         self.max_tokens_default = int(max_tokens_default)
@@ -51,8 +55,20 @@ class ServedModel:
             raise RequestError(f"The model `{requested}` does not exist; this server serves `{self.name}`",
                                "model", status=404, code="model_not_found")
 
+    def limits(self) -> str:
+        """The request limits, one line (printed at start-up)."""
+        return (f"n <= {self.max_n}, prompts per request <= {self.max_prompts_per_request}, prompts x n x max_tokens "
+                f"<= {self.max_request_tokens}, prompt + max_tokens <= {self.max_model_len} tokens")
+
+    def check_prompt_count(self, count: int) -> None:
+        if count > self.max_prompts_per_request:
+            raise RequestError(f"{count} prompts in one request; this server takes at most "
+                               f"{self.max_prompts_per_request} (--max-prompts-per-request)", "prompt")
+
     def sampling(self, req: SamplingFields, max_tokens: int | None, prompt_lens: list[int]) -> SamplingParams:
         req.check_supported()
+        if req.n > self.max_n:
+            raise RequestError(f"n={req.n} is over this server's limit of {self.max_n} (--max-n)", "n")
         longest = max(prompt_lens)
         room = self.max_model_len - longest
         if room < 1:
@@ -63,6 +79,11 @@ class ServedModel:
         elif max_tokens > room:
             raise RequestError(f"max_tokens={max_tokens} + prompt ({longest} tokens) exceeds the model's context "
                                f"of {self.max_model_len} tokens", "max_tokens")
+        budget = len(prompt_lens) * req.n * max_tokens
+        if budget > self.max_request_tokens:
+            raise RequestError(f"prompts x n x max_tokens = {len(prompt_lens)} x {req.n} x {max_tokens} = {budget} "
+                               f"tokens is over this server's limit of {self.max_request_tokens} per request "
+                               "(--max-request-tokens)", "max_tokens")
         greedy = req.temperature == 0.0
         params = SamplingParams(n=req.n, temperature=1.0 if greedy else req.temperature, top_p=req.top_p,
                                 top_k=req.top_k, min_p=req.min_p, max_new_tokens=max_tokens, do_sample=not greedy,
@@ -136,7 +157,7 @@ async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> di
     served.check_model(req.model)
     if req.top_logprobs:
         raise RequestError("top_logprobs > 0 is not supported (only the sampled token's logprob)", "top_logprobs")
-    prompt = served.render_chat(req)
+    prompt = await asyncio.to_thread(served.render_chat, req)  # tokenizing a long prompt stays off the event loop
     sampling = served.sampling(req, req.max_completion_tokens or req.max_tokens, [len(prompt)])
     out = await served.generate([prompt], sampling)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -202,7 +223,9 @@ async def completion(served: ServedModel, req: CompletionRequest) -> dict | Any:
         raise RequestError("best_of other than n is not supported", "best_of")
     if req.suffix:
         raise RequestError("suffix is not supported", "suffix")
-    prompts = [served.encode_text(p) if isinstance(p, str) else list(p) for p in req.prompt_list()]
+    raw = req.prompt_list()
+    served.check_prompt_count(len(raw))
+    prompts = await asyncio.to_thread(lambda: [served.encode_text(p) if isinstance(p, str) else list(p) for p in raw])
     if any(not p for p in prompts):
         raise RequestError("a prompt tokenizes to 0 tokens", "prompt")
     sampling = served.sampling(req, req.max_tokens, [len(p) for p in prompts])

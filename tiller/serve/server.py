@@ -34,6 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-prompts", type=int, default=64, help="prompts per engine call")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $TILLER_API_KEY)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (413 past it)")
+    p.add_argument("--max-n", type=int, default=64, help="largest n per request")
+    p.add_argument("--max-prompts-per-request", type=int, default=64, help="most prompts in one request")
+    p.add_argument("--max-request-tokens", type=int, default=1 << 20,
+                   help="largest prompts x n x max_tokens of one request")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
     return p
@@ -55,7 +62,9 @@ def build_served_model(args: argparse.Namespace):
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     return ServedModel(policy.engine, policy.tokenizer, name=name, max_model_len=max_len,
                        max_tokens_default=args.max_tokens, max_batch_prompts=args.max_batch_prompts,
-                       max_wait_s=args.batch_wait_ms / 1000.0)
+                       max_wait_s=args.batch_wait_ms / 1000.0, max_n=args.max_n,
+                       max_prompts_per_request=args.max_prompts_per_request,
+                       max_request_tokens=args.max_request_tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -68,11 +77,20 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     from tiller.serve.app import create_app
 
+    from tiller.httpguard import Guard, resolve_api_key
+
+    for flag in ("max_n", "max_prompts_per_request", "max_request_tokens", "max_body_mb"):
+        if getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     served = build_served_model(args)
-    config = uvicorn.Config(create_app(served), host=args.host, port=args.port, log_level=args.log_level)
+    api_key = resolve_api_key(args.api_key)
+    app = Guard(create_app(served), api_key=api_key, max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     server = uvicorn.Server(config)
     print(f"tiller serve: model {served.name!r} (engine {args.engine}, context {served.max_model_len}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"tiller serve: limits: {served.limits()}, body <= {args.max_body_mb:g} MiB; "
+          f"API key {'required' if api_key else 'off (--api-key or TILLER_API_KEY to require one)'}", flush=True)
     server.run()
     return 0
 
