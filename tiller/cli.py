@@ -51,9 +51,20 @@ def _show_tiller_log() -> None:
     once per process) go to stderr as `tiller: ...`; a program embedding tiller configures logging itself."""
     import logging
 
+    class StderrHandler(logging.StreamHandler):
+        """Writes to whatever sys.stderr is at the time (it may be replaced after the handler is made)."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value):
+            pass
+
     log = logging.getLogger("tiller")
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("tiller: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -92,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as err:  # the machine, not the input: a full disk, a read-only dir, a permission
+        from tiller.errors import describe_os_error
+
+        print(f"tiller {name}: error: {describe_os_error(err)}", file=sys.stderr)
+        return 1
     return int(code or 0)
 
 

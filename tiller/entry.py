@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from tiller.errors import UserError
+from tiller.errors import UserError, describe_os_error
 
 
 def run_main(func, argv: list[str] | None = None) -> None:
@@ -19,4 +19,7 @@ def run_main(func, argv: list[str] | None = None) -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:  # the machine, not the input: one line, status 1
+        print(f"error: {describe_os_error(err)}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(int(code or 0))

@@ -83,7 +83,7 @@ def _count_prompts(cfg: RLConfig) -> int | None:
 
             total += pq.ParquetFile(path).metadata.num_rows
         elif path.suffix in (".jsonl", ".json"):
-            with path.open() as fh:
+            with path.open("rb") as fh:  # a count only: the reader reports bad encodings with the line
                 total += sum(1 for line in fh if line.strip())
         else:
             return None

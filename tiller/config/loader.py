@@ -319,9 +319,11 @@ def _load_yaml(path: Path, cls: type, paths: dict[str, Any]) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): save the config as UTF-8") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {raw!r}")
     data = _compose_yaml(path) if path.suffix in (".yaml", ".yml") else raw

@@ -62,8 +62,12 @@ def read_rows(path: str | Path) -> list[dict]:
             raise DataError(f"cannot read parquet file {p}: {err}") from err
     if suffix in (".jsonl", ".json"):
         rows = []
-        with open(p, encoding="utf-8") as fh:
-            text = fh.read()
+        try:
+            with open(p, encoding="utf-8") as fh:
+                text = fh.read()
+        except UnicodeDecodeError as err:
+            line = p.read_bytes()[:err.start].count(b"\n") + 1
+            raise DataError(f"{p}:{line}: not UTF-8 text (byte {err.start}); save the file as UTF-8") from None
         if suffix == ".json" and text.lstrip().startswith("["):
             try:
                 rows = json.loads(text)
@@ -145,6 +149,7 @@ class RLDataset:
     def __init__(self, files: Sequence[str] | str, tokenizer, *, prompt_key: str = "prompt",
                  reward_fn_key: str = "data_source", max_prompt_length: int = 256, truncation: str = "error",
                  filter_overlong_prompts: bool = False, apply_chat_template: bool = True,
+                 require_ground_truth: bool = False,
                  return_raw_chat: bool = False, max_samples: int = -1, what: str = "data.train_files"):
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
@@ -176,10 +181,16 @@ class RLDataset:
                     ground_truth=_ground_truth(row), extra_info=dict(row.get("extra_info") or {}),
                     raw_prompt=row[prompt_key] if return_raw_chat else None, uid=f"{Path(path).stem}-{i}",
                 ))
+                if require_ground_truth and self.items[-1].ground_truth is None:
+                    raise DataError(f"{where}: no ground truth (reward_model.ground_truth, or a top-level "
+                                    f"ground_truth) and the rule scorer for data_source "
+                                    f"{self.items[-1].data_source!r} needs one; fix the row, or score with "
+                                    "custom_reward_function.path / reward_model.enable=true")
                 if 0 < max_samples <= len(self.items):
                     break
             if 0 < max_samples <= len(self.items):
                 break
+        self.num_rows = len(self.items) + self.num_filtered
         if not self.items:
             why = (f" (all {self.num_filtered} prompts are longer than data.max_prompt_length="
                    f"{max_prompt_length} and data.filter_overlong_prompts=True)") if self.num_filtered else ""
@@ -202,13 +213,18 @@ def _ground_truth(row: dict) -> Any:
 
 
 def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: int = -1,
-                     what: str = "data.train_files") -> RLDataset:
-    """`RLDataset` from a `tiller.config.schema.DataConfig`."""
-    return RLDataset(files, tokenizer, prompt_key=data_cfg.prompt_key, reward_fn_key=data_cfg.reward_fn_key,
-                     max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
-                     filter_overlong_prompts=data_cfg.filter_overlong_prompts,
-                     apply_chat_template=data_cfg.apply_chat_template, return_raw_chat=data_cfg.return_raw_chat,
-                     max_samples=max_samples, what=what)
+                     what: str = "data.train_files", require_ground_truth: bool = False) -> RLDataset:
+    """`RLDataset` from a `tiller.config.schema.DataConfig`; says how many prompts filter_overlong_prompts dropped.
+    `require_ground_truth`: a row without one is an error naming the file and row (rule scoring needs it)."""
+    ds = RLDataset(files, tokenizer, prompt_key=data_cfg.prompt_key, reward_fn_key=data_cfg.reward_fn_key,
+                   max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
+                   filter_overlong_prompts=data_cfg.filter_overlong_prompts,
+                   apply_chat_template=data_cfg.apply_chat_template, return_raw_chat=data_cfg.return_raw_chat,
+                   max_samples=max_samples, what=what, require_ground_truth=require_ground_truth)
+    if ds.num_filtered:
+        print(f"{what}: data.filter_overlong_prompts dropped {ds.num_filtered} of {ds.num_rows} prompts longer than "
+              f"data.max_prompt_length={data_cfg.max_prompt_length} tokens")
+    return ds
 
 
 class PromptSampler:

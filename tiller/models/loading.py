@@ -7,7 +7,9 @@ missing path into a `UserError` naming it instead of a hub lookup traceback.
 
 from __future__ import annotations
 
+
 import os
+from pathlib import Path
 
 import torch
 
@@ -47,11 +49,19 @@ def _load_failure(what: str, path: str, err: Exception) -> str:
     return f"cannot load {what} from {path!r}: {first}"
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(path, padding_side: str | None = None, trust_remote_code: bool = False):
     """`AutoTokenizer.from_pretrained(path)` with a pad token guaranteed and an optional padding side."""
     from transformers import AutoTokenizer
 
     path = _check_path(path, "tokenizer")
+    local = Path(str(path))
+    if local.is_dir() and not any((local / name).exists() for name in _TOKENIZER_FILES):
+        raise UserError(f"no tokenizer in {local} (none of {', '.join(_TOKENIZER_FILES)}): save the tokenizer "
+                        "with the model, or point the tokenizer path key (e.g. actor_rollout_ref.model.tokenizer_path,"
+                        " data.tokenizer) at one")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as err:

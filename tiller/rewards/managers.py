@@ -57,6 +57,8 @@ def load_function_ref(path: str | None, name: str) -> FuncRef:
         fn = resolve_ref(ref)
     except AttributeError:
         raise ConfigError(f"custom_reward_function.name: {path} defines no function {name!r}") from None
+    except SystemExit as exc:  # sys.exit() / exit() at import: name it, don't end the run without a word
+        raise ConfigError(f"custom_reward_function.path: importing {path} called sys.exit({exc.code!r})") from None
     except Exception as exc:  # noqa: BLE001 - the user's file failed to import
         raise ConfigError(f"custom_reward_function.path: importing {path} failed: {type(exc).__name__}: {exc}") from exc
     if not callable(fn):

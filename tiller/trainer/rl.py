@@ -83,11 +83,15 @@ class RLTrainer:
         self._claim_run_dir()
         tok_path = data.tokenizer or arr.model.tokenizer_path or arr.model.path
         self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
-        self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples)
+        # rule scoring (no custom function, reward model or remote server) needs every row's ground truth
+        rm_cfg = cfg.reward_model
+        rules = not (cfg.custom_reward_function.path or rm_cfg.enable or rm_cfg.remote_url)
+        self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
+                                         require_ground_truth=rules)
         self.val_ds = None
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
-                                           what="data.val_files")
+                                           what="data.val_files", require_ground_truth=rules)
         # prompts are drawn data.gen_batch_size at a time (DAPO's dynamic sampling may draw several per step)
         self.sampler = PromptSampler(len(self.train_ds), data.gen_batch_size or data.train_batch_size,
                                      shuffle=data.shuffle, seed=data.seed)
