@@ -68,3 +68,22 @@ def test_batch_and_step_counts_are_checked_before_anything_runs(capsys, override
                  override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damaged", ["model/model.safetensors", "optimizer.pt", "state.pt"])
+def test_resume_skips_a_damaged_latest_checkpoint(tmp_path, tiny_model_dir, rl_data, capsys, damaged):  # noqa: F811
+    from tiller.trainer.rl import RLTrainer
+
+    run_dir = tmp_path / "run"
+    opts = ("trainer.save_freq=1", "trainer.resume_mode=auto")
+    trainer = RLTrainer(make_cfg(run_dir, tiny_model_dir, rl_data, *opts))
+    trainer.fit()
+    trainer.shutdown()
+    victim = run_dir / "checkpoints" / "global_step_2" / damaged
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
+    trainer = RLTrainer(make_cfg(run_dir, tiny_model_dir, rl_data, *opts, "trainer.total_training_steps=3"))
+    trainer.fit()
+    trainer.shutdown()
+    out = capsys.readouterr().out
+    assert "global_step_2 does not load" in out and "resumed from" in out and "global_step_1" in out
+    assert trainer.global_step == 3 and _steps(run_dir)[-2:] == [2, 3]

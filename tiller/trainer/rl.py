@@ -621,19 +621,32 @@ class RLTrainer:
         print(f"trainer.overwrite=true: removed the earlier run's {', '.join(p.name for p in records)} "
               f"from {self.run_dir}")
 
+    def _load_newest_good_checkpoint(self) -> tuple[Path | None, dict | None]:
+        """resume_mode=auto: the newest checkpoint that loads; a damaged one (truncated weights, optimizer or state
+        file) is skipped with a warning naming it and the cause, and the next older one is tried."""
+        from tiller.models.checkpoint import list_checkpoints
+
+        for path in reversed(list_checkpoints(self.ckpt_root)):
+            try:
+                return path, self.actor.execute("load_checkpoint", str(path))
+            except Exception as err:  # noqa: BLE001 - any failure to read it: damaged, try the one before
+                print(f"warning: checkpoint {path} does not load ({type(err).__name__}: {str(err)[:200]}); "
+                      "resuming from the one before it")
+        return None, None
+
     def _maybe_resume(self) -> None:
-        from tiller.models.checkpoint import latest_checkpoint, resolve_checkpoint
+        from tiller.models.checkpoint import resolve_checkpoint
 
         tr = self.cfg.trainer
         if tr.resume_mode == "disable":
             return
         if tr.resume_mode == "resume_path":
             path = resolve_checkpoint(tr.resume_from_path)
+            state = self.actor.execute("load_checkpoint", str(path))
         else:
-            path = latest_checkpoint(self.ckpt_root)
+            path, state = self._load_newest_good_checkpoint()
             if path is None:
                 return
-        state = self.actor.execute("load_checkpoint", str(path))
         self.global_step = int(state["step"])
         if self.critic is not None:
             self.critic.execute("load_checkpoint", str(Path(path).parent / CRITIC_SUBDIR / Path(path).name))
