@@ -62,7 +62,7 @@ def main() -> int:
     from tiller.trainer.demo import starter_model
 
     model_dir = starter_model(argparse.Namespace(seed=args.seed, model_params=2_000_000, warmup_target=0.4,
-                                                 train_size=4000, warmup_size=3000, rebuild=False))
+                                                 train_size=4000, rebuild=False))
     out = Path(args.out).resolve()
     data_dir = out / "data"
     arithmetic.write_task(data_dir, n_train=4000, n_test=256, seed=args.seed)

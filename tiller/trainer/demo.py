@@ -35,7 +35,7 @@ import torch
 from tiller.data.rl_dataset import render_prompt
 from tiller.tasks import arithmetic
 
-DEMO_VERSION = 5
+DEMO_VERSION = 4
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
 
 
@@ -45,17 +45,6 @@ def cache_root() -> Path:
 
 
 # ------------------------------------------------------------------------------------ warm-up
-def demo_splits(seed: int, warmup_size: int, rl_size: int) -> dict[str, list[dict]]:
-    """Disjoint pair sets: `warmup` (supervised), `dev` (128, when to stop the warm-up), `rl` (GRPO's prompts)
-    and `test` (256, held out from everything; the same 256 as `arithmetic.write_task`'s test split).
-
-    RL's prompts are pairs the warm-up never saw: a gain on them can only come from computing sums, not from
-    recalling supervised pairs, and that is what carries over to the held-out test pairs."""
-    train, test = arithmetic.make_splits(n_train=warmup_size + 128 + rl_size, n_test=256, seed=seed)
-    return {"warmup": train[:warmup_size], "dev": train[warmup_size:warmup_size + 128],
-            "rl": train[warmup_size + 128:], "test": test}
-
-
 def _prompt_ids(tokenizer, row: dict) -> list[int]:
     """The prompt as the RL run renders it (plain text: `data.apply_chat_template=false` keeps it short)."""
     text = render_prompt(row["prompt"], tokenizer, apply_chat_template=False, where="demo")
@@ -145,8 +134,7 @@ def starter_model(args, log=print) -> Path:
     """The cached warmed-up model dir; built (tokenizer, model, warm-up) on first use."""
     from tiller.models.tiny import build_model, train_tokenizer
 
-    key = hashlib.sha1(json.dumps([DEMO_VERSION, args.seed, args.model_params, args.warmup_target,
-                                          args.warmup_size, args.warmup_lr]).encode())
+    key = hashlib.sha1(json.dumps([DEMO_VERSION, args.seed, args.model_params, args.warmup_target]).encode())
     out = cache_root() / f"starter-{key.hexdigest()[:10]}"
     if (out / "config.json").exists() and not args.rebuild:
         log(f"starter model: {out} (cached)")
@@ -156,11 +144,11 @@ def starter_model(args, log=print) -> Path:
     t0 = time.time()
     tokenizer = train_tokenizer()
     model = build_model(tokenizer, "qwen2", n_params=args.model_params, seed=args.seed)
-    splits = demo_splits(args.seed, args.warmup_size, args.train_size)
+    train, _ = arithmetic.make_splits(n_train=args.train_size + 256, n_test=256, seed=args.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        acc, steps = warm_up(model, tokenizer, splits["warmup"], splits["dev"], target=args.warmup_target,
-                             seed=args.seed, lr=args.warmup_lr, log=log)
+        acc, steps = warm_up(model, tokenizer, train[:-256], train[-128:], target=args.warmup_target,
+                             seed=args.seed, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     model.save_pretrained(tmp, safe_serialization=True)
@@ -237,9 +225,7 @@ def main(argv: list[str]) -> int:
                         help="torch threads (1: on a busy 2-core machine a second thread mostly spin-waits)")
     parser.add_argument("--model-params", type=int, default=2_000_000)
     parser.add_argument("--warmup-target", type=float, default=0.4)
-    parser.add_argument("--train-size", type=int, default=4000, help="RL prompts (pairs the warm-up never saw)")
-    parser.add_argument("--warmup-size", type=int, default=3000, help="pairs of the supervised warm-up")
-    parser.add_argument("--warmup-lr", type=float, default=1e-3, help="the warm-up's (constant) AdamW lr")
+    parser.add_argument("--train-size", type=int, default=4000)
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached starter model")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
     args = parser.parse_args(argv)
@@ -260,11 +246,7 @@ def run_demo(args) -> int:
     model_dir = starter_model(args)
     t_warm = time.time() - t0
     data_dir = run_dir / "data"
-    from tiller.data.rl_dataset import write_rows
-
-    splits = demo_splits(args.seed, args.warmup_size, args.train_size)
-    write_rows(splits["rl"], data_dir / "train.parquet")
-    write_rows(splits["test"], data_dir / "test.parquet")
+    arithmetic.write_task(data_dir, n_train=args.train_size, n_test=256, seed=args.seed)
     cfg = load_config(rl_overrides(model_dir, data_dir, run_dir, args) + list(args.overrides))
     print(f"GRPO: {args.steps} steps x {cfg.data.train_batch_size} prompts x n={cfg.actor_rollout_ref.rollout.n}; "
           f"run dir {run_dir}")
