@@ -48,7 +48,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "2+3="}], "max
 
 def test_models_and_health(server):
     client, _ = server
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "queue": 0}
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["tiny"]
     assert data["data"][0]["max_model_len"] == 512

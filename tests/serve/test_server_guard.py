@@ -188,3 +188,97 @@ def test_api_key_from_the_environment(monkeypatch):
     assert resolve_api_key(None) == "from-env" and resolve_api_key("flag") == "flag"
     monkeypatch.delenv("TILLER_API_KEY")
     assert resolve_api_key(None) is None
+
+
+class _GatedEngine:
+    """An engine whose calls wait for `gate`: requests pile up in the batcher while the first one runs."""
+
+    def __init__(self):
+        import threading
+
+        self.gate, self.calls = threading.Event(), []
+
+    def generate(self, prompts, sampling):
+        from tiller.rollout import RolloutOutput
+
+        self.calls.append(len(prompts))
+        assert self.gate.wait(30)
+        rows = len(prompts) * sampling.n
+        return RolloutOutput([list(p) for p in prompts for _ in range(sampling.n)], [[5]] * rows, [[-0.1]] * rows,
+                             ["stop"] * rows)
+
+
+def test_batcher_refuses_past_its_queue_and_drops_jobs_whose_client_left():
+    from tiller.rollout import SamplingParams
+    from tiller.serve.batcher import MicroBatcher, QueueFull
+
+    engine = _GatedEngine()
+    batcher = MicroBatcher(engine, max_batch_prompts=1, max_wait_s=0.0, max_queue=3)
+    sp = SamplingParams(n=1, max_new_tokens=2)
+    running = batcher.submit([[1, 2]], sp)
+    for _ in range(100):  # the first call has started (it holds the engine)
+        if engine.calls:
+            break
+        time.sleep(0.02)
+    queued = [batcher.submit([[3, 4]], sp), batcher.submit([[5, 6]], sp)]
+    assert batcher.overloaded
+    with pytest.raises(QueueFull, match="--max-queue"):
+        batcher.submit([[7]], sp)
+    assert queued[0].cancel()  # its client left before its engine call started
+    engine.gate.set()
+    running.result(10)
+    queued[1].result(10)
+    assert engine.calls == [1, 1] and batcher.stats["dropped"] == 1  # the cancelled job never reached the engine
+    assert batcher.pending == 0 and not batcher.overloaded
+    batcher.close()
+
+
+def test_server_answers_429_and_health_reports_overload(tiny_model_dir):
+    import concurrent.futures
+
+    from tiller.models.loading import load_tokenizer
+    from tiller.serve.app import ServedModel, create_app
+
+    engine = _GatedEngine()
+    served = ServedModel(engine, load_tokenizer(tiny_model_dir), name="tiny", max_model_len=64, max_batch_prompts=1,
+                         max_wait_s=0.0, max_queue=1)
+    with _serve(create_app(served)) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.post, "/v1/completions", json=DONE)
+        for _ in range(100):
+            if engine.calls:
+                break
+            time.sleep(0.05)
+        assert client.get("/health").status_code == 503 and client.get("/health").json()["status"] == "overloaded"
+        r = client.post("/v1/completions", json=DONE)
+        assert r.status_code == 429 and "--max-queue" in r.json()["error"]["message"]
+        engine.gate.set()
+        assert first.result(30).status_code == 200
+        assert client.get("/health").json() == {"status": "ok", "queue": 0}
+    served.batcher.close()
+
+
+def test_a_request_whose_client_leaves_is_cancelled():
+    import asyncio
+
+    from tiller.serve.app import unless_client_leaves
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    cancelled = []
+
+    async def work():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def main():
+        reply = await unless_client_leaves(Gone(), work(), poll_s=0.01)
+        await asyncio.sleep(0.05)
+        return reply
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 499 and cancelled == [True]

@@ -26,9 +26,11 @@ import time
 import uuid
 from typing import Any
 
+from fastapi import Request  # module level: FastAPI resolves the handlers' (string) annotations here
+
 from tiller.errors import UserError
 from tiller.rollout import RolloutOutput, SamplingParams
-from tiller.serve.batcher import MicroBatcher
+from tiller.serve.batcher import MicroBatcher, QueueFull
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
 from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
 
@@ -38,7 +40,7 @@ class ServedModel:
 
     def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
                  max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_n: int = 64,
-                 max_prompts_per_request: int = 64, max_request_tokens: int = 1 << 20):
+                 max_prompts_per_request: int = 64, max_request_tokens: int = 1 << 20, max_queue: int = 256):
         self.tokenizer = tokenizer
         self.max_n = int(max_n)
         self.max_prompts_per_request = int(max_prompts_per_request)
@@ -47,7 +49,8 @@ class ServedModel:
         self.max_model_len = int(max_model_len)
         self.max_tokens_default = int(max_tokens_default)
         self.created = int(time.time())
-        self.batcher = MicroBatcher(engine, max_batch_prompts=max_batch_prompts, max_wait_s=max_wait_s)
+        self.batcher = MicroBatcher(engine, max_batch_prompts=max_batch_prompts, max_wait_s=max_wait_s,
+                                    max_queue=max_queue)
 
     # ------------------------------------------------------------------------------------ helpers
     def check_model(self, requested: str | None) -> None:
@@ -57,7 +60,7 @@ class ServedModel:
 
     def limits(self) -> str:
         """The request limits, one line (printed at start-up)."""
-        return (f"n <= {self.max_n}, prompts per request <= {self.max_prompts_per_request}, prompts x n x max_tokens "
+        return (f"requests waiting or running <= {self.batcher.max_queue}, n <= {self.max_n}, prompts per request <= {self.max_prompts_per_request}, prompts x n x max_tokens "
                 f"<= {self.max_request_tokens}, prompt + max_tokens <= {self.max_model_len} tokens")
 
     def check_prompt_count(self, count: int) -> None:
@@ -121,7 +124,11 @@ class ServedModel:
         for p in prompts:
             if min(p) < 0 or max(p) >= vocab:
                 raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return await asyncio.wrap_future(self.batcher.submit(prompts, sampling))
+        try:
+            future = self.batcher.submit(prompts, sampling)
+        except QueueFull as err:
+            raise RequestError(str(err), None, status=429, code="queue_full") from None
+        return await asyncio.wrap_future(future)  # cancelling this await cancels the queued job
 
     def finish_text(self, ids: list[int], stops: tuple[str, ...]) -> str:
         """Decoded text without special tokens, cut before the first stop string."""
@@ -272,13 +279,34 @@ def _stream_completion(served: ServedModel, body: dict, out: RolloutOutput, req:
 
 
 # ------------------------------------------------------------------------------------------- app
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready."""
+
+
+async def unless_client_leaves(request, work, poll_s: float = 0.2):
+    """Await `work`, checking every `poll_s` whether the client is still connected; if it left, cancel the work
+    (a queued engine job is dropped; see `MicroBatcher`) and return a 499 nobody reads."""
+    from fastapi.responses import JSONResponse
+
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return JSONResponse(status_code=499, content={"error": {"message": "client closed the request",
+                                                                    "type": "invalid_request_error",
+                                                                    "param": None, "code": "client_closed"}})
+
+
 def create_app(served: ServedModel):
     """The FastAPI app around a `ServedModel` (its batcher thread is closed on shutdown)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -308,13 +336,16 @@ def create_app(served: ServedModel):
         return error(400, str(exc), None)
 
     def respond(result):
-        if isinstance(result, dict):
+        if isinstance(result, (dict, Response)):
             return result
         return StreamingResponse(result, media_type="text/event-stream")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health():
+        queue = served.batcher.pending
+        if served.batcher.overloaded:
+            return JSONResponse(status_code=503, content={"status": "overloaded", "queue": queue})
+        return {"status": "ok", "queue": queue}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -326,11 +357,11 @@ def create_app(served: ServedModel):
         return dict(served.batcher.stats)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        return respond(await chat_completion(served, req))
+    async def chat(req: ChatCompletionRequest, request: Request):
+        return respond(await unless_client_leaves(request, chat_completion(served, req)))
 
     @app.post("/v1/completions")
-    async def complete(req: CompletionRequest):
-        return respond(await completion(served, req))
+    async def complete(req: CompletionRequest, request: Request):
+        return respond(await unless_client_leaves(request, completion(served, req)))
 
     return app

@@ -36,25 +36,49 @@ class Job:
                                stop=tuple(self.sampling.stop)))
 
 
+class QueueFull(Exception):
+    """More requests are waiting or running than the batcher takes (`max_queue`): the server answers 429."""
+
+
 class MicroBatcher:
     """`submit(prompt_ids, sampling) -> Future[RolloutOutput]`; a daemon thread runs the engine.
 
-    Stats (`self.stats`): requests, engine_calls, prompts, tokens (for /metrics-style inspection and tests).
+    At most `max_queue` requests wait or run at once (`submit` raises `QueueFull` past it). A request whose
+    future is cancelled before its engine call starts (its client left) is dropped, never generated; an engine
+    call that has started runs to its end (the engine is not interruptible mid-call).
+    Stats (`self.stats`): requests, engine_calls, prompts, tokens, dropped (for /stats and tests).
     """
 
-    def __init__(self, engine, *, max_batch_prompts: int = 64, max_wait_s: float = 0.005):
+    def __init__(self, engine, *, max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_queue: int = 256):
         self.engine = engine
+        self.max_queue = max(1, int(max_queue))
+        self.pending = 0
+        self._pending_lock = threading.Lock()
         self.max_batch_prompts = max(1, int(max_batch_prompts))
         self.max_wait_s = max(0.0, float(max_wait_s))
         self.queue: queue.Queue[Job | None] = queue.Queue()
-        self.stats = {"requests": 0, "engine_calls": 0, "prompts": 0, "tokens": 0}
+        self.stats = {"requests": 0, "engine_calls": 0, "prompts": 0, "tokens": 0, "dropped": 0}
         self._thread = threading.Thread(target=self._loop, name="tiller-serve-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def overloaded(self) -> bool:
+        return self.pending >= self.max_queue
+
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Future:
+        with self._pending_lock:
+            if self.pending >= self.max_queue:
+                raise QueueFull(f"{self.pending} requests are waiting or running; this server takes at most "
+                                f"{self.max_queue} at once (--max-queue): retry later")
+            self.pending += 1
         job = Job([list(p) for p in prompt_ids], sampling)
+        job.future.add_done_callback(self._done)
         self.queue.put(job)
         return job.future
+
+    def _done(self, _future) -> None:
+        with self._pending_lock:
+            self.pending -= 1
 
     def close(self, timeout: float = 10.0) -> None:
         self.queue.put(None)
@@ -105,6 +129,11 @@ class MicroBatcher:
             self._run(batch)
 
     def _run(self, jobs: list[Job]) -> None:
+        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]  # cancelled: the client left
+        self.stats["dropped"] += len(jobs) - len(live)
+        jobs = live
+        if not jobs:
+            return
         prompts = [p for job in jobs for p in job.prompt_ids]
         sampling = jobs[0].sampling
         try:

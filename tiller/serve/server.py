@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $TILLER_API_KEY)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (413 past it)")
     p.add_argument("--max-n", type=int, default=64, help="largest n per request")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting or running at once; past it 429, and /health answers 503 overloaded")
     p.add_argument("--max-prompts-per-request", type=int, default=64, help="most prompts in one request")
     p.add_argument("--max-request-tokens", type=int, default=1 << 20,
                    help="largest prompts x n x max_tokens of one request")
@@ -64,7 +66,7 @@ def build_served_model(args: argparse.Namespace):
                        max_tokens_default=args.max_tokens, max_batch_prompts=args.max_batch_prompts,
                        max_wait_s=args.batch_wait_ms / 1000.0, max_n=args.max_n,
                        max_prompts_per_request=args.max_prompts_per_request,
-                       max_request_tokens=args.max_request_tokens)
+                       max_request_tokens=args.max_request_tokens, max_queue=args.max_queue)
 
 
 def main(argv: list[str]) -> int:
@@ -79,7 +81,7 @@ def main(argv: list[str]) -> int:
 
     from tiller.httpguard import Guard, resolve_api_key
 
-    for flag in ("max_n", "max_prompts_per_request", "max_request_tokens", "max_body_mb"):
+    for flag in ("max_n", "max_prompts_per_request", "max_request_tokens", "max_body_mb", "max_queue"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     served = build_served_model(args)
