@@ -10,6 +10,12 @@ sends `--requests` chat requests from `--clients` threads (`ignore_eos`, so ever
 
     python bench/serve.py                       # 2M params, 64 requests x 32 tokens, 16 clients
     python bench/serve.py --params 30000000 --dtype bfloat16
+    python bench/serve.py --hostile             # 64 clients: valid, oversized and disconnecting requests mixed
+
+`--hostile` (loopback only, bounded) starts the server behind its guard (1 MiB body cap) and sends `--requests`
+requests from `--clients` threads; request i is valid (i % 4 in 0, 1), a 2 MiB body (2) or a client that gives up
+after 50 ms (3). It prints p50 / p99 latency of the valid ones, the status counts (5xx must be 0), engine jobs
+dropped because their client left, and the process's peak RSS (server and clients share it).
 """
 
 from __future__ import annotations
@@ -74,6 +80,67 @@ def run_case(model_dir: str, max_batch: int, args) -> dict:
             "engine_calls": calls}
 
 
+def run_hostile(model_dir: str, args) -> dict:
+    import resource
+
+    import httpx
+    import uvicorn
+
+    from tiller.httpguard import Guard
+    from tiller.serve.app import create_app
+    from tiller.serve.server import _parser, build_served_model
+
+    served = build_served_model(_parser().parse_args([model_dir, "--dtype", args.dtype, "--batch-wait-ms", "5"]))
+    port = _free_port()
+    app = Guard(create_app(served), api_key=None, max_body_bytes=1 << 20)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(300):
+        if server.started:
+            break
+        time.sleep(0.1)
+    body = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "max_tokens": args.tokens,
+            "temperature": 1.0, "ignore_eos": True}
+    huge = {**body, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    statuses: dict[str, int] = {}
+    latencies: list[float] = []
+    lock = threading.Lock()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    def one(i):
+        kind = ("valid", "valid", "oversized", "disconnect")[i % 4]
+        t0 = time.perf_counter()
+        try:
+            with httpx.Client(timeout=0.05 if kind == "disconnect" else 600) as client:
+                status = str(client.post(url, json=huge if kind == "oversized" else body).status_code)
+        except httpx.TimeoutException:
+            status = "client_gave_up"
+        with lock:
+            statuses[f"{kind}:{status}"] = statuses.get(f"{kind}:{status}", 0) + 1
+            if kind == "valid" and status == "200":
+                latencies.append(time.perf_counter() - t0)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        list(pool.map(one, range(args.requests)))
+    wall = time.perf_counter() - start
+    time.sleep(1.0)  # let the engine finish what the gone clients left
+    health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+    server.should_exit = True
+    thread.join(10)
+    latencies.sort()
+    pct = (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 3)) if latencies else None
+    return {"mode": "hostile", "requests": args.requests, "clients": args.clients, "wall_s": round(wall, 2),
+            "valid_ok": len(latencies), "p50_s": pct(0.5) if pct else None, "p99_s": pct(0.99) if pct else None,
+            "statuses": dict(sorted(statuses.items())),
+            "server_5xx": sum(v for k, v in statuses.items() if k.split(":")[1].startswith("5")),
+            "dropped_jobs": served.batcher.stats["dropped"], "health_after": health,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "rss_growth_mb": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024, 1)}
+
+
 def main() -> None:
     import torch
 
@@ -84,6 +151,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hostile", action="store_true", help="valid, oversized and disconnecting requests mixed")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from tiller.hostinfo import compact_host_facts
@@ -92,6 +160,10 @@ def main() -> None:
     host = compact_host_facts()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(f"{tmp}/model", arch="qwen2", n_params=args.params, seed=0))
+        if args.hostile:
+            print(json.dumps({"params": args.params, "dtype": args.dtype, **run_hostile(model_dir, args),
+                              "host": host}), flush=True)
+            return
         for max_batch in (1, 64):
             print(json.dumps({"params": args.params, "dtype": args.dtype, **run_case(model_dir, max_batch, args),
                               "host": host}), flush=True)
