@@ -49,6 +49,12 @@ def _load_failure(what: str, path: str, err: Exception) -> str:
     return f"cannot load {what} from {path!r}: {first}"
 
 
+def is_load_error(err: BaseException) -> bool:
+    """An exception `from_pretrained` raises for a bad model dir (missing / truncated / malformed files) rather
+    than a bug: OSError, ValueError (a bad config.json) or safetensors' own error for a truncated file."""
+    return isinstance(err, (OSError, ValueError)) or type(err).__name__ == "SafetensorError"
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -88,7 +94,9 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as err:
+    except Exception as err:
+        if not is_load_error(err):
+            raise
         raise UserError(_load_failure("model", path, err)) from err
     if device is not None:
         model = model.to(device)

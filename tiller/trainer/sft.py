@@ -114,7 +114,11 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
         if path.startswith((".", "/")) and not os.path.exists(path):
             raise UserError(f"model path not found: {path}")
         model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as err:
+    except Exception as err:
+        from tiller.models.loading import is_load_error
+
+        if not is_load_error(err):
+            raise
         raise UserError(f"cannot load {path!r} as a sequence-classification model: {err}") from err
     finally:
         hf_logging.set_verbosity(verbosity)
