@@ -25,6 +25,8 @@ from tiller.algos.utils import masked_mean
 from tiller.errors import ConfigError
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+#: every name `kl_penalty` accepts: a kind, or a kind + "+" (k2's gradient, the kind's value)
+KL_ESTIMATOR_NAMES = KL_KINDS + tuple(k + "+" for k in KL_KINDS)
 
 
 def _forward_kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -43,7 +45,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     """Per-token KL estimate [B, T] of the named kind (see module doc); same shape as the inputs."""
     base = kind[:-1] if kind.endswith("+") else kind
     if base not in KL_KINDS:
-        valid = ", ".join(list(KL_KINDS) + [k + "+" for k in KL_KINDS])
+        valid = ", ".join(KL_ESTIMATOR_NAMES)
         raise ConfigError(f"kl_loss_type / kl_penalty: unknown KL estimator {kind!r}; valid: {valid}")
     value = _forward_kl(logp, ref_logp, base)
     if not kind.endswith("+") or base in ("mse", "k2"):

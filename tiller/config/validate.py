@@ -1,30 +1,29 @@
 """Cross-field checks of an RLConfig, with messages a user understands.
 
-Name lists here are the choices the config accepts; tests check they match the registries
-(`tiller.algos`, `tiller.rollout`, `tiller.rewards`) so the two cannot drift apart.
+Algorithm names are read from `tiller.algos`'s registries when a config is checked, so an estimator or
+policy loss a user registers is accepted like a built-in one. The rollout / reward name lists live here
+because those packages sit above `config` (docs/internals.md, Layers); tests check they match.
 """
 
 from __future__ import annotations
 
+from tiller.algos import ADV_ESTIMATORS as _ADV_REGISTRY
+from tiller.algos import LOSS_AGG_MODES
+from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
+from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
 from tiller.tracking.tracker import LOGGERS
 
-ADV_ESTIMATORS = (
-    "gae", "grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_vectorized", "rloo_vectorized", "gdpo",
-    "optimal_token_baseline", "tir_optimal_token_baseline",
-)
-# bypass_mode is not chosen by loss_mode: algorithm.rollout_correction.bypass_mode selects it
-POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
 REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
+#: the built-in names (tests iterate them); validation reads the live registries
+ADV_ESTIMATORS = tuple(_ADV_REGISTRY.names())
+POLICY_LOSSES = tuple(_LOSS_REGISTRY.names())
 # estimators whose baseline comes from the other samples of the same prompt
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
                     "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
@@ -37,8 +36,9 @@ def validate_rl(cfg: RLConfig) -> None:
     data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
 
-    _choice("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
-    _choice("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, POLICY_LOSSES)
+    _choice("algorithm.adv_estimator", algo.adv_estimator, tuple(_ADV_REGISTRY.names()))
+    # bypass_mode is not a loss_mode: algorithm.rollout_correction.bypass_mode selects it
+    _choice("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, tuple(_LOSS_REGISTRY.names()))
     _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
