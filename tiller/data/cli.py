@@ -4,6 +4,9 @@
         (without --src: openai/gsm8k through `datasets`, from the hub or its local cache)
     tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
     tiller data reasoning-gym --task letter_counting --out data/lc [--train N --test N --format jsonl]
+    tiller data filter-difficulty --model DIR --data train.parquet --k 8 --keep 0.1:0.9 --out kept.parquet
+        (Skywork-OR1 offline difficulty filtering: keep the prompts the model solves sometimes;
+        `tiller data filter-difficulty --help` for details)
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import argparse
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "filter-difficulty":  # its own parser: config overrides mixed with its options
+        from tiller.evaluation import difficulty  # the rollout engine and reward pipeline: loaded when used
+
+        return difficulty.main(argv[1:])
     parser = argparse.ArgumentParser(prog="tiller data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="dataset", required=True)
@@ -32,6 +39,9 @@ def main(argv: list[str]) -> int:
     r.add_argument("--test", type=int, default=200)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    sub.add_parser("filter-difficulty", add_help=False,
+                   help="keep the prompts a model solves sometimes (Skywork-OR1 offline filtering); "
+                        "see `tiller data filter-difficulty --help`")
     args = parser.parse_args(argv)
     if args.dataset == "reasoning-gym":
         from tiller.data.preprocess import reasoning_gym
