@@ -127,11 +127,16 @@ def validate_rl(cfg: RLConfig) -> None:
         raise ConfigError(
             f"actor_rollout_ref.rollout.temperature must be > 0 when rollout.do_sample=True (got {rollout.temperature})"
         )
+    width = rollout.response_length or data.max_response_length
     for i, stage in enumerate(rollout.response_length_schedule):
+        key = f"actor_rollout_ref.rollout.response_length_schedule[{i}] = {stage}"
         if len(stage) != 2 or stage[0] < 0 or stage[1] <= 0:
-            raise ConfigError(
-                f"actor_rollout_ref.rollout.response_length_schedule[{i}] = {stage} must be [from_step, length]"
-            )
+            raise ConfigError(f"{key} must be [from_step, length]")
+        if stage[1] > width:  # the rollout width bounds every stage: a longer stage would be cut silently
+            raise ConfigError(f"{key}: length {stage[1]} > the response width {width} (rollout.response_length / "
+                              "data.max_response_length); raise that to the longest stage")
+        if i and stage[0] <= rollout.response_length_schedule[i - 1][0]:
+            raise ConfigError(f"{key}: stages must start at increasing steps")
     if cfg.reward_model.overlong_buffer.enable and cfg.reward_model.overlong_buffer.len >= data.max_response_length:
         raise ConfigError(
             f"reward_model.overlong_buffer.len ({cfg.reward_model.overlong_buffer.len}) must be shorter than "
