@@ -370,14 +370,21 @@ class RLTrainer:
                 **(extra_meta or {})}
         return Batch(fields=fields, meta=meta)
 
+    def response_limit(self, step: int) -> int:
+        """Step `step`'s response-length limit: Skywork-OR1's multi-stage length (`rollout.response_length_schedule`,
+        the last stage whose from_step <= step), else the response width. A function of the step alone, so a run
+        resumed at any step, in any stage, samples with that stage's limit."""
+        length = self.response_width
+        for start, max_len in self.cfg.actor_rollout_ref.rollout.response_length_schedule:
+            if step >= start:
+                length = min(max_len, self.response_width)  # (validation refuses a longer stage)
+        return length
+
     def _train_sampling(self, step: int) -> dict:
         r = self.cfg.actor_rollout_ref.rollout
-        length = self.response_width
-        for start, max_len in r.response_length_schedule:  # Skywork-OR1 multi-stage length
-            if step >= start:
-                length = min(max_len, self.response_width)
         return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                    max_new_tokens=length, do_sample=r.do_sample, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+                    max_new_tokens=self.response_limit(step), do_sample=r.do_sample, stop=tuple(r.stop),
+                    ignore_eos=r.ignore_eos,
                     seed=self.cfg.trainer.seed * 1_000_003 + step)
 
     def _next_prompts(self, round_: int, step: int, extra_meta=None) -> Batch:
@@ -671,7 +678,9 @@ class RLTrainer:
 
         if not len(batch):  # no group passed algorithm.filter_groups
             return {}
-        out = data_metrics(batch, self.response_width)
+        limit = self.response_limit(self.global_step)
+        out = data_metrics(batch, limit)  # clip_ratio: responses that reached this step's limit
+        out["response_length/limit"] = float(limit)
         if self.use_critic and "values" in batch:
             from tiller.workers.critic import value_metrics
 

@@ -1,7 +1,8 @@
 """Metrics of an RL step and of validation, with verl's names (`verl/trainer/ppo/metric_utils.py`).
 
 Step: `critic/score/*` (sequence score), `critic/rewards/*` (after KL in reward), `critic/advantages/*`,
-`critic/returns/*` (over response tokens), `response_length/{mean,max,min,clip_ratio}`,
+`critic/returns/*` (over response tokens), `response_length/{mean,max,min,clip_ratio}` (clip_ratio against
+the step's limit; the driver adds `response_length/limit`, the multi-stage length of the step),
 `prompt_length/{mean,max,min}`, `response/finish_stop_ratio`.
 Validation, per data source and N = val_kwargs.n: `val-core/<source>/acc/mean@N`, for N > 1 also
 `val-core/<source>/acc/best@N` (the best of N) and `val-core/<source>/acc/maj@N` (the accuracy of the
