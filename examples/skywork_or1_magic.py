@@ -73,7 +73,8 @@ def run_stage(model_dir: Path, data_dir: Path, run_dir: Path, args, total_steps:
     from tiller.config import load_config
     from tiller.trainer.rl import RLTrainer
 
-    cfg = load_config(magic_overrides(model_dir, data_dir, run_dir, args, total_steps, resume) + overrides, preset="skywork_or1")
+    cfg = load_config(magic_overrides(model_dir, data_dir, run_dir, args, total_steps, resume) + overrides,
+                      preset="skywork_or1")
     trainer = RLTrainer(cfg)
     try:
         trainer.fit()

@@ -6,7 +6,9 @@ Skywork-OR1 (He et al. 2025, arXiv 2505.22312, section 3.1 "data preparation": o
 several responses per problem with the model RL starts from and drops the problems it always solves (no
 learning signal, pass rate 1) and those it never solves (pass rate 0): with group-relative advantages a
 group whose responses all score the same has zero advantage and costs a rollout for nothing. What is kept
-is the band of prompts the starting model solves sometimes.
+is the band of prompts the starting model solves sometimes. (Skywork's released 7B training data keep the problems
+DeepSeek-R1-Distill-Qwen-7B solved 1 to 15 times in 16: `--k 16 --keep 0.0625:0.9375`; their data script
+or1_scripts/data_preprocess/download_and_filter_data_7b.py.)
 
 Here: k samples per prompt with the rollout engine (`actor_rollout_ref.rollout.name`, native by default,
 `generate_batched` as `tiller generate` / `tiller eval` use it), sampled with the training rollout keys
@@ -162,8 +164,8 @@ def filter_difficulty(cfg, data: str, out: str, *, k: int, band: tuple[float, fl
     if dst.suffix.lower() != src.suffix.lower():
         raise ConfigError(f"--out {out}: the kept rows are written in the input's format; name it *{src.suffix}")
     if cfg.actor_rollout_ref.rollout.multi_turn.enable or cfg.actor_rollout_ref.rollout.agent.path:
-        raise ConfigError("tiller data filter-difficulty samples single-turn responses; multi-turn / agent "
-                          "rollouts (actor_rollout_ref.rollout.multi_turn.enable, rollout.agent.path) are not supported")
+        raise ConfigError("tiller data filter-difficulty samples single-turn responses; multi-turn / agent rollouts "
+                          "(actor_rollout_ref.rollout.multi_turn.enable, rollout.agent.path) are not supported")
     lo, hi = band
     start = time.time()
     policy = policy_from_config(cfg)
@@ -194,11 +196,11 @@ def filter_difficulty(cfg, data: str, out: str, *, k: int, band: tuple[float, fl
         **summarize(rates, keep, k, lo, hi),
         "num_unscored": ds.num_filtered,
         "k": k, "keep": [lo, hi], "model": cfg.actor_rollout_ref.model.path, "data": str(src), "out": str(dst),
-        "plot": str(png),
+        "plot": str(png), "summary": str(dst.with_name(f"{stem}_summary.json")),
         "sampling": {key: (list(v) if isinstance(v, tuple) else v) for key, v in asdict(sampling).items()},
         "num_tokens": gen.num_tokens, "wall_s": time.time() - start,
     }
-    atomic_write_text(dst.with_name(f"{stem}_summary.json"), json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(summary["summary"], json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -234,5 +236,5 @@ def main(argv: list[str]) -> int:
           + ", ".join(f"{key}: {v}" for key, v in s["histogram"].items()))
     print(f"kept {s['num_kept']} of {s['num_prompts']} prompts with pass rate in [{band[0]:g}, {band[1]:g}] "
           f"(never solved {s['num_never_solved']}, all solved {s['num_all_solved']}) -> {s['out']}")
-    print(f"plot: {s['plot']}; summary: {Path(s['out']).with_name(Path(s['plot']).name.replace('_pass_rates.png', '_summary.json'))}")
+    print(f"plot: {s['plot']}; summary: {s['summary']}")
     return 0
