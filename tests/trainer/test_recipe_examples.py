@@ -3,8 +3,8 @@
 - examples/skywork_or1_magic.py: offline difficulty filtering keeps a band of the training prompts; held-out
   accuracy rises over stage 1 and again over stage 2; stage 2 resumes from stage 1's checkpoint at the boundary
   and samples with the longer limit.
-- examples/darling.py: DARLING against a quality-only run with the same seed: diversity/mean and the training
-  quality of DARLING against the quality-only run (see the bounds below and the README for the measured numbers).
+- examples/darling.py: DARLING against a quality-only run with the same seed: DARLING's diversity/mean is higher,
+  its training quality and held-out accuracy no lower (within 0.02; measured numbers below and in the README).
 
 Both start from the demo's warmed-up starter model, built once here into a scratch cache (~1-2.5 min on 2 busy
 cores); then ~1.5 min (MAGIC) and ~2.5 min (DARLING).
@@ -62,6 +62,8 @@ def test_darling_against_quality_only_with_the_same_seed(tmp_path, starter_cache
     for run in (q, d):  # both learn the task
         assert run["quality_late"] >= run["quality_first5"] + 0.1
         assert run["val_acc_after"] >= run["val_acc_before"] + 0.1
-    # measured (seed 0, 60 steps): DARLING - quality-only = diversity/mean +0.015, training quality +0.001
+    # measured, DARLING - quality-only (diversity/mean, training quality, held-out accuracy): seed 0 +0.015, +0.001,
+    # +0.008; seed 1 +0.059, +0.004, +0.023; seed 2 +0.038, -0.009, +0.062. Diversity rises; quality is level.
     assert d["diversity_late"] > q["diversity_late"]
     assert d["quality_late"] >= q["quality_late"] - 0.02
+    assert d["val_acc_after"] >= q["val_acc_after"] - 0.02
