@@ -210,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, metavar="DIR", help="the starting model (HF model dir)")
     parser.add_argument("--data", required=True, metavar="FILE", help="prompt file (.parquet / .jsonl, verl schema)")
     parser.add_argument("--out", required=True, metavar="FILE", help="kept rows (same format as --data)")
-    parser.add_argument("--k", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--k", default="8", help="samples per prompt (default 8)")
     parser.add_argument("--keep", default="0.1:0.9", metavar="LO:HI",
                         help="keep prompts with LO <= pass rate <= HI (default 0.1:0.9)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per engine call (default 64)")
@@ -222,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
     band = parse_band(args.keep)
+    try:  # parsed here, not by argparse, so a bad value is one line naming the flag
+        args.k = int(args.k)
+    except ValueError:
+        raise ConfigError(f"--k {args.k!r}: give a whole number of samples per prompt, e.g. --k 8") from None
     if args.k < 1:
         raise ConfigError(f"--k must be >= 1 (samples per prompt), got {args.k}")
     if args.batch_size < 1:
