@@ -10,6 +10,7 @@ from __future__ import annotations
 from tiller.algos import ADV_ESTIMATORS as _ADV_REGISTRY
 from tiller.algos import LOSS_AGG_MODES
 from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
+from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
@@ -42,6 +43,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
+    _validate_distill(cfg)
     _validate_agent(cfg)
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
@@ -293,3 +295,32 @@ def _validate_new_algorithms(cfg: RLConfig) -> None:
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
                           f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys: give one weight per key")
     _positive("actor_rollout_ref.actor.policy_loss.dro_beta", cfg.actor_rollout_ref.actor.policy_loss.dro_beta)
+
+
+def _validate_distill(cfg: RLConfig) -> None:
+    """algorithm.distill (on-policy distillation): values, and no setting without a teacher."""
+    import dataclasses
+
+    d = cfg.algorithm.distill
+    if not d.teacher_path:
+        default = type(d)()
+        for f in dataclasses.fields(d):
+            if getattr(d, f.name) != getattr(default, f.name):
+                raise ConfigError(f"algorithm.distill.{f.name} is set but algorithm.distill.teacher_path is not: "
+                                  "on-policy distillation needs the teacher's model dir")
+        return
+    _choice("algorithm.distill.loss_mode", d.loss_mode, DISTILL_LOSS_MODES)
+    if not d.use_policy_gradient and d.loss_mode in PG_ONLY_LOSS_MODES:
+        raise ConfigError(f"algorithm.distill.loss_mode={d.loss_mode} needs algorithm.distill.use_policy_gradient=true:"
+                          " the gradient of k1 does not depend on the teacher (as a supervised loss use k3, k2 or abs)")
+    for name in ("coef", "outcome_coef"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"algorithm.distill.{name} must be >= 0, got {getattr(d, name)}")
+    if d.loss_max_clamp is not None:
+        _positive("algorithm.distill.loss_max_clamp", d.loss_max_clamp)
+    if d.log_prob_min_clamp is not None and d.log_prob_min_clamp >= 0:
+        raise ConfigError(f"algorithm.distill.log_prob_min_clamp must be < 0 (a log-probability), got "
+                          f"{d.log_prob_min_clamp}")
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(d, name) is not None:
+            _positive(f"algorithm.distill.{name}", getattr(d, name))

@@ -7,7 +7,8 @@ One step, in the order `RLTrainer.train_step` runs it (each phase a named timer,
     -> filter_groups (optional, DAPO dynamic sampling: more generation rounds until train_batch_size
        groups with a varying metric are collected)  -> balance_batch (optional: equal tokens per worker)
     -> old_log_prob (skipped when the update is exactly on-policy and nothing else needs it)
-    -> ref (KL only) -> values (GAE only)
+    -> ref (KL only) -> teacher (on-policy distillation only: the teacher's logprobs of the sampled tokens)
+    -> values (GAE only)
     -> adv: optional KL in reward, rollout correction (optional: TIS weights, rejection mask), then the
        advantage estimator
     -> update_critic (GAE) -> update_actor (ppo_epochs x mini-batches x micro-batches)
@@ -112,6 +113,7 @@ class RLTrainer:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
+        self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
         # on-policy (one epoch, one mini-batch): the update's own detached logprobs are the old ones
         self.on_policy = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == data.train_batch_size
         rc = algo.rollout_correction
@@ -278,6 +280,9 @@ class RLTrainer:
             if self.need_ref and "ref_log_prob" not in batch:
                 with timer("ref", m):
                     batch = batch.union(actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
+            if self.need_teacher:
+                with timer("teacher", m):
+                    batch = batch.union(actor.execute("compute_teacher_log_prob", batch, dispatch="dp"))
             if self.use_critic:
                 with timer("values", m):
                     batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
@@ -630,7 +635,7 @@ class RLTrainer:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "values", "rollout_is_weights") if k in batch]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights") if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
             keys.append("rollout_log_probs")
         out = batch.select(keys)
