@@ -692,10 +692,38 @@ class DistillConfig:
 
 
 @dataclass
+class PrimeConfig:
+    """PRIME (Cui et al. 2025, arXiv 2502.01456; `tiller.algos.prime`), read with algorithm.adv_estimator=prime: an
+    implicit process reward model (a causal LM, trained online each step on the step's samples with the outcome
+    labels) gives dense token rewards beta * log(pi_prm / pi_ref). Defaults: verl's recipe/prime."""
+
+    model_path: Optional[str] = None
+    """The PRM's initial weights (also its frozen reference); null = actor_rollout_ref.model.path (verl:
+    reward_model.model.path)."""
+    beta_train: float = 0.05
+    """beta of the implicit reward beta * sum_t log(pi_prm / pi_ref), in its loss and its token rewards."""
+    lr: float = 1e-6
+    """The PRM's AdamW learning rate (constant; the actor's betas / eps, weight decay 0)."""
+    grad_clip: float = 1.0
+    """The PRM's gradient-norm clip."""
+    mini_batch_size: Optional[int] = None
+    """Prompts per PRM optimizer step; null = actor.ppo_mini_batch_size (verl's default)."""
+    granularity: str = "token"
+    """token: the dense reward on every response token | whole: its sum on the last token (verl: prime_granularity)."""
+    norm: str = "batch_norm"
+    """batch_norm: divide the dense rewards by the batch's largest |return| | none (verl: prime_norm)."""
+    reward_dpo_coef: float = 5.0
+    """Weight of the (leave-one-out) dense implicit rewards (verl: algorithm.reward_dpo_coef)."""
+    reward_gt_coef: float = 5.0
+    """Weight of the (leave-one-out) outcome reward (verl: algorithm.reward_gt_coef)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """gae | grpo | grpo_vectorized | grpo_passk | rloo | rloo_vectorized | remax | reinforce_plus_plus |
-    reinforce_plus_plus_baseline | opo | gpg | gdpo | optimal_token_baseline | tir_optimal_token_baseline."""
+    reinforce_plus_plus_baseline | opo | gpg | gdpo | optimal_token_baseline | tir_optimal_token_baseline |
+    prime (algorithm.prime.*)."""
     gdpo_reward_keys: list[str] = field(default_factory=list)
     """gdpo: the named scores of the reward function's dict return, each normalised per group separately."""
     gdpo_reward_weights: Optional[list[float]] = None
@@ -718,6 +746,8 @@ class AlgorithmConfig:
     """Correct for the rollout engine sampling from a slightly different policy than the actor (TIS / masking)."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from a teacher model (off unless distill.teacher_path is set)."""
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    """PRIME's implicit process reward model (read with adv_estimator=prime)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from tiller.algos import LOSS_AGG_MODES
 from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
 from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
+from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
@@ -27,7 +28,7 @@ ADV_ESTIMATORS = tuple(_ADV_REGISTRY.names())
 POLICY_LOSSES = tuple(_LOSS_REGISTRY.names())
 # estimators whose baseline comes from the other samples of the same prompt
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
-                    "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
+                    "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "prime")
 
 
 def validate_rl(cfg: RLConfig) -> None:
@@ -44,6 +45,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
     _validate_distill(cfg)
+    _validate_prime(cfg)
     _validate_agent(cfg)
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
@@ -324,3 +326,33 @@ def _validate_distill(cfg: RLConfig) -> None:
     for name in ("clip_ratio_low", "clip_ratio_high"):
         if getattr(d, name) is not None:
             _positive(f"algorithm.distill.{name}", getattr(d, name))
+
+
+def _validate_prime(cfg: RLConfig) -> None:
+    """algorithm.prime (PRIME's implicit PRM): read only with adv_estimator=prime; values."""
+    import dataclasses
+
+    p, algo = cfg.algorithm.prime, cfg.algorithm
+    if algo.adv_estimator != "prime":
+        default = type(p)()
+        for f in dataclasses.fields(p):
+            if getattr(p, f.name) != getattr(default, f.name):
+                raise ConfigError(f"algorithm.prime.{f.name} is set but algorithm.adv_estimator={algo.adv_estimator}: "
+                                  "the implicit PRM is used with algorithm.adv_estimator=prime")
+        return
+    _choice("algorithm.prime.granularity", p.granularity, PRIME_GRANULARITIES)
+    _choice("algorithm.prime.norm", p.norm, PRIME_NORMS)
+    for name in ("beta_train", "lr", "grad_clip"):
+        _positive(f"algorithm.prime.{name}", getattr(p, name))
+    for name in ("reward_dpo_coef", "reward_gt_coef"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"algorithm.prime.{name} must be >= 0, got {getattr(p, name)}")
+    if p.mini_batch_size is not None:
+        _positive("algorithm.prime.mini_batch_size", p.mini_batch_size)
+        if cfg.data.train_batch_size % p.mini_batch_size:
+            raise ConfigError(f"algorithm.prime.mini_batch_size ({p.mini_batch_size} prompts) must divide "
+                              f"data.train_batch_size ({cfg.data.train_batch_size} prompts)")
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.agent.path or rollout.agent.env_path:
+        raise ConfigError("algorithm.adv_estimator=prime is refused with agent rollouts (actor_rollout_ref.rollout."
+                          "agent.*): the implicit PRM scores single responses, not episodes of segments")
