@@ -49,11 +49,11 @@ def test_prime_trains_the_prm_and_the_policy(tiny_model_dir, data, tmp_path):
                "algorithm.prime.lr=1e-3", "algorithm.prime.mini_batch_size=2")
     trainer = RLTrainer(cfg)
     worker = trainer.actor.worker
-    prm0 = {k: v.clone() for k, v in worker.prm_module.state_dict().items()}
+    prm0 = {k: v.clone() for k, v in worker.prm.module.state_dict().items()}
     policy0 = trainer.actor.execute("state_dict")
     metrics = trainer.fit()
-    prm1, policy1 = worker.prm_module.state_dict(), trainer.actor.execute("state_dict")
-    ref_same = all(torch.equal(worker.prm_ref_module.state_dict()[k], prm0[k]) for k in prm0)
+    prm1, policy1 = worker.prm.module.state_dict(), trainer.actor.execute("state_dict")
+    ref_same = all(torch.equal(worker.prm.ref_module.state_dict()[k], prm0[k]) for k in prm0)
     trainer.shutdown()
     assert any(not torch.equal(prm0[k], prm1[k]) for k in prm0), "the PRM did not train"
     assert ref_same, "the PRM's reference must stay frozen"
@@ -90,13 +90,77 @@ def test_prime_checkpoint_carries_the_prm(tiny_model_dir, data, tmp_path):
                "trainer.save_freq=2")
     trainer = RLTrainer(cfg)
     trainer.fit()
-    trained = {k: v.clone() for k, v in trainer.actor.worker.prm_module.state_dict().items()}
+    trained = {k: v.clone() for k, v in trainer.actor.worker.prm.module.state_dict().items()}
     trainer.shutdown()
     cfg = _cfg(tmp_path / "run", tiny_model_dir, data, "algorithm.adv_estimator=prime", "algorithm.prime.lr=1e-3",
                "trainer.resume_mode=auto", "trainer.total_training_steps=3")
     resumed = RLTrainer(cfg)
     resumed._maybe_resume()
-    now = resumed.actor.worker.prm_module.state_dict()
+    now = resumed.actor.worker.prm.module.state_dict()
     assert resumed.global_step == 2 and all(torch.equal(trained[k], now[k]) for k in trained)
-    assert resumed.actor.worker.prm_optimizer.state  # Adam moments restored too
+    assert resumed.actor.worker.prm.optimizer.state  # Adam moments restored too
     resumed.shutdown()
+
+
+@pytest.fixture(scope="module")
+def arithmetic_starter(tmp_path_factory):
+    """A 1M-parameter Qwen2 warmed on two-digit addition to ~0.3 greedy accuracy (~525 supervised steps, ~80 s)."""
+    from tiller.models.tiny import build_model, train_tokenizer
+    from tiller.trainer.demo import warm_up
+
+    out = tmp_path_factory.mktemp("prime_starter") / "starter"
+    tok = train_tokenizer()
+    model = build_model(tok, "qwen2", n_params=1_000_000, seed=0)
+    train, _ = arithmetic.make_splits(n_train=2256, n_test=8, seed=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        warm_up(model, tok, train[:-256], train[-128:], target=0.3, seed=0, log=lambda *_: None)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _arm(run_dir, starter, data, *extra):
+    from tiller.trainer.rl import run
+
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={starter}",
+        f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]",
+        "data.apply_chat_template=false", "data.max_prompt_length=16", "data.max_response_length=6",
+        "data.train_batch_size=16", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128", "actor_rollout_ref.actor.optim.lr=1e-4",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=10", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.rollout.dtype=float32",
+        "trainer.total_training_steps=40", "trainer.test_freq=-1", "trainer.val_before_train=true",
+        "trainer.logger=[jsonl]", "trainer.resume_mode=disable", "trainer.save_freq=-1",
+        f"trainer.default_local_dir={run_dir}", *extra])
+    run(cfg)
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    key = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
+    vals = [r[key] for r in rows if key in r]
+    return vals[0], vals[-1], [r for r in rows if "critic/score/mean" in r]
+
+
+@pytest.mark.slow
+def test_prime_against_outcome_only_grpo_at_equal_steps(arithmetic_starter, tmp_path):
+    """40 steps of 16 prompts x 8 from the same warmed starter and seed: GRPO (outcome only), PRIME with verl's
+    coefficients (dense 5, outcome 5) and PRIME with dense 1 (PRM lr 1e-4 in both). Greedy accuracy on 256 held-out
+    prompts before / after, measured on the 2-core EPYC host (seed 0; seed 1 in the issue-18 notes):
+        GRPO 0.328 -> 0.340 | PRIME dense 5: 0.328 -> 0.000 (collapses) | PRIME dense 1: 0.328 -> 0.348.
+    PRIME does not beat outcome-only GRPO at this scale: the implicit PRM learns the outcome labels (its loss falls
+    from log 2 to ~0.6) but its token rewards are noise at a 1M model, and batch_norm scales that noise to the size
+    of the outcome reward; at verl's dense coefficient 5 the noise wins. Asserted: what holds (GRPO and PRIME with a
+    dense weight of 1 keep their accuracy, the PRM learns); the comparison is printed."""
+    data = tmp_path / "data"
+    arithmetic.write_task(data, n_train=2000, n_test=256, seed=0)
+    grpo = _arm(tmp_path / "grpo", arithmetic_starter, data, "algorithm.adv_estimator=grpo")
+    prime1 = _arm(tmp_path / "prime1", arithmetic_starter, data, "algorithm.adv_estimator=prime",
+                  "algorithm.prime.lr=1e-4", "algorithm.prime.reward_dpo_coef=1")
+    prime5 = _arm(tmp_path / "prime5", arithmetic_starter, data, "algorithm.adv_estimator=prime",
+                  "algorithm.prime.lr=1e-4")
+    for name, (before, after, _) in (("grpo", grpo), ("prime dense 1", prime1), ("prime dense 5", prime5)):
+        print(f"{name}: held-out greedy accuracy {before:.3f} -> {after:.3f}")
+    assert grpo[1] >= grpo[0] - 0.05
+    assert prime1[1] >= prime1[0] - 0.05
+    late = [r["prime/prm_loss"] for r in prime1[2][-10:]]
+    assert sum(late) / len(late) < math.log(2) - 0.03  # the implicit PRM learned the outcome labels

@@ -330,7 +330,8 @@ def _resolve_distillation(cfg: RLConfig) -> None:
     rule = RULES["distillation.distillation_loss.policy_loss_mode"]
     if section.distillation_loss.policy_loss_mode not in rule.allowed:
         raise ConfigError(f"distillation.distillation_loss.policy_loss_mode="
-                          f"{section.distillation_loss.policy_loss_mode!r} is refused: {rule.reason}. Instead: {rule.use}")
+                          f"{section.distillation_loss.policy_loss_mode!r} is refused: {rule.reason}. "
+                          f"Instead: {rule.use}")
     for new, old in DISTILLATION_ALIASES.items():
         _set(cfg, old, get(cfg, new))
     cfg.distillation = type(section)()

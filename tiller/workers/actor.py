@@ -61,6 +61,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, split_micro_batches
+from tiller.workers.prm import ImplicitPRM
 
 
 def _mean(values: list[float]) -> float:
@@ -112,9 +113,9 @@ class ActorRolloutRefWorker:
         teacher_path = config.algorithm.distill.teacher_path
         if teacher_path:
             self.teacher_module = self._load_teacher(teacher_path, arr.model.trust_remote_code)
-        self.prm_model = None  # PRIME: the implicit PRM (trained) and its frozen reference
+        self.prm = None  # PRIME: the implicit PRM (trained) and its frozen reference
         if config.algorithm.adv_estimator == "prime":
-            self._build_prm(arr.model.trust_remote_code)
+            self.prm = ImplicitPRM(config, self.device)
         if arr.model.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.train()
@@ -152,23 +153,6 @@ class ActorRolloutRefWorker:
                               "both need the same vocabulary)")
         teacher = load_causal_lm(path, dtype="float32", trust_remote_code=trust_remote_code, device=self.device)
         return teacher.requires_grad_(False).eval()
-
-    def _build_prm(self, trust_remote_code: bool) -> None:
-        """PRIME's implicit PRM from algorithm.prime.model_path (or the policy's): a trained copy with its own AdamW
-        (the actor's betas / eps, constant lr, no weight decay: verl's recipe) and a frozen copy as its reference."""
-        import dataclasses
-
-        from tiller.models.loading import load_causal_lm
-
-        p = self.cfg.algorithm.prime
-        path = p.model_path or self.cfg.actor_rollout_ref.model.path
-        prm = load_causal_lm(path, dtype="float32", trust_remote_code=trust_remote_code, device=self.device)
-        self.prm_ref_module = copy.deepcopy(prm).requires_grad_(False).eval()
-        prm.train()
-        self.prm_module = prm
-        self.prm_model = dist_ctx.wrap_model(prm, strategy=self.actor_cfg.strategy.replace("fsdp2", "fsdp"))
-        self.prm_optimizer = build_optimizer(self.prm_model, dataclasses.replace(self.actor_cfg.optim, lr=p.lr,
-                                                                                 weight_decay=0.0))
 
     # ------------------------------------------------------------------------------------- rollout
     def _build_rollout(self, module=None):
@@ -497,61 +481,12 @@ class ActorRolloutRefWorker:
 
     # ------------------------------------------------------------------------------ PRIME's implicit PRM
     def update_prm(self, batch: Batch) -> dict[str, float]:
-        """One pass of PRIME's PRM update over `batch` (tensors as the actor's update, plus `acc[B]`, the outcome
-        labels), in mini-batches of meta `prm_mini_batch_size` samples: cross-entropy of sigmoid(beta * sum_t q_t)
-        against the label, averaged over the mini-batch's samples (all ranks). Returns `prime/*` metrics, measured
-        before each mini-batch's step (how well the PRM predicted outcomes it had not learned from)."""
-        from tiller.algos.prime import prime_prm_loss
+        """PRIME: one pass of the implicit PRM's update on the step's samples and outcome labels (`acc`)."""
+        return self.prm.update(batch, self._logp_entropy)
 
-        p, a = self.cfg.algorithm.prime, self.actor_cfg
-        mini = int(batch.meta.get("prm_mini_batch_size", len(batch)))
-        stats: dict[str, list[float]] = {}
-        self.prm_model.train()
-        for mb in batch.split(mini):
-            n_seq = global_counts(mb)["global_seqs"]
-            sums = {"prm_loss": 0.0, "prm_acc": 0.0, "implicit_reward": 0.0}
-            self.prm_optimizer.zero_grad(set_to_none=True)
-            micros = split_micro_batches(mb, rows=a.ppo_micro_batch_size_per_gpu).batches
-            for i, micro in enumerate(micros):
-                dist_ctx.set_grad_sync(self.prm_model, i == len(micros) - 1)
-                mask = micro["response_mask"].to(self.device)
-                valid = (mask.sum(-1) > 0).float()
-                with autocast(a.dtype, self.device):
-                    prm_logp, _ = self._logp_entropy(self.prm_model, micro, 1.0, False)
-                    with torch.no_grad():
-                        ref_logp, _ = self._logp_entropy(self.prm_ref_module, micro, 1.0, False)
-                loss_b, metrics = prime_prm_loss(prm_logp, ref_logp, mask, micro["acc"].to(self.device), p.beta_train)
-                loss = (loss_b * valid).sum() / max(n_seq, 1.0)
-                loss.backward()
-                share = float(valid.sum()) / max(n_seq, 1.0)
-                sums["prm_loss"] += float(loss.detach())
-                sums["prm_acc"] += share * float(metrics["prm_acc"])
-                sums["implicit_reward"] += share * float(metrics["implicit_reward"])
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.prm_model.parameters(), p.grad_clip)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if np.isfinite(grad_norm):
-                self.prm_optimizer.step()
-            self.prm_optimizer.zero_grad(set_to_none=True)
-            if dist_ctx.is_distributed():
-                keys = sorted(sums)
-                total = dist_ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-                sums.update(zip(keys, total.tolist()))
-            sums["prm_grad_norm"] = grad_norm
-            for k, v in sums.items():
-                stats.setdefault(k, []).append(v)
-        return {f"prime/{k}": _mean(v) for k, v in stats.items()}
-
-    @torch.no_grad()
     def compute_prm_log_ratio(self, batch: Batch) -> Batch:
-        """q[B, T] = log pi_prm - log pi_ref of the response tokens (the PRM as it is now): Batch with `prm_q`."""
-        from tiller.algos.prime import implicit_log_ratio
-
-        r = self.rollout_cfg
-        plain = Batch(dict(batch.tensors), meta={**batch.meta, "temperature": 1.0})  # PRM log-probs: raw logits
-        micros = split_micro_batches(plain, rows=r.log_prob_micro_batch_size_per_gpu)
-        prm = self._batch_logp(self.prm_model, plain, micros, self.actor_cfg.dtype)
-        ref = self._batch_logp(self.prm_ref_module, plain, micros, self.actor_cfg.dtype)
-        return Batch({"prm_q": implicit_log_ratio(prm, ref, batch["response_mask"])})
+        """PRIME: `prm_q[B, T]` = log pi_prm - log pi_ref of the response tokens, with the PRM as it is now."""
+        return self.prm.log_ratio(batch, self._batch_logp)
 
     # --------------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -713,10 +648,7 @@ class ActorRolloutRefWorker:
 
     def _prm_state(self) -> dict:
         """PRIME: the implicit PRM and its optimizer travel with the actor's checkpoint (`prm/`, `prm_optimizer.pt`)."""
-        if self.prm_model is None:
-            return {}
-        return {"extra_models": {"prm": dist_ctx.unwrap_model(self.prm_module)},
-                "extra_states": {"prm_optimizer": self.prm_optimizer}}
+        return {} if self.prm is None else self.prm.checkpoint_parts()
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
