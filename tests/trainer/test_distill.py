@@ -119,3 +119,22 @@ def test_teacher_with_another_vocabulary_is_refused(distill_setup, tmp_path):
     with pytest.raises(ConfigError, match="tokenizer differs"):
         RLTrainer(cfg)
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+def test_distillation_with_the_outcome_reward_trains_both_terms(distill_setup, tmp_path):
+    """Default use_outcome_reward=true: the update carries the outcome policy loss and the distillation term."""
+    from tiller.trainer.rl import RLTrainer
+
+    student, teacher, data = distill_setup
+    cfg = _cfg(tmp_path / "run", student, teacher, data, f"algorithm.distill.teacher_path={teacher}",
+               "algorithm.distill.coef=0.5", "trainer.total_training_steps=2")
+    trainer = RLTrainer(cfg)
+    before = trainer.actor.execute("state_dict")
+    metrics = trainer.fit()
+    after = trainer.actor.execute("state_dict")
+    trainer.shutdown()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for key in ("distillation/loss", "distillation/reverse_kl", "distillation/pg_clipfrac", "actor/pg_loss",
+                "critic/score/mean", "timing_s/teacher"):
+        assert key in metrics, key
+    assert metrics["distillation/reverse_kl"] > 1.0  # a fresh student, two steps in

@@ -304,7 +304,7 @@ def _resolve_layouts(cfg: RLConfig) -> None:
 
 def _resolve_distillation(cfg: RLConfig) -> None:
     """verl's `distillation.*` onto `algorithm.distill.*`: with distillation.enabled, every aliased key (given or at
-    verl's default) is copied; the verl section then goes back to its defaults. Decided by values, not by the keys
+    verl's default) is copied and goes back to its default, as does `enabled`. Decided by values, not by the keys
     given, so a second pass is a no-op."""
     section = cfg.distillation
     on = section.enabled or bool(section.enable)
@@ -334,7 +334,8 @@ def _resolve_distillation(cfg: RLConfig) -> None:
                           f"Instead: {rule.use}")
     for new, old in DISTILLATION_ALIASES.items():
         _set(cfg, old, get(cfg, new))
-    cfg.distillation = type(section)()
+        _set(cfg, new, _default(new))
+    section.enabled, section.enable = False, None  # the no-op keys keep their values (the start-up line names them)
 
 
 def _convert_deprecated(cfg: RLConfig) -> None:
