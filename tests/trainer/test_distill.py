@@ -87,6 +87,42 @@ def test_verl_distillation_layout_resolves(distill_setup, tmp_path):
     assert cfg.algorithm.distill.loss_mode == "k3"
 
 
+# the distillation block of a verl launch script (verl's top-level `distillation.*` layout), as published
+VERL_DISTILLATION_BLOCK = """
+    distillation.enabled=True
+    distillation.num_workers=8
+    distillation.teacher_model.enable_resource_pool=False
+    distillation.teacher_model.n_gpus_per_node=4
+    distillation.teacher_model.nnodes=1
+    distillation.teacher_model.model_path=/models/teacher
+    distillation.teacher_model.inference.name=vllm
+    distillation.teacher_model.inference.tensor_model_parallel_size=1
+    distillation.teacher_model.inference.gpu_memory_utilization=0.3
+    distillation.teacher_model.inference.enforce_eager=false
+    distillation.teacher_model.inference.max_model_len=5121
+    distillation.teacher_model.inference.max_num_batched_tokens=5121
+    distillation.teacher_model.inference.max_num_seqs=8
+    +distillation.teacher_model.inference.engine_kwargs.vllm.max_logprobs=64
+    distillation.distillation_loss.loss_mode=k1
+    distillation.distillation_loss.topk=64
+    distillation.distillation_loss.use_task_rewards=False
+    distillation.distillation_loss.use_policy_gradient=True
+    distillation.distillation_loss.loss_max_clamp=10.0
+    distillation.distillation_loss.log_prob_min_clamp=-10.0
+"""
+
+
+def test_a_verl_distillation_script_block_parses_unchanged():
+    from tiller.config.edge import noop_keys
+
+    cfg = load_config(["actor_rollout_ref.model.path=M", *VERL_DISTILLATION_BLOCK.split()])
+    d = cfg.algorithm.distill
+    assert (d.teacher_path, d.loss_mode, d.use_outcome_reward, d.use_policy_gradient) == ("/models/teacher", "k1",
+                                                                                          False, True)
+    noops = " ".join(noop_keys(cfg))  # the teacher-server keys are named at start-up as having no effect here
+    assert "distillation.teacher_model.inference.max_num_seqs=8" in noops and "distillation.num_workers=8" in noops
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["distillation.enabled=true"], "distillation.teacher_model.model_path"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=T", "algorithm.distill.coef=2"],

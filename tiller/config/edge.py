@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tiller.config.schema import FSDPConfig, RLConfig, TraceConfig
+from tiller.config.schema import DistillationInferenceConfig, FSDPConfig, RLConfig, TraceConfig
 from tiller.errors import ConfigError
 
 HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
@@ -90,9 +90,6 @@ RULES: dict[str, Rule] = {
                                                             "worker"),
     "distillation.teacher_model.n_gpus_per_node": noop("tiller's teacher is a frozen model inside each actor worker"),
     "distillation.teacher_model.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
-    "distillation.teacher_model.inference": noop(
-        "tiller's teacher scores the student's tokens with one forward pass in the actor worker (no inference "
-        "server)"),
     "actor_rollout_ref.model.lora.adapter_path": refused(
         "tiller starts new LoRA adapters; loading a saved adapter is not built",
         use="merge the adapter into the base model and point model.path at it", allowed=(None,)),
@@ -165,12 +162,13 @@ for _key, (_successor, _) in DEPRECATED.items():
 
 
 def _section_rules() -> None:
-    """Every key of every `fsdp_config` and `rollout.trace` section is a no-op (its field doc says why)."""
+    """Every key of every `fsdp_config`, `rollout.trace` and distillation teacher `inference` section is a no-op (its
+    field doc says why)."""
     from tiller.config.readers import _sections
 
     sections, _, _ = _sections(RLConfig)
     for path, cls in sections.items():
-        if cls in (FSDPConfig, TraceConfig):
+        if cls in (FSDPConfig, TraceConfig, DistillationInferenceConfig):
             docs = _field_docs(cls)
             for f in dataclasses.fields(cls):
                 RULES[f"{path}.{f.name}"] = noop(docs.get(f.name) or "a verl knob with no counterpart in tiller")

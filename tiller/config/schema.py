@@ -883,6 +883,38 @@ class RewardConfig:
 
 
 @dataclass
+class DistillationInferenceConfig:
+    """verl's `distillation.teacher_model.inference` (a rollout config for the teacher's server): accepted, no-ops."""
+
+    name: str = "vllm"
+    """verl: the teacher's inference engine; tiller's teacher is one forward pass in the actor worker."""
+    dtype: str = "bfloat16"
+    """verl: the teacher server's dtype; tiller's teacher runs in the actor's dtype."""
+    temperature: float = 1.0
+    """verl: the teacher server's temperature; tiller scores at the rollout temperature, as the student."""
+    tensor_model_parallel_size: int = 1
+    """verl: the teacher server's tensor parallelism; tiller's teacher is one forward pass in the actor worker."""
+    gpu_memory_utilization: float = 0.5
+    """verl: the teacher server's memory share; tiller's teacher is one forward pass in the actor worker."""
+    enforce_eager: bool = True
+    """verl: the teacher server's CUDA graphs; tiller's teacher is one forward pass in the actor worker."""
+    free_cache_engine: bool = True
+    """verl: the teacher server's sleep mode; tiller's teacher is one forward pass in the actor worker."""
+    max_model_len: Optional[int] = None
+    """verl: the teacher server's context; tiller's teacher reads the student's prompt + response."""
+    max_num_batched_tokens: int = 8192
+    """verl: the teacher server's token budget; tiller uses actor_rollout_ref.ref's micro-batching."""
+    max_num_seqs: int = 1024
+    """verl: the teacher server's batch; tiller uses actor_rollout_ref.ref's micro-batching."""
+    prompt_length: int = 512
+    """verl: the teacher server's prompt length; tiller's teacher reads the student's prompt + response."""
+    response_length: int = 512
+    """verl: the teacher server's response length; tiller's teacher reads the student's prompt + response."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """verl: the teacher server's engine arguments; tiller's teacher is one forward pass in the actor worker."""
+
+
+@dataclass
 class DistillationTeacherModelConfig:
     model_path: Optional[str] = None
     """= algorithm.distill.teacher_path."""
@@ -892,9 +924,8 @@ class DistillationTeacherModelConfig:
     """verl: the teacher pool's GPUs per node; tiller's teacher sits in the actor worker."""
     nnodes: int = 0
     """verl: the teacher pool's nodes; tiller's teacher sits in the actor worker."""
-    inference: dict[str, Any] = field(default_factory=dict)
-    """verl: the teacher's inference server (a rollout config); tiller scores with a forward pass in the actor
-    worker, at the rollout temperature."""
+    inference: DistillationInferenceConfig = field(default_factory=DistillationInferenceConfig)
+    """verl: the teacher's inference server (its keys are accepted as no-ops)."""
 
 
 @dataclass
