@@ -228,7 +228,9 @@ def test_verl_new_layout_resolves_onto_the_legacy_keys():
     # the same setting in both layouts names both keys
     with pytest.raises(ConfigError, match="reward.custom_reward_function.path and custom_reward_function.path"):
         load_config(["reward.custom_reward_function.path=/a.py", "custom_reward_function.path=/b.py"])
-    with pytest.raises(ConfigError, match="distillation.enable=True is refused"):
+    # verl's on-policy distillation resolves onto algorithm.distill (tests/trainer/test_distill.py); on, it needs
+    # the teacher
+    with pytest.raises(ConfigError, match="distillation.teacher_model.model_path"):
         load_config(["distillation.enable=true"])
     with pytest.raises(ConfigError, match="adapter_path"):
         load_config(["actor_rollout_ref.model.lora.adapter_path=/x/adapter"])

@@ -127,3 +127,15 @@ def test_memory_estimate_within_35_percent_of_measured_peak_rss(tmp_path, n_para
     estimate = memory_estimate(cfg, model_shape(str(model)))["peak"]
     print(f"{n_params / 1e6:g}M: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert abs(estimate - measured) <= 0.35 * measured, (estimate / 2**20, measured / 2**20, peak / 2**20, base / 2**20)
+
+
+def test_memory_estimate_counts_the_distillation_teacher_and_prime_prm(tiny_model_dir):
+    # a teacher: one frozen fp32 copy (4 N); PRIME: PRM weights + AdamW (12 N / W) and its frozen reference (4 N)
+    base = ["actor_rollout_ref.model.path=" + str(tiny_model_dir), "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=4"]
+    shape = model_shape(str(tiny_model_dir))
+    plain = memory_estimate(load_config(base), shape)
+    teacher = memory_estimate(load_config([*base, f"algorithm.distill.teacher_path={tiny_model_dir}"]), shape)
+    assert teacher["teacher"] == 4 * shape.params and teacher["peak"] == plain["peak"] + 4 * shape.params
+    prime = memory_estimate(load_config([*base, "algorithm.adv_estimator=prime"]), shape)
+    assert prime["prm"] == 16 * shape.params and prime["peak"] == plain["peak"] + 16 * shape.params

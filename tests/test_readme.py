@@ -95,6 +95,8 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
         cmd = cmd.replace("path/to/hf_model", "tiny").replace(" ... ", f" {RL_BASE} ")
         run_dir = "runs/rl_rm" if "reward_model.enable" in cmd else "runs/rl"
         return f"{cmd} {' '.join(RL_SMALL)} trainer.default_local_dir={run_dir}", "tiny model and sizes"
+    if cmd.startswith("tiller spin"):
+        return f"{cmd} {' '.join(TRAIN_SMALL)} algorithm.max_new_tokens=8", "tiny sizes, 8 generated tokens"
     if cmd.startswith(("tiller sft", "tiller rm", "tiller dpo", "tiller kto")):
         return f"{cmd} {' '.join(TRAIN_SMALL)}", "tiny sizes"
     if cmd.startswith("tiller openrlhf"):  # tiller overrides after the flags shrink the run

@@ -28,7 +28,8 @@ def first_col(adv):
 def test_registry_names_and_errors():
     assert ADV_ESTIMATORS.names() == sorted(
         ["gae", "grpo", "grpo_passk", "rloo", "remax", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-         "grpo_vectorized", "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
+         "grpo_vectorized", "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
+         "prime"]
     )
     with pytest.raises(ConfigError, match=r"did you mean 'grpo'.*valid: gae, gdpo, gpg, grpo"):
         get_advantage_estimator("grp")
@@ -207,6 +208,8 @@ def test_whole_batch_masked_is_finite():
         kw = {"baseline_rewards": torch.zeros(3)} if name == "remax" else {}
         if "optimal_token_baseline" in name:
             kw = {"old_logp": torch.zeros(3, 4), "sum_pi_squared": torch.ones(3, 4)}
+        if name == "prime":
+            kw = {"prime_token_rewards": torch.zeros(3, 4)}
         adv, ret = get_advantage_estimator(name)(r, m, [0, 0, 1], torch.zeros(3, 4), **kw)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all() and adv.abs().sum() == 0, name
 

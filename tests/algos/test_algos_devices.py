@@ -57,7 +57,7 @@ def test_advantages_stay_on_device(device):
     for name in ADV_ESTIMATORS.names():
         a, r = get_advantage_estimator(name)(
             adv, mask, ["a", "a", "b", "b"], old, baseline_rewards=torch.zeros(4, device=device),
-            old_logp=old, sum_pi_squared=old.exp(),
+            old_logp=old, sum_pi_squared=old.exp(), **({"prime_token_rewards": adv} if name == "prime" else {}),
         )
         assert a.device.type == device and r.device.type == device, name
 
@@ -90,8 +90,10 @@ def test_cuda_matches_cpu():
         gpu, _ = get_policy_loss(name)(logp.detach().cuda(), old.cuda(), adv.cuda(), mask.cuda())
         torch.testing.assert_close(gpu.cpu(), cpu.detach(), atol=1e-5, rtol=1e-5)
     for name in ADV_ESTIMATORS.names():
-        kw = dict(baseline_rewards=torch.zeros(4), old_logp=old, sum_pi_squared=old.exp())
+        kw = dict(baseline_rewards=torch.zeros(4), old_logp=old, sum_pi_squared=old.exp(),
+                  **({"prime_token_rewards": adv} if name == "prime" else {}))
         cpu, _ = get_advantage_estimator(name)(adv, mask, [0, 0, 1, 1], old, **kw)
-        kw = dict(baseline_rewards=torch.zeros(4, device="cuda"), old_logp=old.cuda(), sum_pi_squared=old.exp().cuda())
+        kw = dict(baseline_rewards=torch.zeros(4, device="cuda"), old_logp=old.cuda(), sum_pi_squared=old.exp().cuda(),
+                  **({"prime_token_rewards": adv.cuda()} if name == "prime" else {}))
         gpu, _ = get_advantage_estimator(name)(adv.cuda(), mask.cuda(), [0, 0, 1, 1], old.cuda(), **kw)
         torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-5, rtol=1e-5)

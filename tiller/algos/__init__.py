@@ -28,6 +28,7 @@ from tiller.algos.policy_losses import (
     register_policy_loss,
 )
 from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss
+from tiller.algos.prime import compute_prime, prime_prm_loss, prime_token_rewards
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
 from tiller.algos.token_baseline import compute_optimal_token_baseline, compute_tir_optimal_token_baseline
 from tiller.algos.utils import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
@@ -45,6 +46,7 @@ __all__ = [
     "apply_kl_in_reward",
     "build_kl_controller",
     "compute_optimal_token_baseline",
+    "compute_prime",
     "compute_tir_optimal_token_baseline",
     "diversity_from_partition",
     "dpo_loss",
@@ -62,6 +64,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "pairwise_rm_loss",
+    "prime_prm_loss",
+    "prime_token_rewards",
     "register_advantage_estimator",
     "register_policy_loss",
     "rollout_correction",

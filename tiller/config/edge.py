@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tiller.config.schema import FSDPConfig, RLConfig, TraceConfig
+from tiller.config.schema import DistillationInferenceConfig, FSDPConfig, RLConfig, TraceConfig
 from tiller.errors import ConfigError
 
 HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
@@ -79,9 +79,17 @@ _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same;
 _VLLM = "a vLLM engine knob"
 
 RULES: dict[str, Rule] = {
-    "distillation.enable": refused(
-        "on-policy distillation (a teacher model's logprobs as the reward) is not built in tiller",
-        use="distill offline with `tiller sft` on the teacher's generations", allowed=(False,)),
+    "distillation.distillation_loss.policy_loss_mode": refused(
+        "the distillation surrogate is PPO's vanilla clipped loss (verl allows only vanilla too)",
+        use="leave it vanilla", allowed=("vanilla",)),
+    "distillation.distillation_loss.topk": noop("only the *_topk loss modes read it, and tiller refuses them"),
+    "distillation.distillation_loss.clip_ratio": noop(
+        "verl's vanilla surrogate reads clip_ratio_low / clip_ratio_high, which always have a value"),
+    "distillation.num_workers": noop("tiller's teacher is a frozen model inside each actor worker"),
+    "distillation.teacher_model.enable_resource_pool": noop("tiller's teacher is a frozen model inside each actor "
+                                                            "worker"),
+    "distillation.teacher_model.n_gpus_per_node": noop("tiller's teacher is a frozen model inside each actor worker"),
+    "distillation.teacher_model.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
     "actor_rollout_ref.model.lora.adapter_path": refused(
         "tiller starts new LoRA adapters; loading a saved adapter is not built",
         use="merge the adapter into the base model and point model.path at it", allowed=(None,)),
@@ -154,12 +162,13 @@ for _key, (_successor, _) in DEPRECATED.items():
 
 
 def _section_rules() -> None:
-    """Every key of every `fsdp_config` and `rollout.trace` section is a no-op (its field doc says why)."""
+    """Every key of every `fsdp_config`, `rollout.trace` and distillation teacher `inference` section is a no-op (its
+    field doc says why)."""
     from tiller.config.readers import _sections
 
     sections, _, _ = _sections(RLConfig)
     for path, cls in sections.items():
-        if cls in (FSDPConfig, TraceConfig):
+        if cls in (FSDPConfig, TraceConfig, DistillationInferenceConfig):
             docs = _field_docs(cls)
             for f in dataclasses.fields(cls):
                 RULES[f"{path}.{f.name}"] = noop(docs.get(f.name) or "a verl knob with no counterpart in tiller")
@@ -203,6 +212,24 @@ LAYOUT_ALIASES: dict[str, str] = {
 for _f in ("path", "name", "reward_kwargs", "overlong_buffer.enable", "overlong_buffer.len",
            "overlong_buffer.penalty_factor", "overlong_buffer.log"):
     LAYOUT_ALIASES[f"reward.custom_reward_function.{_f}"] = f"custom_reward_function.{_f}"
+# verl's on-policy distillation section -> tiller's algorithm.distill (resolved by `_resolve_distillation`)
+DISTILLATION_ALIASES: dict[str, str] = {
+    "distillation.teacher_model.model_path": "algorithm.distill.teacher_path",
+    "distillation.distillation_loss.loss_mode": "algorithm.distill.loss_mode",
+    "distillation.distillation_loss.use_task_rewards": "algorithm.distill.use_outcome_reward",
+    "distillation.distillation_loss.distillation_loss_coef": "algorithm.distill.coef",
+    "distillation.distillation_loss.task_loss_coef": "algorithm.distill.outcome_coef",
+    "distillation.distillation_loss.loss_max_clamp": "algorithm.distill.loss_max_clamp",
+    "distillation.distillation_loss.log_prob_min_clamp": "algorithm.distill.log_prob_min_clamp",
+    "distillation.distillation_loss.use_policy_gradient": "algorithm.distill.use_policy_gradient",
+    "distillation.distillation_loss.clip_ratio_low": "algorithm.distill.clip_ratio_low",
+    "distillation.distillation_loss.clip_ratio_high": "algorithm.distill.clip_ratio_high",
+}
+for _new, _old in DISTILLATION_ALIASES.items():
+    RULES[_new] = Rule(HONOURED, f"verl's distillation layout: resolved onto {_old} when distillation.enabled "
+                                 "(verl's default when unset)")
+for _key in ("distillation.enabled", "distillation.enable"):
+    RULES[_key] = Rule(HONOURED, "verl's on-policy distillation on: its section resolves onto algorithm.distill.*")
 for _new, _old in LAYOUT_ALIASES.items():
     RULES.setdefault(_new, Rule(HONOURED, f"verl 0.8+ layout: the same setting as {_old} (resolved onto it at load "
                                           "time; setting both is an error)"))
@@ -249,6 +276,7 @@ def _given_under(cfg: RLConfig, path: str) -> bool:
 def apply_edge(cfg: RLConfig) -> None:
     """Resolve verl's two layouts, convert deprecated keys, resolve keys that follow another key, raise on refused
     values."""
+    _resolve_distillation(cfg)
     _resolve_layouts(cfg)
     _convert_deprecated(cfg)
     _resolve_followers(cfg)
@@ -270,6 +298,42 @@ def _resolve_layouts(cfg: RLConfig) -> None:
             raise ConfigError(f"{new} and {old} are the same setting (verl's newer and older layouts): set one of them")
         _set(cfg, old, get(cfg, new))
         _set(cfg, new, _default(new))
+
+
+def _resolve_distillation(cfg: RLConfig) -> None:
+    """verl's `distillation.*` onto `algorithm.distill.*`: with distillation.enabled, every aliased key (given or at
+    verl's default) is copied and goes back to its default, as does `enabled`. Decided by values, not by the keys
+    given, so a second pass is a no-op."""
+    section = cfg.distillation
+    on = section.enabled or bool(section.enable)
+    changed = [k for k in DISTILLATION_ALIASES if get(cfg, k) != _default(k)]
+    if not on:
+        if changed:
+            raise ConfigError(f"{changed[0]} is set but distillation.enabled is false: set distillation.enabled=true "
+                              "(verl's layout) or use algorithm.distill.* (tiller's)")
+        return
+    native = [f"algorithm.distill.{f.name}" for f in dataclasses.fields(cfg.algorithm.distill)]
+    both = [k for k in native if get(cfg, k) != _default(k)]
+    if both:
+        raise ConfigError(f"distillation.enabled=true (verl's layout) and {both[0]} (tiller's) are both set: use one "
+                          "layout (distillation.* resolves onto algorithm.distill.*)")
+    if not section.teacher_model.model_path:
+        raise ConfigError("distillation.enabled=true needs distillation.teacher_model.model_path (the teacher's "
+                          "Hugging Face model dir)")
+    mode = section.distillation_loss.loss_mode
+    if mode.endswith("_topk"):
+        raise ConfigError(f"distillation.distillation_loss.loss_mode={mode} is refused: tiller's teacher returns "
+                          "the log-probs of the sampled tokens only (no top-k distributions). Instead: k1 with "
+                          "use_policy_gradient=true, or k3 / k2")
+    rule = RULES["distillation.distillation_loss.policy_loss_mode"]
+    if section.distillation_loss.policy_loss_mode not in rule.allowed:
+        raise ConfigError(f"distillation.distillation_loss.policy_loss_mode="
+                          f"{section.distillation_loss.policy_loss_mode!r} is refused: {rule.reason}. "
+                          f"Instead: {rule.use}")
+    for new, old in DISTILLATION_ALIASES.items():
+        _set(cfg, old, get(cfg, new))
+        _set(cfg, new, _default(new))
+    section.enabled, section.enable = False, None  # the no-op keys keep their values (the start-up line names them)
 
 
 def _convert_deprecated(cfg: RLConfig) -> None:

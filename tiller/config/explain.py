@@ -27,10 +27,13 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
                  float copy, their gradient)
     KV cache     rollout rows per rank x S x L x 2 x kv x d x b_rollout (4 on CPU: the engine falls back to
                  fp32 without native bf16)
+    teacher      4 N_teacher with algorithm.distill.teacher_path (a frozen full copy in every worker)
+    prm          PRIME: 12 N / W (the implicit PRM's weights and AdamW moments) + 4 N (its frozen reference);
+                 its gradients live only during its update, before the actor's, so they are not added
     runtime      a fixed 150 MiB for what every run holds besides the model (torch's kernels and allocator
                  slack, the tokenizer, the prompt data, the reward manager)
-    peak         = weights + reference + optimizer + runtime + max(gradients + activations, KV cache + the
-                   rollout's logits of one decode step)
+    peak         = weights + reference + teacher + prm + optimizer + runtime + max(gradients + activations,
+                   KV cache + the rollout's logits of one decode step)
 It is an estimate: allocator fragmentation and framework caches vary; the test holds it within 35% of the
 measured peak RSS of short CPU runs.
 """
@@ -172,8 +175,10 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
                       kv * head_dim, hf.vocab_size)
 
 
-def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None = None) -> dict[str, int]:
-    """Peak bytes per rank by component (see the module doc), with `peak` their combination."""
+def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None = None,
+                    teacher_shape: ModelShape | None = None) -> dict[str, int]:
+    """Peak bytes per rank by component (see the module doc), with `peak` their combination. `teacher_shape`: the
+    distillation teacher's (default: read from algorithm.distill.teacher_path when set; 0 if unreadable)."""
     arith = arith or batch_arithmetic(cfg, count_prompts=False)
     arr, data = cfg.actor_rollout_ref, cfg.data
     w = arith.workers
@@ -196,11 +201,25 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
         "optimizer": 8 * trainable // w,
         "activations": activations,
         "kv_cache": kv_cache,
+        "teacher": 4 * _teacher_params(cfg, teacher_shape),
+        "prm": 12 * n // w + 4 * n if cfg.algorithm.adv_estimator == "prime" else 0,
         "runtime": RUNTIME_BYTES,
     }
-    out["peak"] = (out["weights"] + out["reference"] + out["optimizer"] + out["runtime"]
-                   + max(out["gradients"] + out["activations"], out["kv_cache"]))
+    out["peak"] = (out["weights"] + out["reference"] + out["teacher"] + out["prm"] + out["optimizer"]
+                   + out["runtime"] + max(out["gradients"] + out["activations"], out["kv_cache"]))
     return out
+
+
+def _teacher_params(cfg: RLConfig, teacher_shape: ModelShape | None) -> int:
+    path = cfg.algorithm.distill.teacher_path
+    if not path:
+        return 0
+    if teacher_shape is None:
+        try:
+            teacher_shape = model_shape(path, cfg.actor_rollout_ref.model.trust_remote_code)
+        except Exception:  # noqa: BLE001 - unreadable teacher config: the estimate leaves it out
+            return 0
+    return teacher_shape.params
 
 
 def _lora_params(shape: ModelShape, rank: int) -> int:
@@ -261,7 +280,8 @@ def _memory_lines(cfg: RLConfig, a: Arithmetic) -> list[str]:
     mem = memory_estimate(cfg, shape, a)
     lines = [f"peak memory per rank (estimate; {shape.params / 1e6:.1f}M parameters, {shape.layers} layers, "
              f"hidden {shape.hidden}, vocab {shape.vocab})"]
-    for key in ("weights", "reference", "gradients", "optimizer", "activations", "kv_cache", "runtime"):
+    for key in ("weights", "reference", "teacher", "prm", "gradients", "optimizer", "activations", "kv_cache",
+                "runtime"):
         if mem[key]:
             lines.append(f"  {key.replace('_', ' '):<26} {_mib(mem[key])}")
     lines.append(f"  {'peak':<26} {_mib(mem['peak'])}")

@@ -127,6 +127,34 @@ class KTODataConfig(PreferenceDataConfig):
     """KTO: desirable (true) / undesirable (false) column."""
 
 
+@dataclass
+class SPINDataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """SFT data (parquet or jsonl): a prompt column and the ground-truth response column."""
+    prompt_key: str = "prompt"
+    """Prompt column: a string or a list of chat messages."""
+    response_key: str = "response"
+    """Ground-truth response column (SPIN's y ~ p_data): a string."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (as the RL trainer and `tiller sft` do)."""
+    input_template: Optional[str] = None
+    """Format string with {} applied to a string prompt when no chat template renders it."""
+    max_length: int = 512
+    """Longest prompt + response in tokens (real and generated)."""
+    truncation: str = "error"
+    """Over max_length: error | left (drop the prompt start) | right (drop the response end)."""
+    train_batch_size: int = 16
+    """Pairs (real, generated) per optimizer step."""
+    micro_batch_size_per_gpu: int = 4
+    """Pairs per forward/backward."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by trainer.seed)."""
+    max_samples: int = -1
+    """Use at most this many rows (-1 = all)."""
+    train_split: str = "train"
+    """Split read from a train source that is a dataset name or dir (datasets.load_dataset)."""
+
+
 # ---------------------------------------------------------------------------------------------- model
 
 
@@ -239,6 +267,20 @@ class KTOAlgoConfig:
     """lambda_U: weight of undesirable examples."""
 
 
+@dataclass
+class SPINAlgoConfig:
+    iterations: int = 2
+    """Self-play iterations T: each generates the model's own responses, then trains against them (paper: 3)."""
+    beta: float = 0.1
+    """lambda of the SPIN loss log(1 + exp(-lambda (log p/p_t (y) - log p/p_t (y')))) (DPO's beta; paper: 0.1)."""
+    max_new_tokens: int = 256
+    """Longest generated response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature of the self-generated responses (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling of the self-generated responses (1 = off)."""
+
+
 # --------------------------------------------------------------------------------------------- jobs
 
 
@@ -285,6 +327,19 @@ class KTOConfig:
     algorithm: KTOAlgoConfig = field(default_factory=KTOAlgoConfig)
 
 
+@dataclass
+class SPINConfig:
+    """`tiller spin`: self-play fine-tuning (DPO with the SFT target as chosen, the model's own generation as
+    rejected, the previous iteration as reference). trainer.total_epochs / total_training_steps count per
+    iteration."""
+
+    data: SPINDataConfig = field(default_factory=SPINDataConfig)
+    model: JobModelConfig = field(default_factory=JobModelConfig)
+    optim: JobOptimConfig = field(default_factory=JobOptimConfig)
+    trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+    algorithm: SPINAlgoConfig = field(default_factory=SPINAlgoConfig)
+
+
 # ------------------------------------------------------------------------------------------ validate
 
 
@@ -324,6 +379,8 @@ def validate_job(cfg: Any) -> None:
         _choice("algorithm.loss", cfg.algorithm.loss, ("sigmoid", "logexp"))
     if isinstance(cfg, DPOConfig):
         _validate_dpo(cfg)
+    if isinstance(cfg, SPINConfig):
+        _validate_spin(cfg)
     if isinstance(cfg, KTOConfig):
         _positive("algorithm.beta", cfg.algorithm.beta)
         if cfg.algorithm.desirable_weight < 0 or cfg.algorithm.undesirable_weight < 0:
@@ -346,3 +403,16 @@ def _validate_dpo(cfg: DPOConfig) -> None:
     keys = (cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key)
     if (keys[0] is None) != (keys[1] is None):
         raise ConfigError("set both data.ref_chosen_logps_key and data.ref_rejected_logps_key, or neither")
+
+
+def _validate_spin(cfg: SPINConfig) -> None:
+    algo = cfg.algorithm
+    _positive("algorithm.iterations", algo.iterations)
+    _positive("algorithm.beta", algo.beta)
+    _positive("algorithm.max_new_tokens", algo.max_new_tokens)
+    _positive("algorithm.temperature", algo.temperature)
+    if not 0 < algo.top_p <= 1:
+        raise ConfigError(f"algorithm.top_p must be in (0, 1], got {algo.top_p}")
+    if cfg.model.ref_path is not None:
+        raise ConfigError("model.ref_path is refused by `tiller spin`: the reference of each iteration is the "
+                          "previous iteration's model (the paper's p_theta_t)")

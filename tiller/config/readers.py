@@ -29,7 +29,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # modules whose `cfg` / `config` is an SFT / RM / DPO / KTO job config, not an RLConfig
-JOB_MODULES = ("trainer/sft.py", "trainer/rm.py", "trainer/preference.py", "trainer/loop.py",
+JOB_MODULES = ("trainer/sft.py", "trainer/rm.py", "trainer/preference.py", "trainer/loop.py", "trainer/spin.py",
                "data/sft.py", "data/preference.py")
 ROOT_NAMES = ("cfg", "config")
 

@@ -660,10 +660,70 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation / GKD (`tiller.algos.distill`): the student samples as usual, a frozen teacher scores
+    the student's sampled tokens, and the loss adds the per-token reverse KL (student log p - teacher log p) as a
+    per-token advantage (Thinking Machines' on-policy distillation; verl's `distillation.*`, which resolves onto
+    these keys). On when teacher_path is set."""
+
+    teacher_path: Optional[str] = None
+    """A Hugging Face model dir (or hub id) with the student's tokenizer (same vocabulary): the teacher, frozen."""
+    coef: float = 1.0
+    """Weight of the distillation loss next to the outcome-reward loss (verl: distillation_loss_coef; as verl, it
+    applies only with use_outcome_reward, the distillation loss alone has weight 1)."""
+    use_outcome_reward: bool = True
+    """Also train on the outcome reward (the advantage estimator's policy loss), verl's use_task_rewards; false:
+    pure distillation (the reward is still computed and logged)."""
+    outcome_coef: float = 1.0
+    """Weight of the outcome-reward policy loss when use_outcome_reward (verl: task_loss_coef)."""
+    loss_mode: str = "k1"
+    """Per-token estimator of KL(student || teacher): k1 (= kl) | abs | k2 (= mse) | k3 (= low_var_kl)."""
+    use_policy_gradient: bool = True
+    """true: -estimator as a per-token advantage in the PPO clipped surrogate (Thinking Machines); false: the
+    estimator backpropagated as a supervised loss (not with k1: its gradient ignores the teacher)."""
+    loss_max_clamp: Optional[float] = 10.0
+    """Clamp the per-token estimator to [-c, c] (null: no clamp)."""
+    log_prob_min_clamp: Optional[float] = -10.0
+    """Clamp student and teacher log-probs below at this value before the estimator (null: no clamp)."""
+    clip_ratio_low: Optional[float] = None
+    """The distillation surrogate's lower clip epsilon; null = actor.clip_ratio_low (or clip_ratio)."""
+    clip_ratio_high: Optional[float] = None
+    """The distillation surrogate's upper clip epsilon; null = actor.clip_ratio_high (or clip_ratio)."""
+
+
+@dataclass
+class PrimeConfig:
+    """PRIME (Cui et al. 2025, arXiv 2502.01456; `tiller.algos.prime`), read with algorithm.adv_estimator=prime: an
+    implicit process reward model (a causal LM, trained online each step on the step's samples with the outcome
+    labels) gives dense token rewards beta * log(pi_prm / pi_ref). Defaults: verl's recipe/prime."""
+
+    model_path: Optional[str] = None
+    """The PRM's initial weights (also its frozen reference); null = actor_rollout_ref.model.path (verl:
+    reward_model.model.path)."""
+    beta_train: float = 0.05
+    """beta of the implicit reward beta * sum_t log(pi_prm / pi_ref), in its loss and its token rewards."""
+    lr: float = 1e-6
+    """The PRM's AdamW learning rate (constant; the actor's betas / eps, weight decay 0)."""
+    grad_clip: float = 1.0
+    """The PRM's gradient-norm clip."""
+    mini_batch_size: Optional[int] = None
+    """Prompts per PRM optimizer step; null = actor.ppo_mini_batch_size (verl's default)."""
+    granularity: str = "token"
+    """token: the dense reward on every response token | whole: its sum on the last token (verl: prime_granularity)."""
+    norm: str = "batch_norm"
+    """batch_norm: divide the dense rewards by the batch's largest |return| | none (verl: prime_norm)."""
+    reward_dpo_coef: float = 5.0
+    """Weight of the (leave-one-out) dense implicit rewards (verl: algorithm.reward_dpo_coef)."""
+    reward_gt_coef: float = 5.0
+    """Weight of the (leave-one-out) outcome reward (verl: algorithm.reward_gt_coef)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """gae | grpo | grpo_vectorized | grpo_passk | rloo | rloo_vectorized | remax | reinforce_plus_plus |
-    reinforce_plus_plus_baseline | opo | gpg | gdpo | optimal_token_baseline | tir_optimal_token_baseline."""
+    reinforce_plus_plus_baseline | opo | gpg | gdpo | optimal_token_baseline | tir_optimal_token_baseline |
+    prime (algorithm.prime.*)."""
     gdpo_reward_keys: list[str] = field(default_factory=list)
     """gdpo: the named scores of the reward function's dict return, each normalised per group separately."""
     gdpo_reward_weights: Optional[list[float]] = None
@@ -684,6 +744,10 @@ class AlgorithmConfig:
     """Online filtering of groups with no learning signal."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Correct for the rollout engine sampling from a slightly different policy than the actor (TIS / masking)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (off unless distill.teacher_path is set)."""
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    """PRIME's implicit process reward model (read with adv_estimator=prime)."""
 
 
 @dataclass
@@ -819,9 +883,96 @@ class RewardConfig:
 
 
 @dataclass
+class DistillationInferenceConfig:
+    """verl's `distillation.teacher_model.inference` (a rollout config for the teacher's server): accepted, no-ops."""
+
+    name: str = "vllm"
+    """verl: the teacher's inference engine; tiller's teacher is one forward pass in the actor worker."""
+    dtype: str = "bfloat16"
+    """verl: the teacher server's dtype; tiller's teacher runs in the actor's dtype."""
+    temperature: float = 1.0
+    """verl: the teacher server's temperature; tiller scores at the rollout temperature, as the student."""
+    tensor_model_parallel_size: int = 1
+    """verl: the teacher server's tensor parallelism; tiller's teacher is one forward pass in the actor worker."""
+    gpu_memory_utilization: float = 0.5
+    """verl: the teacher server's memory share; tiller's teacher is one forward pass in the actor worker."""
+    enforce_eager: bool = True
+    """verl: the teacher server's CUDA graphs; tiller's teacher is one forward pass in the actor worker."""
+    free_cache_engine: bool = True
+    """verl: the teacher server's sleep mode; tiller's teacher is one forward pass in the actor worker."""
+    max_model_len: Optional[int] = None
+    """verl: the teacher server's context; tiller's teacher reads the student's prompt + response."""
+    max_num_batched_tokens: int = 8192
+    """verl: the teacher server's token budget; tiller uses actor_rollout_ref.ref's micro-batching."""
+    max_num_seqs: int = 1024
+    """verl: the teacher server's batch; tiller uses actor_rollout_ref.ref's micro-batching."""
+    prompt_length: int = 512
+    """verl: the teacher server's prompt length; tiller's teacher reads the student's prompt + response."""
+    response_length: int = 512
+    """verl: the teacher server's response length; tiller's teacher reads the student's prompt + response."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """verl: the teacher server's engine arguments; tiller's teacher is one forward pass in the actor worker."""
+
+
+@dataclass
+class DistillationTeacherModelConfig:
+    model_path: Optional[str] = None
+    """= algorithm.distill.teacher_path."""
+    enable_resource_pool: bool = False
+    """verl: a separate GPU pool for the teacher; tiller's teacher sits in the actor worker."""
+    n_gpus_per_node: int = 0
+    """verl: the teacher pool's GPUs per node; tiller's teacher sits in the actor worker."""
+    nnodes: int = 0
+    """verl: the teacher pool's nodes; tiller's teacher sits in the actor worker."""
+    inference: DistillationInferenceConfig = field(default_factory=DistillationInferenceConfig)
+    """verl: the teacher's inference server (its keys are accepted as no-ops)."""
+
+
+@dataclass
+class DistillationLossConfig:
+    """verl's `distillation.distillation_loss` (defaults: verl's)."""
+
+    loss_mode: str = "k3"
+    """= algorithm.distill.loss_mode (verl's default k3; the top-k modes are refused)."""
+    topk: Optional[int] = 128
+    """verl: top-k for the *_topk loss modes, which tiller refuses."""
+    use_task_rewards: bool = True
+    """= algorithm.distill.use_outcome_reward."""
+    distillation_loss_coef: float = 1.0
+    """= algorithm.distill.coef."""
+    task_loss_coef: float = 1.0
+    """= algorithm.distill.outcome_coef."""
+    loss_max_clamp: Optional[float] = 10.0
+    """= algorithm.distill.loss_max_clamp."""
+    log_prob_min_clamp: Optional[float] = -10.0
+    """= algorithm.distill.log_prob_min_clamp."""
+    use_policy_gradient: bool = True
+    """= algorithm.distill.use_policy_gradient."""
+    policy_loss_mode: str = "vanilla"
+    """verl: the distillation surrogate's policy loss; only vanilla (verl: the same)."""
+    clip_ratio: float = 0.2
+    """verl: its vanilla loss reads clip_ratio_low / clip_ratio_high, which always have a value here."""
+    clip_ratio_low: float = 0.2
+    """= algorithm.distill.clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """= algorithm.distill.clip_ratio_high."""
+
+
+@dataclass
 class DistillationConfig:
-    enable: bool = False
-    """verl's on-policy distillation (a teacher's logprobs as the reward); refused: not built in tiller."""
+    """verl's on-policy distillation section, resolved at load time onto `algorithm.distill.*` (verl's defaults
+    apply to the keys left unset); setting both layouts is an error naming both."""
+
+    enabled: bool = False
+    """Turn on verl's on-policy distillation (needs teacher_model.model_path)."""
+    enable: Optional[bool] = None
+    """= distillation.enabled (an older spelling)."""
+    num_workers: int = 8
+    """verl: teacher replicas; tiller's teacher sits in each actor worker."""
+    teacher_model: DistillationTeacherModelConfig = field(default_factory=DistillationTeacherModelConfig)
+    """The teacher (model_path = algorithm.distill.teacher_path)."""
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+    """The loss (onto algorithm.distill.*)."""
 
 
 @dataclass

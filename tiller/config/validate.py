@@ -10,7 +10,9 @@ from __future__ import annotations
 from tiller.algos import ADV_ESTIMATORS as _ADV_REGISTRY
 from tiller.algos import LOSS_AGG_MODES
 from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
+from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
+from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
@@ -26,7 +28,7 @@ ADV_ESTIMATORS = tuple(_ADV_REGISTRY.names())
 POLICY_LOSSES = tuple(_LOSS_REGISTRY.names())
 # estimators whose baseline comes from the other samples of the same prompt
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
-                    "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
+                    "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "prime")
 
 
 def validate_rl(cfg: RLConfig) -> None:
@@ -42,6 +44,8 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
+    _validate_distill(cfg)
+    _validate_prime(cfg)
     _validate_agent(cfg)
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
@@ -298,3 +302,62 @@ def _validate_new_algorithms(cfg: RLConfig) -> None:
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
                           f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys: give one weight per key")
     _positive("actor_rollout_ref.actor.policy_loss.dro_beta", cfg.actor_rollout_ref.actor.policy_loss.dro_beta)
+
+
+def _validate_distill(cfg: RLConfig) -> None:
+    """algorithm.distill (on-policy distillation): values, and no setting without a teacher."""
+    import dataclasses
+
+    d = cfg.algorithm.distill
+    if not d.teacher_path:
+        default = type(d)()
+        for f in dataclasses.fields(d):
+            if getattr(d, f.name) != getattr(default, f.name):
+                raise ConfigError(f"algorithm.distill.{f.name} is set but algorithm.distill.teacher_path is not: "
+                                  "on-policy distillation needs the teacher's model dir")
+        return
+    _choice("algorithm.distill.loss_mode", d.loss_mode, DISTILL_LOSS_MODES)
+    if not d.use_policy_gradient and d.loss_mode in PG_ONLY_LOSS_MODES:
+        raise ConfigError(f"algorithm.distill.loss_mode={d.loss_mode} needs algorithm.distill.use_policy_gradient=true:"
+                          " the gradient of k1 does not depend on the teacher (as a supervised loss use k3, k2 or abs)")
+    for name in ("coef", "outcome_coef"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"algorithm.distill.{name} must be >= 0, got {getattr(d, name)}")
+    if d.loss_max_clamp is not None:
+        _positive("algorithm.distill.loss_max_clamp", d.loss_max_clamp)
+    if d.log_prob_min_clamp is not None and d.log_prob_min_clamp >= 0:
+        raise ConfigError(f"algorithm.distill.log_prob_min_clamp must be < 0 (a log-probability), got "
+                          f"{d.log_prob_min_clamp}")
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(d, name) is not None:
+            _positive(f"algorithm.distill.{name}", getattr(d, name))
+
+
+def _validate_prime(cfg: RLConfig) -> None:
+    """algorithm.prime (PRIME's implicit PRM): read only with adv_estimator=prime; values."""
+    import dataclasses
+
+    p, algo = cfg.algorithm.prime, cfg.algorithm
+    if algo.adv_estimator != "prime":
+        default = type(p)()
+        for f in dataclasses.fields(p):
+            if getattr(p, f.name) != getattr(default, f.name):
+                raise ConfigError(f"algorithm.prime.{f.name} is set but algorithm.adv_estimator={algo.adv_estimator}: "
+                                  "the implicit PRM is used with algorithm.adv_estimator=prime")
+        return
+    _choice("algorithm.prime.granularity", p.granularity, PRIME_GRANULARITIES)
+    _choice("algorithm.prime.norm", p.norm, PRIME_NORMS)
+    for name in ("beta_train", "lr", "grad_clip"):
+        _positive(f"algorithm.prime.{name}", getattr(p, name))
+    for name in ("reward_dpo_coef", "reward_gt_coef"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"algorithm.prime.{name} must be >= 0, got {getattr(p, name)}")
+    if p.mini_batch_size is not None:
+        _positive("algorithm.prime.mini_batch_size", p.mini_batch_size)
+        if cfg.data.train_batch_size % p.mini_batch_size:
+            raise ConfigError(f"algorithm.prime.mini_batch_size ({p.mini_batch_size} prompts) must divide "
+                              f"data.train_batch_size ({cfg.data.train_batch_size} prompts)")
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.agent.path or rollout.agent.env_path:
+        raise ConfigError("algorithm.adv_estimator=prime is refused with agent rollouts (actor_rollout_ref.rollout."
+                          "agent.*): the implicit PRM scores single responses, not episodes of segments")

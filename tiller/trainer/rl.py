@@ -7,7 +7,9 @@ One step, in the order `RLTrainer.train_step` runs it (each phase a named timer,
     -> filter_groups (optional, DAPO dynamic sampling: more generation rounds until train_batch_size
        groups with a varying metric are collected)  -> balance_batch (optional: equal tokens per worker)
     -> old_log_prob (skipped when the update is exactly on-policy and nothing else needs it)
-    -> ref (KL only) -> values (GAE only)
+    -> ref (KL only) -> teacher (on-policy distillation only: the teacher's logprobs of the sampled tokens)
+    -> update_prm + prm_rewards (PRIME only: the implicit PRM learns from the outcomes, then scores the tokens)
+    -> values (GAE only)
     -> adv: optional KL in reward, rollout correction (optional: TIS weights, rejection mask), then the
        advantage estimator
     -> update_critic (GAE) -> update_actor (ppo_epochs x mini-batches x micro-batches)
@@ -112,6 +114,8 @@ class RLTrainer:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
+        self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
+        self.prime = algo.adv_estimator == "prime"  # PRIME: an implicit PRM trained each step (algorithm.prime)
         # on-policy (one epoch, one mini-batch): the update's own detached logprobs are the old ones
         self.on_policy = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == data.train_batch_size
         rc = algo.rollout_correction
@@ -278,6 +282,14 @@ class RLTrainer:
             if self.need_ref and "ref_log_prob" not in batch:
                 with timer("ref", m):
                     batch = batch.union(actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
+            if self.need_teacher:
+                with timer("teacher", m):
+                    batch = batch.union(actor.execute("compute_teacher_log_prob", batch, dispatch="dp"))
+            if self.prime:  # PRIME: the implicit PRM learns from this batch's outcomes, then scores its tokens
+                with timer("update_prm", m):
+                    m.update(actor.execute("update_prm", self._prm_batch(batch), dispatch="dp"))
+                with timer("prm_rewards", m):
+                    batch = batch.union(actor.execute("compute_prm_log_ratio", batch, dispatch="dp"))
             if self.use_critic:
                 with timer("values", m):
                     batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
@@ -559,6 +571,8 @@ class RLTrainer:
         if algo.adv_estimator == "gdpo":
             hyper.update(gdpo_reward_keys=list(algo.gdpo_reward_keys), gdpo_reward_weights=algo.gdpo_reward_weights,
                          reward_components={k: batch[f"reward_channel/{k}"] for k in algo.gdpo_reward_keys})
+        if algo.adv_estimator == "prime":
+            hyper.update(self._prime_hyper(batch, mask, m))
         if self.need_sum_pi2:
             hyper.update(old_logp=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"],
                          rollout_is_weights=batch["rollout_is_weights"] if "rollout_is_weights" in batch else None)
@@ -568,6 +582,40 @@ class RLTrainer:
         else:
             adv, ret = get_advantage_estimator(algo.adv_estimator)(rewards, mask, list(batch["uid"]), values, **hyper)
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
+
+    def _prime_hyper(self, batch: Batch, mask: torch.Tensor, m: dict) -> dict:
+        """PRIME's estimator inputs: the dense implicit rewards from the PRM's log-ratio, and the coefficients."""
+        from tiller.algos.prime import prime_token_rewards
+
+        p = self.cfg.algorithm.prime
+        dense = prime_token_rewards(batch["prm_q"], mask, p.beta_train, p.granularity, p.norm)
+        m["prime/dense_reward/mean"] = float((dense * mask).sum(-1).mean())
+        m["prime/raw_implicit_reward/mean"] = float(p.beta_train * (batch["prm_q"] * mask).sum(-1).mean())
+        return dict(prime_token_rewards=dense, reward_gt_coef=p.reward_gt_coef, reward_dpo_coef=p.reward_dpo_coef)
+
+    def _prm_batch(self, batch: Batch) -> Batch:
+        """What the PRM update needs (the outcome labels `acc` with the token tensors), padded to the world size."""
+        from tiller.errors import DataError
+
+        acc = batch["acc"]
+        if len(acc) and (float(acc.min()) < 0.0 or float(acc.max()) > 1.0):
+            raise DataError(f"algorithm.adv_estimator=prime: the PRM learns outcome labels in [0, 1] (the reward's "
+                            f"`acc`, else its score), got values in [{float(acc.min()):g}, {float(acc.max()):g}]; "
+                            "return acc in the reward function's dict")
+        out = batch.select(["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
+                            "acc"])
+        prompts = self.cfg.algorithm.prime.mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        out.meta = {"prm_mini_batch_size": prompts * self.n // self.world_size}
+        return self._pad_to_world(out)
+
+    def _pad_to_world(self, out: Batch) -> Batch:
+        """Rows appended (copies with a zero response mask) so the batch divides over the workers."""
+        pad = (-len(out)) % self.world_size
+        if pad and len(out):
+            extra = out.index(list(range(pad)))
+            extra["response_mask"] = torch.zeros_like(extra["response_mask"])
+            out = Batch.concat([out, extra])
+        return out
 
     def _episode_advantage(self, batch: Batch, mask: torch.Tensor, hyper: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator on one row per episode (its reward, a one-token response), broadcast to the episode's
@@ -637,7 +685,8 @@ class RLTrainer:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "values", "rollout_is_weights") if k in batch]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights")
+                 if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
             keys.append("rollout_log_probs")
         out = batch.select(keys)
@@ -658,12 +707,7 @@ class RLTrainer:
                     "temperature": self.cfg.actor_rollout_ref.rollout.temperature,
                     "global_step": self.global_step, "entropy_coeff": coeff,
                     "measure_mismatch": "old_log_probs" not in batch or self._mismatch_in_update}
-        pad = (-len(out)) % self.world_size
-        if pad and len(out):
-            extra = out.index(list(range(pad)))
-            extra["response_mask"] = torch.zeros_like(extra["response_mask"])
-            out = Batch.concat([out, extra])
-        return out
+        return self._pad_to_world(out)
 
     def _update_entropy_ctrl(self, m: dict) -> None:
         if "actor/entropy" in m:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tiller.algos.aggregate import aggregate_loss
+from tiller.algos.distill import distillation_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
 from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
@@ -60,6 +61,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, split_micro_batches
+from tiller.workers.prm import ImplicitPRM
 
 
 def _mean(values: list[float]) -> float:
@@ -107,6 +109,13 @@ class ActorRolloutRefWorker:
         self.ref_module = None
         if need_ref and not self.lora:
             self.ref_module = copy.deepcopy(module).requires_grad_(False).eval()
+        self.teacher_module = None  # on-policy distillation: a frozen teacher, scored like the reference
+        teacher_path = config.algorithm.distill.teacher_path
+        if teacher_path:
+            self.teacher_module = self._load_teacher(teacher_path, arr.model.trust_remote_code)
+        self.prm = None  # PRIME: the implicit PRM (trained) and its frozen reference
+        if config.algorithm.adv_estimator == "prime":
+            self.prm = ImplicitPRM(config, self.device)
         if arr.model.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.train()
@@ -131,6 +140,19 @@ class ActorRolloutRefWorker:
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
         self.rollout = self._build_rollout()
+
+    def _load_teacher(self, path: str, trust_remote_code: bool):
+        """The distillation teacher, frozen; its tokenizer must map text to the same ids as the student's."""
+        from tiller.errors import ConfigError
+        from tiller.models.loading import load_causal_lm, load_tokenizer
+
+        teacher_tok = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
+        if teacher_tok.get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(f"algorithm.distill.teacher_path={path}: the teacher's tokenizer differs from the "
+                              "student's (on-policy distillation scores the student's token ids with the teacher, so "
+                              "both need the same vocabulary)")
+        teacher = load_causal_lm(path, dtype="float32", trust_remote_code=trust_remote_code, device=self.device)
+        return teacher.requires_grad_(False).eval()
 
     # ------------------------------------------------------------------------------------- rollout
     def _build_rollout(self, module=None):
@@ -446,6 +468,26 @@ class ActorRolloutRefWorker:
             logp = self._batch_logp(self.ref_module, batch, micros, self.actor_cfg.dtype)
         return Batch({"ref_log_prob": logp})
 
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """On-policy distillation: the teacher's logprobs of the student's sampled tokens, `teacher_log_prob[B, T]`
+        (the reference's micro-batching and the rollout temperature, like the student's)."""
+        ref = self.cfg.actor_rollout_ref.ref
+        if self.teacher_module is None:
+            raise RuntimeError("compute_teacher_log_prob: no algorithm.distill.teacher_path")
+        micros = split_micro_batches(batch, rows=ref.log_prob_micro_batch_size_per_gpu,
+                                     max_tokens=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
+                                     else None, key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+        return Batch({"teacher_log_prob": self._batch_logp(self.teacher_module, batch, micros, self.actor_cfg.dtype)})
+
+    # ------------------------------------------------------------------------------ PRIME's implicit PRM
+    def update_prm(self, batch: Batch) -> dict[str, float]:
+        """PRIME: one pass of the implicit PRM's update on the step's samples and outcome labels (`acc`)."""
+        return self.prm.update(batch, self._logp_entropy)
+
+    def compute_prm_log_ratio(self, batch: Batch) -> Batch:
+        """PRIME: `prm_q[B, T]` = log pi_prm - log pi_ref of the response tokens, with the PRM as it is now."""
+        return self.prm.log_ratio(batch, self._batch_logp)
+
     # --------------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-style update on `batch` (see module docstring); returns `actor/...` metrics.
@@ -478,7 +520,7 @@ class ActorRolloutRefWorker:
                 mismatch = self._global_mismatch(self._mismatch_parts)
                 self._mismatch_parts = None
         self.scheduler.step()
-        metrics = {f"actor/{k}": _mean(v) for k, v in stats.items()}
+        metrics = {(k if k.startswith("distillation/") else f"actor/{k}"): _mean(v) for k, v in stats.items()}
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics.update({f"training/{k}": float(v) for k, v in mismatch.items()})
         return metrics
@@ -536,6 +578,8 @@ class ActorRolloutRefWorker:
                 pg_tok = pg_tok * micro["rollout_is_weights"].to(self.device, pg_tok.dtype)
             pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
             loss = pg_loss
+            if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
+                loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, sums)
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)
             if entropy_coeff != 0.0:
                 loss = loss - entropy_coeff * aggregate_loss(entropy, mask, agg_mode, **agg)
@@ -566,6 +610,26 @@ class ActorRolloutRefWorker:
         sums["grad_norm"] = grad_norm
         return sums
 
+    def _add_distillation(self, pg_loss, logp, old, micro, mask, agg_mode, agg, sums):
+        """pg_loss -> outcome_coef * pg_loss + coef * distill (with the outcome reward), or distill alone
+        (verl's use_task_rewards); `distillation/*` sums (token-weighted means over the mini-batch)."""
+        d, a = self.cfg.algorithm.distill, self.actor_cfg
+        tok, metrics = distillation_loss(
+            logp, old, micro["teacher_log_prob"].to(self.device), mask, loss_mode=d.loss_mode,
+            use_policy_gradient=d.use_policy_gradient, log_prob_min_clamp=d.log_prob_min_clamp,
+            loss_max_clamp=d.loss_max_clamp, clip_ratio=a.clip_ratio,
+            clip_ratio_low=d.clip_ratio_low if d.clip_ratio_low is not None else a.clip_ratio_low,
+            clip_ratio_high=d.clip_ratio_high if d.clip_ratio_high is not None else a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c)
+        distill = aggregate_loss(tok, mask, agg_mode, **agg)
+        share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
+        sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
+        for k, v in metrics.items():
+            sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * float(v)
+        if d.use_outcome_reward:
+            return d.outcome_coef * pg_loss + d.coef * distill
+        return distill
+
     # --------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
         """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
@@ -578,9 +642,13 @@ class ActorRolloutRefWorker:
             model = self.rollout_module
         if dist_ctx.rank() == 0:
             path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
-                                   extra_state=extra_state, tokenizer=self.tokenizer, keep=keep)
+                                   extra_state=extra_state, tokenizer=self.tokenizer, keep=keep, **self._prm_state())
         dist_ctx.barrier()
         return str(path)
+
+    def _prm_state(self) -> dict:
+        """PRIME: the implicit PRM and its optimizer travel with the actor's checkpoint (`prm/`, `prm_optimizer.pt`)."""
+        return {} if self.prm is None else self.prm.checkpoint_parts()
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
@@ -588,12 +656,12 @@ class ActorRolloutRefWorker:
 
         if not self._rollout_is_copy:
             state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
-                                    scheduler=self.scheduler)
+                                    scheduler=self.scheduler, **self._prm_state())
             self.sync_rollout_weights()
             return state
         # FSDP2: read the full weights into the unsharded copy, then scatter them into the shards
         state = load_checkpoint(path, model=self.rollout_module, scheduler=self.scheduler,
-                                optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer))
+                                optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer), **self._prm_state())
         dist_ctx.load_full_state_dict(self.model, self.rollout_module.state_dict())
         if self.rollout_cfg.name == "vllm":
             self.sync_rollout_weights()
