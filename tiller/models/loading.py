@@ -8,6 +8,8 @@ missing path into a `UserError` naming it instead of a hub lookup traceback.
 from __future__ import annotations
 
 
+import functools
+import inspect
 import os
 from pathlib import Path
 
@@ -101,3 +103,16 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     if device is not None:
         model = model.to(device)
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str | None:
+    params = inspect.signature(cls.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def cache_keyword(model) -> str | None:
+    """The keyword an HF model's forward takes its KV cache under: `cache` (transformers >= 5.24, which
+    deprecates the old name) or `past_key_values` (earlier); None when it takes neither."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_keyword(type(base))

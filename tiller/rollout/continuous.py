@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiller.models.loading import cache_keyword
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -446,7 +447,8 @@ class ContinuousBatcher:
                 logits = engine._fused.step(tokens, positions, mask, cache)
             else:
                 logits = model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+                               use_cache=True, logits_to_keep=1,
+                               **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
         finally:
             model.train(was_training)
         self._logits = logits

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from tiller.errors import UserError
+from tiller.models.loading import cache_keyword
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -245,7 +246,8 @@ class NativeRolloutEngine(InProcessEngine):
             rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
             out = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl), position_ids=pos,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        use_cache=True, logits_to_keep=1,
+                        **{cache_keyword(model) or 'past_key_values': cache})
             logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
             if first_logits is None:
                 first_logits = torch.empty((len(prompts) * n, logits.shape[-1]), dtype=torch.float32, device=device)
@@ -319,7 +321,8 @@ class NativeRolloutEngine(InProcessEngine):
                 logits = self._fused.step(tokens[:, None], positions, mask, cache)
             else:
                 logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+                               use_cache=True, logits_to_keep=1,
+                               **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
         tokens_list, logp_list = out_tokens.tolist(), out_logp.tolist()
         lengths_list = lengths.tolist()
         return ([tokens_list[r][: lengths_list[r]] for r in range(rows_total)],

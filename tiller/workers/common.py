@@ -22,6 +22,7 @@ import torch
 
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
+from tiller.models.loading import cache_keyword
 
 BF16 = ("bfloat16", "bf16")
 
@@ -144,14 +145,15 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
     config = getattr(model, "config", None)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     keep = {"logits_to_keep": 1} if logits_to_keep else {}
+    kw = cache_keyword(model) or "past_key_values"
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                past_key_values=cache, use_cache=True, **keep)
+                **{kw: cache}, use_cache=True, **keep)
     first = out.logits[:, -1:][inverse]  # [B, 1, V]
     if ids.shape[1] == p:  # one-token responses: nothing after the prompt
         return first
     cache.batch_select_indices(inverse)
     rest = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, p:],
-                 past_key_values=cache, use_cache=True).logits
+                 **{kw: cache}, use_cache=True).logits
     return torch.cat([first, rest], dim=1)
 
 
@@ -159,14 +161,18 @@ def forward_options(module, share_prompts: bool) -> dict[str, bool]:
     """`response_forward` keyword options an HF `module` supports (a PeftModel: its base model).
 
     `logits_to_keep` when its forward takes it (causal LMs); `share_prompts` when asked for, the forward
-    takes `past_key_values`, and gradient checkpointing is off (HF turns the cache off under it).
+    takes a KV cache (`cache`, or `past_key_values` before transformers 5.24), and gradient checkpointing is off
+    (HF turns the cache off under it).
     """
     import inspect
 
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     params = inspect.signature(base.forward).parameters
-    checkpointing = getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
-    share = share_prompts and "past_key_values" in params and not checkpointing
+    # the property's new name first: reading the old one warns on transformers >= 5.24
+    name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    checkpointing = bool(getattr(base, name, False))
+    share = share_prompts and cache_keyword(base) is not None and not checkpointing
     return {"logits_to_keep": "logits_to_keep" in params, "share_prompts": share}
 
 
