@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from tiller.data.preprocess import gsm8k, reasoning_gym
+from tiller.tasks import arithmetic
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tiller data", description=__doc__,
@@ -34,17 +37,11 @@ def main(argv: list[str]) -> int:
     r.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     args = parser.parse_args(argv)
     if args.dataset == "reasoning-gym":
-        from tiller.data.preprocess import reasoning_gym
-
         paths = reasoning_gym.convert(args.task, args.out, n_train=args.train, n_test=args.test, seed=args.seed,
                                       fmt=args.format)
     elif args.dataset == "gsm8k":
-        from tiller.data.preprocess import gsm8k
-
         paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows)
     else:
-        from tiller.tasks import arithmetic
-
         paths = arithmetic.write_task(args.out, n_train=args.train, n_test=args.test, seed=args.seed)
     for split, path in paths.items():
         print(f"{split}: {path}")
