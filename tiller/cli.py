@@ -10,7 +10,8 @@ import importlib
 import sys
 
 from tiller.entry import run_main  # noqa: F401  (re-exported: `python -m` entry points used it from here)
-from tiller.errors import UserError
+from tiller import __version__
+from tiller.errors import describe_os_error, UserError
 
 # name -> ("module:function", one-line help). Later subsystems add their line here.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -80,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from tiller import __version__
-
         print(f"tiller {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
@@ -108,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as err:  # the machine, not the input: a full disk, a read-only dir, a permission
-        from tiller.errors import describe_os_error
-
         print(f"tiller {name}: error: {describe_os_error(err)}", file=sys.stderr)
         return 1
     return int(code or 0)

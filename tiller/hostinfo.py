@@ -35,6 +35,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from tiller import __version__
+
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -428,8 +430,6 @@ def host_facts(measure: bool = True) -> dict:
         "speed_env": {k: os.environ[k] for k in SPEED_ENV_VARS if k in os.environ},
     }
     if facts["tiller_version"] is None:  # running from a source tree that was never pip-installed
-        from tiller import __version__
-
         facts["tiller_version"] = __version__
     has_bf16 = _bf16_hardware(features)[0] is not None
     facts.update(measure_gemms(has_bf16) if measure else dict.fromkeys(GEMM_KEYS))

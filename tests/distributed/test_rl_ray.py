@@ -100,7 +100,9 @@ def test_ppo_gae_with_critic_two_ray_workers_equal_one_process(ray_session, tmp_
     gae = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
     local = train(make_cfg(tmp_path / "local", tiny_model_dir, rl_data, *gae), seed_chunks=2)
     ray_run = train(make_cfg(tmp_path / "ray", tiny_model_dir, rl_data, *gae, *RAY, "critic.strategy=fsdp"))
-    assert_same(ray_run, local)
+    # Adam at lr 1e-3 turns the reassociated gradient sums' ~1e-7 differences into ~1e-5 on weights whose second
+    # moment is tiny (1.2e-5 seen on an AVX-512 host); a defect (a rank's samples lost or doubled) moves them ~1e-3
+    assert_same(ray_run, local, atol=5e-5)
 
 
 @pytest.mark.slow  # ~15-35 s: two more Ray groups and FSDP2 checkpoints

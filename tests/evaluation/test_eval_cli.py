@@ -176,11 +176,12 @@ def test_generate_and_eval_accept_keys_after_options(tiny_model_dir, prompt_file
 
 def _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompt_file, *overrides):
     """run_eval with the policy replaced by a scripted engine answering `script(context, j)`."""
+    import tiller.evaluation.evaluate as evaluate
     import tiller.evaluation.runner as runner
     from tiller.config import load_config
     from tiller.evaluation.evaluate import run_eval
 
-    monkeypatch.setattr(runner, "policy_from_config",
+    monkeypatch.setattr(evaluate, "policy_from_config",
                         lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
                        *overrides])

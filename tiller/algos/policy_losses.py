@@ -71,6 +71,7 @@ from typing import Any, Callable
 
 import torch
 
+from tiller.algos.rollout_correction import rollout_correction
 from tiller.algos.utils import Registry, masked_mean, reject_unknown
 from tiller.errors import ConfigError
 
@@ -365,8 +366,6 @@ def bypass_mode_loss(
 
     Other keywords (clip_ratio*, clip_ratio_c) go to vanilla for loss_type=ppo_clip.
     """
-    from tiller.algos.rollout_correction import rollout_correction
-
     reject_unknown("bypass_mode", extra, POLICY_HYPER)
     if loss_type not in BYPASS_LOSS_TYPES:
         raise ConfigError(f"algorithm.rollout_correction.loss_type = {loss_type!r} is not one of: "

@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tiller.config import edge
 from tiller.config.args import add_config_args
+from tiller.config.edge import report_noop_keys
+from tiller.config.explain import explain
 from tiller.config.loader import load_config, to_yaml
 
 
@@ -32,13 +35,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.action == "keys":
         return _keys(args.markdown)
-    from tiller.config.edge import report_noop_keys
-
     cfg = load_config(args.overrides, config_file=args.config, preset=args.preset)
     report_noop_keys(cfg)
     if args.action == "explain":
-        from tiller.config.explain import explain
-
         print(explain(cfg), end="")
         return 0
     print(to_yaml(cfg), end="")
@@ -46,8 +45,6 @@ def main(argv: list[str]) -> int:
 
 
 def _keys(markdown: bool) -> int:
-    from tiller.config import edge
-
     if markdown:
         print(edge.markdown(), end="")
         return 0

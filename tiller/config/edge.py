@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tiller.config.readers import _sections, config_reads
 from tiller.config.schema import DistillationInferenceConfig, FSDPConfig, RLConfig, TraceConfig
 from tiller.errors import ConfigError
 
@@ -164,8 +165,6 @@ for _key, (_successor, _) in DEPRECATED.items():
 def _section_rules() -> None:
     """Every key of every `fsdp_config`, `rollout.trace` and distillation teacher `inference` section is a no-op (its
     field doc says why)."""
-    from tiller.config.readers import _sections
-
     sections, _, _ = _sections(RLConfig)
     for path, cls in sections.items():
         if cls in (FSDPConfig, TraceConfig, DistillationInferenceConfig):
@@ -254,6 +253,7 @@ def _default(path: str) -> Any:
 
 def _given(cfg: RLConfig, path: str) -> bool:
     """Did the user set `path`? (for a config not from `load_config`: differs from the default)"""
+    # lazy, a cycle: tiller.config.loader imports tiller.config.validate, which imports this module
     from tiller.config.loader import given_keys
 
     keys = given_keys(cfg)
@@ -264,6 +264,7 @@ def _given(cfg: RLConfig, path: str) -> bool:
 
 def _given_under(cfg: RLConfig, path: str) -> bool:
     """`path` or, for an open-ended mapping, a key inside it was set by the user."""
+    # lazy, a cycle: tiller.config.loader imports tiller.config.validate, which imports this module
     from tiller.config.loader import given_keys
 
     keys = given_keys(cfg)
@@ -423,8 +424,6 @@ class KeyState:
 def key_states() -> list[KeyState]:
     """Every key of the RL schema with its state; raises if a key has no reader and no declared state, or
     a declared unconditional no-op / refusal has a reader (the two would disagree)."""
-    from tiller.config.readers import _sections, config_reads
-
     sections, _, keys = _sections(RLConfig)
     reads = config_reads(RLConfig)
     docs = _key_docs()
@@ -482,8 +481,6 @@ def markdown() -> str:
 
 def _key_docs() -> dict[str, str]:
     """Every key's one-line schema doc."""
-    from tiller.config.readers import _sections
-
     sections, _, _ = _sections(RLConfig)
     out = {}
     for path, cls in sections.items():

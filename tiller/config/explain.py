@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiller.config.edge import num_workers
 from tiller.config.schema import RLConfig
 
 MiB = 1024**2
@@ -97,8 +98,6 @@ def _count_prompts(cfg: RLConfig) -> int | None:
 
 def batch_arithmetic(cfg: RLConfig, count_prompts: bool = True) -> Arithmetic:
     """The batch sizes of one RL step (see the module doc) and any divisibility problem in plain words."""
-    from tiller.config.edge import num_workers
-
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, n, w = arr.actor, arr.rollout.n, num_workers(cfg)
     problems = []

@@ -30,6 +30,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tiller.config.schema import RLConfig
+from tiller.config.validate import validate_rl
 from tiller.errors import ConfigError
 
 T = TypeVar("T")
@@ -349,12 +351,8 @@ def load_config(
 ) -> T:
     """Resolve defaults <- preset <- config_file <- overrides into a validated dataclass instance."""
     if schema is None:
-        from tiller.config.schema import RLConfig
-
         schema = RLConfig  # type: ignore[assignment]
         if validate is None:
-            from tiller.config.validate import validate_rl
-
             validate = validate_rl
     paths = schema_paths(schema)
     cfg = OmegaConf.structured(schema)

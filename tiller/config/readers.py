@@ -27,6 +27,8 @@ import typing
 from collections import defaultdict
 from pathlib import Path
 
+from tiller.config.schema import RLConfig
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # modules whose `cfg` / `config` is an SFT / RM / DPO / KTO job config, not an RLConfig
 JOB_MODULES = ("trainer/sft.py", "trainer/rm.py", "trainer/preference.py", "trainer/loop.py", "trainer/spin.py",
@@ -292,8 +294,6 @@ def config_reads(schema: type | None = None, package_dir: Path = PACKAGE_DIR) ->
     (`"workers/actor.py:123"`, relative to the package). Sections count as read when a key below is.
     Scanned once per process (about a second)."""
     if schema is None:
-        from tiller.config.schema import RLConfig
-
         schema = RLConfig
     return {k: set(v) for k, v in _scan(schema, Path(package_dir)).items()}
 

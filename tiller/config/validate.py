@@ -13,6 +13,8 @@ from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
 from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
 from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
+from tiller.algos.rollout_correction import parse_rs_options, ROLLOUT_IS_LEVELS
+from tiller.config.edge import apply_edge
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
@@ -32,8 +34,6 @@ GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_
 
 
 def validate_rl(cfg: RLConfig) -> None:
-    from tiller.config.edge import apply_edge
-
     apply_edge(cfg)  # deprecated keys converted, follower keys resolved, refused values raised
     data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
@@ -193,8 +193,6 @@ def _validate_batches(cfg: RLConfig) -> None:
 
 def _validate_rollout_correction(rc) -> None:
     """algorithm.rollout_correction: names and thresholds usable, verl's bypass mode refused."""
-    from tiller.algos.rollout_correction import ROLLOUT_IS_LEVELS, parse_rs_options
-
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None:
         _choice(f"{key}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 
+from tiller.data.preprocess import gsm8k, reasoning_gym
+from tiller.tasks import arithmetic
+
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "filter-difficulty":  # its own parser: config overrides mixed with its options
-        from tiller.evaluation import difficulty  # the rollout engine and reward pipeline: loaded when used
+        from tiller.evaluation import difficulty  # import cost: the rollout engine and reward pipeline, loaded when used
 
         return difficulty.main(argv[1:])
     parser = argparse.ArgumentParser(prog="tiller data", description=__doc__,
@@ -44,17 +47,11 @@ def main(argv: list[str]) -> int:
                         "see `tiller data filter-difficulty --help`")
     args = parser.parse_args(argv)
     if args.dataset == "reasoning-gym":
-        from tiller.data.preprocess import reasoning_gym
-
         paths = reasoning_gym.convert(args.task, args.out, n_train=args.train, n_test=args.test, seed=args.seed,
                                       fmt=args.format)
     elif args.dataset == "gsm8k":
-        from tiller.data.preprocess import gsm8k
-
         paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows)
     else:
-        from tiller.tasks import arithmetic
-
         paths = arithmetic.write_task(args.out, n_train=args.train, n_test=args.test, seed=args.seed)
     for split, path in paths.items():
         print(f"{split}: {path}")

@@ -29,7 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tiller.data.sft import SFTExample, encode_prompt_response, fit_length, shifted_labels
+from tiller.data.sft import encode_prompt_response, fit_length, IGNORE, SFTExample, shifted_labels
+from tiller.data.sources import apply_template, load_sources
 from tiller.errors import DataError
 
 
@@ -186,8 +187,6 @@ def whole_conversation(value: Any, key: str, tokenizer, apply_chat_template: boo
 
 def encode_rm_pair(row: dict, data_cfg, tokenizer, where: str) -> PairExample:
     """A pair for reward-model training: whole conversations, no loss mask (the score reads the last token)."""
-    from tiller.data.sft import IGNORE
-
     prompt = _require(row, data_cfg.prompt_key, "data.prompt_key", where) if data_cfg.prompt_key is not None else None
     seqs = []
     for key, name in ((data_cfg.chosen_key, "data.chosen_key"), (data_cfg.rejected_key, "data.rejected_key")):
@@ -197,8 +196,6 @@ def encode_rm_pair(row: dict, data_cfg, tokenizer, where: str) -> PairExample:
         else:
             if data_cfg.input_template and isinstance(prompt, str) and not (
                     data_cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)):
-                from tiller.data.sources import apply_template
-
                 prompt = apply_template(data_cfg.input_template, prompt)
             text = render_conversation(prompt, completion_text(value, key, where), tokenizer,
                                        data_cfg.apply_chat_template)
@@ -237,8 +234,6 @@ def load_preference_examples(files: Sequence[str], data_cfg, tokenizer, kind: st
     """Tokenize every row of `files`: kind "paired" (DPO) or "rm" -> `PairExample`, "unpaired" (KTO) ->
     `UnpairedExample`.
     `which` / `seed`: the sources' split, blend and seed (`tiller.data.sources`, as `load_sft_examples`)."""
-    from tiller.data.sources import load_sources
-
     encode = {"paired": encode_pair, "rm": encode_rm_pair, "unpaired": encode_unpaired}[kind]
     if kind == "unpaired" and data_cfg.prompt_key is None:
         raise DataError("KTO needs data.prompt_key (a prompt column)")

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tiller.data.sources import apply_template, load_sources
 from tiller.errors import ConfigError, DataError
 
 
@@ -124,8 +125,6 @@ def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str, in
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if isinstance(raw, str):
         if input_template:
-            from tiller.data.sources import apply_template
-
             return apply_template(input_template, raw)
         return raw
     return "\n".join(str(m["content"]) for m in messages)
@@ -159,8 +158,6 @@ class RLDataset:
                  label_key: str | None = None, default_data_source: str | None = None,
                  input_template: str | None = None, probs: Sequence[float] | None = None, split: str = "train",
                  seed: int = 42):
-        from tiller.data.sources import load_sources
-
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tiller.data.rl_dataset import render_prompt
+from tiller.data.sources import load_sources
 from tiller.errors import DataError
 
 IGNORE = -100
@@ -77,8 +79,6 @@ def encode_prompt_response(prompt: Any, response: Any, tokenizer, apply_chat_tem
                            where: str, input_template: str | None = None) -> tuple[list[int], list[int]]:
     """(prompt_ids, response_ids) with the response followed by eos; raises `DataError` on empty text.
     A string prompt without a chat template goes through `input_template` when one is given (OpenRLHF)."""
-    from tiller.data.rl_dataset import render_prompt
-
     prompt = _as_list(prompt)
     if isinstance(prompt, str):
         _check_text(prompt, "prompt", where)
@@ -195,8 +195,6 @@ def load_sft_examples(files: Sequence[str], data_cfg, tokenizer, max_samples: in
     """Read and tokenize every row of `files` (see the module docstring); `DataError` names file and row.
     `which` = train | val picks data.train_probs / data.train_split or data.val_split (`tiller.data.sources`);
     `seed` seeds a probability blend (OpenRLHF blends with its --seed: pass trainer.seed)."""
-    from tiller.data.sources import load_sources
-
     if data_cfg.format not in FORMATS:
         raise DataError(f"data.format={data_cfg.format!r} is not one of: {', '.join(FORMATS)}")
     if not files:

@@ -33,7 +33,7 @@ def _is_file_source(source: str) -> bool:
 
 def read_source(source: str, split: str = "train") -> list[dict]:
     """Rows of one source (see the module docstring)."""
-    from tiller.data.rl_dataset import read_rows
+    from tiller.data.rl_dataset import read_rows  # a cycle: tiller.data.rl_dataset imports this module
 
     if _is_file_source(source):
         return read_rows(source)

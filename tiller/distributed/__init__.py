@@ -81,6 +81,7 @@ def create_worker_group(worker_cls: type, init_kwargs: dict | None = None, *, ba
                               f"{world_size} (trainer.nnodes x trainer.n_gpus_per_node); use trainer.backend=ray")
         return LocalWorkerGroup(worker_cls, init_kwargs, name=name)
     try:
+        # optional dependency: tiller.distributed.ray_group imports ray at its top
         from tiller.distributed.ray_group import RayWorkerGroup
     except ImportError as err:
         raise UserError("trainer.backend=ray needs Ray: pip install 'tiller[ray]' "

@@ -32,7 +32,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tiller.distributed import WorkerError
+from tiller.distributed import context, WorkerError
 from tiller.distributed.dispatch import check_mode, merge_dp, split_dp
 from tiller.errors import ConfigError, UserError
 
@@ -106,8 +106,6 @@ class _WorkerHost:
     def start(self, worker_cls: type, init_kwargs: dict, rank: int, world_size: int, master: tuple[str, int],
               backend: str, timeout_s: float) -> tuple[int, str]:
         if world_size > 1:
-            from tiller.distributed import context
-
             context.init_distributed(rank, world_size, master[0], master[1], backend=backend, timeout_s=timeout_s)
         self.worker = worker_cls(**init_kwargs)
         return os.getpid(), ray.util.get_node_ip_address()

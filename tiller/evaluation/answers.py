@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import re
 
+from tiller.rewards.registry import MATH_SOURCES
+from tiller.rewards.scorers.gsm8k import extract_solution
+from tiller.rewards.scorers.math import ANSWER_LINE, last_boxed_only_string, normalize, normalize_final_answer
+
 _INT = re.compile(r"-?\d+")
 
 
@@ -35,22 +39,16 @@ def _number(text: str | None) -> str | None:
 
 
 def _gsm8k(response: str) -> str | None:
-    from tiller.rewards.scorers.gsm8k import extract_solution
-
     found = extract_solution(response, "strict")
     return _number(found if found is not None else extract_solution(response, "flexible"))
 
 
 def _math(response: str) -> str | None:
-    from tiller.rewards.scorers.math import last_boxed_only_string, normalize
-
     boxed = last_boxed_only_string(response)
     return normalize(boxed) or None if boxed is not None else None
 
 
 def _math_dapo(response: str) -> str | None:
-    from tiller.rewards.scorers.math import ANSWER_LINE, last_boxed_only_string, normalize_final_answer
-
     tail = response[-300:]
     matches = ANSWER_LINE.findall(tail)
     if matches:
@@ -80,8 +78,6 @@ def extract_answer(data_source: str, response: str) -> str | None:
     >>> extract_answer("lighteval/MATH", "so \\\\boxed{\\\\dfrac{1}{2}}")
     '\\\\frac{1}{2}'
     """
-    from tiller.rewards.registry import MATH_SOURCES
-
     if data_source in ("openai/gsm8k", "gsm8k"):
         return _gsm8k(response)
     if data_source in MATH_SOURCES or data_source.startswith("numina_"):

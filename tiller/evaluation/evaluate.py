@@ -31,12 +31,25 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from tiller.config import load_config
+from tiller.config.args import add_config_args
+from tiller.data.rl_dataset import build_rl_dataset, write_rows
 from tiller.errors import ConfigError
+from tiller.evaluation.answers import extract_answer
+from tiller.evaluation.metrics import evaluation_metrics
+from tiller.evaluation.runner import (
+    atomic_write_text,
+    decode,
+    generate_batched,
+    policy_from_config,
+    sampling_from_rollout,
+    tokenize_prompt,
+)
+from tiller.rewards import build_reward_manager, RewardRequest
+from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, render_prompt_with_tools
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tiller.config.args import add_config_args
-
     parser = argparse.ArgumentParser(prog="tiller eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="eval.json", metavar="FILE.json", help="metrics JSON (default eval.json)")
@@ -53,9 +66,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int) -> list[dict]:
     """One record per sample (prompt i's samples at rows i*n .. i*n+n-1) with score, acc and pred."""
-    from tiller.evaluation.answers import extract_answer
-    from tiller.rewards import RewardRequest
-
     requests = [RewardRequest(data_source=it.data_source, prompt=it.prompt_text, response=texts[i * n + j],
                               ground_truth=it.ground_truth, extra_info=dict(it.extra_info),
                               response_length=lengths[i * n + j], group=str(i))
@@ -98,12 +108,6 @@ def format_table(metrics: dict[str, dict[str, float]]) -> str:
 
 def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
     """Generate and score `cfg.data.val_files`; returns (report dict, per-sample records)."""
-    from tiller.data.rl_dataset import build_rl_dataset
-    from tiller.evaluation.metrics import evaluation_metrics
-    from tiller.evaluation.runner import decode, generate_batched, policy_from_config, sampling_from_rollout
-    from tiller.rewards import build_reward_manager
-    from tiller.rollout.agent import build_agent_loop
-
     if not cfg.data.val_files:
         raise ConfigError("tiller eval needs data.val_files=[FILE, ...] (or --data FILE)")
     policy = policy_from_config(cfg)
@@ -148,9 +152,6 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
     """Multi-turn tool rollouts for the eval prompts, re-rendered with the tools' schemas, in batches."""
     from tqdm.auto import tqdm
 
-    from tiller.evaluation.runner import tokenize_prompt
-    from tiller.rollout.agent import AgentRolloutOutput, render_prompt_with_tools
-
     d, tok = cfg.data, policy.tokenizer
     prompts = []
     for i, it in enumerate(items):
@@ -171,10 +172,6 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
 
 
 def main(argv: list[str]) -> int:
-    from tiller.config import load_config
-    from tiller.data.rl_dataset import write_rows
-    from tiller.evaluation.runner import atomic_write_text
-
     args = _parser().parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.model:

@@ -20,12 +20,20 @@ from __future__ import annotations
 import argparse
 import time
 
+from tiller.config import load_config
+from tiller.config.args import add_config_args
+from tiller.data.rl_dataset import write_rows
 from tiller.errors import ConfigError
+from tiller.evaluation.runner import (
+    decode,
+    generate_batched,
+    load_prompt_rows,
+    policy_from_config,
+    sampling_from_rollout,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tiller.config.args import add_config_args
-
     parser = argparse.ArgumentParser(prog="tiller generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", action="append", default=[], metavar="FILE",
@@ -39,16 +47,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from tiller.config import load_config
-    from tiller.data.rl_dataset import write_rows
-    from tiller.evaluation.runner import (
-        decode,
-        generate_batched,
-        load_prompt_rows,
-        policy_from_config,
-        sampling_from_rollout,
-    )
-
     args = _parser().parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"actor_rollout_ref.model.path={args.model}"] if args.model else [])
     cfg = load_config(overrides, config_file=args.config, preset=args.preset)

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from tiller.data.rl_dataset import read_rows, render_prompt
 from tiller.errors import ConfigError, DataError
-from tiller.rollout import RolloutOutput, SamplingParams
+from tiller.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
+from tiller.rollout.base import effective_dtype
 
 
 @dataclass
@@ -33,9 +36,6 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
     """Load a causal LM + tokenizer from `model_path` and build the rollout engine `engine` around it."""
     import torch
 
-    from tiller.models.loading import load_causal_lm, load_tokenizer
-    from tiller.rollout import build_rollout_engine
-
     if not model_path:
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model dir)")
     tokenizer = load_tokenizer(tokenizer_path or model_path, padding_side="left", trust_remote_code=trust_remote_code)
@@ -45,9 +45,6 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
     if engine == "vllm":
         return Policy(build_rollout_engine("vllm", model_path, tokenizer, dtype=dtype, seed=seed, **opts),
                       tokenizer, model_path)
-    from tiller.models.loading import resolve_dtype
-    from tiller.rollout.base import effective_dtype
-
     # bf16 on a CPU without fast bf16 matmuls falls back to fp32 (with a warning), as the engines do
     load_dtype = resolve_dtype(dtype)
     if isinstance(load_dtype, torch.dtype):
@@ -82,8 +79,6 @@ def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prom
                      max_samples: int = -1) -> tuple[list[dict], list[list[int]]]:
     """Rows of prompt files (verl schema, or any file with a `prompt_key` column of text or chat messages)
     and the token ids of each rendered prompt. Each row gets `prompt_text` (the rendered prompt)."""
-    from tiller.data.rl_dataset import read_rows, render_prompt
-
     if not files:
         raise ConfigError("no prompt files: pass --data FILE (or data.val_files=[...])")
     rows_out: list[dict] = []

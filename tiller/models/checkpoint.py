@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tiller.errors import UserError
+from tiller.models.loading import resolve_dtype
 
 MARKER = "latest_checkpointed_iteration.txt"
 PREFIX = "global_step_"
@@ -363,8 +364,6 @@ def _auto_class(src: Path):
 
 def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
     from transformers import AutoTokenizer
-
-    from tiller.models.loading import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype) if dtype is not None else "auto"
     auto_cls = _auto_class(src)

@@ -18,6 +18,9 @@ import re
 import sys
 from typing import Any
 
+from tiller.config import load_config, to_yaml
+from tiller.config.jobs import DPOConfig, KTOConfig, RMConfig, SFTConfig, validate_job
+from tiller.entry import run_main
 from tiller.errors import ConfigError
 from tiller.openrlhf.parse import JOBS, flag_index, options, parse_command, split_job
 from tiller.openrlhf.table import HINT, MAPPED, REFUSED
@@ -53,15 +56,11 @@ def schema_for(job: str):
     """(schema, validate) of a tiller job."""
     if job == "rl":
         return None, None
-    from tiller.config.jobs import DPOConfig, KTOConfig, RMConfig, SFTConfig, validate_job
-
     return {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig}[job], validate_job
 
 
 def resolve(argv: list[str]):
     """(Command, Translation, tiller config) of an OpenRLHF command line: parsed, translated, validated."""
-    from tiller.config import load_config
-
     cmd = parse_command(argv)
     tr = translate(cmd)
     schema, validate = schema_for(tr.job)
@@ -118,8 +117,6 @@ def main(argv: list[str]) -> int:
     for line in tr.notices:
         print(f"notice: {line}")
     if dry_run:
-        from tiller.config import to_yaml
-
         print(f"# tiller {tr.job} (from OpenRLHF {cmd.job}, {cmd.version} flags)")
         print(to_yaml(cfg))
         print("# the same run as a tiller command line:")
@@ -146,19 +143,19 @@ def _shell(token: str) -> str:
 def run_job(job: str, cfg) -> int:
     """Run tiller's job on a resolved config."""
     if job == "rl":
-        from tiller.trainer.rl import run
+        from tiller.trainer.rl import run  # import cost: only the chosen job's trainer (here the whole RL stack)
 
         metrics = run(cfg)
         print(f"done: {cfg.trainer.default_local_dir} ({metrics.get('wall_s', 0.0):.1f} s)")
         return 0
     if job == "sft":
-        from tiller.trainer.sft import train_sft as train
+        from tiller.trainer.sft import train_sft as train  # import cost: only the chosen job's trainer
     elif job == "rm":
-        from tiller.trainer.rm import train_rm as train
+        from tiller.trainer.rm import train_rm as train  # import cost: only the chosen job's trainer
     elif job == "dpo":
-        from tiller.trainer.preference import train_dpo as train
+        from tiller.trainer.preference import train_dpo as train  # import cost: only the chosen job's trainer
     else:
-        from tiller.trainer.preference import train_kto as train
+        from tiller.trainer.preference import train_kto as train  # import cost: only the chosen job's trainer
     train(cfg)
     print(f"done: {cfg.trainer.default_local_dir}")
     return 0
@@ -166,13 +163,9 @@ def run_job(job: str, cfg) -> int:
 
 def job_main(job: str):
     """`python -m tiller.openrlhf.<job>` entry point."""
-    from tiller.entry import run_main
-
     run_main(lambda argv: main([job, *argv]))
 
 
 if __name__ == "__main__":
-    from tiller.entry import run_main
-
     run_main(main)
     sys.exit(0)

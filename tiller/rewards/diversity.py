@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tiller.algos import diversity_from_partition, fuse_diversity
 from tiller.errors import ConfigError, UserError
 from tiller.rewards.types import RewardRequest
 
@@ -237,8 +238,6 @@ class DiversityShaper:
         return cls(build_partitioner(cfg, tokenizer), cfg.fusion, cfg.weight)
 
     def __call__(self, requests: list[RewardRequest], quality: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
-        from tiller.algos import diversity_from_partition, fuse_diversity
-
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(req.group, []).append(i)

@@ -31,6 +31,7 @@ import numpy as np
 
 from tiller.errors import ConfigError, UserError
 from tiller.rewards._procpool import FuncRef, KillablePool, resolve_ref
+from tiller.rewards.registry import default_compute_score
 from tiller.rewards.types import RewardRequest
 
 DEFAULT_REF: FuncRef = ("module", "tiller.rewards.registry", "default_compute_score")
@@ -238,8 +239,6 @@ class NaiveRewardManager:
 
 
 def _default_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs) -> list:
-    from tiller.rewards.registry import default_compute_score
-
     return [default_compute_score(*args, **kwargs) for args in zip(data_sources, solution_strs, ground_truths, extra_infos)]
 
 

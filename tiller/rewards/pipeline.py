@@ -17,6 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tiller.errors import ConfigError
+from tiller.rewards._procpool import resolve_ref
+from tiller.rewards.diversity import DiversityShaper
 from tiller.rewards.managers import (
     REWARD_MANAGERS,
     BatchRewardManager,
@@ -26,6 +28,9 @@ from tiller.rewards.managers import (
     ScoreBatch,
     load_function_ref,
 )
+from tiller.rewards.openrlhf_api import OpenRLHFRewardManager
+from tiller.rewards.remote import RemoteRewardClient
+from tiller.rewards.reward_model import RewardModelScorer
 from tiller.rewards.types import RewardRequest, RewardResult
 
 
@@ -123,9 +128,6 @@ def _rule_manager(cfg: Any) -> Any:
 
 def _openrlhf_manager(cfg: Any, ref: Any, kwargs: dict, ob: dict | None) -> Any:
     """OpenRLHF's batched reward_func(queries, prompts, labels, **kw) from custom_reward_function.path."""
-    from tiller.rewards._procpool import resolve_ref
-    from tiller.rewards.openrlhf_api import OpenRLHFRewardManager
-
     custom = cfg.custom_reward_function
     if not custom.path:
         raise ConfigError("reward_model.reward_manager=openrlhf needs custom_reward_function.path: a .py file "
@@ -150,14 +152,10 @@ def build_reward_manager(cfg: Any, tokenizer: Any = None) -> Callable[[list[Rewa
     to count answer tokens; optional)."""
     rm = cfg.reward_model
     if rm.remote_url:
-        from tiller.rewards.remote import RemoteRewardClient
-
         base: Any = RemoteRewardClient(rm.remote_url, timeout=rm.timeout, wire_format=rm.remote_format)
     elif rm.enable:
         if not rm.model.path:
             raise ConfigError("reward_model.enable=true needs reward_model.model.path (or reward_model.remote_url)")
-        from tiller.rewards.reward_model import RewardModelScorer
-
         base = RewardModelScorer(rm.model.path, micro_batch_size=rm.micro_batch_size_per_gpu,
                                  max_length=rm.max_length, trust_remote_code=rm.model.trust_remote_code,
                                  max_tokens=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
@@ -166,8 +164,6 @@ def build_reward_manager(cfg: Any, tokenizer: Any = None) -> Callable[[list[Rewa
         base = _rule_manager(cfg)
     diversity = None
     if rm.diversity.enable:
-        from tiller.rewards.diversity import DiversityShaper
-
         diversity = DiversityShaper.from_config(rm.diversity, tokenizer=tokenizer)
     if rm.normalize and not (rm.enable and not rm.remote_url):
         raise ConfigError("reward_model.normalize=true applies to a reward model (reward_model.enable with "

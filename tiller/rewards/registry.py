@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from tiller.errors import UserError
 from tiller.rewards.scorers import arithmetic, gsm8k
-from tiller.rewards.scorers import format as format_scorer
+from tiller.rewards.scorers import code, format as format_scorer, math as math_scorer, reasoning_gym
 
 Scorer = Callable[..., "float | dict"]
 
@@ -33,26 +33,18 @@ def _gsm8k(data_source, solution_str, ground_truth, extra_info, **kw):
 
 
 def _math(data_source, solution_str, ground_truth, extra_info, **kw):
-    from tiller.rewards.scorers import math as math_scorer
-
     return math_scorer.compute_score(solution_str, ground_truth, **kw)
 
 
 def _math_dapo(data_source, solution_str, ground_truth, extra_info, **kw):
-    from tiller.rewards.scorers import math as math_scorer
-
     return math_scorer.compute_score_dapo(solution_str, ground_truth, **kw)
 
 
 def _code(data_source, solution_str, ground_truth, extra_info, **kw):
-    from tiller.rewards.scorers import code
-
     return code.compute_score(solution_str, ground_truth, extra_info, **kw)
 
 
 def _reasoning_gym(data_source, solution_str, ground_truth, extra_info, **kw):
-    from tiller.rewards.scorers import reasoning_gym
-
     return reasoning_gym.compute_score(data_source, solution_str, ground_truth, extra_info, **kw)
 
 

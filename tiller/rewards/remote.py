@@ -24,6 +24,7 @@ import numpy as np
 
 from tiller.errors import UserError
 from tiller.rewards.managers import ScoreBatch
+from tiller.rewards.openrlhf_api import openrlhf_request, parse_reply
 from tiller.rewards.types import RewardRequest
 
 
@@ -88,8 +89,6 @@ class RemoteRewardClient:
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
         if self.wire_format == "openrlhf":
-            from tiller.rewards.openrlhf_api import openrlhf_request, parse_reply
-
             body = self._post(_jsonable(openrlhf_request(requests)))
             return parse_reply(body, len(requests), f"reward server {self.url}")
         labels = [{"data_source": r.data_source, "ground_truth": r.ground_truth, "extra_info": r.extra_info}

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiller.data.seqlen import token_budget_micro_batches
 from tiller.errors import UserError
+from tiller.models.loading import load_tokenizer
 from tiller.rewards.managers import ScoreBatch
 from tiller.rewards.types import RewardRequest
 
@@ -61,8 +63,6 @@ class RewardModelScorer:
                  trust_remote_code: bool = False, device: str | None = None, dtype: torch.dtype = torch.float32,
                  max_tokens: int | None = None, normalize: bool = False):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
-
-        from tiller.models.loading import load_tokenizer
 
         if micro_batch_size < 1:
             raise UserError(f"reward_model.micro_batch_size_per_gpu must be >= 1, got {micro_batch_size}")
@@ -133,8 +133,6 @@ class RewardModelScorer:
 
     def _token_budget_parts(self, texts: list[str]) -> list[list[int]]:
         """Indices of micro-batches of at most `max_tokens` padded tokens (rows x longest text)."""
-        from tiller.data.seqlen import token_budget_micro_batches
-
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         if self.max_length is not None:
             lengths = [min(n, self.max_length) for n in lengths]

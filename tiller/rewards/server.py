@@ -22,6 +22,11 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tiller.errors import UserError
+from tiller.httpguard import Guard, resolve_api_key
+from tiller.rewards.managers import _call_or_error, _unpack
+from tiller.rewards.registry import CODE_SOURCES, default_compute_score, get_scorer
+from tiller.rewards.reward_model import RewardModelScorer
+from tiller.rewards.sandbox import sandbox_backend
 
 
 class ScoreRequest(BaseModel):
@@ -70,8 +75,6 @@ class RuleScorer:
 
     def check_labels(self, labels: list[dict]) -> None:
         """UserError (-> 400) naming the label when one cannot be scored at all."""
-        from tiller.rewards.registry import CODE_SOURCES, get_scorer
-
         for i, label in enumerate(labels):
             source = label.get("data_source", "")
             if not isinstance(source, str):
@@ -85,9 +88,6 @@ class RuleScorer:
                                 "server was not started with --allow-code-execution")
 
     def score_texts(self, prompts: list[str], responses: list[str], labels: list[dict]) -> list[float]:
-        from tiller.rewards.managers import _call_or_error, _unpack
-        from tiller.rewards.registry import default_compute_score
-
         self.check_labels(labels)
         out = []
         for response, label in zip(responses, labels):
@@ -135,8 +135,6 @@ def create_app(scorer: Any, *, api_key: str | None = None, max_body_bytes: int =
         rewards = [float(s) if math.isfinite(float(s)) else 0.0 for s in scores]
         return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
 
-    from tiller.httpguard import Guard
-
     return Guard(app, api_key=api_key, max_body_bytes=max_body_bytes)
 
 
@@ -161,20 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import uvicorn
 
-    from tiller.httpguard import resolve_api_key
-
     if args.max_body_mb <= 0:
         raise UserError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     api_key = resolve_api_key(args.api_key)
     if args.model == "rules":
         scorer: Any = RuleScorer(allow_code_execution=args.allow_code_execution)
         if args.allow_code_execution:
-            from tiller.rewards.sandbox import sandbox_backend
-
             print(f"tiller serve-rm: code data sources run in the sandbox (backend {sandbox_backend()})", flush=True)
     else:
-        from tiller.rewards.reward_model import RewardModelScorer
-
         scorer = RewardModelScorer(args.model, micro_batch_size=args.micro_batch_size,
                                    max_length=args.max_length, device=args.device, normalize=args.normalize)
     print(f"tiller serve-rm: POST http://{args.host}:{args.port}/score (OpenRLHF: /get_reward); "

@@ -36,8 +36,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from tiller.errors import ConfigError
 from tiller.rollout.base import RolloutOutput, SamplingParams, eos_token_ids
-from tiller.rollout.tools import Tool
+from tiller.rollout.tools import CalculatorTool, load_tools, Tool
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -256,9 +257,6 @@ def build_agent_loop(rollout_cfg: Any) -> AgentLoop | None:
 
     Without `tool_config_path` the built-in calculator is the only tool.
     """
-    from tiller.errors import ConfigError
-    from tiller.rollout.tools import CalculatorTool, load_tools
-
     mt = rollout_cfg.multi_turn
     if not mt.enable:
         return None

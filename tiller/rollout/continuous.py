@@ -48,6 +48,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
+from tiller.rollout.fused_decode import FusedDecoder, supports
 from tiller.rollout.native import KVBuffer, NativeRolloutEngine
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
@@ -261,8 +262,6 @@ class ContinuousBatcher:
         engine.weights.sync_if_stale()
         model = engine.weights.module
         if engine.fused_decode:
-            from tiller.rollout.fused_decode import FusedDecoder, supports
-
             if supports(model):
                 if engine._fused is None or engine._fused.model is not model:
                     engine._fused = FusedDecoder(model)

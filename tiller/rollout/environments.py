@@ -36,8 +36,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from tiller.errors import ConfigError, UserError
+from tiller.rollout.agent import parse_tool_calls, run_tool_calls, ToolResponseEncoder
 from tiller.rollout.base import SamplingParams
+from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.episodes import Episode, Segment, load_callable
+from tiller.rollout.native import NativeRolloutEngine
 
 
 async def _maybe_await(value):
@@ -135,9 +138,6 @@ def run_env_episodes(engine, tokenizer, env_factory, samples: list[dict], sampli
     """One episode per sample (fresh env each, `samples[i]` as `reset`'s argument; `samples[i]["prompt_ids"]`
     or the tokenized `prompt_text` as the first context), run concurrently; episode k uses seed
     `sampling.seed + 7919 k` when the step is seeded. Returns the episodes in order."""
-    from tiller.rollout.continuous import ContinuousBatcher
-    from tiller.rollout.native import NativeRolloutEngine
-
     if max_response_length:
         sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max_response_length))
     model = getattr(getattr(engine, "weights", None), "module", None)
@@ -184,8 +184,6 @@ class ToolEnv:
 
     def __init__(self, tools: dict, tokenizer, reward_fn: Callable[[dict, str], float] | None = None,
                  max_tool_response_chars: int = 1024):
-        from tiller.rollout.agent import ToolResponseEncoder
-
         self.tools, self.reward_fn = dict(tools), reward_fn
         self.encoder = ToolResponseEncoder(tokenizer)
         self.max_chars = max_tool_response_chars
@@ -196,8 +194,6 @@ class ToolEnv:
         return None
 
     def step(self, action: str) -> tuple[str, float, bool, dict]:
-        from tiller.rollout.agent import parse_tool_calls, run_tool_calls
-
         calls = parse_tool_calls(action)
         if not calls:
             reward = float(self.reward_fn(self.sample, action)) if self.reward_fn else 0.0

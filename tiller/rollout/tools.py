@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from tiller.errors import ConfigError
+from tiller.rewards.sandbox import run_program, SandboxLimits
 
 
 @runtime_checkable
@@ -154,8 +155,6 @@ class PythonTool:
     name = "python"
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
-        from tiller.rewards.sandbox import SandboxLimits
-
         config = dict(config or {})
         timeout = float(config.pop("timeout_s", 5.0))
         self.max_output_chars = int(config.pop("max_output_chars", 2000))
@@ -167,8 +166,6 @@ class PythonTool:
             {"code": {"type": "string", "description": "Python source; print the result"}}, ["code"])
 
     def __call__(self, arguments: dict) -> str:
-        from tiller.rewards.sandbox import run_program
-
         code = arguments.get("code")
         if not isinstance(code, str):
             return "Error: python needs a string argument 'code'"

@@ -23,7 +23,7 @@ import time
 import uuid
 
 from tiller.errors import UserError
-from tiller.rollout.episodes import Segment
+from tiller.rollout.episodes import Episode, episode_reward, Segment
 from tiller.serve.app import CURRENT_EPISODE, ServedModel, create_app
 from tiller.serve.protocol import RequestError
 
@@ -148,8 +148,6 @@ def run_agent_episodes(endpoint: AgentEndpoint, agent, samples: list[dict], *, m
     naming the sample."""
     import asyncio
     import inspect
-
-    from tiller.rollout.episodes import Episode, episode_reward
 
     async def one(i: int, sample: dict, gate: asyncio.Semaphore) -> Episode:
         async with gate:

@@ -14,6 +14,9 @@ import argparse
 from pathlib import Path
 
 from tiller.errors import UserError
+from tiller.evaluation.runner import load_policy
+from tiller.httpguard import Guard, resolve_api_key
+from tiller.serve.app import create_app, ServedModel
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,9 +56,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def build_served_model(args: argparse.Namespace):
     """Load the policy and wrap it in a `ServedModel` (no server started)."""
-    from tiller.evaluation.runner import load_policy
-    from tiller.serve.app import ServedModel
-
     if args.batch_wait_ms is not None and args.engine == "native":
         raise UserError("--batch-wait-ms: the native engine batches continuously (no wait window); "
                         "drop the flag or use --engine hf")
@@ -84,9 +84,6 @@ def main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from tiller.serve.app import create_app
-
-    from tiller.httpguard import Guard, resolve_api_key
 
     for flag in ("max_n", "max_prompts_per_request", "max_request_tokens", "max_body_mb", "max_queue"):
         if getattr(args, flag) <= 0:

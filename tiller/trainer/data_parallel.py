@@ -26,6 +26,7 @@ import torch
 
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
+from tiller.models.lora import is_lora
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -44,8 +45,6 @@ class DataParallel:
         strategy = cfg.trainer.strategy
         if strategy not in STRATEGIES:
             raise ConfigError(f"trainer.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        from tiller.models.lora import is_lora
-
         if strategy == "fsdp" and is_lora(model):
             raise ConfigError("LoRA with trainer.strategy=fsdp is not supported: use trainer.strategy=ddp")
         if not dist_ctx.is_distributed():

@@ -32,8 +32,15 @@ from pathlib import Path
 
 import torch
 
+from tiller.config import load_config
 from tiller.data.rl_dataset import render_prompt
+from tiller.models.checkpoint import write_text_atomic
+from tiller.models.tiny import build_model, train_tokenizer
+from tiller.rewards import default_compute_score
+from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.tasks import arithmetic
+from tiller.trainer.rl import RLTrainer
+from tiller.workers.common import lr_lambda
 
 DEMO_VERSION = 4
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
@@ -76,9 +83,6 @@ def _sft_batch(examples, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6) -> float:
     """Fraction of `rows` whose greedy answer is right (the task's scorer)."""
-    from tiller.rewards import default_compute_score
-    from tiller.rollout import SamplingParams, build_rollout_engine
-
     engine = build_rollout_engine("native", model, tokenizer, dtype=None)
     prompts = [_prompt_ids(tokenizer, r) for r in rows]
     out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=max_new_tokens))
@@ -100,8 +104,6 @@ def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, t
     constant lr the same step raised it (0.15 -> 0.17, and 0.19 at norm 0.1).
     """
     from functools import partial
-
-    from tiller.workers.common import lr_lambda
 
     examples = _encode_sft(tokenizer, train_rows)
     gen = torch.Generator().manual_seed(seed)
@@ -132,8 +134,6 @@ def warm_up(model, tokenizer, train_rows: list[dict], dev_rows: list[dict], *, t
 
 def starter_model(args, log=print) -> Path:
     """The cached warmed-up model dir; built (tokenizer, model, warm-up) on first use."""
-    from tiller.models.tiny import build_model, train_tokenizer
-
     key = hashlib.sha1(json.dumps([DEMO_VERSION, args.seed, args.model_params, args.warmup_target]).encode())
     out = cache_root() / f"starter-{key.hexdigest()[:10]}"
     if (out / "config.json").exists() and not args.rebuild:
@@ -233,10 +233,6 @@ def main(argv: list[str]) -> int:
 
 
 def run_demo(args) -> int:
-    from tiller.config import load_config
-    from tiller.models.checkpoint import write_text_atomic
-    from tiller.trainer.rl import RLTrainer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bars between the demo's own lines

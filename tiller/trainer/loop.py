@@ -35,7 +35,12 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from tiller.config import to_dict
 from tiller.errors import ConfigError, UserError
+from tiller.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tiller.models.lora import merge_lora
+from tiller.tracking import Tracker
+from tiller.trainer.data_parallel import DataParallel
 from tiller.workers.common import autocast, lr_lambda
 
 
@@ -142,8 +147,6 @@ def _accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor], weight
 
 def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     """Save `model` (LoRA merged into a copy-free unload) + tokenizer to `out_dir` atomically."""
-    from tiller.models.lora import merge_lora
-
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -163,8 +166,6 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
 
 
 def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler) -> int:
-    from tiller.models.checkpoint import latest_checkpoint, load_checkpoint
-
     mode = cfg.trainer.resume_mode
     if mode == "disable":
         return 0
@@ -179,11 +180,6 @@ def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler) -> int:
 def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_examples: Sequence[Any],
                  val_examples: Sequence[Any] = (), device: torch.device | None = None) -> dict[str, float]:
     """Train `model` with `job` as configured by `cfg` (any of the job configs); returns the last metrics."""
-    from tiller.config import to_dict
-    from tiller.tracking import Tracker
-    from tiller.models.checkpoint import save_checkpoint
-    from tiller.trainer.data_parallel import DataParallel
-
     tr, optim_cfg, data = cfg.trainer, cfg.optim, cfg.data
     device = device or resolve_device(tr.device)
     par = DataParallel.setup(cfg, model, device)  # one process: identities; torchrun: DDP / FSDP2

@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import argparse
 
+from tiller.config import load_config
+from tiller.config.args import add_config_args
+from tiller.errors import ConfigError
+from tiller.trainer import demo
+from tiller.trainer.rl import run
+
 
 def main(argv: list[str]) -> int:
-    from tiller.config import load_config
-    from tiller.config.args import add_config_args
-
     parser = argparse.ArgumentParser(prog="tiller rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     args = parser.parse_args(argv)
     if not argv:
-        from tiller.trainer import demo
-
         print("tiller rl: no arguments: running the built-in demo (`tiller demo`)")
         return demo.main([])
     cfg = load_config(args.overrides, config_file=args.config, preset=args.preset)
     if not cfg.actor_rollout_ref.model.path:
-        from tiller.errors import ConfigError
-
         raise ConfigError("actor_rollout_ref.model.path is not set: give the policy's Hugging Face model dir "
                           "(or run `tiller demo`, or `tiller rl` with no arguments, for the built-in demo)")
-    from tiller.trainer.rl import run
-
     metrics = run(cfg)
     val = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
     for key, value in sorted(val.items()):

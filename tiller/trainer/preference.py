@@ -35,6 +35,11 @@ from tiller.config.jobs import DPOConfig, KTOConfig
 from tiller.data.packing import collate_padded, forward_logits
 from tiller.data.preference import PairExample, UnpairedExample, load_preference_examples, make_sequence
 from tiller.data.sft import IGNORE
+from tiller.distributed.context import all_reduce_sum
+from tiller.models.loading import load_causal_lm
+from tiller.models.lora import is_lora
+from tiller.trainer.loop import resolve_device, run_training
+from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
 
 def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,9 +66,6 @@ class Reference:
 
 
 def build_reference(cfg, policy: torch.nn.Module, device: torch.device) -> Reference:
-    from tiller.models.loading import load_causal_lm
-    from tiller.models.lora import is_lora
-
     if is_lora(policy) and cfg.model.ref_path is None:
         return Reference(policy=policy)
     ref = load_causal_lm(cfg.model.ref_path or cfg.model.partial_pretrain,
@@ -156,8 +158,6 @@ class KTOJob:
     @torch.no_grad()
     def prepare_step(self, model, micro_batches) -> None:
         """z0 = mean over the step's mismatched pairs of log pi - log ref (clamped at 0 in kto_loss)."""
-        from tiller.distributed.context import all_reduce_sum
-
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for micro in micro_batches:
             policy, _ = sequence_logps(model, micro["kl"])
@@ -194,9 +194,6 @@ class KTOJob:
 
 
 def _load(cfg, kind: str):
-    from tiller.trainer.loop import resolve_device
-    from tiller.trainer.sft import build_model_and_tokenizer, setup
-
     setup(cfg)
     device = resolve_device(cfg.trainer.device)
     model, tokenizer = build_model_and_tokenizer(cfg)
@@ -211,8 +208,6 @@ def _load(cfg, kind: str):
 
 def train_dpo(cfg: DPOConfig) -> dict[str, float]:
     """Run DPO / IPO / cDPO as configured; returns the last logged metrics."""
-    from tiller.trainer.loop import run_training
-
     model, tokenizer, train, val, device = _load(cfg, "paired")
     precomputed = cfg.data.ref_chosen_logps_key is not None
     reference = None if precomputed else build_reference(cfg, model, device)
@@ -224,8 +219,6 @@ def train_dpo(cfg: DPOConfig) -> dict[str, float]:
 
 def train_kto(cfg: KTOConfig) -> dict[str, float]:
     """Run KTO as configured; returns the last logged metrics."""
-    from tiller.trainer.loop import run_training
-
     model, tokenizer, train, val, device = _load(cfg, "unpaired")
     algo = cfg.algorithm
     job = KTOJob(build_reference(cfg, model, device), tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu,
@@ -234,15 +227,11 @@ def train_kto(cfg: KTOConfig) -> dict[str, float]:
 
 
 def main_dpo(argv: list[str]) -> int:
-    from tiller.trainer.sft import parse_job_args
-
     train_dpo(parse_job_args("tiller dpo", __doc__, argv, DPOConfig))
     return 0
 
 
 def main_kto(argv: list[str]) -> int:
-    from tiller.trainer.sft import parse_job_args
-
     train_kto(parse_job_args("tiller kto", __doc__, argv, KTOConfig))
     return 0
 

@@ -47,11 +47,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiller.algos.advantages import get_advantage_estimator
+from tiller.algos.entropy import AdaptiveEntropyController
+from tiller.algos.kl import apply_kl_in_reward, build_kl_controller
+from tiller.algos.prime import prime_token_rewards
+from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
+from tiller.config import to_dict
+from tiller.config.edge import report_noop_keys
+from tiller.config.explain import one_line
 from tiller.config.schema import RLConfig
-from tiller.errors import ConfigError
+from tiller.config.validate import async_enabled
+from tiller.data.rl_dataset import build_rl_dataset, PromptSampler
+from tiller.data.seqlen import balanced_order
+from tiller.distributed import create_worker_group, WorkerError
+from tiller.errors import ConfigError, DataError
+from tiller.models.checkpoint import latest_checkpoint, list_checkpoints, resolve_checkpoint
+from tiller.models.loading import load_tokenizer
 from tiller.protocol import Batch
+from tiller.rewards import build_reward_manager
 from tiller.rewards.types import RewardRequest
+from tiller.tracking import CONSOLE_KEYS, timer, Tracker
+from tiller.tracking.report import write_plots
+from tiller.trainer.async_rollout import RolloutProducer, staleness_filter, trainer_version
+from tiller.trainer.rl_metrics import data_metrics, validation_metrics
+from tiller.workers.actor import ActorRolloutRefWorker
 from tiller.workers.common import prepare_process
+from tiller.workers.critic import CriticWorker, value_metrics
 
 CRITIC_SUBDIR = "critic"
 
@@ -60,8 +81,6 @@ def _print_batch_line(cfg) -> None:
     """`tiller config explain`'s one-line form on stderr at start-up."""
     import sys
 
-    from tiller.config.explain import one_line
-
     print(one_line(cfg), file=sys.stderr)
 
 
@@ -69,12 +88,6 @@ class RLTrainer:
     """Runs `cfg` end to end: `RLTrainer(cfg).fit()` returns the last step's metrics."""
 
     def __init__(self, cfg: RLConfig):
-        from tiller.algos.kl import build_kl_controller
-        from tiller.data.rl_dataset import PromptSampler, build_rl_dataset
-        from tiller.models.loading import load_tokenizer
-
-        from tiller.config.edge import report_noop_keys
-
         self.cfg = cfg
         data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
         report_noop_keys(cfg)  # one line: the verl keys the user set that have no effect here
@@ -128,8 +141,6 @@ class RLTrainer:
         self.need_old_log_prob = not self.bypass and (not self.on_policy or algo.use_kl_in_reward
                                                       or self.rollout_correction or self.need_sum_pi2)
         # asynchronous RL (async_training, tiller.trainer.async_rollout): a producer thread generates ahead
-        from tiller.config.validate import async_enabled
-
         self.async_on = async_enabled(cfg)
         self.producer = None
         self._sampler_state = None  # async: the sampler's state after the current step's prompts
@@ -142,8 +153,6 @@ class RLTrainer:
         self.entropy_ctrl = None
         ae = arr.actor.adaptive_entropy
         if ae.enable:
-            from tiller.algos.entropy import AdaptiveEntropyController
-
             self.entropy_ctrl = AdaptiveEntropyController(ae.init_coeff, ae.target_entropy, ae.delta, ae.max_coeff)
         self._last_entropy = float("inf")
         self.reward_fn = self._build_reward_fn()
@@ -159,15 +168,9 @@ class RLTrainer:
 
     # --------------------------------------------------------------------------------- set-up
     def _build_reward_fn(self):
-        from tiller.rewards import build_reward_manager
-
         return build_reward_manager(self.cfg, self.tokenizer)
 
     def _start_workers(self) -> None:
-        from tiller.distributed import create_worker_group
-        from tiller.workers.actor import ActorRolloutRefWorker
-        from tiller.workers.critic import CriticWorker
-
         tr = self.cfg.trainer
         self.world_size = tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
         opts = dict(backend=tr.backend, world_size=self.world_size, cpus_per_worker=tr.cpus_per_worker,
@@ -190,9 +193,6 @@ class RLTrainer:
                                               **opts)
 
     def _open_tracker(self):
-        from tiller.config import to_dict
-        from tiller.tracking import CONSOLE_KEYS, Tracker
-
         tr = self.cfg.trainer
         keys = dict(CONSOLE_KEYS)
         n_val = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
@@ -206,8 +206,6 @@ class RLTrainer:
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         """Resume if asked, validate, train `total_steps` steps; returns the last logged metrics."""
-        from tiller.tracking import timer
-
         tr = self.cfg.trainer
         self._maybe_resume()
         self.tracker = self._open_tracker()
@@ -242,8 +240,6 @@ class RLTrainer:
                 self.producer.stop()
             self.tracker.close()
         if "jsonl" in tr.logger:  # the run's main curves as plots/main.png (`tiller report` draws them all)
-            from tiller.tracking.report import write_plots
-
             write_plots(self.run_dir, families=False)
         return last
 
@@ -259,8 +255,6 @@ class RLTrainer:
 
     def train_step(self) -> dict[str, float]:
         """One RL step (see the module docstring); returns its metrics."""
-        from tiller.tracking import timer
-
         m: dict[str, float] = {}
         actor, critic = self.actor, self.critic
         with timer("step", m):
@@ -314,8 +308,6 @@ class RLTrainer:
     def _take_batch(self, m: dict) -> Batch:
         """This step's scored batch: generated now (synchronous), or taken from the rollout producer, stale
         samples dropped, with the async/* metrics (`tiller.trainer.async_rollout`)."""
-        from tiller.trainer.async_rollout import staleness_filter
-
         if self.producer is None:
             return self._collect_batch(m, self.global_step)
         item, waited = self.producer.get(self.global_step)
@@ -334,8 +326,6 @@ class RLTrainer:
         return batch
 
     def _start_producer(self) -> None:
-        from tiller.trainer.async_rollout import RolloutProducer, trainer_version
-
         at = self.cfg.async_training
         self.producer = RolloutProducer(
             produce=self._produce, load_weights=lambda state: self.actor.execute("load_producer_weights", state),
@@ -354,8 +344,6 @@ class RLTrainer:
 
     def _publish_weights(self) -> None:
         """async: after every trigger_parameter_sync_step steps, the actor's weights go to the producer."""
-        from tiller.trainer.async_rollout import trainer_version
-
         trigger = self.cfg.async_training.trigger_parameter_sync_step
         if self.producer is not None and self.global_step % trigger == 0:
             self.producer.publish(trainer_version(self.global_step + 1, trigger), self.actor.execute("producer_weights"))
@@ -410,8 +398,6 @@ class RLTrainer:
 
     def _generate_scored(self, round_: int, m: dict, step: int, extra_meta=None) -> Batch:
         """One generation round: prompts -> n samples each (+ ReMax's greedy baseline) -> reward."""
-        from tiller.tracking import timer
-
         prompts = self._next_prompts(round_, step, extra_meta)
         with timer("gen", m):
             batch = self.actor.execute("generate_sequences", prompts, dispatch="dp")
@@ -428,8 +414,6 @@ class RLTrainer:
         metric varies, until data.train_batch_size groups are collected (then exactly that many are kept)
         or max_num_gen_batches rounds ran (0 = no cap; at the cap the step trains on what was collected,
         where verl raises). Metrics: batch/num_gen_batches, batch/num_groups, batch/num_groups_kept."""
-        from tiller.tracking import timer
-
         fg = self.cfg.algorithm.filter_groups
         if not fg.enable:
             return self._generate_scored(1, m, step, extra_meta)
@@ -458,8 +442,6 @@ class RLTrainer:
 
     def _kl_inputs(self, batch: Batch, m: dict) -> Batch:
         """Old and reference logprobs of a generation round (KL in reward, before filtering)."""
-        from tiller.tracking import timer
-
         if self.bypass:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
@@ -473,8 +455,6 @@ class RLTrainer:
         """trainer.balance_batch: reorder rows so each data-parallel worker's contiguous share holds an
         equal number of tokens (verl's `_balance_batch`, metrics `global_seqlen/*`); whole groups move
         together when the groups split evenly over the workers (`tiller.data.seqlen.balanced_order`)."""
-        from tiller.data.seqlen import balanced_order
-
         if len(batch) % self.world_size:
             return batch
         order, metrics = balanced_order(batch["attention_mask"].sum(-1).tolist(), list(batch["uid"]), self.world_size)
@@ -538,8 +518,6 @@ class RLTrainer:
     @staticmethod
     def _reward_channel(extras: dict, key: str, n: int) -> torch.Tensor:
         """One named score of every sample (algorithm.gdpo_reward_keys): DataError if a sample lacks it."""
-        from tiller.errors import DataError
-
         values = np.asarray(extras.get(key, np.full(n, np.nan)), dtype=np.float64)
         if values.shape != (n,) or np.isnan(values).any():
             raise DataError(f"algorithm.gdpo_reward_keys: {key!r} is missing from the reward of "
@@ -550,9 +528,6 @@ class RLTrainer:
 
     def _compute_advantage(self, batch: Batch, m: dict, baseline: torch.Tensor | None) -> None:
         """KL in reward (optional) then the registered estimator: `advantages`, `returns` [B, T]."""
-        from tiller.algos.advantages import get_advantage_estimator
-        from tiller.algos.kl import apply_kl_in_reward
-
         algo = self.cfg.algorithm
         mask = batch["response_mask"]
         rewards = batch["token_level_scores"]
@@ -585,8 +560,6 @@ class RLTrainer:
 
     def _prime_hyper(self, batch: Batch, mask: torch.Tensor, m: dict) -> dict:
         """PRIME's estimator inputs: the dense implicit rewards from the PRM's log-ratio, and the coefficients."""
-        from tiller.algos.prime import prime_token_rewards
-
         p = self.cfg.algorithm.prime
         dense = prime_token_rewards(batch["prm_q"], mask, p.beta_train, p.granularity, p.norm)
         m["prime/dense_reward/mean"] = float((dense * mask).sum(-1).mean())
@@ -595,8 +568,6 @@ class RLTrainer:
 
     def _prm_batch(self, batch: Batch) -> Batch:
         """What the PRM update needs (the outcome labels `acc` with the token tensors), padded to the world size."""
-        from tiller.errors import DataError
-
         acc = batch["acc"]
         if len(acc) and (float(acc.min()) < 0.0 or float(acc.max()) > 1.0):
             raise DataError(f"algorithm.adv_estimator=prime: the PRM learns outcome labels in [0, 1] (the reward's "
@@ -620,8 +591,6 @@ class RLTrainer:
     def _episode_advantage(self, batch: Batch, mask: torch.Tensor, hyper: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator on one row per episode (its reward, a one-token response), broadcast to the episode's
         segments: every episode counts once in its group's baseline, whatever its number of requests."""
-        from tiller.algos.advantages import get_advantage_estimator
-
         episodes = batch["episode"]
         n = int(episodes.max()) + 1
         first = torch.full((n,), -1, dtype=torch.long)
@@ -639,8 +608,6 @@ class RLTrainer:
         """TIS weights (`rollout_is_weights[B, T]`, when rollout_is is set) and the rejection mask (`loss_mask[B, T]`,
         the response mask with rejected tokens 0) from old vs rollout logprobs; `rollout_corr/*` metrics.
         Returns the loss mask (what the estimator and the updates use; data metrics keep `response_mask`)."""
-        from tiller.algos.rollout_correction import rollout_correction
-
         rc = self.cfg.algorithm.rollout_correction
         weights, loss_mask, metrics = rollout_correction(
             batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is=rc.rollout_is,
@@ -654,8 +621,6 @@ class RLTrainer:
 
     def _mismatch_metrics(self, batch: Batch) -> dict[str, float]:
         """`training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` (old vs rollout)."""
-        from tiller.algos.rollout_correction import rollout_mismatch_metrics
-
         metrics = rollout_mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
         return {f"training/{k}": float(v) for k, v in metrics.items()}
 
@@ -663,8 +628,6 @@ class RLTrainer:
         """DAPO dynamic sampling: keep the groups whose metric is not the same for all n samples (and, as
         verl, groups of one sample). Metrics as verl's: acc, score, seq_reward = sum of
         token_level_scores, seq_final_reward = sum of token_level_rewards (after KL in reward)."""
-        from tiller.algos.kl import apply_kl_in_reward
-
         algo = self.cfg.algorithm
         metric = algo.filter_groups.metric
         if metric in ("acc", "score"):
@@ -718,16 +681,12 @@ class RLTrainer:
 
     # -------------------------------------------------------------------------------- metrics
     def _data_metrics(self, batch: Batch, m: dict) -> dict[str, float]:
-        from tiller.trainer.rl_metrics import data_metrics
-
         if not len(batch):  # no group passed algorithm.filter_groups
             return {}
         limit = self.response_limit(self.global_step)
         out = data_metrics(batch, limit)  # clip_ratio: responses that reached this step's limit
         out["response_length/limit"] = float(limit)
         if self.use_critic and "values" in batch:
-            from tiller.workers.critic import value_metrics
-
             out.update(value_metrics(batch["values"], batch["returns"], batch["response_mask"]))
         step_s = m.get("timing_s/step", 0.0)
         tokens = float(batch["attention_mask"].sum())
@@ -737,8 +696,6 @@ class RLTrainer:
 
     def validate(self) -> dict[str, float]:
         """Generate for the validation set with `rollout.val_kwargs`; `val-core/<source>/acc/mean@N` etc."""
-        from tiller.trainer.rl_metrics import validation_metrics
-
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
         sampling = dict(n=vk.n, temperature=vk.temperature if vk.do_sample else 1.0, top_p=vk.top_p, top_k=vk.top_k,
                         max_new_tokens=self.response_width, do_sample=vk.do_sample,
@@ -784,8 +741,6 @@ class RLTrainer:
         so checkpoints and metrics of two runs never mix in one dir."""
         import shutil
 
-        from tiller.models.checkpoint import latest_checkpoint
-
         tr = self.cfg.trainer
         records = [p for p in (self.ckpt_root, self.run_dir / "metrics.jsonl", self.run_dir / "tensorboard")
                    if p.exists() and (p.is_file() or any(p.iterdir()))]
@@ -807,8 +762,6 @@ class RLTrainer:
     def _load_newest_good_checkpoint(self) -> tuple[Path | None, dict | None]:
         """resume_mode=auto: the newest checkpoint that loads; a damaged one (truncated weights, optimizer or state
         file) is skipped with a warning naming it and the cause, and the next older one is tried."""
-        from tiller.models.checkpoint import list_checkpoints
-
         for path in reversed(list_checkpoints(self.ckpt_root)):
             try:
                 return path, self.actor.execute("load_checkpoint", str(path))
@@ -818,8 +771,6 @@ class RLTrainer:
         return None, None
 
     def _maybe_resume(self) -> None:
-        from tiller.models.checkpoint import resolve_checkpoint
-
         tr = self.cfg.trainer
         if tr.resume_mode == "disable":
             return
@@ -844,8 +795,6 @@ class RLTrainer:
                  if self._regenerated else ""))
 
     def shutdown(self) -> None:
-        from tiller.distributed import WorkerError
-
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True

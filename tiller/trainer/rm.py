@@ -28,6 +28,8 @@ from tiller.algos import pairwise_rm_loss
 from tiller.config.jobs import RMConfig
 from tiller.data.packing import collate_padded
 from tiller.data.preference import PairExample, load_preference_examples
+from tiller.trainer.loop import resolve_device, run_training, to_device
+from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
 
 def pair_batch(pairs: Sequence[PairExample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -84,8 +86,6 @@ class RMJob:
     @torch.no_grad()
     def before_export(self, model, device) -> None:
         """Store the mean / std (unbiased) of the scores of `stats_examples` in `model.config` (OpenRLHF's keys)."""
-        from tiller.trainer.loop import to_device
-
         examples = self.stats_examples
         if not examples:
             return
@@ -100,9 +100,6 @@ class RMJob:
 
 def train_rm(cfg: RMConfig) -> dict[str, float]:
     """Train a reward model as configured; returns the last logged metrics."""
-    from tiller.trainer.loop import resolve_device, run_training
-    from tiller.trainer.sft import build_model_and_tokenizer, setup
-
     setup(cfg)
     device = resolve_device(cfg.trainer.device)
     model, tokenizer = build_model_and_tokenizer(cfg, head="seq_cls")
@@ -118,8 +115,6 @@ def train_rm(cfg: RMConfig) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    from tiller.trainer.sft import parse_job_args
-
     cfg = parse_job_args("tiller rm", __doc__, argv, RMConfig)
     train_rm(cfg)
     return 0

@@ -27,9 +27,15 @@ from typing import Sequence
 import torch
 
 from tiller.algos import aggregate_loss, logprobs_from_logits
-from tiller.config.jobs import SFTConfig
+from tiller.config import load_config
+from tiller.config.args import add_config_args
+from tiller.config.jobs import SFTConfig, validate_job
 from tiller.data.packing import forward_logits, make_micro_batches
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
+from tiller.errors import UserError
+from tiller.models.loading import is_load_error, load_causal_lm, load_tokenizer
+from tiller.models.lora import apply_lora
+from tiller.trainer.loop import resolve_device, run_training, seed_everything
 
 
 class SFTJob:
@@ -77,9 +83,6 @@ def default_pack_length(examples: Sequence[SFTExample], max_length: int) -> int:
 
 def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
     """Load the model to train (`causal_lm` or a 1-label `seq_cls` head) and its tokenizer, LoRA applied."""
-    from tiller.models.loading import load_causal_lm, load_tokenizer
-    from tiller.models.lora import apply_lora
-
     m = cfg.model
     tokenizer = load_tokenizer(m.tokenizer_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code)
     if head == "seq_cls":
@@ -103,8 +106,6 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from tiller.errors import UserError
-
     kwargs = dict(num_labels=1, trust_remote_code=trust_remote_code, dtype=torch.float32)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -115,8 +116,6 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
             raise UserError(f"model path not found: {path}")
         model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
     except Exception as err:
-        from tiller.models.loading import is_load_error
-
         if not is_load_error(err):
             raise
         raise UserError(f"cannot load {path!r} as a sequence-classification model: {err}") from err
@@ -129,10 +128,6 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
 
 def parse_job_args(prog: str, description: str, argv: list[str], schema):
     """argparse with the shared config options, then `load_config` with `validate_job`."""
-    from tiller.config import load_config
-    from tiller.config.args import add_config_args
-    from tiller.config.jobs import validate_job
-
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser, presets=False)
@@ -141,8 +136,6 @@ def parse_job_args(prog: str, description: str, argv: list[str], schema):
 
 
 def setup(cfg) -> None:
-    from tiller.trainer.loop import seed_everything
-
     if cfg.trainer.num_threads > 0:
         torch.set_num_threads(cfg.trainer.num_threads)
     seed_everything(cfg.trainer.seed)
@@ -150,8 +143,6 @@ def setup(cfg) -> None:
 
 def train_sft(cfg: SFTConfig) -> dict[str, float]:
     """Run SFT as configured; returns the last logged metrics."""
-    from tiller.trainer.loop import resolve_device, run_training
-
     setup(cfg)
     device = resolve_device(cfg.trainer.device)
     model, tokenizer = build_model_and_tokenizer(cfg)

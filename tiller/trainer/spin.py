@@ -37,15 +37,20 @@ from pathlib import Path
 import torch
 
 from tiller.config.jobs import SPINConfig
+from tiller.data.packing import collate_padded
 from tiller.data.preference import PairExample, make_sequence
 from tiller.data.sft import encode_prompt_response
+from tiller.data.sources import load_sources
 from tiller.errors import DataError
+from tiller.models.checkpoint import write_text_atomic
+from tiller.rollout import build_rollout_engine, SamplingParams
+from tiller.trainer.loop import resolve_device, run_training, to_device
+from tiller.trainer.preference import DPOJob, Reference, sequence_logps
+from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
 
 def load_spin_rows(cfg: SPINConfig, tokenizer) -> list[tuple[list[int], list[int], str]]:
     """(prompt ids, ground-truth completion ids with eos, where) for each SFT row."""
-    from tiller.data.sources import load_sources
-
     data = cfg.data
     if not data.train_files:
         raise DataError("no training rows (set data.train_files)")
@@ -70,8 +75,6 @@ def load_spin_rows(cfg: SPINConfig, tokenizer) -> list[tuple[list[int], list[int
 @torch.no_grad()
 def generate_responses(model, tokenizer, prompts: list[list[int]], cfg: SPINConfig, seed: int) -> list[list[int]]:
     """One sampled response per prompt from `model` as it is (token ids, the stop token kept)."""
-    from tiller.rollout import SamplingParams, build_rollout_engine
-
     algo = cfg.algorithm
     was_training = model.training
     model.eval()
@@ -101,10 +104,6 @@ def spin_pairs(rows: list[tuple[list[int], list[int], str]], generated: list[lis
 @torch.no_grad()
 def mean_margin(model, pairs: list[PairExample], pad_id: int, micro: int, device) -> float:
     """Mean over pairs of log p(y|x) - log p(y'|x) (sums over the completion tokens)."""
-    from tiller.data.packing import collate_padded
-    from tiller.trainer.loop import to_device
-    from tiller.trainer.preference import sequence_logps
-
     was_training = model.training
     model.eval()
     total = 0.0
@@ -119,8 +118,6 @@ def mean_margin(model, pairs: list[PairExample], pad_id: int, micro: int, device
 
 
 def _write_json_atomic(path: Path, obj) -> None:
-    from tiller.models.checkpoint import write_text_atomic
-
     write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
@@ -128,8 +125,6 @@ def _write_pairs(path: Path, tokenizer, rows, generated) -> None:
     lines = [json.dumps({"prompt": tokenizer.decode(p), "real": tokenizer.decode(y, skip_special_tokens=True),
                          "generated": tokenizer.decode(g, skip_special_tokens=True)})
              for (p, y, _), g in zip(rows, generated)]
-    from tiller.models.checkpoint import write_text_atomic
-
     write_text_atomic(path, "\n".join(lines) + "\n")
 
 
@@ -144,10 +139,6 @@ def _copy_dir_atomic(src: Path, dst: Path) -> None:
 
 def run_spin(cfg: SPINConfig) -> dict:
     """All iterations (see the module docstring); returns the summary (also written to summary.json)."""
-    from tiller.trainer.loop import resolve_device, run_training
-    from tiller.trainer.preference import DPOJob, Reference
-    from tiller.trainer.sft import build_model_and_tokenizer, setup
-
     setup(cfg)
     device = resolve_device(cfg.trainer.device)
     run_dir = Path(cfg.trainer.default_local_dir)
@@ -194,7 +185,5 @@ def run_spin(cfg: SPINConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from tiller.trainer.sft import parse_job_args
-
     run_spin(parse_job_args("tiller spin", __doc__, argv, SPINConfig))
     return 0

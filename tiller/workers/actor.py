@@ -47,10 +47,18 @@ from tiller.algos.rollout_correction import (
     mismatch_sums,
 )
 from tiller.distributed import context as dist_ctx
+from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
+from tiller.models.checkpoint import load_checkpoint, save_checkpoint
+from tiller.models.loading import load_causal_lm, load_tokenizer
+from tiller.models.lora import apply_lora, lora_template, merged_state_dict
 from tiller.protocol import Batch
+from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
+from tiller.rollout.environments import load_environment, run_env_episodes
+from tiller.rollout.episodes import load_agent_function, rows_from_episodes
 from tiller.workers.common import (
     autocast,
+    epoch_passes,
     global_counts,
     build_optimizer,
     build_scheduler,
@@ -78,8 +86,6 @@ class ActorRolloutRefWorker:
     """
 
     def __init__(self, config, total_training_steps: int, need_ref: bool = False):
-        from tiller.models.loading import load_causal_lm, load_tokenizer
-
         self._mismatch_parts = None
         self.cfg = config
         arr = config.actor_rollout_ref
@@ -100,8 +106,6 @@ class ActorRolloutRefWorker:
             setattr(module.config, key, value)
         self.lora = arr.model.lora_rank > 0
         if self.lora:
-            from tiller.models.lora import apply_lora, lora_template
-
             module = apply_lora(module, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
                                 target_modules=arr.model.target_modules)
         # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
@@ -143,9 +147,6 @@ class ActorRolloutRefWorker:
 
     def _load_teacher(self, path: str, trust_remote_code: bool):
         """The distillation teacher, frozen; its tokenizer must map text to the same ids as the student's."""
-        from tiller.errors import ConfigError
-        from tiller.models.loading import load_causal_lm, load_tokenizer
-
         teacher_tok = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
         if teacher_tok.get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(f"algorithm.distill.teacher_path={path}: the teacher's tokenizer differs from the "
@@ -157,8 +158,6 @@ class ActorRolloutRefWorker:
     # ------------------------------------------------------------------------------------- rollout
     def _build_rollout(self, module=None):
         """The configured engine around `module` (default: the rollout module shared with the actor)."""
-        from tiller.rollout import build_rollout_engine
-
         name, r = self.rollout_cfg.name, self.rollout_cfg
         if name == "vllm":  # vLLM loads the actor's model dir; its weights follow via sync_rollout_weights
             m = self.cfg.actor_rollout_ref.model
@@ -209,8 +208,6 @@ class ActorRolloutRefWorker:
             prompts[B, P] (left-padded), responses[B, T], input_ids / attention_mask / position_ids[B, P+T],
             response_mask[B, T], rollout_log_probs[B, T] and field `finish_reason`.
         """
-        from tiller.rollout import SamplingParams
-
         sampling = SamplingParams(**prompts.meta["sampling"])
         if self.rollout_cfg.agent.path or self.rollout_cfg.agent.env_path:
             return self._generate_episodes(prompts, sampling)
@@ -262,6 +259,7 @@ class ActorRolloutRefWorker:
         """tiller's OpenAI endpoint on loopback in front of the rollout engine (started once, kept)."""
         endpoint = getattr(self, "_endpoint", None)
         if endpoint is None:
+            # import cost: fastapi and the OpenAI app, only for agent rollouts
             from tiller.serve.agent_endpoint import AgentEndpoint
 
             endpoint = AgentEndpoint(self.rollout, self.tokenizer, max_model_len=max_model_len,
@@ -275,8 +273,6 @@ class ActorRolloutRefWorker:
         Rows carry fields `episode` (index within this batch), `segment`, `policy_version`, `agent_reward`;
         widths grow to the longest context / segment of the step (contexts are never truncated: the trained
         logprobs must be of the context that was sampled from)."""
-        from tiller.rollout.episodes import rows_from_episodes
-
         a = self.rollout_cfg.agent
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
         fields = {k: list(prompts[k]) for k in prompts.fields}
@@ -291,7 +287,7 @@ class ActorRolloutRefWorker:
                                 "prompt_ids": list(fields["prompt_ids"][i])})
         version = int(prompts.meta.get("global_step", 0))
         if a.path:
-            from tiller.rollout.episodes import load_agent_function
+            # import cost: fastapi and the OpenAI app, only for agent rollouts
             from tiller.serve.agent_endpoint import run_agent_episodes
 
             max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
@@ -305,8 +301,6 @@ class ActorRolloutRefWorker:
             episodes = run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
                                           client=a.client)
         else:
-            from tiller.rollout.environments import load_environment, run_env_episodes
-
             env_cls = load_environment(a.env_path, a.env_name)
             episodes = run_env_episodes(self.rollout, self.tokenizer, env_cls, samples, sampling,
                                         max_turns=a.max_turns, max_response_length=T, policy_version=version,
@@ -372,8 +366,6 @@ class ActorRolloutRefWorker:
             return engine.generate(ids, sampling, **hook)
         from dataclasses import replace
 
-        from tiller.rollout import RolloutOutput
-
         size, out = len(ids) // per_rank, RolloutOutput()
         for j in range(per_rank):
             seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
@@ -389,8 +381,6 @@ class ActorRolloutRefWorker:
         if self.rollout_cfg.name == "vllm":
             state = dist_ctx.full_state_dict(self.module)  # collective under FSDP2
             if self.lora:
-                from tiller.models.lora import merged_state_dict
-
                 state = merged_state_dict(self._lora_template, state)
             self.rollout.wake()  # a sleeping vLLM holds no weights to load into; the next generate sleeps it
             self.rollout.update_weights(state)
@@ -507,12 +497,9 @@ class ActorRolloutRefWorker:
         self._mismatch_parts = [] if measure and "rollout_log_probs" in batch else None
         mismatch = {}
         self.model.train()
-        for epoch in range(a.ppo_epochs):
-            data = batch
-            if a.shuffle:
-                g = torch.Generator().manual_seed(self.cfg.trainer.seed * 100_003 + int(batch.meta.get("global_step", 0))
-                                                  * 31 + epoch)
-                data = batch.index(torch.randperm(len(batch), generator=g))
+        shuffle_seed = (self.cfg.trainer.seed * 100_003 + int(batch.meta.get("global_step", 0)) * 31
+                        if a.shuffle else None)
+        for data in epoch_passes(batch, a.ppo_epochs, shuffle_seed):
             for mb in data.split(mini):
                 for k, v in self._update_mini_batch(mb, entropy_coeff).items():
                     stats.setdefault(k, []).append(v)
@@ -633,8 +620,6 @@ class ActorRolloutRefWorker:
     # --------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
         """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
-        from tiller.models.checkpoint import save_checkpoint
-
         path, model = None, dist_ctx.unwrap_model(self.module)
         optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
         if self._rollout_is_copy:  # FSDP2: save the unsharded copy, synced to the shards
@@ -652,8 +637,6 @@ class ActorRolloutRefWorker:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
-        from tiller.models.checkpoint import load_checkpoint
-
         if not self._rollout_is_copy:
             state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
                                     scheduler=self.scheduler, **self._prm_state())

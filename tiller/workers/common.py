@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
@@ -76,6 +77,17 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
+def epoch_passes(batch, epochs: int, shuffle_seed: int | None):
+    """The batch once per epoch (actor and critic updates): in its own order, or, with `shuffle_seed`, in a
+    random order seeded by `shuffle_seed + epoch` (the same order on every rank and on resume)."""
+    for epoch in range(epochs):
+        if shuffle_seed is None:
+            yield batch
+        else:
+            g = torch.Generator().manual_seed(shuffle_seed + epoch)
+            yield batch.index(torch.randperm(len(batch), generator=g))
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L] 0/1 mask -> [B, L] positions: 0 for the first real token, pads clamped to 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -103,8 +115,6 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     share_prompts: the model is an HF model that takes `past_key_values`: rows with the same prompt (tokens
         and padding) share one prompt forward (see `shared_prompt_forward`).
     """
-    from tiller.distributed import context as dist_ctx
-
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
     # Under torch.distributed every rank must run the same number of forwards (FSDP2 all-gathers and DDP
@@ -227,8 +237,6 @@ def global_counts(mini_batch) -> dict[str, float]:
     (global_tokens = valid response tokens, global_seqs = sequences with at least one valid token (verl
     excludes fully masked ones), max_len = T), so that the micro-batch losses of every rank sum to the loss
     of the whole mini-batch."""
-    from tiller.distributed import context as dist_ctx
-
     mask = mini_batch["response_mask"].float()
     n_seq = float((mask.sum(-1) > 0).sum())
     counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), n_seq], dtype=torch.float64))

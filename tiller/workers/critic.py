@@ -19,11 +19,13 @@ from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.value_loss import explained_variance, value_loss
 from tiller.distributed import context as dist_ctx
 from tiller.errors import UserError
+from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.protocol import Batch
 from tiller.workers.common import (
     autocast,
     build_optimizer,
     build_scheduler,
+    epoch_passes,
     forward_options,
     global_counts,
     pad_right,
@@ -104,12 +106,10 @@ class CriticWorker:
         mini = int(batch.meta.get("critic_mini_batch_size", len(batch)))
         epochs = int(batch.meta.get("ppo_epochs", 1))
         stats: dict[str, list[float]] = {}
-        for epoch in range(epochs):
-            data = batch
-            if self.ccfg.shuffle:  # seeded per step and epoch, like the actor's (its own stream)
-                g = torch.Generator().manual_seed(self.cfg.trainer.seed * 100_019 + int(batch.meta.get("global_step", 0))
-                                                  * 31 + epoch)
-                data = batch.index(torch.randperm(len(batch), generator=g))
+        # seeded per step and epoch, like the actor's (its own stream)
+        shuffle_seed = (self.cfg.trainer.seed * 100_019 + int(batch.meta.get("global_step", 0)) * 31
+                        if self.ccfg.shuffle else None)
+        for data in epoch_passes(batch, epochs, shuffle_seed):
             for mb in data.split(mini):
                 for k, v in self._update_mini_batch(mb).items():
                     stats.setdefault(k, []).append(v)
@@ -152,8 +152,6 @@ class CriticWorker:
         return sums
 
     def save_checkpoint(self, ckpt_root: str, step: int, keep: int | None = None) -> str:
-        from tiller.models.checkpoint import save_checkpoint
-
         path, model = None, dist_ctx.unwrap_model(self.module)
         optimizer = dist_ctx.checkpointable_optimizer(self.model, self.optimizer)  # collective under FSDP2
         if self.full_module is not None:
@@ -166,8 +164,6 @@ class CriticWorker:
         return str(path)
 
     def load_checkpoint(self, path: str) -> dict:
-        from tiller.models.checkpoint import load_checkpoint
-
         if self.full_module is None:
             return load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
                                    scheduler=self.scheduler, restore_rng=False)

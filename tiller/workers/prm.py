@@ -19,6 +19,7 @@ import torch
 
 from tiller.algos.prime import implicit_log_ratio, prime_prm_loss
 from tiller.distributed import context as dist_ctx
+from tiller.models.loading import load_causal_lm
 from tiller.protocol import Batch
 from tiller.workers.common import autocast, build_optimizer, global_counts
 from tiller.workers.micro_batches import split_micro_batches
@@ -28,8 +29,6 @@ class ImplicitPRM:
     """The trained PRM, its frozen reference and its optimizer (see the module docstring)."""
 
     def __init__(self, config, device: torch.device):
-        from tiller.models.loading import load_causal_lm
-
         self.cfg, self.device = config, device
         arr = config.actor_rollout_ref
         self.actor_cfg, self.prime_cfg = arr.actor, config.algorithm.prime
