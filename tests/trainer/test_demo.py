@@ -65,3 +65,20 @@ def test_demo_command_end_to_end(tmp_path, monkeypatch):
     assert main(["demo", "--out", str(tmp_path / "run2"), "--steps", "1", "--model-params", "1000000",
                  "--warmup-target", "0.0"]) == 0
     assert len(list((tmp_path / "cache" / "demo").glob("starter-*"))) == 1
+
+
+def test_warm_up_rows_are_neither_rl_prompts_nor_held_out():
+    # the demo's RL data is make_splits(train_size, 256, seed); the warm-up learns from other additions
+    rl_train, held_out = arithmetic.make_splits(n_train=4000, n_test=256, seed=3)
+    sft_rows, dev_rows = demo.warmup_rows(4000, seed=3, n_rows=5000)
+    pair = lambda r: (r["extra_info"]["a"], r["extra_info"]["b"])  # noqa: E731
+    rl, held, sft, dev = ({pair(r) for r in rows} for rows in (rl_train, held_out, sft_rows, dev_rows))
+    assert len(sft_rows) == 5000 and len(dev) == 128
+    assert not (sft | dev) & (rl | held)
+    assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in dev)  # dev measures the RL task
+    digits = {len(str(a)) for a, _ in sft}
+    assert digits == {1, 2, 3}  # operands of 1 to 3 digits: carrying in general, nothing to memorise
+    assert all(r["reward_model"]["ground_truth"] == str(sum(pair(r))) for r in sft_rows[:50])
+    assert demo.warmup_rows(4000, seed=3, n_rows=50)[0] == sft_rows[:50]  # seeded
+    with pytest.raises(demo.UserError, match="--train-size 7800"):
+        demo.warmup_rows(7800, seed=0)

@@ -27,6 +27,11 @@ def make_row(a: int, b: int, split: str, index: int) -> dict:
     }
 
 
+def n_pairs(lo: int = 10, hi: int = 99) -> int:
+    """How many distinct (a, b) pairs the task draws from."""
+    return (hi - lo + 1) ** 2
+
+
 def make_splits(n_train: int = 2000, n_test: int = 256, seed: int = 0, lo: int = 10,
                 hi: int = 99) -> tuple[list[dict], list[dict]]:
     """Disjoint train / test rows drawn from all pairs in [lo, hi]^2 (seeded)."""
