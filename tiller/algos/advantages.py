@@ -95,7 +95,7 @@ def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     return per_sample.unsqueeze(-1) * response_mask.to(per_sample.dtype)
 
 
-def _check_shapes(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: Any) -> None:
+def check_shapes(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: Any) -> None:
     if token_rewards.shape != response_mask.shape or token_rewards.dim() != 2:
         raise DataError(
             f"token_rewards {tuple(token_rewards.shape)} and response_mask {tuple(response_mask.shape)} must be equal [B, T]"
@@ -131,7 +131,7 @@ def compute_gae(
     (matters for multi-turn masks with holes). returns = A_raw + V; advantages = whiten(A_raw).
     """
     reject_unknown("gae", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, None)
+    check_shapes(token_rewards, response_mask, None)
     if values is None:
         raise ConfigError("algorithm.adv_estimator=gae needs critic values (enable the critic)")
     with torch.no_grad():
@@ -163,7 +163,7 @@ def compute_grpo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group z-score (Dr.GRPO mean-centering with `norm_adv_by_std_in_grpo=False`)."""
     reject_unknown("grpo", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         mean, std, _ = _group_baseline_stats(scores, group_index)
@@ -185,7 +185,7 @@ def compute_grpo_passk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k: the best response of each group gets (r_max - r_second) [/ (std + eps)], the rest 0."""
     reject_unknown("grpo_passk", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     ids, g = group_ids(group_index)
     sizes = np.bincount(ids.numpy(), minlength=g)
     if (sizes < 2).any():
@@ -220,7 +220,7 @@ def compute_rloo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: s_i minus the mean of the other n-1 samples of the group; a singleton keeps s_i."""
     reject_unknown("rloo", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         mean, _, n = _group_baseline_stats(scores, group_index)
@@ -242,7 +242,7 @@ def compute_remax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: reward-to-go minus the greedy rollout's score `baseline_rewards[B]`."""
     reject_unknown("remax", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, None)
+    check_shapes(token_rewards, response_mask, None)
     if baseline_rewards is None:
         raise ConfigError("algorithm.adv_estimator=remax needs baseline_rewards (the greedy rollout's score)")
     with torch.no_grad():
@@ -264,7 +264,7 @@ def compute_reinforce_plus_plus(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted reward-to-go per token, whitened over all valid tokens of the batch."""
     reject_unknown("reinforce_plus_plus", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, None)
+    check_shapes(token_rewards, response_mask, None)
     with torch.no_grad():
         m = response_mask.to(token_rewards.dtype)
         returns = torch.zeros_like(token_rewards)
@@ -288,7 +288,7 @@ def compute_reinforce_plus_plus_baseline(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: (s_i - group mean) broadcast, then whitened over the batch's valid tokens."""
     reject_unknown("reinforce_plus_plus_baseline", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         mean, _, _ = _group_baseline_stats(scores, group_index)
@@ -306,7 +306,7 @@ def compute_opo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO: s_i minus the length-weighted group mean sum(|y| s) / sum(|y|); singleton baseline 0."""
     reject_unknown("opo", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         lengths = response_mask.to(scores.dtype).sum(-1)
@@ -333,7 +333,7 @@ def compute_gpg(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG: alpha (s_i - group mean) / f_norm with alpha = B / max(1, #nonzero scores)."""
     reject_unknown("gpg", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
@@ -355,7 +355,7 @@ def compute_grpo_vectorized(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised GRPO: the group std floored at sqrt(epsilon); singleton mean 0, std 1."""
     reject_unknown("grpo_vectorized", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         ids, g = group_ids(group_index, device=scores.device)
@@ -381,7 +381,7 @@ def compute_rloo_vectorized(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised RLOO: (n s_i - sum_g s) / (n - 1), and 0 for a group of one."""
     reject_unknown("rloo_vectorized", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         ids, g = group_ids(group_index, device=scores.device)
@@ -414,7 +414,7 @@ def compute_gdpo(
         gdpo_reward_weights: one weight per key; None = all 1 (algorithm.gdpo_reward_weights).
     """
     reject_unknown("gdpo", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     keys = list(gdpo_reward_keys or [])
     if keys:
         if reward_components is None:

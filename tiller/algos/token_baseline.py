@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tiller.algos.advantages import ADV_HYPER, _check_shapes, register_advantage_estimator
+from tiller.algos.advantages import ADV_HYPER, check_shapes, register_advantage_estimator
 from tiller.algos.utils import group_counts, group_ids, reject_unknown
 from tiller.errors import ConfigError
 
@@ -95,7 +95,7 @@ def compute_optimal_token_baseline(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OTB: A_t = G_t - sum_g(G_t W_t) / sum_g(W_t) per token position (see module doc)."""
     reject_unknown("optimal_token_baseline", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         m = response_mask.to(token_rewards.dtype)
         returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
@@ -122,7 +122,7 @@ def compute_tir_optimal_token_baseline(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-turn OTB: the baseline of the k-th generated token over the k-th tokens of the group."""
     reject_unknown("tir_optimal_token_baseline", extra, ADV_HYPER)
-    _check_shapes(token_rewards, response_mask, group_index)
+    check_shapes(token_rewards, response_mask, group_index)
     with torch.no_grad():
         valid = response_mask.bool()
         m = valid.to(token_rewards.dtype)

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tiller.config.readers import _sections, config_reads
+from tiller.config.readers import schema_sections, config_reads
 from tiller.config.schema import DistillationInferenceConfig, FSDPConfig, RLConfig, TraceConfig
 from tiller.errors import ConfigError
 
@@ -165,7 +165,7 @@ for _key, (_successor, _) in DEPRECATED.items():
 def _section_rules() -> None:
     """Every key of every `fsdp_config`, `rollout.trace` and distillation teacher `inference` section is a no-op (its
     field doc says why)."""
-    sections, _, _ = _sections(RLConfig)
+    sections, _, _ = schema_sections(RLConfig)
     for path, cls in sections.items():
         if cls in (FSDPConfig, TraceConfig, DistillationInferenceConfig):
             docs = _field_docs(cls)
@@ -424,7 +424,7 @@ class KeyState:
 def key_states() -> list[KeyState]:
     """Every key of the RL schema with its state; raises if a key has no reader and no declared state, or
     a declared unconditional no-op / refusal has a reader (the two would disagree)."""
-    sections, _, keys = _sections(RLConfig)
+    sections, _, keys = schema_sections(RLConfig)
     reads = config_reads(RLConfig)
     docs = _key_docs()
     out, problems = [], []
@@ -481,7 +481,7 @@ def markdown() -> str:
 
 def _key_docs() -> dict[str, str]:
     """Every key's one-line schema doc."""
-    sections, _, _ = _sections(RLConfig)
+    sections, _, _ = schema_sections(RLConfig)
     out = {}
     for path, cls in sections.items():
         for name, doc in _field_docs(cls).items():

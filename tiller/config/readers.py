@@ -38,7 +38,7 @@ ROOT_NAMES = ("cfg", "config")
 Paths = frozenset  # a set of dotted section paths ("" = the root)
 
 
-def _sections(schema: type) -> tuple[dict[str, type], dict[str, set[str]], set[str]]:
+def schema_sections(schema: type) -> tuple[dict[str, type], dict[str, set[str]], set[str]]:
     """(section path -> class, class name -> section paths, every key path) of a dataclass tree."""
     sections: dict[str, type] = {"": schema}
     by_class: dict[str, set[str]] = defaultdict(set)
@@ -255,7 +255,7 @@ class _Scanner:
 
 class _Index:
     def __init__(self, schema: type):
-        self.sections, by_class, self.keys = _sections(schema)
+        self.sections, by_class, self.keys = schema_sections(schema)
         self.by_class = dict(by_class)
         self.reads: dict[str, set[str]] = defaultdict(set)  # key -> {"rel/path.py:line"}
         self.bindings: dict[tuple[str, int | None, str | None], frozenset] = {}

@@ -67,7 +67,7 @@ def load_function_ref(path: str | None, name: str) -> FuncRef:
     return ref
 
 
-def _unpack(value: Any) -> tuple[float, dict[str, float], bool]:
+def unpack(value: Any) -> tuple[float, dict[str, float], bool]:
     """(score, numeric extras, is_error) of one return value."""
     extras: dict[str, float] = {}
     if isinstance(value, dict):
@@ -93,7 +93,7 @@ def _collect(values: list[Any], errors: list[bool]) -> ScoreBatch:
         if failed:
             num_errors += 1
             continue
-        score, sample_extras, bad = _unpack(value)
+        score, sample_extras, bad = unpack(value)
         num_errors += bad
         scores[i] = score
         for key, item in sample_extras.items():
@@ -106,7 +106,7 @@ class _Overran(BaseException):
     does not swallow it)."""
 
 
-def _call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) -> tuple[Any, str]:
+def call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) -> tuple[Any, str]:
     """(value, "ok" | "error" | "timeout") of one reward call, bounded by `timeout` seconds.
 
     In the main thread (one-process runs) a SIGALRM timer interrupts the call; elsewhere (a Ray worker's thread)
@@ -155,7 +155,7 @@ def _call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) 
 
 
 def _call_each(fn: Callable, calls: list[tuple], timeout: float | None, kwargs: dict) -> list[tuple[Any, str]]:
-    """`_call_or_error(fn, *args, timeout=timeout, **kwargs)` for each `args` in `calls`, same results.
+    """`call_or_error(fn, *args, timeout=timeout, **kwargs)` for each `args` in `calls`, same results.
 
     Outside the main thread (asynchronous RL's rollout producer, a Ray worker's thread) the calls run in
     sequence on one helper thread that the caller checks only at the running call's deadline, instead of one
@@ -163,7 +163,7 @@ def _call_each(fn: Callable, calls: list[tuple], timeout: float | None, kwargs: 
     milliseconds, which per-call threads paid twice per sample. An overrunning call is abandoned with its
     helper (scored as a timeout) and the rest continue on a fresh one."""
     if not timeout or threading.current_thread() is threading.main_thread() or not calls:
-        return [_call_or_error(fn, *args, timeout=timeout, **kwargs) for args in calls]
+        return [call_or_error(fn, *args, timeout=timeout, **kwargs) for args in calls]
     import time
 
     results: list[tuple[Any, str] | None] = [None] * len(calls)
@@ -227,7 +227,7 @@ class NaiveRewardManager:
     `reward/num_timeouts`)."""
 
     def __init__(self, ref: FuncRef = DEFAULT_REF, reward_kwargs: dict | None = None, timeout: float = 30.0):
-        _check_timeout(timeout)
+        check_timeout(timeout)
         self.ref = ref
         self.fn = resolve_ref(ref)
         self.reward_kwargs = dict(reward_kwargs or {})
@@ -246,13 +246,13 @@ class BatchRewardManager:
     """One call for the whole batch, bounded by `timeout` seconds; the function returns one value per sample."""
 
     def __init__(self, ref: FuncRef | None = None, reward_kwargs: dict | None = None, timeout: float = 30.0):
-        _check_timeout(timeout)
+        check_timeout(timeout)
         self.fn = _default_batch if ref in (None, DEFAULT_REF) else resolve_ref(ref)  # type: ignore[arg-type]
         self.reward_kwargs = dict(reward_kwargs or {})
         self.timeout = timeout
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
-        values, status = _call_or_error(
+        values, status = call_or_error(
             self.fn, data_sources=[r.data_source for r in requests], solution_strs=[r.response for r in requests],
             ground_truths=[r.ground_truth for r in requests], extra_infos=[r.extra_info for r in requests],
             timeout=self.timeout, **self.reward_kwargs)
@@ -266,7 +266,7 @@ class BatchRewardManager:
 _USER_ERRORS = ("UserError:", "ConfigError:", "DataError:")
 
 
-def _check_timeout(timeout: float) -> None:
+def check_timeout(timeout: float) -> None:
     if not timeout or timeout <= 0:
         raise ConfigError(f"reward_model.timeout must be > 0 seconds, got {timeout}")
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tiller.errors import UserError
-from tiller.rewards.managers import ScoreBatch, _call_or_error, _check_timeout, overlong_penalty
+from tiller.rewards.managers import ScoreBatch, call_or_error, check_timeout, overlong_penalty
 from tiller.rewards.types import RewardRequest
 
 
@@ -88,7 +88,7 @@ class OpenRLHFRewardManager:
 
     def __init__(self, fn, reward_kwargs: dict | None = None, *, timeout: float = 30.0, name: str = "reward_func",
                  max_response_length: int = 0, buffer_len: int | None = None, penalty_factor: float = 1.0):
-        _check_timeout(timeout)
+        check_timeout(timeout)
         self.fn, self.name = fn, name
         self.reward_kwargs = dict(reward_kwargs or {})
         self.timeout = timeout
@@ -98,7 +98,7 @@ class OpenRLHFRewardManager:
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
         body = openrlhf_request(requests)
-        value, status = _call_or_error(self.fn, body["query"], body["prompts"], body["labels"], timeout=self.timeout,
+        value, status = call_or_error(self.fn, body["query"], body["prompts"], body["labels"], timeout=self.timeout,
                                        **self.reward_kwargs)
         n = len(requests)
         if status != "ok":

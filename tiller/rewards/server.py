@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from tiller.errors import UserError
 from tiller.httpguard import Guard, resolve_api_key
-from tiller.rewards.managers import _call_or_error, _unpack
+from tiller.rewards.managers import call_or_error, unpack
 from tiller.rewards.registry import CODE_SOURCES, default_compute_score, get_scorer
 from tiller.rewards.reward_model import RewardModelScorer
 from tiller.rewards.sandbox import sandbox_backend
@@ -91,9 +91,9 @@ class RuleScorer:
         self.check_labels(labels)
         out = []
         for response, label in zip(responses, labels):
-            value, status = _call_or_error(default_compute_score, label.get("data_source", ""), response,
+            value, status = call_or_error(default_compute_score, label.get("data_source", ""), response,
                                            label.get("ground_truth"), label.get("extra_info") or {})
-            out.append(_unpack(value)[0] if status == "ok" else 0.0)
+            out.append(unpack(value)[0] if status == "ok" else 0.0)
         return out
 
 

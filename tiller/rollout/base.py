@@ -289,12 +289,12 @@ class WeightView:
         else:
             self.module = model
         self.dtype = dtype if dtype is not None else model_dtype
-        self._seen = _versions(model)
+        self._seen = param_versions(model)
 
     def sync_if_stale(self) -> None:
         """Refresh the copy if any actor parameter changed in place since the last copy (version counters),
         so a forgotten `update_weights()` can never make the engine sample from old weights."""
-        if self.is_copy and _versions(self.source) != self._seen:
+        if self.is_copy and param_versions(self.source) != self._seen:
             self.refresh()
 
     def refresh(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -310,7 +310,7 @@ class WeightView:
                 for name, dst in list(self.module.named_parameters()) + list(self.module.named_buffers()):
                     if name in src and src[name].shape == dst.shape:
                         dst.copy_(src[name])
-        self._seen = _versions(self.source)
+        self._seen = param_versions(self.source)
 
     def drop(self) -> None:
         """Free the copy (sleep); `restore()` rebuilds it."""
@@ -320,10 +320,10 @@ class WeightView:
     def restore(self) -> None:
         if self.is_copy and self.module is None:
             self.module = _cast_copy(self.source, self.dtype)
-            self._seen = _versions(self.source)
+            self._seen = param_versions(self.source)
 
 
-def _versions(module: torch.nn.Module) -> tuple:
+def param_versions(module: torch.nn.Module) -> tuple:
     """(version counter, storage pointer) of every parameter: changes when an optimizer steps in place."""
     return tuple((p._version, p.data_ptr()) for p in module.parameters())
 

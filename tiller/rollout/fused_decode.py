@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tiller.rollout.base import _versions
+from tiller.rollout.base import param_versions
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -67,7 +67,7 @@ class FusedDecoder:
 
     def sync(self) -> None:
         """Rebuild the fused copies if any parameter of the model changed since the last build."""
-        seen = _versions(self.model)
+        seen = param_versions(self.model)
         if seen == self._seen:
             return
         self.qkv_w, self.qkv_b, self.gate_up_w = [], [], []
@@ -80,7 +80,7 @@ class FusedDecoder:
                 if any(b is not None for b in biases) and self.qkv_b[-1] is None:
                     raise ValueError("fused decode: q/k/v must all have biases or none")
                 self.gate_up_w.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
-        self._seen = _versions(self.model)
+        self._seen = param_versions(self.model)
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode step. input_ids, position_ids [B, 1]; mask [B, 1, 1, L] bool (True = attend);
