@@ -533,7 +533,8 @@ class DiversityConfig:
     enable: bool = False
     """DARLING diversity-aware reward."""
     partitioner: str = "ngram"
-    """How responses are grouped into equivalence classes: exact | ngram | embedding | llm."""
+    """How responses are grouped into equivalence classes: exact | ngram | embedding | llm | classifier (a
+    trained pair classifier from `tiller train-partitioner`, at classifier_path)."""
     fusion: str = "multiplicative"
     """multiplicative (paper) | additive."""
     weight: float = 1.0
@@ -541,13 +542,17 @@ class DiversityConfig:
     ngram_n: int = 2
     """n of the n-gram Jaccard partitioner."""
     threshold: float = 0.5
-    """Similarity at or above which two responses are the same class (jaccard / cosine)."""
+    """Similarity at or above which two responses are the same class (jaccard / cosine / the classifier's
+    P(same), in [0, 1]: DARLING uses 0.5)."""
     embedding_model: Optional[str] = None
     """Sentence-embedding model dir for the embedding partitioner."""
     llm_url: Optional[str] = None
     """OpenAI-compatible endpoint for the LLM judge partitioner."""
     llm_model: Optional[str] = None
     """Model name sent to the LLM judge endpoint."""
+    classifier_path: Optional[str] = None
+    """Pair-classifier model dir for partitioner=classifier (`tiller train-partitioner --out DIR`); a served URL
+    is refused (see tiller.rewards.pair_classifier)."""
     short_answer_tokens: int = 5
     """Answers of at most this many tokens are compared by unigram overlap."""
 

@@ -19,7 +19,7 @@ from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
 REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf")
-PARTITIONERS = ("exact", "ngram", "embedding", "llm")
+PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries
 ADV_ESTIMATORS = tuple(_ADV_REGISTRY.names())
@@ -145,6 +145,27 @@ def validate_rl(cfg: RLConfig) -> None:
     if cfg.reward_model.diversity.partitioner == "llm" and cfg.reward_model.diversity.enable \
             and not cfg.reward_model.diversity.llm_url:
         raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
+    _validate_diversity_classifier(cfg.reward_model.diversity)
+
+
+def _validate_diversity_classifier(div) -> None:
+    """partitioner=classifier: a local classifier dir and a probability threshold; classifier_path only with it."""
+    if div.partitioner != "classifier":
+        if div.classifier_path:
+            raise ConfigError(f"reward_model.diversity.classifier_path is set but reward_model.diversity.partitioner="
+                              f"{div.partitioner}; set partitioner=classifier to use it")
+        return
+    if not 0.0 <= div.threshold <= 1.0:
+        raise ConfigError(f"reward_model.diversity.threshold={div.threshold}: with partitioner=classifier it is a "
+                          "P(same) threshold in [0, 1]")
+    path = div.classifier_path or ""
+    if path.startswith(("http://", "https://")):
+        raise ConfigError(f"reward_model.diversity.classifier_path={path}: a served classifier URL is not supported "
+                          "(DARLING's vLLM /classify endpoint needs the pair joined with the classifier tokenizer's "
+                          "special tokens); give the model dir, or use partitioner=llm with llm_url")
+    if div.enable and not path:
+        raise ConfigError("reward_model.diversity.partitioner=classifier needs reward_model.diversity.classifier_path"
+                          "=DIR (from tiller train-partitioner)")
 
 
 def _validate_batches(cfg: RLConfig) -> None:
