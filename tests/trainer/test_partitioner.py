@@ -160,3 +160,21 @@ def test_classifier_partitioner_groups_by_number(trained):
     part = build_partitioner(cfg)
     texts = ["answer 2", "answer +2", "answer (3)", "answer 2.0", "answer 1", "answer 3.0", "answer (1)"]
     assert part.partition(texts) == [0, 0, 1, 0, 2, 1, 2]
+
+
+@pytest.mark.slow
+def test_classifier_partitioner_in_the_darling_reward(trained):
+    """reward_model.diversity.enable with partitioner=classifier through build_reward_manager: one group of 4,
+    classes {2, +2} {(3)} {1}: Div = (n - |class|) / (n - 1) = 2/3, 2/3, 1, 1; multiplicative fusion with the
+    arithmetic score (ground truth 2: 1, 1, 0, 0) gives 2/3, 2/3, 0, 0."""
+    from tiller.rewards import RewardRequest, build_reward_manager
+
+    cfg = RLConfig()
+    cfg.reward_model.diversity = DiversityConfig(enable=True, partitioner="classifier", classifier_path=str(trained),
+                                                 short_answer_tokens=0)
+    validate(cfg)
+    reward = build_reward_manager(cfg)
+    texts = ["answer 2", "answer +2", "answer (3)", "answer 1"]
+    result = reward([RewardRequest("tiller/arithmetic", "1+1=", t, "2", {}, 2, "g0") for t in texts])
+    assert np.allclose(result.extras["diversity"], [2 / 3, 2 / 3, 1, 1])
+    assert np.allclose(result.scores, [2 / 3, 2 / 3, 0, 0])
