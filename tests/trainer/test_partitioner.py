@@ -94,12 +94,58 @@ def test_bad_partitioner_keys_name_the_key(tmp_path):
             validate(cfg)
 
     check("reward_model.diversity.classifier_path=DIR", enable=True, partitioner="classifier")
-    check("classifier_path=http://host:8000: a served classifier URL is not supported",
+    check("classifier_path=http://host:8000 is a served classifier: set reward_model.diversity.classifier_tokenizer",
           partitioner="classifier", classifier_path="http://host:8000")
+    check("classifier_tokenizer is only used with a served classifier_path", partitioner="classifier",
+          classifier_path="x", classifier_tokenizer="y")
+    check("classifier_model is set but reward_model.diversity.partitioner=ngram", classifier_model="m")
     check(r"reward_model.diversity.threshold=1.5", partitioner="classifier", classifier_path="x", threshold=1.5)
     check("classifier_path is set but reward_model.diversity.partitioner=ngram", classifier_path=str(tmp_path))
     with pytest.raises(ConfigError, match=r"classifier_path=.*not a model dir"):
         build_partitioner(DiversityConfig(partitioner="classifier", classifier_path=str(tmp_path)))
+
+
+def _classify_app():
+    """vLLM's /classify as DARLING calls it: probs [P(different), P(same)] per input; same when both segments end
+    in the same number."""
+    import re
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.post("/classify")
+    def classify(body: dict) -> dict:
+        app.state.bodies.append(body)
+        rows = []
+        for text in body["input"]:
+            a, b = text.split("[SEP]")[:2]
+            same = re.findall(r"\d+", a)[-1] == re.findall(r"\d+", b)[-1]
+            rows.append({"index": len(rows), "label": "same" if same else "different",
+                         "probs": [0.2, 0.8] if same else [0.9, 0.1], "num_classes": 2})
+        return {"id": "x", "object": "list", "model": body["model"], "data": rows}
+
+    return app
+
+
+def test_served_classifier_as_darling_calls_it(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
+    from test_rewards_remote import serve
+
+    enc = _tiny_encoder(tmp_path / "enc", ["answer 1", "answer 2"] * 5)
+    app = _classify_app()
+    with serve(app) as url:
+        cfg = DiversityConfig(partitioner="classifier", classifier_path=url.replace("/score", ""),
+                              classifier_tokenizer=str(enc), classifier_model="similarity_gpu_0", short_answer_tokens=0)
+        part = build_partitioner(cfg)
+        assert part.partition(["so it is 7", "we get 9", "the result is 7", "9 again"]) == [0, 1, 0, 1]
+    first = app.state.bodies[0]
+    assert first == {"model": "similarity_gpu_0", "input": ["[CLS] so it is 7 [SEP] we get 9 [SEP]"]}
+    assert [len(b["input"]) for b in app.state.bodies] == [1, 2, 2]  # each text against every representative
 
 
 def test_train_partitioner_bad_input_exits_2_naming_the_flag(tmp_path, capsys):

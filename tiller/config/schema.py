@@ -551,8 +551,12 @@ class DiversityConfig:
     llm_model: Optional[str] = None
     """Model name sent to the LLM judge endpoint."""
     classifier_path: Optional[str] = None
-    """Pair-classifier model dir for partitioner=classifier (`tiller train-partitioner --out DIR`); a served URL
-    is refused (see tiller.rewards.pair_classifier)."""
+    """Pair classifier for partitioner=classifier: a model dir (`tiller train-partitioner --out DIR`) or the
+    http(s) URL of one served by vLLM (`/classify`, DARLING's setup)."""
+    classifier_tokenizer: Optional[str] = None
+    """With a served classifier_path: its tokenizer (dir or hub id), whose cls / sep tokens join the pair."""
+    classifier_model: Optional[str] = None
+    """With a served classifier_path: the model name sent to /classify (default "default")."""
     short_answer_tokens: int = 5
     """Answers of at most this many tokens are compared by unigram overlap."""
 

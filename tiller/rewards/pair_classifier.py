@@ -12,6 +12,12 @@ P(same) = softmax(logits)[1]; two responses are the same when P(same) >= thresho
 uses a calibrated 0.102, DARLING 0.5). NoveltyBench trains on both orders of every pair (a, b) and (b, a)
 with class-weighted cross-entropy; `tiller train-partitioner` does the same.
 
+A served classifier (`classifier_path=http://host:port`, as DARLING runs its own with `vllm serve`) is asked the
+way DARLING's client asks it (`partition_reward_vllm_serve.py`): POST `{url}/classify` with `{"model": name,
+"input": ["<cls> a <sep> b <sep>", ...]}`, P(same) = the last entry of each `data[i].probs`. The special-token
+strings come from `classifier_tokenizer` (the served model's tokenizer); each response keeps its first
+`max_length` whitespace-separated words (DARLING: (4096 - 3) // 2).
+
 The pair is assembled by hand (not with the tokenizer's pair template) so any tokenizer works: [CLS] / [SEP]
 are the tokenizer's `cls_token` / `sep_token`, else its `bos_token` / `eos_token`; a tokenizer with neither
 cls nor bos (a decoder such as Qwen2, whose sequence classifier pools the last token) starts without one.
@@ -79,12 +85,6 @@ class PairClassifier:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         path = str(path)
-        if path.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"{key}={path}: a served classifier URL is not supported; DARLING's vLLM /classify endpoint takes the "
-                "pair as one string joined with the classifier tokenizer's own special tokens, so a URL alone does not "
-                "say how to build it. Give the classifier's model dir (tiller train-partitioner --out DIR), or use "
-                "partitioner=llm with llm_url for a served judge")
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key}={path}: not a model dir (no config.json); train one with "
                               "`tiller train-partitioner --data PAIRS.jsonl --out DIR`")
@@ -111,6 +111,59 @@ class PairClassifier:
             out.append(logits.softmax(-1)[:, SAME_LABEL].numpy())
             self.calls += 1
         return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+class RemotePairClassifier:
+    """A classifier served behind vLLM's `/classify` (DARLING's setup; see the module doc)."""
+
+    def __init__(self, url: str, tokenizer_path: str | None, model: str | None = None, *, max_length: int = 128,
+                 batch_size: int = 64, timeout: float = 60.0):
+        import httpx
+        from transformers import AutoTokenizer
+
+        if not tokenizer_path:
+            raise ConfigError(f"reward_model.diversity.classifier_path={url} is a served classifier: set "
+                              "reward_model.diversity.classifier_tokenizer to its tokenizer (dir or hub id), whose "
+                              "cls / sep tokens join the pair")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"reward_model.diversity.classifier_tokenizer={tokenizer_path}: cannot load: {err}") from err
+        cls, sep, _ = special_ids(tokenizer)
+        self.cls_text = tokenizer.convert_ids_to_tokens(cls) if cls is not None else None
+        self.sep_text = tokenizer.convert_ids_to_tokens(sep)
+        self.url = url.rstrip("/") + "/classify"
+        self.model = model or "default"
+        self.max_length, self.batch_size = max_length, batch_size
+        self.client = httpx.Client(timeout=timeout)
+        self.calls = 0
+
+    def pair_text(self, a: str, b: str) -> str:
+        """DARLING's string form of a pair: `<cls> a <sep> b <sep>`, each side cut to max_length words."""
+        cut = lambda t: " ".join(t.split()[:self.max_length])  # noqa: E731
+        head = f"{self.cls_text} " if self.cls_text else ""
+        return f"{head}{cut(a)} {self.sep_text} {cut(b)} {self.sep_text}"
+
+    def prob_same(self, a: Sequence[str], b: Sequence[str]) -> np.ndarray:
+        import httpx
+
+        from tiller.errors import UserError
+
+        out: list[float] = []
+        for k in range(0, len(a), self.batch_size):
+            texts = [self.pair_text(x, y) for x, y in zip(a[k:k + self.batch_size], b[k:k + self.batch_size])]
+            self.calls += 1
+            try:
+                reply = self.client.post(self.url, json={"model": self.model, "input": texts})
+                reply.raise_for_status()
+                data = reply.json()["data"]
+                probs = [float(row["probs"][-1]) for row in data]
+            except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+                raise UserError(f"pair classifier at {self.url} failed: {type(exc).__name__}: {exc}") from exc
+            if len(probs) != len(texts):
+                raise UserError(f"pair classifier at {self.url} answered {len(probs)} results for {len(texts)} pairs")
+            out += probs
+        return np.asarray(out, dtype=np.float32)
 
 
 def load_pair_rows(path: str | Path) -> list[dict[str, Any]]:
