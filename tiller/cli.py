@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kto": ("tiller.trainer.preference:main_kto", "KTO preference training"),
     "spin": ("tiller.trainer.spin:main", "SPIN self-play fine-tuning: DPO of SFT targets against the model's own "
              "generations"),
+    "train-partitioner": ("tiller.trainer.partitioner:main", "fine-tune a pair classifier (same / different) for "
+                          "DARLING's partitioner=classifier and tiller eval --diversity"),
     "config": ("tiller.config.cli:main", "show the resolved configuration: tiller config show [key=value ...]"),
     "data": ("tiller.data.cli:main", "prepare datasets: tiller data gsm8k --out DIR"),
     "export": ("tiller.models.checkpoint:export_main", "export a checkpoint as a Hugging Face model dir"),

@@ -533,7 +533,8 @@ class DiversityConfig:
     enable: bool = False
     """DARLING diversity-aware reward."""
     partitioner: str = "ngram"
-    """How responses are grouped into equivalence classes: exact | ngram | embedding | llm."""
+    """How responses are grouped into equivalence classes: exact | ngram | embedding | llm | classifier (a
+    trained pair classifier from `tiller train-partitioner`, at classifier_path)."""
     fusion: str = "multiplicative"
     """multiplicative (paper) | additive."""
     weight: float = 1.0
@@ -541,13 +542,21 @@ class DiversityConfig:
     ngram_n: int = 2
     """n of the n-gram Jaccard partitioner."""
     threshold: float = 0.5
-    """Similarity at or above which two responses are the same class (jaccard / cosine)."""
+    """Similarity at or above which two responses are the same class (jaccard / cosine / the classifier's
+    P(same), in [0, 1]: DARLING uses 0.5)."""
     embedding_model: Optional[str] = None
     """Sentence-embedding model dir for the embedding partitioner."""
     llm_url: Optional[str] = None
     """OpenAI-compatible endpoint for the LLM judge partitioner."""
     llm_model: Optional[str] = None
     """Model name sent to the LLM judge endpoint."""
+    classifier_path: Optional[str] = None
+    """Pair classifier for partitioner=classifier: a model dir (`tiller train-partitioner --out DIR`) or the
+    http(s) URL of one served by vLLM (`/classify`, DARLING's setup)."""
+    classifier_tokenizer: Optional[str] = None
+    """With a served classifier_path: its tokenizer (dir or hub id), whose cls / sep tokens join the pair."""
+    classifier_model: Optional[str] = None
+    """With a served classifier_path: the model name sent to /classify (default "default")."""
     short_answer_tokens: int = 5
     """Answers of at most this many tokens are compared by unigram overlap."""
 

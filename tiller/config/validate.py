@@ -23,7 +23,7 @@ from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
 REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf")
-PARTITIONERS = ("exact", "ngram", "embedding", "llm")
+PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries
 ADV_ESTIMATORS = tuple(_ADV_REGISTRY.names())
@@ -154,6 +154,33 @@ def validate_rl(cfg: RLConfig) -> None:
     if cfg.reward_model.diversity.partitioner == "llm" and cfg.reward_model.diversity.enable \
             and not cfg.reward_model.diversity.llm_url:
         raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
+    _validate_diversity_classifier(cfg.reward_model.diversity)
+
+
+def _validate_diversity_classifier(div) -> None:
+    """partitioner=classifier: a local classifier dir and a probability threshold; classifier_path only with it."""
+    if div.partitioner != "classifier":
+        for name in ("classifier_path", "classifier_tokenizer", "classifier_model"):
+            if getattr(div, name):
+                raise ConfigError(f"reward_model.diversity.{name} is set but reward_model.diversity.partitioner="
+                                  f"{div.partitioner}; set partitioner=classifier to use it")
+        return
+    if not 0.0 <= div.threshold <= 1.0:
+        raise ConfigError(f"reward_model.diversity.threshold={div.threshold}: with partitioner=classifier it is a "
+                          "P(same) threshold in [0, 1]")
+    path = div.classifier_path or ""
+    served = path.startswith(("http://", "https://"))
+    if served and not div.classifier_tokenizer:
+        raise ConfigError(f"reward_model.diversity.classifier_path={path} is a served classifier: set "
+                          "reward_model.diversity.classifier_tokenizer to its tokenizer (dir or hub id)")
+    if not served:
+        for name in ("classifier_tokenizer", "classifier_model"):
+            if getattr(div, name):
+                raise ConfigError(f"reward_model.diversity.{name} is only used with a served classifier_path "
+                                  "(http://...); a classifier dir carries its own tokenizer")
+    if div.enable and not path:
+        raise ConfigError("reward_model.diversity.partitioner=classifier needs reward_model.diversity.classifier_path"
+                          "=DIR (from tiller train-partitioner)")
 
 
 def _validate_batches(cfg: RLConfig) -> None:

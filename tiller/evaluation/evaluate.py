@@ -18,6 +18,17 @@ rendered with the tools' schemas, `rollout.response_length` / `data.max_response
 conversation and `val_kwargs` sampling each turn; the scorer sees the full response (tool results included);
 the report adds `agent` means of turns, tool calls and tool errors.
 
+With `--diversity` the report adds NoveltyBench's metrics per data source (`tiller.evaluation.metrics`):
+`distinct@k` (distinct equivalence classes among a prompt's first k samples) and `utility@k` (patience-discounted
+utility where only the first sample of each class counts; `--patience`, default 0.8). The classes come from the
+partitioner configured in `reward_model.diversity.*` (`partitioner`: ngram by default, or `classifier` with
+`classifier_path=DIR` from `tiller train-partitioner`), built as NoveltyBench does (each sample joins the first
+class whose first member it matches: `greedy_partition`), per prompt. The quality of a sample is its reward
+score as is (not NoveltyBench's 1..10 scale, which calibrates its own reward model): with a 0/1 correctness
+reward, utility@k is the patience-weighted share of samples that are both correct and new. With
+`reward_model.diversity.enable=True` that score already has diversity fused in; leave it off to measure quality.
+Each sample record gets its `class`.
+
 Writes `--out` (JSON, atomically): {"metrics": {source: {...}}, "model", "data_files", "sampling", "num_tokens",
 "wall_s"}; `--samples FILE.jsonl` also writes every sample (prompt, response, score, acc, pred).
 """
@@ -46,6 +57,7 @@ from tiller.evaluation.runner import (
     tokenize_prompt,
 )
 from tiller.rewards import build_reward_manager, RewardRequest
+from tiller.rewards.diversity import build_partitioner
 from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, render_prompt_with_tools
 
 
@@ -60,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="prompts per engine call (default data.val_batch_size, else 64)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--diversity", action="store_true",
+                        help="add NoveltyBench's distinct@k and utility@k (partitioner from reward_model.diversity.*)")
+    parser.add_argument("--patience", type=float, default=0.8, help="utility@k's patience p (default 0.8)")
     add_config_args(parser)
     return parser
 
@@ -106,11 +121,28 @@ def format_table(metrics: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
+def assign_classes(records: list[dict], partitioner) -> None:
+    """Set each record's `class`: the greedy (NoveltyBench) partition of its prompt's responses, in sample order."""
+    prompts: dict = {}
+    for r in records:
+        prompts.setdefault((r["data_source"], r["prompt_index"]), []).append(r)
+    for group in prompts.values():
+        group.sort(key=lambda r: r["sample_index"])
+        for r, label in zip(group, partitioner.greedy_partition([r["response"] for r in group])):
+            r["class"] = label
+
+
+def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diversity: bool = False,
+             patience: float = 0.8) -> tuple[dict, list[dict]]:
     """Generate and score `cfg.data.val_files`; returns (report dict, per-sample records)."""
     if not cfg.data.val_files:
         raise ConfigError("tiller eval needs data.val_files=[FILE, ...] (or --data FILE)")
+    if not 0.0 < patience <= 1.0:
+        raise ConfigError(f"--patience={patience}: utility@k's patience lies in (0, 1]")
     policy = policy_from_config(cfg)
+    partitioner = None
+    if diversity:  # built before generating, so a bad partitioner key fails fast
+        partitioner = build_partitioner(cfg.reward_model.diversity, policy.tokenizer)
     items = build_rl_dataset(replace(cfg.data, return_raw_chat=True), policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
                              what="data.val_files").items
     r = cfg.actor_rollout_ref.rollout
@@ -132,8 +164,10 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tu
     finally:
         if hasattr(reward_fn, "close"):
             reward_fn.close()
+    if partitioner is not None:
+        assign_classes(records, partitioner)
     report = {
-        "metrics": evaluation_metrics(records, seed=cfg.trainer.seed),
+        "metrics": evaluation_metrics(records, seed=cfg.trainer.seed, patience=patience),
         "model": cfg.actor_rollout_ref.model.path,
         "data_files": list(cfg.data.val_files),
         "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(sampling).items()},
@@ -141,6 +175,9 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True) -> tu
         "generate_s": gen_s,
         "wall_s": time.time() - start,
     }
+    if partitioner is not None:
+        report["diversity"] = {"partitioner": cfg.reward_model.diversity.partitioner, "patience": patience,
+                               "quality": "reward score", "classifier_path": cfg.reward_model.diversity.classifier_path}
     if agent is not None:
         report["agent"] = {"turns/mean": float(np.mean(out.num_turns)),
                            "tool_calls/mean": float(np.mean(out.num_tool_calls)),
@@ -179,7 +216,8 @@ def main(argv: list[str]) -> int:
     if args.data:
         overrides.append(f"data.val_files=[{','.join(args.data)}]")
     cfg = load_config(overrides, config_file=args.config, preset=args.preset)
-    report, records = run_eval(cfg, batch_size=args.batch_size, progress=not args.no_progress)
+    report, records = run_eval(cfg, batch_size=args.batch_size, progress=not args.no_progress,
+                               diversity=args.diversity, patience=args.patience)
     print(format_table(report["metrics"]))
     path = atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     if args.samples:

@@ -14,6 +14,18 @@ For one prompt with n sampled answers, c of them correct:
   For k = n the vote is over all samples; for k < n it is the mean over random k-subsets (without
   replacement, seeded), estimated with up to `n_resamples` subsets, or exactly when C(n, k) is small.
 
+NoveltyBench's diversity metrics (Zhang et al. 2025, "NoveltyBench: Evaluating Language Models for Humanlike
+Diversity", arXiv 2504.05228, section 3 and `src/score.py`), from a partition of a prompt's samples into
+equivalence classes c_1..c_n (class ids in order of first appearance, as a greedy partition gives them) and a
+quality u_i per sample:
+
+- distinct_k = |{c_i : i <= k}|, the number of distinct classes among the first k samples.
+- utility_k = (1 - p) / (1 - p^k) * sum_{i=1}^{k} p^(i-1) * 1[c_i != c_j for all j < i] * u_i, with patience
+  p = 0.8: a user reads sample i with probability p^(i-1), and only the first sample of each class is worth
+  anything; the factor normalises the weights to sum to 1, so utility_k lies in the range of u. (NoveltyBench
+  computes it as np.average(generation_scores, weights=p ** arange(k)), the same number.) NoveltyBench's
+  u_i is a 1..10 calibration of its Skywork reward model; `tiller eval --diversity` uses the reward score as is.
+
 Dataset-level values are the means over prompts. Deviation from verl's `process_validation_metrics`: verl
 bootstraps maj@k with replacement; here subsets are drawn without replacement (k distinct samples, as the
 metric's definition says) and enumerated exactly when there are at most `n_resamples` of them.
@@ -107,14 +119,46 @@ def k_ladder(n: int) -> list[int]:
     return ks + [n]
 
 
+def distinct_k(labels: Sequence[Hashable], k: int) -> int:
+    """Number of distinct classes among the first k samples.
+
+    >>> distinct_k([0, 0, 1, 2, 1], 2), distinct_k([0, 0, 1, 2, 1], 5)
+    (1, 3)
+    """
+    if not 1 <= k <= len(labels):
+        raise ValueError(f"distinct_k needs 1 <= k <= n, got n={len(labels)}, k={k}")
+    return len(set(labels[:k]))
+
+
+def utility_k(labels: Sequence[Hashable], quality: Sequence[float], k: int, patience: float = 0.8) -> float:
+    """NoveltyBench's cumulative utility of the first k samples (see the module doc).
+
+    >>> round(utility_k([0, 0, 1], [4.0, 9.0, 2.0], 3, 0.5), 6)  # (4 + 0.25 * 2) / (1 + 0.5 + 0.25)
+    2.571429
+    """
+    if len(quality) != len(labels) or not 1 <= k <= len(labels):
+        raise ValueError(f"utility_k needs len(quality) == len(labels) and 1 <= k <= n, got n={len(labels)}, k={k}")
+    if not 0.0 < patience <= 1.0:
+        raise ValueError(f"patience must be in (0, 1], got {patience}")
+    seen: set = set()
+    total = 0.0
+    for i in range(k):
+        if labels[i] not in seen:
+            seen.add(labels[i])
+            total += patience ** i * float(quality[i])
+    return total / float(np.sum(patience ** np.arange(k)))
+
+
 def evaluation_metrics(records: Sequence[dict[str, Any]], *, n_resamples: int = 1000,
-                       seed: int = 0) -> dict[str, dict[str, float]]:
+                       seed: int = 0, patience: float = 0.8) -> dict[str, dict[str, float]]:
     """Per data source metrics from one record per sample.
 
     A record has `data_source`, `prompt_index` (samples of one prompt share it), `acc` (1/0 correctness),
     `score` (the reward) and `pred` (extracted answer or None). Every prompt of a source must have the same
     number of samples n. Returns {data_source: {"num_prompts", "n", "mean@n", "reward/mean@n",
-    "pass@k" and "maj@k" for k in `k_ladder(n)`}}.
+    "pass@k" and "maj@k" for k in `k_ladder(n)`}}. When the records carry `class` (the sample's equivalence
+    class within its prompt) and `sample_index`, it adds "distinct@k" and "utility@k" (NoveltyBench, quality =
+    `score`, patience `patience`) over the first k samples in sample order.
     """
     groups: dict[str, dict[Any, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
@@ -136,5 +180,12 @@ def evaluation_metrics(records: Sequence[dict[str, Any]], *, n_resamples: int = 
                 maj_at_k([r["pred"] for r in s], [float(r["acc"]) for r in s], k, n_resamples=n_resamples, seed=seed)
                 for s in prompts.values()
             ]))
+        if all("class" in r for s in prompts.values() for r in s):
+            ordered = [sorted(s, key=lambda r: r.get("sample_index", 0)) for s in prompts.values()]
+            for k in k_ladder(n):
+                m[f"distinct@{k}"] = float(np.mean([distinct_k([r["class"] for r in s], k) for s in ordered]))
+            for k in k_ladder(n):
+                m[f"utility@{k}"] = float(np.mean([
+                    utility_k([r["class"] for r in s], [float(r["score"]) for r in s], k, patience) for s in ordered]))
         out[source] = m
     return out

