@@ -108,7 +108,9 @@ def test_eval_diversity_with_scripted_answers(tiny_model_dir, prompt_file, monke
         key = next(k for k in answers if k in question)
         return f"{key}={answers[key][j]}"
 
-    monkeypatch.setattr(runner, "policy_from_config",
+    import tiller.evaluation.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "policy_from_config",
                         lambda cfg: runner.Policy(ScriptedEngine(tok, script), tok, str(tiny_model_dir)))
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
                        "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
