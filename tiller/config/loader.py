@@ -315,6 +315,15 @@ def _compose_yaml(path: Path) -> dict:
     return OmegaConf.to_container(composed, resolve=False)  # type: ignore[return-value]
 
 
+def _drop_targets(node: Any) -> None:
+    """verl's YAMLs name the Python class of each section in `_target_` (for its own instantiation); tiller's schema
+    is its own, so these keys carry no setting and are dropped from a file."""
+    if isinstance(node, dict):
+        node.pop("_target_", None)
+        for value in node.values():
+            _drop_targets(value)
+
+
 def _load_yaml(path: Path, cls: type, paths: dict[str, Any]) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -328,6 +337,7 @@ def _load_yaml(path: Path, cls: type, paths: dict[str, Any]) -> dict:
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {raw!r}")
     data = _compose_yaml(path) if path.suffix in (".yaml", ".yml") else raw
     data.pop("hydra", None)
+    _drop_targets(data)
     _check_keys(data, cls, "", str(path), paths)
     return _coerce_str_lists(data, cls)
 

@@ -1,0 +1,172 @@
+"""verl's own launch scripts and config tree, read by tiller's config loader (issue 22).
+
+The override lists under tests/data/verl_examples/ were taken from verl's examples/ (volcengine/verl b178a3cd,
+2026-01-29, 0.8.0.dev) and its DAPO recipes (verl-project/verl-recipe 48ea0a79) by `extract.py` there: each script
+run with stubbed `python` / `srun` / `ray`, its trainer call recorded, paths replaced by tiny local names. Each must
+load with `tiller.config.load_config` (what `tiller config show` runs), or fail with the documented reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiller.config import edge, load_config
+from tiller.config.loader import given_keys
+from tiller.errors import ConfigError
+
+DATA = Path(__file__).parent / "data" / "verl_examples"
+SCRIPTS = sorted(DATA.glob("*.json"))
+
+# script -> a phrase of the refusal it gets (None: it loads). Every refusal names the key and the reason.
+EXPECTED = {
+    "run_qwen2-7b.json": None,  # GRPO, GSM8K
+    "run_qwen2-7b_seq_balance.json": "rollout.name='sglang' is refused: tiller's rollout engines are native, hf and",
+    "run_qwen2_5-3b_gsm8k_grpo_lora.json": None,  # LoRA
+    "run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.json": "lora_adapter_path='/path/saved/lora_adapter' is refused",
+    "run_qwen2-7b_math_megatron.json": "actor_rollout_ref.actor.strategy='megatron' is refused: Megatron-Core",
+    "run_deepseek7b_llm.json": None,  # PPO (gae + critic)
+    "run_qwen2-7b_rm.json": None,  # PPO with a reward model
+    "run_qwen2-7b_rm_legacy.json": None,
+    "run_qwen2-7b_rm_seq_balance.json": None,
+    "run_deepseek7b_llm_sandbox_fusion.json": "reward_model.sandbox_fusion=",
+    "run_deepseek7b_llm_pfppo.json": "algorithm.use_pf_ppo=True is refused: preference-feedback PPO",
+    "test_gspo_3b_math.json": None,  # GSPO
+    "run_qwen30b_sapo.json": None,  # SAPO (actor.tau_pos / tau_neg)
+    # verl's rloo / grpo with the default rollout.n=1 silently give zero-baseline advantages; tiller refuses
+    "run_with_rollout_corr.json": "algorithm.adv_estimator=rloo compares the samples of one prompt",
+    "run_with_rollout_corr_multi_rs.json": "algorithm.adv_estimator=grpo compares the samples of one prompt",
+    "run_qwen2_5-7b.json": None,  # optimal token baseline
+    "test_dapo_7b_math.json": None,  # DAPO-style (gmpo example)
+    "recipe_test_dapo_7b_math.json": None,  # DAPO recipe
+    "recipe_test_dapo_7b_math_lora.json": None,
+    "recipe_run_dapo_qwen2.5_32b.json": None,
+    # written for verl before #4544 (rollout_rs=geometric, *_threshold_lower); verl b178a3cd lacks the key too
+    "recipe_run_dapo_qwen2.5_32b_rollout_corr.json": "unknown key 'algorithm.rollout_correction.rollout_rs_threshold",
+}
+
+
+def _overrides(case: dict) -> list[str]:
+    out = list(case["overrides"])
+    if case["config"].get("config-name", "").startswith("ppo_megatron_trainer"):
+        out.append("actor_rollout_ref.actor.strategy=megatron")  # what verl's ppo_megatron_trainer.yaml sets
+    return out
+
+
+def test_every_stored_script_has_an_expectation():
+    assert sorted(p.name for p in SCRIPTS) == sorted(EXPECTED)
+    for path in SCRIPTS:
+        case = json.loads(path.read_text())
+        assert case["commit"] and case["file"].endswith(".sh") and case["overrides"], path.name
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_verl_example_script_loads(path, capsys):
+    case = json.loads(path.read_text())
+    expected = EXPECTED[path.name]
+    if expected is None:
+        cfg = load_config(_overrides(case))
+        assert cfg.data.train_files == ["data/train.parquet"]
+        assert cfg.actor_rollout_ref.model.path == "tiny-model"
+        # what the script sets is what tiller resolved (spot checks of verl's meaning)
+        for item in case["overrides"]:
+            key, _, value = item.lstrip("+").partition("=")
+            if key == "algorithm.adv_estimator":
+                assert cfg.algorithm.adv_estimator == value
+            if key == "actor_rollout_ref.rollout.n" and value.isdigit():
+                assert cfg.actor_rollout_ref.rollout.n == int(value)
+        assert given_keys(cfg)
+    else:
+        with pytest.raises(ConfigError) as err:
+            load_config(_overrides(case))
+        assert expected in str(err.value)
+
+
+def test_lora_example_resolves_verl_meaning():
+    case = json.loads((DATA / "run_qwen2_5-3b_gsm8k_grpo_lora.json").read_text())
+    cfg = load_config(case["overrides"])
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha) == (64, 32)
+    assert edge.noop_keys(cfg)  # layered_summon, use_remove_padding, fsdp offload ... are listed at start-up
+
+
+def test_sapo_example_reads_tau_and_dapo_reward():
+    case = json.loads((DATA / "run_qwen30b_sapo.json").read_text())
+    cfg = load_config(case["overrides"])
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == "sapo" and (actor.tau_pos, actor.tau_neg) == (1.0, 1.05)
+    assert cfg.reward_model.reward_manager == "dapo"
+    assert cfg.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"] == 4096
+
+
+def test_every_key_of_verls_tree_has_a_state():
+    """Each key path of verl's generated ppo_trainer / ppo_megatron_trainer trees is a key of tiller's table, or
+    inside a section the table declares as a whole (a mapping)."""
+    states = {k.key: k.state for k in edge.key_states()}
+    keys = [line for line in (DATA / "verl_tree_keys.txt").read_text().splitlines() if not line.startswith("#")]
+    assert len(keys) > 600
+    missing = []
+    for key in keys:
+        parts = key.split(".")
+        if not any(".".join(parts[:i]) in states for i in range(len(parts), 0, -1)):
+            missing.append(key)
+    assert missing == []
+
+
+@pytest.mark.parametrize("item, phrase", [
+    ("transfer_queue.enable=True", "TransferQueue"),
+    ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "checkpoint engines"),
+    ("critic.strategy=megatron", "Megatron-Core"),
+    ("actor_rollout_ref.model.mtp.enable=True", "multi-token-prediction"),
+    ("actor_rollout_ref.actor.router_replay.mode=R3", "router replay"),
+    ("actor_rollout_ref.rollout.quantization=fp8", "unquantized"),
+    ("actor_rollout_ref.actor.optim.optimizer=SGD", "AdamW"),
+    ("trainer.rollout_data_dir=dump", "does not dump rollouts"),
+    ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion"),
+])
+def test_refused_verl_machinery_names_key_and_reason(item, phrase):
+    with pytest.raises(ConfigError) as err:
+        load_config([item])
+    msg = str(err.value)
+    assert item.lstrip("+").split("=")[0].rsplit(".", 1)[0] in msg and phrase in msg and "Instead:" in msg
+
+
+def test_renamed_keys_resolve_and_clash():
+    cfg = load_config(["data.train_max_samples=7", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                       "actor_rollout_ref.actor.optim.clip_grad=0.5", "reward_manager.name=dapo"])
+    assert cfg.data.max_samples == 7 and cfg.actor_rollout_ref.actor.optim.warmup_style == "cosine"
+    assert cfg.actor_rollout_ref.actor.grad_clip == 0.5 and cfg.reward_model.reward_manager == "dapo"
+    with pytest.raises(ConfigError, match="data.train_max_samples and data.max_samples"):
+        load_config(["data.train_max_samples=7", "data.max_samples=8"])
+    with pytest.raises(ConfigError, match="reward.reward_manager.name and reward_manager.name|reward_manager.name and "
+                                          "reward.reward_manager.name"):
+        load_config(["reward_manager.name=dapo", "reward.reward_manager.name=naive"])
+
+
+def test_copies_of_other_keys_must_agree():
+    load_config(["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.rollout_n=4",
+                 "algorithm.adv_estimator=grpo", "critic.enable=False"])
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.rollout_n=3 differs"):
+        load_config(["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.rollout_n=3"])
+    with pytest.raises(ConfigError, match="critic.enable=True but algorithm.adv_estimator=grpo"):
+        load_config(["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo", "critic.enable=True"])
+
+
+def test_engine_kwargs_nested_by_engine(capsys):
+    cfg = load_config(["actor_rollout_ref.rollout.name=vllm",
+                       "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True",
+                       "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3"])
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs == {"disable_mm_preprocessor_cache": True}
+    assert "engine_kwargs.sglang configure an engine this run does not use" in capsys.readouterr().err
+
+
+def test_noop_sections_are_reported_and_targets_dropped(tmp_path):
+    cfg = load_config(["actor_rollout_ref.actor.profiler.enable=True", "global_profiler.tool=nsys"])
+    line = edge.noop_line(cfg)
+    assert "actor_rollout_ref.actor.profiler=" in line and "global_profiler=" in line
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  _target_: x\n  actor:\n    _target_: verl.workers.config.FSDPActorConfig\n"
+                    "    ppo_mini_batch_size: 8\n")
+    assert load_config([], config_file=path).actor_rollout_ref.actor.ppo_mini_batch_size == 8
