@@ -43,6 +43,10 @@ EXPECTED = {
     "recipe_test_dapo_7b_math.json": None,  # DAPO recipe
     "recipe_test_dapo_7b_math_lora.json": None,
     "recipe_run_dapo_qwen2.5_32b.json": None,
+    # verl 0.9's layout (reward.reward_manager.name, reward.reward_kwargs.overlong_buffer_cfg.* without +), Ulysses 8
+    "recipe_run_dapo_qwen2.5_32b_npu.json": None,
+    "recipe_run_dapo_qwen3_30b_fsdp_6k_npu.json": "trainer.device='npu' is refused: tiller runs on CPU and CUDA",
+    "recipe_run_dapo_qwen3_moe_30b_megatron_npu.json": "actor_rollout_ref.actor.strategy='megatron' is refused",
     # written for verl before #4544 (rollout_rs=geometric, *_threshold_lower); verl b178a3cd lacks the key too
     "recipe_run_dapo_qwen2.5_32b_rollout_corr.json": "unknown key 'algorithm.rollout_correction.rollout_rs_threshold",
 }
@@ -50,8 +54,8 @@ EXPECTED = {
 
 def _overrides(case: dict) -> list[str]:
     out = list(case["overrides"])
-    if case["config"].get("config-name", "").startswith("ppo_megatron_trainer"):
-        out.append("actor_rollout_ref.actor.strategy=megatron")  # what verl's ppo_megatron_trainer.yaml sets
+    if "megatron" in case["config"].get("config-name", ""):
+        out.append("actor_rollout_ref.actor.strategy=megatron")  # what verl's (p|da)po_megatron_trainer.yaml sets
     return out
 
 
@@ -99,6 +103,24 @@ def test_sapo_example_reads_tau_and_dapo_reward():
     assert actor.policy_loss.loss_mode == "sapo" and (actor.tau_pos, actor.tau_neg) == (1.0, 1.05)
     assert cfg.reward_model.reward_manager == "dapo"
     assert cfg.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"] == 4096
+
+
+def test_verl09_reward_layout_and_ulysses_budgets(capsys):
+    """verl 0.9's reward.* keys land on the legacy ones; a per-GPU token budget under Ulysses SP is verl's share of
+    a micro-batch of sp GPUs, so tiller's per-worker budget is budget x sp (verl: max_token_len = budget x sp)."""
+    case = json.loads((DATA / "recipe_run_dapo_qwen2.5_32b_npu.json").read_text())
+    items = dict(o.lstrip("+").split("=", 1) for o in case["overrides"])
+    cfg = load_config(case["overrides"])
+    rm = cfg.reward_model
+    assert rm.reward_manager == "dapo" and rm.reward_kwargs["overlong_buffer_cfg"]["enable"] is True
+    assert rm.reward_kwargs["max_resp_len"] == int(items["reward.reward_kwargs.max_resp_len"])
+    sp = int(items["actor_rollout_ref.actor.ulysses_sequence_parallel_size"])
+    budget = int(items["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"])
+    assert sp > 1 and cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget * sp
+    assert "is verl's per-GPU share" in capsys.readouterr().err
+    # without SP nothing is scaled
+    cfg = load_config(["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=999"])
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 999
 
 
 def test_every_key_of_verls_tree_has_a_state():

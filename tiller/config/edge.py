@@ -76,7 +76,8 @@ def num_workers(cfg: RLConfig) -> int:
 _PADDING = ("tiller pads each micro-batch and trims it to the columns its rows use; there are no varlen "
             "kernels to switch on")
 _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same; memory per worker is not "
-            "split); the token budgets are per worker")
+            "split); verl's per-GPU token budgets of the role are its share of a micro-batch of this many GPUs, so "
+            "they are multiplied by this size at load time, as verl does, and micro-batches hold the same sequences")
 _VLLM = "a vLLM engine knob"
 
 RULES: dict[str, Rule] = {
@@ -465,6 +466,9 @@ LAYOUT_ALIASES: dict[str, str] = {
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.reward_kwargs": "reward_model.reward_kwargs",
     "reward.num_workers": "reward_model.num_workers",
+    "reward.reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
+    "reward.reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
+    "reward.reward_model.nnodes": "reward_model.nnodes",
     "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.lora.target_modules": "actor_rollout_ref.model.target_modules",
@@ -500,6 +504,7 @@ REFUSED_VALUES: dict[str, tuple[tuple, str, str]] = {
     for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
                 "reward_model.strategy")
 }
+REFUSED_VALUES["trainer.device"] = (("npu",), "tiller runs on CPU and CUDA (no Ascend NPU backend)", "cpu or cuda")
 REFUSED_VALUES["actor_rollout_ref.rollout.name"] = (
     ("sglang", "trtllm"), "tiller's rollout engines are native, hf and vllm (SGLang and TensorRT-LLM servers are not "
                           "built)", "rollout.name=vllm (the same sampling) or native")
@@ -553,6 +558,7 @@ def apply_edge(cfg: RLConfig) -> None:
     _resolve_engine_kwargs(cfg)
     _convert_deprecated(cfg)
     _resolve_followers(cfg)
+    _scale_ulysses_budgets(cfg)
     for path, rule in RULES.items():
         if rule.state != REFUSED:
             continue
@@ -664,6 +670,31 @@ def _resolve_followers(cfg: RLConfig) -> None:
         rm.forward_max_token_len_per_gpu = critic.forward_max_token_len_per_gpu
     if cfg.data.gen_batch_size is None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
+
+
+# token budget -> the Ulysses size of the worker that spends it (verl: max_token_len = budget x sp size)
+ULYSSES_BUDGETS = {
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu":
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "critic.ppo_max_token_len_per_gpu": "critic.ulysses_sequence_parallel_size",
+    "critic.forward_max_token_len_per_gpu": "critic.ulysses_sequence_parallel_size",
+    "reward_model.forward_max_token_len_per_gpu": "reward_model.ulysses_sequence_parallel_size",
+}
+
+
+def _scale_ulysses_budgets(cfg: RLConfig) -> None:
+    """verl splits each sequence over `ulysses_sequence_parallel_size` GPUs and packs dynamic micro-batches of budget x
+    sp tokens; tiller runs whole sequences on one worker, so its budget is that product (one line says so)."""
+    for budget, sp_key in ULYSSES_BUDGETS.items():
+        sp = get(cfg, sp_key) or 1
+        if sp > 1:
+            value = get(cfg, budget)
+            _set(cfg, budget, value * sp)
+            print(f"tiller: {budget}={value} is verl's per-GPU share with {sp_key}={sp}; tiller runs whole sequences "
+                  f"per worker, so a micro-batch holds {value} x {sp} = {value * sp} tokens (memory is not split)",
+                  file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------- at start-up

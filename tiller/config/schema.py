@@ -348,7 +348,7 @@ class OptimConfig:
     """verl: the module of the optimizer class; tiller's is torch.optim."""
     num_cycles: float = 0.5
     """verl: cosine cycles; tiller's cosine schedule is a half cycle, verl's default."""
-    override_optimizer_config: Optional[dict[str, Any]] = None
+    override_optimizer_config: Optional[dict[str, Any]] = field(default_factory=dict)
     """verl: extra optimizer keyword arguments; refused unless empty (tiller builds AdamW from lr, betas, eps,
     weight_decay)."""
     lr_decay_steps: Optional[int] = None
@@ -1259,6 +1259,12 @@ class NewRewardModelConfig:
     """= reward_model.enable."""
     model_path: Optional[str] = None
     """= reward_model.model.path."""
+    enable_resource_pool: Optional[bool] = None
+    """= reward_model.enable_resource_pool."""
+    n_gpus_per_node: Optional[int] = None
+    """= reward_model.n_gpus_per_node."""
+    nnodes: Optional[int] = None
+    """= reward_model.nnodes."""
 
 
 @dataclass
@@ -1273,8 +1279,10 @@ class RewardConfig:
     """= reward_model.reward_manager (by name)."""
     reward_model: NewRewardModelConfig = field(default_factory=NewRewardModelConfig)
     """= reward_model.{enable, model.path}."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    """= reward_model.reward_kwargs (DAPO's overlong_buffer_cfg, max_resp_len; open-ended)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=lambda: {
+        "overlong_buffer_cfg": {"enable": False, "len": 0, "penalty_factor": 1.0, "log": False}, "max_resp_len": None})
+    """= reward_model.reward_kwargs: DAPO's overlong_buffer_cfg {enable, len, penalty_factor, log} and max_resp_len
+    (null = data.max_response_length), present by default as in verl 0.9's reward.yaml (set them without +)."""
     num_workers: Optional[int] = None
     """= reward_model.num_workers."""
 
