@@ -192,3 +192,20 @@ def test_noop_sections_are_reported_and_targets_dropped(tmp_path):
     path.write_text("actor_rollout_ref:\n  _target_: x\n  actor:\n    _target_: verl.workers.config.FSDPActorConfig\n"
                     "    ppo_mini_batch_size: 8\n")
     assert load_config([], config_file=path).actor_rollout_ref.actor.ppo_mini_batch_size == 8
+
+
+def test_config_show_output_loads_back(tmp_path):
+    """`tiller config show` prints one canonical config (verl's newer-layout keys at their defaults); fed back as a
+    --config file it loads to the same config (the two layouts do not clash at their defaults)."""
+    from tiller.config import to_yaml
+
+    case = json.loads((DATA / "recipe_run_dapo_qwen2.5_32b_npu.json").read_text())
+    cfg = load_config(case["overrides"])
+    path = tmp_path / "shown.yaml"
+    path.write_text(to_yaml(cfg))
+    again = load_config([], config_file=path)
+    assert again.reward_model.reward_manager == "dapo"
+    assert again.data.train_batch_size == cfg.data.train_batch_size
+    actor = again.actor_rollout_ref.actor
+    assert actor.ppo_max_token_len_per_gpu == cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu  # folded once
+    assert actor.ulysses_sequence_parallel_size == 1 and "ulysses_sequence_parallel_size=8" in edge.noop_line(cfg)

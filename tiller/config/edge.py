@@ -592,8 +592,8 @@ def _resolve_layouts(cfg: RLConfig) -> None:
     keys tiller reads; the new-layout key goes back to its default so `tiller config show` prints one config."""
     set_by: dict[str, str] = {}
     for new, old in LAYOUT_ALIASES.items():
-        if not _given_under(cfg, new):
-            continue
+        if not _given_under(cfg, new) or get(cfg, new) == _default(new):
+            continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)
         if _given_under(cfg, old) or old in set_by:
             raise ConfigError(f"{new} and {set_by.get(old, old)} are the same setting (verl's newer and older "
                               "layouts): set one of them")
@@ -684,17 +684,28 @@ ULYSSES_BUDGETS = {
 }
 
 
+FOLDED_ATTR = "_tiller_folded_ulysses"
+
+
 def _scale_ulysses_budgets(cfg: RLConfig) -> None:
     """verl splits each sequence over `ulysses_sequence_parallel_size` GPUs and packs dynamic micro-batches of budget x
-    sp tokens; tiller runs whole sequences on one worker, so its budget is that product (one line says so)."""
+    sp tokens; tiller runs whole sequences on one worker, so its budget is that product (one line says so). The sizes
+    are then 1 in the resolved config (folded into the budgets: `tiller config show`'s output loads back unchanged);
+    the start-up no-op line still names the values given."""
+    folded = {}
     for budget, sp_key in ULYSSES_BUDGETS.items():
         sp = get(cfg, sp_key) or 1
         if sp > 1:
             value = get(cfg, budget)
             _set(cfg, budget, value * sp)
+            folded[sp_key] = sp
             print(f"tiller: {budget}={value} is verl's per-GPU share with {sp_key}={sp}; tiller runs whole sequences "
                   f"per worker, so a micro-batch holds {value} x {sp} = {value * sp} tokens (memory is not split)",
                   file=sys.stderr)
+    for sp_key in folded:
+        _set(cfg, sp_key, 1)
+    if folded:
+        object.__setattr__(cfg, FOLDED_ATTR, folded)
 
 
 # ------------------------------------------------------------------------------------- at start-up
@@ -706,7 +717,8 @@ def noop_keys(cfg: RLConfig) -> list[str]:
             continue
         if rule.honoured_if is not None and rule.honoured_if(cfg):
             continue
-        out.append(f"{path}={get(cfg, path)!r}")
+        shown = LAYOUT_ALIASES.get(path, path)  # a newer-layout key shows the value it resolved onto
+        out.append(f"{path}={getattr(cfg, FOLDED_ATTR, {}).get(shown, get(cfg, shown))!r}")
     return out
 
 
