@@ -557,6 +557,9 @@ def apply_edge(cfg: RLConfig) -> None:
     _resolve_layouts(cfg)
     _resolve_engine_kwargs(cfg)
     _convert_deprecated(cfg)
+    for key in NULL_IS_DEFAULT:  # verl's null = unset: tiller's default
+        if get(cfg, key) is None:
+            _set(cfg, key, _default(key))
     _resolve_followers(cfg)
     _scale_ulysses_budgets(cfg)
     for path, rule in RULES.items():
@@ -594,7 +597,7 @@ def _resolve_layouts(cfg: RLConfig) -> None:
     for new, old in LAYOUT_ALIASES.items():
         if not _given_under(cfg, new) or get(cfg, new) == _default(new):
             continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)
-        if _given_under(cfg, old) or old in set_by:
+        if (_given_under(cfg, old) and get(cfg, old) not in (None, get(cfg, new))) or old in set_by:
             raise ConfigError(f"{new} and {set_by.get(old, old)} are the same setting (verl's newer and older "
                               "layouts): set one of them")
         _set(cfg, old, get(cfg, new))
@@ -603,6 +606,14 @@ def _resolve_layouts(cfg: RLConfig) -> None:
 
 
 ENGINE_KWARGS_SECTIONS = ("vllm", "sglang", "trtllm")
+# keys whose verl default is null ("not set"); null here means tiller's default (a verl YAML file loads as written)
+NULL_IS_DEFAULT = ("actor_rollout_ref.actor.optim.warmup_style", "critic.optim.warmup_style",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "data.seed",
+                   "reward_model.micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                   "critic.forward_micro_batch_size_per_gpu")
 
 
 def _resolve_engine_kwargs(cfg: RLConfig) -> None:
@@ -630,7 +641,7 @@ def _convert_deprecated(cfg: RLConfig) -> None:
         value = get(cfg, old)
         if value is None:
             continue
-        if _given(cfg, new):
+        if _given(cfg, new) and get(cfg, new) is not None:
             raise ConfigError(f"{old} and {new} are both set: remove {old} (deprecated in verl; {new} is the one "
                               "tiller reads)")
         if old.endswith("use_token_level_loss"):

@@ -92,7 +92,7 @@ class DataConfig:
     """Prompts per validation generation call; None = the whole validation set at once."""
     shuffle: bool = True
     """Shuffle training prompts each epoch (seeded by data.seed)."""
-    seed: int = 1
+    seed: Optional[int] = 1
     """Seed of the training-data shuffle."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length instead of applying data.truncation."""
@@ -328,7 +328,7 @@ class OptimConfig:
     """Warmup as a fraction of total training steps."""
     min_lr_ratio: float = 0.0
     """Cosine schedule floor as a fraction of lr."""
-    warmup_style: str = "constant"
+    warmup_style: Optional[str] = "constant"
     """Schedule after warmup: constant | cosine."""
     total_training_steps: int = -1
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
@@ -423,7 +423,7 @@ class ActorConfig:
     """Parallel strategy inside a worker group when trainer.backend=ray: fsdp (FSDP2) | ddp | none."""
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step (multiplied by rollout.n inside the trainer, as in verl)."""
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Optional[int] = 8
     """Samples per forward/backward on each worker (gradient accumulation splits a mini-batch into these)."""
     ppo_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global micro-batch size, converted to ppo_micro_batch_size_per_gpu = this /
@@ -524,7 +524,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per reference forward on each worker."""
     log_prob_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to log_prob_micro_batch_size_per_gpu = this / workers."""
@@ -574,7 +574,7 @@ class ValKwargsConfig:
 class MultiTurnConfig:
     enable: bool = False
     """Multi-turn tool-using rollouts."""
-    max_assistant_turns: int = 4
+    max_assistant_turns: Optional[int] = 4
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None
     """YAML listing the tools available to the model."""
@@ -680,7 +680,7 @@ class RolloutConfig:
     """Keep generating past EOS (benchmarks)."""
     dtype: str = "bfloat16"
     """Rollout compute dtype: bfloat16 | float32."""
-    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per old-logprob forward on each worker."""
     log_prob_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to log_prob_micro_batch_size_per_gpu = this / workers."""
@@ -838,12 +838,12 @@ class CriticConfig:
     """Critic optimizer (verl: lr 1e-5)."""
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step; defaults to the actor's."""
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Optional[int] = 8
     """Samples per critic forward/backward on each worker."""
     ppo_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to ppo_micro_batch_size_per_gpu = this / workers (and
     forward_micro_batch_size_per_gpu too, unless forward_micro_batch_size is given)."""
-    forward_micro_batch_size_per_gpu: int = 16
+    forward_micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per value forward on each worker."""
     forward_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to forward_micro_batch_size_per_gpu = this / workers."""
@@ -958,7 +958,7 @@ class RewardModelConfig:
     """Score with a reward model."""
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     """The reward model."""
-    micro_batch_size_per_gpu: int = 16
+    micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per reward-model forward."""
     micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to micro_batch_size_per_gpu = this / workers."""
