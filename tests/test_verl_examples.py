@@ -39,6 +39,8 @@ EXPECTED = {
     "run_with_rollout_corr.json": "algorithm.adv_estimator=rloo compares the samples of one prompt",
     "run_with_rollout_corr_multi_rs.json": "algorithm.adv_estimator=grpo compares the samples of one prompt",
     "run_qwen2_5-7b.json": None,  # optimal token baseline
+    # verl's fully-async recipe: separate rollout GPUs (hybrid_engine=False) are refused by name
+    "dapo_7b_math_fsdp2_4_4.json": "actor_rollout_ref.hybrid_engine=False is refused",
     "test_dapo_7b_math.json": None,  # DAPO-style (gmpo example)
     "recipe_test_dapo_7b_math.json": None,  # DAPO recipe
     "recipe_test_dapo_7b_math_lora.json": None,
@@ -247,3 +249,18 @@ def test_config_show_output_loads_back(tmp_path):
     actor = again.actor_rollout_ref.actor
     assert actor.ppo_max_token_len_per_gpu == cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu  # folded once
     assert actor.ulysses_sequence_parallel_size == 1 and "ulysses_sequence_parallel_size=8" in edge.noop_line(cfg)
+
+
+def test_fully_async_layout_resolves():
+    """verl fully-async's keys: train_batch_size=0 + require_batches = a step of require_batches mini-batches; its
+    rollout pool (top-level rollout.*) and checkpoint engine are declared no-ops; the engine is refused by issue 21's
+    rule (vllm async not built), so here the in-process native engine."""
+    case = json.loads((DATA / "dapo_7b_math_fsdp2_4_4.json").read_text())
+    items = [o for o in case["overrides"] if "hybrid_engine" not in o and not o.startswith("actor_rollout_ref.rollout.name")]
+    cfg = load_config(items + ["actor_rollout_ref.rollout.name=native"])
+    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert cfg.data.train_batch_size == cfg.async_training.require_batches * mini == cfg.data.gen_batch_size
+    line = edge.noop_line(cfg)
+    assert " rollout={" in line  # the rollouter pool and counters, named at start-up
+    with pytest.raises(ConfigError, match="async_training.compute_prox_log_prob=True is refused"):
+        load_config(["async_training.compute_prox_log_prob=True"])

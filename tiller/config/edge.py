@@ -376,6 +376,25 @@ RULES.update({
         "verl's TransferQueue streams batches between separate worker pools through a distributed store; tiller's "
         "driver hands each batch to its workers directly", use="leave it False", allowed=(False,)),
     "global_profiler": noop(_PROFILER),
+    # verl's fully-async recipe (verl/experimental/fully_async_policy/config/fully_async_ppo_trainer.yaml)
+    "async_training.use_rollout_log_probs": refused(
+        "tiller's asynchronous update always takes the rollout's logprobs as the behaviour policy", use="True",
+        allowed=(True,)),
+    "actor_rollout_ref.actor.use_rollout_log_probs": refused(
+        "tiller's asynchronous update always takes the rollout's logprobs as the behaviour policy", use="null or True",
+        allowed=(None, True)),
+    "async_training.compute_prox_log_prob": refused(
+        "the proximal-policy logprob forward of verl's fully-async trainer is not built", use="False",
+        allowed=(False,)),
+    "async_training.use_trainer_do_validate": noop("tiller validates in the trainer (trainer.test_freq)"),
+    "async_training.checkpoint_engine": noop(
+        "tiller's rollout producer shares the trainer's process: published weights are handed over in memory (no "
+        "broadcast between GPU pools)"),
+    "actor_rollout_ref.checkpoint_engine": noop("verl fully-async's copy of async_training.checkpoint_engine"),
+    "rollout": noop(
+        "verl fully-async's separate rollout pool {nnodes, n_gpus_per_node} and the rollouter's own counters {n, "
+        "total_rollout_steps, total_epochs, test_freq}: tiller's producer runs in the trainer's process and follows "
+        "actor_rollout_ref.rollout.n and trainer.total_training_steps / total_epochs / test_freq"),
     "ray_kwargs": noop("tiller starts Ray itself with trainer.backend=ray (trainer.ray_address joins a cluster; Ray "
                        "takes the machine's CPUs)"),
 })
@@ -679,6 +698,16 @@ def _resolve_followers(cfg: RLConfig) -> None:
         rm.use_dynamic_bsz = critic.use_dynamic_bsz
     if rm.forward_max_token_len_per_gpu is None:
         rm.forward_max_token_len_per_gpu = critic.forward_max_token_len_per_gpu
+    at = cfg.async_training
+    if cfg.data.train_batch_size == 0 and at.require_batches:  # verl fully-async's layout: the trainer streams
+        n = at.require_batches * actor.ppo_mini_batch_size
+        print(f"tiller: data.train_batch_size=0 with async_training.require_batches={at.require_batches} is verl "
+              f"fully-async's layout: a step takes require_batches x ppo_mini_batch_size = {n} prompts, which tiller "
+              f"generates as one batch: data.train_batch_size={n}"
+              + (", data.gen_batch_size follows it" if cfg.data.gen_batch_size not in (None, n) else ""),
+              file=sys.stderr)
+        cfg.data.train_batch_size = n
+        cfg.data.gen_batch_size = None  # verl's rollouter streams prompts one by one; tiller's producer by step batch
     if cfg.data.gen_batch_size is None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
 

@@ -488,6 +488,8 @@ class ActorConfig:
     """Actor optimizer (verl: lr 1e-6 for 7B models; tiny models need more)."""
     rollout_n: Optional[int] = None
     """verl's copy of rollout.n (null = rollout.n; another value is an error)."""
+    use_rollout_log_probs: Optional[bool] = None
+    """verl fully-async's copy of async_training.use_rollout_log_probs (False is refused)."""
     freeze_vision_tower: bool = False
     """verl: freeze a vision-language model's vision tower; tiller trains text-only models."""
     loss_scale_factor: Optional[float] = None
@@ -784,6 +786,8 @@ class ActorRolloutRefConfig:
     """Generation."""
     nccl_timeout: int = 600
     """verl: NCCL timeout (s) of the actor's process group; tiller's groups use torch's default."""
+    checkpoint_engine: Any = None
+    """verl fully-async's copy of async_training.checkpoint_engine."""
 
 
 # --------------------------------------------------------------------------------------------- critic
@@ -1159,6 +1163,16 @@ class AsyncTrainingConfig:
     require_batches: Optional[int] = None
     """ppo_mini_batch_size prompt groups the trainer takes per step; null = data.train_batch_size /
     ppo_mini_batch_size. tiller's step batch stays data.train_batch_size, so a value must equal that."""
+    use_rollout_log_probs: bool = True
+    """verl: the rollout's logprobs are the behaviour policy of the update (tiller's asynchronous update always does
+    this; False is refused)."""
+    compute_prox_log_prob: bool = False
+    """verl: a proximal-policy logprob forward with the current weights (decoupled PPO); refused (not built)."""
+    use_trainer_do_validate: bool = False
+    """verl: validate in the trainer instead of the rollouter; tiller validates in the trainer (trainer.test_freq)."""
+    checkpoint_engine: dict[str, Any] = field(default_factory=lambda: {
+        "enable": True, "device_buffer_size_M": 4096, "overlap_broadcast_and_consume": False})
+    """verl: the weight broadcast from trainer to rollouter GPUs; tiller's producer shares the trainer's process."""
     partial_rollout: bool = False
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token
@@ -1338,5 +1352,7 @@ class RLConfig:
     reward_manager: RewardManagerSectionConfig = field(default_factory=RewardManagerSectionConfig)
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     global_profiler: dict[str, Any] = field(default_factory=_global_profiler)
+    rollout: dict[str, Any] = field(default_factory=lambda: {
+        "nnodes": 1, "n_gpus_per_node": 8, "n": 4, "total_rollout_steps": None, "total_epochs": 10, "test_freq": 1})
     ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
                                                                "timeline_json_file": None})
