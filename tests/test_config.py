@@ -223,7 +223,11 @@ def test_verl_new_layout_resolves_onto_the_legacy_keys():
     assert cfg.reward_model.enable and cfg.reward_model.model.path == "/x/rm"
     assert cfg.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"] == 8
     assert (cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.model.lora_alpha) == (8, 32)
-    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    # Ulysses 2 lands on the legacy key and is folded into the token budget (verl: budget x sp per micro-batch)
+    from tiller.config.edge import noop_line
+
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 2 * 16384
+    assert "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2" in noop_line(cfg)
     assert cfg.reward.custom_reward_function.path is None  # one canonical config: the legacy keys
     # the same setting in both layouts names both keys
     with pytest.raises(ConfigError, match="reward.custom_reward_function.path and custom_reward_function.path"):

@@ -114,6 +114,8 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
         return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
     if cmd.startswith("tiller serve "):
         return cmd.replace("DIR", "tiny").replace("--port 8000", f"--port {port}"), "tiny model, a free port"
+    if cmd.startswith("tiller config explain"):
+        return cmd.replace("path/to/hf_model", "tiny"), "tiny model"
     if cmd.startswith("python -m tiller.models.tiny"):
         return re.sub(r"\s*\[--arch llama\]", "", cmd).replace("30e6", "1e6"), "1M parameters"
     return cmd, ""

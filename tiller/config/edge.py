@@ -28,8 +28,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tiller.config.readers import schema_sections, config_reads
-from tiller.config.schema import DistillationInferenceConfig, FSDPConfig, RLConfig, TraceConfig
+from tiller.config.readers import config_reads, schema_sections
+from tiller.config.schema import (DistillationInferenceConfig, FSDPConfig, LoraConfig, MtpConfig, OptimConfig,
+                                  RLConfig, TraceConfig, TransferQueueConfig)
 from tiller.errors import ConfigError
 
 HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
@@ -76,7 +77,8 @@ def num_workers(cfg: RLConfig) -> int:
 _PADDING = ("tiller pads each micro-batch and trims it to the columns its rows use; there are no varlen "
             "kernels to switch on")
 _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same; memory per worker is not "
-            "split); the token budgets are per worker")
+            "split); verl's per-GPU token budgets of the role are its share of a micro-batch of this many GPUs, so "
+            "they are multiplied by this size at load time, as verl does, and micro-batches hold the same sequences")
 _VLLM = "a vLLM engine knob"
 
 RULES: dict[str, Rule] = {
@@ -145,6 +147,267 @@ for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_ea
              "max_num_batched_tokens", "enable_chunked_prefill"):
     RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
 
+# ----------------------------------------------------------------- verl 0.7 / 0.8.0.dev's tree (b178a3cd)
+_MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "
+             "with FSDP2 over data-parallel ranks, no tensor / pipeline / expert parallelism)")
+_PROFILER = "verl's nsys / npu / torch profiler hooks; tiller has no profiler integration (use py-spy or torch.profiler)"
+_TEXT_ONLY = "tiller trains text-only causal LMs (no vision / video inputs)"
+_ENGINE_KNOB = "a vLLM / SGLang server knob that tiller's vllm engine does not pass (vLLM's default applies)"
+_MEMORY = "a GPU memory tuning (recompute / offload / chunking) tiller does not have; the update is the same"
+_CKPT = ("tiller saves and loads model, optimizer and trainer state together, synchronously (a checkpoint is "
+         "always complete)")
+_ROLE_DICTS = {  # leaf name of a role section -> its rule (actor, ref, critic, reward_model)
+    "profiler": noop(_PROFILER),
+    "megatron": noop(_MEGATRON),
+    "load_weight": noop(_MEGATRON),
+    "checkpoint": noop(_CKPT),
+    "nccl_timeout": noop("tiller's process groups use torch.distributed's default timeout"),
+    "rollout_n": Rule(HONOURED, "verl's copy of actor_rollout_ref.rollout.n: null or the same value (another value "
+                                "is an error at load time)"),
+    "entropy_from_logits_with_chunking": noop(_MEMORY),
+    "entropy_checkpointing": noop(_MEMORY),
+    "sum_pi_squared_checkpointing": noop(_MEMORY),
+    "data_loader_seed": noop("tiller seeds the mini-batch shuffle from trainer.seed"),
+}
+_ROUTER = refused("MoE router replay (R2 / R3) needs the rollout engine to record expert routing, which tiller's "
+                  "engines do not", use="leave it disabled", allowed=("disabled",))
+RULES.update({
+    # strategy / data-parallel shape
+    "actor_rollout_ref.ref.strategy": Rule(HONOURED, "verl's copy of actor.strategy: null or the actor's value "
+                                                     "(the reference runs in the actor's worker)"),
+    "actor_rollout_ref.ref.use_torch_compile": noop("the reference forward runs as the actor's "
+                                                    "(actor.use_torch_compile)"),
+    "reward_model.strategy": noop("tiller runs the reward-model forward in the driver process (megatron is refused)"),
+    "actor_rollout_ref.nccl_timeout": noop("tiller's process groups use torch.distributed's default timeout"),
+    # model
+    "actor_rollout_ref.model.lora_adapter_path": refused(
+        "tiller starts new LoRA adapters; loading a saved adapter is not built",
+        use="merge the adapter into the base model and point model.path at it", allowed=(None,)),
+    "actor_rollout_ref.model.exclude_modules": refused(
+        "tiller's LoRA has no exclusion list", use="list the modules in model.target_modules", allowed=(None,)),
+    "actor_rollout_ref.model.lora.exclude_modules": refused(
+        "tiller's LoRA has no exclusion list", use="list the modules in model.lora.target_modules", allowed=([],)),
+    "actor_rollout_ref.model.hf_config_path": refused(
+        "tiller reads the model's config.json from model.path", use="edit model.path's config.json or use "
+                                                                    "+actor_rollout_ref.model.override_config.KEY=V",
+        allowed=(None,)),
+    "actor_rollout_ref.model.custom_chat_template": refused(
+        "tiller renders prompts with the tokenizer's own chat template",
+        use="save the template as chat_template in the tokenizer's tokenizer_config.json", allowed=(None,)),
+    "actor_rollout_ref.model.enable_activation_offload": noop(_MEMORY),
+    "critic.model.enable_activation_offload": noop(_MEMORY),
+    "actor_rollout_ref.model.use_liger": noop("tiller runs the Hugging Face modelling code (no Liger kernels); the "
+                                              "math is the same"),
+    "actor_rollout_ref.model.fused_kernel_options": noop("no fused kernels in tiller (model.use_fused_kernels)"),
+    "actor_rollout_ref.model.tiled_mlp": noop(_MEMORY),
+    "critic.model.tiled_mlp": noop(_MEMORY),
+    "actor_rollout_ref.model.mtp.enable": refused(
+        "tiller's models have no multi-token-prediction heads to train or to draft with", use="leave it False",
+        allowed=(False,)),
+    "actor_rollout_ref.rollout.mtp": noop("verl's copy of model.mtp for the engine (mtp.enable is refused)"),
+    "actor_rollout_ref.model.lora.type": refused("tiller trains plain LoRA adapters", use="type=lora",
+                                                 allowed=("lora",)),
+    "actor_rollout_ref.model.lora.dropout": refused("tiller's LoRA adapters have no dropout", use="dropout=0",
+                                                    allowed=(0, 0.0)),
+    "actor_rollout_ref.model.lora.freeze_language_model": noop("tiller always freezes the base weights under LoRA "
+                                                               "adapters"),
+    # actor
+    "actor_rollout_ref.actor.freeze_vision_tower": noop(_TEXT_ONLY),
+    "actor_rollout_ref.actor.loss_scale_factor": refused(
+        "tiller's seq-mean-token-sum-norm divides by the padded response length (verl's behaviour when this is null)",
+        use="leave it null", allowed=(None,)),
+    "actor_rollout_ref.actor.calculate_entropy": noop("tiller computes and logs the entropy every update"),
+    "actor_rollout_ref.actor.use_prefix_grouper": noop(
+        "tiller's actor.share_prompt_forward (on by default) runs each group's shared prompt once, as the prefix "
+        "grouper does"),
+    "actor_rollout_ref.actor.use_fused_kernels": noop("verl's copy of model.use_fused_kernels (no fused kernels in "
+                                                      "tiller)"),
+    "actor_rollout_ref.actor.use_remove_padding": noop(_PADDING),
+    "actor_rollout_ref.actor.router_replay.mode": _ROUTER,
+    "actor_rollout_ref.ref.router_replay.mode": _ROUTER,
+    # rollout
+    "actor_rollout_ref.rollout.data_parallel_size": refused(
+        "tiller runs one engine per actor worker (data parallelism = the workers)", use="1; more workers with "
+        "trainer.backend=ray", allowed=(1,)),
+    "actor_rollout_ref.rollout.expert_parallel_size": refused(
+        "tiller's vllm engine uses tensor parallelism only", use="1", allowed=(1,)),
+    "actor_rollout_ref.rollout.pipeline_model_parallel_size": refused(
+        "tiller's vllm engine uses tensor parallelism only", use="1", allowed=(1,)),
+    "actor_rollout_ref.rollout.logprobs_mode": refused(
+        "tiller's engines return the logprobs of the distribution each token was sampled from (after temperature, "
+        "top-k, top-p)", use="processed_logprobs", allowed=("processed_logprobs",)),
+    "actor_rollout_ref.rollout.over_sample_rate": refused(
+        "tiller waits for every sample of a step (no aborting of the slowest generations)", use="0",
+        allowed=(0, 0.0)),
+    "actor_rollout_ref.rollout.skip_rollout": refused(
+        "replaying dumped rollouts is not built", use="leave it False", allowed=(False,)),
+    "actor_rollout_ref.rollout.skip_dump_dir": noop("only with rollout.skip_rollout, which is refused"),
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": refused(
+        "tiller's engines do not record MoE expert routing", use="leave it False", allowed=(False,)),
+    "actor_rollout_ref.rollout.quantization": refused(
+        "tiller's rollout engines run the actor's weights unquantized", use="leave it null", allowed=(None,)),
+    "actor_rollout_ref.rollout.quantization_config_file": refused(
+        "only with rollout.quantization, which is refused", use="leave it null", allowed=(None,)),
+    "actor_rollout_ref.rollout.profiler": noop(_PROFILER),
+    "actor_rollout_ref.rollout.prometheus": noop("tiller's metrics go to trainer.logger (no Prometheus exporter)"),
+    "actor_rollout_ref.rollout.layer_name_map": noop(_MEGATRON),
+    "actor_rollout_ref.rollout.max_model_len": noop("tiller's engines size their context as prompt + response "
+                                                    "length"),
+    "actor_rollout_ref.rollout.skip_tokenizer_init": noop("tiller's engines decode with the actor's tokenizer"),
+    "actor_rollout_ref.rollout.multi_stage_wake_up": noop(_MEMORY),
+    **{f"actor_rollout_ref.rollout.{k}": noop(_ENGINE_KNOB)
+       for k in ("cudagraph_capture_sizes", "disable_log_stats", "enable_prefix_caching", "max_num_seqs",
+                 "scheduling_policy")},
+    **{f"actor_rollout_ref.{role}.router_replay.{k}": noop("only with router_replay.mode, which is refused")
+       for role in ("actor", "ref") for k in ("record_file", "replay_file")},
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": refused(
+        "verl's checkpoint engines (nccl, hccl, nixl, ...) move weights from trainer GPUs to separate rollout "
+        "servers; tiller's engines live in the actor's process and take the weights in memory, which is verl's naive "
+        "backend", use="naive", allowed=("naive",)),
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": noop(
+        "tiller's vllm weight sync uses its own bucket size"),
+    "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs": noop(
+        "keyword arguments of a checkpoint-engine backend (only naive, which takes none)"),
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": noop(
+        "tiller's tool loop is bounded by multi_turn.max_assistant_turns (a user turn follows each assistant turn)"),
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": noop(
+        "tiller runs a turn's tool calls one after another (the transcript is the same)"),
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": noop(
+        "tiller does not truncate tool responses; they count against data.max_response_length"),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": noop(
+        "tiller does not truncate tool responses"),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": refused(
+        "simulated-user interactions are not built (tiller's multi-turn loop calls tools)",
+        use="an environment rollout: actor_rollout_ref.rollout.agent.env_path", allowed=(None,)),
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": noop(
+        "tiller renders every turn with the tokenizer's chat template"),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": noop(
+        "tiller tokenizes each turn once and appends the ids (nothing to re-check)"),
+    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": noop("samples per prompt are rollout.n"),
+    "actor_rollout_ref.rollout.agent.num_workers": noop(
+        "tiller's episodes run in one event loop of the driver (agent.max_concurrency bounds them)"),
+    "actor_rollout_ref.rollout.agent.default_agent_loop": refused(
+        "tiller picks its loop from the config: multi_turn.enable (tools), agent.path (an agent function) or "
+        "agent.env_path (an environment)", use="single_turn_agent or tool_agent, and the keys above",
+        allowed=("single_turn_agent", "tool_agent")),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": refused(
+        "verl's registry of custom agent loops is not built", use="actor_rollout_ref.rollout.agent.path (an async "
+        "agent function) or agent.env_path (an environment class)", allowed=(None,)),
+    "actor_rollout_ref.rollout.agent.custom_async_server": refused(
+        "a custom async rollout server class is not built", use="rollout.name=native|hf|vllm",
+        allowed=({"path": None, "name": None},)),
+    # critic
+    "critic.enable": Rule(HONOURED, "null = auto; tiller trains a critic exactly when algorithm.adv_estimator=gae, "
+                                    "so a value that disagrees is an error at load time"),
+    "critic.model.external_lib": noop("tiller imports actor_rollout_ref.model.external_lib once for every model"),
+    "critic.model.use_shm": noop("tiller loads the model from its path (no /dev/shm copy)"),
+    "critic.model.lora_rank": refused("tiller trains the critic in full (no LoRA on the value model)",
+                                      use="0", allowed=(0,)),
+    "critic.model.lora_alpha": noop("only with critic.model.lora_rank, which is refused"),
+    "critic.model.target_modules": noop("only with critic.model.lora_rank, which is refused"),
+    "critic.model.lora": noop(_MEGATRON),
+    # reward model
+    "reward_model.enable_resource_pool": noop("tiller runs the reward model next to the trainer (no separate GPU "
+                                              "pool)"),
+    "reward_model.n_gpus_per_node": noop("only with reward_model.enable_resource_pool"),
+    "reward_model.nnodes": noop("only with reward_model.enable_resource_pool"),
+    "reward_model.model.external_lib": noop("tiller imports actor_rollout_ref.model.external_lib once for every "
+                                            "model"),
+    "reward_model.model.override_config": refused(
+        "tiller loads the reward model's config as saved", use="edit the RM's config.json", allowed=({},)),
+    "reward_model.model.use_shm": noop("tiller loads the model from its path (no /dev/shm copy)"),
+    "reward_model.model.use_fused_kernels": noop("no fused kernels in tiller"),
+    "reward_model.reward_loop_source": refused(
+        "tiller's reward managers are built in (reward_model.reward_manager)", use="register",
+        allowed=("register",)),
+    "reward_model.reward_loop_module_path": refused(
+        "custom reward-loop classes are not built", use="a reward function: custom_reward_function.path",
+        allowed=(None,)),
+    "reward_model.reward_loop_class_name": refused(
+        "custom reward-loop classes are not built", use="a reward function: custom_reward_function.path",
+        allowed=(None,)),
+    "reward_model.launch_reward_fn_async": noop(
+        "tiller scores rewards in the driver (reward_manager=parallel runs them in processes)"),
+    "reward_model.use_reward_loop": noop("tiller has one reward path"),
+    "reward_model.sandbox_fusion": refused(
+        "tiller has no SandboxFusion client", use="a custom_reward_function.path scorer that calls your sandbox",
+        allowed=({"url": None, "max_concurrent": 64, "memory_limit_mb": 1024},)),
+    "reward_model.ulysses_sequence_parallel_size": noop(_ULYSSES),
+    "reward_model.rollout": noop(
+        "the engine of a generative reward model in verl's reward loop; tiller's reward model is a sequence "
+        "classifier (reward_model.model.path) or reward_model.remote_url"),
+    # top-level reward_manager section (verl 0.7)
+    "reward_manager.source": refused("tiller's reward managers are built in", use="register with "
+                                     "reward_manager.name (= reward_model.reward_manager)", allowed=("register",)),
+    "reward_manager.module": refused(
+        "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
+        allowed=({"path": None, "name": "custom_reward_manager"},)),
+    # algorithm
+    "algorithm.use_pf_ppo": refused("preference-feedback PPO (reweighting samples by reward) is not built",
+                                    use="leave it False", allowed=(False,)),
+    "algorithm.pf_ppo": noop("only with algorithm.use_pf_ppo, which is refused"),
+    # data
+    "data.use_shm": noop("tiller reads the data files where they are (no /dev/shm copy)"),
+    "data.return_raw_input_ids": noop("tiller's reward path works on decoded text; the ids are on every sample"),
+    "data.return_full_prompt": noop("tiller keeps the rendered prompt whenever a reward needs it"),
+    "data.validation_shuffle": noop("tiller validates on every prompt in file order (the scores do not depend on "
+                                    "the order)"),
+    "data.filter_overlong_prompts_workers": noop("tiller filters prompts in the driver"),
+    "data.trust_remote_code": noop("the tokenizer is loaded with actor_rollout_ref.model.trust_remote_code"),
+    "data.image_key": noop(_TEXT_ONLY),
+    "data.video_key": noop(_TEXT_ONLY),
+    "data.image_patch_size": noop(_TEXT_ONLY),
+    "data.return_multi_modal_inputs": noop(_TEXT_ONLY),
+    "data.custom_cls": refused("custom Dataset classes are not built (tiller reads parquet, jsonl and datasets "
+                               "dirs)", use="convert the data to parquet / jsonl with verl's columns",
+                               allowed=({"path": None, "name": None},)),
+    "data.sampler": refused("custom (curriculum) samplers are not built", use="data.shuffle",
+                            allowed=({"class_path": None, "class_name": None},)),
+    "data.datagen": refused("dynamic data generation is not built", use="generate the prompts to a file first",
+                            allowed=({"path": None, "name": None},)),
+    "data.apply_chat_template_kwargs": refused(
+        "tiller renders prompts with the chat template's defaults", use="a tokenizer whose chat template renders what "
+        "you want (e.g. edit its default for enable_thinking)", allowed=({},)),
+    # trainer
+    "trainer.rollout_data_dir": refused("tiller does not dump rollouts to files",
+                                        use="trainer.log_val_generations to log validation samples", allowed=(None,)),
+    "trainer.validation_data_dir": refused("tiller does not dump validation generations to files",
+                                           use="trainer.log_val_generations", allowed=(None,)),
+    "trainer.esi_redundant_time": noop("tiller has no elastic-instance (ESI) shutdown hook"),
+    "trainer.default_hdfs_dir": refused("tiller does not copy checkpoints to HDFS",
+                                        use="trainer.default_local_dir (on a mounted file system)", allowed=(None,)),
+    "trainer.del_local_ckpt_after_load": noop("tiller keeps the checkpoint it resumed from"),
+    "trainer.max_critic_ckpt_to_keep": noop("a tiller checkpoint holds actor and critic together: "
+                                            "trainer.max_actor_ckpt_to_keep bounds both"),
+    "trainer.ray_wait_register_center_timeout": noop("tiller has no Ray register center"),
+    # other top-level sections
+    "transfer_queue.enable": refused(
+        "verl's TransferQueue streams batches between separate worker pools through a distributed store; tiller's "
+        "driver hands each batch to its workers directly", use="leave it False", allowed=(False,)),
+    "global_profiler": noop(_PROFILER),
+    # verl's fully-async recipe (verl/experimental/fully_async_policy/config/fully_async_ppo_trainer.yaml)
+    "async_training.use_rollout_log_probs": refused(
+        "tiller's asynchronous update always takes the rollout's logprobs as the behaviour policy", use="True",
+        allowed=(True,)),
+    "actor_rollout_ref.actor.use_rollout_log_probs": refused(
+        "tiller's asynchronous update always takes the rollout's logprobs as the behaviour policy", use="null or True",
+        allowed=(None, True)),
+    "async_training.compute_prox_log_prob": refused(
+        "the proximal-policy logprob forward of verl's fully-async trainer is not built", use="False",
+        allowed=(False,)),
+    "async_training.use_trainer_do_validate": noop("tiller validates in the trainer (trainer.test_freq)"),
+    "async_training.checkpoint_engine": noop(
+        "tiller's rollout producer shares the trainer's process: published weights are handed over in memory (no "
+        "broadcast between GPU pools)"),
+    "actor_rollout_ref.checkpoint_engine": noop("verl fully-async's copy of async_training.checkpoint_engine"),
+    "rollout": noop(
+        "verl fully-async's separate rollout pool {nnodes, n_gpus_per_node} and the rollouter's own counters {n, "
+        "total_rollout_steps, total_epochs, test_freq}: tiller's producer runs in the trainer's process and follows "
+        "actor_rollout_ref.rollout.n and trainer.total_training_steps / total_epochs / test_freq"),
+    "ray_kwargs": noop("tiller starts Ray itself with trainer.backend=ray (trainer.ray_address joins a cluster; Ray "
+                       "takes the machine's CPUs)"),
+})
+
 # deprecated key -> (successor, divided by the number of workers); converted at load time
 DEPRECATED: dict[str, tuple[str, bool]] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", True),
@@ -162,15 +425,46 @@ for _key, (_successor, _) in DEPRECATED.items():
     RULES[_key] = Rule(HONOURED, f"deprecated: converted to {_successor} at load time")
 
 
+_OPTIM_RULES = {  # fields of every `optim` section
+    "optimizer": refused("tiller's optimizer is torch.optim.AdamW (Megatron's adam is the same decoupled AdamW)",
+                         use="AdamW", allowed=("AdamW", "adamw", "adam")),
+    "optimizer_impl": refused("tiller's optimizer is torch.optim.AdamW", use="torch.optim", allowed=("torch.optim",)),
+    "num_cycles": refused("tiller's cosine schedule is a half cycle (verl's default)", use="0.5", allowed=(0.5,)),
+    "override_optimizer_config": refused("tiller builds AdamW from lr, betas, eps and weight_decay",
+                                         use="those keys", allowed=(None, {})),
+    **{k: noop(_MEGATRON) for k in ("lr_decay_steps", "lr_decay_style", "lr_warmup_init", "lr_wsd_decay_steps",
+                                    "lr_wsd_decay_style", "min_lr", "use_checkpoint_opt_param_scheduler",
+                                    "weight_decay_incr_style")},
+}
+_LORA_MEGATRON = ("dropout_position", "lora_A_init_method", "lora_B_init_method", "a2a_experimental", "dtype",
+                  "freeze_vision_model", "freeze_vision_projection")
+
+
 def _section_rules() -> None:
-    """Every key of every `fsdp_config`, `rollout.trace` and distillation teacher `inference` section is a no-op (its
-    field doc says why)."""
-    sections, _, _ = schema_sections(RLConfig)
+    """Class-wide states: every key of every `fsdp_config`, `rollout.trace`, `model.mtp`, `transfer_queue` and
+    distillation teacher `inference` section is a no-op (its field doc says why) unless declared above; `optim` and
+    role sections share their rules."""
+    sections, _, keys = schema_sections(RLConfig)
     for path, cls in sections.items():
-        if cls in (FSDPConfig, TraceConfig, DistillationInferenceConfig):
+        if cls in (FSDPConfig, TraceConfig, MtpConfig, TransferQueueConfig, DistillationInferenceConfig):
             docs = _field_docs(cls)
             for f in dataclasses.fields(cls):
-                RULES[f"{path}.{f.name}"] = noop(docs.get(f.name) or "a verl knob with no counterpart in tiller")
+                RULES.setdefault(f"{path}.{f.name}", noop(docs.get(f.name) or "a verl knob with no counterpart in "
+                                                                              "tiller"))
+        if cls is OptimConfig:
+            for name, rule in _OPTIM_RULES.items():
+                RULES.setdefault(f"{path}.{name}", rule)
+        if cls is LoraConfig:
+            for name in _LORA_MEGATRON:
+                RULES.setdefault(f"{path}.{name}", noop(_MEGATRON if name != "freeze_vision_model" and
+                                                         name != "freeze_vision_projection" else _TEXT_ONLY))
+    for key in keys:
+        section, _, leaf = key.rpartition(".")
+        if leaf in _ROLE_DICTS and section in ROLE_SECTIONS:
+            RULES.setdefault(key, _ROLE_DICTS[leaf])
+
+
+ROLE_SECTIONS = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -199,6 +493,9 @@ LAYOUT_ALIASES: dict[str, str] = {
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.reward_kwargs": "reward_model.reward_kwargs",
     "reward.num_workers": "reward_model.num_workers",
+    "reward.reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
+    "reward.reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
+    "reward.reward_model.nnodes": "reward_model.nnodes",
     "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.lora.target_modules": "actor_rollout_ref.model.target_modules",
@@ -208,6 +505,15 @@ LAYOUT_ALIASES: dict[str, str] = {
         "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
 }
+LAYOUT_ALIASES.update({  # verl 0.6 / 0.7 renames
+    "data.train_max_samples": "data.max_samples",
+    "data.tool_config_path": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+    "reward_manager.name": "reward_model.reward_manager",
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
+    "critic.optim.lr_scheduler_type": "critic.optim.warmup_style",
+    "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.grad_clip",
+    "critic.optim.clip_grad": "critic.grad_clip",
+})
 for _f in ("path", "name", "reward_kwargs", "overlong_buffer.enable", "overlong_buffer.len",
            "overlong_buffer.penalty_factor", "overlong_buffer.log"):
     LAYOUT_ALIASES[f"reward.custom_reward_function.{_f}"] = f"custom_reward_function.{_f}"
@@ -234,11 +540,26 @@ for _new, _old in LAYOUT_ALIASES.items():
                                           "time; setting both is an error)"))
 
 
+# values refused on a key that is otherwise honoured: key -> (values, reason, what to use)
+_MEGATRON_REFUSAL = ("Megatron-Core (tensor / pipeline / expert / context parallelism, verl's ppo_megatron_trainer) "
+                     "is not built in tiller: its workers shard with FSDP2 over data-parallel ranks",
+                     "strategy=fsdp (or fsdp2) and drop the megatron.* keys")
+REFUSED_VALUES: dict[str, tuple[tuple, str, str]] = {
+    key: (("megatron",), *_MEGATRON_REFUSAL)
+    for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+                "reward_model.strategy")
+}
+REFUSED_VALUES["trainer.device"] = (("npu",), "tiller runs on CPU and CUDA (no Ascend NPU backend)", "cpu or cuda")
+REFUSED_VALUES["actor_rollout_ref.rollout.name"] = (
+    ("sglang", "trtllm"), "tiller's rollout engines are native, hf and vllm (SGLang and TensorRT-LLM servers are not "
+                          "built)", "rollout.name=vllm (the same sampling) or native")
+
+
 # ------------------------------------------------------------------------------------------ access
 def get(cfg: Any, path: str) -> Any:
     node = cfg
     for part in path.split("."):
-        node = getattr(node, part)
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
     return node
 
 
@@ -277,28 +598,89 @@ def _given_under(cfg: RLConfig, path: str) -> bool:
 def apply_edge(cfg: RLConfig) -> None:
     """Resolve verl's two layouts, convert deprecated keys, resolve keys that follow another key, raise on refused
     values."""
+    for path, (values, reason, use) in REFUSED_VALUES.items():
+        if get(cfg, path) in values:
+            raise ConfigError(f"{path}={get(cfg, path)!r} is refused: {reason}. Instead: {use}")
     _resolve_distillation(cfg)
     _resolve_layouts(cfg)
+    _resolve_engine_kwargs(cfg)
     _convert_deprecated(cfg)
+    for key in NULL_IS_DEFAULT:  # verl's null = unset: tiller's default
+        if get(cfg, key) is None:
+            _set(cfg, key, _default(key))
     _resolve_followers(cfg)
+    _scale_ulysses_budgets(cfg)
     for path, rule in RULES.items():
         if rule.state != REFUSED:
             continue
         value = get(cfg, path)
         if value != _default(path) and value not in rule.allowed:
             raise ConfigError(f"{path}={value!r} is refused: {rule.reason}. Instead: {rule.use}")
+    _check_copies(cfg)
+
+
+def _check_copies(cfg: RLConfig) -> None:
+    """verl's copies of another key (`rollout_n`, `ref.strategy`, `critic.enable`): null or consistent."""
+    arr = cfg.actor_rollout_ref
+    n = arr.rollout.n
+    for key, value in (("actor_rollout_ref.actor.rollout_n", arr.actor.rollout_n),
+                       ("actor_rollout_ref.ref.rollout_n", arr.ref.rollout_n), ("critic.rollout_n", cfg.critic.rollout_n)):
+        if value is not None and value != n:
+            raise ConfigError(f"{key}={value} differs from actor_rollout_ref.rollout.n={n}: it is verl's copy of "
+                              "rollout.n; drop it or give both the same value")
+    if arr.ref.strategy is not None and arr.ref.strategy != arr.actor.strategy:
+        raise ConfigError(f"actor_rollout_ref.ref.strategy={arr.ref.strategy!r} differs from actor_rollout_ref.actor."
+                          f"strategy={arr.actor.strategy!r}: tiller's reference runs in the actor's worker, with the "
+                          "actor's strategy; drop it")
+    gae = cfg.algorithm.adv_estimator == "gae"
+    if cfg.critic.enable is not None and cfg.critic.enable != gae:
+        raise ConfigError(f"critic.enable={cfg.critic.enable} but algorithm.adv_estimator={cfg.algorithm.adv_estimator}"
+                          f": tiller trains a critic exactly when the estimator is gae; drop critic.enable")
 
 
 def _resolve_layouts(cfg: RLConfig) -> None:
     """verl 0.8+ keys (`reward.*`, `model.lora.*`, `fsdp_config.ulysses_sequence_parallel_size`) onto the legacy
     keys tiller reads; the new-layout key goes back to its default so `tiller config show` prints one config."""
+    set_by: dict[str, str] = {}
     for new, old in LAYOUT_ALIASES.items():
-        if not _given_under(cfg, new):
-            continue
-        if _given_under(cfg, old):
-            raise ConfigError(f"{new} and {old} are the same setting (verl's newer and older layouts): set one of them")
+        if not _given_under(cfg, new) or get(cfg, new) == _default(new):
+            continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)
+        if (_given_under(cfg, old) and get(cfg, old) not in (None, get(cfg, new))) or old in set_by:
+            raise ConfigError(f"{new} and {set_by.get(old, old)} are the same setting (verl's newer and older "
+                              "layouts): set one of them")
         _set(cfg, old, get(cfg, new))
         _set(cfg, new, _default(new))
+        set_by[old] = new
+
+
+ENGINE_KWARGS_SECTIONS = ("vllm", "sglang", "trtllm")
+# keys whose verl default is null ("not set"); null here means tiller's default (a verl YAML file loads as written)
+NULL_IS_DEFAULT = ("actor_rollout_ref.actor.optim.warmup_style", "critic.optim.warmup_style",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "data.seed",
+                   "reward_model.micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                   "critic.forward_micro_batch_size_per_gpu")
+
+
+def _resolve_engine_kwargs(cfg: RLConfig) -> None:
+    """verl nests rollout.engine_kwargs by engine (`engine_kwargs.vllm.X`); tiller passes engine_kwargs flat to the
+    engine it runs: the vllm part is merged in with rollout.name=vllm, the parts of other engines are dropped with one
+    line saying so."""
+    rollout = cfg.actor_rollout_ref.rollout
+    kw = rollout.engine_kwargs
+    nested = {k: kw.pop(k) for k in ENGINE_KWARGS_SECTIONS if isinstance(kw.get(k), dict)}
+    mine = nested.pop("vllm", None) if rollout.name == "vllm" else None
+    for key, value in (mine or {}).items():
+        if key in kw:
+            raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.{key} and engine_kwargs.vllm.{key} are the same "
+                              "setting: set one of them")
+        kw[key] = value
+    dropped = [f"engine_kwargs.{k}" for k, v in nested.items() if v]
+    if dropped:
+        print(f"tiller: actor_rollout_ref.rollout.{', '.join(dropped)} configure an engine this run does not use "
+              f"(rollout.name={rollout.name}): no effect", file=sys.stderr)
 
 
 def _resolve_distillation(cfg: RLConfig) -> None:
@@ -343,7 +725,7 @@ def _convert_deprecated(cfg: RLConfig) -> None:
         value = get(cfg, old)
         if value is None:
             continue
-        if _given(cfg, new):
+        if _given(cfg, new) and get(cfg, new) is not None:
             raise ConfigError(f"{old} and {new} are both set: remove {old} (deprecated in verl; {new} is the one "
                               "tiller reads)")
         if old.endswith("use_token_level_loss"):
@@ -381,8 +763,54 @@ def _resolve_followers(cfg: RLConfig) -> None:
         rm.use_dynamic_bsz = critic.use_dynamic_bsz
     if rm.forward_max_token_len_per_gpu is None:
         rm.forward_max_token_len_per_gpu = critic.forward_max_token_len_per_gpu
+    at = cfg.async_training
+    if cfg.data.train_batch_size == 0 and at.require_batches:  # verl fully-async's layout: the trainer streams
+        n = at.require_batches * actor.ppo_mini_batch_size
+        print(f"tiller: data.train_batch_size=0 with async_training.require_batches={at.require_batches} is verl "
+              f"fully-async's layout: a step takes require_batches x ppo_mini_batch_size = {n} prompts, which tiller "
+              f"generates as one batch: data.train_batch_size={n}"
+              + (", data.gen_batch_size follows it" if cfg.data.gen_batch_size not in (None, n) else ""),
+              file=sys.stderr)
+        cfg.data.train_batch_size = n
+        cfg.data.gen_batch_size = None  # verl's rollouter streams prompts one by one; tiller's producer by step batch
     if cfg.data.gen_batch_size is None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
+
+
+# token budget -> the Ulysses size of the worker that spends it (verl: max_token_len = budget x sp size)
+ULYSSES_BUDGETS = {
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu":
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "critic.ppo_max_token_len_per_gpu": "critic.ulysses_sequence_parallel_size",
+    "critic.forward_max_token_len_per_gpu": "critic.ulysses_sequence_parallel_size",
+    "reward_model.forward_max_token_len_per_gpu": "reward_model.ulysses_sequence_parallel_size",
+}
+
+
+FOLDED_ATTR = "_tiller_folded_ulysses"
+
+
+def _scale_ulysses_budgets(cfg: RLConfig) -> None:
+    """verl splits each sequence over `ulysses_sequence_parallel_size` GPUs and packs dynamic micro-batches of budget x
+    sp tokens; tiller runs whole sequences on one worker, so its budget is that product (one line says so). The sizes
+    are then 1 in the resolved config (folded into the budgets: `tiller config show`'s output loads back unchanged);
+    the start-up no-op line still names the values given."""
+    folded = {}
+    for budget, sp_key in ULYSSES_BUDGETS.items():
+        sp = get(cfg, sp_key) or 1
+        if sp > 1:
+            value = get(cfg, budget)
+            _set(cfg, budget, value * sp)
+            folded[sp_key] = sp
+            print(f"tiller: {budget}={value} is verl's per-GPU share with {sp_key}={sp}; tiller runs whole sequences "
+                  f"per worker, so a micro-batch holds {value} x {sp} = {value * sp} tokens (memory is not split)",
+                  file=sys.stderr)
+    for sp_key in folded:
+        _set(cfg, sp_key, 1)
+    if folded:
+        object.__setattr__(cfg, FOLDED_ATTR, folded)
 
 
 # ------------------------------------------------------------------------------------- at start-up
@@ -390,11 +818,12 @@ def noop_keys(cfg: RLConfig) -> list[str]:
     """The no-op keys the user set (and whose condition, if any, does not hold), as `key=value`."""
     out = []
     for path, rule in RULES.items():
-        if rule.state != NOOP or not _given(cfg, path):
+        if rule.state != NOOP or not _given_under(cfg, path):
             continue
         if rule.honoured_if is not None and rule.honoured_if(cfg):
             continue
-        out.append(f"{path}={get(cfg, path)!r}")
+        shown = LAYOUT_ALIASES.get(path, path)  # a newer-layout key shows the value it resolved onto
+        out.append(f"{path}={getattr(cfg, FOLDED_ATTR, {}).get(shown, get(cfg, shown))!r}")
     return out
 
 
@@ -449,6 +878,11 @@ def key_states() -> list[KeyState]:
             out.append(KeyState(key, rule.state, note))
     if problems:
         raise AssertionError("the verl edge is out of date:\n  " + "\n  ".join(problems))
+    for i, k in enumerate(out):
+        if k.key in REFUSED_VALUES:
+            values, reason, use = REFUSED_VALUES[k.key]
+            out[i] = dataclasses.replace(k, note=f"{k.note} Refused: {', '.join(map(repr, values))} ({reason}; "
+                                                 f"instead: {use}).")
     return out
 
 
@@ -489,5 +923,5 @@ def _key_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["RULES", "DEPRECATED", "Rule", "KeyState", "apply_edge", "noop_keys", "noop_line",
+__all__ = ["RULES", "DEPRECATED", "REFUSED_VALUES", "LAYOUT_ALIASES", "Rule", "KeyState", "apply_edge", "noop_keys", "noop_line",
            "report_noop_keys", "key_states", "markdown", "num_workers", "HONOURED", "NOOP", "REFUSED"]

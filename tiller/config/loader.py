@@ -182,8 +182,9 @@ def _open_parent(key: str, paths: dict[str, Any]) -> str | None:
 def _apply_override(cfg: DictConfig, override, paths: dict[str, Any], schema: type, given: set[str]) -> str:
     """Apply one parsed override with Hydra's semantics and tiller's errors; returns its key.
 
-    One departure: `+key=v` on a key of tiller's schema that nothing set yet sets it. tiller's tree holds the
-    keys of every verl version, so a key a script adds with `+` (absent from its verl's tree) is here already."""
+    One departure: `+key=v` on a key of tiller's schema, or on a key of a default mapping (verl's `megatron`,
+    `reward.reward_kwargs` ...), that nothing set yet sets it. tiller's tree holds the keys of every verl version, so a
+    key a script adds with `+` (absent from its verl's tree) is here already."""
     key = override.key_or_group
     line = override.input_line
     known = key in paths
@@ -215,7 +216,7 @@ def _apply_override(cfg: DictConfig, override, paths: dict[str, Any], schema: ty
         if known and key in given and current is not None and not isinstance(value, (dict, list)):
             raise ConfigError(f"command line: {key!r} is already set; drop the '+' to override it "
                               f"({line[1:]}), or write ++{line[1:]}")
-        if not known and exists and not isinstance(value, (dict, list)):
+        if not known and exists and _given_here(key, given) and not isinstance(value, (dict, list)):
             raise ConfigError(f"command line: {key!r} already exists; drop the '+' to override it ({line[1:]})")
         _update(cfg, key, value, paths, merge=True, add=not known)
     elif override.is_force_add():
@@ -225,6 +226,11 @@ def _apply_override(cfg: DictConfig, override, paths: dict[str, Any], schema: ty
             raise ConfigError(f"command line: {key!r} is not a key of {open_parent!r}; add it with +{line}")
         _update(cfg, key, value, paths, merge=True)
     return key
+
+
+def _given_here(key: str, given: set[str]) -> bool:
+    """The user set `key` (or a mapping holding it) earlier on the command line or in the file."""
+    return any(key == g or key.startswith(g + ".") for g in given)
 
 
 def _has_key(cfg: DictConfig, key: str) -> bool:
@@ -317,6 +323,15 @@ def _compose_yaml(path: Path) -> dict:
     return OmegaConf.to_container(composed, resolve=False)  # type: ignore[return-value]
 
 
+def _drop_targets(node: Any) -> None:
+    """verl's YAMLs name the Python class of each section in `_target_` (for its own instantiation); tiller's schema
+    is its own, so these keys carry no setting and are dropped from a file."""
+    if isinstance(node, dict):
+        node.pop("_target_", None)
+        for value in node.values():
+            _drop_targets(value)
+
+
 def _load_yaml(path: Path, cls: type, paths: dict[str, Any]) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -330,6 +345,7 @@ def _load_yaml(path: Path, cls: type, paths: dict[str, Any]) -> dict:
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {raw!r}")
     data = _compose_yaml(path) if path.suffix in (".yaml", ".yml") else raw
     data.pop("hydra", None)
+    _drop_targets(data)
     _check_keys(data, cls, "", str(path), paths)
     return _coerce_str_lists(data, cls)
 

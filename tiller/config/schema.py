@@ -14,6 +14,56 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# ------------------------------------------------------------- verl sections tiller accepts as a whole
+
+
+def _profiler() -> dict[str, Any]:
+    """verl's per-role `profiler` section (verl/trainer/config/profiler/profiler.yaml)."""
+    return {"tool": None, "enable": False, "all_ranks": False, "ranks": [], "save_path": None,
+            "tool_config": {"nsys": {"discrete": False},
+                            "npu": {"contents": [], "level": "level0", "analysis": True, "discrete": False},
+                            "torch": {"contents": [], "discrete": False},
+                            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}}}
+
+
+def _global_profiler() -> dict[str, Any]:
+    nsys = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
+    return {"tool": None, "steps": None, "profile_continuous_steps": False, "save_path": "outputs/profile",
+            "global_tool_config": {
+                "nsys": {"discrete": False, "controller_nsight_options": dict(nsys),
+                         "worker_nsight_options": {**nsys, "capture-range": "cudaProfilerApi",
+                                                   "capture-range-end": None, "kill": "none"}},
+                "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32, "context": "all",
+                                 "stacks": "all", "kw_args": {}}}}
+
+
+def _checkpoint() -> dict[str, Any]:
+    return {"save_contents": ["model", "optimizer", "extra"], "load_contents": ["model", "optimizer", "extra"],
+            "async_save": False}
+
+
+def _megatron() -> dict[str, Any]:
+    """verl's `megatron` section of actor / ref / critic / reward model (ppo_megatron_trainer.yaml)."""
+    return {"param_offload": False, "grad_offload": False, "optimizer_offload": False,
+            "tensor_model_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
+            "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+            "context_parallel_size": 1, "sequence_parallel": True, "use_distributed_optimizer": True,
+            "use_dist_checkpointing": False, "dist_checkpointing_path": None, "dist_checkpointing_prefix": "",
+            "seed": 42, "override_ddp_config": {},
+            "override_transformer_config": {"recompute_granularity": None, "recompute_modules": ["core_attn"],
+                                            "recompute_method": None, "recompute_num_layers": None,
+                                            "attention_backend": "flash"},
+            "override_mcore_model_config": {}, "use_mbridge": True, "vanilla_mbridge": True,
+            "use_remove_padding": True, "forward_only": False, "dtype": "bfloat16"}
+
+
+def _megatron_lora() -> dict[str, Any]:
+    """The Megatron-only keys of verl's `model.lora` section (the critic's whole section)."""
+    return {"type": "lora", "dropout": 0.0, "exclude_modules": [], "dropout_position": "pre",
+            "lora_A_init_method": "xavier", "lora_B_init_method": "zero", "a2a_experimental": False, "dtype": None,
+            "freeze_vision_model": True, "freeze_vision_projection": True, "freeze_language_model": True}
+
+
 # ----------------------------------------------------------------------------------------------- data
 
 
@@ -42,7 +92,7 @@ class DataConfig:
     """Prompts per validation generation call; None = the whole validation set at once."""
     shuffle: bool = True
     """Shuffle training prompts each epoch (seeded by data.seed)."""
-    seed: int = 1
+    seed: Optional[int] = 1
     """Seed of the training-data shuffle."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length instead of applying data.truncation."""
@@ -72,6 +122,38 @@ class DataConfig:
     input_template: Optional[str] = None
     """Format string with {} applied to a string prompt when no chat template renders it (OpenRLHF's
     --input_template, e.g. "User: {}\\nAssistant: ")."""
+    train_max_samples: Optional[int] = None
+    """verl 0.7+'s name of data.max_samples (resolved onto it at load time; setting both is an error)."""
+    use_shm: bool = False
+    """verl: copy the data files to /dev/shm; tiller reads them where they are."""
+    tool_config_path: Optional[str] = None
+    """verl's copy of actor_rollout_ref.rollout.multi_turn.tool_config_path (resolved onto it; both set = error)."""
+    return_raw_input_ids: bool = False
+    """verl: keep the un-templated prompt ids on each sample; tiller's reward path works on text."""
+    return_full_prompt: bool = False
+    """verl: keep the rendered prompt string on each sample; tiller keeps it whenever a reward needs it."""
+    validation_shuffle: bool = False
+    """verl: shuffle the validation set; tiller validates on every prompt, in file order (the scores are the same)."""
+    filter_overlong_prompts_workers: int = 1
+    """verl: processes for filter_overlong_prompts; tiller filters in the driver."""
+    trust_remote_code: bool = False
+    """verl: trust_remote_code for the data tokenizer; tiller's tokenizer follows actor_rollout_ref.model.trust_remote_code."""
+    image_key: str = "images"
+    """verl: column of the images (vision-language models); tiller trains text-only models."""
+    video_key: str = "videos"
+    """verl: column of the videos (vision-language models); tiller trains text-only models."""
+    image_patch_size: int = 14
+    """verl: vision patch size; tiller trains text-only models."""
+    return_multi_modal_inputs: bool = True
+    """verl: keep the processed images / videos on each sample; tiller trains text-only models."""
+    custom_cls: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
+    """verl: a custom Dataset class {path, name}; refused unless both are null (tiller reads parquet / jsonl / datasets)."""
+    sampler: dict[str, Any] = field(default_factory=lambda: {"class_path": None, "class_name": None})
+    """verl: a custom (curriculum) sampler {class_path, class_name}; refused unless both are null."""
+    datagen: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
+    """verl: a dynamic data generator {path, name}; refused unless both are null."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """verl: extra keyword arguments of apply_chat_template (e.g. enable_thinking); refused unless empty."""
 
 
 # ------------------------------------------------------------------------------------ actor / rollout
@@ -97,10 +179,28 @@ class FSDPConfig:
     """FSDP forward prefetch (verl); a GPU overlap tuning."""
     model_dtype: str = "fp32"
     """Dtype of the sharded parameters (verl); tiller keeps fp32 master weights (compute dtype: actor.dtype)."""
-    wrap_policy: dict[str, Any] = field(default_factory=dict)
+    wrap_policy: dict[str, Any] = field(default_factory=lambda: {"min_num_params": 0})
     """FSDP wrap policy (verl); tiller wraps each decoder layer (open-ended: use +key=value)."""
     ulysses_sequence_parallel_size: Optional[int] = None
     """verl 0.8+'s place of <section>.ulysses_sequence_parallel_size (the same no-op: whole sequences per worker)."""
+    strategy: str = "fsdp"
+    """verl's engine strategy (fsdp | fsdp2); tiller's workers use FSDP2 under <role>.strategy."""
+    dtype: str = "bfloat16"
+    """verl's engine compute dtype; tiller's compute dtype is <role>.dtype."""
+    use_orig_params: bool = False
+    """FSDP1 use_orig_params (verl); tiller's FSDP2 has no flat parameters."""
+    seed: int = 42
+    """verl's engine seed; tiller seeds everything from trainer.seed."""
+    full_determinism: bool = False
+    """verl: deterministic CUDA kernels; a GPU setting (tiller's CPU runs are deterministic per seed)."""
+    entropy_from_logits_with_chunking: bool = False
+    """verl: entropy in chunks to save memory; a memory tuning (tiller computes it from each micro-batch's logits)."""
+    entropy_checkpointing: bool = False
+    """verl: recompute the entropy in backward; a memory tuning."""
+    use_torch_compile: bool = True
+    """verl's engine torch.compile switch; tiller's is <role>.use_torch_compile."""
+    forward_only: bool = False
+    """verl: an engine without optimizer (set by verl for the reference); tiller builds the reference without one."""
 
 
 @dataclass
@@ -118,6 +218,56 @@ class LoraConfig:
     """verl: merge the adapters into the base weights for the rollout sync; tiller always syncs merged weights."""
     adapter_path: Optional[str] = None
     """verl: start from a saved LoRA adapter; refused (tiller starts new adapters)."""
+    type: str = "lora"
+    """verl (Megatron): lora | dora ...; tiller trains plain LoRA."""
+    dropout: float = 0.0
+    """verl (Megatron): LoRA dropout; tiller's adapters have none."""
+    exclude_modules: list[str] = field(default_factory=list)
+    """verl: modules left out of target_modules; refused unless empty (list target_modules instead)."""
+    dropout_position: str = "pre"
+    """verl (Megatron) LoRA dropout position."""
+    lora_A_init_method: str = "xavier"
+    """verl (Megatron) init of A; tiller: Kaiming-uniform A, as PEFT."""
+    lora_B_init_method: str = "zero"
+    """verl (Megatron) init of B; tiller: zero B, as PEFT."""
+    a2a_experimental: bool = False
+    """verl (Megatron) expert-parallel LoRA all-to-all."""
+    dtype: Optional[str] = None
+    """verl (Megatron) adapter dtype; tiller's adapters train in the actor's master dtype."""
+    freeze_vision_model: bool = True
+    """verl (Megatron, vision-language models); tiller trains text-only models."""
+    freeze_vision_projection: bool = True
+    """verl (Megatron, vision-language models); tiller trains text-only models."""
+    freeze_language_model: bool = True
+    """verl (Megatron): freeze the base weights under the adapters (tiller always does)."""
+
+
+@dataclass
+class MtpConfig:
+    """verl's `model.mtp`: multi-token-prediction heads (MiMo / DeepSeek-V3 style). tiller has none."""
+
+    enable: bool = False
+    """Refused: tiller's models have no MTP heads to train or to draft with."""
+    enable_train: bool = False
+    """verl: train the MTP heads (only with mtp.enable, refused)."""
+    enable_rollout: bool = False
+    """verl: speculative decoding with the MTP heads (only with mtp.enable, refused)."""
+    detach_encoder: bool = False
+    """verl MTP option (only with mtp.enable, refused)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """verl MTP option (only with mtp.enable, refused)."""
+    speculative_algorithm: str = "EAGLE"
+    """verl MTP option (only with mtp.enable, refused)."""
+    speculative_num_steps: int = 2
+    """verl MTP option (only with mtp.enable, refused)."""
+    speculative_eagle_topk: int = 2
+    """verl MTP option (only with mtp.enable, refused)."""
+    speculative_num_draft_tokens: int = 4
+    """verl MTP option (only with mtp.enable, refused)."""
+    method: str = "mtp"
+    """verl MTP option (only with mtp.enable, refused)."""
+    num_speculative_tokens: int = 1
+    """verl MTP option (only with mtp.enable, refused)."""
 
 
 @dataclass
@@ -148,6 +298,24 @@ class ModelConfig:
     """LoRA target modules: a list of module names or 'all-linear'."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """verl 0.8+'s LoRA section (the same settings as lora_rank / lora_alpha / target_modules)."""
+    lora_adapter_path: Optional[str] = None
+    """verl's older name of lora.adapter_path; refused (tiller starts new adapters)."""
+    exclude_modules: Optional[str] = None
+    """verl: modules left out of LoRA's target_modules; refused (list target_modules instead)."""
+    hf_config_path: Optional[str] = None
+    """verl: read the HF config from another dir; refused (tiller reads model.path's config.json)."""
+    custom_chat_template: Optional[str] = None
+    """verl: a Jinja chat template replacing the tokenizer's; refused (save it in the tokenizer's files)."""
+    enable_activation_offload: bool = False
+    """verl: offload activations to CPU in backward; a GPU memory tuning tiller does not have."""
+    use_liger: bool = False
+    """verl: Liger fused kernels; tiller runs the Hugging Face modelling code."""
+    fused_kernel_options: dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
+    """verl: backend of use_fused_kernels (no fused kernels in tiller)."""
+    tiled_mlp: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "num_shards": 4})
+    """verl: tiled MLP to save activation memory; a memory tuning tiller does not have."""
+    mtp: MtpConfig = field(default_factory=MtpConfig)
+    """verl: multi-token prediction (MTP) heads in training and speculative decoding in rollout."""
 
 
 @dataclass
@@ -160,7 +328,7 @@ class OptimConfig:
     """Warmup as a fraction of total training steps."""
     min_lr_ratio: float = 0.0
     """Cosine schedule floor as a fraction of lr."""
-    warmup_style: str = "constant"
+    warmup_style: Optional[str] = "constant"
     """Schedule after warmup: constant | cosine."""
     total_training_steps: int = -1
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
@@ -170,6 +338,35 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    lr_scheduler_type: Optional[str] = None
+    """verl 0.6+'s name of warmup_style (constant | cosine; resolved onto it at load time; both set = error)."""
+    clip_grad: Optional[float] = None
+    """verl's engine-layout place of <role>.grad_clip (resolved onto it at load time; both set = error)."""
+    optimizer: str = "AdamW"
+    """verl: the optimizer class; tiller's is torch.optim.AdamW (Megatron's `adam` is the same decoupled AdamW)."""
+    optimizer_impl: str = "torch.optim"
+    """verl: the module of the optimizer class; tiller's is torch.optim."""
+    num_cycles: float = 0.5
+    """verl: cosine cycles; tiller's cosine schedule is a half cycle, verl's default."""
+    override_optimizer_config: Optional[dict[str, Any]] = field(default_factory=dict)
+    """verl: extra optimizer keyword arguments; refused unless empty (tiller builds AdamW from lr, betas, eps,
+    weight_decay)."""
+    lr_decay_steps: Optional[int] = None
+    """verl Megatron optimizer schedule (strategy=megatron only)."""
+    lr_decay_style: str = "constant"
+    """verl Megatron optimizer schedule (strategy=megatron only; tiller's is warmup_style)."""
+    lr_warmup_init: float = 0.0
+    """verl Megatron optimizer schedule (strategy=megatron only)."""
+    lr_wsd_decay_steps: Optional[int] = None
+    """verl Megatron optimizer schedule (strategy=megatron only)."""
+    lr_wsd_decay_style: str = "exponential"
+    """verl Megatron optimizer schedule (strategy=megatron only)."""
+    min_lr: float = 0.0
+    """verl Megatron optimizer schedule (strategy=megatron only; tiller's floor is min_lr_ratio)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """verl Megatron optimizer schedule (strategy=megatron only)."""
+    weight_decay_incr_style: str = "constant"
+    """verl Megatron optimizer schedule (strategy=megatron only)."""
 
 
 @dataclass
@@ -210,12 +407,23 @@ class AdaptiveEntropyConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"
+    """verl: MoE router replay mode (disabled | R2 | R3); refused unless disabled (tiller's rollout does not record
+    expert routing)."""
+    record_file: Optional[str] = None
+    """verl: where to record the routing (only with router_replay.mode, refused)."""
+    replay_file: Optional[str] = None
+    """verl: routing to replay (only with router_replay.mode, refused)."""
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "fsdp"
     """Parallel strategy inside a worker group when trainer.backend=ray: fsdp (FSDP2) | ddp | none."""
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step (multiplied by rollout.n inside the trainer, as in verl)."""
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Optional[int] = 8
     """Samples per forward/backward on each worker (gradient accumulation splits a mini-batch into these)."""
     ppo_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global micro-batch size, converted to ppo_micro_batch_size_per_gpu = this /
@@ -278,11 +486,47 @@ class ActorConfig:
     """Policy loss choice and its hyper-parameters."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Actor optimizer (verl: lr 1e-6 for 7B models; tiny models need more)."""
+    rollout_n: Optional[int] = None
+    """verl's copy of rollout.n (null = rollout.n; another value is an error)."""
+    use_rollout_log_probs: Optional[bool] = None
+    """verl fully-async's copy of async_training.use_rollout_log_probs (False is refused)."""
+    freeze_vision_tower: bool = False
+    """verl: freeze a vision-language model's vision tower; tiller trains text-only models."""
+    loss_scale_factor: Optional[float] = None
+    """verl: the constant of seq-mean-token-sum-norm (null = the response length, which tiller uses); refused unless
+    null."""
+    calculate_entropy: bool = False
+    """verl: compute the entropy even when entropy_coeff is 0; tiller logs actor/entropy every update."""
+    use_prefix_grouper: bool = False
+    """verl: run a group's shared prompt once (prefix grouper); tiller's share_prompt_forward (on by default) does it."""
+    data_loader_seed: int = 42
+    """verl: seed of the mini-batch shuffle; tiller seeds it from trainer.seed."""
+    checkpoint: dict[str, Any] = field(default_factory=_checkpoint)
+    """verl: {save_contents, load_contents, async_save}; tiller saves and loads model, optimizer and trainer state
+    together, synchronously."""
+    use_fused_kernels: bool = False
+    """verl's copy of model.use_fused_kernels (no fused kernels in tiller)."""
+    use_remove_padding: bool = False
+    """verl's copy of model.use_remove_padding (tiller pads, trimmed per micro-batch)."""
+    profiler: dict[str, Any] = field(default_factory=_profiler)
+    """verl's nsys / npu / torch profiler hooks of this role; tiller has no profiler integration."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """verl: MoE router replay (record the rollout's expert routing, replay it in training)."""
+    entropy_from_logits_with_chunking: bool = False
+    """verl: entropy in chunks to save memory; a memory tuning."""
+    entropy_checkpointing: bool = False
+    """verl: recompute the entropy in backward; a memory tuning."""
+    sum_pi_squared_checkpointing: bool = False
+    """verl: recompute sum pi^2 in backward; a memory tuning."""
+    load_weight: bool = True
+    """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
+    megatron: dict[str, Any] = field(default_factory=_megatron)
+    """verl's Megatron-Core parallelism of this role (strategy=megatron only, which tiller refuses)."""
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per reference forward on each worker."""
     log_prob_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to log_prob_micro_batch_size_per_gpu = this / workers."""
@@ -294,6 +538,24 @@ class RefConfig:
     """verl's Ulysses sequence parallelism for the reference (as actor.ulysses_sequence_parallel_size)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's sharding / offload knobs of the reference (no effect in tiller)."""
+    rollout_n: Optional[int] = None
+    """verl's copy of rollout.n (null = rollout.n; another value is an error)."""
+    strategy: Optional[str] = None
+    """verl's copy of actor.strategy (null = the actor's; the reference runs in the actor's worker)."""
+    use_torch_compile: Optional[bool] = None
+    """verl's copy of actor.use_torch_compile; the reference forward runs as the actor's."""
+    profiler: dict[str, Any] = field(default_factory=_profiler)
+    """verl's profiler hooks of the reference; tiller has no profiler integration."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """verl: MoE router replay of the reference forward."""
+    entropy_from_logits_with_chunking: bool = False
+    """verl: entropy in chunks to save memory; a memory tuning."""
+    entropy_checkpointing: bool = False
+    """verl: recompute the entropy in backward; a memory tuning."""
+    load_weight: bool = True
+    """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
+    megatron: dict[str, Any] = field(default_factory=_megatron)
+    """verl's Megatron-Core parallelism of the reference (strategy=megatron only, which tiller refuses)."""
 
 
 @dataclass
@@ -314,12 +576,29 @@ class ValKwargsConfig:
 class MultiTurnConfig:
     enable: bool = False
     """Multi-turn tool-using rollouts."""
-    max_assistant_turns: int = 4
+    max_assistant_turns: Optional[int] = 4
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None
     """YAML listing the tools available to the model."""
     format: str = "hermes"
     """Tool-call format: hermes (`<tool_call>{json}</tool_call>`, Qwen's), the one tiller parses."""
+    max_user_turns: Optional[int] = None
+    """verl: most user (tool / interaction) turns; tiller's loop is bounded by max_assistant_turns."""
+    max_parallel_calls: int = 1
+    """verl: tool calls run at once per turn; tiller runs a turn's calls one after another."""
+    max_tool_response_length: int = 256
+    """verl: truncate tool responses to this many characters; tiller does not truncate them (they count against
+    data.max_response_length)."""
+    tool_response_truncate_side: str = "middle"
+    """verl: which side max_tool_response_length cuts (tiller does not truncate)."""
+    interaction_config_path: Optional[str] = None
+    """verl: a simulated-user interaction YAML; refused (tiller's multi-turn loop calls tools only)."""
+    use_inference_chat_template: bool = False
+    """verl: render the history with the inference template; tiller renders it with the tokenizer's chat template."""
+    tokenization_sanity_check_mode: str = "strict"
+    """verl: check incremental tokenization against a full re-render; tiller tokenizes each turn once."""
+    num_repeat_rollouts: Optional[int] = None
+    """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
 
 
 @dataclass
@@ -341,6 +620,15 @@ class AgentConfig:
     """The environment class's name in `env_path`."""
     max_turns: int = 8
     """Environment rollout: most model turns per episode."""
+    num_workers: int = 8
+    """verl: agent-loop worker processes; tiller's episodes run in one event loop (bounded by max_concurrency)."""
+    default_agent_loop: str = "single_turn_agent"
+    """verl: the registered agent loop used by default; tiller picks the loop from agent.path / env_path /
+    multi_turn.enable, so only verl's two built-ins are accepted."""
+    agent_loop_config_path: Optional[str] = None
+    """verl: a YAML of custom agent loops; refused (tiller's agents are agent.path or agent.env_path)."""
+    custom_async_server: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
+    """verl: a custom async rollout server class {path, name}; refused unless both are null."""
 
 
 @dataclass
@@ -349,6 +637,21 @@ class TraceConfig:
     """verl's rollout tracing backend (weave | mlflow); tiller records no rollout traces."""
     token2text: bool = False
     """verl: decode token ids in rollout traces."""
+    max_samples_per_step_per_worker: Optional[int] = None
+    """verl: cap of traced samples; tiller records no rollout traces."""
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """verl's `rollout.checkpoint_engine`: how new weights travel from the trainer to the rollout servers."""
+
+    backend: str = "naive"
+    """verl: naive (in-process, colocated) | nccl | hccl | nixl ...; tiller's engines live in the actor's process and
+    take the weights in memory (naive), so the network backends are refused."""
+    update_weights_bucket_megabytes: int = 2048
+    """verl: bucket size of the weight transfer; tiller's vllm sync uses its own bucket size."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """verl: keyword arguments of the checkpoint-engine backend (no backend to pass them to)."""
 
 
 @dataclass
@@ -379,7 +682,7 @@ class RolloutConfig:
     """Keep generating past EOS (benchmarks)."""
     dtype: str = "bfloat16"
     """Rollout compute dtype: bfloat16 | float32."""
-    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per old-logprob forward on each worker."""
     log_prob_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to log_prob_micro_batch_size_per_gpu = this / workers."""
@@ -417,6 +720,56 @@ class RolloutConfig:
     """verl's rollout tracing (no effect in tiller)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the engine (open-ended: use +key=value)."""
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    """verl: vLLM CUDA-graph batch sizes; an engine knob tiller's vllm engine does not pass."""
+    data_parallel_size: int = 1
+    """verl: data-parallel rollout replicas inside one engine; refused unless 1 (one engine per worker)."""
+    expert_parallel_size: int = 1
+    """verl: expert parallelism of the engine (MoE); refused unless 1."""
+    pipeline_model_parallel_size: int = 1
+    """verl: pipeline parallelism of the engine; refused unless 1."""
+    max_model_len: Optional[int] = None
+    """verl: the engine's context limit; tiller's is prompt + response length."""
+    max_num_seqs: int = 256
+    """verl: vLLM's concurrent sequences; an engine knob tiller's vllm engine does not pass."""
+    enable_prefix_caching: bool = True
+    """verl: vLLM prefix caching; tiller's vllm engine keeps vLLM's default (on)."""
+    logprobs_mode: str = "processed_logprobs"
+    """verl: which logprobs the engine returns; tiller's engines return those of the distribution sampled from
+    (after temperature / top-k / top-p): processed_logprobs, the only value accepted."""
+    scheduling_policy: str = "fcfs"
+    """verl: vLLM scheduling policy; an engine knob tiller's vllm engine does not pass."""
+    disable_log_stats: bool = True
+    """verl: vLLM stats logging; an engine knob."""
+    over_sample_rate: float = 0.0
+    """verl: abort the slowest fraction of a batch's generations; refused unless 0 (tiller waits for every sample)."""
+    multi_stage_wake_up: bool = False
+    """verl: wake the vLLM engine's weights and KV cache in two stages; a GPU memory tuning."""
+    skip_tokenizer_init: bool = True
+    """verl: start the engine without a tokenizer; tiller's engines decode with the actor's tokenizer."""
+    skip_rollout: bool = False
+    """verl: replay rollouts dumped to skip_dump_dir instead of generating (debugging); refused."""
+    skip_dump_dir: str = "/tmp/rollout_dump"
+    """verl: the dump dir of skip_rollout (refused)."""
+    enable_rollout_routing_replay: bool = False
+    """verl: record MoE routing in the engine for router replay; refused."""
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    """verl: the weight-transfer backend between trainer and rollout servers."""
+    profiler: dict[str, Any] = field(default_factory=_profiler)
+    """verl's profiler hooks of the rollout; tiller has no profiler integration."""
+    prometheus: dict[str, Any] = field(default_factory=lambda: {
+        "enable": False, "port": 9090, "file": "/tmp/ray/session_latest/metrics/prometheus/prometheus.yml",
+        "served_model_name": None})
+    """verl: a Prometheus exporter of the rollout servers; tiller's metrics go to trainer.logger."""
+    quantization: Optional[str] = None
+    """verl: quantized rollout (e.g. fp8); refused (tiller's engines run the actor's weights unquantized)."""
+    quantization_config_file: Optional[str] = None
+    """verl: the quantization config of rollout.quantization (refused)."""
+    mtp: Any = None
+    """verl's copy of model.mtp for the engine (MTP is refused)."""
+    layer_name_map: dict[str, Any] = field(default_factory=lambda: {"qkv_layer_name": "qkv",
+                                                                    "gate_proj_layer_name": "gate_up"})
+    """verl (Megatron): layer names for the weight sync of fused layers (strategy=megatron only)."""
 
 
 @dataclass
@@ -431,6 +784,10 @@ class ActorRolloutRefConfig:
     """Reference policy (used for KL)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    nccl_timeout: int = 600
+    """verl: NCCL timeout (s) of the actor's process group; tiller's groups use torch's default."""
+    checkpoint_engine: Any = None
+    """verl fully-async's copy of async_training.checkpoint_engine."""
 
 
 # --------------------------------------------------------------------------------------------- critic
@@ -452,6 +809,27 @@ class CriticModelConfig:
     """verl: pack sequences without padding; tiller pads, trimmed per micro-batch."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's sharding / offload knobs of the critic (no effect in tiller)."""
+    external_lib: Optional[str] = None
+    """verl: module imported before loading the critic; tiller imports actor_rollout_ref.model.external_lib once for
+    every model of the run."""
+    use_shm: bool = False
+    """verl: copy the model to /dev/shm before loading; tiller loads from the path."""
+    enable_activation_offload: bool = False
+    """verl: offload activations to CPU in backward; a GPU memory tuning tiller does not have."""
+    lora_rank: int = 0
+    """verl: LoRA on the critic; refused unless 0 (tiller trains the critic in full)."""
+    lora_alpha: int = 16
+    """verl: LoRA alpha of the critic (only with critic.model.lora_rank, refused)."""
+    target_modules: Any = "all-linear"
+    """verl: LoRA targets of the critic (only with critic.model.lora_rank, refused)."""
+    lora: dict[str, Any] = field(default_factory=lambda: {"rank": 0, "alpha": 32, "merge": False,
+                                                           "adapter_path": None,
+                                                           "target_modules": ["linear_qkv", "linear_proj",
+                                                                              "linear_fc1", "linear_fc2"],
+                                                           **_megatron_lora()})
+    """verl (Megatron): the critic's LoRA section (strategy=megatron only, which tiller refuses)."""
+    tiled_mlp: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "num_shards": 4})
+    """verl: tiled MLP to save activation memory; a memory tuning tiller does not have."""
 
 
 @dataclass
@@ -464,12 +842,12 @@ class CriticConfig:
     """Critic optimizer (verl: lr 1e-5)."""
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step; defaults to the actor's."""
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Optional[int] = 8
     """Samples per critic forward/backward on each worker."""
     ppo_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to ppo_micro_batch_size_per_gpu = this / workers (and
     forward_micro_batch_size_per_gpu too, unless forward_micro_batch_size is given)."""
-    forward_micro_batch_size_per_gpu: int = 16
+    forward_micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per value forward on each worker."""
     forward_micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to forward_micro_batch_size_per_gpu = this / workers."""
@@ -496,6 +874,24 @@ class CriticConfig:
     share_prompt_forward: bool = True
     """Run each distinct prompt of a micro-batch once and reuse its KV cache for all its samples (exact;
     as actor.share_prompt_forward). Off under gradient checkpointing."""
+    enable: Optional[bool] = None
+    """verl: train a critic (null = when algorithm.adv_estimator needs one); tiller trains one exactly for gae, so a
+    value that disagrees with the estimator is an error."""
+    rollout_n: Optional[int] = None
+    """verl's copy of rollout.n (null = rollout.n; another value is an error)."""
+    data_loader_seed: int = 42
+    """verl: seed of the critic's mini-batch shuffle; tiller seeds it from trainer.seed."""
+    checkpoint: dict[str, Any] = field(default_factory=_checkpoint)
+    """verl: {save_contents, load_contents, async_save}; tiller saves and loads model, optimizer and trainer state
+    together, synchronously."""
+    profiler: dict[str, Any] = field(default_factory=_profiler)
+    """verl's profiler hooks of the critic; tiller has no profiler integration."""
+    nccl_timeout: int = 600
+    """verl: NCCL timeout (s) of the critic's process group; tiller's groups use torch's default."""
+    load_weight: bool = True
+    """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
+    megatron: dict[str, Any] = field(default_factory=_megatron)
+    """verl's Megatron-Core parallelism of the critic (strategy=megatron only, which tiller refuses)."""
 
 
 # --------------------------------------------------------------------------------------------- reward
@@ -514,6 +910,14 @@ class RewardModelModelConfig:
     """verl: pack sequences without padding; tiller pads."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's sharding / offload knobs of the reward model (no effect in tiller)."""
+    external_lib: Optional[str] = None
+    """verl: module imported before loading the RM; tiller imports actor_rollout_ref.model.external_lib once."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """verl: keys overriding the RM's HF config; refused unless empty (tiller loads the RM's config as saved)."""
+    use_shm: bool = False
+    """verl: copy the model to /dev/shm before loading; tiller loads from the path."""
+    use_fused_kernels: bool = False
+    """verl's copy of actor_rollout_ref.model.use_fused_kernels (no fused kernels in tiller)."""
 
 
 @dataclass
@@ -567,7 +971,7 @@ class RewardModelConfig:
     """Score with a reward model."""
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     """The reward model."""
-    micro_batch_size_per_gpu: int = 16
+    micro_batch_size_per_gpu: Optional[int] = 16
     """Samples per reward-model forward."""
     micro_batch_size: Optional[int] = None
     """Deprecated (verl): a global size, converted to micro_batch_size_per_gpu = this / workers."""
@@ -603,6 +1007,48 @@ class RewardModelConfig:
     """DAPO overlong reward shaping."""
     diversity: DiversityConfig = field(default_factory=DiversityConfig)
     """DARLING diversity-aware reward."""
+    strategy: str = "fsdp"
+    """verl: the RM worker's strategy; tiller runs the RM forward in its own process (megatron is refused)."""
+    enable_resource_pool: bool = False
+    """verl: a separate GPU pool for the reward model; tiller runs the RM next to the trainer."""
+    n_gpus_per_node: int = 8
+    """verl: GPUs per node of the RM's own pool (enable_resource_pool)."""
+    nnodes: int = 0
+    """verl: nodes of the RM's own pool (enable_resource_pool)."""
+    reward_loop_source: str = "register"
+    """verl: where the reward-loop class comes from (register | importlib); tiller's reward managers are built in."""
+    reward_loop_module_path: Optional[str] = None
+    """verl: module of a custom reward loop; refused (write a reward function: custom_reward_function.path)."""
+    reward_loop_class_name: Optional[str] = None
+    """verl: class of a custom reward loop; refused (as reward_loop_module_path)."""
+    launch_reward_fn_async: bool = False
+    """verl: score rewards in a Ray task overlapping the old-logprob forward; tiller scores them in the driver (the
+    parallel reward manager runs them in processes)."""
+    use_reward_loop: bool = True
+    """verl: its reward-loop implementation (vs the legacy reward worker); tiller has one reward path."""
+    sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
+                                                                     "memory_limit_mb": 1024})
+    """verl: a SandboxFusion code-execution service for code rewards; refused unless url is null (point
+    custom_reward_function.path at a scorer that calls your sandbox)."""
+    profiler: dict[str, Any] = field(default_factory=_profiler)
+    """verl's profiler hooks of the reward model; tiller has no profiler integration."""
+    ulysses_sequence_parallel_size: int = 1
+    """verl's Ulysses sequence parallelism for the reward model (tiller runs whole sequences)."""
+    rollout: dict[str, Any] = field(default_factory=lambda: {
+        "name": None, "dtype": "bfloat16", "gpu_memory_utilization": 0.5, "enforce_eager": True,
+        "cudagraph_capture_sizes": None, "free_cache_engine": True, "data_parallel_size": 1,
+        "expert_parallel_size": 1, "tensor_model_parallel_size": 2, "max_num_batched_tokens": 8192,
+        "max_model_len": None, "max_num_seqs": 1024, "load_format": "auto", "engine_kwargs": {},
+        "limit_images": None, "enable_chunked_prefill": True, "enable_prefix_caching": True,
+        "disable_log_stats": True, "skip_tokenizer_init": False, "prompt_length": 2048, "response_length": 2048})
+    """verl: the engine serving a generative reward model in its reward loop; tiller's reward model is a sequence
+    classifier (reward_model.model.path) or reward_model.remote_url, so this section has no effect."""
+    nccl_timeout: int = 600
+    """verl: NCCL timeout (s) of the RM's process group."""
+    load_weight: bool = True
+    """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
+    megatron: dict[str, Any] = field(default_factory=_megatron)
+    """verl's Megatron-Core parallelism of the reward model (strategy=megatron only, which tiller refuses)."""
 
 
 @dataclass
@@ -757,6 +1203,10 @@ class AlgorithmConfig:
     """On-policy distillation from a teacher model (off unless distill.teacher_path is set)."""
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     """PRIME's implicit process reward model (read with adv_estimator=prime)."""
+    use_pf_ppo: bool = False
+    """verl: preference-feedback PPO (reweight samples by reward); refused: not built in tiller."""
+    pf_ppo: dict[str, Any] = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
+    """verl: {reweight_method, weight_pow} of use_pf_ppo (refused), so no effect."""
 
 
 @dataclass
@@ -786,6 +1236,16 @@ class AsyncTrainingConfig:
     require_batches: Optional[int] = None
     """ppo_mini_batch_size prompt groups the trainer takes per step; null = data.train_batch_size /
     ppo_mini_batch_size. tiller's step batch stays data.train_batch_size, so a value must equal that."""
+    use_rollout_log_probs: bool = True
+    """verl: the rollout's logprobs are the behaviour policy of the update (tiller's asynchronous update always does
+    this; False is refused)."""
+    compute_prox_log_prob: bool = False
+    """verl: a proximal-policy logprob forward with the current weights (decoupled PPO); refused (not built)."""
+    use_trainer_do_validate: bool = False
+    """verl: validate in the trainer instead of the rollouter; tiller validates in the trainer (trainer.test_freq)."""
+    checkpoint_engine: dict[str, Any] = field(default_factory=lambda: {
+        "enable": True, "device_buffer_size_M": 4096, "overlap_broadcast_and_consume": False})
+    """verl: the weight broadcast from trainer to rollouter GPUs; tiller's producer shares the trainer's process."""
     partial_rollout: bool = False
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token
@@ -857,6 +1317,21 @@ class TrainerConfig:
     """Show a live progress bar (tqdm) on a terminal; off when the output is not a TTY."""
     use_legacy_worker_impl: str = "auto"
     """verl: which of its worker implementations to run; tiller has one."""
+    rollout_data_dir: Optional[str] = None
+    """verl: dump every step's rollouts as JSONL here; refused (tiller logs trainer.log_val_generations samples)."""
+    validation_data_dir: Optional[str] = None
+    """verl: dump validation generations as JSONL here; refused (use trainer.log_val_generations)."""
+    esi_redundant_time: float = 0
+    """verl: extra seconds before an elastic-instance shutdown to save a checkpoint; tiller has no ESI hook."""
+    default_hdfs_dir: Optional[str] = None
+    """verl: copy checkpoints to HDFS; refused (tiller writes to trainer.default_local_dir)."""
+    del_local_ckpt_after_load: bool = False
+    """verl: delete the local checkpoint after resuming from it; tiller keeps it."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """verl: critic checkpoints to keep; a tiller checkpoint holds actor and critic together, so
+    max_actor_ckpt_to_keep bounds both."""
+    ray_wait_register_center_timeout: int = 300
+    """verl: seconds to wait for its Ray register center; tiller has none."""
 
 
 @dataclass
@@ -871,6 +1346,12 @@ class NewRewardModelConfig:
     """= reward_model.enable."""
     model_path: Optional[str] = None
     """= reward_model.model.path."""
+    enable_resource_pool: Optional[bool] = None
+    """= reward_model.enable_resource_pool."""
+    n_gpus_per_node: Optional[int] = None
+    """= reward_model.n_gpus_per_node."""
+    nnodes: Optional[int] = None
+    """= reward_model.nnodes."""
 
 
 @dataclass
@@ -885,8 +1366,10 @@ class RewardConfig:
     """= reward_model.reward_manager (by name)."""
     reward_model: NewRewardModelConfig = field(default_factory=NewRewardModelConfig)
     """= reward_model.{enable, model.path}."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    """= reward_model.reward_kwargs (DAPO's overlong_buffer_cfg, max_resp_len; open-ended)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=lambda: {
+        "overlong_buffer_cfg": {"enable": False, "len": 0, "penalty_factor": 1.0, "log": False}, "max_resp_len": None})
+    """= reward_model.reward_kwargs: DAPO's overlong_buffer_cfg {enable, len, penalty_factor, log} and max_resp_len
+    (null = data.max_response_length), present by default as in verl 0.9's reward.yaml (set them without +)."""
     num_workers: Optional[int] = None
     """= reward_model.num_workers."""
 
@@ -968,6 +1451,34 @@ class DistillationLossConfig:
 
 
 @dataclass
+class TransferQueueConfig:
+    """verl's `transfer_queue` (verl/experimental/transfer_queue): a distributed store that streams batches between
+    separate worker pools. tiller's driver hands batches to its workers directly."""
+
+    enable: bool = False
+    """Refused: TransferQueue is not built in tiller (the trainer passes each batch in process / over Ray)."""
+    num_global_batch: int = 1
+    """verl TransferQueue option (only with transfer_queue.enable, refused)."""
+    storage_backend: str = "AsyncSimpleStorageManager"
+    """verl TransferQueue option (only with transfer_queue.enable, refused)."""
+    num_data_storage_units: int = 8
+    """verl TransferQueue option (only with transfer_queue.enable, refused)."""
+
+
+@dataclass
+class RewardManagerSectionConfig:
+    """verl 0.7's top-level `reward_manager` section (`reward_manager.yaml`)."""
+
+    name: Optional[str] = None
+    """= reward_model.reward_manager (resolved onto it at load time; both set = error)."""
+    source: str = "register"
+    """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
+    module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})
+    """verl: a custom reward-manager class {path, name}; refused unless path is null (write a reward function:
+    custom_reward_function.path)."""
+
+
+@dataclass
 class DistillationConfig:
     """verl's on-policy distillation section, resolved at load time onto `algorithm.distill.*` (verl's defaults
     apply to the keys left unset); setting both layouts is an error naming both."""
@@ -998,3 +1509,10 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    reward_manager: RewardManagerSectionConfig = field(default_factory=RewardManagerSectionConfig)
+    transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    global_profiler: dict[str, Any] = field(default_factory=_global_profiler)
+    rollout: dict[str, Any] = field(default_factory=lambda: {
+        "nnodes": 1, "n_gpus_per_node": 8, "n": 4, "total_rollout_steps": None, "total_epochs": 10, "test_freq": 1})
+    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
+                                                               "timeline_json_file": None})

@@ -1,0 +1,95 @@
+"""Regenerate the override lists in this directory from a verl checkout (a dev tool; the tests only read the JSON).
+
+    python tests/data/verl_examples/extract.py VERL_GIT_DIR COMMIT [script ...]
+
+Each launch script is run by bash with `python`, `python3`, `srun`, `ray`, `conda`, `nvidia-smi`, ... replaced by
+stubs on PATH: the `python -m verl.trainer.main_ppo` (or a recipe's main) call records its arguments and nothing
+runs. Hydra's `--config-path/--config-name` are kept apart; paths (data files, models, run dirs) are replaced by
+tiny local names, the only change made to what the script passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+STUB_PY = r'''#!/bin/bash
+if [ "$1" = "-m" ] && [[ "$2" == verl.trainer.main_* || "$2" == recipe.*main* || "$2" == verl.experimental.*main* ]]; then
+  shift 2; for a in "$@"; do printf '%s\0' "$a" >> "$CAPTURE"; done; printf '\1' >> "$CAPTURE"; fi
+exit 0
+'''
+STUB_SRUN = r'''#!/bin/bash
+while [ $# -gt 0 ]; do case "$1" in python|python3) exec "$@";; *) shift;; esac; done
+'''
+PATH_KEYS = {"data.train_files": "data/train.parquet", "data.val_files": "data/test.parquet",
+             "actor_rollout_ref.model.path": "tiny-model", "critic.model.path": "tiny-model",
+             "reward_model.model.path": "tiny-rm", "reward.reward_model.model_path": "tiny-rm",
+             "trainer.default_local_dir": "runs/example", "data.tokenizer": "tiny-model",
+             "actor_rollout_ref.model.tokenizer_path": "tiny-model", "critic.model.tokenizer_path": "tiny-model",
+             "reward_model.model.input_tokenizer": "tiny-model", "custom_reward_function.path": "reward.py",
+             "actor_rollout_ref.rollout.multi_turn.tool_config_path": "tools.yaml"}
+
+
+def _local(item: str) -> str:
+    key, eq, value = item.partition("=")
+    bare = key.lstrip("+~")
+    if eq and bare in PATH_KEYS:
+        return f"{key}={PATH_KEYS[bare]}"
+    return item
+
+
+def extract(repo: Path, commit: str, script: str) -> dict:
+    text = subprocess.run(["git", f"--git-dir={repo}", "show", f"{commit}:{script}"], check=True,
+                          capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        bin_dir = Path(tmp, "bin")
+        bin_dir.mkdir()
+        for name, body in (("python", STUB_PY), ("python3", STUB_PY), ("srun", STUB_SRUN), ("ray", STUB_SRUN)):
+            (bin_dir / name).write_text(body)
+        for name in ("conda", "nvidia-smi", "scontrol", "sleep", "huggingface-cli", "hf", "wget", "hostname",
+                     "pip", "pip3", "modelscope", "hdfs", "mkdir", "tee", "nproc"):
+            (bin_dir / name).write_text("#!/bin/bash\nexit 0\n")
+        for f in bin_dir.iterdir():
+            f.chmod(0o755)
+        Path(tmp, "script.sh").write_text(text)
+        capture = Path(tmp, "capture")
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": "/home/user", "CAPTURE": str(capture),
+               "SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_PER_NODE": "8", "NNODES": "1", "NGPUS_PER_NODE": "8"}
+        subprocess.run(["bash", "script.sh"], cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=60)
+        calls = [c for c in capture.read_bytes().split(b"\1") if c] if capture.exists() else []
+    if not calls:
+        raise SystemExit(f"{script}: no trainer call captured")
+    args = [a.decode() for a in calls[0].split(b"\0") if a]
+    config, overrides, i = {}, [], 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--config-"):
+            name, eq, value = a.partition("=")
+            if not eq:
+                value, i = args[i + 1], i + 1
+            config[name.lstrip("-")] = value
+        elif a.strip():
+            overrides.append(_local(a))
+        i += 1
+    return {"repo": Path(repo).parent.name.replace("+", "/"), "commit": commit, "file": script, "config": config, "overrides": overrides}
+
+
+def main(argv: list[str]) -> None:
+    repo, commit, *scripts = argv
+    for script in scripts:
+        out = extract(Path(repo), commit, script)
+        name = Path(script).with_suffix(".json").name
+        if Path(repo).parent.name.endswith("verl-recipe"):
+            name = "recipe_" + name
+        (HERE / name).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"{name}: {len(out['overrides'])} overrides")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
