@@ -144,3 +144,23 @@ def test_the_reason_test_can_fail(tmp_path, monkeypatch):
     with __import__("pytest").raises(AssertionError, match=r"planted.py:2: from tiller.errors") as err:
         test_function_level_imports_name_their_reason()
     assert "planted.py:8" not in str(err.value)
+
+
+def test_no_function_shadows_a_module_level_tiller_import():
+    """A function that binds a name the module imports from tiller (and reads it) reads its own local: a module-top
+    import hoisted from inside such a function would silently change what the name means there."""
+    clashes = []
+    for path in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").split(".")[0] == "tiller" for a in node.names}
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs
+            bound = {a.arg for a in args} | {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
+                                             and isinstance(n.ctx, ast.Store)}
+            read = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            clashes += [f"{path.relative_to(PKG.parent)}:{fn.lineno} {fn.name}() binds {name}"
+                        for name in sorted(bound & imported & read)]
+    assert not clashes, "local names shadowing module-level tiller imports:\n" + "\n".join(clashes)
