@@ -1,17 +1,17 @@
 """`tiller demo`: watch RL teach a tiny model two-digit addition on a laptop CPU, in a few minutes.
 
 1. Starter model (cached under `~/.cache/tiller/demo/`, or `$TILLER_CACHE/demo/`): a ~2M-parameter Qwen2
-   from the tiny-model kit, given a short supervised warm-up on the task (cross-entropy on the answer
-   tokens, constant lr) that stops as soon as greedy accuracy on a dev split first reaches `--warmup-target`
+   from the tiny-model kit, given a short supervised warm-up on additions of 1-3 digit operands (never an RL
+   prompt or a held-out pair; see `warmup_rows`; cross-entropy on the answer tokens, constant lr) that stops as soon as greedy accuracy on a dev split first reaches `--warmup-target`
    (0.4): the model is partly right, so sampled groups contain both right and wrong answers.
 2. GRPO (Shao et al. 2024) on `tiller/arithmetic` (`tiller.tasks.arithmetic`): n = 8 samples per prompt,
    group z-score advantages, groups whose answers are all right or all wrong dropped (DAPO's dynamic
    sampling), no KL, AdamW lr 1e-4 after a 10-step warmup, 150 steps of 32 prompts.
 3. Greedy accuracy on 256 held-out prompts (pairs never seen in training) before and after RL.
 
-Measured (`bench/demo_seeds.py`, seeds 0-4, 2-core AMD EPYC with AVX2 only, 1 thread each, machine shared):
-held-out gains +0.40 / +0.24 / +0.40 / +0.38 / +0.08 (median +0.38) in 255-370 s from a fresh cache, most
-of it the warm-up (500-1450 steps, depending on the seed). Why the warm-up's lr is constant: see `warm_up`.
+Measured (`bench/demo_seeds.py --parallel 1`, seeds 0-4, fresh cache, 2-core AMD EPYC with AVX-512 BF16, fp32,
+1 thread each): held-out gains +0.46 / +0.47 / +0.38 / +0.49 / +0.40 (median +0.46) in 150-285 s, the warm-up
+385-685 steps; with torch's AVX2 kernels forced (ATEN_CPU_CAPABILITY=avx2) +0.43 / +0.36 / +0.40 / +0.55 / +0.46.
 One GRPO step of this pipeline equals a plain-torch reference (tests/trainer/test_grpo_reference.py).
 
 The run dir holds `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `plots/demo_curves.png` (reward and
