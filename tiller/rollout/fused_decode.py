@@ -119,29 +119,40 @@ class FusedDecoder:
         return F.linear(x, weight, bias)
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-        """One decode step. input_ids, position_ids [B, 1]; mask [B, 1, 1, L] bool (True = attend);
+        """One decode step. input_ids, position_ids [B, 1]; mask [B, 1, 1, L] bool (True = attend) or additive;
         `cache` a KVBuffer positioned at the write column. Returns logits [B, V]."""
+        return self.forward(input_ids, position_ids, mask, cache)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """T tokens per row (prefill, T >= 1): input_ids, position_ids [B, T]; mask [B, 1, T, L] over the keys
+        `cache.update` returns. Returns the logits of each row's last position, [B, V]."""
         inner = self.model.model
-        x = inner.embed_tokens(input_ids)  # [B, 1, E]
+        x = inner.embed_tokens(input_ids)  # [B, T, E]
         cos, sin = inner.rotary_emb(x, position_ids)
-        b, d, n_q, n_kv = x.shape[0], self.head_dim, self.n_q, self.n_kv
+        (b, t), d, n_q, n_kv = input_ids.shape, self.head_dim, self.n_q, self.n_kv
         group = n_q // n_kv
-        q_mask = mask  # [B, 1, 1, L] broadcasts over kv heads and the folded query group
         for i, layer in enumerate(inner.layers):
             h = layer.input_layernorm(x)
             qkv = self._apply(h, self.qkv[i])
             q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-            q = q.view(b, 1, n_q, d).transpose(1, 2)
-            k = k.view(b, 1, n_kv, d).transpose(1, 2)
-            v = v.view(b, 1, n_kv, d).transpose(1, 2)
+            q = q.view(b, t, n_q, d).transpose(1, 2)
+            k = k.view(b, t, n_kv, d).transpose(1, 2)
+            v = v.view(b, t, n_kv, d).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.update(k, v, i)
-            # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]
-            o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=q_mask,
-                                               scale=self.scaling)
-            x = x + self._apply(o.reshape(b, 1, n_q * d), self.o[i])
+            if t == 1:
+                # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]; the mask
+                # [B, 1, 1, L] broadcasts over kv heads and the folded group
+                o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=mask,
+                                                   scale=self.scaling)
+                o = o.reshape(b, 1, n_q * d)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                                   enable_gqa=group > 1)
+                o = o.transpose(1, 2).reshape(b, t, n_q * d)
+            x = x + self._apply(o, self.o[i])
             h = layer.post_attention_layernorm(x)
             gate, up = self._apply(h, self.gate_up[i]).chunk(2, dim=-1)
             x = x + self._apply(layer.mlp.act_fn(gate) * up, self.down[i])
-        x = inner.norm(x)
-        return self._apply(x[:, -1].contiguous(), self.head)
+        x = inner.norm(x[:, -1])
+        return self._apply(x.contiguous(), self.head)

@@ -245,10 +245,13 @@ class NativeRolloutEngine(InProcessEngine):
             valid = (causal[None] & valid_k[:, None, :]) | eye[None]  # pad queries see themselves: no NaN rows
             rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
-            out = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl), position_ids=pos,
-                        use_cache=True, logits_to_keep=1,
-                        **{cache_keyword(model) or 'past_key_values': cache})
-            logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
+            if self._fused is not None and self._fused.model is model:  # prepacked weights (fused_decode)
+                last = self._fused.forward(ids, pos, valid[:, None], cache)
+            else:
+                last = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl), position_ids=pos,
+                             use_cache=True, logits_to_keep=1,
+                             **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
+            logits = last.float().repeat_interleave(n, dim=0)
             if first_logits is None:
                 first_logits = torch.empty((len(prompts) * n, logits.shape[-1]), dtype=torch.float32, device=device)
             first_logits[rows] = logits
