@@ -340,18 +340,21 @@ def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 class eval_mode:
-    """Context: put a module in eval mode and restore its training flag after."""
+    """Context: put a module in eval mode and restore its training flag after. A module already in eval mode
+    is left alone: `train()` / `eval()` walk every submodule, ~1 ms on a 30M model, which per decode step adds up."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
     def __enter__(self):
         self.was_training = self.module.training
-        self.module.eval()
+        if self.was_training:
+            self.module.eval()
         return self.module
 
     def __exit__(self, *exc):
-        self.module.train(self.was_training)
+        if self.was_training:
+            self.module.train(True)
         return False
 
 

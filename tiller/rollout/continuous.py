@@ -44,6 +44,7 @@ from tiller.rollout.base import (
     SamplingParams,
     StopStringWatcher,
     check_prompts,
+    eval_mode,
     finalize_row,
     pad_token_id,
     stop_ids_for,
@@ -269,12 +270,8 @@ class ContinuousBatcher:
         prompts = [p for job in jobs for p in job.prompt_ids]
         width = max(len(p) for p in prompts)
         tmp = KVBuffer(len(prompts), width, self._device)
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             first = engine._prefill(model, prompts, tmp, width, 1, pad_token_id(model, engine.tokenizer))
-        finally:
-            model.train(was_training)
         total = len(self._rows) + sum(len(j.prompt_ids) * j.sampling.n for j in jobs)
         if self._cache is None or self._cache.batch < total:
             self._grow_slots(max(total, self.max_rows), tmp)
@@ -439,17 +436,13 @@ class ContinuousBatcher:
         mask = engine._mask(valid, dtype, model.config._attn_implementation)
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in rows], device=dev)
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             if engine._fused is not None and engine._fused.model is model:
                 logits = engine._fused.step(tokens, positions, mask, cache)
             else:
                 logits = model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                use_cache=True, logits_to_keep=1,
                                **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
-        finally:
-            model.train(was_training)
         self._logits = logits
 
 
