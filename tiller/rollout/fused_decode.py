@@ -8,8 +8,9 @@ the GEMM peak (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear` do the 
     qkv = x W_qkv^T (+ b_qkv)         W_qkv = [W_q; W_k; W_v]
     gate, up = split(x W_gu^T)         W_gu = [W_gate; W_up]
 
-Everything else reuses the model's own modules and functions (embedding, RMSNorms, rotary embedding,
-`apply_rotary_pos_emb`, o_proj, down_proj, act_fn, lm_head), so numerics match the HF forward.
+Everything else reuses the model's own modules (embedding, rotary embedding tables, act_fn) or computes the
+same math in fewer ops: HF's `apply_rotary_pos_emb` on the q and k heads in one pass, fp32 RMSNorm through
+`torch.nn.functional.rms_norm`; greedy output equals the HF forward's token for token (tests/rollout).
 Grouped-query attention for one query token is computed by folding each kv head's query group into the
 query-length axis (HF's `pack_gqa`), so keys / values are never repeated.
 
@@ -26,8 +27,6 @@ Letters: `B` rows, `L` cache columns, `D` head dim, `Hq` / `Hk` query / kv heads
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +53,8 @@ def supports(model) -> bool:
             return False
         if layer.mlp.gate_proj.bias is not None or layer.mlp.up_proj.bias is not None:
             return False
+        if not all(hasattr(n, "variance_epsilon") for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return False
     return True
 
 
@@ -74,7 +75,6 @@ class FusedDecoder:
     def __init__(self, model, pack: bool | None = None):
         self.model = model
         self.pack = can_pack(model) if pack is None else pack
-        self.rotary = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
         attn = model.model.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_q = model.config.num_attention_heads
@@ -112,6 +112,13 @@ class FusedDecoder:
         return weight, bias, packed
 
     @staticmethod
+    def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm; fp32 through torch's fused `rms_norm` (the same math as HF's module in one op)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        return norm(x)
+
+    @staticmethod
     def _apply(x: torch.Tensor, lin: tuple) -> torch.Tensor:
         weight, bias, packed = lin
         if packed is not None:
@@ -131,14 +138,16 @@ class FusedDecoder:
         cos, sin = inner.rotary_emb(x, position_ids)
         (b, t), d, n_q, n_kv = input_ids.shape, self.head_dim, self.n_q, self.n_kv
         group = n_q // n_kv
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
+        half = d // 2
         for i, layer in enumerate(inner.layers):
-            h = layer.input_layernorm(x)
+            h = self._norm(layer.input_layernorm, x)
             qkv = self._apply(h, self.qkv[i])
-            q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-            q = q.view(b, t, n_q, d).transpose(1, 2)
-            k = k.view(b, t, n_kv, d).transpose(1, 2)
-            v = v.view(b, t, n_kv, d).transpose(1, 2)
-            q, k = self.rotary(q, k, cos, sin)
+            # rotary embedding on q and k heads together (HF's apply_rotary_pos_emb, element for element)
+            qk = qkv[..., : (n_q + n_kv) * d].view(b, t, n_q + n_kv, d).transpose(1, 2)
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q, k = qk.split([n_q, n_kv], dim=1)
+            v = qkv[..., (n_q + n_kv) * d :].view(b, t, n_kv, d).transpose(1, 2)
             k, v = cache.update(k, v, i)
             if t == 1:
                 # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]; the mask
@@ -151,8 +160,8 @@ class FusedDecoder:
                                                    enable_gqa=group > 1)
                 o = o.transpose(1, 2).reshape(b, t, n_q * d)
             x = x + self._apply(o, self.o[i])
-            h = layer.post_attention_layernorm(x)
+            h = self._norm(layer.post_attention_layernorm, x)
             gate, up = self._apply(h, self.gate_up[i]).chunk(2, dim=-1)
             x = x + self._apply(layer.mlp.act_fn(gate) * up, self.down[i])
-        x = inner.norm(x[:, -1])
+        x = self._norm(inner.norm, x[:, -1])
         return self._apply(x.contiguous(), self.head)
