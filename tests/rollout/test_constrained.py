@@ -93,3 +93,17 @@ def test_constrained_rows_parse_and_do_not_leak_into_unconstrained_rows(policy, 
     assert past_eos.finish_reason == ["stop"] and past_eos.response_ids[0][-1] == eos  # ignore_eos: still ends
     text = policy.tokenizer.decode(greedy_json.response_ids[0], skip_special_tokens=True)
     assert text.startswith('{"a": ') and greedy_json.finish_reason in (["stop"], ["length"])
+
+
+@pytest.mark.parametrize("schema, accepted", [
+    ({"type": "object"}, ['{"a": 1, "b": [2, 3]}']),
+    ({"type": "object", "x-guidance": {"whitespace_flexible": True}},
+     ['{"a": 1, "b": [2, 3]}', '{"a":1,"b":[2,3]}', '{ "a" : 1 ,\n "b": [2, 3]}']),
+])
+def test_json_layout_is_one_line_unless_the_schema_asks(policy, compiler, schema, accepted):
+    texts = ['{"a": 1, "b": [2, 3]}', '{"a":1,"b":[2,3]}', '{ "a" : 1 ,\n "b": [2, 3]}']
+    grammar = compiler.json_schema(schema)
+    for text in texts:
+        matcher = grammar.matcher()
+        ok = all(matcher.consume_token(t) for t in _ids(policy, text)) and matcher.is_accepting()
+        assert ok == (text in accepted), text

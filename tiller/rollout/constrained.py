@@ -11,8 +11,9 @@ end-of-sequence token is allowed only where the text is complete; once the gramm
 is the only token left.
 
 JSON layout: by default objects and arrays are written on one line with `", "` and `": "` separators and no other
-whitespace (as Python's `json.dumps`), so a model cannot spend its budget on whitespace; a schema can ask for
-llguidance's other options under its `"x-guidance"` key (e.g. `{"whitespace_flexible": true}`).
+whitespace (as Python's `json.dumps`), so a model cannot spend its budget on whitespace. A schema with an
+`"x-guidance"` key gets llguidance's own defaults and those options instead (`{"whitespace_flexible": true}`: any
+whitespace around `,` and `:`; see llguidance's JsonCompileOptions).
 
 Letters: `B` constrained rows, `V` vocabulary (the model's logits width).
 """
@@ -30,7 +31,7 @@ import torch
 from tiller.errors import UserError
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""llguidance JSON options applied before the schema's own `"x-guidance"` ones (see the module docstring)."""
+"""llguidance JSON options for a schema without an `"x-guidance"` key (see the module docstring)."""
 
 Matcher = llguidance.LLMatcher
 """One row's grammar state: `consume_token`, `is_error` / `get_error`, masks via `allowed_tokens`."""
@@ -74,7 +75,8 @@ class GrammarCompiler:
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
         try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+            layout = None if "x-guidance" in schema else JSON_LAYOUT
+            source = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=layout)
         except (ValueError, TypeError) as err:
             raise GrammarError(str(err)) from None
         return self.compile(source)

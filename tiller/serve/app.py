@@ -14,15 +14,17 @@ Semantics and deviations from the OpenAI API:
 - `stop` strings end a choice and are not part of the returned text (as OpenAI); the token that completed
   the string is still counted in `usage.completion_tokens`.
 - `logprobs` (and `top_logprobs` <= 20 on chat, `logprobs: k` <= 20 on completions) are those of the sampling
-  distribution (after `logit_bias`, temperature, top-k, top-p, min-p), the quantity RL training uses; at
-  temperature 1 without filters that is the model's `log_softmax`. Tokens the filters removed report -9999
-  (vLLM's floor). Top-k logprobs and `logit_bias` need the native engine (400 naming the field otherwise).
+  distribution (after `logit_bias`, the `response_format` mask, temperature, top-k, top-p, min-p), the quantity
+  RL training uses; at temperature 1 without filters that is the model's `log_softmax`. Tokens the filters
+  removed report -9999 (vLLM's floor). Top-k logprobs and `logit_bias` need the native engine (400 naming the
+  field otherwise).
 - `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before sampling, as OpenAI.
 - `response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema", "json_schema":
   {"name": ..., "schema": {...}}}` are honoured on both endpoints by constrained decoding with the native engine
   (`tiller.rollout.constrained`): at every step the tokens that cannot continue valid JSON are masked, and eos is
   allowed only once the value is complete, so a choice that ends with `finish_reason: "stop"` parses (one cut by
-  `max_tokens` ends with `"length"`, as OpenAI). Objects come on one line with `", "` / `": "` separators. The
+  `max_tokens` ends with `"length"`, as OpenAI). Objects come on one line with `", "` / `": "` separators
+  unless the schema carries llguidance options under `"x-guidance"` (`tiller.rollout.constrained`). The
   reported logprobs are those of the masked distribution the tokens were drawn from. A schema llguidance cannot
   compile is a 400 naming `response_format.json_schema` with its message; other engines answer 400.
 - Streaming (`stream=true`, both endpoints) uses OpenAI's SSE chunk format, but a choice's chunks are sent
