@@ -36,7 +36,7 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 Matcher = llguidance.LLMatcher
 """One row's grammar state: `consume_token`, `is_error` / `get_error`, masks via `allowed_tokens`."""
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 class GrammarError(UserError):
@@ -100,5 +100,6 @@ def allowed_tokens(rows: list[tuple[Matcher, Grammar]], vocab_size: int) -> torc
     for row, (matcher, grammar) in enumerate(rows):
         part = bitmask[row, : (grammar.mask_vocab + 31) // 32]
         matcher.unsafe_compute_mask_ptr(part.data_ptr(), part.numel() * part.element_size())
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [B, W, 32]
+    # read as bytes (little-endian, as every platform torch ships for): byte k of word w holds tokens 32 w + 8 k + b
+    bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> _BITS) & 1  # [B, 4 W, 8]
     return bits.view(len(rows), -1)[:, :vocab_size].bool()
