@@ -100,8 +100,8 @@ class ServedModel:
         return isinstance(self.batcher, ContinuousBatcher)
 
     def grammar(self, req: SamplingFields) -> Grammar | None:
-        """The compiled grammar of `req.response_format` (None for text); blocking: compiling a large schema
-        takes up to ~100 ms, wrapping a 150k-token tokenizer ~1 s once, so handlers call it in a thread."""
+        """The compiled grammar of `req.response_format` (None for text). Blocking (llguidance quotes up to ~1 s
+        for a very complex schema, and ~1 s once to wrap a 150k-token tokenizer), so handlers call it in a thread."""
         schema = req.json_schema()
         if schema is None:
             return None
