@@ -107,3 +107,27 @@ def test_json_layout_is_one_line_unless_the_schema_asks(policy, compiler, schema
         matcher = grammar.matcher()
         ok = all(matcher.consume_token(t) for t in _ids(policy, text)) and matcher.is_accepting()
         assert ok == (text in accepted), text
+
+
+def test_a_matcher_in_error_fails_its_request_only(policy, compiler):
+    """A row whose matcher breaks (here: a prototype already past an invalid token) fails its own request with
+    llguidance's message; the batcher keeps serving the next requests."""
+    from tiller.rollout.constrained import Grammar
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    good = compiler.json_schema(SCHEMA)
+    broken = good.matcher()
+    assert not broken.consume_token(_ids(policy, "x")[0]) and broken.is_error()
+    prompt = _ids(policy, "JSON:")
+    batcher = ContinuousBatcher(policy.engine, max_rows=8)
+    try:
+        bad = batcher.submit([prompt], SamplingParams(max_new_tokens=20, seed=0),
+                             grammar=Grammar(broken, good.eos_ids, good.mask_vocab))
+        plain = batcher.submit([prompt], SamplingParams(max_new_tokens=5, do_sample=False, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="constrained decoding failed"):
+            bad.result(timeout=60)
+        assert plain.result(timeout=60).finish_reason == ["length"]
+        after = batcher.generate([prompt], SamplingParams(max_new_tokens=60, seed=0), grammar=good)
+    finally:
+        batcher.close()
+    assert set(json.loads(policy.tokenizer.decode(after.response_ids[0], skip_special_tokens=True))) == {"a", "b"}
