@@ -1,8 +1,9 @@
 """`tiller serve` driven by the official `openai` client (sync and async) on a loopback port, tiny model.
 
 Log-probs are checked against a teacher-forced forward of the same model (the sampled ids come back exactly
-through vLLM's `return_tokens_as_token_ids` extension); `seed`, `n`, `stop`, `logit_bias` are exact; what
-tiller cannot honour (`response_format` json) is a 400 naming the field.
+through vLLM's `return_tokens_as_token_ids` extension); `seed`, `n`, `stop`, `logit_bias` are exact;
+`response_format` json_object / json_schema replies parse and follow the schema, with the logprobs of the masked
+distribution; what tiller cannot honour is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -165,10 +166,13 @@ def test_seeded_request_gives_the_same_tokens_alone_and_under_load(live):
     assert after["peak_rows"] > 1 and after["steps"] - before["steps"] < after["tokens"] - before["tokens"]
 
 
-def test_response_format_json_and_unsupported_fields_are_refused(client):
-    for kwargs, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-                           "response_format"),
+def test_unsupported_fields_and_bad_response_formats_are_refused(client):
+    for kwargs, param in (({"response_format": {"type": "xml"}}, "response_format"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                       "schema": {"type": "objectx"}}}},
+                           "response_format.json_schema"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+                           "response_format.json_schema.name"),
                           ({"presence_penalty": 0.5}, "presence_penalty"),
                           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as err:
@@ -176,6 +180,10 @@ def test_response_format_json_and_unsupported_fields_are_refused(client):
         assert err.value.body["param"].startswith(param), err.value.body
     text = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, response_format={"type": "text"})
     assert text.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}})
+    assert err.value.body["param"] == "response_format.json_schema" and "nowhere" in err.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=CHAT, max_tokens=2)
 
@@ -225,3 +233,95 @@ def test_tool_calls_parsed_for_the_client(client, live, monkeypatch):
     client.chat.completions.create(model="tiny", messages=follow, tools=tools, max_tokens=8)
     assert "42" in prompts[-1] and '"expression": "6*7"' in prompts[-1]  # the tool result reached the prompt
     scripted.close()
+
+
+# ------------------------------------------------------------------------------------ response_format
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+def test_json_object_replies_parse_as_objects(client):
+    """An untrained model under `json_object`: every choice ends with eos once its object is closed (seeds 4 and
+    7 give empty objects and ones with long random keys and strings: 3 to ~800 tokens)."""
+    sizes = []
+    for seed in (4, 7):
+        resp = client.chat.completions.create(model="tiny", messages=CHAT, n=3, seed=seed, max_tokens=1500,
+                                              response_format={"type": "json_object"})
+        for choice in resp.choices:
+            assert choice.finish_reason == "stop"
+            value = json.loads(choice.message.content)
+            assert isinstance(value, dict)
+            sizes.append(len(value))
+    assert max(sizes) >= 1  # not only `{}`
+
+
+def test_json_schema_replies_follow_it_with_masked_logprobs(client, live, reference):
+    """Every choice is an object with exactly `a` (integer) and `b` ("x" or "y"); each reported logprob is the
+    teacher-forced log_softmax over the tokens the grammar allowed at that step (replayed with a fresh matcher),
+    so it is finite and the chosen token was allowed."""
+    from tiller.rollout.constrained import GrammarCompiler, allowed_tokens
+
+    _, served = live
+    resp = client.chat.completions.create(
+        model="tiny", messages=CHAT, n=3, seed=21, max_tokens=200, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA, "strict": True}},
+        extra_body={"return_tokens_as_token_ids": True})
+    grammar = GrammarCompiler(served.tokenizer, len(served.tokenizer)).json_schema(SCHEMA)
+    prompt = _chat_prompt(served)
+    for choice in resp.choices:
+        value = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop" and set(value) == {"a", "b"}
+        assert isinstance(value["a"], int) and value["b"] in ("x", "y")
+        entries = choice.logprobs.content
+        sampled = _ids(e.token for e in entries)
+        assert sampled[-1] == served.tokenizer.eos_token_id
+        ref = reference(prompt + sampled)[len(prompt) - 1 : -1]
+        matcher = grammar.matcher()
+        for t, (entry, tok) in enumerate(zip(entries, sampled)):
+            allowed = allowed_tokens([(matcher, grammar)], ref.shape[-1])[0]
+            assert allowed[tok]
+            masked = torch.log_softmax(ref[t].masked_fill(~allowed, float("-inf")), dim=-1)
+            assert entry.logprob == pytest.approx(masked[tok].item(), abs=1e-4)
+            assert matcher.consume_token(tok)
+    bounded = {**SCHEMA, "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": SCHEMA["properties"]["b"]}}
+    greedy = client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": bounded}})
+    value = json.loads(greedy.choices[0].message.content)
+    assert greedy.choices[0].finish_reason == "stop" and 0 <= value["a"] <= 99 and value["b"] in ("x", "y")
+
+
+def test_completions_and_streaming_take_response_format(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA}}
+    done = client.completions.create(model="tiny", prompt="JSON:", max_tokens=200, seed=3,
+                                     extra_body={"response_format": fmt})
+    value = json.loads(done.choices[0].text)
+    assert done.choices[0].finish_reason == "stop" and set(value) == {"a", "b"}
+    kw = dict(model="tiny", messages=CHAT, max_tokens=200, seed=5, response_format=fmt)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert set(json.loads(full)) == {"a", "b"}
+
+
+def test_response_format_needs_the_native_engine(tiny_model_dir):
+    """`--engine hf` (micro-batching, no per-step masks) answers 400 naming `response_format`."""
+    from fastapi.testclient import TestClient
+
+    from tiller.serve.app import create_app
+    from tiller.serve.cli import _parser, build_served_model
+
+    served = build_served_model(_parser().parse_args([str(tiny_model_dir), "--dtype", "float32", "--engine", "hf",
+                                                      "--served-model-name", "tiny", "--max-model-len", "256"]))
+    try:
+        with TestClient(create_app(served)) as http, \
+                openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0) as hf:
+            with pytest.raises(openai.BadRequestError) as err:
+                hf.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4,
+                                           response_format={"type": "json_object"})
+            assert err.value.body["param"] == "response_format" and "native engine" in err.value.body["message"]
+            assert hf.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                              response_format={"type": "text"}).choices[0].message.role == "assistant"
+    finally:
+        served.batcher.close()

@@ -138,7 +138,12 @@ def test_chat_streaming_sse_concatenates_to_the_full_answer(server):
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "objectx"}}}},
+     "response_format.json_schema"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 5}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),

@@ -1,15 +1,18 @@
 """Continuous batching over the native engine's model: requests join and leave the running batch between
 decode steps (Yu et al. 2022, "Orca"; vLLM's scheduler is the model), each row with its own sampling
-settings, `logit_bias`, top-k logprobs and, when seeded, its own `torch.Generator`.
+settings, `logit_bias`, top-k logprobs, optional grammar (constrained decoding) and, when seeded, its own
+`torch.Generator`.
 
-`ContinuousBatcher(engine).submit(prompt_ids, sampling, logit_bias=..., top_logprobs=...)` returns a
+`ContinuousBatcher(engine).submit(prompt_ids, sampling, logit_bias=..., top_logprobs=..., grammar=...)` returns a
 `Future[DetailedOutput]`; one daemon thread owns the model and loops:
 
 1. admit waiting jobs while rows are free (`max_rows`): prefill their prompts (the native engine's chunked
    prefill, once per prompt; the `n` rows of a prompt copy its keys / values) into free slots of a
    preallocated slot cache; their first logits join the batch's;
 2. sample one token for every live row (`sampling.warp_logits` per settings group; a seeded row's uniform
-   comes from its own generator, the others' from the batcher's), record the logprob (and the top-k);
+   comes from its own generator, the others' from the batcher's), record the logprob (and the top-k); a row
+   with a grammar first has the tokens its matcher forbids set to -inf, and its matcher consumes the token
+   drawn (`tiller.rollout.constrained`; no mask work at all while no live row has a grammar);
 3. rows that hit a stop token / stop string / their `max_new_tokens` leave; the last live rows move into
    their slots (one row's cache copied, never the whole batch), so live rows stay at the front;
 4. one decode step for the live rows (the fused Llama / Qwen2 step where supported).
@@ -24,7 +27,10 @@ one uniform per step, so its tokens do not depend on what else runs (up to float
 matmuls, which in fp32 does not change a draw in practice: tested). Unseeded rows share one generator.
 
 Semantics (as `tiller.rollout.base`): logprobs are those of the sampling distribution after
-`logit_bias`, temperature, top-k, top-p and min-p; greedy reports `log_softmax(logits + bias)`.
+`logit_bias`, the grammar's mask, temperature, top-k, top-p and min-p; greedy reports
+`log_softmax(logits + bias + mask)` (mask 0 or -inf). With a grammar these are the logprobs of the constrained
+distribution the tokens were drawn from, which is what RL trains on. A constrained row also ends at the
+grammar's eos (allowed only once the text is complete) even with `ignore_eos`.
 
 Letters: `B` live rows, `S` slots, `H` kv heads, `L` cache columns, `D` head dim, `V` vocabulary.
 """
@@ -49,6 +55,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
+from tiller.rollout.constrained import Grammar, Matcher, allowed_tokens
 from tiller.rollout.fused_decode import FusedDecoder, supports
 from tiller.rollout.native import KVBuffer, NativeRolloutEngine
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
@@ -74,6 +81,7 @@ class _Job:
     sampling: SamplingParams
     logit_bias: dict[int, float]
     top_logprobs: int
+    grammar: Grammar | None = None
     future: Future = field(default_factory=Future)
     rows: list["_Row"] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
@@ -85,6 +93,7 @@ class _Row:
     job: _Job
     prompt: list[int]
     generator: torch.Generator | None
+    matcher: Matcher | None = None  # a constrained row's own grammar state
     start: int = 0
     end: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -179,8 +188,13 @@ class ContinuousBatcher:
         return self.pending >= self.max_queue
 
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, *,
-               logit_bias: dict[int, float] | None = None, top_logprobs: int = 0) -> Future:
-        """Queue one request (`len(prompt_ids) * sampling.n` rows); raises `QueueFull` past `max_queue`."""
+               logit_bias: dict[int, float] | None = None, top_logprobs: int = 0,
+               grammar: Grammar | None = None) -> Future:
+        """Queue one request (`len(prompt_ids) * sampling.n` rows); raises `QueueFull` past `max_queue`.
+
+        `grammar` (`tiller.rollout.constrained.Grammar`) constrains every row of the request, each with its own
+        matcher.
+        """
         sampling.validate()
         model = self.engine.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
@@ -191,7 +205,7 @@ class ContinuousBatcher:
                 raise QueueFull(f"{self.pending} requests are waiting or running; this server takes at most "
                                 f"{self.max_queue} at once (--max-queue): retry later")
             self.pending += 1
-        job = _Job([list(p) for p in prompt_ids], sampling, dict(logit_bias or {}), int(top_logprobs))
+        job = _Job([list(p) for p in prompt_ids], sampling, dict(logit_bias or {}), int(top_logprobs), grammar)
         job.future.add_done_callback(self._done)
         self.queue.put(job)
         return job.future
@@ -280,13 +294,16 @@ class ContinuousBatcher:
         index = 0
         for job in jobs:
             job.stop_ids = stop_ids_for(model, engine.tokenizer, job.sampling)
+            if job.grammar is not None:  # the grammar's eos ends the text, ignore_eos or not
+                job.stop_ids = list(dict.fromkeys([*job.stop_ids, *job.grammar.eos_ids]))
             job.watcher = StopStringWatcher(engine.tokenizer, job.sampling.stop)
             for p in job.prompt_ids:
                 for j in range(job.sampling.n):
                     seed = job.sampling.seed
                     gen = None if seed is None else torch.Generator(device=self._device).manual_seed(
                         (int(seed) * 1_000_003 + len(job.rows)) % (1 << 63))
-                    row = _Row(job, p, gen, start=width - len(p), end=width)
+                    row = _Row(job, p, gen, start=width - len(p), end=width,
+                               matcher=None if job.grammar is None else job.grammar.matcher())
                     job.rows.append(row)
                     self._rows.append(row)
                     src.append(index)
@@ -323,6 +340,11 @@ class ContinuousBatcher:
                 if r.job.logit_bias:
                     ids = torch.tensor(list(r.job.logit_bias), device=logits.device)
                     logits[i, ids] += torch.tensor(list(r.job.logit_bias.values()), device=logits.device)
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if constrained:
+            allowed = allowed_tokens([(rows[i].matcher, rows[i].job.grammar) for i in constrained], logits.shape[-1])
+            idx = torch.tensor(constrained, device=logits.device)
+            logits = logits.index_put((idx,), logits[idx].masked_fill(~allowed.to(logits.device), float("-inf")))
         tokens = [0] * len(rows)
         logps = [0.0] * len(rows)
         tops: list[list[tuple[int, float]]] = [[] for _ in rows]
@@ -370,6 +392,8 @@ class ContinuousBatcher:
             r.logprobs.append(lp)
             r.top.append(top)
             r.end += 1 if len(r.tokens) > 1 else 0
+            if r.matcher is not None:
+                r.matcher.consume_token(t)  # a forbidden token cannot be drawn; a failure shows in is_error()
         self._check_done(rows)
         self._retire()
         if not self._rows:
@@ -380,6 +404,13 @@ class ContinuousBatcher:
     def _check_done(self, rows: list[_Row]) -> None:
         for job in {id(r.job): r.job for r in rows}.values():
             live = [r for r in job.rows if not r.done]
+            broken = next((r.matcher.get_error() for r in live if r.matcher is not None and r.matcher.is_error()), None)
+            if broken is not None:  # e.g. a grammar past llguidance's per-step limits
+                for r in job.rows:
+                    r.done = True
+                if not job.future.done():
+                    job.future.set_exception(RuntimeError(f"constrained decoding failed: {broken}"))
+                continue
             hits = job.watcher.hits([r.tokens[-job.watcher.window:] for r in live]) if job.watcher else [False] * len(live)
             for r, hit in zip(live, hits):
                 if hit or r.tokens[-1] in job.stop_ids or len(r.tokens) >= job.sampling.max_new_tokens:

@@ -14,11 +14,19 @@ Semantics and deviations from the OpenAI API:
 - `stop` strings end a choice and are not part of the returned text (as OpenAI); the token that completed
   the string is still counted in `usage.completion_tokens`.
 - `logprobs` (and `top_logprobs` <= 20 on chat, `logprobs: k` <= 20 on completions) are those of the sampling
-  distribution (after `logit_bias`, temperature, top-k, top-p, min-p), the quantity RL training uses; at
-  temperature 1 without filters that is the model's `log_softmax`. Tokens the filters removed report -9999
-  (vLLM's floor). Top-k logprobs and `logit_bias` need the native engine (400 naming the field otherwise).
+  distribution (after `logit_bias`, the `response_format` mask, temperature, top-k, top-p, min-p), the quantity
+  RL training uses; at temperature 1 without filters that is the model's `log_softmax`. Tokens the filters
+  removed report -9999 (vLLM's floor). Top-k logprobs and `logit_bias` need the native engine (400 naming the
+  field otherwise).
 - `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before sampling, as OpenAI.
-- `response_format` other than `{"type": "text"}` is refused (400): tiller has no constrained decoding.
+- `response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema", "json_schema":
+  {"name": ..., "schema": {...}}}` are honoured on both endpoints by constrained decoding with the native engine
+  (`tiller.rollout.constrained`): at every step the tokens that cannot continue valid JSON are masked, and eos is
+  allowed only once the value is complete, so a choice that ends with `finish_reason: "stop"` parses (one cut by
+  `max_tokens` ends with `"length"`, as OpenAI). Objects come on one line with `", "` / `": "` separators
+  unless the schema carries llguidance options under `"x-guidance"` (`tiller.rollout.constrained`). The
+  reported logprobs are those of the masked distribution the tokens were drawn from. A schema llguidance cannot
+  compile is a 400 naming `response_format.json_schema` with its message; other engines answer 400.
 - Streaming (`stream=true`, both endpoints) uses OpenAI's SSE chunk format, but a choice's chunks are sent
   once its generation has finished.
 - `usage.prompt_tokens` counts each prompt once, whatever `n` is; completion tokens include a stop token.
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -39,6 +48,7 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (str
 
 from tiller.errors import UserError
 from tiller.rollout import RolloutOutput, SamplingParams
+from tiller.rollout.constrained import Grammar, GrammarCompiler, GrammarError
 from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.continuous import QueueFull as RowsFull
 from tiller.rollout.native import NativeRolloutEngine
@@ -80,11 +90,34 @@ class ServedModel:
         else:
             self.batcher = MicroBatcher(engine, max_batch_prompts=max_batch_prompts, max_wait_s=max_wait_s,
                                         max_queue=max_queue)
+        self._compiler: GrammarCompiler | None = None  # built on the first response_format request
+        self._compiler_lock = threading.Lock()
 
     @property
     def continuous(self) -> bool:
-        """True when requests share decode steps (native engine): top-k logprobs and logit_bias work."""
+        """True when requests share decode steps (native engine): top-k logprobs, logit_bias and
+        response_format work."""
         return isinstance(self.batcher, ContinuousBatcher)
+
+    def grammar(self, req: SamplingFields) -> Grammar | None:
+        """The compiled grammar of `req.response_format` (None for text). Blocking (llguidance quotes up to ~1 s
+        for a very complex schema, and ~1 s once to wrap a 150k-token tokenizer), so handlers call it in a thread."""
+        schema = req.json_schema()
+        if schema is None:
+            return None
+        if not self.continuous:
+            raise RequestError("response_format other than text needs the native engine (tiller serve --engine "
+                               "native): constrained decoding runs in its continuous batcher", "response_format")
+        try:
+            with self._compiler_lock:
+                if self._compiler is None:
+                    model = self.batcher.engine.weights.module
+                    self._compiler = GrammarCompiler(self.tokenizer, model.config.vocab_size)
+            return self._compiler.json_schema(schema)
+        except GrammarError as err:
+            param = "response_format.json_schema" if req.response_format.get("type") == "json_schema" \
+                else "response_format"
+            raise RequestError(f"{param}: {err}", param) from None
 
     # ------------------------------------------------------------------------------------ helpers
     def check_model(self, requested: str | None) -> None:
@@ -163,7 +196,8 @@ class ServedModel:
         return len(self.tokenizer)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingParams, *, logit_bias: dict | None = None,
-                       top_logprobs: int = 0, top_param: str = "top_logprobs") -> RolloutOutput:
+                       top_logprobs: int = 0, top_param: str = "top_logprobs",
+                       grammar: Grammar | None = None) -> RolloutOutput:
         episode = CURRENT_EPISODE.get()
         if self.recorder is not None:
             self.recorder.check(episode)
@@ -177,6 +211,8 @@ class ServedModel:
                 if value and not self.continuous:
                     raise RequestError(f"{name} needs the native engine (tiller serve --engine native)", name)
             extra = dict(logit_bias=logit_bias, top_logprobs=top_logprobs)
+        if grammar is not None:
+            extra["grammar"] = grammar  # self.grammar() refused it unless the batcher is continuous
         try:
             future = self.batcher.submit(prompts, sampling, **extra)
         except (QueueFull, RowsFull) as err:
@@ -234,8 +270,9 @@ async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> di
     prompt = await asyncio.to_thread(served.render_chat, req)  # tokenizing a long prompt stays off the event loop
     sampling = served.sampling(req, req.max_completion_tokens or req.max_tokens, [len(prompt)])
     top_k = req.top_logprobs or 0
+    grammar = await asyncio.to_thread(served.grammar, req)
     out = await served.generate([prompt], sampling, logit_bias=req.token_bias(served.vocab_size()),
-                                top_logprobs=top_k)
+                                top_logprobs=top_k, grammar=grammar)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = []
     for i in range(len(out)):
@@ -311,8 +348,9 @@ async def completion(served: ServedModel, req: CompletionRequest) -> dict | Any:
         raise RequestError("a prompt tokenizes to 0 tokens", "prompt")
     sampling = served.sampling(req, req.max_tokens, [len(p) for p in prompts])
     top_k = req.logprobs or 0
+    grammar = await asyncio.to_thread(served.grammar, req)
     out = await served.generate(prompts, sampling, logit_bias=req.token_bias(served.vocab_size()),
-                                top_logprobs=top_k, top_param="logprobs")
+                                top_logprobs=top_k, top_param="logprobs", grammar=grammar)
     rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
     choices = []
     for i in range(len(out)):

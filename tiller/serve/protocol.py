@@ -2,8 +2,9 @@
 
 Fields follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`, plus vLLM's
 `top_k`, `min_p` and `ignore_eos` extensions. Unknown fields are ignored (clients send many), but the OpenAI
-fields tiller cannot honour (penalties, `best_of` > n, forced `tool_choice`, `response_format` other than text,
-`functions`, `audio`, `prediction`, ...) are refused with a 400 naming the field, never silently dropped.
+fields tiller cannot honour (penalties, `best_of` > n, forced `tool_choice`, `functions`, `audio`, `prediction`,
+...) are refused with a 400 naming the field, never silently dropped. `response_format` is checked here
+(`text`, `json_object` or `json_schema` in OpenAI's shape) and honoured by constrained decoding.
 """
 
 from __future__ import annotations
@@ -59,10 +60,7 @@ class SamplingFields(BaseModel):
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             if getattr(self, name) != neutral:
                 raise RequestError(f"{name} is not supported by tiller serve (use {neutral})", name)
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestError(f"response_format type {kind!r} is not supported by tiller serve (no constrained "
-                               "decoding); only {'type': 'text'}", "response_format")
+        self.json_schema()
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:
             if extra.get(name) not in (None, [], {}):
@@ -70,6 +68,41 @@ class SamplingFields(BaseModel):
         modalities = extra.get("modalities")
         if modalities not in (None, ["text"]):
             raise RequestError("modalities other than ['text'] are not supported by tiller serve", "modalities")
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the reply must follow (`{"type": "object"}` for `json_object`), None for text.
+
+        OpenAI's shapes: `{"type": "text"}`, `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}, "strict": ..., "description": ...}}`. Constrained decoding follows the
+        schema exactly, which is what `strict: true` asks and what `strict: false` allows.
+        """
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise RequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                               "response_format")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError("response_format.json_schema must be an object with `name` and `schema`",
+                               "response_format.json_schema")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("response_format.json_schema.name must be a non-empty string",
+                               "response_format.json_schema.name")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                               "response_format.json_schema.schema")
+        if spec.get("strict") not in (None, True, False):
+            raise RequestError("response_format.json_schema.strict must be a boolean",
+                               "response_format.json_schema.strict")
+        return schema
 
     def token_bias(self, vocab: int) -> dict[int, float]:
         """`logit_bias` as {token id: bias}, checked: ids in [0, vocab), biases in [-100, 100] (OpenAI's range)."""
