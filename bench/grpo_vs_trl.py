@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 
 def build_inputs(root: Path, args) -> tuple[Path, Path]:
@@ -83,11 +85,13 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
         "actor_rollout_ref.actor.ppo_epochs=1", f"actor_rollout_ref.actor.optim.lr={args.lr}",
         f"actor_rollout_ref.actor.use_kl_loss={'true' if args.beta > 0 else 'false'}",
         f"actor_rollout_ref.actor.kl_loss_coef={args.beta}", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-        "actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.dtype=float32",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean", f"actor_rollout_ref.actor.dtype={args.dtype}",
         f"trainer.total_training_steps={args.steps}", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
         "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'tiller_run'}", *args.tiller_opt,
     ])
     trainer = RLTrainer(cfg)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     times, cpu = [], []
     try:
         for step in range(1, args.steps + 1):
@@ -99,6 +103,10 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
             if step > args.warmup:
                 for phase in ("gen", "update_actor"):
                     phases.setdefault(phase, []).append(m[f"timing_s/{phase}"])
+                # the update's work: forward + backward = 6 x params x tokens, each group's prompt run once
+                # (share_prompt_forward) plus every response token
+                tokens = args.prompts * m["prompt_length/mean"] + args.prompts * args.n * m["response_length/mean"]
+                phases.setdefault("update_gflops", []).append(6 * params * tokens / m["timing_s/update_actor"] / 1e9)
     finally:
         trainer.shutdown()
     return times, cpu
@@ -139,7 +147,7 @@ def run_trl(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> 
         output_dir=str(root / "trl_run"), per_device_train_batch_size=args.prompts * args.n,
         num_generations=args.n, max_completion_length=args.max_new, beta=args.beta, num_iterations=1,
         learning_rate=args.lr, max_steps=args.steps, temperature=1.0, loss_type="dapo", scale_rewards="group",
-        use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, shuffle_dataset=False,
+        use_cpu=True, bf16=args.dtype == "bfloat16", report_to=[], save_strategy="no", logging_steps=1, shuffle_dataset=False,
         gradient_accumulation_steps=1, dataloader_num_workers=0, seed=0, disable_tqdm=True,
         lr_scheduler_type="constant", gradient_checkpointing=False,
     )
@@ -177,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="training compute dtype: tiller's actor.dtype, TRL's bf16 (both autocast, fp32 master weights)")
     p.add_argument("--only", choices=["tiller", "trl"], default=None,
                    help="time one trainer in this process (default: each in its own subprocess)")
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # shared model/data of the subprocesses
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         args.params, args.prompts, args.n, args.max_new, args.steps, args.warmup = 2e6, 4, 4, 8, 2, 1
     import importlib.util
 
-    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None] if args.only != "tiller" else []
     if missing:  # one line naming the extra, not a traceback halfway through
         print(f"bench/grpo_vs_trl.py needs {' and '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
         return 2
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_prompt = 512 if args.task == "gsm8k" else 32
     result = {"quick": args.quick, "task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
               "max_new_tokens": args.max_new, "beta": args.beta, "steps_timed": args.steps - args.warmup,
-              "threads": args.threads}
+              "threads": args.threads, "dtype": args.dtype}
     with tempfile.TemporaryDirectory(prefix="tiller-bench-") as tmp:
         root = Path(args.workdir or tmp)
         if args.only:
@@ -218,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     from tiller.hostinfo import compact_host_facts
 
     result["host"] = compact_host_facts()
+    if "tiller_update_gflops_s" in result:  # the update's achieved rate against the same-dtype GEMM peak
+        result["tiller_update_gflops"] = result.pop("tiller_update_gflops_s")
+        peak = result["host"].get("gemm_bf16_gflops" if args.dtype == "bfloat16" else "gemm_fp32_gflops")
+        if peak:
+            result["tiller_update_pct_of_peak"] = round(100 * result["tiller_update_gflops"] / peak, 1)
     print(json.dumps(result))
     return 0
 
