@@ -43,6 +43,8 @@ def test_greedy_rows_joining_at_different_steps_match_the_native_engine(policy):
         assert out.logprobs[0] == pytest.approx(ref.logprobs[k][: 10 - k], abs=1e-5)
         assert out.finish_reason == ["length"]
     assert batcher.stats["peak_rows"] == 3 and batcher.stats["tokens"] == 10 + 9 + 8 + 7
+    # the 4th request waited for a row and was prefilled in the same pass as the live rows' decode step
+    assert batcher.stats["prefills_in_decode"] >= 1
 
 
 def test_seeded_rows_do_not_depend_on_the_batch(policy):

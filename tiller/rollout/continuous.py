@@ -57,7 +57,7 @@ from tiller.rollout.base import (
 )
 from tiller.rollout.constrained import Grammar, Matcher, allowed_tokens
 from tiller.rollout.fused_decode import FusedDecoder, supports
-from tiller.rollout.native import KVBuffer, NativeRolloutEngine
+from tiller.rollout.native import KVBuffer, NativeRolloutEngine, prefill_inputs
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
 MAX_TOP_LOGPROBS = 20
@@ -159,7 +159,8 @@ class ContinuousBatcher:
 
     At most `max_queue` requests wait or run at once (`submit` raises `QueueFull` past it); a request whose
     future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted request runs to its
-    end. Stats: requests, prompts, tokens, steps, dropped, peak_rows.
+    end. Stats: requests, prompts, tokens, steps, dropped, peak_rows, prefills_in_decode (admissions that ran
+    in a decode pass).
     """
 
     def __init__(self, engine: NativeRolloutEngine, *, max_rows: int = 64, max_queue: int = 256):
@@ -171,7 +172,8 @@ class ContinuousBatcher:
         self.pending = 0
         self._pending_lock = threading.Lock()
         self.queue: queue.Queue[_Job | None] = queue.Queue()
-        self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "peak_rows": 0}
+        self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "peak_rows": 0,
+                      "prefills_in_decode": 0}
         self._waiting: _Job | None = None  # a job taken from the queue that did not fit yet
         self._rows: list[_Row] = []
         self._logits: torch.Tensor | None = None  # [B, V] of the live rows, to sample from next
@@ -236,10 +238,11 @@ class ContinuousBatcher:
                 return
             try:
                 with torch.inference_mode():
-                    if jobs:
+                    if jobs and not self._rows:
                         self._admit(jobs)
+                        jobs = []
                     if self._rows:
-                        self._step()
+                        self._step(jobs)
             except BaseException as err:  # noqa: BLE001 - the error belongs to the waiting requests
                 self._fail_all(err)
 
@@ -271,8 +274,8 @@ class ContinuousBatcher:
             jobs.append(job)
             free -= size
 
-    def _admit(self, jobs: list[_Job]) -> None:
-        """Prefill the jobs' prompts into free slots; their first logits join `self._logits`."""
+    def _sync_weights(self):
+        """The module to run (new weights read if the trainer changed them) with its fused decoder synced."""
         engine = self.engine
         engine.weights.sync_if_stale()
         model = engine.weights.module
@@ -281,11 +284,23 @@ class ContinuousBatcher:
                 if engine._fused is None or engine._fused.model is not model:
                     engine._fused = FusedDecoder(model)
                 engine._fused.sync()
+        return model
+
+    def _admit(self, jobs: list[_Job]) -> None:
+        """Prefill the jobs' prompts into free slots; their first logits join `self._logits`."""
+        engine = self.engine
+        model = self._sync_weights()
         prompts = [p for job in jobs for p in job.prompt_ids]
         width = max(len(p) for p in prompts)
         tmp = KVBuffer(len(prompts), width, self._device)
         with eval_mode(model):
             first = engine._prefill(model, prompts, tmp, width, 1, pad_token_id(model, engine.tokenizer))
+        self._install(jobs, width, tmp, first)
+
+    def _install(self, jobs: list[_Job], width: int, tmp: KVBuffer, first: torch.Tensor) -> None:
+        """New rows for the jobs after the live ones: prefilled keys / values from `tmp` into their slots, first
+        logits `first` [prompts, V] (one row per prompt, expanded to its n samples) appended to `self._logits`."""
+        engine, model = self.engine, self.engine.weights.module
         total = len(self._rows) + sum(len(j.prompt_ids) * j.sampling.n for j in jobs)
         if self._cache is None or self._cache.batch < total:
             self._grow_slots(max(total, self.max_rows), tmp)
@@ -381,8 +396,9 @@ class ContinuousBatcher:
                     tops[i] = list(zip(top_ids[k][:want], top_vals[k][:want]))
         return tokens, logps, tops
 
-    def _step(self) -> None:
-        """Sample for every live row, retire finished rows, decode one step for the rest."""
+    def _step(self, jobs: list[_Job] = ()) -> None:
+        """Sample for every live row, retire finished rows, decode one step for the rest; new `jobs` are
+        prefilled in the same pass (their rows join after the live ones)."""
         rows = self._rows
         tokens, logps, tops = self._sample(self._logits)
         self.stats["steps"] += 1
@@ -398,8 +414,10 @@ class ContinuousBatcher:
         self._retire()
         if not self._rows:
             self._logits = None
+            if jobs:
+                self._admit(jobs)
             return
-        self._decode()
+        self._decode(jobs)
 
     def _check_done(self, rows: list[_Row]) -> None:
         for job in {id(r.job): r.job for r in rows}.values():
@@ -451,10 +469,13 @@ class ContinuousBatcher:
         self._rows = [rows[order[i]] for i in range(n_live)]
         self._logits = None
 
-    def _decode(self) -> None:
-        """One decode step of the live rows: feeds each row's last token; sets `self._logits`."""
+    def _decode(self, jobs: list[_Job] = ()) -> None:
+        """One decode step of the live rows: feeds each row's last token; sets `self._logits`. New `jobs` are
+        admitted too: with the fused decoder their prompts (one prefill chunk's worth) run in the same pass as the
+        decode rows, so the weights stream from memory once for both (as vLLM mixes prefill and decode);
+        otherwise they are prefilled after it."""
         engine, cache, rows = self.engine, self._cache, self._rows
-        model = engine.weights.module
+        model = self._sync_weights() if jobs else engine.weights.module
         dev = self._device
         cache.ensure(cache, max(r.end for r in rows) + 1)
         start = torch.tensor([r.start for r in rows], device=dev)
@@ -467,14 +488,28 @@ class ContinuousBatcher:
         mask = engine._mask(valid, dtype, model.config._attn_implementation)
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in rows], device=dev)
+        fused = engine._fused if engine._fused is not None and engine._fused.model is model else None
+        prompts = [p for job in jobs for p in job.prompt_ids]
+        width = max((len(p) for p in prompts), default=0)
+        if fused is not None and prompts and len(prompts) * width <= engine.prefill_tokens:
+            ids, pos, valid = prefill_inputs(prompts, pad_token_id(model, engine.tokenizer), dev)
+            tmp = KVBuffer(len(prompts), width, dev)
+            tmp.prefill_rows, tmp.prefill_cols = torch.arange(len(prompts), device=dev), slice(0, width)
+            self._logits, first = fused.forward_parts([(tokens, positions, mask, cache), (ids, pos, valid[:, None], tmp)])
+            tmp.prefill_rows = tmp.prefill_cols = None
+            self.stats["prefills_in_decode"] += 1
+            self._install(jobs, width, tmp, first.float())
+            return
         with eval_mode(model):
-            if engine._fused is not None and engine._fused.model is model:
-                logits = engine._fused.step(tokens, positions, mask, cache)
+            if fused is not None:
+                logits = fused.step(tokens, positions, mask, cache)
             else:
                 logits = model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                use_cache=True, logits_to_keep=1,
                                **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
         self._logits = logits
+        if jobs:
+            self._admit(jobs)
 
 
 class _Closed(Exception):

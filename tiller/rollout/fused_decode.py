@@ -133,35 +133,52 @@ class FusedDecoder:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """T tokens per row (prefill, T >= 1): input_ids, position_ids [B, T]; mask [B, 1, T, L] over the keys
         `cache.update` returns. Returns the logits of each row's last position, [B, V]."""
+        return self.forward_parts([(input_ids, position_ids, mask, cache)])[0]
+
+    def forward_parts(self, parts: list[tuple]) -> list[torch.Tensor]:
+        """Several batches in one pass, e.g. the decode rows and a new request's prefill: each part is
+        (input_ids [B, T], position_ids [B, T], mask [B, 1, T, L], cache). Every matmul runs once over the tokens
+        of all parts (the weights stream from memory once); attention runs per part over its own cache.
+        Returns each part's last-position logits [B, V]."""
         inner = self.model.model
-        x = inner.embed_tokens(input_ids)  # [B, T, E]
-        cos, sin = inner.rotary_emb(x, position_ids)
-        (b, t), d, n_q, n_kv = input_ids.shape, self.head_dim, self.n_q, self.n_kv
-        group = n_q // n_kv
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
-        half = d // 2
+        d, n_q, n_kv = self.head_dim, self.n_q, self.n_kv
+        group, half = n_q // n_kv, d // 2
+        shapes = [p[0].shape for p in parts]
+        counts = [b * t for b, t in shapes]
+        flat_ids = torch.cat([p[0].reshape(-1) for p in parts]) if len(parts) > 1 else parts[0][0].reshape(-1)
+        x = inner.embed_tokens(flat_ids)  # [N, E], N = all tokens of all parts
+        rope = []
+        for ids, pos, _, _ in parts:
+            cos, sin = inner.rotary_emb(x[:1], pos)
+            rope.append((cos.unsqueeze(1), sin.unsqueeze(1)))  # [B, 1, T, D]: broadcast over heads
         for i, layer in enumerate(inner.layers):
-            h = self._norm(layer.input_layernorm, x)
-            qkv = self._apply(h, self.qkv[i])
-            # rotary embedding on q and k heads together (HF's apply_rotary_pos_emb, element for element)
-            qk = qkv[..., : (n_q + n_kv) * d].view(b, t, n_q + n_kv, d).transpose(1, 2)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q, k = qk.split([n_q, n_kv], dim=1)
-            v = qkv[..., (n_q + n_kv) * d :].view(b, t, n_kv, d).transpose(1, 2)
-            k, v = cache.update(k, v, i)
-            if t == 1:
-                # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]; the mask
-                # [B, 1, 1, L] broadcasts over kv heads and the folded group
-                o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=mask,
-                                                   scale=self.scaling)
-                o = o.reshape(b, 1, n_q * d)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                                   enable_gqa=group > 1)
-                o = o.transpose(1, 2).reshape(b, t, n_q * d)
+            qkv = self._apply(self._norm(layer.input_layernorm, x), self.qkv[i])
+            outs = []
+            for (b, t), chunk, (cos, sin), (_, _, mask, cache) in zip(shapes, qkv.split(counts), rope, parts):
+                chunk = chunk.view(b, t, -1)
+                # rotary embedding on q and k heads together (HF's apply_rotary_pos_emb, element for element)
+                qk = chunk[..., : (n_q + n_kv) * d].view(b, t, n_q + n_kv, d).transpose(1, 2)
+                qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+                q, k = qk.split([n_q, n_kv], dim=1)
+                v = chunk[..., (n_q + n_kv) * d :].view(b, t, n_kv, d).transpose(1, 2)
+                k, v = cache.update(k, v, i)
+                if t == 1:
+                    # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]; the mask
+                    # [B, 1, 1, L] broadcasts over kv heads and the folded group
+                    o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=mask,
+                                                       scale=self.scaling)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                                       enable_gqa=group > 1).transpose(1, 2)
+                outs.append(o.reshape(b * t, n_q * d))
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]
             x = x + self._apply(o, self.o[i])
-            h = self._norm(layer.post_attention_layernorm, x)
-            gate, up = self._apply(h, self.gate_up[i]).chunk(2, dim=-1)
+            gate, up = self._apply(self._norm(layer.post_attention_layernorm, x), self.gate_up[i]).chunk(2, dim=-1)
             x = x + self._apply(layer.mlp.act_fn(gate) * up, self.down[i])
-        x = self._norm(inner.norm, x[:, -1])
-        return self._apply(x.contiguous(), self.head)
+        # each row's last token: offset of the part + (row + 1) * T - 1
+        last, offset = [], 0
+        for b, t in shapes:
+            last.append(torch.arange(1, b + 1, device=x.device) * t - 1 + offset)
+            offset += b * t
+        logits = self._apply(self._norm(inner.norm, x[torch.cat(last)]), self.head)
+        return list(logits.split([b for b, _ in shapes]))

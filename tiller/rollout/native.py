@@ -77,6 +77,22 @@ def prefill_chunks(lengths: list[int], token_budget: int, max_waste: float = 0.1
     return chunks
 
 
+def prefill_inputs(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to their longest: (ids [c, w], position ids [c, w], attention mask [c, w, w] bool:
+    causal over each prompt's own tokens; a pad query sees itself, so no softmax row is empty)."""
+    c, w = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((c, w), pad_id, dtype=torch.long)
+    valid_k = torch.zeros((c, w), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, w - len(p) :] = torch.tensor(p)
+        valid_k[i, w - len(p) :] = True
+    ids, valid_k = ids.to(device), valid_k.to(device)
+    pos = (valid_k.long().cumsum(-1) - 1).clamp_min(0)
+    causal = torch.ones((w, w), dtype=torch.bool, device=device).tril()
+    eye = torch.eye(w, dtype=torch.bool, device=device)
+    return ids, pos, (causal[None] & valid_k[:, None, :]) | eye[None]
+
+
 class KVBuffer:
     """A preallocated key / value cache that HF attention layers write into through `update()`.
 
@@ -232,17 +248,8 @@ class NativeRolloutEngine(InProcessEngine):
         first_logits: torch.Tensor | None = None
         for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens):
             chunk = [prompts[i] for i in chunk_idx]
-            c, w = len(chunk), max(len(p) for p in chunk)
-            ids = torch.full((c, w), pad_id, dtype=torch.long)
-            valid_k = torch.zeros((c, w), dtype=torch.bool)
-            for i, p in enumerate(chunk):
-                ids[i, w - len(p) :] = torch.tensor(p)
-                valid_k[i, w - len(p) :] = True
-            ids, valid_k = ids.to(device), valid_k.to(device)
-            pos = (valid_k.long().cumsum(-1) - 1).clamp_min(0)
-            causal = torch.ones((w, w), dtype=torch.bool, device=device).tril()
-            eye = torch.eye(w, dtype=torch.bool, device=device)
-            valid = (causal[None] & valid_k[:, None, :]) | eye[None]  # pad queries see themselves: no NaN rows
+            w = max(len(p) for p in chunk)
+            ids, pos, valid = prefill_inputs(chunk, pad_id, device)
             rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
             if self._fused is not None and self._fused.model is model:  # prepacked weights (fused_decode)
