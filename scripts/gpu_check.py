@@ -11,6 +11,8 @@ Checks:
 - `native_greedy`: the native engine equals HF `generate` token for token on the device (fp32, Qwen2 and
   Llama), logprobs within 1e-4 of a teacher-forced forward; bf16 greedy agreement with fp32 is reported.
 - `native_seeded`: a seeded sampling call repeats exactly, and differs under another seed.
+- `continuous`: the serving batcher: rows joining at different steps equal the native engine, a seeded request is
+  batch-independent, a JSON-schema constrained request parses (llguidance).
 - `demo`: `tiller demo trainer.device=<device>`: GRPO learns on the device (held-out gain, wall).
 - `rl_gae_bf16`: PPO with a critic, KL loss against a reference, bf16 actor / critic / rollout, 4 steps,
   a checkpoint saved and resumed on the device.
@@ -154,6 +156,45 @@ def c_native_seeded(a):
     return {"rows": len(r1.response_ids)}
 
 
+@check("continuous")
+def c_continuous(a):
+    """The serving batcher on the device: rows joining at different steps equal the native engine (greedy, with a
+    request prefilled inside a decode pass), a seeded request is batch-independent, a JSON-schema request parses."""
+    from tiller.rollout import SamplingParams, build_rollout_engine
+    from tiller.rollout.constrained import GrammarCompiler
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    model, tok = _load_sharp(_models(a)["qwen2"], a.device)
+    engine = build_rollout_engine("native", model, tok)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS[:4]]
+    ref = engine.generate(prompts, SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True))
+    batcher = ContinuousBatcher(engine, max_rows=3)
+    try:
+        futures = []
+        for k, p in enumerate(prompts):
+            futures.append(batcher.submit([p], SamplingParams(max_new_tokens=10 - k, do_sample=False, ignore_eos=True)))
+            time.sleep(0.002)
+        outs = [f.result(timeout=120) for f in futures]
+        seeded = SamplingParams(n=2, max_new_tokens=16, seed=9, ignore_eos=True)
+        alone = batcher.submit([prompts[1]], seeded).result(timeout=120)
+        noise = [batcher.submit([p], SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts[:2]]
+        loaded = batcher.submit([prompts[1]], seeded).result(timeout=120)
+        [f.result(timeout=120) for f in noise]
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "enum": ["x", "y"]}},
+                  "required": ["a", "b"], "additionalProperties": False}
+        grammar = GrammarCompiler(tok, model.config.vocab_size).json_schema(schema)
+        js = batcher.submit([prompts[0]], SamplingParams(n=2, max_new_tokens=200, seed=1), grammar=grammar).result(timeout=120)
+    finally:
+        batcher.close()
+    for k, out in enumerate(outs):
+        assert out.response_ids[0] == ref.response_ids[k][: 10 - k], f"request {k} differs from the native engine"
+    assert loaded.response_ids == alone.response_ids, "a seeded request changed under load"
+    texts = [tok.decode(r, skip_special_tokens=True) for r in js.response_ids]
+    values = [json.loads(t) for t in texts]
+    assert all(set(v) == {"a", "b"} and isinstance(v["a"], int) and v["b"] in ("x", "y") for v in values), texts
+    return {"prefills_in_decode": batcher.stats["prefills_in_decode"], "json": texts}
+
+
 def _demo_data(a):
     """The demo's run dir (starter model + parquet), made by the `demo` check."""
     summary = json.loads((a.out / "demo" / "summary.json").read_text())
@@ -260,7 +301,7 @@ def c_speed(a):
     return out
 
 
-CHECKS = [c_env, c_algos, c_native_greedy, c_native_seeded, c_demo, c_rl_gae, c_sft, c_speed]
+CHECKS = [c_env, c_algos, c_native_greedy, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_speed]
 
 
 def main() -> int:
