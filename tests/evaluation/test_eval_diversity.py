@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from tests.evaluation.test_eval_cli import ScriptedEngine
 from tiller.cli import main as cli
 from tiller.evaluation.metrics import distinct_k, evaluation_metrics, utility_k
-from tiller.rollout import RolloutOutput
 
 FAST = ["actor_rollout_ref.rollout.dtype=float32", "data.max_response_length=6"]
 
@@ -58,23 +58,6 @@ def test_evaluation_metrics_add_distinct_and_utility_per_source():
     assert m["b"]["utility@2"] == pytest.approx((2 + 0.8 * 3) / 1.8) and m["b"]["distinct@2"] == 2.0
     no_classes = evaluation_metrics([{k: v for k, v in r.items() if k != "class"} for r in records])
     assert not any(k.startswith(("distinct@", "utility@")) for k in no_classes["a"])
-
-
-class ScriptedEngine:
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script = tokenizer, script
-
-    def generate(self, prompt_ids, sampling):
-        out = RolloutOutput()
-        for p in prompt_ids:
-            question = self.tokenizer.decode(p)
-            for j in range(sampling.n):
-                ids = self.tokenizer(self.script(question, j), add_special_tokens=False)["input_ids"]
-                out.prompt_ids.append(p)
-                out.response_ids.append(ids)
-                out.logprobs.append([0.0] * len(ids))
-                out.finish_reason.append("stop")
-        return out
 
 
 @pytest.fixture()

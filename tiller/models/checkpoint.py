@@ -25,9 +25,11 @@ Generators owned by the caller (e.g. a sampler's `torch.Generator`) belong in `e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,34 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def save_pretrained_atomic(out: str | os.PathLike, model, tokenizer=None, files: dict[str, str] | None = None) -> Path:
+    """`save_pretrained` of `model` (safetensors) and `tokenizer`, plus text `files` {name: text}, into `out` as one
+    unit: written in a temp dir beside it, fsynced, then swapped in (an existing `out` is replaced), so a crash
+    never leaves a half-written model dir. Returns `out`."""
+    out = Path(out)
+    with _atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+    return out
+
+
+@contextlib.contextmanager
+def _atomic_dir(out: Path):
+    """Yield a fresh temp dir beside `out`; on success fsync it and swap it in for `out`, on error remove it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _remove_dir(path: Path) -> None:
@@ -327,19 +357,11 @@ def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: st
     out = Path(to_dir).expanduser()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export target {out} exists and is not empty (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _atomic_dir(out) as tmp:
         if (src / "adapter_config.json").exists() or dtype is not None:
             _export_via_load(src, tmp, dtype)
         else:
-            shutil.copytree(src, tmp)
-        _fsync_tree(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
     return out
 
 

@@ -42,14 +42,13 @@ from __future__ import annotations
 import math
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from tiller.errors import UserError
+from tiller.models.checkpoint import save_pretrained_atomic
 
 PAD_TOKEN = "<|pad|>"
 IM_START = "<|im_start|>"
@@ -283,18 +282,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", n_params: i
     tokenizer = train_tokenizer(corpus=corpus, alphabet=alphabet, vocab_size=vocab_size)
     model = build_model(tokenizer, arch, n_params=n_params, hidden_size=hidden_size,
                         num_layers=num_layers, seed=seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return save_pretrained_atomic(out, model, tokenizer)
 
 
 CLS_TOKEN, SEP_TOKEN = "[CLS]", "[SEP]"

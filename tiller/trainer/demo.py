@@ -26,8 +26,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import torch
 from tiller.config import load_config
 from tiller.data.rl_dataset import render_prompt
 from tiller.errors import UserError
-from tiller.models.checkpoint import write_text_atomic
+from tiller.models.checkpoint import save_pretrained_atomic, write_text_atomic
 from tiller.models.tiny import build_model, train_tokenizer
 from tiller.rewards import default_compute_score
 from tiller.rollout import build_rollout_engine, SamplingParams
@@ -187,14 +185,8 @@ def starter_model(args, log=print) -> Path:
         torch.manual_seed(args.seed)
         acc, steps = warm_up(model, tokenizer, sft_rows, dev_rows, target=args.warmup_target,
                              seed=args.seed, log=log)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warmup.json").write_text(json.dumps({"dev_acc": acc, "steps": steps, "seconds": time.time() - t0}))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    save_pretrained_atomic(out, model, tokenizer,
+                           {"warmup.json": json.dumps({"dev_acc": acc, "steps": steps, "seconds": time.time() - t0})})
     log(f"starter model ready in {time.time() - t0:.0f} s (dev accuracy {acc:.3f} after {steps} steps): {out}")
     return out
 

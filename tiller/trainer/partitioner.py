@@ -31,8 +31,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ import numpy as np
 import torch
 
 from tiller.errors import DataError, UserError
+from tiller.models.checkpoint import save_pretrained_atomic
 from tiller.rewards.pair_classifier import ID2LABEL, encode_pairs, load_pair_rows, uses_token_types
 
 METRICS_FILE = "partitioner_metrics.json"
@@ -204,19 +203,7 @@ def save_classifier(model, tokenizer, metrics: dict, out: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / METRICS_FILE).is_file())):
         raise UserError(f"--out {out}: exists and is not a classifier dir from tiller train-partitioner; "
                         "choose a new path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return save_pretrained_atomic(out, model, tokenizer, {METRICS_FILE: json.dumps(metrics, indent=2) + "\n"})
 
 
 def _parser() -> argparse.ArgumentParser:
