@@ -126,7 +126,7 @@ def run_vllm(model_dir: str, seeded: bool, args) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores)}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", args.dtype,
-           "--port", str(port), "--served-model-name", "bench"] + (["--enforce-eager"] if args.vllm_eager else [])
+           "--port", str(port), "--served-model-name", "bench"] + (["--enforce-eager"] if args.vllm_eager else []) + list(args.vllm_arg)
     with tempfile.TemporaryDirectory() as cache:
         env.setdefault("VLLM_CACHE_ROOT", cache)
         result, _ = _serve_process(cmd, env, port, _body(args, "bench"), args, seeded)
@@ -210,6 +210,7 @@ def main() -> None:
                    help="tiller engines to serve (native: continuous batching; hf: micro-batching)")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's OpenAI server even when vllm is importable")
     p.add_argument("--vllm-eager", action="store_true", help="run vLLM's server with --enforce-eager")
+    p.add_argument("--vllm-arg", action="append", default=[], help="an extra argument for vLLM's server (repeatable)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from tiller.hostinfo import compact_host_facts

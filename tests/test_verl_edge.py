@@ -54,6 +54,10 @@ def test_noop_keys_are_the_ones_the_user_set(capsys):
     assert noop_keys(load_config(["actor_rollout_ref.rollout.name=vllm",
                                   "actor_rollout_ref.rollout.gpu_memory_utilization=0.8"])) == []
     assert noop_keys(load_config([])) == []
+    # enforce_eager: vLLM's, or the native engine's compiled decode step; the hf engine has neither
+    assert noop_keys(load_config(["actor_rollout_ref.rollout.enforce_eager=False"])) == []
+    assert noop_keys(load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.enforce_eager=False"])) == [
+        "actor_rollout_ref.rollout.enforce_eager=False"]
 
 
 def test_refused_values_say_why_and_what_to_use():

@@ -143,9 +143,12 @@ RULES: dict[str, Rule] = {
     "trainer.balance_batch": noop("one data-parallel worker has nothing to balance", _several_workers,
                                   "trainer.backend=ray with more than one worker"),
 }
-for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "free_cache_engine",
+for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache_engine",
              "max_num_batched_tokens", "enable_chunked_prefill"):
     RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
+RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
+    "vLLM's CUDA graphs / torch.compile, or the native engine's compiled decode step (False compiles it)",
+    lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
 
 # ----------------------------------------------------------------- verl 0.7 / 0.8.0.dev's tree (b178a3cd)
 _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "

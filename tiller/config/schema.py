@@ -703,7 +703,9 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     """vLLM tensor parallel size."""
     enforce_eager: bool = True
-    """vLLM: disable CUDA graphs."""
+    """vLLM: disable CUDA graphs (and torch.compile). native: False compiles the fused decode step with
+    torch.compile (tiller.rollout.compiled_decode: needs a C++ compiler; ~10-30 s to compile once per process,
+    then a few % faster per step on CPU). hf: no effect."""
     free_cache_engine: bool = True
     """vLLM: release the KV cache between rollouts (sleep/wake)."""
     max_num_batched_tokens: int = 8192

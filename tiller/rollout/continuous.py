@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -56,7 +57,6 @@ from tiller.rollout.base import (
     stop_ids_for,
 )
 from tiller.rollout.constrained import Grammar, Matcher, allowed_tokens
-from tiller.rollout.fused_decode import FusedDecoder, supports
 from tiller.rollout.native import KVBuffer, NativeRolloutEngine, prefill_inputs
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
@@ -135,12 +135,21 @@ class SlotCache(KVBuffer):
                 bufs[i] = new
         self.max_len = new_len
 
+    def set_write_cols(self, cols: torch.Tensor) -> None:
+        """The decode step's write column per live row; its flat row index into a [S * H * L, D] view of every
+        layer's buffer is computed here once per step (all layers share the shape)."""
+        self.write_cols = cols
+        b, (_, h, length, _) = cols.shape[0], self.keys[0].shape
+        heads = torch.arange(h, device=cols.device)
+        rows = torch.arange(b, device=cols.device)
+        self._flat = ((rows[:, None] * h + heads[None, :]) * length + cols[:, None]).reshape(-1)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        b = key_states.shape[0]
-        rows = torch.arange(b, device=key_states.device)
+        b, d = key_states.shape[0], key_states.shape[-1]
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        k_buf[rows, :, self.write_cols] = key_states[:, :, 0]
-        v_buf[rows, :, self.write_cols] = value_states[:, :, 0]
+        # one index_copy_ per buffer: row r, head h, column write_cols[r]
+        k_buf.view(-1, d).index_copy_(0, self._flat, key_states.reshape(-1, d))
+        v_buf.view(-1, d).index_copy_(0, self._flat, value_states.reshape(-1, d))
         return k_buf[:b, :, : self.key_len], v_buf[:b, :, : self.key_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -160,7 +169,7 @@ class ContinuousBatcher:
     At most `max_queue` requests wait or run at once (`submit` raises `QueueFull` past it); a request whose
     future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted request runs to its
     end. Stats: requests, prompts, tokens, steps, dropped, peak_rows, prefills_in_decode (admissions that ran
-    in a decode pass).
+    in a decode pass), idle_s (seconds with no live row, waiting for a request).
     """
 
     def __init__(self, engine: NativeRolloutEngine, *, max_rows: int = 64, max_queue: int = 256):
@@ -173,7 +182,8 @@ class ContinuousBatcher:
         self._pending_lock = threading.Lock()
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "peak_rows": 0,
-                      "prefills_in_decode": 0}
+                      "prefills_in_decode": 0, "idle_s": 0.0,
+                      "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}
         self._waiting: _Job | None = None  # a job taken from the queue that did not fit yet
         self._rows: list[_Row] = []
         self._logits: torch.Tensor | None = None  # [B, V] of the live rows, to sample from next
@@ -231,11 +241,15 @@ class ContinuousBatcher:
         if engine.num_threads:
             torch.set_num_threads(engine.num_threads)
         while True:
+            idle = not self._rows
+            t0 = time.perf_counter() if idle else 0.0
             try:
-                jobs = self._take_jobs(block=not self._rows)
+                jobs = self._take_jobs(block=idle)
             except _Closed:
                 self._fail_all(RuntimeError("the server is shutting down"))
                 return
+            if idle:
+                self.stats["idle_s"] += time.perf_counter() - t0
             try:
                 with torch.inference_mode():
                     if jobs and not self._rows:
@@ -279,11 +293,7 @@ class ContinuousBatcher:
         engine = self.engine
         engine.weights.sync_if_stale()
         model = engine.weights.module
-        if engine.fused_decode:
-            if supports(model):
-                if engine._fused is None or engine._fused.model is not model:
-                    engine._fused = FusedDecoder(model)
-                engine._fused.sync()
+        engine.fused_for(model)
         return model
 
     def _admit(self, jobs: list[_Job]) -> None:
@@ -294,7 +304,9 @@ class ContinuousBatcher:
         width = max(len(p) for p in prompts)
         tmp = KVBuffer(len(prompts), width, self._device)
         with eval_mode(model):
+            t0 = time.perf_counter()
             first = engine._prefill(model, prompts, tmp, width, 1, pad_token_id(model, engine.tokenizer))
+            self.stats["prefill_s"] += time.perf_counter() - t0
         self._install(jobs, width, tmp, first)
 
     def _install(self, jobs: list[_Job], width: int, tmp: KVBuffer, first: torch.Tensor) -> None:
@@ -400,6 +412,7 @@ class ContinuousBatcher:
         """Sample for every live row, retire finished rows, decode one step for the rest; new `jobs` are
         prefilled in the same pass (their rows join after the live ones)."""
         rows = self._rows
+        t0 = time.perf_counter()
         tokens, logps, tops = self._sample(self._logits)
         self.stats["steps"] += 1
         self.stats["tokens"] += len(rows)
@@ -412,12 +425,15 @@ class ContinuousBatcher:
                 r.matcher.consume_token(t)  # a forbidden token cannot be drawn; a failure shows in is_error()
         self._check_done(rows)
         self._retire()
+        self.stats["sample_s"] += time.perf_counter() - t0
         if not self._rows:
             self._logits = None
             if jobs:
                 self._admit(jobs)
             return
+        t0 = time.perf_counter()
         self._decode(jobs)
+        self.stats["decode_s"] += time.perf_counter() - t0
 
     def _check_done(self, rows: list[_Row]) -> None:
         for job in {id(r.job): r.job for r in rows}.values():
@@ -480,7 +496,7 @@ class ContinuousBatcher:
         cache.ensure(cache, max(r.end for r in rows) + 1)
         start = torch.tensor([r.start for r in rows], device=dev)
         end = torch.tensor([r.end for r in rows], device=dev)
-        cache.write_cols = end
+        cache.set_write_cols(end)
         cache.key_len = int(end.max()) + 1
         cols = torch.arange(cache.key_len, device=dev)
         valid = ((cols[None, :] >= start[:, None]) & (cols[None, :] <= end[:, None]))[:, None, None, :]

@@ -72,7 +72,7 @@ def can_pack(model) -> bool:
 class FusedDecoder:
     """Holds the fused weights of `model` and runs its one-token decode step."""
 
-    def __init__(self, model, pack: bool | None = None):
+    def __init__(self, model, pack: bool | None = None, compile: bool = False):
         self.model = model
         self.pack = can_pack(model) if pack is None else pack
         attn = model.model.layers[0].self_attn
@@ -82,6 +82,11 @@ class FusedDecoder:
         self.scaling = attn.scaling
         self._seen = None
         self.sync()
+        self.compiled = None  # the one-token step compiled by Inductor (tiller.rollout.compiled_decode), opt-in
+        if compile:
+            from tiller.rollout.compiled_decode import CompiledStep
+
+            self.compiled = CompiledStep(self)
 
     def sync(self) -> None:
         """Rebuild the fused copies if any parameter of the model changed since the last build."""
@@ -128,6 +133,8 @@ class FusedDecoder:
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode step. input_ids, position_ids [B, 1]; mask [B, 1, 1, L] bool (True = attend) or additive;
         `cache` a KVBuffer positioned at the write column. Returns logits [B, V]."""
+        if self.compiled is not None:
+            return self.compiled(input_ids, position_ids, mask, cache)
         return self.forward(input_ids, position_ids, mask, cache)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:

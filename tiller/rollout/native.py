@@ -49,6 +49,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
+from tiller.rollout import compiled_decode
 from tiller.rollout.fused_decode import FusedDecoder
 from tiller.rollout.fused_decode import supports as supports_fused
 from tiller.rollout.sampling import sample_tokens
@@ -161,12 +162,15 @@ class NativeRolloutEngine(InProcessEngine):
     prompts run in waves), `prefill_tokens` (padded tokens per prefill chunk), `compact_fraction` (compact
     the batch once this fraction of its rows is done), `num_threads` (torch threads during generate),
     `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning),
-    `fused_decode` (Llama / Qwen2: decode with fused qkv and gate-up matmuls, `tiller.rollout.fused_decode`).
+    `fused_decode` (Llama / Qwen2: decode with fused qkv and gate-up matmuls, `tiller.rollout.fused_decode`),
+    `compile_decode` (that step compiled by Inductor, `tiller.rollout.compiled_decode`; verl's
+    `rollout.enforce_eager=False`; needs a C++ compiler, the first decode step compiles for ~10-30 s).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
                  max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
-                 num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True):
+                 num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True,
+                 compile_decode: bool = False):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -179,7 +183,23 @@ class NativeRolloutEngine(InProcessEngine):
         self.compact_fraction = compact_fraction
         self.num_threads = num_threads
         self.fused_decode = fused_decode
+        if compile_decode and not compiled_decode.available():
+            raise UserError("compiling the decode step (rollout.enforce_eager=False / tiller serve --compile) needs a "
+                            "C++ compiler on PATH (g++ or clang++) for torch.compile's CPU backend; install one or "
+                            "decode eagerly")
+        self.compile_decode = compile_decode
         self._fused: FusedDecoder | None = None
+
+    def fused_for(self, model) -> FusedDecoder | None:
+        """The fused decoder of `model` (built on first use, re-synced with its weights), or None where it does
+        not apply (fused_decode off, or a model it does not support)."""
+        if not (self.fused_decode and supports_fused(model)):
+            self._fused = None
+            return None
+        if self._fused is None or self._fused.model is not model:
+            self._fused = FusedDecoder(model, compile=self.compile_decode)
+        self._fused.sync()
+        return self._fused
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -193,12 +213,7 @@ class NativeRolloutEngine(InProcessEngine):
         self.weights.sync_if_stale()
         model = self.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
-        if self.fused_decode and supports_fused(model):
-            if self._fused is None or self._fused.model is not model:
-                self._fused = FusedDecoder(model)
-            self._fused.sync()
-        else:
-            self._fused = None
+        self.fused_for(model)
         device = next(model.parameters()).device
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1

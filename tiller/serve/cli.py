@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="hf / vllm engines: how long a batch waits for more requests (default 5); the native "
                         "engine batches continuously (requests join between decode steps) and refuses it")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--compile", action="store_true",
+                   help="native engine: compile the decode step with torch.compile (needs a C++ compiler; compiles "
+                        "at start-up, ~10-30 s; vLLM's default, the inverse of its --enforce-eager)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $TILLER_API_KEY)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (413 past it)")
@@ -59,8 +62,12 @@ def build_served_model(args: argparse.Namespace):
     if args.batch_wait_ms is not None and args.engine == "native":
         raise UserError("--batch-wait-ms: the native engine batches continuously (no wait window); "
                         "drop the flag or use --engine hf")
+    if args.compile and args.engine != "native":
+        raise UserError(f"--compile compiles the native engine's decode step; --engine {args.engine} has none "
+                        "(drop --compile or use --engine native)")
     policy = load_policy(args.model, engine=args.engine, dtype=args.dtype, seed=args.seed,
-                         tokenizer_path=args.tokenizer, device=args.device, trust_remote_code=args.trust_remote_code)
+                         tokenizer_path=args.tokenizer, device=args.device, trust_remote_code=args.trust_remote_code,
+                         engine_kwargs={"compile_decode": True} if args.compile else None)
     max_len = args.max_model_len
     if max_len is None:
         cfg = getattr(policy.model, "config", None)
@@ -69,11 +76,27 @@ def build_served_model(args: argparse.Namespace):
         raise UserError(f"--max-model-len must be >= 2, got {max_len}")
     wait_ms = 5.0 if args.batch_wait_ms is None else args.batch_wait_ms
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
-    return ServedModel(policy.engine, policy.tokenizer, name=name, max_model_len=max_len,
-                       max_tokens_default=args.max_tokens, max_batch_prompts=args.max_batch_prompts,
-                       max_wait_s=wait_ms / 1000.0, max_n=args.max_n,
-                       max_prompts_per_request=args.max_prompts_per_request,
-                       max_request_tokens=args.max_request_tokens, max_queue=args.max_queue)
+    served = ServedModel(policy.engine, policy.tokenizer, name=name, max_model_len=max_len,
+                         max_tokens_default=args.max_tokens, max_batch_prompts=args.max_batch_prompts,
+                         max_wait_s=wait_ms / 1000.0, max_n=args.max_n,
+                         max_prompts_per_request=args.max_prompts_per_request,
+                         max_request_tokens=args.max_request_tokens, max_queue=args.max_queue)
+    if args.compile:
+        warm_up(served)
+    return served
+
+
+def warm_up(served) -> None:
+    """Compile the decode step before the first request: one row and several rows are two graphs."""
+    import time
+
+    from tiller.rollout.base import SamplingParams
+
+    t0 = time.perf_counter()
+    print("tiller serve: compiling the decode step (once per process) ...", flush=True)
+    for rows in (2, 1):
+        served.batcher.generate([[0]] * rows, SamplingParams(max_new_tokens=3, do_sample=False, ignore_eos=True))
+    print(f"tiller serve: decode step compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main(argv: list[str]) -> int:

@@ -173,11 +173,14 @@ class ActorRolloutRefWorker:
                 enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
                 max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs={**extra, **r.engine_kwargs})
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
+        if name == "native":  # enforce_eager=False: the decode step compiled (tiller.rollout.compiled_decode)
+            opts.setdefault("compile_decode", not r.enforce_eager)
         try:
             return build_rollout_engine(name, module or self.rollout_module, self.tokenizer, **opts)
         except ModuleNotFoundError:
             if name != "native":
                 raise
+            opts.pop("compile_decode", None)
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
     # ------------------------------------------------------------- asynchronous RL: the producer's engine
