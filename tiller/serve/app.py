@@ -76,7 +76,8 @@ class ServedModel:
 
     def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
                  max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_n: int = 64,
-                 max_prompts_per_request: int = 64, max_request_tokens: int = 1 << 20, max_queue: int = 256):
+                 max_prompts_per_request: int = 64, max_request_tokens: int = 1 << 20, max_queue: int = 256,
+                 prompt_cache_mb: float = 64.0):
         self.tokenizer = tokenizer
         self.max_n = int(max_n)
         self.max_prompts_per_request = int(max_prompts_per_request)
@@ -86,7 +87,8 @@ class ServedModel:
         self.max_tokens_default = int(max_tokens_default)
         self.created = int(time.time())
         if isinstance(engine, NativeRolloutEngine):
-            self.batcher = ContinuousBatcher(engine, max_rows=max_batch_prompts, max_queue=max_queue)
+            self.batcher = ContinuousBatcher(engine, max_rows=max_batch_prompts, max_queue=max_queue,
+                                             prompt_cache_mb=prompt_cache_mb)
         else:
             self.batcher = MicroBatcher(engine, max_batch_prompts=max_batch_prompts, max_wait_s=max_wait_s,
                                         max_queue=max_queue)

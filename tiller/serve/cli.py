@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="native engine: compile the decode step with torch.compile (needs a C++ compiler; compiles "
                         "at start-up, ~10-30 s; vLLM's default, the inverse of its --enforce-eager)")
+    p.add_argument("--prompt-cache-mb", type=float, default=None,
+                   help="native engine: MiB of keys / values of recent prompts kept so the same prompt again needs "
+                        "no prefill (default 64; 0 = off; emptied when the weights change)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $TILLER_API_KEY)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (413 past it)")
@@ -80,7 +83,8 @@ def build_served_model(args: argparse.Namespace):
                          max_tokens_default=args.max_tokens, max_batch_prompts=args.max_batch_prompts,
                          max_wait_s=wait_ms / 1000.0, max_n=args.max_n,
                          max_prompts_per_request=args.max_prompts_per_request,
-                         max_request_tokens=args.max_request_tokens, max_queue=args.max_queue)
+                         max_request_tokens=args.max_request_tokens, max_queue=args.max_queue,
+                         prompt_cache_mb=64.0 if args.prompt_cache_mb is None else args.prompt_cache_mb)
     if args.compile:
         warm_up(served)
     return served
@@ -111,6 +115,9 @@ def main(argv: list[str]) -> int:
     for flag in ("max_n", "max_prompts_per_request", "max_request_tokens", "max_body_mb", "max_queue"):
         if getattr(args, flag) <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.prompt_cache_mb is not None and (args.prompt_cache_mb < 0 or args.engine != "native"):
+        raise UserError(f"--prompt-cache-mb must be >= 0 and needs --engine native (got {args.prompt_cache_mb}, "
+                        f"--engine {args.engine})")
     served = build_served_model(args)
     api_key = resolve_api_key(args.api_key)
     app = Guard(create_app(served), api_key=api_key, max_body_bytes=int(args.max_body_mb * (1 << 20)))
