@@ -208,7 +208,7 @@ class ContinuousBatcher:
     future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted request runs to its
     end. Stats: requests, prompts, tokens, steps, dropped, peak_rows, prefills_in_decode (admissions that ran
     in a decode pass), prompt_cache_hits (prompts that needed no prefill: cached or repeated within an
-    admission, see `PromptCache`; `prompt_cache_mb=0` turns it off), idle_s (seconds with no live row, waiting
+    admission, see `PromptCache`; `prompt_cache_mb=0` turns both off), idle_s (seconds with no live row, waiting
     for a request), prefill_s / decode_s / sample_s (seconds in each part of the loop).
     """
 
@@ -358,6 +358,8 @@ class ContinuousBatcher:
     def _lookup(self, model, prompts: list[list[int]]) -> tuple[list[list[int]], dict[tuple, tuple]]:
         """(the distinct prompts that need a prefill, cached entries of the others)."""
         cache = self.prompt_cache
+        if not cache.max_bytes:  # off: every prompt is prefilled, repeats too
+            return list(prompts), {}
         cache.check_weights(param_versions(model))
         todo, hits, seen = [], {}, set()
         for p in prompts:
@@ -365,7 +367,7 @@ class ContinuousBatcher:
             if key in seen:
                 continue
             seen.add(key)
-            entry = cache.get(key) if cache.max_bytes else None
+            entry = cache.get(key)
             if entry is not None:
                 hits[key] = entry
             else:
