@@ -111,6 +111,8 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     for e in engines:
         source = str(model_dir) if e == "vllm" else model
         extra = {"enforce_eager": not args.vllm_compiled} if e == "vllm" else {}
+        if e == "native" and args.native_compiled:
+            extra = {"compile_decode": True}  # rollout.enforce_eager=False: the decode step compiled
         # every engine: the dtype asked for (no fallback), seed 0, and below the same SamplingParams object
         built[e] = build_rollout_engine(e, source, tokenizer, dtype=dtype, dtype_fallback=False, seed=0, **extra)
         built[e].generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
@@ -121,7 +123,8 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
             wall, cpu = time_engine(built[e], prompts, sampling, kind == "fixed")
             rates[e], cpu_rates[e] = max(rates[e], wall), max(cpu_rates[e], cpu)
     row = {"model": name, "params": params, "dtype": dtype, "workload": kind, "prompts": len(prompts),
-           "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
+           "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+           "native_compiled": bool(args.native_compiled)}
     for e in engines:
         row[f"{e}_tok_s"] = round(rates[e], 1)
         if e != "vllm":  # vLLM decodes in its own processes, which this process's CPU time does not count
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
+    parser.add_argument("--native-compiled", action="store_true",
+                        help="native engine with its decode step compiled (rollout.enforce_eager=False)")
     parser.add_argument("--vllm-compiled", action="store_true",
                         help="build vLLM with enforce_eager=False (its torch.compile'd model) instead of eager")
     parser.add_argument("--model-dir", default=None, help="where to build / reuse the models (default: temp)")
