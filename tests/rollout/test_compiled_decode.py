@@ -70,6 +70,6 @@ def test_continuous_batcher_with_the_compiled_step(qwen):
 
 def test_compile_refused_without_a_compiler(qwen, monkeypatch):
     model, tok = qwen
-    monkeypatch.setattr(compiled_decode, "available", lambda: False)
+    monkeypatch.setattr(compiled_decode, "available", lambda device_type="cpu": False)
     with pytest.raises(UserError, match="C\\+\\+ compiler"):
         build_rollout_engine("native", model, tok, compile_decode=True)

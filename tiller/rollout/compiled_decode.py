@@ -11,7 +11,8 @@ The matmuls and the attention stay what they are in eager mode, wrapped as opaqu
 integer handle, so Inductor never sees the oneDNN-prepacked tensors (it cannot trace them) and a weight sync
 (new packed tensors under the same handle) needs no recompile. The graph is compiled once for any row count
 (`dynamic=True`; one row is a second, specialised graph); the first step of each compiles (~10-30 s on 2 cores,
-once per process). It needs a C++ compiler (Inductor's CPU backend); `available()` says whether one is there.
+once per process). It needs a C++ compiler (Inductor's CPU backend) or Triton (CUDA); `available()` says whether
+it is there.
 
 Results equal the eager fused step up to float summation order (RMSNorm's mean is vectorised differently):
 logits within ~1e-5 in fp32, tested along with greedy output equal to eager's.
@@ -19,19 +20,24 @@ logits within ~1e-5 in fp32, tested along with greedy output equal to eager's.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import shutil
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-_REGISTRY: dict[int, "CompiledStep"] = {}
+_REGISTRY: "weakref.WeakValueDictionary[int, CompiledStep]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 _OPS_DEFINED = False
 
 
-def available() -> bool:
-    """Inductor's CPU backend can run here: a C++ compiler is on PATH (it compiles its kernels with it)."""
+def available(device_type: str = "cpu") -> bool:
+    """Inductor can compile for `device_type` here: its CPU backend needs a C++ compiler on PATH, its GPU
+    backend Triton."""
+    if device_type == "cuda":
+        return importlib.util.find_spec("triton") is not None
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 

@@ -183,10 +183,12 @@ class NativeRolloutEngine(InProcessEngine):
         self.compact_fraction = compact_fraction
         self.num_threads = num_threads
         self.fused_decode = fused_decode
-        if compile_decode and not compiled_decode.available():
-            raise UserError("compiling the decode step (rollout.enforce_eager=False / tiller serve --compile) needs a "
-                            "C++ compiler on PATH (g++ or clang++) for torch.compile's CPU backend; install one or "
-                            "decode eagerly")
+        device_type = next(model.parameters()).device.type
+        if compile_decode and not compiled_decode.available(device_type):
+            raise UserError("compiling the decode step (rollout.enforce_eager=False / tiller serve --compile) needs "
+                            + ("Triton for torch.compile on CUDA" if device_type == "cuda" else
+                               "a C++ compiler on PATH (g++ or clang++) for torch.compile's CPU backend")
+                            + "; install it or decode eagerly")
         self.compile_decode = compile_decode
         self._fused: FusedDecoder | None = None
 
