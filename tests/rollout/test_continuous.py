@@ -145,3 +145,51 @@ def test_prompt_cache_off_still_gives_the_same_tokens(policy):
         batcher.close()
     assert [o.response_ids[0] for o in outs] == [ref.response_ids[0]] * 2
     assert batcher.stats["prompt_cache_hits"] == 0 and not batcher.prompt_cache.entries
+
+
+def test_a_prompt_sharing_a_cached_prefix_prefills_only_the_rest(policy):
+    """An agent's next turn (the earlier prompt + more) and a prompt with the same long system text reuse the
+    cached prefix's keys / values (token-granular) and give a fresh prefill's tokens and logprobs."""
+    from tiller.rollout.continuous import ContinuousBatcher, PromptCache
+
+    text = _ids(policy, "You are a careful assistant. Answer with one number. The quick brown fox jumps over it.")
+    assert len(text) > PromptCache.MIN_PREFIX + 4
+    first = text[: PromptCache.MIN_PREFIX + 2]
+    longer = text  # shares all of `first`
+    forked = first[:-1] + [t for t in _ids(policy, " 7*8=") if t != first[-1]]  # shares all but first's last token
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False, ignore_eos=True)
+    ref = policy.engine.generate([longer, forked], greedy)
+    batcher = ContinuousBatcher(policy.engine)
+    try:
+        batcher.submit([first], greedy).result(timeout=60)
+        a = batcher.submit([longer], greedy).result(timeout=60)
+        b = batcher.submit([forked], greedy).result(timeout=60)
+    finally:
+        batcher.close()
+    assert batcher.stats["prompt_cache_prefix_tokens"] == len(first) + len(first) - 1
+    assert a.response_ids[0] == ref.response_ids[0] and b.response_ids[0] == ref.response_ids[1]
+    assert a.logprobs[0] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    assert b.logprobs[0] == pytest.approx(ref.logprobs[1], abs=1e-5)
+
+
+def test_prompt_cache_lru_by_bytes_weights_and_longest_prefix():
+    from tiller.rollout.continuous import PromptCache
+
+    def entry(n):  # one layer, 1 head, dim 2, fp32: 2 * n * 2 * 4 bytes + 4 bytes of logits
+        return [torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(1)
+
+    base = tuple(range(20))
+    cache = PromptCache(max_bytes=3 * (2 * 20 * 2 * 4 + 4))  # three 20-token entries
+    cache.check_weights(("v1",))
+    for i in range(3):
+        cache.put(base[:-1] + (100 + i,), *entry(20))
+    assert cache.longest_prefix(list(base) + [7]) == (base[:-1] + (100,), 19)  # the oldest of equals
+    assert cache.longest_prefix(list(base[:16]) + [9]) == (base[:-1] + (100,), 16)  # 16 shared, the 17th runs
+    assert cache.longest_prefix(list(base[:15]) + [9, 9]) == (None, 0)  # 15 shared < MIN_PREFIX
+    assert cache.longest_prefix(list(range(5))) == (None, 0)  # shorter than MIN_PREFIX
+    cache.get(base[:-1] + (100,))  # used: the next eviction takes (101,)
+    cache.put(base, *entry(20))
+    assert set(cache.entries) == {base[:-1] + (100,), base[:-1] + (102,), base}
+    assert cache.bytes == 3 * (2 * 20 * 2 * 4 + 4) and set(cache.arrays) == set(cache.entries)
+    cache.check_weights(("v2",))  # new weights: nothing cached is valid
+    assert not cache.entries and not cache.arrays and cache.bytes == 0

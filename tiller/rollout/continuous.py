@@ -44,6 +44,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tiller.models.loading import cache_keyword
@@ -170,19 +171,42 @@ class PromptCache:
     request of a GRPO group, an agent's first turn n times, a retry) joins the batch without a prefill; prompts
     repeated within one admission are prefilled once. LRU, bounded by `max_bytes`; emptied whenever the weights
     change (entries are only valid for the weights that computed them). vLLM's automatic prefix caching reuses
-    full cache blocks of any shared prefix; this reuses whole prompts only."""
+    full cache blocks of any shared prefix; here a prompt that shares at least `MIN_PREFIX` leading tokens with a
+    cached one (a system prompt, an agent's earlier turn) reuses that prefix's keys / values and prefills only the
+    rest, token-granular."""
+
+    MIN_PREFIX = 16
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max(0, int(max_bytes))
         self.entries: OrderedDict[tuple, tuple] = OrderedDict()  # prompt -> (keys, values, logits)
+        self.arrays: dict[tuple, np.ndarray] = {}  # prompt -> its ids as an array (prefix matching)
         self.bytes = 0
         self._weights: tuple | None = None
 
     def check_weights(self, versions: tuple) -> None:
         if versions != self._weights:
             self.entries.clear()
+            self.arrays.clear()
             self.bytes = 0
             self._weights = versions
+
+    def longest_prefix(self, prompt: list[int]) -> tuple[tuple | None, int]:
+        """(the cached prompt sharing the most leading tokens with `prompt`, how many), at most len(prompt) - 1
+        (the last token is always run: its logits are the first sample's); (None, 0) below MIN_PREFIX."""
+        best, best_len = None, 0
+        if len(prompt) <= self.MIN_PREFIX:
+            return None, 0
+        new = np.asarray(prompt, dtype=np.int64)
+        for key in self.entries:
+            m = min(len(key), len(new) - 1)
+            if m < max(self.MIN_PREFIX, best_len + 1):
+                continue
+            same = self.arrays[key][:m] == new[:m]
+            shared = m if same.all() else int(same.argmin())
+            if shared > best_len:
+                best, best_len = key, shared
+        return (best, best_len) if best_len >= self.MIN_PREFIX else (None, 0)
 
     def get(self, prompt: tuple):
         entry = self.entries.get(prompt)
@@ -195,9 +219,11 @@ class PromptCache:
         if size > self.max_bytes or prompt in self.entries:
             return
         while self.bytes + size > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
+            gone, old = self.entries.popitem(last=False)
+            del self.arrays[gone]
             self.bytes -= sum(t.nbytes for t in (*old[0], *old[1], old[2]))
         self.entries[prompt] = (keys, values, logits)
+        self.arrays[prompt] = np.asarray(prompt, dtype=np.int64)
         self.bytes += size
 
 
@@ -208,7 +234,8 @@ class ContinuousBatcher:
     future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted request runs to its
     end. Stats: requests, prompts, tokens, steps, dropped, peak_rows, prefills_in_decode (admissions that ran
     in a decode pass), prompt_cache_hits (prompts that needed no prefill: cached or repeated within an
-    admission, see `PromptCache`; `prompt_cache_mb=0` turns both off), idle_s (seconds with no live row, waiting
+    admission, see `PromptCache`; `prompt_cache_mb=0` turns both off), prompt_cache_prefix_tokens (prompt tokens
+    not prefilled because a cached prompt shared them), idle_s (seconds with no live row, waiting
     for a request), prefill_s / decode_s / sample_s (seconds in each part of the loop).
     """
 
@@ -223,7 +250,8 @@ class ContinuousBatcher:
         self._pending_lock = threading.Lock()
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "peak_rows": 0,
-                      "prefills_in_decode": 0, "prompt_cache_hits": 0, "idle_s": 0.0,
+                      "prefills_in_decode": 0, "prompt_cache_hits": 0, "prompt_cache_prefix_tokens": 0,
+                      "idle_s": 0.0,
                       "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}
         self.prompt_cache = PromptCache(int(prompt_cache_mb * (1 << 20)))
         self._waiting: _Job | None = None  # a job taken from the queue that did not fit yet
@@ -362,18 +390,46 @@ class ContinuousBatcher:
             return list(prompts), {}
         cache.check_weights(param_versions(model))
         todo, hits, seen = [], {}, set()
+        fused = self.engine._fused if self.engine._fused is not None and self.engine._fused.model is model else None
         for p in prompts:
             key = tuple(p)
             if key in seen:
                 continue
             seen.add(key)
             entry = cache.get(key)
+            if entry is None and fused is not None:
+                base, shared = cache.longest_prefix(p)
+                if base is not None:
+                    entry = self._extend(model, fused, cache.get(base), shared, p)
+                    cache.put(key, *entry)
+                    self.stats["prompt_cache_prefix_tokens"] += shared
             if entry is not None:
                 hits[key] = entry
             else:
                 todo.append(p)
         self.stats["prompt_cache_hits"] += len(prompts) - len(todo)
         return todo, hits
+
+    def _extend(self, model, fused, entry: tuple, shared: int, prompt: list[int]) -> tuple:
+        """(keys, values, last logits) of `prompt` from a cached entry whose first `shared` tokens it shares:
+        only the remaining tokens run, attending to the cached keys / values."""
+        t0 = time.perf_counter()
+        keys, values, _ = entry
+        n, dev = len(prompt), self._device
+        buf = KVBuffer(1, n, dev)
+        for bufs, cached in ((buf.keys, keys), (buf.values, values)):
+            for part in cached:
+                new = torch.zeros((1, part.shape[0], n, part.shape[-1]), dtype=part.dtype, device=dev)
+                new[0, :, :shared] = part[:, :shared]
+                bufs.append(new)
+        buf.write_pos = shared
+        ids = torch.tensor([prompt[shared:]], device=dev)
+        pos = torch.arange(shared, n, device=dev)[None]
+        mask = (torch.arange(n, device=dev)[None, :] <= pos[0][:, None])[None, None]  # [1, 1, T, n] causal
+        with eval_mode(model):
+            last = fused.forward(ids, pos, mask, buf)[0]
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        return [k[0] for k in buf.keys], [v[0] for v in buf.values], last
 
     def _assemble(self, prompts, width, todo, tmp: KVBuffer | None, first, hits) -> tuple[KVBuffer, torch.Tensor]:
         """Keys / values of every prompt (right-aligned at `width`, in order) and their first logits, from the

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tiller.rollout.base import param_versions
+from tiller.rollout.compiled_decode import CompiledStep
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -84,8 +85,6 @@ class FusedDecoder:
         self.sync()
         self.compiled = None  # the one-token step compiled by Inductor (tiller.rollout.compiled_decode), opt-in
         if compile:
-            from tiller.rollout.compiled_decode import CompiledStep
-
             self.compiled = CompiledStep(self)
 
     def sync(self) -> None:

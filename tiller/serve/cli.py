@@ -11,11 +11,13 @@ deviations from OpenAI's API are listed in `tiller.serve.app`.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from tiller.errors import UserError
 from tiller.evaluation.runner import load_policy
 from tiller.httpguard import Guard, resolve_api_key
+from tiller.rollout.base import SamplingParams
 from tiller.serve.app import create_app, ServedModel
 
 
@@ -92,10 +94,6 @@ def build_served_model(args: argparse.Namespace):
 
 def warm_up(served) -> None:
     """Compile the decode step before the first request: one row and several rows are two graphs."""
-    import time
-
-    from tiller.rollout.base import SamplingParams
-
     t0 = time.perf_counter()
     print("tiller serve: compiling the decode step (once per process) ...", flush=True)
     for rows in (2, 1):
