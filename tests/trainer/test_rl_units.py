@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tiller.config import load_config
+from tiller.errors import UserError
 from tiller.protocol import Batch
 from tiller.trainer.rl_metrics import validation_metrics
 from tiller.workers.common import lr_lambda, position_ids_from_mask, response_forward
@@ -242,3 +243,31 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     bar.close()
     fake.cfg.trainer.progress = False
     assert RLTrainer._progress_bar(fake).disable
+
+
+def test_override_config_reaches_the_model_before_it_is_built(tiny_model_dir):
+    """model.override_config is applied to the HF config before the model is built (as verl): the attention
+    implementation switches and attention_dropout reaches the attention modules, in the actor, its reference
+    copy and the critic; an unknown implementation is a UserError naming the key."""
+    from tiller.workers.critic import CriticWorker
+
+    ov = "actor_rollout_ref.model.override_config"
+    from tiller.workers.actor import ActorRolloutRefWorker
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.name=hf",
+                       f"+{ov}.attn_implementation=eager", f"+{ov}.attention_dropout=0.25"])
+    w = ActorRolloutRefWorker(cfg, total_training_steps=1, need_ref=True)
+    for module in (w.module, w.ref_module):
+        assert module.config._attn_implementation == "eager"
+        assert {layer.self_attn.attention_dropout for layer in module.model.layers} == {0.25}
+    plain = _worker(tiny_model_dir, 8)
+    assert plain.module.config._attn_implementation == "sdpa"
+    assert plain.module.model.layers[0].self_attn.attention_dropout == 0.0
+    critic = CriticWorker(load_config([f"actor_rollout_ref.model.path={tiny_model_dir}",
+                                       "+critic.model.override_config.attn_implementation=eager"]),
+                          total_training_steps=1)
+    assert critic.module.config._attn_implementation == "eager"
+    with pytest.raises(UserError, match=r"actor_rollout_ref\.model\.override_config\.attn_implementation='nope'"):
+        _worker(tiny_model_dir, 8, "token-mean", f"+{ov}.attn_implementation=nope")
+    with pytest.warns(UserWarning, match=rf"{ov}\.no_such_field: not a field of Qwen2Config"):
+        _worker(tiny_model_dir, 8, "token-mean", f"+{ov}.no_such_field=1")

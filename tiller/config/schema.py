@@ -279,7 +279,8 @@ class ModelConfig:
     external_lib: Optional[str] = None
     """Python module imported before loading (registers custom architectures)."""
     override_config: dict[str, Any] = field(default_factory=dict)
-    """Keys overriding the model's HF config (open-ended: use +key=value)."""
+    """Keys set on the model's HF config before the model is built (open-ended: use +key=value), as verl;
+    `attn_implementation` picks the attention implementation (sdpa, eager, ...); vLLM gets the others."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = False
@@ -802,7 +803,7 @@ class CriticModelConfig:
     tokenizer_path: Optional[str] = None
     """Tokenizer dir; defaults to the critic's model path."""
     override_config: dict[str, Any] = field(default_factory=dict)
-    """Keys overriding the critic's HF config (open-ended)."""
+    """Keys set on the critic's HF config before it is built (open-ended), `attn_implementation` included."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward."""
     trust_remote_code: bool = False

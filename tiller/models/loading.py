@@ -85,18 +85,68 @@ def load_tokenizer(path, padding_side: str | None = None, trust_remote_code: boo
     return tok
 
 
+def model_config(path, override_config: dict | None = None, *, trust_remote_code: bool = False,
+                 key: str = "model.override_config", **config_kwargs):
+    """The HF config of the model at `path` with `override_config` applied, as verl's `update_model_config`.
+
+    Every key is set on the config before the model is built (so `attention_dropout`, `rope_scaling`, ...
+    reach the modules that read them at construction); a dict value is merged into a dict attribute.
+    `attn_implementation` selects the attention implementation (verl reads the same key: `eager`, `sdpa`,
+    `flash_attention_2`, ...). A key that is not a field of the config is still set (remote-code models read
+    their own attributes) with a warning naming it, so a typo does not pass unnoticed.
+    """
+    import warnings
+
+    from transformers import AutoConfig
+
+    overrides = dict(override_config or {})
+    attn = overrides.pop("attn_implementation", None)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **config_kwargs)
+    except Exception as err:
+        if not is_load_error(err):
+            raise
+        raise UserError(_load_failure("model", path, err)) from err
+    for name, value in overrides.items():
+        current = getattr(config, name, None)
+        if not hasattr(config, name):
+            warnings.warn(f"{key}.{name}: not a field of {type(config).__name__}; set anyway (a model that does "
+                          f"not read it ignores it)", stacklevel=2)
+        if isinstance(value, dict) and isinstance(current, dict):
+            value = {**current, **value}
+        setattr(config, name, value)
+    if attn is not None:
+        if not isinstance(attn, str) or not attn:
+            raise UserError(f"{key}.attn_implementation must be a name such as 'sdpa' or 'eager', got {attn!r}")
+        config._attn_implementation = attn
+    return config
+
+
 def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
-                   attn_implementation: str | None = None, device=None):
-    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype` (name or torch.dtype), optionally moved to `device`."""
+                   attn_implementation: str | None = None, device=None, override_config: dict | None = None,
+                   key: str = "model.override_config"):
+    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype` (name or torch.dtype), optionally moved to `device`.
+
+    override_config: keys set on the model's HF config before it is built (`model_config`); `key` names them
+    in errors. An explicit `attn_implementation` argument wins over the override's.
+    """
     from transformers import AutoModelForCausalLM
 
     path = _check_path(path, "model")
     kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
+    overrides = dict(override_config or {})
+    attn_implementation = attn_implementation or overrides.get("attn_implementation")
+    if overrides:
+        kwargs["config"] = model_config(path, overrides, trust_remote_code=trust_remote_code, key=key)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as err:
+        if attn_implementation and isinstance(err, (ImportError, ValueError)) and \
+                ("attn" in str(err).lower() or "attention" in str(err).lower()):
+            first = str(err).strip().splitlines()[0]
+            raise UserError(f"{key}.attn_implementation={attn_implementation!r}: {first}") from err
         if not is_load_error(err):
             raise
         raise UserError(_load_failure("model", path, err)) from err

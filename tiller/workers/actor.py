@@ -101,9 +101,8 @@ class ActorRolloutRefWorker:
         tok_path = arr.model.tokenizer_path or config.data.tokenizer or arr.model.path
         self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
         module = load_causal_lm(arr.model.path, dtype="float32", trust_remote_code=arr.model.trust_remote_code,
-                                device=self.device)
-        for key, value in arr.model.override_config.items():
-            setattr(module.config, key, value)
+                                device=self.device, override_config=arr.model.override_config,
+                                key="actor_rollout_ref.model.override_config")
         self.lora = arr.model.lora_rank > 0
         if self.lora:
             module = apply_lora(module, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
@@ -162,8 +161,11 @@ class ActorRolloutRefWorker:
         if name == "vllm":  # vLLM loads the actor's model dir; its weights follow via sync_rollout_weights
             m = self.cfg.actor_rollout_ref.model
             extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill)
-            if m.override_config:  # the same config changes the actor got (vLLM's own copy of the HF config)
-                extra["hf_overrides"] = dict(m.override_config)
+            # the same config changes the actor got (vLLM's own copy of the HF config); vLLM picks its own
+            # attention backend, so the HF attention implementation stays with the actor
+            overrides = {k: v for k, v in m.override_config.items() if k != "attn_implementation"}
+            if overrides:
+                extra["hf_overrides"] = overrides
             if m.tokenizer_path or self.cfg.data.tokenizer:  # vLLM decodes for stop strings with it
                 extra["tokenizer"] = m.tokenizer_path or self.cfg.data.tokenizer
             return build_rollout_engine(

@@ -20,6 +20,7 @@ from tiller.algos.value_loss import explained_variance, value_loss
 from tiller.distributed import context as dist_ctx
 from tiller.errors import UserError
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
+from tiller.models.loading import model_config as hf_model_config
 from tiller.protocol import Batch
 from tiller.workers.common import (
     autocast,
@@ -39,7 +40,7 @@ class CriticWorker:
     """Value model + optimizer (see module docstring)."""
 
     def __init__(self, config, total_training_steps: int):
-        from transformers import AutoConfig, AutoModelForTokenClassification
+        from transformers import AutoModelForTokenClassification
 
         self.cfg = config
         self.ccfg = config.critic
@@ -52,14 +53,15 @@ class CriticWorker:
             # no dropout on the value head (as verl): per-rank dropout masks would also break the
             # "N ranks == 1 process" equivalence
             trust = self.ccfg.model.trust_remote_code
-            model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust)
+            model_config = hf_model_config(path, self.ccfg.model.override_config, trust_remote_code=trust,
+                                           key="critic.model.override_config", num_labels=1)
             model_config.classifier_dropout = 0.0
-            module = AutoModelForTokenClassification.from_pretrained(path, config=model_config, dtype=torch.float32,
-                                                                     trust_remote_code=trust)
+            attn = self.ccfg.model.override_config.get("attn_implementation")
+            module = AutoModelForTokenClassification.from_pretrained(
+                path, config=model_config, dtype=torch.float32, trust_remote_code=trust,
+                **({"attn_implementation": attn} if attn else {}))
         except (OSError, ValueError) as err:
             raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
-        for key, value in self.ccfg.model.override_config.items():
-            setattr(module.config, key, value)
         if module.config.pad_token_id is None:
             module.config.pad_token_id = module.config.eos_token_id
         if self.ccfg.model.enable_gradient_checkpointing:
