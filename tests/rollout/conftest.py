@@ -65,3 +65,24 @@ def reference_logprobs(model, prompt, response, temperature=1.0, top_k=-1):
         steps = steps.masked_fill(steps < kth, float("-inf"))
     logp = torch.log_softmax(steps, dim=-1)
     return logp.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+def staggered_greedy(engine, prompts, max_new: int, max_rows: int = 3, timeout: float = 60.0):
+    """Submit `prompts` to a fresh `ContinuousBatcher(engine, max_rows)` 2 ms apart, prompt k asking for
+    `max_new - k` greedy tokens (eos ignored), so rows join and leave at different steps; returns
+    (outputs, the batcher's stats)."""
+    import time
+
+    from tiller.rollout import SamplingParams
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    batcher = ContinuousBatcher(engine, max_rows=max_rows)
+    try:
+        futures = []
+        for k, p in enumerate(prompts):
+            futures.append(batcher.submit([p], SamplingParams(max_new_tokens=max_new - k, do_sample=False,
+                                                              ignore_eos=True)))
+            time.sleep(0.002)
+        return [f.result(timeout=timeout) for f in futures], dict(batcher.stats)
+    finally:
+        batcher.close()

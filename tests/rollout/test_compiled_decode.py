@@ -5,12 +5,11 @@ continuous batcher's slot cache; refused with a clear error where it cannot run.
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS, prompt_ids
+from tests.rollout.conftest import PROMPTS, prompt_ids, staggered_greedy
 from tiller.errors import UserError
 from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
 
@@ -44,24 +43,11 @@ def test_compiled_decode_equals_eager_and_hf(sharp_qwen):
 
 def test_continuous_batcher_with_the_compiled_step(qwen):
     """Rows joining at different steps (the slot cache's per-row write columns) give eager decoding's tokens."""
-    from tiller.rollout.continuous import ContinuousBatcher
-
     model, tok = qwen
     prompts = prompt_ids(tok, PROMPTS)
     eager = build_rollout_engine("native", model, tok)
     compiled = build_rollout_engine("native", model, tok, compile_decode=True)
-    results = []
-    for engine in (eager, compiled):
-        batcher = ContinuousBatcher(engine, max_rows=3)
-        try:
-            futures = []
-            for k, p in enumerate(prompts):
-                futures.append(batcher.submit([p], SamplingParams(max_new_tokens=8 - k, do_sample=False,
-                                                                  ignore_eos=True)))
-                time.sleep(0.002)
-            results.append([f.result(timeout=300) for f in futures])
-        finally:
-            batcher.close()
+    results = [staggered_greedy(engine, prompts, 8, max_rows=3, timeout=300)[0] for engine in (eager, compiled)]
     assert compiled._fused.compiled is not None
     for a, b in zip(*results):
         assert a.response_ids == b.response_ids

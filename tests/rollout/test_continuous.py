@@ -3,11 +3,11 @@ seeded rows are batch-independent; limits (max_rows, stop strings, max_new_token
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
+from tests.rollout.conftest import staggered_greedy
 from tiller.rollout import SamplingParams
 
 
@@ -23,28 +23,17 @@ def _ids(policy, text):
 
 
 def test_greedy_rows_joining_at_different_steps_match_the_native_engine(policy):
-    from tiller.rollout.continuous import ContinuousBatcher
-
     prompts = [_ids(policy, t) for t in ("1+2=", "The quick brown fox", "hello", "7*8=56, 9*9=")]
     greedy = SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True)
     ref = policy.engine.generate(prompts, greedy)
-    batcher = ContinuousBatcher(policy.engine, max_rows=3)  # 4 requests, 3 rows: the last waits for a free row
-    try:
-        futures = []
-        for k, p in enumerate(prompts):
-            futures.append(batcher.submit([p], SamplingParams(max_new_tokens=10 - k, do_sample=False,
-                                                              ignore_eos=True)))
-            time.sleep(0.002)
-        outs = [f.result(timeout=60) for f in futures]
-    finally:
-        batcher.close()
+    outs, stats = staggered_greedy(policy.engine, prompts, 10, max_rows=3)  # 4 requests, 3 rows: one waits
     for k, out in enumerate(outs):
         assert out.response_ids[0] == ref.response_ids[k][: 10 - k]
         assert out.logprobs[0] == pytest.approx(ref.logprobs[k][: 10 - k], abs=1e-5)
         assert out.finish_reason == ["length"]
-    assert batcher.stats["peak_rows"] == 3 and batcher.stats["tokens"] == 10 + 9 + 8 + 7
+    assert stats["peak_rows"] == 3 and stats["tokens"] == 10 + 9 + 8 + 7
     # the 4th request waited for a row and was prefilled in the same pass as the live rows' decode step
-    assert batcher.stats["prefills_in_decode"] >= 1
+    assert stats["prefills_in_decode"] >= 1
 
 
 def test_seeded_rows_do_not_depend_on_the_batch(policy):
