@@ -26,7 +26,6 @@ import shutil
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 _REGISTRY: "weakref.WeakValueDictionary[int, CompiledStep]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -98,8 +97,7 @@ class CompiledStep:
         f = self.fused
         b, d = q.shape[0], f.head_dim
         k, v = self._cache.update(k.unsqueeze(2), v.unsqueeze(2), layer)
-        o = F.scaled_dot_product_attention(q.reshape(b, f.n_kv, f.n_q // f.n_kv, d), k, v, attn_mask=self._mask,
-                                           scale=f.scaling)
+        o = f.decode_attention(q.reshape(b, f.n_kv, f.n_q // f.n_kv, d), k, v, self._mask)
         return o.reshape(b, f.n_q * d)
 
     # ----------------------------------------------------------------------- the traced step

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
+from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -73,9 +74,11 @@ def can_pack(model) -> bool:
 class FusedDecoder:
     """Holds the fused weights of `model` and runs its one-token decode step."""
 
-    def __init__(self, model, pack: bool | None = None, compile: bool = False):
+    def __init__(self, model, pack: bool | None = None, compile: bool = False, decode_kernel: bool = True):
         self.model = model
         self.pack = can_pack(model) if pack is None else pack
+        self.decode_kernel = decode_kernel  # the C one-token attention on CPU (tiller.rollout.decode_kernel)
+        self._kernels: dict[tuple, DecodeAttention | None] = {}
         attn = model.model.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_q = model.config.num_attention_heads
@@ -86,6 +89,21 @@ class FusedDecoder:
         self.compiled = None  # the one-token step compiled by Inductor (tiller.rollout.compiled_decode), opt-in
         if compile:
             self.compiled = CompiledStep(self)
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        """One query token per row, its group folded: q [B, Hk, group, D] over k / v [B, Hk, L, D] -> [B, Hk,
+        group, D]; the C kernel where it applies (`decode_kernel`), else SDPA."""
+        kernel = None
+        if self.decode_kernel:
+            key = (q.device.type, q.dtype)
+            if key not in self._kernels:
+                self._kernels[key] = attention_kernel(self.n_q, self.n_kv, self.head_dim, self.scaling, q.device,
+                                                      q.dtype)
+            kernel = self._kernels[key]
+        if kernel is not None:
+            return kernel(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
 
     def sync(self) -> None:
         """Rebuild the fused copies if any parameter of the model changed since the last build."""
@@ -171,8 +189,7 @@ class FusedDecoder:
                 if t == 1:
                     # fold the query group into the query axis: [B, Hq, 1, D] -> [B, Hk, group, D]; the mask
                     # [B, 1, 1, L] broadcasts over kv heads and the folded group
-                    o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=mask,
-                                                       scale=self.scaling)
+                    o = self.decode_attention(q.reshape(b, n_kv, group, d), k, v, mask)
                 else:
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                                        enable_gqa=group > 1).transpose(1, 2)

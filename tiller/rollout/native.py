@@ -164,13 +164,15 @@ class NativeRolloutEngine(InProcessEngine):
     `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning),
     `fused_decode` (Llama / Qwen2: decode with fused qkv and gate-up matmuls, `tiller.rollout.fused_decode`),
     `compile_decode` (that step compiled by Inductor, `tiller.rollout.compiled_decode`; verl's
-    `rollout.enforce_eager=False`; needs a C++ compiler, the first decode step compiles for ~10-30 s).
+    `rollout.enforce_eager=False`; needs a C++ compiler, the first decode step compiles for ~10-30 s),
+    `decode_kernel` (on CPU, the fused step's one-token attention in a C kernel built once with the C compiler
+    on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
                  max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
                  num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, decode_kernel: bool = True):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -190,6 +192,7 @@ class NativeRolloutEngine(InProcessEngine):
                                "a C++ compiler on PATH (g++ or clang++) for torch.compile's CPU backend")
                             + "; install it or decode eagerly")
         self.compile_decode = compile_decode
+        self.decode_kernel = decode_kernel
         self._fused: FusedDecoder | None = None
 
     def fused_for(self, model) -> FusedDecoder | None:
@@ -199,7 +202,7 @@ class NativeRolloutEngine(InProcessEngine):
             self._fused = None
             return None
         if self._fused is None or self._fused.model is not model:
-            self._fused = FusedDecoder(model, compile=self.compile_decode)
+            self._fused = FusedDecoder(model, compile=self.compile_decode, decode_kernel=self.decode_kernel)
         self._fused.sync()
         return self._fused
 

@@ -1,0 +1,97 @@
+"""The C one-token attention kernel (tiller.rollout.decode_kernel) against PyTorch's SDPA, and its fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.rollout.conftest import PROMPTS, prompt_ids
+from tiller.rollout import build_rollout_engine, SamplingParams
+from tiller.rollout import decode_kernel
+
+needs_cc = pytest.mark.skipif(decode_kernel.compiler() is None, reason="no C compiler on PATH")
+
+
+def _inputs(b, hk, group, d, length, dtype, seed=0):
+    """q [B, Hk, G, D]; k / v as column views of a wider cache (as the engine's); a bool mask with left padding
+    and one row masked further."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hk, group, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, length + 7, d, generator=g).to(dtype)[:, :, 3:3 + length]
+    v = torch.randn(b, hk, length + 7, d, generator=g).to(dtype)[:, :, 3:3 + length]
+    valid = torch.ones(b, length, dtype=torch.bool)
+    valid[:, :2] = False
+    valid[1, : length // 2] = False
+    return q, k, v, valid[:, None, None, :]
+
+
+@needs_cc
+@pytest.mark.parametrize("group,d", [(1, 32), (4, 64), (2, 128)])
+def test_kernel_equals_sdpa_fp32(group, d):
+    q, k, v, mask = _inputs(5, 2, group, d, 37, torch.float32)
+    kernel = decode_kernel.attention_kernel(2 * group, 2, d, d ** -0.5, torch.device("cpu"), torch.float32)
+    assert kernel is not None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5)
+    torch.testing.assert_close(kernel(q, k, v, mask), ref, atol=2e-6, rtol=1e-5)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    torch.testing.assert_close(kernel(q, k, v, additive), ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(kernel(q, k, v, None),
+                               F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5), atol=2e-6, rtol=1e-5)
+    # rows split over two threads: the same numbers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.testing.assert_close(kernel(q, k, v, mask), ref, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cc
+def test_kernel_bf16_is_fp32_math_rounded_once():
+    q, k, v, mask = _inputs(4, 2, 4, 64, 50, torch.bfloat16, seed=1)
+    kernel = decode_kernel.attention_kernel(8, 2, 64, 0.125, torch.device("cpu"), torch.bfloat16)
+    out = kernel(q, k, v, mask)
+    assert out.dtype == torch.bfloat16
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125)
+    # fp32 math on the bf16 inputs, rounded to bf16 once: within half a bf16 ulp (2^-9 relative) of the exact
+    torch.testing.assert_close(out.float(), exact, atol=1e-3, rtol=2 ** -8)
+    assert (out.float() - exact).abs().max() <= (F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.125).float() - exact).abs().max() + 1e-3
+
+
+def test_kernel_does_not_apply_everywhere(monkeypatch):
+    cpu = torch.device("cpu")
+    assert decode_kernel.attention_kernel(4, 2, 24, 1.0, cpu, torch.float32) is None  # head dim not 16k
+    assert decode_kernel.attention_kernel(4, 2, 64, 1.0, cpu, torch.float16) is None
+    assert decode_kernel.attention_kernel(4, 2, 64, 1.0, torch.device("meta"), torch.float32) is None
+    monkeypatch.setattr(decode_kernel, "_LIBS", {})
+    monkeypatch.setattr(decode_kernel, "compiler", lambda: None)
+    assert decode_kernel.attention_kernel(4, 2, 64, 1.0, cpu, torch.float32) is None
+
+
+@needs_cc
+def test_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(decode_kernel, "_LIBS", {})
+    monkeypatch.setattr(decode_kernel, "_SOURCE", bad)
+    monkeypatch.setenv("TILLER_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="building the decode-attention kernel failed"):
+        assert decode_kernel.attention_kernel(4, 2, 64, 1.0, torch.device("cpu"), torch.float32) is None
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []  # no half-written library left behind
+
+
+@needs_cc
+@pytest.mark.parametrize("fixture", ["sharp_qwen", "sharp_llama"])
+def test_engine_with_the_kernel_equals_sdpa_decoding(fixture, request):
+    model, tok = request.getfixturevalue(fixture)
+    prompts = prompt_ids(tok, PROMPTS)
+    outs = []
+    for use in (False, True):
+        engine = build_rollout_engine("native", model, tok, decode_kernel=use)
+        outs.append(engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=5)))
+        assert any(kern is not None for kern in engine._fused._kernels.values()) == use
+    assert outs[0].response_ids == outs[1].response_ids
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs):
+        assert a == pytest.approx(b, abs=1e-5)

@@ -1,0 +1,177 @@
+"""A C kernel for the native engine's one-token attention on CPU (`kernels/decode_attention.c`).
+
+At decode time each row's query attends over its cached keys / values. PyTorch's CPU SDPA runs that as a
+blocked flash-attention with a small GEMM call per (row, head, key block); with one query token those calls
+are mostly overhead, and the step reads the cache at a fraction of the memory bandwidth. The kernel here
+reads each row's keys and values once for all query heads of a kv head (grouped-query attention), keeps the
+queries and the output accumulator in vector registers, and runs the softmax with a vectorised exp.
+
+It is compiled on first use for the model's (query group, head dim) with the C compiler on PATH (`CC`, else
+gcc / cc / clang) and `-O3 -march=native -ffast-math`, into `$TILLER_CACHE/kernels` (default
+`~/.cache/tiller/kernels`), named by a hash of the source, the flags, the compiler and the CPU's flags, so a
+home directory shared by different machines never loads another CPU's build; written atomically. No compiler,
+a failed build, a head dim that is not a multiple of 16, or a dtype other than fp32 / bf16: `attention_kernel`
+returns None and the engine keeps SDPA (a failed build warns once).
+
+Results equal SDPA's up to summation order and exp's last bits (~1e-6 relative in fp32). Rows are split over
+`torch.get_num_threads()` threads (ctypes releases the GIL during the call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-Wno-psabi")
+_LOCK = threading.Lock()
+_LIBS: dict[tuple[int, int], ctypes.CDLL | None] = {}
+_POOL: ThreadPoolExecutor | None = None
+_NEG = -3.0e38  # the kernel's "masked": finite, as -ffast-math assumes
+_I64 = ctypes.c_int64
+_ARGTYPES = [ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, _I64,
+             ctypes.c_void_p, _I64, ctypes.c_void_p, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
+             ctypes.c_void_p]
+
+
+def compiler() -> str | None:
+    """The C compiler the kernel is built with: `$CC`, else gcc, cc or clang on PATH; None without one."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return next((p for p in map(shutil.which, ("gcc", "cc", "clang")) if p), None)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TILLER_CACHE") or Path.home() / ".cache" / "tiller"
+    return Path(base) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None or platform.system() not in ("Linux", "Darwin"):
+        return None
+    source = _SOURCE.read_text()
+    defines = (f"-DKG={group}", f"-DKD={head_dim}")
+    key = hashlib.sha1("\n".join([source, *_FLAGS, *defines, cc, platform.machine(), _cpu_flags()]).encode())
+    out = _cache_dir() / f"decode_attention_g{group}_d{head_dim}_{key.hexdigest()[:12]}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *_FLAGS, *defines, "-o", tmp, str(_SOURCE), "-lm"]
+        if platform.system() == "Linux":
+            cmd.append("-lmvec")  # glibc's vector math (the vectorised expf under -ffast-math)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                warnings.warn(f"tiller: building the decode-attention kernel failed ({' '.join(cmd)}): "
+                              f"{proc.stderr.strip()[-500:]}; decoding with SDPA", stacklevel=3)
+                return None
+            os.replace(tmp, out)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            warnings.warn(f"tiller: building the decode-attention kernel failed: {err}; decoding with SDPA",
+                          stacklevel=3)
+            return None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, _ARGTYPES
+    return lib
+
+
+def _library(group: int, head_dim: int) -> ctypes.CDLL | None:
+    with _LOCK:
+        if (group, head_dim) not in _LIBS:
+            _LIBS[(group, head_dim)] = _build(group, head_dim)
+        return _LIBS[(group, head_dim)]
+
+
+class DecodeAttention:
+    """`(q [B, Hk, G, D], k / v [B, Hk, L, D], mask) -> [B, Hk, G, D]` for one model's shapes, on CPU.
+
+    k / v may be views (the engine's cache columns) as long as the head dim is contiguous; the mask is the
+    engine's SDPA mask `[B, 1, 1, L]`, bool (True = attend) or additive float. The mask converted for the
+    kernel is kept while the same mask object comes back (every layer of a step passes the same one)."""
+
+    def __init__(self, lib: ctypes.CDLL, group: int, head_dim: int, scaling: float):
+        self.lib, self.group, self.head_dim, self.scaling = lib, group, head_dim, float(scaling)
+        self._cached: tuple[torch.Tensor, torch.Tensor] | None = None  # (the engine's mask, the kernel's)
+
+    def _mask2d(self, mask: torch.Tensor | None, b: int, length: int) -> torch.Tensor:
+        cached = self._cached  # one read: another thread may replace it (a tuple assignment is atomic)
+        if mask is not None and cached is not None and cached[0] is mask:
+            return cached[1]
+        if mask is None:
+            m = torch.zeros(b, 1, 1, length)
+        elif mask.dtype == torch.bool:
+            m = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, _NEG)
+        else:
+            m = mask.float().clamp_min(_NEG)
+        m = m.expand(b, 1, 1, length).reshape(b, length).contiguous()
+        if mask is not None:
+            self._cached = (mask, m)
+        return m
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, hk, g, d = q.shape
+        length = k.shape[2]
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the head dim must be dense
+        m = self._mask2d(mask, b, length)
+        out = torch.empty((b, hk, g, d), dtype=q.dtype)
+        fn = self.lib.decode_attention_f32 if q.dtype == torch.float32 else self.lib.decode_attention_bf16
+        threads = max(1, min(torch.get_num_threads(), b))
+        scratch = torch.empty((threads, g * length), dtype=torch.float32)
+        common = (q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
+                  m.data_ptr(), m.stride(0), out.data_ptr(), *out.stride()[:3])
+
+        def run(i: int) -> None:
+            fn(*common, b * i // threads, b * (i + 1) // threads, hk, length, self.scaling, scratch[i].data_ptr())
+
+        if threads == 1:
+            run(0)
+        else:
+            global _POOL
+            if _POOL is None or _POOL._max_workers < threads - 1:  # noqa: SLF001 - resize on demand
+                _POOL = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="tiller-attn")
+            futures = [_POOL.submit(run, i) for i in range(1, threads)]
+            run(0)
+            for f in futures:
+                f.result()
+        return out
+
+
+def attention_kernel(n_q: int, n_kv: int, head_dim: int, scaling: float, device: torch.device,
+                     dtype: torch.dtype) -> DecodeAttention | None:
+    """The kernel for a model with these heads on `device` in `dtype`, or None where it does not apply (not
+    CPU, a dtype other than fp32 / bf16, a head dim not a multiple of 16, no C compiler, a failed build)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if head_dim % 16 or n_q % n_kv:
+        return None
+    lib = _library(n_q // n_kv, head_dim)
+    return None if lib is None else DecodeAttention(lib, n_q // n_kv, head_dim, scaling)

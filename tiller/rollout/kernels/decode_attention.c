@@ -1,0 +1,97 @@
+/* One-token (decode) attention for tiller's native engine on CPU.
+
+   For each row b and kv head h: the G query heads of that kv head (grouped-query attention) attend over the
+   row's L cached keys / values, with an additive float mask per row and column:
+       s[g, l] = scale * q[g] . k[l] + mask[l];   p = softmax_l(s);   out[g] = sum_l p[g, l] v[l]
+   Keys and values are read once per (row, kv head) for all G query heads. Accumulation is in fp32 (bf16
+   inputs are widened on load, the output rounded to nearest even, as torch does).
+
+   Compiled at run time by tiller.rollout.decode_kernel for the model at hand: -DKG=<group> -DKD=<head dim, a
+   multiple of 16>, -O3 -march=native -ffast-math (vectorised exp from libmvec; the mask is clamped to finite
+   values by the caller). GCC / clang vector extensions: 512-bit vectors, split by the compiler where the CPU
+   has narrower ones. Strides are in elements; the head dim is contiguous. Rows [b0, b1) only, so callers can
+   split rows over threads; `s` is a caller-owned fp32 scratch of KG * L floats. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+#define NV (KD / 16)
+
+static inline vf load_f32(const float* p) { vf x; memcpy(&x, p, 64); return x; }
+static inline vf load_bf16(const uint16_t* p) {
+    vh h; memcpy(&h, p, 32);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf x; memcpy(&x, &u, 64); return x;
+}
+static inline float hsum(vf x) {
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += x[i];
+    return s;
+}
+static inline float store_f32(float f) { return f; }
+static inline uint16_t store_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define DEFINE_KERNEL(NAME, T, LOADV, STORE)                                                                \
+void NAME(const T* restrict q, int64_t qb, int64_t qh, int64_t qg,                                          \
+          const T* restrict k, int64_t kb, int64_t kh, int64_t kl,                                          \
+          const T* restrict v, int64_t vb, int64_t vh_, int64_t vl,                                         \
+          const float* restrict mask, int64_t mb, T* restrict out, int64_t ob, int64_t oh, int64_t og,      \
+          int64_t b0, int64_t b1, int64_t H, int64_t L, float scale, float* restrict s) {                   \
+    for (int64_t b = b0; b < b1; ++b) {                                                                     \
+        const float* m = mask + b * mb;                                                                     \
+        for (int64_t h = 0; h < H; ++h) {                                                                   \
+            vf qv[KG][NV];                                                                                  \
+            for (int g = 0; g < KG; ++g)                                                                    \
+                for (int j = 0; j < NV; ++j) qv[g][j] = LOADV(q + b * qb + h * qh + g * qg + 16 * j) * scale;\
+            const T* kr = k + b * kb + h * kh;                                                              \
+            float mx[KG];                                                                                   \
+            for (int g = 0; g < KG; ++g) mx[g] = -3.0e38f;                                                  \
+            for (int64_t l = 0; l < L; ++l) {                                                               \
+                vf kv[NV];                                                                                  \
+                for (int j = 0; j < NV; ++j) kv[j] = LOADV(kr + l * kl + 16 * j);                           \
+                for (int g = 0; g < KG; ++g) {                                                              \
+                    vf a = qv[g][0] * kv[0];                                                                \
+                    for (int j = 1; j < NV; ++j) a += qv[g][j] * kv[j];                                     \
+                    float x = hsum(a) + m[l];                                                               \
+                    s[g * L + l] = x;                                                                       \
+                    mx[g] = x > mx[g] ? x : mx[g];                                                          \
+                }                                                                                           \
+            }                                                                                               \
+            float inv[KG];                                                                                  \
+            for (int g = 0; g < KG; ++g) {                                                                  \
+                float sum = 0.f, *sg = s + g * L;                                                           \
+                for (int64_t l = 0; l < L; ++l) { sg[l] = expf(sg[l] - mx[g]); sum += sg[l]; }              \
+                inv[g] = 1.f / sum;                                                                         \
+            }                                                                                               \
+            vf acc[KG][NV];                                                                                 \
+            memset(acc, 0, sizeof(acc));                                                                    \
+            const T* vr = v + b * vb + h * vh_;                                                             \
+            for (int64_t l = 0; l < L; ++l) {                                                               \
+                vf vv[NV];                                                                                  \
+                for (int j = 0; j < NV; ++j) vv[j] = LOADV(vr + l * vl + 16 * j);                           \
+                for (int g = 0; g < KG; ++g) {                                                              \
+                    float p = s[g * L + l];                                                                 \
+                    for (int j = 0; j < NV; ++j) acc[g][j] += p * vv[j];                                    \
+                }                                                                                           \
+            }                                                                                               \
+            for (int g = 0; g < KG; ++g) {                                                                  \
+                T* o = out + b * ob + h * oh + g * og;                                                      \
+                for (int j = 0; j < NV; ++j) {                                                              \
+                    vf r = acc[g][j] * inv[g];                                                              \
+                    for (int i = 0; i < 16; ++i) o[16 * j + i] = STORE(r[i]);                               \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+}
+
+DEFINE_KERNEL(decode_attention_f32, float, load_f32, store_f32)
+DEFINE_KERNEL(decode_attention_bf16, uint16_t, load_bf16, store_bf16)
