@@ -27,7 +27,7 @@ def _inputs(b, hk, group, d, length, dtype, seed=0):
 
 
 @needs_cc
-@pytest.mark.parametrize("group,d", [(1, 32), (4, 64), (2, 128)])
+@pytest.mark.parametrize("group,d", [(1, 32), (4, 64), (2, 128), (6, 32), (8, 16)])  # 6: four + two heads
 def test_kernel_equals_sdpa_fp32(group, d):
     q, k, v, mask = _inputs(5, 2, group, d, 37, torch.float32)
     kernel = decode_kernel.attention_kernel(2 * group, 2, d, d ** -0.5, torch.device("cpu"), torch.float32)
@@ -45,6 +45,20 @@ def test_kernel_equals_sdpa_fp32(group, d):
         torch.testing.assert_close(kernel(q, k, v, mask), ref, atol=2e-6, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_cc
+def test_fully_masked_row_stays_finite():
+    """A row with every column masked (never sampled from) averages its values instead of producing NaN."""
+    q, k, v, mask = _inputs(3, 2, 4, 64, 9, torch.float32)
+    mask = mask.clone()
+    mask[2] = False
+    kernel = decode_kernel.attention_kernel(8, 2, 64, 0.125, torch.device("cpu"), torch.float32)
+    out = kernel(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[2], v[2].mean(1, keepdim=True).expand(2, 4, 64), atol=1e-5, rtol=1e-5)
+    ref = F.scaled_dot_product_attention(q[:2], k[:2], v[:2], attn_mask=mask[:2], scale=0.125)
+    torch.testing.assert_close(out[:2], ref, atol=2e-6, rtol=1e-5)
 
 
 @needs_cc
