@@ -79,6 +79,9 @@ def test_kernel_does_not_apply_everywhere(monkeypatch):
     assert decode_kernel.attention_kernel(4, 2, 24, 1.0, cpu, torch.float32) is None  # head dim not 16k
     assert decode_kernel.attention_kernel(4, 2, 64, 1.0, cpu, torch.float16) is None
     assert decode_kernel.attention_kernel(4, 2, 64, 1.0, torch.device("meta"), torch.float32) is None
+    monkeypatch.setenv("TILLER_DECODE_KERNEL", "0")
+    assert decode_kernel.attention_kernel(4, 2, 64, 1.0, cpu, torch.float32) is None
+    monkeypatch.delenv("TILLER_DECODE_KERNEL")
     monkeypatch.setattr(decode_kernel, "_LIBS", {})
     monkeypatch.setattr(decode_kernel, "compiler", lambda: None)
     assert decode_kernel.attention_kernel(4, 2, 64, 1.0, cpu, torch.float32) is None

@@ -11,7 +11,7 @@ gcc / cc / clang) and `-O3 -march=native -ffast-math`, into `$TILLER_CACHE/kerne
 `~/.cache/tiller/kernels`), named by a hash of the source, the flags, the compiler and the CPU's flags, so a
 home directory shared by different machines never loads another CPU's build; written atomically. No compiler,
 a failed build, a head dim that is not a multiple of 16, or a dtype other than fp32 / bf16: `attention_kernel`
-returns None and the engine keeps SDPA (a failed build warns once).
+returns None and the engine keeps SDPA (a failed build warns once). `TILLER_DECODE_KERNEL=0` turns it off.
 
 Results equal SDPA's up to summation order and exp's last bits (~1e-6 relative in fp32). Rows are split over
 `torch.get_num_threads()` threads (ctypes releases the GIL during the call).
@@ -168,7 +168,10 @@ class DecodeAttention:
 def attention_kernel(n_q: int, n_kv: int, head_dim: int, scaling: float, device: torch.device,
                      dtype: torch.dtype) -> DecodeAttention | None:
     """The kernel for a model with these heads on `device` in `dtype`, or None where it does not apply (not
-    CPU, a dtype other than fp32 / bf16, a head dim not a multiple of 16, no C compiler, a failed build)."""
+    CPU, a dtype other than fp32 / bf16, a head dim not a multiple of 16, no C compiler, a failed build,
+    `TILLER_DECODE_KERNEL=0` in the environment)."""
+    if os.environ.get("TILLER_DECODE_KERNEL", "1") == "0":  # the user's switch back to SDPA
+        return None
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if head_dim % 16 or n_q % n_kv:
