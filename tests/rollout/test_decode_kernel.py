@@ -38,6 +38,10 @@ def test_kernel_equals_sdpa_fp32(group, d):
     torch.testing.assert_close(kernel(q, k, v, additive), ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(kernel(q, k, v, None),
                                F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5), atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="built for group"):  # another shape would read the wrong memory
+        kernel(q[:, :, :1].expand(-1, -1, group + 1, -1), k, v, mask)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel(q, k.to(torch.bfloat16), v, mask)
     # rows split over two threads: the same numbers
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -140,6 +140,14 @@ class DecodeAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, hk, g, d = q.shape
         length = k.shape[2]
+        # the library is built for one (group, head dim) and reads raw memory: anything else is refused here
+        if (g, d) != (self.group, self.head_dim) or k.shape != (b, hk, length, d) or v.shape != k.shape:
+            raise ValueError(f"decode attention built for group {self.group} / head dim {self.head_dim}: got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)) or \
+                {q.device.type, k.device.type, v.device.type} != {"cpu"}:
+            raise ValueError(f"decode attention: q / k / v must be fp32 or bf16 CPU tensors of one dtype, got "
+                             f"{q.dtype} / {k.dtype} / {v.dtype}")
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the head dim must be dense
         m = self._mask2d(mask, b, length)
         out = torch.empty((b, hk, g, d), dtype=q.dtype)
