@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "tiller"
 
 # low to high; keep in step with docs/internals.md
 LAYERS = [
-    ("errors", "protocol", "hostinfo", "entry", "httpguard", "__init__"),
+    ("errors", "protocol", "hostinfo", "entry", "httpguard", "cache", "__init__"),
     ("algos", "config", "data", "models", "tracking"),
     ("rewards", "rollout", "tasks"),
     ("distributed", "workers", "serve"),

@@ -33,11 +33,13 @@ from pathlib import Path
 
 import torch
 
+from tiller.cache import cache_dir
+
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-Wno-psabi")
 _LOCK = threading.Lock()
 _LIBS: dict[tuple[int, int], ctypes.CDLL | None] = {}
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count
 _NEG = -3.0e38  # the kernel's "masked": finite, as -ffast-math assumes
 _I64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, _I64,
@@ -51,11 +53,6 @@ def compiler() -> str | None:
     if cc:
         return shutil.which(cc)
     return next((p for p in map(shutil.which, ("gcc", "cc", "clang")) if p), None)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TILLER_CACHE") or Path.home() / ".cache" / "tiller"
-    return Path(base) / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -75,7 +72,7 @@ def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
     source = _SOURCE.read_text()
     defines = (f"-DKG={group}", f"-DKD={head_dim}")
     key = hashlib.sha1("\n".join([source, *_FLAGS, *defines, cc, platform.machine(), _cpu_flags()]).encode())
-    out = _cache_dir() / f"decode_attention_g{group}_d{head_dim}_{key.hexdigest()[:12]}.so"
+    out = cache_dir("kernels") / f"decode_attention_g{group}_d{head_dim}_{key.hexdigest()[:12]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -163,10 +160,10 @@ class DecodeAttention:
         if threads == 1:
             run(0)
         else:
-            global _POOL
-            if _POOL is None or _POOL._max_workers < threads - 1:  # noqa: SLF001 - resize on demand
-                _POOL = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="tiller-attn")
-            futures = [_POOL.submit(run, i) for i in range(1, threads)]
+            pool = _POOLS.get(threads - 1)
+            if pool is None:
+                pool = _POOLS.setdefault(threads - 1, ThreadPoolExecutor(threads - 1, thread_name_prefix="tiller-attn"))
+            futures = [pool.submit(run, i) for i in range(1, threads)]
             run(0)
             for f in futures:
                 f.result()

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from tiller.cache import cache_dir
 from tiller.config import load_config
 from tiller.data.rl_dataset import render_prompt
 from tiller.errors import UserError
@@ -47,8 +47,7 @@ VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
 
 
 def cache_root() -> Path:
-    base = os.environ.get("TILLER_CACHE") or Path.home() / ".cache" / "tiller"
-    return Path(base) / "demo"
+    return cache_dir("demo")
 
 
 # ------------------------------------------------------------------------------------ warm-up
