@@ -1,7 +1,7 @@
 """Asynchronous RL (async_training.*): the producer's schedule in worked numbers, the staleness filter, bad
 values, staleness 0 = the synchronous loop exactly, staleness 1 within its bound and learning, a crashing
 producer stopping the run with its cause, resume without lost or repeated steps, partial rollouts' per-token
-versions in the native engine."""
+versions in the native engine, the trainer borrowing the idle producer's torch threads."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from tiller.errors import ConfigError
 from tiller.protocol import Batch
 from tiller.tasks import arithmetic
 from tiller.trainer.async_rollout import (
+    RolloutProducer,
     RolloutProducerError,
+    ThreadSharing,
     batches_per_sync,
     earliest_version,
     max_age,
@@ -130,6 +132,7 @@ def test_staleness_one_stays_within_its_bound_and_learns(tmp_path, tiny_model_di
     full = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("timing_s/wait_for_rollout" in r and "timing_s/wait_for_train" in r for r in full)
     assert max(rows[s]["async/staleness_max"] for s in rows) == 1  # it did run ahead
+    assert all(0.0 <= rows[s]["async/threads_borrowed_frac"] <= 1.0 for s in rows)  # share_idle_threads (default)
     score = [rows[s]["critic/score/mean"] for s in sorted(rows)]
     start, end = sum(score[:3]) / 3, sum(score[-3:]) / 3
     assert end > start + 0.1, score
@@ -262,3 +265,86 @@ def test_steps_with_nothing_to_train_on_do_not_stall_the_producer(tmp_path, tiny
     assert not thread.is_alive(), "the run stalled"
     assert _steps(tmp_path / "run" / "metrics.jsonl") == [1, 2, 3, 4]
     assert box["result"][1] is False  # nothing was trained
+
+
+# ------------------------------------------------------------------ threads: the trainer borrows the idle producer's
+class _Producer:
+    generating = False
+
+
+def test_thread_sharing_follows_the_producer_in_the_trainer_thread_only(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    before = torch.get_num_threads()
+    producer = _Producer()
+    try:
+        torch.set_num_threads(1)
+        share = ThreadSharing(producer, own=1, lent=4)
+        assert share.shared == 3  # own + lent, at most the machine's cores
+        share()  # the producer waits: the trainer takes its threads
+        assert torch.get_num_threads() == 3
+        producer.generating = True
+        share()
+        assert torch.get_num_threads() == 1
+        producer.generating = False
+        seen = []
+        other = threading.Thread(target=lambda: (torch.set_num_threads(1), share(), seen.append(torch.get_num_threads())))
+        other.start()
+        other.join()
+        assert seen == [1]  # a call from another thread (the producer's, say) changes nothing
+        assert share.take_stats() == {"async/threads_borrowed_frac": pytest.approx(1 / 2)}
+        assert share.take_stats() == {"async/threads_borrowed_frac": 0.0}  # counted per step
+        share()
+        assert torch.get_num_threads() == 3
+        share.close()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_producer_runs_on_its_own_thread_count_and_says_when_it_generates():
+    before = torch.get_num_threads()
+    seen = []
+
+    def produce(step, hook):
+        seen.append((step, torch.get_num_threads(), producer.generating))
+        return Batch({}), {}, {}
+
+    producer = RolloutProducer(produce=produce, load_weights=lambda state: None, first_step=1, last_step=2,
+                               staleness_threshold=1, trigger=1, num_threads=1)
+    try:
+        torch.set_num_threads(2)
+        producer.publish(0, None)
+        producer.start()
+        producer.get(1)
+        producer.publish(1, None)
+        producer.get(2)
+        assert seen == [(1, 1, True), (2, 1, True)]  # the trainer thread's 2 threads are not the producer's
+        assert torch.get_num_threads() == 2 and not producer.generating
+    finally:
+        producer.stop()
+        torch.set_num_threads(before)
+
+
+def test_layer_hooks_fire_at_every_decoder_layer_forward_and_backward(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tiller.workers.common import layer_hooks
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    calls = []
+    handles = layer_hooks(model, lambda: calls.append(torch.is_grad_enabled()))
+    n_layers = model.config.num_hidden_layers
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = model(input_ids=ids)
+    assert len(calls) == n_layers
+    out.logits.sum().backward()
+    assert len(calls) == 2 * n_layers  # one per layer in the backward too
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(calls) == 3 * n_layers
+    for h in handles:
+        h.remove()
+    model(input_ids=ids).logits.sum().backward()
+    assert len(calls) == 3 * n_layers

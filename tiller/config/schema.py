@@ -1249,6 +1249,11 @@ class AsyncTrainingConfig:
     checkpoint_engine: dict[str, Any] = field(default_factory=lambda: {
         "enable": True, "device_buffer_size_M": 4096, "overlap_broadcast_and_consume": False})
     """verl: the weight broadcast from trainer to rollouter GPUs; tiller's producer shares the trainer's process."""
+    share_idle_threads: bool = True
+    """tiller (one process, CPU): while the producer waits (for weights, or for a free queue slot) the trainer's
+    update also uses the producer's torch threads (trainer.num_threads each, at most the machine's cores);
+    while it generates, each side keeps its own. Which steps ran on more threads depends on timing and can
+    change the last bits of the update's rounding: false keeps every step on trainer.num_threads."""
     partial_rollout: bool = False
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token

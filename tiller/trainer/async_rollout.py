@@ -18,8 +18,10 @@ older than that (by its oldest token) is dropped and counted: a guard, since the
 sample within it.
 
 Threads, not processes: torch releases the GIL inside its kernels, so generation and the update overlap on
-two cores; the torch thread count is process-wide (`trainer.num_threads`, used by each side). What the two
-threads share: the reward function and the prompt sampler (producer only), the worker object (the producer
+two cores. torch's thread count is per calling thread (OpenMP / MKL keep it per thread): the producer pins
+its own (`trainer.num_threads`) when it starts, and the trainer's follows the producer (`ThreadSharing`,
+`async_training.share_idle_threads`): `trainer.num_threads` while the producer generates, the producer's
+threads as well while it waits for weights or for a free queue slot. What the two threads share: the reward function and the prompt sampler (producer only), the worker object (the producer
 only touches its own engine and weight copy through `generate_sequences` / `load_producer_weights`).
 
 Faults: an exception in the producer is handed to the trainer, which raises it (UserError types as they
@@ -107,6 +109,7 @@ class RolloutProducer:
     partial_rollout: bool = False
     initial_version: int = 0
     queue_size: int = 0  # 0: F (the budget bounds it anyway)
+    num_threads: int = 0  # torch threads of the producer thread, set when it starts (0: torch's default)
     _queue: queue.Queue = field(init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False)
     _published: _Weights | None = field(default=None, init=False)
@@ -116,6 +119,7 @@ class RolloutProducer:
     _error_step: int = field(default=0, init=False)
     _started_step: int = field(default=0, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
+    _generating: threading.Event = field(default_factory=threading.Event, init=False)
 
     def __post_init__(self):
         self._queue = queue.Queue(maxsize=self.queue_size or batches_per_sync(self.staleness_threshold, self.trigger))
@@ -126,6 +130,11 @@ class RolloutProducer:
         with self._cond:
             self._published = _Weights(version, state)
             self._cond.notify_all()
+
+    @property
+    def generating(self) -> bool:
+        """True while the producer is generating or scoring a batch (not while it waits)."""
+        return self._generating.is_set()
 
     @property
     def version(self) -> int:
@@ -184,6 +193,10 @@ class RolloutProducer:
     # --------------------------------------------------------------------- producer side
     def _run(self) -> None:
         step = self.first_step
+        if self.num_threads > 0:
+            import torch
+
+            torch.set_num_threads(self.num_threads)  # this thread's own count, whatever the trainer's
         try:
             for step in range(self.first_step, self.last_step + 1):
                 t_wait = time.perf_counter()
@@ -193,7 +206,11 @@ class RolloutProducer:
                 wait_s = time.perf_counter() - t_wait
                 t_busy = time.perf_counter()
                 self._started_step = step
-                batch, metrics, sampler_state = self.produce(step, self.weights_hook)
+                self._generating.set()
+                try:
+                    batch, metrics, sampler_state = self.produce(step, self.weights_hook)
+                finally:
+                    self._generating.clear()
                 busy_s = time.perf_counter() - t_busy
                 item = ProducedBatch(step, batch, metrics, version, sampler_state, wait_s, busy_s)
                 while True:
@@ -240,6 +257,51 @@ class RolloutProducer:
             if newest is not None and newest.version > self._loaded_version:
                 self._install(newest)
         return self._loaded_version
+
+
+class ThreadSharing:
+    """The trainer thread's torch threads follow the producer: `own` while it generates, `own + lent` (at most
+    the machine's cores) while it waits. Called often from the trainer thread (the actor calls it at each
+    decoder layer's forward and backward, `ActorWorker.set_thread_poll`); a call from another thread does
+    nothing, so the same model can run elsewhere. Changing the count costs ~1 us and happens only on a
+    change. The update's float rounding can depend on its thread count, so which steps ran on more threads
+    (a matter of timing) can change the last bits of a run: `share_idle_threads=false` keeps them fixed."""
+
+    def __init__(self, producer: RolloutProducer, own: int, lent: int):
+        import os
+
+        self.producer, self.own = producer, max(1, own)
+        self.shared = max(self.own, min(self.own + max(0, lent), os.cpu_count() or 1))
+        self.owner = threading.get_ident()
+        self._current = self.own
+        self.polls = self.borrowed = 0
+
+    def __call__(self, *_args) -> None:
+        if threading.get_ident() != self.owner:
+            return
+        n = self.own if self.producer.generating else self.shared
+        self.polls += 1
+        self.borrowed += n > self.own
+        if n != self._current:
+            import torch
+
+            torch.set_num_threads(n)
+            self._current = n
+
+    def take_stats(self) -> dict[str, float]:
+        """`async/threads_borrowed_frac`: the share of polls since the last call that ran on the producer's
+        threads too (0 when the machine has no core to spare)."""
+        frac = self.borrowed / self.polls if self.polls else 0.0
+        self.polls = self.borrowed = 0
+        return {"async/threads_borrowed_frac": frac}
+
+    def close(self) -> None:
+        """Back to `own` threads (call from the trainer thread)."""
+        if threading.get_ident() == self.owner and self._current != self.own:
+            import torch
+
+            torch.set_num_threads(self.own)
+            self._current = self.own
 
 
 # ------------------------------------------------------------------------- the trainer's staleness check

@@ -68,7 +68,7 @@ from tiller.rewards import build_reward_manager
 from tiller.rewards.types import RewardRequest
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
-from tiller.trainer.async_rollout import RolloutProducer, staleness_filter, trainer_version
+from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
 from tiller.trainer.rl_metrics import data_metrics, validation_metrics
 from tiller.workers.actor import ActorRolloutRefWorker
 from tiller.workers.common import prepare_process
@@ -143,6 +143,7 @@ class RLTrainer:
         # asynchronous RL (async_training, tiller.trainer.async_rollout): a producer thread generates ahead
         self.async_on = async_enabled(cfg)
         self.producer = None
+        self._thread_sharing = None  # async on the CPU: the trainer borrows the producer's idle threads
         self._sampler_state = None  # async: the sampler's state after the current step's prompts
         # async without a decoupled correction: the behaviour logprobs (the rollout's own) are the old ones;
         # on-policy updates then measure the mismatch with their own first forward (no extra pass)
@@ -238,6 +239,10 @@ class RLTrainer:
         finally:
             if self.producer is not None:
                 self.producer.stop()
+            if self._thread_sharing is not None:
+                self.actor.execute("set_thread_poll", None)
+                self._thread_sharing.close()
+                self._thread_sharing = None
             self.tracker.close()
         if "jsonl" in tr.logger:  # the run's main curves as plots/main.png (`tiller report` draws them all)
             write_plots(self.run_dir, families=False)
@@ -298,6 +303,8 @@ class RLTrainer:
                 with timer("update_actor", m):
                     m.update(actor.execute("update_actor", train_batch, dispatch="dp"))
                 self._update_entropy_ctrl(m)
+            if self._thread_sharing is not None:
+                m.update(self._thread_sharing.take_stats())
             with timer("sync_weights", m):
                 actor.execute("sync_rollout_weights")
                 self._publish_weights()
@@ -327,11 +334,15 @@ class RLTrainer:
 
     def _start_producer(self) -> None:
         at = self.cfg.async_training
+        threads = self.cfg.trainer.num_threads or torch.get_num_threads()  # each side's
         self.producer = RolloutProducer(
             produce=self._produce, load_weights=lambda state: self.actor.execute("load_producer_weights", state),
             first_step=self.global_step + 1, last_step=self.total_steps,
             staleness_threshold=at.staleness_threshold, trigger=at.trigger_parameter_sync_step,
-            partial_rollout=at.partial_rollout)
+            partial_rollout=at.partial_rollout, num_threads=threads)
+        if at.share_idle_threads and self.cfg.trainer.device == "cpu":
+            self._thread_sharing = ThreadSharing(self.producer, own=threads, lent=threads)
+            self.actor.execute("set_thread_poll", self._thread_sharing)
         self.producer.publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step),
                               self.actor.execute("producer_weights"))
         self.producer.start()

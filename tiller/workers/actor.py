@@ -63,6 +63,7 @@ from tiller.workers.common import (
     build_optimizer,
     build_scheduler,
     forward_options,
+    layer_hooks,
     pad_right,
     position_ids_from_mask,
     response_forward,
@@ -124,6 +125,7 @@ class ActorRolloutRefWorker:
         module.train()
         self.module = module
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
+        self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
         strategy = self.actor_cfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place and every forward all-gathers (a collective): ranks sampling different
         # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
@@ -186,6 +188,15 @@ class ActorRolloutRefWorker:
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
     # ------------------------------------------------------------- asynchronous RL: the producer's engine
+    def set_thread_poll(self, poll=None) -> None:
+        """Asynchronous RL in one process: call `poll()` (`tiller.trainer.async_rollout.ThreadSharing`, which
+        sets the calling thread's torch thread count) at every decoder layer of the actor's forward and
+        backward and before each micro-batch; None removes the hooks."""
+        for handle in self._poll_hooks:
+            handle.remove()
+        self._poll_hooks = layer_hooks(self.model, poll) if poll is not None else []
+        self._thread_poll = poll
+
     def start_producer_engine(self) -> None:
         """A second engine on a frozen copy of the rollout module, for the rollout producer thread
         (`tiller.trainer.async_rollout`): the actor trains while the copy samples; its weights change only
@@ -556,6 +567,8 @@ class ActorRolloutRefWorker:
                                      max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
         for i, micro in enumerate(micros):
+            if self._thread_poll is not None:
+                self._thread_poll()
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             with autocast(a.dtype, self.device):

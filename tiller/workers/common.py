@@ -198,6 +198,28 @@ def set_num_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def layer_hooks(model: torch.nn.Module, fn) -> list:
+    """Call `fn()` before each decoder layer's forward and, in the backward, once that layer's input gradient
+    is computed (a hook on the layer's input tensor: no wrapping of the layer's outputs). The decoder layers
+    are the modules of the model's largest `nn.ModuleList` (HF models: `model.layers`). Returns the handles
+    (`.remove()` each); none when the model has no ModuleList."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return []
+    layers = max(lists, key=len)
+
+    def on_grad(_grad):
+        fn()
+
+    def before(_module, args, kwargs):
+        fn()
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            x.register_hook(on_grad)
+
+    return [layer.register_forward_pre_hook(before, with_kwargs=True) for layer in layers]
+
+
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
