@@ -7,6 +7,8 @@ Per setting and seed it records:
 - `s_per_step`: training wall time / steps (validation excluded: the held-out check runs at start and end);
 - `gen_busy` / `update_busy`: the fraction of that wall time the generation side (gen + reward + filter)
   and the update side (everything else in a step, minus waiting for the producer) were working;
+- `threads_borrowed_frac` (async): the share of the update's decoder-layer passes that ran on the idle
+  producer's threads too (`async_training.share_idle_threads`);
 - `val_acc_before` / `val_acc_after` / `gain`: greedy accuracy on the 256 held-out prompts.
 Prints one JSON line per setting (means over seeds, the per-seed values listed) and a summary line
     {"speedup_s1": s/step(s1) / s/step(sync), "speedup_s2": ..., "gain_sync": ..., "gain_s1": ..., "gain_s2": ...,
@@ -71,6 +73,7 @@ def run_setting(seed: int, staleness: float, args, root: Path) -> dict:
             "s_per_step": train_wall / max(len(steps), 1), "gen_busy": gen / train_wall, "update_busy": update / train_wall,
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
             "dropped_stale": sum(r.get("async/dropped_stale", 0.0) for r in steps),
+            "threads_borrowed_frac": statistics.fmean([r.get("async/threads_borrowed_frac", 0.0) for r in steps] or [0.0]),
             "val_acc_before": before, "val_acc_after": after, "gain": after - before, "val_and_setup_s": val_s}
 
 
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = {}
     for s, runs in results.items():
         line = {"staleness_threshold": s, "seeds": len(runs), "steps": args.steps, "threads": args.threads}
-        for key in ("s_per_step", "gen_busy", "update_busy", "val_acc_before", "val_acc_after", "gain"):
+        for key in ("s_per_step", "gen_busy", "update_busy", "threads_borrowed_frac", "val_acc_before", "val_acc_after",
+                    "gain"):
             line[key] = round(statistics.fmean(r[key] for r in runs), 4)
         line["gain_seeds"] = [round(r["gain"], 4) for r in runs]
         line["s_per_step_seeds"] = [round(r["s_per_step"], 4) for r in runs]
