@@ -295,10 +295,24 @@ def test_thread_sharing_follows_the_producer_in_the_trainer_thread_only(monkeypa
         assert seen == [1]  # a call from another thread (the producer's, say) changes nothing
         assert share.take_stats() == {"async/threads_borrowed_frac": pytest.approx(1 / 2)}
         assert share.take_stats() == {"async/threads_borrowed_frac": 0.0}  # counted per step
-        share()
-        assert torch.get_num_threads() == 3
-        share.close()
-        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_async_run_splits_the_cores_between_trainer_and_producer_and_restores_them(tmp_path, tiny_model_dir, rl_data):
+    from tiller.trainer.rl import RLTrainer
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        trainer = RLTrainer(make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *COMMON,
+                                     "async_training.staleness_threshold=1", "trainer.num_threads=0"))
+        produce, seen = trainer._produce, []
+        trainer._produce = lambda step, hook: (seen.append(torch.get_num_threads()), produce(step, hook))[1]
+        trainer.fit()
+        trainer.shutdown()
+        assert seen == [1, 1, 1]  # trainer.num_threads=0: torch's 2 threads split, one per side
+        assert torch.get_num_threads() == 2  # the trainer thread's count is back
     finally:
         torch.set_num_threads(before)
 

@@ -1317,7 +1317,8 @@ class TrainerConfig:
     seed: int = 1
     """Seed of sampling and initialisation."""
     num_threads: int = 0
-    """torch threads in the driver process (0 = leave torch's default)."""
+    """torch threads in the driver process (0 = leave torch's default). Asynchronous RL: the threads of each side
+    (trainer thread, rollout producer thread); 0 there splits torch's default between the two."""
     tune_cpu_malloc: bool = True
     """CPU runs on Linux/glibc: keep freed memory in the process (mallopt) so each step's activations reuse
     pages instead of faulting in fresh ones (~10-20% faster CPU steps); off: glibc's defaults."""

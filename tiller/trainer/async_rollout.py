@@ -18,11 +18,12 @@ older than that (by its oldest token) is dropped and counted: a guard, since the
 sample within it.
 
 Threads, not processes: torch releases the GIL inside its kernels, so generation and the update overlap on
-two cores. torch's thread count is per calling thread (OpenMP / MKL keep it per thread): the producer pins
-its own (`trainer.num_threads`) when it starts, and the trainer's follows the producer (`ThreadSharing`,
-`async_training.share_idle_threads`): `trainer.num_threads` while the producer generates, the producer's
-threads as well while it waits for weights or for a free queue slot. What the two threads share: the reward function and the prompt sampler (producer only), the worker object (the producer
-only touches its own engine and weight copy through `generate_sequences` / `load_producer_weights`).
+two cores. torch's thread count is per calling thread (OpenMP / MKL keep it per thread): the producer pins its
+own when it starts (`trainer.num_threads`; 0: half of torch's default, the trainer thread keeps the other
+half), and the trainer's follows the producer (`ThreadSharing`, `async_training.share_idle_threads`): its own
+while the producer generates, the producer's as well while it waits for weights or for a free queue slot.
+What the two threads share: the reward function and the prompt sampler (producer only), the worker object (the
+producer only touches its own engine and weight copy through `generate_sequences` / `load_producer_weights`).
 
 Faults: an exception in the producer is handed to the trainer, which raises it (UserError types as they
 are, anything else as `RolloutProducerError` naming the step, chained to the cause); the trainer never
@@ -294,14 +295,6 @@ class ThreadSharing:
         frac = self.borrowed / self.polls if self.polls else 0.0
         self.polls = self.borrowed = 0
         return {"async/threads_borrowed_frac": frac}
-
-    def close(self) -> None:
-        """Back to `own` threads (call from the trainer thread)."""
-        if threading.get_ident() == self.owner and self._current != self.own:
-            import torch
-
-            torch.set_num_threads(self.own)
-            self._current = self.own
 
 
 # ------------------------------------------------------------------------- the trainer's staleness check

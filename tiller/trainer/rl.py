@@ -144,6 +144,7 @@ class RLTrainer:
         self.async_on = async_enabled(cfg)
         self.producer = None
         self._thread_sharing = None  # async on the CPU: the trainer borrows the producer's idle threads
+        self._threads_before = None  # async: the trainer thread's torch threads before the producer started
         self._sampler_state = None  # async: the sampler's state after the current step's prompts
         # async without a decoupled correction: the behaviour logprobs (the rollout's own) are the old ones;
         # on-policy updates then measure the mismatch with their own first forward (no extra pass)
@@ -241,8 +242,10 @@ class RLTrainer:
                 self.producer.stop()
             if self._thread_sharing is not None:
                 self.actor.execute("set_thread_poll", None)
-                self._thread_sharing.close()
                 self._thread_sharing = None
+            if self._threads_before is not None:
+                torch.set_num_threads(self._threads_before)
+                self._threads_before = None
             self.tracker.close()
         if "jsonl" in tr.logger:  # the run's main curves as plots/main.png (`tiller report` draws them all)
             write_plots(self.run_dir, families=False)
@@ -333,14 +336,18 @@ class RLTrainer:
         return batch
 
     def _start_producer(self) -> None:
-        at = self.cfg.async_training
-        threads = self.cfg.trainer.num_threads or torch.get_num_threads()  # each side's
+        at, tr = self.cfg.async_training, self.cfg.trainer
+        cpu = tr.device == "cpu"
+        # each side's torch threads: trainer.num_threads, else (CPU) the cores split between the two sides
+        threads = tr.num_threads or (max(1, torch.get_num_threads() // 2) if cpu else torch.get_num_threads())
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
         self.producer = RolloutProducer(
             produce=self._produce, load_weights=lambda state: self.actor.execute("load_producer_weights", state),
             first_step=self.global_step + 1, last_step=self.total_steps,
             staleness_threshold=at.staleness_threshold, trigger=at.trigger_parameter_sync_step,
             partial_rollout=at.partial_rollout, num_threads=threads)
-        if at.share_idle_threads and self.cfg.trainer.device == "cpu":
+        if at.share_idle_threads and cpu:
             self._thread_sharing = ThreadSharing(self.producer, own=threads, lent=threads)
             self.actor.execute("set_thread_poll", self._thread_sharing)
         self.producer.publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step),
