@@ -113,6 +113,80 @@ def test_shared_prompt_forward_equals_per_sample_forward(tiny_model_dir, tiny_ll
             torch.testing.assert_close(g / scale, results[0][1][name] / scale, atol=1e-4, rtol=1e-3)
 
 
+def test_split_long_responses_worked_cases():
+    from tiller.workers.common import split_long_responses
+
+    def mask(lengths, width=6):
+        return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+    short, long = split_long_responses(mask([2] * 14 + [6] * 2))
+    assert long.tolist() == [14, 15] and short.tolist() == list(range(14))
+    short, long = split_long_responses(mask([3, 6] + [3] * 13 + [5]))  # two lengths among the long rows
+    assert long.tolist() == [1, 15] and len(short) == 14
+    assert split_long_responses(mask([3, 3, 6, 3, 3, 3, 5, 3] * 2)) is None  # 4 long rows > 16 // 8
+    assert split_long_responses(mask([3] * 4 + [4] * 4)) is None  # half the rows are long: no outliers
+    assert split_long_responses(mask([3] * 6 + [6])) is None  # fewer than 8 rows
+    assert split_long_responses(mask([5] * 15 + [6])) is None  # one column for 15 rows: < 20% saved
+    short, long = split_long_responses(mask([3] * 7 + [6]))
+    assert long.tolist() == [7]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2-value"])
+@pytest.mark.parametrize("share", [False, True])
+def test_split_long_responses_forward_equals_one_forward(tiny_model_dir, arch, share):
+    # 16 rows, two of them with 6-token responses and the rest 2: the two run as their own forward, the
+    # others' outputs are padded; outputs on every response token and all gradients match one forward
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from tiller.models.loading import load_causal_lm
+    from tiller.workers import common
+
+    if arch == "qwen2-value":
+        config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, config=config).train()
+    else:
+        model = load_causal_lm(tiny_model_dir).train()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, 200, (4, 5), generator=g).repeat_interleave(4, 0)  # 4 prompts x 4 samples
+    prompts[::3, :2] = 0  # some left padding
+    lengths = torch.tensor([2] * 16)
+    lengths[[5, 11]] = 6
+    rmask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    responses = torch.randint(5, 200, (16, 6), generator=g) * rmask
+    attn = torch.cat([(prompts != 0).long(), rmask], 1)
+    ids = torch.cat([prompts, responses], 1)
+    weights = torch.randn(16, 6, 1, generator=g)
+    opts = {"logits_to_keep": arch == "qwen2", "share_prompts": share}
+    calls = []
+    inner = common._response_forward
+    results = []
+    for split in (False, True):
+        model.zero_grad()
+        if split:
+            def counting(*args):
+                calls.append(args[1].shape[0])
+                return inner(*args)
+
+            common._response_forward = counting
+            try:
+                out, t_used = common.response_forward(model, ids, attn, 5, rmask, **opts)
+            finally:
+                common._response_forward = inner
+        else:
+            out, t_used = inner(model, ids, attn, 5, rmask, opts["logits_to_keep"], share)
+        assert t_used == 6 and out.shape[:2] == (16, 6)
+        (out.log_softmax(-1) * rmask[..., None] * weights).sum().backward()
+        results.append((out.detach() * rmask[..., None],
+                        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert calls == [14, 2]  # the split ran: 14 short rows, then the 2 long ones
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-4)
+    assert results[1][1].keys() == results[0][1].keys() and len(results[0][1]) > 10
+    for name, grad in results[0][1].items():
+        scale = float(grad.abs().max()) + 1e-8
+        torch.testing.assert_close(results[1][1][name] / scale, grad / scale, atol=1e-4, rtol=1e-3)
+
+
 def test_shared_prompt_forward_one_token_responses(tiny_model_dir):
     from tiller.models.loading import load_causal_lm
 

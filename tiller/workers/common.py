@@ -101,10 +101,36 @@ def trim_bounds(attention_mask: torch.Tensor, prompt_width: int, response_mask: 
     return min(first, prompt_width - 1), prompt_width + max(t_max, 1)
 
 
+def split_long_responses(response_mask: torch.Tensor, min_saving: float = 0.2):
+    """(short rows, long rows) index tensors when a separate forward for a few long responses (at most 1/8 of
+    the rows) spares the others at least `min_saving` of the micro-batch's response columns; else None.
+
+    A trimmed forward pads every row to the longest response in its micro-batch, so one rare long answer
+    widens them all; the split costs one more (small) forward. Per row the outputs are the same (a column
+    never attends to later ones), up to float rounding."""
+    b = response_mask.shape[0]
+    if b < 8:
+        return None
+    lengths = response_mask.sum(-1)
+    t_max = int(lengths.max())
+    best, width = 0, None
+    for s in lengths.unique().tolist():
+        s = int(s)
+        n_long = int((lengths > s).sum())
+        if 1 <= s < t_max and n_long <= b // 8 and (b - n_long) * (t_max - s) > best:
+            best, width = (b - n_long) * (t_max - s), s
+    if width is None or best < min_saving * b * t_max:
+        return None
+    return (lengths <= width).nonzero().squeeze(-1), (lengths > width).nonzero().squeeze(-1)
+
+
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                      response_mask: torch.Tensor, *, logits_to_keep: bool = False,
                      share_prompts: bool = False) -> tuple[torch.Tensor, int]:
     """Run `model` on the trimmed micro-batch; returns (output tensor over the response slots, t_used).
+    When a few rows have much longer responses than the rest (`split_long_responses`), they run as a second
+    trimmed forward and the others' outputs are zero-padded to t_used (not under torch.distributed, where
+    every rank must run the same forwards).
 
     The output is `logits[B, t_used, V]` for a causal LM (column j predicts response token j), or the
     per-token head output `[B, t_used, 1]` for a token-classification (value) model: the value of the
@@ -115,6 +141,20 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     share_prompts: the model is an HF model that takes `past_key_values`: rows with the same prompt (tokens
         and padding) share one prompt forward (see `shared_prompt_forward`).
     """
+    split = None if dist_ctx.is_distributed() else split_long_responses(response_mask)
+    if split is not None:
+        outs = [_response_forward(model, input_ids[rows], attention_mask[rows], prompt_width, response_mask[rows],
+                                  logits_to_keep, share_prompts) for rows in split]
+        t_used = outs[1][1]
+        short = torch.nn.functional.pad(outs[0][0], (0, 0, 0, t_used - outs[0][1]))
+        order = torch.argsort(torch.cat(split))
+        return torch.cat([short, outs[1][0]])[order], t_used
+    return _response_forward(model, input_ids, attention_mask, prompt_width, response_mask, logits_to_keep,
+                             share_prompts)
+
+
+def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                      response_mask: torch.Tensor, logits_to_keep: bool, share_prompts: bool) -> tuple[torch.Tensor, int]:
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
     # Under torch.distributed every rank must run the same number of forwards (FSDP2 all-gathers and DDP
