@@ -116,3 +116,22 @@ def test_engine_with_the_kernel_equals_sdpa_decoding(fixture, request):
     assert outs[0].response_ids == outs[1].response_ids
     for a, b in zip(outs[0].logprobs, outs[1].logprobs):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+@needs_cc
+def test_loading_the_kernel_keeps_denormals_in_the_loading_thread(tmp_path):
+    # -ffast-math at link time would add crtfastmath.o, whose constructor sets flush-to-zero / denormals-are-zero
+    # in the thread that loads the library: every later float op of that thread (training) would change
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom tiller.rollout import decode_kernel\n"
+            "assert decode_kernel.attention_kernel(8, 2, 32, 0.1, torch.device('cpu'), torch.float32) is not None\n"
+            "print(float(torch.tensor([1e-39]) * torch.tensor([1.0])))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "TILLER"))}
+    env["TILLER_CACHE"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.strip()) == pytest.approx(1e-39, rel=1e-3, abs=0)  # a denormal, not flushed to 0
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no object file left behind

@@ -36,7 +36,11 @@ import torch
 from tiller.cache import cache_dir
 
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-Wno-psabi")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-Wno-psabi")
+# linked in a second command without -ffast-math: with it, GCC / clang link crtfastmath.o into the library,
+# whose constructor turns on flush-to-zero / denormals-are-zero in the loading thread, changing every later
+# float computation of that thread (training included)
+_LINK = ("-shared",)
 _LOCK = threading.Lock()
 _LIBS: dict[tuple[int, int], ctypes.CDLL | None] = {}
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count
@@ -71,17 +75,21 @@ def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
         return None
     source = _SOURCE.read_text()
     defines = (f"-DKG={group}", f"-DKD={head_dim}")
-    key = hashlib.sha1("\n".join([source, *_FLAGS, *defines, cc, platform.machine(), _cpu_flags()]).encode())
+    key = hashlib.sha1("\n".join([source, *_FLAGS, *_LINK, *defines, cc, platform.machine(), _cpu_flags()]).encode())
     out = cache_dir("kernels") / f"decode_attention_g{group}_d{head_dim}_{key.hexdigest()[:12]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cc, *_FLAGS, *defines, "-o", tmp, str(_SOURCE), "-lm"]
+        obj = tmp[:-3] + ".o"
+        link = [cc, *_LINK, "-o", tmp, obj, "-lm"]
         if platform.system() == "Linux":
-            cmd.append("-lmvec")  # glibc's vector math (the vectorised expf under -ffast-math)
+            link.append("-lmvec")  # glibc's vector math (the vectorised expf under -ffast-math)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            for cmd in ([cc, *_FLAGS, *defines, "-c", "-o", obj, str(_SOURCE)], link):
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                if proc.returncode != 0:
+                    break
             if proc.returncode != 0:
                 warnings.warn(f"tiller: building the decode-attention kernel failed ({' '.join(cmd)}): "
                               f"{proc.stderr.strip()[-500:]}; decoding with SDPA", stacklevel=3)
@@ -92,8 +100,9 @@ def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
                           stacklevel=3)
             return None
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for path in (tmp, obj):
+                if os.path.exists(path):
+                    os.unlink(path)
     lib = ctypes.CDLL(str(out))
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         fn = getattr(lib, name)
