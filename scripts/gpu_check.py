@@ -19,6 +19,8 @@ Checks:
 - `rl_gae_bf16`: PPO with a critic, KL loss against a reference, bf16 actor / critic / rollout, 4 steps,
   a checkpoint saved and resumed on the device.
 - `sft_fsdp`: `torchrun --nproc_per_node 1 -m tiller.cli sft` (FSDP2 over NCCL on CUDA), loss falls.
+- `async_rl`: `bench/async_rl.py` on the device, synchronous vs `async_training.staleness_threshold=1` (the rollout
+  producer thread generating on the same GPU beside the update), two seeds: both learn, s/step ratio reported.
 - `speed`: native engine vs HF `generate`, 30M Qwen2, 64 prompts x 128 new tokens, fp32 and bf16 (tok/s).
 """
 
@@ -289,6 +291,24 @@ def c_sft(a):
     return {"loss_first": losses[0], "loss_last": losses[-1]}
 
 
+@check("async_rl")
+def c_async(a):
+    log = a.out / "async_rl.log"
+    cmd = [sys.executable, str(ROOT / "bench" / "async_rl.py"), "--seeds", "2", "--steps", str(a.demo_steps),
+           "--settings", "0", "1", "--out", str(a.work / "async"), f"trainer.device={a.device}"]
+    code = sh(cmd, log, 480)
+    print(tail(log, 4))
+    assert code == 0, f"exit {code}: {tail(log, 8)}"
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    per_setting = {line["staleness_threshold"]: line for line in lines if "staleness_threshold" in line}
+    summary = lines[-1]
+    assert per_setting[1.0]["staleness_max"] <= 1, f"staleness {per_setting[1.0]['staleness_max']} > 1"
+    assert min(per_setting[1.0]["gain_seeds"]) > 0.15, f"async gains {per_setting[1.0]['gain_seeds']}"
+    return {k: summary[k] for k in ("speedup_s1", "gain_sync", "gain_s1", "gain_sync_seeds")} | {
+        "s_per_step_sync": per_setting[0.0]["s_per_step_seeds"], "s_per_step_s1": per_setting[1.0]["s_per_step_seeds"],
+        "gain_s1_seeds": per_setting[1.0]["gain_seeds"]}
+
+
 @check("speed")
 def c_speed(a):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -325,7 +345,7 @@ def c_speed(a):
     return out
 
 
-CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_speed]
+CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_async, c_speed]
 
 
 def main() -> int:
