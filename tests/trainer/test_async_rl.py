@@ -1,7 +1,8 @@
 """Asynchronous RL (async_training.*): the producer's schedule in worked numbers, the staleness filter, bad
 values, staleness 0 = the synchronous loop exactly, staleness 1 within its bound and learning, a crashing
 producer stopping the run with its cause, resume without lost or repeated steps, partial rollouts' per-token
-versions in the native engine, the trainer borrowing the idle producer's torch threads."""
+versions in the native engine, the trainer borrowing the idle producer's torch threads, the update's
+micro-batch lanes (actor.update_lanes, and the lane lent by the producer)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def test_staleness_filter_drops_by_oldest_token_and_counts():
     ("async_training.staleness_threshold=1 async_training.partial_rollout=true actor_rollout_ref.rollout.name=hf",
      "partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
     ("async_training.staleness_threshhold=1", "did you mean async_training.staleness_threshold"),
+    ("actor_rollout_ref.actor.update_lanes=0", "actor_rollout_ref.actor.update_lanes must be an integer >= 1"),
+    ("actor_rollout_ref.actor.update_lanes=2 trainer.backend=ray", "update_lanes=2 needs trainer.backend=local"),
 ])
 def test_bad_async_values_are_config_errors(tmp_path, tiny_model_dir, rl_data, override, expect):
     with pytest.raises(ConfigError, match=expect.replace(".", r"\.").replace("(", r"\(")):
@@ -362,3 +365,101 @@ def test_layer_hooks_fire_at_every_decoder_layer_forward_and_backward(tiny_model
         h.remove()
     model(input_ids=ids).logits.sum().backward()
     assert len(calls) == 3 * n_layers
+
+
+# ------------------------------------------------------------------------------- micro-batch lanes
+def _lane_spy(monkeypatch, calls: list):
+    """Wrap the actor's run_in_lanes: record (items, lanes, threads) and make the first `lanes` items meet at a
+    barrier, which only passes when that many lanes really run at once."""
+    from tiller.workers import actor as actor_mod
+
+    real = actor_mod.run_in_lanes
+
+    def spy(fn, items, lanes, threads=1):
+        calls.append((len(items), lanes, threads))
+        barrier = threading.Barrier(max(1, min(lanes, len(items))), timeout=60)
+
+        def met(i, item):
+            if i < lanes:
+                barrier.wait()
+            return fn(i, item)
+
+        return real(met, items, lanes, threads)
+
+    monkeypatch.setattr(actor_mod, "run_in_lanes", spy)
+
+
+def test_run_in_lanes_runs_items_side_by_side_in_order_on_the_lane_threads():
+    from tiller.workers.common import run_in_lanes
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        barrier, seen = threading.Barrier(2, timeout=30), []
+
+        def fn(i, item):
+            if i < 2:
+                barrier.wait()  # items 0 and 1 run at the same time, or this times out
+            seen.append((threading.get_ident(), torch.get_num_threads()))
+            return item * 10
+
+        assert run_in_lanes(fn, [1, 2, 3, 4, 5], lanes=2, threads=1) == [10, 20, 30, 40, 50]
+        assert len({ident for ident, _ in seen}) == 2 and {n for _, n in seen} == {1}
+        assert torch.get_num_threads() == 2  # the caller's count is back
+
+        def bad(i, item):
+            if i == 1:
+                raise ValueError("micro-batch 1 failed")
+            return item
+
+        with pytest.raises(ValueError, match="micro-batch 1 failed"):
+            run_in_lanes(bad, [1, 2, 3, 4], lanes=2, threads=1)
+        assert torch.get_num_threads() == 2
+        caller = threading.get_ident()
+        assert run_in_lanes(lambda i, x: threading.get_ident() == caller, [1, 2], lanes=1) == [True, True]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_update_lanes_equal_the_sequential_update_over_the_same_micro_batches(tmp_path, tiny_model_dir, rl_data,
+                                                                                monkeypatch):
+    """16 samples per step, micro-batches of 16: two lanes split them 8 + 8 and run both at once; the weights
+    and metrics equal a sequential run with micro-batches of 8, bit for bit (two gradient sums commute)."""
+    common = (*COMMON, "trainer.num_threads=1", "trainer.seed=3")
+    _, _, seq = _train(make_cfg(tmp_path / "a", tiny_model_dir, rl_data, *common,
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"))
+    calls: list = []
+    _lane_spy(monkeypatch, calls)
+    _, _, lanes = _train(make_cfg(tmp_path / "b", tiny_model_dir, rl_data, *common,
+                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                                  "actor_rollout_ref.actor.update_lanes=2"))
+    assert calls == [(2, 2, 1)] * 3  # one update per step: 2 micro-batches in 2 lanes of 1 thread
+    for k in seq:
+        assert torch.equal(seq[k], lanes[k]), k
+    a, b = _jsonl(tmp_path / "a" / "metrics.jsonl"), _jsonl(tmp_path / "b" / "metrics.jsonl")
+    for step in a:
+        same = {k for k in a[step] if k.startswith(("actor/", "training/"))}
+        assert same and {k: a[step][k] for k in same} == {k: b[step][k] for k in same}
+
+
+def test_async_update_runs_a_lane_on_the_producers_threads(tmp_path, tiny_model_dir, rl_data, monkeypatch):
+    calls: list = []
+    _lane_spy(monkeypatch, calls)
+    from tiller.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *COMMON, "trainer.num_threads=1",
+                                 "async_training.staleness_threshold=1"))
+    try:
+        trainer.fit()
+        assert [lanes for _, lanes, _ in calls] == [2, 2, 2]  # actor.update_lanes=1 + the producer's lane
+        assert trainer.actor.worker._lent_lanes == 0  # returned after the run
+    finally:
+        trainer.shutdown()
+    calls.clear()
+    trainer = RLTrainer(make_cfg(tmp_path / "off", tiny_model_dir, rl_data, *COMMON, "trainer.num_threads=1",
+                                 "async_training.staleness_threshold=1", "async_training.share_idle_threads=false"))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert [lanes for _, lanes, _ in calls] == [1, 1, 1]

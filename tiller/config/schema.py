@@ -483,6 +483,15 @@ class ActorConfig:
     full forward per sample, as verl. Needs an HF causal LM (past_key_values); off under gradient checkpointing."""
     dtype: str = "float32"
     """Training compute dtype: float32 | bfloat16 (autocast; fp16 is not offered: it is unusable on CPU)."""
+    update_lanes: int = 1
+    """tiller (CPU, one process): run this many of a mini-batch's micro-batches at a time, each in its own
+    thread on trainer.num_threads / update_lanes torch threads (at least 1); the micro-batch count is rounded
+    up to a multiple of the lanes, rows shared evenly. Small models' ops scale poorly over threads, whole
+    micro-batches do: on 2 cores two lanes of 1 thread update ~1.2x faster than one lane of 2 threads.
+    Gradients add up under autograd's lock: with 2 lanes exactly the sequential sums over the same
+    micro-batches; with more the order of the additions (so the last bits) depends on timing. 1 = one
+    micro-batch after another. Asynchronous RL with async_training.share_idle_threads adds one lane on the
+    producer's threads. Not with trainer.backend=ray, torchrun or a GPU."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy loss choice and its hyper-parameters."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -1250,10 +1259,13 @@ class AsyncTrainingConfig:
         "enable": True, "device_buffer_size_M": 4096, "overlap_broadcast_and_consume": False})
     """verl: the weight broadcast from trainer to rollouter GPUs; tiller's producer shares the trainer's process."""
     share_idle_threads: bool = True
-    """tiller (one process, CPU): while the producer waits (for weights, or for a free queue slot) the trainer's
-    update also uses the producer's torch threads (trainer.num_threads each, at most the machine's cores);
-    while it generates, each side keeps its own. Which steps ran on more threads depends on timing and can
-    change the last bits of the update's rounding: false keeps every step on trainer.num_threads."""
+    """tiller (one process, CPU): the trainer also computes on the producer's torch threads. The actor's update
+    runs one more lane of micro-batches (actor.update_lanes + 1, each lane on trainer.num_threads threads):
+    while the producer generates, the operating system shares the cores between the three; while it waits
+    (for weights, or a free queue slot) the lanes have them. Other trainer forwards (old / reference
+    logprobs) run on the producer's threads too while it waits. Which forwards ran on more threads depends on
+    timing and can change the last bits of their rounding: false keeps every step on trainer.num_threads and
+    actor.update_lanes."""
     partial_rollout: bool = False
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token

@@ -148,6 +148,7 @@ def validate_rl(cfg: RLConfig) -> None:
         )
     _validate_rollout_correction(algo.rollout_correction)
     _validate_async(cfg)
+    _validate_update_lanes(cfg)
     if cfg.reward_model.diversity.partitioner == "embedding" and cfg.reward_model.diversity.enable \
             and not cfg.reward_model.diversity.embedding_model:
         raise ConfigError("reward_model.diversity.partitioner=embedding needs reward_model.diversity.embedding_model")
@@ -240,6 +241,22 @@ def async_enabled(cfg: RLConfig) -> bool:
     """Whether the rollout producer runs (staleness_threshold > 0 or trigger_parameter_sync_step > 1)."""
     at = cfg.async_training
     return at.staleness_threshold > 0 or at.trigger_parameter_sync_step > 1
+
+
+def _validate_update_lanes(cfg: RLConfig) -> None:
+    """actor.update_lanes: threads of one process on the CPU."""
+    lanes, key = cfg.actor_rollout_ref.actor.update_lanes, "actor_rollout_ref.actor.update_lanes"
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+        raise ConfigError(f"{key} must be an integer >= 1 (1 = micro-batches one after another), got {lanes!r}")
+    if lanes == 1:
+        return
+    tr = cfg.trainer
+    if tr.device != "cpu":
+        raise ConfigError(f"{key}={lanes} runs micro-batches in CPU threads; trainer.device={tr.device!r} is not the "
+                          "CPU (set update_lanes=1)")
+    if tr.backend != "local":
+        raise ConfigError(f"{key}={lanes} needs trainer.backend=local: ranks of a worker group run their "
+                          "micro-batches in lockstep (DDP / FSDP2 collectives), one at a time")
 
 
 def _validate_async(cfg: RLConfig) -> None:

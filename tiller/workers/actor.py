@@ -67,6 +67,7 @@ from tiller.workers.common import (
     pad_right,
     position_ids_from_mask,
     response_forward,
+    run_in_lanes,
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, split_micro_batches
@@ -126,6 +127,10 @@ class ActorRolloutRefWorker:
         self.module = module
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
         self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
+        self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False  # set_lent_lanes
+        if self.actor_cfg.update_lanes > 1 and dist_ctx.is_distributed():
+            raise ConfigError(f"actor_rollout_ref.actor.update_lanes={self.actor_cfg.update_lanes} under torch.distributed "
+                              "(torchrun): ranks run their micro-batches in lockstep; set update_lanes=1")
         strategy = self.actor_cfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place and every forward all-gathers (a collective): ranks sampling different
         # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
@@ -188,13 +193,22 @@ class ActorRolloutRefWorker:
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
     # ------------------------------------------------------------- asynchronous RL: the producer's engine
+    def set_lent_lanes(self, lanes: int = 0, threads: int = 1) -> None:
+        """Asynchronous RL in one process: the update runs `lanes` more micro-batch lanes (the producer's threads),
+        every lane on `threads` torch threads; 0 returns to actor.update_lanes."""
+        self._lent_lanes, self._lane_threads = max(0, lanes), max(1, threads)
+
+    def _poll(self, *_args) -> None:
+        if self._thread_poll is not None and not self._in_lanes:
+            self._thread_poll()
+
     def set_thread_poll(self, poll=None) -> None:
         """Asynchronous RL in one process: call `poll()` (`tiller.trainer.async_rollout.ThreadSharing`, which
         sets the calling thread's torch thread count) at every decoder layer of the actor's forward and
         backward and before each micro-batch; None removes the hooks."""
         for handle in self._poll_hooks:
             handle.remove()
-        self._poll_hooks = layer_hooks(self.model, poll) if poll is not None else []
+        self._poll_hooks = layer_hooks(self.model, self._poll) if poll is not None else []
         self._thread_poll = poll
 
     def start_producer_engine(self) -> None:
@@ -561,22 +575,27 @@ class ActorRolloutRefWorker:
         agg = global_counts(mb)
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
-        sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        micros = split_micro_batches(mb, rows=a.ppo_micro_batch_size_per_gpu,
+        lanes = 1 if dist_ctx.is_distributed() else a.update_lanes + self._lent_lanes
+        rows = a.ppo_micro_batch_size_per_gpu
+        if lanes > 1:  # as many micro-batches as before, rounded up to a multiple of the lanes, equal in rows
+            count = -(-len(mb) // rows)
+            rows = -(-len(mb) // (-(-count // lanes) * lanes))
+        micros = split_micro_batches(mb, rows=rows,
                                      max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
-        for i, micro in enumerate(micros):
-            if self._thread_poll is not None:
-                self._thread_poll()
+
+        def micro_step(i: int, micro: Batch) -> tuple[dict[str, float], dict | None]:
+            self._poll()
+            part: dict[str, float] = {}
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             with autocast(a.dtype, self.device):
                 logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
+            mismatch = None
             if self._mismatch_parts is not None:
-                self._mismatch_parts.append(mismatch_sums(logp.detach().cpu(), micro["rollout_log_probs"],
-                                                          micro["response_mask"]))
+                mismatch = mismatch_sums(logp.detach().cpu(), micro["rollout_log_probs"], micro["response_mask"])
             adv = micro["advantages"].to(self.device)
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
             if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
@@ -584,7 +603,7 @@ class ActorRolloutRefWorker:
             pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
             loss = pg_loss
             if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
-                loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, sums)
+                loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)
             if entropy_coeff != 0.0:
                 loss = loss - entropy_coeff * aggregate_loss(entropy, mask, agg_mode, **agg)
@@ -592,15 +611,29 @@ class ActorRolloutRefWorker:
                 kl = kl_penalty(logp, micro["ref_log_prob"].to(self.device), a.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
                 loss = loss + a.kl_loss_coef * kl_loss
-                sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(kl_loss.detach())
+                part["kl_loss"] = float(kl_loss.detach())
             loss.backward()
             w = float(mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metric means
-            sums["pg_loss"] = sums.get("pg_loss", 0.0) + float(pg_loss.detach())
-            sums["entropy"] = sums.get("entropy", 0.0) + float(ent.detach())
+            part["pg_loss"] = float(pg_loss.detach())
+            part["entropy"] = float(ent.detach())
             for k, v in pg_metrics.items():
                 if k not in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # bypass mode's correction metrics
                     k = f"rollout_corr/{k}"
-                sums[k] = sums.get(k, 0.0) + w * float(v)
+                part[k] = w * float(v)
+            return part, mismatch
+
+        threads = self._lane_threads or max(1, torch.get_num_threads() // lanes)
+        self._in_lanes = lanes > 1 and len(micros) > 1  # each lane keeps its thread count: no borrowing polls
+        try:
+            parts = run_in_lanes(micro_step, micros, lanes, threads)
+        finally:
+            self._in_lanes = False
+        sums: dict[str, float] = {}
+        for part, mismatch in parts:  # in micro-batch order
+            for k, v in part.items():
+                sums[k] = sums.get(k, 0.0) + v
+            if mismatch is not None:
+                self._mismatch_parts.append(mismatch)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):

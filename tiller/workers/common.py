@@ -238,6 +238,58 @@ def set_num_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+_LANE_POOLS: dict[int, object] = {}
+
+
+def run_in_lanes(fn, items: list, lanes: int, threads: int = 1) -> list:
+    """`[fn(i, item) for i, item in enumerate(items)]`, the items run `lanes` at a time: the calling thread and
+    `lanes - 1` helper threads each take the next item until none is left, each lane on `threads` torch
+    threads (torch's counts are per thread; the caller's is restored afterwards). Results come back in
+    item order whatever lane ran them. For CPU training micro-batches: autograd accumulates each backward's
+    gradients into `.grad` under a lock, so two lanes give the sequential loop's sums exactly (two addends
+    commute); with more the order of the additions, and so the last bits, depends on timing. If an item raises,
+    the other lanes finish their current item, take no more, and the first error is raised."""
+    if lanes <= 1 or len(items) <= 1:
+        return [fn(i, item) for i, item in enumerate(items)]
+    import itertools
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    lanes = min(lanes, len(items))
+    caller_threads = torch.get_num_threads()
+    per_lane = max(1, threads)
+    pool = _LANE_POOLS.get(lanes - 1)
+    if pool is None:
+        pool = _LANE_POOLS[lanes - 1] = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tiller-lane")
+    results: list = [None] * len(items)
+    errors: list[BaseException] = []
+    counter, lock = itertools.count(), threading.Lock()
+
+    def lane() -> None:
+        if torch.get_num_threads() != per_lane:
+            torch.set_num_threads(per_lane)
+        while not errors:
+            with lock:
+                i = next(counter)
+            if i >= len(items):
+                return
+            try:
+                results[i] = fn(i, items[i])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread below
+                errors.append(e)
+
+    helpers = [pool.submit(lane) for _ in range(lanes - 1)]
+    try:
+        lane()
+    finally:
+        for h in helpers:
+            h.result()
+        torch.set_num_threads(caller_threads)
+    if errors:
+        raise errors[0]
+    return results
+
+
 def layer_hooks(model: torch.nn.Module, fn) -> list:
     """Call `fn()` before each decoder layer's forward and, in the backward, once that layer's input gradient
     is computed (a hook on the layer's input tensor: no wrapping of the layer's outputs). The decoder layers
