@@ -7,8 +7,9 @@ Per setting and seed it records:
 - `s_per_step`: training wall time / steps (validation excluded: the held-out check runs at start and end);
 - `gen_busy` / `update_busy`: the fraction of that wall time the generation side (gen + reward + filter)
   and the update side (everything else in a step, minus waiting for the producer) were working;
-- `threads_borrowed_frac` (async): the share of the update's decoder-layer passes that ran on the idle
-  producer's threads too (`async_training.share_idle_threads`);
+- `threads_borrowed_frac` (async): the share of the trainer's forwards outside the update (old / reference
+  logprobs) that ran on the idle producer's threads too; the update itself runs a second micro-batch lane on
+  them (`async_training.share_idle_threads`, `actor.update_lanes`);
 - `val_acc_before` / `val_acc_after` / `gain`: greedy accuracy on the 256 held-out prompts.
 Prints one JSON line per setting (means over seeds, the per-seed values listed) and a summary line
     {"speedup_s1": s/step(s1) / s/step(sync), "speedup_s2": ..., "gain_sync": ..., "gain_s1": ..., "gain_s2": ...,
