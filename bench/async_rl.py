@@ -17,8 +17,14 @@ Prints one JSON line per setting (means over seeds, the per-seed values listed) 
 (speedup below 1 = faster; the issue's goal is speedup_s1 <= 0.65 with gain_s1 within the synchronous
 seeds' spread). Numbers taken on a shared machine are noisy: the host facts are printed with them.
 
+`--workload gsm8k` times a bigger step instead: a ~30M-parameter Qwen2 (tiny-model kit, random init) on GSM8K
+prompts (`--gsm8k-src DIR` with train/test.jsonl, e.g. the repo kit's copy), 4 prompts x n=4, 64 new tokens,
+`--steps` steps per setting with the first one untimed; no held-out accuracy (a random model learns nothing
+measurable in a few steps), so only the speed fields and the summary's `speedup_*`.
+
     python bench/async_rl.py                       # seeds 0-2, 150 steps, sync / s1 / s2
     python bench/async_rl.py --seeds 5 --steps 60 --settings 0 1
+    python bench/async_rl.py --workload gsm8k --gsm8k-src ../shared/data/gsm8k --seeds 1 --steps 6 --settings 0 1
 """
 
 from __future__ import annotations
@@ -62,6 +68,14 @@ def run_setting(seed: int, staleness: float, args, root: Path) -> dict:
     val_s = sum(r.get("timing_s/testing", 0.0) for r in rows)
     val_s += wall - sum(r["timing_s/step"] + r.get("timing_s/testing", 0.0) + r.get("timing_s/save_checkpoint", 0.0)
                         for r in steps)  # the first validation and start-up: outside the steps
+    before, after = trainer.val_history[0][1][demo.VAL_KEY], trainer.val_history[-1][1][demo.VAL_KEY]
+    return {"seed": seed, "staleness_threshold": staleness, **step_fractions(rows, staleness),
+            "val_acc_before": before, "val_acc_after": after, "gain": after - before, "val_and_setup_s": val_s}
+
+
+def step_fractions(rows: list[dict], staleness: float, skip: int = 0) -> dict:
+    """s/step and the busy fractions of the steps after the first `skip` (see the module docstring)."""
+    steps = [r for r in rows if r.get("step", 0) > skip and "timing_s/step" in r]
     train_wall = sum(r["timing_s/step"] for r in steps)
     gen_keys = ("timing_s/gen", "timing_s/gen_max", "timing_s/reward", "timing_s/filter_groups")
     gen = sum(sum(r.get(k, 0.0) for k in gen_keys) for r in steps)
@@ -69,13 +83,48 @@ def run_setting(seed: int, staleness: float, args, root: Path) -> dict:
         update = sum(r["timing_s/step"] - r.get("timing_s/wait_for_rollout", 0.0) for r in steps)
     else:
         update = train_wall - gen
-    before, after = trainer.val_history[0][1][demo.VAL_KEY], trainer.val_history[-1][1][demo.VAL_KEY]
-    return {"seed": seed, "staleness_threshold": staleness, "steps": len(steps),
-            "s_per_step": train_wall / max(len(steps), 1), "gen_busy": gen / train_wall, "update_busy": update / train_wall,
+    return {"steps": len(steps), "s_per_step": train_wall / max(len(steps), 1), "gen_busy": gen / train_wall,
+            "update_busy": update / train_wall,
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
             "dropped_stale": sum(r.get("async/dropped_stale", 0.0) for r in steps),
-            "threads_borrowed_frac": statistics.fmean([r.get("async/threads_borrowed_frac", 0.0) for r in steps] or [0.0]),
-            "val_acc_before": before, "val_acc_after": after, "gain": after - before, "val_and_setup_s": val_s}
+            "threads_borrowed_frac": statistics.fmean([r.get("async/threads_borrowed_frac", 0.0) for r in steps]
+                                                      or [0.0])}
+
+
+def run_gsm8k_setting(seed: int, staleness: float, args, root: Path) -> dict:
+    """One GRPO run of the 30M model on GSM8K prompts; its speed (no accuracy)."""
+    import torch
+
+    from tiller.config import load_config
+    from tiller.data.preprocess import gsm8k
+    from tiller.models.tiny import make_tiny_model
+    from tiller.trainer.rl import RLTrainer
+
+    torch.set_num_threads(args.threads)
+    model_dir, data_dir = root / "model-30m", root / "gsm8k"
+    if not (model_dir / "config.json").exists():
+        make_tiny_model(model_dir, arch="qwen2", n_params=30_000_000, seed=0)
+    if not (data_dir / "train.parquet").exists():
+        gsm8k.convert(args.gsm8k_src, data_dir, max_rows=4 * (args.steps + 4))
+    run_dir = root / f"gsm8k-seed{seed}-s{staleness:g}"
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data_dir / 'train.parquet'}]",
+        "data.train_batch_size=4", "data.max_prompt_length=512", "data.max_response_length=64", f"data.seed={seed}",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.optim.lr=1e-5",
+        f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.overwrite=true", f"trainer.seed={seed}",
+        f"trainer.num_threads={args.threads}", f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]",
+        "trainer.progress=false", f"async_training.staleness_threshold={staleness}", *args.overrides,
+    ])
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"seed": seed, "staleness_threshold": staleness, **step_fractions(rows, staleness, skip=1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +135,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="staleness_threshold values (0 = synchronous)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: the demo's 1)")
     parser.add_argument("--out", default=None, help="keep run dirs here (default: a temp dir)")
+    parser.add_argument("--workload", choices=["demo", "gsm8k"], default="demo",
+                        help="demo: the demo task (speed and held-out gain); gsm8k: the 30M model on GSM8K prompts (speed)")
+    parser.add_argument("--gsm8k-src", default=None, help="--workload gsm8k: a dir with GSM8K train/test.jsonl")
     parser.add_argument("overrides", nargs="*", help="RL config overrides for every run (after --)")
     args = parser.parse_args(argv)
+    if args.workload == "gsm8k" and not args.gsm8k_src:
+        parser.error("--workload gsm8k needs --gsm8k-src DIR (GSM8K's train/test.jsonl; nothing is downloaded)")
+    run = run_gsm8k_setting if args.workload == "gsm8k" else run_setting
     from tiller.hostinfo import compact_host_facts
 
     from transformers.utils import logging as hf_logging
@@ -97,14 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[float, list[dict]] = {s: [] for s in args.settings}
     for seed in range(args.seeds):  # settings interleaved per seed: a busy neighbour hits all of them alike
         for s in args.settings:
-            results[s].append(run_setting(seed, s, args, root))
+            results[s].append(run(seed, s, args, root))
     lines = {}
     for s, runs in results.items():
-        line = {"staleness_threshold": s, "seeds": len(runs), "steps": args.steps, "threads": args.threads}
+        line = {"workload": args.workload, "staleness_threshold": s, "seeds": len(runs), "steps": args.steps,
+                "threads": args.threads}
         for key in ("s_per_step", "gen_busy", "update_busy", "threads_borrowed_frac", "val_acc_before", "val_acc_after",
                     "gain"):
-            line[key] = round(statistics.fmean(r[key] for r in runs), 4)
-        line["gain_seeds"] = [round(r["gain"], 4) for r in runs]
+            line[key] = round(statistics.fmean(r[key] for r in runs), 4) if key in runs[0] else None
+        line["gain_seeds"] = [round(r["gain"], 4) for r in runs] if "gain" in runs[0] else None
         line["s_per_step_seeds"] = [round(r["s_per_step"], 4) for r in runs]
         line["staleness_max"] = max(r["staleness_max"] for r in runs)
         line["dropped_stale"] = sum(r["dropped_stale"] for r in runs)
@@ -119,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"speedup_{name}"] = round(line["s_per_step"] / sync["s_per_step"], 4)
     if sync is not None:
         summary["gain_sync_seeds"] = sync["gain_seeds"]
+    summary["workload"] = args.workload
     summary["host"] = compact_host_facts()
     summary["note"] = "taken on a machine shared with other jobs: timings are noisy"
     print(json.dumps(summary), flush=True)

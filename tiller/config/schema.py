@@ -486,7 +486,7 @@ class ActorConfig:
     update_lanes: int = 1
     """tiller (CPU, one process): run this many of a mini-batch's micro-batches at a time, each in its own
     thread on trainer.num_threads / update_lanes torch threads (at least 1); the micro-batch count is rounded
-    up to a multiple of the lanes, rows shared evenly. Small models' ops scale poorly over threads, whole
+    up to a multiple of the lanes, rows shared evenly (use_dynamic_bsz: its token-budget micro-batches). Small models' ops scale poorly over threads, whole
     micro-batches do: on 2 cores two lanes of 1 thread update ~1.2x faster than one lane of 2 threads.
     Gradients add up under autograd's lock: with 2 lanes exactly the sequential sums over the same
     micro-batches; with more the order of the additions (so the last bits) depends on timing. 1 = one

@@ -578,7 +578,7 @@ class ActorRolloutRefWorker:
         self.optimizer.zero_grad(set_to_none=True)
         lanes = 1 if dist_ctx.is_distributed() else a.update_lanes + self._lent_lanes
         rows = a.ppo_micro_batch_size_per_gpu
-        if lanes > 1:  # as many micro-batches as before, rounded up to a multiple of the lanes, equal in rows
+        if lanes > 1 and rows and not a.use_dynamic_bsz:  # micro-batch count rounded up to a multiple of the lanes
             count = -(-len(mb) // rows)
             rows = -(-len(mb) // (-(-count // lanes) * lanes))
         micros = split_micro_batches(mb, rows=rows,
