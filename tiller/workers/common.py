@@ -238,7 +238,7 @@ def set_num_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-_LANE_POOLS: dict[int, object] = {}
+_LANE_POOLS: dict[tuple[int, int], object] = {}
 
 
 def run_in_lanes(fn, items: list, lanes: int, threads: int = 1) -> list:
@@ -252,15 +252,17 @@ def run_in_lanes(fn, items: list, lanes: int, threads: int = 1) -> list:
     if lanes <= 1 or len(items) <= 1:
         return [fn(i, item) for i, item in enumerate(items)]
     import itertools
+    import os
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     lanes = min(lanes, len(items))
     caller_threads = torch.get_num_threads()
     per_lane = max(1, threads)
-    pool = _LANE_POOLS.get(lanes - 1)
+    key = (os.getpid(), lanes - 1)  # a forked child has none of its parent's threads: its own pools
+    pool = _LANE_POOLS.get(key)
     if pool is None:
-        pool = _LANE_POOLS[lanes - 1] = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tiller-lane")
+        pool = _LANE_POOLS[key] = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tiller-lane")
     results: list = [None] * len(items)
     errors: list[BaseException] = []
     counter, lock = itertools.count(), threading.Lock()
