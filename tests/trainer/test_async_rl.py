@@ -93,6 +93,7 @@ def test_staleness_filter_drops_by_oldest_token_and_counts():
     ("async_training.staleness_threshhold=1", "did you mean async_training.staleness_threshold"),
     ("actor_rollout_ref.actor.update_lanes=0", "actor_rollout_ref.actor.update_lanes must be an integer >= 1"),
     ("actor_rollout_ref.actor.update_lanes=2 trainer.backend=ray", "update_lanes=2 needs trainer.backend=local"),
+    ("critic.update_lanes=-1", "critic.update_lanes must be an integer >= 1"),
 ])
 def test_bad_async_values_are_config_errors(tmp_path, tiny_model_dir, rl_data, override, expect):
     with pytest.raises(ConfigError, match=expect.replace(".", r"\.").replace("(", r"\(")):
@@ -440,6 +441,41 @@ def test_update_lanes_equal_the_sequential_update_over_the_same_micro_batches(tm
     for step in a:
         same = {k for k in a[step] if k.startswith(("actor/", "training/"))}
         assert same and {k: a[step][k] for k in same} == {k: b[step][k] for k in same}
+
+
+def test_critic_update_lanes_equal_the_sequential_update(tmp_path, tiny_model_dir, rl_data, monkeypatch):
+    """PPO with a critic: actor and critic updates in 2 lanes equal micro-batches of half the size run one after
+    the other, bit for bit, for both models."""
+    from tiller.trainer.rl import RLTrainer
+
+    def run(run_dir, *overrides):
+        trainer = RLTrainer(make_cfg(run_dir, tiny_model_dir, rl_data, *COMMON, "trainer.num_threads=1",
+                                     "algorithm.adv_estimator=gae", *overrides))
+        try:
+            trainer.fit()
+            return trainer.actor.execute("state_dict"), {k: v.clone() for k, v in
+                                                         trainer.critic.worker.module.state_dict().items()}
+        finally:
+            trainer.shutdown()
+
+    seq = run(tmp_path / "a", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+              "critic.ppo_micro_batch_size_per_gpu=8")
+    calls: list = []
+    _lane_spy(monkeypatch, calls)
+    from tiller.workers import critic as critic_mod
+
+    critic_calls: list = []
+    real = critic_mod.run_in_lanes
+    monkeypatch.setattr(critic_mod, "run_in_lanes",
+                        lambda fn, items, lanes, threads=1: (critic_calls.append((len(items), lanes)),
+                                                             real(fn, items, lanes, threads))[1])
+    lanes = run(tmp_path / "b", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                "critic.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.update_lanes=2",
+                "critic.update_lanes=2")
+    assert calls == [(2, 2, 1)] * 3 and critic_calls == [(2, 2)] * 3
+    for a, b in zip(seq, lanes):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
 
 
 def test_async_update_runs_a_lane_on_the_producers_threads(tmp_path, tiny_model_dir, rl_data, monkeypatch):

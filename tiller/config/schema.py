@@ -883,6 +883,9 @@ class CriticConfig:
     """Aggregation of the value loss."""
     dtype: str = "float32"
     """Training compute dtype: float32 | bfloat16."""
+    update_lanes: int = 1
+    """tiller (CPU, one process): the critic update's micro-batches run this many at a time, each in its own
+    thread (as actor_rollout_ref.actor.update_lanes; asynchronous RL with share_idle_threads adds one lane)."""
     share_prompt_forward: bool = True
     """Run each distinct prompt of a micro-batch once and reuse its KV cache for all its samples (exact;
     as actor.share_prompt_forward). Off under gradient checkpointing."""
@@ -1259,8 +1262,8 @@ class AsyncTrainingConfig:
         "enable": True, "device_buffer_size_M": 4096, "overlap_broadcast_and_consume": False})
     """verl: the weight broadcast from trainer to rollouter GPUs; tiller's producer shares the trainer's process."""
     share_idle_threads: bool = True
-    """tiller (one process, CPU): the trainer also computes on the producer's torch threads. The actor's update
-    runs one more lane of micro-batches (actor.update_lanes + 1, each lane on trainer.num_threads threads):
+    """tiller (one process, CPU): the trainer also computes on the producer's torch threads. The actor's (and
+    critic's) update runs one more lane of micro-batches (update_lanes + 1, each on trainer.num_threads threads):
     while the producer generates, the operating system shares the cores between the three; while it waits
     (for weights, or a free queue slot) the lanes have them. Other trainer forwards (old / reference
     logprobs) run on the producer's threads too while it waits. Which forwards ran on more threads depends on

@@ -244,19 +244,18 @@ def async_enabled(cfg: RLConfig) -> bool:
 
 
 def _validate_update_lanes(cfg: RLConfig) -> None:
-    """actor.update_lanes: threads of one process on the CPU."""
-    lanes, key = cfg.actor_rollout_ref.actor.update_lanes, "actor_rollout_ref.actor.update_lanes"
-    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-        raise ConfigError(f"{key} must be an integer >= 1 (1 = micro-batches one after another), got {lanes!r}")
-    if lanes == 1:
-        return
+    """actor / critic update_lanes: threads of one process on the CPU."""
     tr = cfg.trainer
-    if tr.device != "cpu":
-        raise ConfigError(f"{key}={lanes} runs micro-batches in CPU threads; trainer.device={tr.device!r} is not the "
-                          "CPU (set update_lanes=1)")
-    if tr.backend != "local":
-        raise ConfigError(f"{key}={lanes} needs trainer.backend=local: ranks of a worker group run their "
-                          "micro-batches in lockstep (DDP / FSDP2 collectives), one at a time")
+    for key, lanes in (("actor_rollout_ref.actor.update_lanes", cfg.actor_rollout_ref.actor.update_lanes),
+                       ("critic.update_lanes", cfg.critic.update_lanes)):
+        if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+            raise ConfigError(f"{key} must be an integer >= 1 (1 = micro-batches one after another), got {lanes!r}")
+        if lanes > 1 and tr.device != "cpu":
+            raise ConfigError(f"{key}={lanes} runs micro-batches in CPU threads; trainer.device={tr.device!r} is not "
+                              "the CPU (set update_lanes=1)")
+        if lanes > 1 and tr.backend != "local":
+            raise ConfigError(f"{key}={lanes} needs trainer.backend=local: ranks of a worker group run their "
+                              "micro-batches in lockstep (DDP / FSDP2 collectives), one at a time")
 
 
 def _validate_async(cfg: RLConfig) -> None:

@@ -242,7 +242,9 @@ class RLTrainer:
                 self.producer.stop()
             if self._thread_sharing is not None:
                 self.actor.execute("set_thread_poll", None)
-                self.actor.execute("set_lent_lanes", 0)
+                for group in (self.actor, self.critic):
+                    if group is not None:
+                        group.execute("set_lent_lanes", 0)
                 self._thread_sharing = None
             if self._threads_before is not None:
                 torch.set_num_threads(self._threads_before)
@@ -351,7 +353,9 @@ class RLTrainer:
         if at.share_idle_threads and cpu:
             self._thread_sharing = ThreadSharing(self.producer, own=threads, lent=threads)
             self.actor.execute("set_thread_poll", self._thread_sharing)
-            self.actor.execute("set_lent_lanes", 1, threads)
+            for group in (self.actor, self.critic):  # the updates run a lane on the producer's threads
+                if group is not None:
+                    group.execute("set_lent_lanes", 1, threads)
         self.producer.publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step),
                               self.actor.execute("producer_weights"))
         self.producer.start()

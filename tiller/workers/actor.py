@@ -66,11 +66,12 @@ from tiller.workers.common import (
     layer_hooks,
     pad_right,
     position_ids_from_mask,
+    refuse_lanes_under_distributed,
     response_forward,
     run_in_lanes,
     prepare_process,
 )
-from tiller.workers.micro_batches import MicroBatches, split_micro_batches
+from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
 from tiller.workers.prm import ImplicitPRM
 
 
@@ -128,9 +129,7 @@ class ActorRolloutRefWorker:
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
         self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False  # set_lent_lanes
-        if self.actor_cfg.update_lanes > 1 and dist_ctx.is_distributed():
-            raise ConfigError(f"actor_rollout_ref.actor.update_lanes={self.actor_cfg.update_lanes} under torch.distributed "
-                              "(torchrun): ranks run their micro-batches in lockstep; set update_lanes=1")
+        refuse_lanes_under_distributed("actor_rollout_ref.actor.update_lanes", self.actor_cfg.update_lanes)
         strategy = self.actor_cfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place and every forward all-gathers (a collective): ranks sampling different
         # lengths would deadlock, so the rollout runs on an unsharded copy refreshed at weight sync.
@@ -577,11 +576,7 @@ class ActorRolloutRefWorker:
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
         self.optimizer.zero_grad(set_to_none=True)
         lanes = 1 if dist_ctx.is_distributed() else a.update_lanes + self._lent_lanes
-        rows = a.ppo_micro_batch_size_per_gpu
-        if lanes > 1 and rows and not a.use_dynamic_bsz:  # micro-batch count rounded up to a multiple of the lanes
-            count = -(-len(mb) // rows)
-            rows = -(-len(mb) // (-(-count // lanes) * lanes))
-        micros = split_micro_batches(mb, rows=rows,
+        micros = split_micro_batches(mb, rows=lane_rows(len(mb), a.ppo_micro_batch_size_per_gpu, lanes),
                                      max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
 

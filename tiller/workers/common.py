@@ -241,6 +241,14 @@ def set_num_threads(n: int) -> None:
 _LANE_POOLS: dict[tuple[int, int], object] = {}
 
 
+def refuse_lanes_under_distributed(key: str, lanes: int) -> None:
+    """`update_lanes` > 1 is for one process: under torch.distributed (torchrun) ranks run micro-batches in
+    lockstep (DDP / FSDP2 collectives in every forward and backward)."""
+    if lanes > 1 and dist_ctx.is_distributed():
+        raise ConfigError(f"{key}={lanes} under torch.distributed (torchrun): ranks run their micro-batches in "
+                          "lockstep; set update_lanes=1")
+
+
 def run_in_lanes(fn, items: list, lanes: int, threads: int = 1) -> list:
     """`[fn(i, item) for i, item in enumerate(items)]`, the items run `lanes` at a time: the calling thread and
     `lanes - 1` helper threads each take the next item until none is left, each lane on `threads` torch

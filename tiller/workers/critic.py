@@ -31,9 +31,11 @@ from tiller.workers.common import (
     global_counts,
     pad_right,
     prepare_process,
+    refuse_lanes_under_distributed,
     response_forward,
+    run_in_lanes,
 )
-from tiller.workers.micro_batches import split_micro_batches
+from tiller.workers.micro_batches import lane_rows, split_micro_batches
 
 
 class CriticWorker:
@@ -44,6 +46,8 @@ class CriticWorker:
 
         self.cfg = config
         self.ccfg = config.critic
+        self._lent_lanes, self._lane_threads = 0, None  # set_lent_lanes
+        refuse_lanes_under_distributed("critic.update_lanes", self.ccfg.update_lanes)
         prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
@@ -120,15 +124,20 @@ class CriticWorker:
         metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
+    def set_lent_lanes(self, lanes: int = 0, threads: int = 1) -> None:
+        """Asynchronous RL in one process: `lanes` more update lanes on `threads` torch threads each (0: none)."""
+        self._lent_lanes, self._lane_threads = max(0, lanes), max(1, threads)
+
     def _update_mini_batch(self, mb: Batch) -> dict[str, float]:
         c = self.ccfg
         agg = global_counts(mb)
-        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        micros = split_micro_batches(mb, rows=c.ppo_micro_batch_size_per_gpu,
+        lanes = 1 if dist_ctx.is_distributed() else c.update_lanes + self._lent_lanes
+        micros = split_micro_batches(mb, rows=lane_rows(len(mb), c.ppo_micro_batch_size_per_gpu, lanes),
                                      max_tokens=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
                                      key="critic.ppo_max_token_len_per_gpu").batches
-        for i, micro in enumerate(micros):
+
+        def micro_step(i: int, micro: Batch) -> tuple[float, float, float]:
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             with autocast(c.dtype, self.device, key="critic.dtype"):
@@ -138,9 +147,13 @@ class CriticWorker:
             loss = aggregate_loss(tok_loss, mask, c.loss_agg_mode, **agg)
             loss.backward()
             w = float(mask.sum()) / max(agg["global_tokens"], 1.0)
-            sums["vf_loss"] += float(loss.detach())
-            sums["vf_clipfrac"] += w * float(m["vf_clipfrac"])
-            sums["vpred_mean"] += w * float(m["vpred_mean"])
+            return float(loss.detach()), w * float(m["vf_clipfrac"]), w * float(m["vpred_mean"])
+
+        threads = self._lane_threads or max(1, torch.get_num_threads() // lanes)
+        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
+        for part in run_in_lanes(micro_step, micros, lanes, threads):  # added in micro-batch order
+            for k, v in zip(("vf_loss", "vf_clipfrac", "vpred_mean"), part):
+                sums[k] += v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):

@@ -100,4 +100,14 @@ def split_micro_batches(batch: Batch, *, rows: int, max_tokens: int | None = Non
     return MicroBatches(batches, indices, padding)
 
 
-__all__ = ["MicroBatches", "split_micro_batches", "token_budget_indices", "prompt_units"]
+def lane_rows(n: int, rows: int, lanes: int) -> int:
+    """Rows per micro-batch when `n` samples in micro-batches of at most `rows` run in `lanes` parallel lanes:
+    the micro-batch count rounded up to a multiple of the lanes, the rows shared evenly (200 samples, rows 128,
+    2 lanes: 2 micro-batches of 100; 16, 16, 2: 2 of 8)."""
+    if lanes <= 1 or not rows:
+        return rows
+    count = -(-n // rows)
+    return max(1, -(-n // (-(-count // lanes) * lanes)))
+
+
+__all__ = ["MicroBatches", "split_micro_batches", "token_budget_indices", "prompt_units", "lane_rows"]
