@@ -46,6 +46,22 @@ def test_ppo_batch_units_samples_vs_prompts():
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_epochs == 2
 
 
+def test_ppo_async_flags_map_to_verls_async_keys(capsys):
+    # OpenRLHF's generator runs up to --train.async_queue_size batches ahead: tiller's staleness bound
+    cfg = cfg_of(*PPO, "--async_train", "actor_rollout_ref.rollout.name=native", "trainer.device=cpu")
+    assert cfg.async_training.staleness_threshold == 1 and not cfg.async_training.partial_rollout
+    dotted = ["train_ppo_ray", "--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
+              "--reward.remote_url", "http://rm:5000/get_reward", "--train.async_enable", "--train.async_queue_size",
+              "2", "--train.partial_rollout_enable", "actor_rollout_ref.rollout.name=native", "trainer.device=cpu"]
+    cfg = cfg_of(*dotted)
+    assert cfg.async_training.staleness_threshold == 2 and cfg.async_training.partial_rollout
+    assert cfg_of(*PPO).async_training.staleness_threshold == 0  # without the flag: synchronous
+    code, _, err = run(capsys, *[x for x in dotted if x != "--train.async_enable"], "--dry-run")
+    assert code == 2 and "--train.partial_rollout_enable: refused: needs --train.async_enable" in err, err
+    code, _, err = run(capsys, *PPO, "--async_train", "actor_rollout_ref.rollout.name=vllm", "--dry-run")
+    assert code == 2 and "in-process engine" in err, err
+
+
 def test_ppo_train_batch_not_a_multiple_of_n_is_refused(capsys):
     code, _, err = run(capsys, *PPO, "--n_samples_per_prompt", "3", "--train_batch_size", "128", "--dry-run")
     assert code == 2 and "--train_batch_size 128: refused" in err and "--n_samples_per_prompt (3)" in err

@@ -278,9 +278,12 @@ TABLE: tuple[Flag, ...] = (
        "seq-mask-tis refused"),
     _f("enable_ema", REFUSED, "no EMA copy of the actor in tiller", "train.enable_ema"),
     _f("ema_beta", HINT, "EMA is not supported (--enable_ema is refused)", "train.ema_beta"),
-    _f("async_train", REFUSED, "tiller's RL loop is synchronous (on-policy)", "train.async_enable"),
-    _f("train.async_queue_size", HINT, "tiller's RL loop is synchronous (no queue)"),
-    _f("train.partial_rollout_enable", REFUSED, "tiller's RL loop is synchronous (no partial rollouts)"),
+    _f("async_train", MAPPED, "async_training.staleness_threshold = --train.async_queue_size (OpenRLHF's generator "
+       "runs up to that many batches ahead of the trainer; tiller's producer is a thread of the trainer's process, "
+       "trainer.backend=local, native / hf engine)", "train.async_enable"),
+    _f("train.async_queue_size", MAPPED, "async_training.staleness_threshold (with --train.async_enable; >= 1)"),
+    _f("train.partial_rollout_enable", MAPPED, "async_training.partial_rollout=True (with --train.async_enable: "
+       "unfinished samples continue under weights that arrive mid-generation)"),
     _f("ptx_coef", HINT, "has no effect in OpenRLHF 0.8.x either (there is no --pretrain_data)"),
     _f("perf", HINT, "declared but unused by OpenRLHF"),
     _f("actor_init_on_gpu", HINT, "declared but unused by OpenRLHF"),

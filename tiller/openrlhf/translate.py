@@ -57,7 +57,7 @@ class Args:
         return self.cmd.spelled.get(name, f"--{name}")
 
     def refuse(self, name: str, why: str) -> ConfigError:
-        return ConfigError(f"{self.flag(name)} {_show(self.cmd.values.get(name))}: refused: {why}")
+        return ConfigError(f"{self.flag(name)} {_show(self.cmd.values.get(name))}: refused: {why}".replace(" True:", ":"))
 
 
 def _show(value: Any) -> str:
@@ -491,6 +491,24 @@ def _algorithm(a: Args, o: dict, notices: list[str]) -> None:
     else:
         a("dynamic_filtering_reward_range")
     _is_correction(a, o)
+    _async(a, o)
+
+
+def _async(a: Args, o: dict) -> None:
+    """--async_train / --train.async_enable: OpenRLHF's generator takes one of --train.async_queue_size tokens
+    before each batch and the trainer returns it when it takes the batch, weights going to vLLM after each
+    train step, so a batch is at most queue-size policy versions old when it is trained on: tiller's
+    async_training.staleness_threshold. --train.partial_rollout_enable: async_training.partial_rollout."""
+    queue, partial = a("train.async_queue_size"), a("train.partial_rollout_enable")
+    if not a("async_train"):
+        if partial:
+            raise a.refuse("train.partial_rollout_enable", "needs --train.async_enable (as in OpenRLHF)")
+        return
+    queue = 1 if queue is None else queue
+    if queue < 1:
+        raise a.refuse("train.async_queue_size", "must be >= 1 (batches the generator may run ahead)")
+    o["async_training.staleness_threshold"] = queue
+    o["async_training.partial_rollout"] = bool(partial)
 
 
 def _is_correction(a: Args, o: dict) -> None:
@@ -523,6 +541,7 @@ UNUSED_WITHOUT = {  # PPO options that only act with another one (in OpenRLHF to
     "vllm_is_truncated_threshold": "enable_vllm_is_correction",
     "algo.advantage.is_correction_threshold": "enable_vllm_is_correction",
     "algo.advantage.is_correction_type": "enable_vllm_is_correction",
+    "train.async_queue_size": "async_train",
 }
 
 
