@@ -491,11 +491,12 @@ def test_async_update_runs_a_lane_on_the_producers_threads(tmp_path, tiny_model_
         assert trainer.actor.worker._lent_lanes == 0  # returned after the run
     finally:
         trainer.shutdown()
-    calls.clear()
-    trainer = RLTrainer(make_cfg(tmp_path / "off", tiny_model_dir, rl_data, *COMMON, "trainer.num_threads=1",
-                                 "async_training.staleness_threshold=1", "async_training.share_idle_threads=false"))
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    assert [lanes for _, lanes, _ in calls] == [1, 1, 1]
+    for run, override in (("off", "async_training.share_idle_threads=false"), ("two", "trainer.num_threads=2")):
+        calls.clear()  # sharing off, or sides of 2 threads (per-layer borrowing instead): no lent lane
+        trainer = RLTrainer(make_cfg(tmp_path / run, tiny_model_dir, rl_data, *COMMON, "trainer.num_threads=1",
+                                     "async_training.staleness_threshold=1", override))
+        try:
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+        assert [lanes for _, lanes, _ in calls] == [1, 1, 1], run

@@ -490,8 +490,8 @@ class ActorConfig:
     micro-batches do: on 2 cores two lanes of 1 thread update ~1.2x faster than one lane of 2 threads.
     Gradients add up under autograd's lock: with 2 lanes exactly the sequential sums over the same
     micro-batches; with more the order of the additions (so the last bits) depends on timing. 1 = one
-    micro-batch after another. Asynchronous RL with async_training.share_idle_threads adds one lane on the
-    producer's threads. Not with trainer.backend=ray, torchrun or a GPU."""
+    micro-batch after another. Asynchronous RL with async_training.share_idle_threads and one thread per side
+    adds one lane on the producer's thread. Not with trainer.backend=ray, torchrun or a GPU."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy loss choice and its hyper-parameters."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -885,7 +885,7 @@ class CriticConfig:
     """Training compute dtype: float32 | bfloat16."""
     update_lanes: int = 1
     """tiller (CPU, one process): the critic update's micro-batches run this many at a time, each in its own
-    thread (as actor_rollout_ref.actor.update_lanes; asynchronous RL with share_idle_threads adds one lane)."""
+    thread (as actor_rollout_ref.actor.update_lanes, async_training.share_idle_threads included)."""
     share_prompt_forward: bool = True
     """Run each distinct prompt of a micro-batch once and reuse its KV cache for all its samples (exact;
     as actor.share_prompt_forward). Off under gradient checkpointing."""
@@ -1262,13 +1262,14 @@ class AsyncTrainingConfig:
         "enable": True, "device_buffer_size_M": 4096, "overlap_broadcast_and_consume": False})
     """verl: the weight broadcast from trainer to rollouter GPUs; tiller's producer shares the trainer's process."""
     share_idle_threads: bool = True
-    """tiller (one process, CPU): the trainer also computes on the producer's torch threads. The actor's (and
-    critic's) update runs one more lane of micro-batches (update_lanes + 1, each on trainer.num_threads threads):
-    while the producer generates, the operating system shares the cores between the three; while it waits
-    (for weights, or a free queue slot) the lanes have them. Other trainer forwards (old / reference
-    logprobs) run on the producer's threads too while it waits. Which forwards ran on more threads depends on
-    timing and can change the last bits of their rounding: false keeps every step on trainer.num_threads and
-    actor.update_lanes."""
+    """tiller (one process, CPU): the trainer also computes on the producer's torch threads. With one thread per
+    side (trainer.num_threads=1, or 0 on 2 cores) the actor's (and critic's) update runs one more lane of
+    micro-batches (update_lanes + 1) on the producer's thread: while the producer generates, the operating
+    system shares the cores among the three; while it waits (for weights, or a free queue slot) the lanes have
+    them. Otherwise, and for the other trainer forwards (old / reference logprobs), the trainer thread runs
+    on its threads plus the producer's while the producer waits. Which forwards ran on more threads depends
+    on timing and can change the last bits of their rounding: false keeps every step on trainer.num_threads
+    and update_lanes."""
     partial_rollout: bool = False
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token

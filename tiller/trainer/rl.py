@@ -353,7 +353,9 @@ class RLTrainer:
         if at.share_idle_threads and cpu:
             self._thread_sharing = ThreadSharing(self.producer, own=threads, lent=threads)
             self.actor.execute("set_thread_poll", self._thread_sharing)
-            for group in (self.actor, self.critic):  # the updates run a lane on the producer's threads
+            # one-thread sides: the updates run a lane on the producer's thread (three single-threaded workers
+            # share the cores well; lanes of several OpenMP threads would stall at barriers when oversubscribed)
+            for group in (self.actor, self.critic) if threads == 1 else ():
                 if group is not None:
                     group.execute("set_lent_lanes", 1, threads)
         self.producer.publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step),
