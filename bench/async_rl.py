@@ -37,6 +37,21 @@ import time
 from pathlib import Path
 
 
+def fit(cfg, run_dir: Path):
+    """Train `cfg` to the end; returns (the trainer, its metrics.jsonl rows, wall seconds)."""
+    from tiller.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(cfg)
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return trainer, rows, wall
+
+
 def run_setting(seed: int, staleness: float, args, root: Path) -> dict:
     """One demo RL run; its speed, busy fractions and held-out accuracy before / after."""
     import torch
@@ -44,7 +59,6 @@ def run_setting(seed: int, staleness: float, args, root: Path) -> dict:
     from tiller.config import load_config
     from tiller.tasks import arithmetic
     from tiller.trainer import demo
-    from tiller.trainer.rl import RLTrainer
 
     torch.set_num_threads(args.threads)
     demo_args = argparse.Namespace(seed=seed, model_params=2_000_000, warmup_target=0.4, train_size=4000,
@@ -56,14 +70,7 @@ def run_setting(seed: int, staleness: float, args, root: Path) -> dict:
         arithmetic.write_task(data_dir, n_train=demo_args.train_size, n_test=256, seed=seed)
     overrides = demo.rl_overrides(model_dir, data_dir, run_dir, demo_args) + [
         "trainer.logger=[jsonl]", "trainer.progress=false", f"async_training.staleness_threshold={staleness}"]
-    trainer = RLTrainer(load_config(overrides + list(args.overrides)))
-    t0 = time.perf_counter()
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    wall = time.perf_counter() - t0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trainer, rows, wall = fit(load_config(overrides + list(args.overrides)), run_dir)
     steps = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
     val_s = sum(r.get("timing_s/testing", 0.0) for r in rows)
     val_s += wall - sum(r["timing_s/step"] + r.get("timing_s/testing", 0.0) + r.get("timing_s/save_checkpoint", 0.0)
@@ -98,7 +105,6 @@ def run_gsm8k_setting(seed: int, staleness: float, args, root: Path) -> dict:
     from tiller.config import load_config
     from tiller.data.preprocess import gsm8k
     from tiller.models.tiny import make_tiny_model
-    from tiller.trainer.rl import RLTrainer
 
     torch.set_num_threads(args.threads)
     model_dir, data_dir = root / "model-30m", root / "gsm8k"
@@ -118,12 +124,7 @@ def run_gsm8k_setting(seed: int, staleness: float, args, root: Path) -> dict:
         f"trainer.num_threads={args.threads}", f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]",
         "trainer.progress=false", f"async_training.staleness_threshold={staleness}", *args.overrides,
     ])
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    _, rows, _ = fit(cfg, run_dir)
     return {"seed": seed, "staleness_threshold": staleness, **step_fractions(rows, staleness, skip=1)}
 
 

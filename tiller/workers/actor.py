@@ -63,6 +63,7 @@ from tiller.workers.common import (
     build_optimizer,
     build_scheduler,
     forward_options,
+    lane_plan,
     layer_hooks,
     pad_right,
     position_ids_from_mask,
@@ -575,7 +576,7 @@ class ActorRolloutRefWorker:
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
         self.optimizer.zero_grad(set_to_none=True)
-        lanes = 1 if dist_ctx.is_distributed() else a.update_lanes + self._lent_lanes
+        lanes, threads = lane_plan(a.update_lanes, self._lent_lanes, self._lane_threads)
         micros = split_micro_batches(mb, rows=lane_rows(len(mb), a.ppo_micro_batch_size_per_gpu, lanes),
                                      max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
@@ -617,7 +618,6 @@ class ActorRolloutRefWorker:
                 part[k] = w * float(v)
             return part, mismatch
 
-        threads = self._lane_threads or max(1, torch.get_num_threads() // lanes)
         self._in_lanes = lanes > 1 and len(micros) > 1  # each lane keeps its thread count: no borrowing polls
         try:
             parts = run_in_lanes(micro_step, micros, lanes, threads)

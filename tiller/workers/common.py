@@ -241,6 +241,13 @@ def set_num_threads(n: int) -> None:
 _LANE_POOLS: dict[tuple[int, int], object] = {}
 
 
+def lane_plan(configured: int, lent: int, lane_threads: int | None) -> tuple[int, int]:
+    """(lanes, torch threads per lane) of an update: the configured update_lanes plus those lent by asynchronous
+    RL, each on `lane_threads` (else the caller's threads shared out); one lane under torch.distributed."""
+    lanes = 1 if dist_ctx.is_distributed() else configured + lent
+    return lanes, lane_threads or max(1, torch.get_num_threads() // lanes)
+
+
 def refuse_lanes_under_distributed(key: str, lanes: int) -> None:
     """`update_lanes` > 1 is for one process: under torch.distributed (torchrun) ranks run micro-batches in
     lockstep (DDP / FSDP2 collectives in every forward and backward)."""

@@ -29,6 +29,7 @@ from tiller.workers.common import (
     epoch_passes,
     forward_options,
     global_counts,
+    lane_plan,
     pad_right,
     prepare_process,
     refuse_lanes_under_distributed,
@@ -132,7 +133,7 @@ class CriticWorker:
         c = self.ccfg
         agg = global_counts(mb)
         self.optimizer.zero_grad(set_to_none=True)
-        lanes = 1 if dist_ctx.is_distributed() else c.update_lanes + self._lent_lanes
+        lanes, threads = lane_plan(c.update_lanes, self._lent_lanes, self._lane_threads)
         micros = split_micro_batches(mb, rows=lane_rows(len(mb), c.ppo_micro_batch_size_per_gpu, lanes),
                                      max_tokens=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
                                      key="critic.ppo_max_token_len_per_gpu").batches
@@ -149,7 +150,6 @@ class CriticWorker:
             w = float(mask.sum()) / max(agg["global_tokens"], 1.0)
             return float(loss.detach()), w * float(m["vf_clipfrac"]), w * float(m["vpred_mean"])
 
-        threads = self._lane_threads or max(1, torch.get_num_threads() // lanes)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         for part in run_in_lanes(micro_step, micros, lanes, threads):  # added in micro-batch order
             for k, v in zip(("vf_loss", "vf_clipfrac", "vpred_mean"), part):
