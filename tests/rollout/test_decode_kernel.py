@@ -135,3 +135,25 @@ def test_loading_the_kernel_keeps_denormals_in_the_loading_thread(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.strip()) == pytest.approx(1e-39, rel=1e-3, abs=0)  # a denormal, not flushed to 0
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no object file left behind
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_prefix_is_never_read(dtype):
+    """Each row's keys / values before its first unmasked column (a right-aligned prompt's padding) are not read:
+    NaN there leaves the output equal to SDPA's on clean inputs (a read would turn the row into NaN), and a mask
+    with a hole after the first unmasked column still masks the hole."""
+    q, k, v, mask = _inputs(4, 2, 4, 64, 40, dtype, seed=2)
+    mask = mask.clone()
+    mask[3, ..., 20:23] = False  # a hole: masked, but after the row's first unmasked column
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125)
+    first = mask[:, 0, 0].to(torch.uint8).argmax(-1)
+    k, v = k.clone(), v.clone()
+    for row, col in enumerate(first.tolist()):
+        k[row, :, :col] = float("nan")
+        v[row, :, :col] = float("nan")
+    kernel = decode_kernel.attention_kernel(8, 2, 64, 0.125, torch.device("cpu"), dtype)
+    out = kernel(q, k, v, mask).float()
+    assert torch.isfinite(out).all()
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
+    torch.testing.assert_close(out, ref, **tol)

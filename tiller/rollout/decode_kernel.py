@@ -47,8 +47,8 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count
 _NEG = -3.0e38  # the kernel's "masked": finite, as -ffast-math assumes
 _I64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, _I64,
-             ctypes.c_void_p, _I64, ctypes.c_void_p, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float,
-             ctypes.c_void_p]
+             ctypes.c_void_p, _I64, ctypes.c_void_p, ctypes.c_void_p, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+             ctypes.c_float, ctypes.c_void_p]
 
 
 def compiler() -> str | None:
@@ -122,26 +122,29 @@ class DecodeAttention:
 
     k / v may be views (the engine's cache columns) as long as the head dim is contiguous; the mask is the
     engine's SDPA mask `[B, 1, 1, L]`, bool (True = attend) or additive float. The mask converted for the
-    kernel is kept while the same mask object comes back (every layer of a step passes the same one)."""
+    kernel, and each row's first unmasked column (the kernel reads no key / value before it), are kept while the
+    same mask object comes back (every layer of a step passes the same one)."""
 
     def __init__(self, lib: ctypes.CDLL, group: int, head_dim: int, scaling: float):
         self.lib, self.group, self.head_dim, self.scaling = lib, group, head_dim, float(scaling)
-        self._cached: tuple[torch.Tensor, torch.Tensor] | None = None  # (the engine's mask, the kernel's)
+        # (the engine's mask, the kernel's [B, L] float mask, the first unmasked column of each row [B] int64)
+        self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def _mask2d(self, mask: torch.Tensor | None, b: int, length: int) -> torch.Tensor:
+    def _mask2d(self, mask: torch.Tensor | None, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         cached = self._cached  # one read: another thread may replace it (a tuple assignment is atomic)
         if mask is not None and cached is not None and cached[0] is mask:
-            return cached[1]
+            return cached[1], cached[2]
         if mask is None:
-            m = torch.zeros(b, 1, 1, length)
-        elif mask.dtype == torch.bool:
+            return torch.zeros(b, length), None
+        if mask.dtype == torch.bool:
             m = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, _NEG)
         else:
             m = mask.float().clamp_min(_NEG)
         m = m.expand(b, 1, 1, length).reshape(b, length).contiguous()
-        if mask is not None:
-            self._cached = (mask, m)
-        return m
+        # argmax returns the first maximum: the first column above "masked" (0 for a row masked everywhere)
+        start = (m > _NEG / 2).to(torch.uint8).argmax(-1).contiguous()
+        self._cached = (mask, m, start)
+        return m, start
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, hk, g, d = q.shape
@@ -155,13 +158,14 @@ class DecodeAttention:
             raise ValueError(f"decode attention: q / k / v must be fp32 or bf16 CPU tensors of one dtype, got "
                              f"{q.dtype} / {k.dtype} / {v.dtype}")
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the head dim must be dense
-        m = self._mask2d(mask, b, length)
+        m, start = self._mask2d(mask, b, length)
         out = torch.empty((b, hk, g, d), dtype=q.dtype)
         fn = self.lib.decode_attention_f32 if q.dtype == torch.float32 else self.lib.decode_attention_bf16
         threads = max(1, min(torch.get_num_threads(), b))
         scratch = torch.empty((threads, g * length), dtype=torch.float32)
         common = (q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
-                  m.data_ptr(), m.stride(0), out.data_ptr(), *out.stride()[:3])
+                  m.data_ptr(), m.stride(0), None if start is None else start.data_ptr(), out.data_ptr(),
+                  *out.stride()[:3])
 
         def run(i: int) -> None:
             fn(*common, b * i // threads, b * (i + 1) // threads, hk, length, self.scaling, scratch[i].data_ptr())

@@ -10,7 +10,9 @@
    multiple of 16>, -O3 -march=native -ffast-math (vectorised exp from libmvec; the mask is clamped to finite
    values by the caller). GCC / clang vector extensions: 512-bit vectors, split by the compiler where the CPU
    has narrower ones. Strides are in elements; the head dim is contiguous. Rows [b0, b1) only, so callers can
-   split rows over threads; `s` is a caller-owned fp32 scratch of KG * L floats. */
+   split rows over threads; `s` is a caller-owned fp32 scratch of KG * L floats. `start` (may be NULL): per row,
+   the first column to read; the caller passes the first unmasked column (a right-aligned prompt's padding is a
+   masked prefix, whose softmax weights are exactly 0), so those keys / values are never read. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -58,22 +60,38 @@ static inline uint16_t store_bf16(float f) {  /* round to nearest even; NaN stay
     return (uint16_t)(u >> 16);
 }
 
+/* Software prefetch of one key / value row (KD elements) into L2: each (row, kv head) reads two short streams
+   (keys, then values) that the hardware prefetchers only ramp up on late; requesting the values while the keys
+   are read, and the next head's keys while the values are read, keeps DRAM busy (measured ~1.4x on a 2-core
+   AMD EPYC, 10 layers x 64 rows of a 30M model's cache, cold). */
+#define PREFETCH(p) do { for (int pj = 0; pj < KD * (int)sizeof(*(p)); pj += 64)                              \
+                             __builtin_prefetch((const char*)(p) + pj, 0, 1); } while (0)
+static inline int64_t next_start(const int64_t* start, int64_t b, int64_t L) {
+    return start && start[b] < L ? start[b] : 0;
+}
+
 #define DEFINE_KERNEL(NAME, T, LOADV, STORE)                                                                \
 void NAME(const T* restrict q, int64_t qb, int64_t qh, int64_t qg,                                          \
           const T* restrict k, int64_t kb, int64_t kh, int64_t kl,                                          \
           const T* restrict v, int64_t vb, int64_t vh_, int64_t vl,                                         \
-          const float* restrict mask, int64_t mb, T* restrict out, int64_t ob, int64_t oh, int64_t og,      \
-          int64_t b0, int64_t b1, int64_t H, int64_t L, float scale, float* restrict s) {                   \
+          const float* restrict mask, int64_t mb, const int64_t* restrict start,                            \
+          T* restrict out, int64_t ob, int64_t oh, int64_t og,                                              \
+          int64_t b0, int64_t b1, int64_t H, int64_t L0, float scale, float* restrict s) {                  \
     for (int64_t b = b0; b < b1; ++b) {                                                                     \
-        const float* m = mask + b * mb;                                                                     \
+        const int64_t l0 = start && start[b] < L0 ? start[b] : 0, L = L0 - l0;                              \
+        const float* m = mask + b * mb + l0;                                                                \
         for (int64_t h = 0; h < H; ++h) {                                                                   \
             vf qv[KG][NV];                                                                                  \
             for (int g = 0; g < KG; ++g)                                                                    \
                 for (int j = 0; j < NV; ++j) qv[g][j] = LOADV(q + b * qb + h * qh + g * qg + 16 * j) * scale;\
-            const T* kr = k + b * kb + h * kh;                                                              \
+            const T* kr = k + b * kb + h * kh + l0 * kl;                                                    \
+            const T* vr = v + b * vb + h * vh_ + l0 * vl;                                                   \
+            /* the next (row, kv head)'s keys, fetched while this one's values are read */                 \
+            const T* kn = h + 1 < H ? kr + kh : b + 1 < b1 ? k + (b + 1) * kb + next_start(start, b + 1, L0) * kl : 0; \
             for (int64_t l = 0; l < L; ++l) {                                                               \
                 vf kv[NV];                                                                                  \
                 for (int j = 0; j < NV; ++j) kv[j] = LOADV(kr + l * kl + 16 * j);                           \
+                PREFETCH(vr + l * vl);                                                                      \
                 int g0 = 0;                                                                                 \
                 for (; HAVE_HSUM4 && g0 + 4 <= KG; g0 += 4) {                                               \
                     vf a[4];                                                                                \
@@ -99,10 +117,10 @@ void NAME(const T* restrict q, int64_t qb, int64_t qh, int64_t qg,              
             }                                                                                               \
             vf acc[KG][NV];                                                                                 \
             memset(acc, 0, sizeof(acc));                                                                    \
-            const T* vr = v + b * vb + h * vh_;                                                             \
             for (int64_t l = 0; l < L; ++l) {                                                               \
                 vf vv[NV];                                                                                  \
                 for (int j = 0; j < NV; ++j) vv[j] = LOADV(vr + l * vl + 16 * j);                           \
+                if (kn) PREFETCH(kn + l * kl);                                                              \
                 for (int g = 0; g < KG; ++g) {                                                              \
                     float p = s[g * L + l];                                                                 \
                     for (int j = 0; j < NV; ++j) acc[g][j] += p * vv[j];                                    \
