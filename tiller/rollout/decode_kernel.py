@@ -4,7 +4,10 @@ At decode time each row's query attends over its cached keys / values. PyTorch's
 blocked flash-attention with a small GEMM call per (row, head, key block); with one query token those calls
 are mostly overhead, and the step reads the cache at a fraction of the memory bandwidth. The kernel here
 reads each row's keys and values once for all query heads of a kv head (grouped-query attention), keeps the
-queries and the output accumulator in vector registers, and runs the softmax with a vectorised exp.
+queries and the output accumulator in vector registers, and runs the softmax with a vectorised exp. A row starts at
+its first unmasked column (a right-aligned prompt's padding is never read), and the values, then the next head's
+keys, are prefetched while the keys, then the values, stream: the cache is read from memory every step (it is far
+larger than the caches) and short streams otherwise wait on DRAM latency.
 
 It is compiled on first use for the model's (query group, head dim) with the C compiler on PATH (`CC`, else
 gcc / cc / clang) and `-O3 -march=native -ffast-math`, into `$TILLER_CACHE/kernels` (default

@@ -78,6 +78,12 @@ def prefill_chunks(lengths: list[int], token_budget: int, max_waste: float = 0.1
     return chunks
 
 
+PREFILL_WASTE = {"cpu": 0.03}
+"""Padding a prefill chunk may carry, by device (else 0.125): on a CPU a chunk's cost is its matmuls' FLOPs, padding
+included, and a chunk more costs little (64 prompts of 16-48 tokens: 10% padding in 5 chunks at 0.125, 1.6% in 16
+at 0.03, 6% less prefill time at 30M fp32); on a GPU each chunk is more launches and the FLOPs are cheap."""
+
+
 def prefill_inputs(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts left-padded to their longest: (ids [c, w], position ids [c, w], attention mask [c, w, w] bool:
     causal over each prompt's own tokens; a pad query sees itself, so no softmax row is empty)."""
@@ -266,7 +272,8 @@ class NativeRolloutEngine(InProcessEngine):
         device, impl = cache.device, model.config._attn_implementation
         dtype = next(model.parameters()).dtype
         first_logits: torch.Tensor | None = None
-        for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens):
+        for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens, PREFILL_WASTE.get(device.type,
+                                                                                                       0.125)):
             chunk = [prompts[i] for i in chunk_idx]
             w = max(len(p) for p in chunk)
             ids, pos, valid = prefill_inputs(chunk, pad_id, device)
