@@ -51,28 +51,27 @@ SIZES = {"2M": dict(n_params=2_000_000), "30M": dict(n_params=30_000_000),
          "120M": dict(n_params=None, hidden_size=768, num_layers=18)}
 
 
-def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b
+def best_seconds(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed call."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        a @ b
+        fn()
         best = min(best, time.perf_counter() - t)
-    return 2 * size**3 / best / 1e9
+    return best
+
+
+def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    return 2 * size**3 / best_seconds(lambda: a @ b, repeats) / 1e9
 
 
 def dram_read_gbs(mbytes: int = 256, repeats: int = 3) -> float:
     """GB/s read from memory on this run's threads: a sum over a buffer far larger than the caches."""
     x = torch.ones(mbytes * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
+    return x.numel() * 4 / best_seconds(x.sum, repeats) / 1e9
 
 
 def engine_gemm_gflops(fused, rows: int, repeats: int = 3) -> float:
@@ -87,14 +86,8 @@ def engine_gemm_gflops(fused, rows: int, repeats: int = 3) -> float:
         for lin in lins:
             fused._apply(xs[lin[0].shape[1]], lin)
 
-    run()
-    best = float("inf")
     with torch.inference_mode():
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-    return flops / best / 1e9
+        return flops / best_seconds(run, repeats) / 1e9
 
 
 def fixed_floor(fused, model, prompts, sampling, gemm_gflops: float, dram_gbs: float) -> dict:
