@@ -272,8 +272,8 @@ class NativeRolloutEngine(InProcessEngine):
         device, impl = cache.device, model.config._attn_implementation
         dtype = next(model.parameters()).dtype
         first_logits: torch.Tensor | None = None
-        for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens, PREFILL_WASTE.get(device.type,
-                                                                                                       0.125)):
+        waste = PREFILL_WASTE.get(torch.device(device).type, 0.125)
+        for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens, waste):
             chunk = [prompts[i] for i in chunk_idx]
             w = max(len(p) for p in chunk)
             ids, pos, valid = prefill_inputs(chunk, pad_id, device)

@@ -66,7 +66,7 @@ static inline uint16_t store_bf16(float f) {  /* round to nearest even; NaN stay
    AMD EPYC, 10 layers x 64 rows of a 30M model's cache, cold). */
 #define PREFETCH(p) do { for (int pj = 0; pj < KD * (int)sizeof(*(p)); pj += 64)                              \
                              __builtin_prefetch((const char*)(p) + pj, 0, 1); } while (0)
-static inline int64_t next_start(const int64_t* start, int64_t b, int64_t L) {
+static inline int64_t first_column(const int64_t* start, int64_t b, int64_t L) {  /* row b's first column read */
     return start && start[b] < L ? start[b] : 0;
 }
 
@@ -122,7 +122,7 @@ void NAME(const T* restrict q, int64_t qb, int64_t qh, int64_t qg,              
           T* restrict out, int64_t ob, int64_t oh, int64_t og,                                              \
           int64_t b0, int64_t b1, int64_t H, int64_t L0, float scale, float* restrict s) {                  \
     for (int64_t b = b0; b < b1; ++b) {                                                                     \
-        const int64_t l0 = start && start[b] < L0 ? start[b] : 0, L = L0 - l0;                              \
+        const int64_t l0 = first_column(start, b, L0), L = L0 - l0;                                         \
         const float* m = mask + b * mb + l0;                                                                \
         for (int64_t h = 0; h < H; ++h) {                                                                   \
             vf qv[KG][NV];                                                                                  \
@@ -131,7 +131,7 @@ void NAME(const T* restrict q, int64_t qb, int64_t qh, int64_t qg,              
             const T* kr = k + b * kb + h * kh + l0 * kl;                                                    \
             const T* vr = v + b * vb + h * vh_ + l0 * vl;                                                   \
             /* the next (row, kv head)'s keys, fetched while this one's values are read */                 \
-            const T* kn = h + 1 < H ? kr + kh : b + 1 < b1 ? k + (b + 1) * kb + next_start(start, b + 1, L0) * kl : 0; \
+            const T* kn = h + 1 < H ? kr + kh : b + 1 < b1 ? k + (b + 1) * kb + first_column(start, b + 1, L0) * kl : 0; \
             if (FAST) qk_dpbf16((const uint16_t*)(q + b * qb + h * qh), qg, (const uint16_t*)kr, kl,          \
                                 (const uint16_t*)vr, vl, L, scale, m, s);                                   \
             else for (int64_t l = 0; l < L; ++l) {                                                          \
