@@ -74,10 +74,15 @@ def dram_read_gbs(mbytes: int = 256, repeats: int = 3) -> float:
     return x.numel() * 4 / best_seconds(x.sum, repeats) / 1e9
 
 
+def layer_linears(fused) -> list[tuple]:
+    """The fused decoder's (weight, bias, packed) matmuls in step order: each layer's qkv, o, gate-up, down."""
+    return [lin for layer in zip(fused.qkv, fused.o, fused.gate_up, fused.down) for lin in layer]
+
+
 def engine_gemm_gflops(fused, rows: int, repeats: int = 3) -> float:
     """GFLOP/s of the native engine's own matmuls (the fused decoder's prepacked weights, every layer in order and
     the head, so the weights stream from memory as in a step) at `rows` rows."""
-    lins = [lin for layer in zip(fused.qkv, fused.o, fused.gate_up, fused.down) for lin in layer] + [fused.head]
+    lins = layer_linears(fused) + [fused.head]
     dtype = lins[0][0].dtype
     xs = {n: torch.randn(rows, n).to(dtype) for n in {lin[0].shape[1] for lin in lins}}
     flops = sum(2 * rows * lin[0].shape[0] * lin[0].shape[1] for lin in lins)
@@ -90,18 +95,17 @@ def engine_gemm_gflops(fused, rows: int, repeats: int = 3) -> float:
         return flops / best_seconds(run, repeats) / 1e9
 
 
-def fixed_floor(fused, model, prompts, sampling, gemm_gflops: float, dram_gbs: float) -> dict:
+def fixed_floor(fused, prompts, sampling, gemm_gflops: float, dram_gbs: float) -> dict:
     """What the `fixed` workload would take if the native engine did nothing but its matmuls (at `gemm_gflops`, the
     best rate they reached in this run) and one read of the keys / values each decode step needs (at `dram_gbs`):
     prefill on the prompts' own tokens (the head on each prompt's last only), then max_new - 1 steps over every row,
     each reading its cache from its first unmasked column. A lower bound on the engine's time with these kernels."""
-    body = sum(lin[0].numel() for layer in zip(fused.qkv, fused.o, fused.gate_up, fused.down) for lin in layer)
+    body = sum(lin[0].numel() for lin in layer_linears(fused))
     head = fused.head[0].numel()
     rows, new = len(prompts) * sampling.n, sampling.max_new_tokens
     prompt_tokens = sum(len(p) for p in prompts)
     flops = 2 * ((prompt_tokens + rows * (new - 1)) * body + (len(prompts) + rows * (new - 1)) * head)
-    cfg = model.config
-    kv_row_col = cfg.num_hidden_layers * 2 * fused.n_kv * fused.head_dim * fused.qkv[0][0].element_size()
+    kv_row_col = len(fused.qkv) * 2 * fused.n_kv * fused.head_dim * fused.qkv[0][0].element_size()
     columns = sampling.n * sum((new - 1) * len(p) + new * (new - 1) // 2 for p in prompts)  # sum of (len + t)
     seconds = flops / gemm_gflops / 1e9 + columns * kv_row_col / dram_gbs / 1e9
     return {"floor_gemm_gflops": round(gemm_gflops, 1), "floor_dram_gbs": round(dram_gbs, 1),
@@ -188,7 +192,7 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
         # the native engine's floor with its own kernels: matmuls at their best rate here, the cache read at the
         # memory's; `floor_over_vllm` >= 1.2 is what the issue's goal needs before any overhead
         rate = max(engine_gemm_gflops(fused, r) for r in (len(prompts) * sampling.n, 256))
-        row.update(fixed_floor(fused, built["native"].weights.module, prompts, sampling, rate, dram_read_gbs()))
+        row.update(fixed_floor(fused, prompts, sampling, rate, dram_read_gbs()))
         if "vllm" in rates:
             row["floor_over_vllm"] = round(row["native_floor_tok_s"] / rates["vllm"], 3)
     if "vllm" in built:  # vLLM's own settings: eager or compiled (CUDA graphs / torch.compile), dtype, version

@@ -36,7 +36,7 @@ def test_fixed_floor_worked_numbers(qwen):
     columns = (4 + 5 + 6) + (3 + 4 + 5)
     per_column = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     seconds = flops / 2e9 + columns * per_column / 5e9
-    floor = _bench().fixed_floor(fused, model, prompts, sampling, gemm_gflops=2.0, dram_gbs=5.0)
+    floor = _bench().fixed_floor(fused, prompts, sampling, gemm_gflops=2.0, dram_gbs=5.0)
     assert floor["native_floor_tok_s"] == pytest.approx(8 / seconds, rel=1e-3)
     assert (floor["floor_gemm_gflops"], floor["floor_dram_gbs"]) == (2.0, 5.0)
 
