@@ -85,7 +85,10 @@ def _count_prompts(cfg: RLConfig) -> int | None:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            total += pq.ParquetFile(path).metadata.num_rows
+            try:
+                total += pq.ParquetFile(path).metadata.num_rows
+            except Exception:  # noqa: BLE001 - not parquet, empty, cut short: the data reader names the problem
+                return None
         elif path.suffix in (".jsonl", ".json"):
             with path.open("rb") as fh:  # a count only: the reader reports bad encodings with the line
                 total += sum(1 for line in fh if line.strip())

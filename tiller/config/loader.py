@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from tiller.config.schema import RLConfig
 from tiller.config.validate import validate_rl
@@ -289,6 +290,30 @@ def _format_omegaconf_error(err: OmegaConfBaseException, paths: dict[str, Any], 
     return f"{source}: {key + ': ' if key else ''}{msg}"
 
 
+def _interpolation_error(node: DictConfig | ListConfig, prefix: str = "") -> str | None:
+    """The first `${...}` in `node` that does not resolve, as one line naming the key that holds it and the target
+    (`config: trainer.experiment_name = '${nope.x}': its interpolation target 'nope.x' does not exist`)."""
+    keys = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
+    for key in keys:
+        path = f"{prefix}{key}"
+        if OmegaConf.is_interpolation(node, key):
+            try:
+                node[key]
+            except OmegaConfBaseException as err:
+                held = node._get_node(key)._value()  # type: ignore[union-attr]
+                first = str(err).splitlines()[0]
+                missing = re.fullmatch(r"Interpolation key '(.+)' not found", first)
+                why = f"its interpolation target {missing.group(1)!r} does not exist" if missing else first
+                return f"config: {path} = {held!r}: {why}"
+            continue
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
+            found = _interpolation_error(child, path + ".")
+            if found:
+                return found
+    return None
+
+
 def _merge(base: DictConfig, other: Any, paths: dict[str, Any], source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, other)
@@ -300,6 +325,52 @@ def _merge(base: DictConfig, other: Any, paths: dict[str, Any], source: str) -> 
 BASE_CONFIG_NAMES = ("ppo_trainer",)
 
 
+def _default_targets(path: Path, root: Path) -> list[Path]:
+    """The YAML files a config file's `defaults:` list names (Hydra's rules: an entry is relative to the file's own
+    group dir, `/x` to the primary config's dir; `{group: option}` is `group/option.yaml`); unreadable ones skipped."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []
+    entries = data.get("defaults") if isinstance(data, dict) else None
+    out: list[Path] = []
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, str) and entry != "_self_":
+            names = [entry]
+        elif isinstance(entry, dict):
+            names = [f"{str(k).split()[-1]}/{v}" for k, v in entry.items() if isinstance(v, str)]
+        else:
+            continue
+        for name in names:
+            name = name.split("@", 1)[0].strip()
+            base = root if name.startswith("/") else path.parent
+            target = base / f"{name.lstrip('/')}.yaml"
+            if target.is_file():
+                out.append(target)
+    return out
+
+
+def _defaults_cycle(path: Path) -> list[Path] | None:
+    """A cycle of `defaults:` lists reachable from `path` (a -> b -> a), or None."""
+    root = path.parent
+    stack: list[Path] = []
+
+    def visit(node: Path) -> list[Path] | None:
+        key = node.resolve()
+        if key in [p.resolve() for p in stack]:
+            start = [p.resolve() for p in stack].index(key)
+            return stack[start:] + [node]
+        stack.append(node)
+        for target in _default_targets(node, root):
+            found = visit(target)
+            if found:
+                return found
+        stack.pop()
+        return None
+
+    return visit(path)
+
+
 def _compose_yaml(path: Path) -> dict:
     """The file composed by `hydra.compose` (its `defaults:` list resolved), as a plain mapping."""
     import warnings
@@ -308,6 +379,11 @@ def _compose_yaml(path: Path) -> dict:
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
 
+    cycle = _defaults_cycle(path)
+    if cycle:
+        names = " -> ".join(str(p.relative_to(path.parent)) if p.is_relative_to(path.parent) else str(p)
+                            for p in cycle)
+        raise ConfigError(f"{path}: the defaults: lists form a cycle ({names}); remove one of these entries")
     store = ConfigStore.instance()
     for name in BASE_CONFIG_NAMES:
         store.store(name=name, node={})  # the structured defaults come first anyway
@@ -320,6 +396,9 @@ def _compose_yaml(path: Path) -> dict:
     except (HydraException, OmegaConfBaseException) as err:
         msg = " ".join(str(err).split("\n\nConfig search path")[0].split())
         raise ConfigError(f"{path}: {msg}") from None
+    except RecursionError:  # a cycle _defaults_cycle could not follow (a search path, a config group default)
+        raise ConfigError(f"{path}: the defaults: lists form a cycle (a config that includes itself through "
+                          "its defaults)") from None
     return OmegaConf.to_container(composed, resolve=False)  # type: ignore[return-value]
 
 
@@ -387,6 +466,8 @@ def load_config(
     try:
         OmegaConf.resolve(cfg)
         obj = OmegaConf.to_object(cfg)
+    except InterpolationResolutionError as err:
+        raise ConfigError(_interpolation_error(cfg) or _format_omegaconf_error(err, paths, "config")) from None
     except OmegaConfBaseException as err:
         raise ConfigError(_format_omegaconf_error(err, paths, "config")) from None
     object.__setattr__(obj, GIVEN_KEYS_ATTR, frozenset(given))

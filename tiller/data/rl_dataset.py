@@ -55,12 +55,7 @@ def read_rows(path: str | Path) -> list[dict]:
         raise DataError(f"data file not found: {p}")
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(p).to_pylist()
-        except Exception as err:  # pyarrow raises several types for a corrupt file
-            raise DataError(f"cannot read parquet file {p}: {err}") from err
+        return read_parquet(p)
     if suffix in (".jsonl", ".json"):
         rows = []
         try:
@@ -87,6 +82,42 @@ def read_rows(path: str | Path) -> list[dict]:
             raise DataError(f"{p}: row {bad} is not a JSON object")
         return rows
     raise DataError(f"{p}: unsupported data file type {suffix!r}; use .parquet or .jsonl")
+
+
+PARQUET_MAGIC = b"PAR1"  # a parquet file starts and ends with these 4 bytes
+
+
+def parquet_problem(path: Path) -> str | None:
+    """What makes `path` not a readable parquet file, judged from its size and its first and last bytes (an empty
+    file, another format under a .parquet name, a cut-off copy); None when it looks like parquet."""
+    size = path.stat().st_size
+    if size == 0:
+        return "the file is empty (0 bytes): write the data again"
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        fh.seek(max(size - 4, 0))
+        tail = fh.read(4)
+    if head != PARQUET_MAGIC:
+        kind = " (it looks like JSON: name it .jsonl)" if head[:1] in (b"{", b"[") else ""
+        return f"not a parquet file: it does not start with the parquet marker PAR1 (starts with {head!r}){kind}"
+    if tail != PARQUET_MAGIC or size < 12:
+        return f"the parquet file is cut short ({size} bytes, no footer): copy or write it again"
+    return None
+
+
+def read_parquet(path: str | Path) -> list[dict]:
+    """Rows of a parquet file; a `DataError` names the file and what is wrong with it (the one parquet reader of every
+    command: rl, sft, rm, dpo, kto, eval, generate, data filter-difficulty)."""
+    import pyarrow.parquet as pq
+
+    p = Path(path).expanduser()
+    problem = parquet_problem(p)
+    if problem:
+        raise DataError(f"{p}: {problem}")
+    try:
+        return pq.read_table(p).to_pylist()
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
+        raise DataError(f"{p}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 def write_rows(rows: Sequence[dict], path: str | Path) -> Path:

@@ -357,12 +357,77 @@ def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: st
     out = Path(to_dir).expanduser()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export target {out} exists and is not empty (pass --force to replace it)")
+    check_weights(src)  # before anything is written: a truncated or foreign weights file is refused
     with _atomic_dir(out) as tmp:
         if (src / "adapter_config.json").exists() or dtype is not None:
             _export_via_load(src, tmp, dtype)
         else:
             shutil.copytree(src, tmp, dirs_exist_ok=True)
     return out
+
+
+def _weight_shapes(src: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in a saved model dir's safetensors files, each file's header checked against its
+    size (safetensors' own reader refuses a file cut short); a `UserError` names the file and the problem."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(f"{index}: not a valid weights index ({err})") from None
+    else:
+        files = [name for name in ("model.safetensors", "adapter_model.safetensors") if (src / name).exists()]
+        if not files:
+            raise UserError(f"{src} has no weights file (model.safetensors)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        path = src / name
+        if not path.exists():
+            raise UserError(f"checkpoint is missing weights file: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for key in fh.keys():
+                    shapes[key] = tuple(fh.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{path}: the weights file is damaged or truncated ({err}); "
+                            "export an older checkpoint") from None
+    return shapes
+
+
+def check_weights(src: str | os.PathLike) -> None:
+    """Refuse a saved model dir whose weights do not read or do not fit its config.json: a truncated file, a tensor
+    of another shape, a tensor the architecture lacks or lacks (tied embeddings aside). A LoRA adapter's files are
+    only read (their shapes depend on the base model)."""
+    import json
+
+    import transformers
+
+    src = Path(src)
+    shapes = _weight_shapes(src)
+    if (src / "adapter_config.json").exists() or not (src / "config.json").exists():
+        return
+    try:
+        config = transformers.AutoConfig.from_pretrained(src)
+        with torch.device("meta"):
+            model = _auto_class(src).from_config(config)
+    except Exception as err:  # noqa: BLE001 - an unknown architecture / bad config: no shapes to compare with
+        raise UserError(f"{src / 'config.json'}: cannot build the model it describes ({type(err).__name__}: "
+                        f"{str(err)[:200]})") from None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = {k for k in expected if k not in shapes and getattr(config, "tie_word_embeddings", False)
+            and k.endswith("lm_head.weight")}
+    missing = sorted(set(expected) - set(shapes) - tied)
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = sorted(k for k in set(shapes) & set(expected) if shapes[k] != expected[k])
+    if missing or unexpected or wrong:
+        parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
+                 "; ".join(f"{k} is {list(shapes[k])}, the config wants {list(expected[k])}" for k in wrong[:3])]
+        raise UserError(f"the weights in {src} do not fit its config.json ({json.dumps(config.architectures)}): "
+                        + "; ".join(p for p in parts if p))
 
 
 def _auto_class(src: Path):

@@ -1,7 +1,8 @@
 """`tiller report RUN_DIR`: PNG plots of a run's metrics and a first/last/min/max summary table.
 
-Reads `RUN_DIR/metrics.jsonl` (written by `Tracker`; a truncated last line from a killed run is
-skipped, a step logged twice keeps its last row, null means "not finite"). Writes to `RUN_DIR/plots/`:
+Reads `RUN_DIR/metrics.jsonl` (written by `Tracker`; lines that do not read, such as a line cut by a kill or bytes
+that are not UTF-8, are skipped and counted in one warning; a step logged twice keeps its last row; null means
+"not finite"). Writes to `RUN_DIR/plots/`:
 - `main.png`: the curves most people look at first (reward, validation accuracy, response length,
   entropy, policy loss, KL, grad norm; SFT / RM / DPO losses), whichever are present;
 - `<family>.png` for every metric family (the part of the name before the first "/", e.g. `actor`,
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 from tiller.errors import UserError
@@ -43,13 +45,21 @@ def read_metrics(path: str | os.PathLike) -> Series:
     if not path.exists():
         raise UserError(f"no metrics file: {path}")
     rows: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
+    bad: list[int] = []  # line numbers: bytes that are not UTF-8, a line cut by a kill, not a metrics row
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
             step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # truncated line of a killed run, or not a metrics row
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            bad.append(lineno)
+            continue
         rows[step] = row
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        print(f"warning: {path}: skipped {len(bad)} unreadable line{'s' if len(bad) > 1 else ''} (not UTF-8, not a "
+              f"complete JSON object with a step, e.g. cut by a kill): line {shown}", file=sys.stderr)
     series: Series = {}
     for step in sorted(rows):
         for k, v in rows[step].items():
