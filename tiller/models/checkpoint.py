@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -72,11 +73,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same dir, fsync, rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -244,6 +249,33 @@ def _load_module(model: torch.nn.Module, src: Path) -> None:
         raise UserError(f"weights in {src} do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
+def _torch_save(obj: Any, path: Path) -> None:
+    """`torch.save` through a Python file, so a write that fails (a full disk) raises the OSError with its errno
+    (torch's own file writer turns it into a RuntimeError without one)."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+
+
+def _disk_full(err: BaseException, root: Path) -> bool:
+    """The save failed because the disk is full: ENOSPC / EDQUOT, or a library's own error while no space is left."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(err, Exception):
+        return False
+    try:
+        return shutil.disk_usage(root).free == 0
+    except OSError:
+        return False
+
+
+def _disk_full_error(final: Path, root: Path) -> OSError:
+    """One line for the CLI: the disk is full at the checkpoint's path; nothing of it was kept."""
+    newest = latest_checkpoint(root)
+    kept = f"the newest checkpoint is still {newest.name}" if newest is not None else "no checkpoint was written"
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} while saving this checkpoint (its partial files were "
+                                 f"removed; {kept})", str(final))
+
+
 # ---- public API ---------------------------------------------------------------------------------------
 def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Module | None = None,
                     optimizer=None, scheduler=None, extra_state: dict | None = None, tokenizer=None,
@@ -272,18 +304,26 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Mod
         for name, module in (extra_models or {}).items():
             _save_module(module, tmp / name)
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
         if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         for name, obj in (extra_states or {}).items():
-            torch.save(obj.state_dict(), tmp / f"{name}.pt")
-        torch.save({"step": int(step), "extra": dict(extra_state or {}), "rng": rng_state()}, tmp / "state.pt")
+            _torch_save(obj.state_dict(), tmp / f"{name}.pt")
+        _torch_save({"step": int(step), "extra": dict(extra_state or {}), "rng": rng_state()}, tmp / "state.pt")
         _fsync_tree(tmp)
         _replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err, root):
+            raise _disk_full_error(final, root) from None
         raise
-    write_text_atomic(root / MARKER, f"{int(step)}\n")
+    try:
+        write_text_atomic(root / MARKER, f"{int(step)}\n")
+    except OSError as err:  # the step's dir is whole, the marker still names the one before: remove the new dir
+        if not _disk_full(err, root):
+            raise
+        _remove_dir(final)
+        raise _disk_full_error(final, root) from None
     if keep is not None:
         for old in list_checkpoints(root)[:-keep]:
             if old != final:
