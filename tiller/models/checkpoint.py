@@ -470,6 +470,39 @@ def check_weights(src: str | os.PathLike) -> None:
                         + "; ".join(p for p in parts if p))
 
 
+MODEL_SHAPE_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def _model_config(path: Path) -> dict | None:
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def describe_model(config: dict) -> str:
+    """`Qwen2ForCausalLM (hidden 160, 2 layers, vocab 512)` from a config.json mapping."""
+    arch = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    return (f"{arch} (hidden {config.get('hidden_size', '?')}, {config.get('num_hidden_layers', '?')} layers, "
+            f"vocab {config.get('vocab_size', '?')})")
+
+
+def model_mismatch(ckpt: str | os.PathLike, model_path: str | os.PathLike) -> tuple[str, str] | None:
+    """(checkpoint's model, configured model) described, when a checkpoint's `model/config.json` and the configured
+    model dir's differ in architecture or size; None when they agree or either cannot be read (a hub id, a LoRA
+    adapter): the weights' own load then decides."""
+    saved, wanted = _model_config(Path(ckpt) / "model"), _model_config(Path(model_path).expanduser())
+    if saved is None or wanted is None:
+        return None
+    if all(saved.get(k) == wanted.get(k) for k in MODEL_SHAPE_KEYS):
+        return None
+    return describe_model(saved), describe_model(wanted)
+
+
 def _auto_class(src: Path):
     """The transformers Auto class a saved model (or LoRA adapter) belongs to: causal LM, RM or critic."""
     import json

@@ -1,0 +1,185 @@
+"""A run dir holds one run (issue #40): a second process on it refuses naming the holder (a lock file with its pid,
+stale ones detected); a checkpoint of another model is a mismatch (exit 2 naming both models and the ways out),
+never damage to skip while metrics.jsonl and the marker are overwritten; a resume with other sampling settings says
+what changed since the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.badinput.test_bad_input import _rl
+from tiller.cli import main
+from tiller.models.checkpoint import MARKER
+from tiller.trainer.rundir import LOCK_NAME, acquire_run_dir, release_run_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from tiller.tasks import arithmetic
+
+    root = tmp_path_factory.mktemp("rundir")
+    arithmetic.write_task(root / "arith", n_train=8, n_test=4, seed=0)
+    return root
+
+
+def _argv(data, run, model, *extra):
+    return [*_rl(data, "algorithm.adv_estimator=grpo", f"actor_rollout_ref.model.path={model}",
+                 f"trainer.default_local_dir={run}", "trainer.save_freq=1"), *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(data, tiny_model_dir):
+    """A run dir after one real GRPO step of the tiny model, with its checkpoint."""
+    run = data / "trained"
+    assert main(_argv(data, run, tiny_model_dir)) == 0
+    assert (run / "checkpoints" / "global_step_1").is_dir() and not (run / LOCK_NAME).exists()
+    return run
+
+
+@pytest.fixture(scope="module")
+def wider_model(tmp_path_factory, tiny_model_dir):
+    """The tiny model's tokenizer with a model twice the size: same architecture, another shape."""
+    from transformers import AutoTokenizer
+
+    from tiller.models.checkpoint import save_pretrained_atomic
+    from tiller.models.tiny import build_model
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return save_pretrained_atomic(tmp_path_factory.mktemp("wide") / "m", build_model(tok, "qwen2", n_params=2_000_000),
+                                  tok)
+
+
+def _records(run):
+    return (run / "metrics.jsonl").read_bytes(), (run / "checkpoints" / MARKER).read_bytes()
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("which", ["wider", "llama"])
+def test_resume_with_another_model_is_refused(capsys, trained, data, tmp_path, request, which):
+    model = request.getfixturevalue("wider_model" if which == "wider" else "tiny_llama_dir")
+    run = _copy(trained, tmp_path)
+    before = _records(run)
+    assert main(_argv(data, run, model, "trainer.total_training_steps=2")) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "does not load" not in err
+    assert "global_step_1 holds another model, Qwen2ForCausalLM (hidden" in line, line
+    assert f"model.path={model}, {'Qwen2' if which == 'wider' else 'Llama'}ForCausalLM" in line, line
+    assert "trainer.overwrite=true" in line and "trainer.resume_mode=disable" in line, line
+    assert _records(run) == before and not (run / LOCK_NAME).exists()
+
+
+def test_resume_path_to_another_models_checkpoint(capsys, trained, data, tmp_path, wider_model):
+    argv = _argv(data, tmp_path / "fresh", wider_model, "trainer.resume_mode=resume_path",
+                 f"trainer.resume_from_path={trained}")
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "trainer.resume_from_path: checkpoint global_step_1 holds another model" in line, line
+
+
+def test_every_checkpoint_damaged_leaves_the_records(capsys, trained, data, tmp_path, tiny_model_dir):
+    run = _copy(trained, tmp_path)
+    (run / "checkpoints" / "global_step_1" / "state.pt").write_bytes(b"cut")
+    (run / "checkpoints" / "global_step_1" / "model" / "model.safetensors").write_bytes(b"cut")
+    before = _records(run)
+    assert main(_argv(data, run, tiny_model_dir, "trainer.total_training_steps=2")) == 2
+    out, err = capsys.readouterr()
+    assert "global_step_1 does not load" in out + err
+    assert "none of its checkpoints loads" in err.strip().splitlines()[-1] and "trainer.overwrite=true" in err
+    assert _records(run) == before
+
+
+def test_resume_with_other_sampling_says_what_changed(capsys, trained, data, tmp_path, tiny_model_dir):
+    run = _copy(trained, tmp_path)
+    argv = _argv(data, run, tiny_model_dir, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.n=4",
+                 "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "sampling changed" in line]
+    assert lines == ["resuming global_step_1 with sampling changed since that checkpoint: rollout.n 2 -> 4; "
+                     "rollout.temperature 1.0 -> 0.7"], lines
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+HOLD = ("import sys, time; from tiller.trainer.rundir import acquire_run_dir; acquire_run_dir(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(120)")
+
+
+def _holder(run):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, env=_env(), text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_held_run_dir_is_refused_naming_the_holder(capsys, data, tmp_path, tiny_model_dir):
+    run = tmp_path / "run"
+    holder = _holder(run)
+    try:
+        assert main(_argv(data, run, tiny_model_dir)) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"trainer.default_local_dir={run} is in use by another tiller process (pid {holder.pid} " in line, line
+        assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_is_taken_over(capsys, tmp_path):
+    run = tmp_path / "run"
+    holder = _holder(run)
+    os.kill(holder.pid, signal.SIGKILL)  # killed: its lock file stays, its flock goes with it
+    holder.wait()
+    assert json.loads((run / LOCK_NAME).read_text())["pid"] == holder.pid
+    acquire_run_dir(run)
+    try:
+        assert f"took over a stale lock (pid {holder.pid} " in capsys.readouterr().err
+        assert json.loads((run / LOCK_NAME).read_text())["pid"] == os.getpid()
+    finally:
+        release_run_dir(run)
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_the_lock_is_released_on_exit(tmp_path):
+    run = tmp_path / "run"
+    code = "import sys; from tiller.trainer.rundir import acquire_run_dir; acquire_run_dir(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(run)], env=_env(), check=True)
+    assert run.is_dir() and not (run / LOCK_NAME).exists()
+    acquire_run_dir(run)  # and free for the next process
+    release_run_dir(run)
+
+
+@pytest.mark.slow
+def test_two_rl_processes_on_one_run_dir(data, tmp_path, tiny_model_dir):
+    """Two real `tiller rl` processes started half a second apart: one trains, the other refuses naming it."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "tiller.cli", *_argv(data, run, tiny_model_dir, "trainer.total_training_steps=3")]
+    first = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=_env(), text=True)
+    while not (run / LOCK_NAME).exists() and first.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    second = subprocess.run(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=_env(), text=True,
+                            timeout=300)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    assert second.returncode == 2, second.stderr
+    assert f"is in use by another tiller process (pid {first.pid} " in second.stderr.strip().splitlines()[-1]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and not (run / LOCK_NAME).exists()
