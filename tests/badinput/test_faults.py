@@ -232,3 +232,75 @@ def test_disk_full_during_a_training_run(capsys, monkeypatch, fws, tiny_model_di
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["global_step_1", ckpt_mod.MARKER]
     assert (root / ckpt_mod.MARKER).read_text().strip() == "1"
+
+
+def _with_bad_ground_truth(fws, name, row, data_source, ground_truth, top_level=False):
+    """The arithmetic train rows as JSONL with row `row` given `data_source` and a ground truth of another type."""
+    from tiller.data.rl_dataset import read_rows
+
+    rows = read_rows(fws / "arith" / "train.parquet")
+    rows[row]["data_source"] = data_source
+    if top_level:
+        del rows[row]["reward_model"]
+        rows[row]["ground_truth"] = ground_truth
+    else:
+        rows[row]["reward_model"] = {"style": "rule", "ground_truth": ground_truth}
+    path = fws / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GROUND_TRUTH = [  # (name, row, data_source, ground truth, top-level field, words of the error)
+    ("gt_dict", 3, "tiller/arithmetic", {"answer": "4"}, False, "row 3: field reward_model.ground_truth", "a dict"),
+    ("gt_list", 0, "openai/gsm8k", ["18", "19"], True, "row 0: field ground_truth", "a list"),
+    ("gt_bool", 5, "math", True, False, "row 5: field reward_model.ground_truth", "a bool"),
+    ("gt_code", 7, "humaneval", 42, False, "row 7: field reward_model.ground_truth", "a test spec"),
+]
+
+
+@pytest.mark.parametrize("name, row, source, truth, top, where, what", GROUND_TRUTH, ids=[c[0] for c in GROUND_TRUTH])
+def test_ground_truth_of_the_wrong_type(capsys, fws, tiny_model_dir, name, row, source, truth, top, where, what):
+    path = _with_bad_ground_truth(fws, name, row, source, truth, top)
+    argv = [*_rl(fws), f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{path}]",
+            f"trainer.default_local_dir={fws}/run_{name}"]
+    line = _error_line(capsys, argv, 2)
+    assert f"{path} {where}: the scorer of data_source {source!r}" in line and what in line, line
+    assert "reward_model.bad_ground_truth=count" in line, line
+
+
+@pytest.mark.parametrize("command", ["eval", "filter-difficulty"])
+def test_ground_truth_of_the_wrong_type_other_readers(capsys, fws, tiny_model_dir, command):
+    path = _with_bad_ground_truth(fws, "gt_other", 2, "tiller/arithmetic", {"x": 1})
+    argv = [a.replace("{bad}", str(path)).replace("kept.parquet", "kept.jsonl")
+            for a in _fill(READERS[command], fws, tiny_model_dir)]
+    line = _error_line(capsys, argv, 2)
+    assert not (fws / "kept.jsonl").exists()
+    assert f"{path} row 2: field reward_model.ground_truth" in line and "a dict" in line, line
+
+
+def test_ground_truth_of_the_wrong_type_counted(capsys, fws, tiny_model_dir):
+    """reward_model.bad_ground_truth=count: the run goes on, the row's 2 samples score 0 and are counted."""
+    path = _with_bad_ground_truth(fws, "gt_count", 3, "tiller/arithmetic", {"answer": "4"})
+    run = fws / "run_gt_count"
+    argv = [*_rl(fws), f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{path}]",
+            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "algorithm.adv_estimator=grpo",
+            f"trainer.default_local_dir={run}", "reward_model.bad_ground_truth=count"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 rows of data.train_files have a ground truth their scorer cannot compare" in err, err
+    assert "reward/bad_ground_truth: 2 samples of this run scored 0" in err.strip().splitlines()[-1], err
+    (metrics,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["reward/bad_ground_truth"] == 2.0
+
+
+@pytest.mark.parametrize("source, truth, bad", [
+    ("tiller/arithmetic", "42", False), ("tiller/arithmetic", 42, False), ("tiller/arithmetic", {"a": 1}, True),
+    ("openai/gsm8k", 18.5, False), ("openai/gsm8k", ["18"], True), ("math", False, True),
+    ("humaneval", {"test": "", "entry_point": "f"}, False), ("humaneval", "{}", False), ("humaneval", 3, True),
+    ("reasoning_gym/countdown", {"anything": 1}, False), ("unknown/source", {"x": 1}, False),
+])
+def test_ground_truth_problem(source, truth, bad):
+    from tiller.rewards.registry import ground_truth_problem
+
+    assert (ground_truth_problem(source, truth) is not None) == bad

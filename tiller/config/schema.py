@@ -1005,6 +1005,10 @@ class RewardModelConfig:
     custom_reward_function.path)."""
     num_workers: int = 2
     """Processes of the parallel reward manager."""
+    bad_ground_truth: str = "error"
+    """tiller: a row whose ground truth has the wrong type for its data_source's rule scorer (a dict where the
+    scorer compares a string): error (refused at load, naming file, row and field) | count (the row's samples
+    score 0, counted in reward/bad_ground_truth each step and reported at the end of the run)."""
     timeout: float = 30.0
     """tiller: seconds per reward-function call (naive / dapo: per sample, batch: per batch, parallel: per sample
     in its worker) or per remote request; a call past it scores 0 and is counted in reward/num_timeouts."""

@@ -211,6 +211,7 @@ def _validate_batches(cfg: RLConfig) -> None:
         _positive(key, getattr(node, leaf))
     _positive("data.gen_batch_size", data.gen_batch_size)
     _positive("reward_model.timeout", cfg.reward_model.timeout)
+    _choice("reward_model.bad_ground_truth", cfg.reward_model.bad_ground_truth, ("error", "count"))
     if data.gen_batch_size != data.train_batch_size and not cfg.algorithm.filter_groups.enable:
         raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} differs from data.train_batch_size="
                           f"{data.train_batch_size}: it only applies with algorithm.filter_groups.enable=True "

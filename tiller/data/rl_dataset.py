@@ -46,6 +46,8 @@ class PromptItem:
     extra_info: dict = field(default_factory=dict)
     raw_prompt: Any = None
     uid: str = ""
+    where: str = ""  # "<file> row <i>", for errors about this row
+    ground_truth_key: str = ""  # the field the ground truth came from (reward_model.ground_truth, ground_truth, ...)
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -227,6 +229,7 @@ class RLDataset:
                 ground_truth=ground_truth, extra_info=dict(row.get("extra_info") or {}),
                 raw_prompt=row[prompt_key] if return_raw_chat else None,
                 uid=f"{stem}-{index}" if probs is None else f"{stem}-{index}-{k}",
+                where=where, ground_truth_key=label_key or _ground_truth_key(row),
             ))
             if require_ground_truth and self.items[-1].ground_truth is None:
                 raise DataError(f"{where}: no ground truth (reward_model.ground_truth, or a top-level "
@@ -250,6 +253,11 @@ class RLDataset:
 
 def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def _ground_truth_key(row: dict) -> str:
+    rm = row.get("reward_model")
+    return "reward_model.ground_truth" if isinstance(rm, dict) and "ground_truth" in rm else "ground_truth"
 
 
 def _ground_truth(row: dict) -> Any:

@@ -54,6 +54,7 @@ from tiller.evaluation.runner import (
     sampling_from_rollout,
 )
 from tiller.rewards import build_reward_manager
+from tiller.rewards.registry import check_ground_truths
 
 PASS_RATE_COLUMN = "pass_rate"
 
@@ -172,6 +173,8 @@ def filter_difficulty(cfg, data: str, out: str, *, k: int, band: tuple[float, fl
     rm = cfg.reward_model
     rules = not (cfg.custom_reward_function.path or rm.enable or rm.remote_url)
     ds = build_rl_dataset(cfg.data, policy.tokenizer, [str(src)], what="--data", require_ground_truth=rules)
+    if rules:
+        check_ground_truths(ds.items, "--data", rm.bad_ground_truth)
     items = ds.items
     r = cfg.actor_rollout_ref.rollout
     sampling = replace(sampling_from_rollout(r, r.response_length or cfg.data.max_response_length, cfg.trainer.seed),

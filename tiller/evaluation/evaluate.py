@@ -58,6 +58,7 @@ from tiller.evaluation.runner import (
 )
 from tiller.rewards import build_reward_manager, RewardRequest
 from tiller.rewards.diversity import build_partitioner
+from tiller.rewards.registry import check_ground_truths
 from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, render_prompt_with_tools
 
 
@@ -145,6 +146,9 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
         partitioner = build_partitioner(cfg.reward_model.diversity, policy.tokenizer)
     items = build_rl_dataset(replace(cfg.data, return_raw_chat=True), policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
                              what="data.val_files").items
+    rm = cfg.reward_model
+    if not (cfg.custom_reward_function.path or rm.enable or rm.remote_url):  # rule scoring: types must fit
+        check_ground_truths(items, "data.val_files", rm.bad_ground_truth)
     r = cfg.actor_rollout_ref.rollout
     sampling = sampling_from_rollout(r, r.response_length or cfg.data.max_response_length,
                                      cfg.trainer.seed, val=True)

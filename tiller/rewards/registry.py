@@ -16,6 +16,7 @@ carries `format` (1/0). `register_scorer` adds or overrides a route.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from tiller.errors import UserError
@@ -57,6 +58,61 @@ _EXACT: dict[str, Scorer] = {"openai/gsm8k": _gsm8k, "gsm8k": _gsm8k, "math_dapo
 _EXACT.update({name: _math for name in MATH_SOURCES})
 _EXACT.update({name: _code for name in CODE_SOURCES})
 _PREFIX: dict[str, Scorer] = {"numina_": _math, "aime": _math_dapo, "reasoning_gym/": _reasoning_gym}
+
+
+# the ground-truth types each built-in scorer compares (bool is refused where int is named: True is not 1 here);
+# a scorer missing here (reasoning-gym, a registered one) takes any value
+_NUMBER_OR_TEXT = ((str, int, float), "a string or a number")
+GROUND_TRUTH_TYPES: dict[Scorer, tuple[tuple[type, ...], str]] = {
+    _gsm8k: _NUMBER_OR_TEXT, _math: _NUMBER_OR_TEXT, _math_dapo: _NUMBER_OR_TEXT, _arithmetic: _NUMBER_OR_TEXT,
+    _code: ((str, dict), "a test spec (a mapping, or its JSON text)"),
+}
+
+
+def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
+    """Why `ground_truth` cannot be compared by the rule scorer of `data_source` (its type), or None.
+
+    >>> ground_truth_problem("tiller/arithmetic", {"answer": 4})
+    "the scorer of data_source 'tiller/arithmetic' compares a string or a number, got a dict ({'answer': 4})"
+    >>> ground_truth_problem("tiller/arithmetic", "4") is None
+    True
+    """
+    try:
+        scorer = get_scorer(data_source)
+    except UserError:
+        return None  # no scorer at all: named by its own error where the row is scored
+    types, wanted = GROUND_TRUTH_TYPES.get(scorer, ((object,), "anything"))
+    if ground_truth is None or (isinstance(ground_truth, types) and not isinstance(ground_truth, bool)):
+        return None
+    shown = repr(ground_truth)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"the scorer of data_source {data_source!r} compares {wanted}, got a {type(ground_truth).__name__} ({shown})"
+
+
+def bad_ground_truths(items) -> list[str]:
+    """`<file> row <i>: field <key>: <problem>` for each prompt item (`tiller.data.rl_dataset.PromptItem`) whose
+    ground truth its data_source's rule scorer cannot compare."""
+    out = []
+    for item in items:
+        problem = ground_truth_problem(item.data_source, item.ground_truth)
+        if problem:
+            out.append(f"{item.where or item.uid}: field {item.ground_truth_key or 'ground_truth'}: {problem}")
+    return out
+
+
+def check_ground_truths(items, what: str, mode: str = "error") -> int:
+    """Refuse (mode "error": a `UserError` naming the first bad row, file and field) or count and warn about (mode
+    "count") the rows of `items` whose ground truth has the wrong type for their scorer; returns how many."""
+    bad = bad_ground_truths(items)
+    if not bad:
+        return 0
+    more = f" ({len(bad) - 1} more rows of {what} like it)" if len(bad) > 1 else ""
+    if mode == "error":
+        raise UserError(f"{bad[0]}{more}; fix the data, or set reward_model.bad_ground_truth=count to score such rows "
+                        "0 and count them in reward/bad_ground_truth")
+    print(f"warning: {len(bad)} rows of {what} have a ground truth their scorer cannot compare; they score 0, "
+          f"counted in reward/bad_ground_truth (first: {bad[0]})", file=sys.stderr)
+    return len(bad)
 
 
 def register_scorer(name: str, scorer: Scorer, prefix: bool = False) -> None:

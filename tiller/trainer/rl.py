@@ -67,6 +67,7 @@ from tiller.models.checkpoint import latest_checkpoint, list_checkpoints, model_
 from tiller.models.loading import load_tokenizer
 from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
+from tiller.rewards.registry import check_ground_truths, ground_truth_problem
 from tiller.rewards.types import RewardRequest
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
@@ -130,6 +131,12 @@ class RLTrainer:
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
                                            what="data.val_files", require_ground_truth=rules)
+        # rule scoring: a ground truth of the wrong type for its scorer is refused here, or (count) scored 0 and counted
+        self.count_bad_ground_truth = rules and rm_cfg.bad_ground_truth == "count"
+        self.bad_ground_truth_total = 0
+        for what, ds in (("data.train_files", self.train_ds), ("data.val_files", self.val_ds)):
+            if rules and ds is not None:
+                check_ground_truths(ds.items, what, rm_cfg.bad_ground_truth)
         # prompts are drawn data.gen_batch_size at a time (DAPO's dynamic sampling may draw several per step)
         self.sampler = PromptSampler(len(self.train_ds), data.gen_batch_size or data.train_batch_size,
                                      shuffle=data.shuffle, seed=data.seed)
@@ -263,6 +270,10 @@ class RLTrainer:
             self.tracker.close()
         if "jsonl" in tr.logger:  # the run's main curves as plots/main.png (`tiller report` draws them all)
             write_plots(self.run_dir, families=False)
+        if self.bad_ground_truth_total:
+            print(f"reward/bad_ground_truth: {self.bad_ground_truth_total} samples of this run scored 0 because "
+                  "their ground truth has the wrong type for their scorer (reward_model.bad_ground_truth=count)",
+                  file=sys.stderr)
         return last
 
     def _progress_bar(self):
@@ -531,8 +542,14 @@ class RLTrainer:
         ]
         result = self.reward_fn(requests)
         scores = np.asarray(result.scores, dtype=np.float32)
+        metrics = dict(result.metrics)
+        if self.count_bad_ground_truth:  # reward_model.bad_ground_truth=count: such samples score 0, counted
+            bad = np.array([ground_truth_problem(r.data_source, r.ground_truth) is not None for r in requests], bool)
+            scores[bad] = 0.0
+            metrics["reward/bad_ground_truth"] = float(bad.sum())
+            self.bad_ground_truth_total += int(bad.sum())
         batch["response_text"] = texts
-        return scores, dict(result.extras), dict(result.metrics)
+        return scores, dict(result.extras), metrics
 
     def _compute_reward(self, batch: Batch, m: dict) -> None:
         """`token_level_scores[B, T]`: the scalar reward on each response's last token (0 elsewhere)."""
