@@ -304,3 +304,12 @@ def test_ground_truth_problem(source, truth, bad):
     from tiller.rewards.registry import ground_truth_problem
 
     assert (ground_truth_problem(source, truth) is not None) == bad
+
+
+def test_doctests_of_the_checks():
+    import doctest
+
+    from tiller.rewards import registry
+    from tiller.trainer import rundir
+
+    assert doctest.testmod(registry).failed == 0 and doctest.testmod(rundir).failed == 0

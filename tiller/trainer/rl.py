@@ -40,7 +40,6 @@ raises an error); the KL-in-reward controller is updated once per step, not once
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import defaultdict
@@ -63,7 +62,7 @@ from tiller.data.rl_dataset import build_rl_dataset, PromptSampler
 from tiller.data.seqlen import balanced_order
 from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
-from tiller.models.checkpoint import latest_checkpoint, list_checkpoints, model_mismatch, resolve_checkpoint
+from tiller.models.checkpoint import list_checkpoints, resolve_checkpoint
 from tiller.models.loading import load_tokenizer
 from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
@@ -73,7 +72,9 @@ from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
 from tiller.trainer.rl_metrics import data_metrics, validation_metrics
-from tiller.trainer.rundir import acquire_run_dir, release_run_dir
+from tiller.trainer.rundir import (
+    acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
+)
 from tiller.workers.actor import ActorRolloutRefWorker
 from tiller.workers.common import prepare_process
 from tiller.workers.critic import CriticWorker, value_metrics
@@ -783,7 +784,7 @@ class RLTrainer:
         if self.critic is not None:
             self.critic.execute("save_checkpoint", str(self.ckpt_root / CRITIC_SUBDIR), self.global_step,
                                 keep + 1 if keep else None)
-        extra = {"sampler": self._sampler_state_now(), "sampling": self._sampling_settings(),
+        extra = {"sampler": self._sampler_state_now(), "sampling": sampling_settings(self.cfg),
                  "kl_coef": float(self.kl_ctrl.value),
                  "entropy_coeff": None if self.entropy_ctrl is None else self.entropy_ctrl.value,
                  "last_entropy": self._last_entropy}
@@ -791,77 +792,10 @@ class RLTrainer:
             extra["async_in_flight"] = self.producer.in_flight(self.global_step)
         return Path(self.actor.execute("save_checkpoint", str(self.ckpt_root), self.global_step, extra, keep))
 
-    def _records(self) -> list[Path]:
-        """This run dir's records of an earlier run: checkpoints, metrics, TensorBoard events."""
-        return [p for p in (self.ckpt_root, self.run_dir / "metrics.jsonl", self.run_dir / "tensorboard")
-                if p.exists() and (p.is_file() or any(p.iterdir()))]
-
-    def _sampling_settings(self) -> dict:
-        """The settings that decide what the rollout samples, by key: kept in each checkpoint, so a resume with
-        another value says what changed since."""
-        r, data = self.cfg.actor_rollout_ref.rollout, self.cfg.data
-        out = {f"actor_rollout_ref.rollout.{k}": getattr(r, k) for k in (
-            "n", "temperature", "top_p", "top_k", "min_p", "do_sample", "ignore_eos", "response_length", "stop",
-            "response_length_schedule")}
-        out.update({f"actor_rollout_ref.rollout.val_kwargs.{k}": v for k, v in vars(r.val_kwargs).items()})
-        out.update({"data.max_response_length": data.max_response_length, "data.train_batch_size":
-                    data.train_batch_size, "data.gen_batch_size": data.gen_batch_size})
-        return json.loads(json.dumps(out, default=str))  # plain values: lists, not tuples
-
-    def _report_sampling_changes(self, saved: dict | None, path: Path) -> None:
-        """One line naming every sampling setting that differs from the checkpoint's (old -> new)."""
-        if not saved:
-            return  # a checkpoint written before the settings were kept
-        now = self._sampling_settings()
-        changed = [f"{k.removeprefix('actor_rollout_ref.')} {saved[k]!r} -> {now[k]!r}"
-                   for k in now if k in saved and saved[k] != now[k]]
-        if changed:
-            print(f"resuming {path.name} with sampling changed since that checkpoint: {'; '.join(changed)}",
-                  file=sys.stderr)
-
     def _claim_run_dir(self) -> None:
-        """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue,
-        so checkpoints and metrics of two runs never mix in one dir. A checkpoint of another model (architecture or
-        size) is not continued: it is a mismatch, refused by name, never skipped as damaged."""
-        tr = self.cfg.trainer
-        if tr.resume_mode == "resume_path":
-            self._refuse_other_model(resolve_checkpoint(tr.resume_from_path), "trainer.resume_from_path")
-            return
-        records = self._records()
-        if not records:
-            return
-        latest = latest_checkpoint(self.ckpt_root) if tr.resume_mode == "auto" else None
-        if latest is not None and not tr.overwrite:
-            self._refuse_other_model(latest, f"trainer.default_local_dir={self.run_dir}")
-            return  # the run continues from a checkpoint: its records are this run's
-        if latest is not None and model_mismatch(latest, self.cfg.actor_rollout_ref.model.path) is None:
-            return  # trainer.overwrite=true resumes a checkpoint that fits (verl: overwrite is about the records)
-        if not tr.overwrite:
-            why = ("trainer.resume_mode=disable" if tr.resume_mode == "disable"
-                   else "it has no checkpoint to resume from")
-            raise ConfigError(f"trainer.default_local_dir={self.run_dir} holds an earlier run "
-                              f"({', '.join(p.name for p in records)}) and {why}: pass trainer.overwrite=true to "
-                              "replace it, or choose another trainer.default_local_dir")
-        self._clear_records(records)
-
-    def _clear_records(self, records: list[Path]) -> None:
-        import shutil
-
-        for path in records:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        print(f"trainer.overwrite=true: removed the earlier run's {', '.join(p.name for p in records)} "
-              f"from {self.run_dir}")
-
-    def _refuse_other_model(self, ckpt: Path, where: str) -> None:
-        """A ConfigError naming both models when checkpoint `ckpt` holds another model than the configured one."""
-        path = self.cfg.actor_rollout_ref.model.path
-        other = model_mismatch(ckpt, path)
-        if other is None:
-            return
-        raise ConfigError(f"{where}: checkpoint {ckpt.name} holds another model, {other[0]}, than "
-                          f"actor_rollout_ref.model.path={path}, {other[1]}; resume it with its own model, or start "
-                          "over: trainer.overwrite=true replaces this run's records, trainer.resume_mode=disable "
-                          "with another trainer.default_local_dir keeps them")
+        """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue
+        (`tiller.trainer.rundir.claim_run_dir`): a checkpoint of another model is a mismatch, refused by name."""
+        claim_run_dir(self.run_dir, self.ckpt_root, self.cfg.trainer, self.cfg.actor_rollout_ref.model.path)
 
     def _load_newest_good_checkpoint(self) -> tuple[Path | None, dict | None]:
         """resume_mode=auto: the newest checkpoint that loads; a damaged one (truncated weights, optimizer or state
@@ -884,17 +818,19 @@ class RLTrainer:
         else:
             path, state = self._load_newest_good_checkpoint()
             if path is None:
-                records = self._records()
+                records = run_records(self.run_dir, self.ckpt_root)
                 if records and list_checkpoints(self.ckpt_root) and not tr.overwrite:
                     raise ConfigError(f"trainer.default_local_dir={self.run_dir}: none of its checkpoints loads (each "
                                       "named above) and its records were left as they are: pass "
                                       "trainer.overwrite=true to start over in it, or choose another "
                                       "trainer.default_local_dir")
                 if records:
-                    self._clear_records(records)
+                    clear_records(self.run_dir, records)
                 return
         self.global_step = int(state["step"])
-        self._report_sampling_changes(state.get("sampling"), Path(path))
+        changed = sampling_changes(state.get("sampling"), sampling_settings(self.cfg))
+        if changed:
+            print(f"resuming {Path(path).name} with sampling changed since that checkpoint: {changed}", file=sys.stderr)
         if self.critic is not None:
             self.critic.execute("load_checkpoint", str(Path(path).parent / CRITIC_SUBDIR / Path(path).name))
         self.sampler.load_state_dict(state["sampler"])

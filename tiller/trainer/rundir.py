@@ -1,4 +1,6 @@
-"""One process a run dir: `RUN_DIR/tiller.lock` holds the holder's pid, host, start time and command line.
+"""A run dir holds one run: one process at a time, one model, and a record of the sampling it ran with.
+
+`RUN_DIR/tiller.lock` holds the holder's pid, host, start time and command line.
 
 `acquire_run_dir(run_dir)` takes the lock or raises a `ConfigError` naming the process that holds it, so a second
 `tiller rl` on the same `trainer.default_local_dir` refuses at once instead of interleaving its steps, metrics and
@@ -8,6 +10,11 @@ the next run (which says so in one line) and taken over. `release_run_dir` (and 
 
 Within one process the lock is shared (a count): a test or a notebook that builds a second trainer on the same dir
 is one process, not two. POSIX only (`fcntl`); elsewhere the lock is a no-op.
+
+`claim_run_dir` decides what a new run may do with the records an earlier one left (checkpoints, metrics.jsonl,
+TensorBoard events): continue them from a checkpoint of the same model, or replace them with trainer.overwrite=true;
+a checkpoint of another model (architecture or size) is a mismatch, refused with both models named, never taken for
+damage. `sampling_settings` is kept in each checkpoint; `sampling_changes` says what a resume changed.
 """
 
 from __future__ import annotations
@@ -105,3 +112,83 @@ def _release_all() -> None:
     for path in list(_HELD):
         _HELD[path][1] = 1
         release_run_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------------- records of a run
+def run_records(run_dir: Path, ckpt_root: Path) -> list[Path]:
+    """The records an earlier run left in `run_dir`: checkpoints, metrics, TensorBoard events."""
+    return [p for p in (ckpt_root, run_dir / "metrics.jsonl", run_dir / "tensorboard")
+            if p.exists() and (p.is_file() or any(p.iterdir()))]
+
+
+def clear_records(run_dir: Path, records: list[Path]) -> None:
+    """trainer.overwrite=true: remove an earlier run's records (one line says which)."""
+    import shutil
+
+    for path in records:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    print(f"trainer.overwrite=true: removed the earlier run's {', '.join(p.name for p in records)} from {run_dir}")
+
+
+def refuse_other_model(ckpt: Path, model_path: str, where: str) -> None:
+    """A ConfigError naming both models when checkpoint `ckpt` holds another model than `model_path`."""
+    from tiller.models.checkpoint import model_mismatch  # torch: not imported by the lock alone
+
+    other = model_mismatch(ckpt, model_path)
+    if other is None:
+        return
+    raise ConfigError(f"{where}: checkpoint {ckpt.name} holds another model, {other[0]}, than "
+                      f"actor_rollout_ref.model.path={model_path}, {other[1]}; resume it with its own model, or start "
+                      "over: trainer.overwrite=true replaces this run's records, trainer.resume_mode=disable with "
+                      "another trainer.default_local_dir keeps them")
+
+
+def claim_run_dir(run_dir: Path, ckpt_root: Path, tr, model_path: str) -> None:
+    """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue, so
+    checkpoints and metrics of two runs never mix in one dir. `tr`: the trainer config section."""
+    from tiller.models.checkpoint import latest_checkpoint, model_mismatch, resolve_checkpoint
+
+    if tr.resume_mode == "resume_path":
+        refuse_other_model(resolve_checkpoint(tr.resume_from_path), model_path, "trainer.resume_from_path")
+        return
+    records = run_records(run_dir, ckpt_root)
+    if not records:
+        return
+    latest = latest_checkpoint(ckpt_root) if tr.resume_mode == "auto" else None
+    if latest is not None and not tr.overwrite:
+        refuse_other_model(latest, model_path, f"trainer.default_local_dir={run_dir}")
+        return  # the run continues from a checkpoint: its records are this run's
+    if latest is not None and model_mismatch(latest, model_path) is None:
+        return  # trainer.overwrite=true resumes a checkpoint that fits (verl: overwrite is about the records)
+    if not tr.overwrite:
+        why = "trainer.resume_mode=disable" if tr.resume_mode == "disable" else "it has no checkpoint to resume from"
+        raise ConfigError(f"trainer.default_local_dir={run_dir} holds an earlier run "
+                          f"({', '.join(p.name for p in records)}) and {why}: pass trainer.overwrite=true to "
+                          "replace it, or choose another trainer.default_local_dir")
+    clear_records(run_dir, records)
+
+
+# --------------------------------------------------------------------------------------------- sampling
+def sampling_settings(cfg) -> dict:
+    """The settings of an RL config that decide what the rollout samples, by key (plain JSON values)."""
+    r, data = cfg.actor_rollout_ref.rollout, cfg.data
+    out = {f"actor_rollout_ref.rollout.{k}": getattr(r, k) for k in (
+        "n", "temperature", "top_p", "top_k", "min_p", "do_sample", "ignore_eos", "response_length", "stop",
+        "response_length_schedule")}
+    out.update({f"actor_rollout_ref.rollout.val_kwargs.{k}": v for k, v in vars(r.val_kwargs).items()})
+    out.update({"data.max_response_length": data.max_response_length, "data.train_batch_size": data.train_batch_size,
+                "data.gen_batch_size": data.gen_batch_size})
+    return json.loads(json.dumps(out, default=str))  # lists, not tuples: equal to what a checkpoint gives back
+
+
+def sampling_changes(saved: dict | None, now: dict) -> str:
+    """`rollout.n 2 -> 4; rollout.temperature 1.0 -> 0.7` for the settings that differ ("" for none, or for a
+    checkpoint written before the settings were kept).
+
+    >>> sampling_changes({"actor_rollout_ref.rollout.n": 2, "data.max_response_length": 8},
+    ...                  {"actor_rollout_ref.rollout.n": 4, "data.max_response_length": 8})
+    'rollout.n 2 -> 4'
+    """
+    changed = [f"{k.removeprefix('actor_rollout_ref.')} {saved[k]!r} -> {now[k]!r}"
+               for k in now if saved and k in saved and saved[k] != now[k]]
+    return "; ".join(changed)
