@@ -88,6 +88,19 @@ def test_resume_with_another_model_is_refused(capsys, trained, data, tmp_path, r
     assert _records(run) == before and not (run / LOCK_NAME).exists()
 
 
+@pytest.mark.slow  # a fresh `tiller rl` process imports torch and transformers: ~10 s before it refuses
+def test_resume_with_another_model_in_a_real_process(trained, data, tmp_path, wider_model):
+    """The same refusal from a real `tiller rl` process: exit 2, the last stderr line names both models."""
+    run = _copy(trained, tmp_path)
+    before = _records(run)
+    argv = [sys.executable, "-m", "tiller.cli", *_argv(data, run, wider_model, "trainer.total_training_steps=2")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "holds another model" in line and "hidden 160" in line and str(wider_model) in line, line
+    assert _records(run) == before and not (run / LOCK_NAME).exists()
+
+
 def test_resume_path_to_another_models_checkpoint(capsys, trained, data, tmp_path, wider_model):
     argv = _argv(data, tmp_path / "fresh", wider_model, "trainer.resume_mode=resume_path",
                  f"trainer.resume_from_path={trained}")
