@@ -101,6 +101,17 @@ def test_resume_with_another_model_in_a_real_process(trained, data, tmp_path, wi
     assert _records(run) == before and not (run / LOCK_NAME).exists()
 
 
+def test_overwrite_is_the_way_out(capsys, trained, data, tmp_path, wider_model):
+    """trainer.overwrite=true replaces the other model's records and trains the configured model from step 0."""
+    run = _copy(trained, tmp_path)
+    assert main(_argv(data, run, wider_model, "trainer.overwrite=true")) == 0
+    out = capsys.readouterr().out
+    assert "trainer.overwrite=true: removed the earlier run's checkpoints, metrics.jsonl" in out, out
+    saved = json.loads((run / "checkpoints" / "global_step_1" / "model" / "config.json").read_text())
+    assert saved["hidden_size"] == json.loads((wider_model / "config.json").read_text())["hidden_size"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
 def test_resume_path_to_another_models_checkpoint(capsys, trained, data, tmp_path, wider_model):
     argv = _argv(data, tmp_path / "fresh", wider_model, "trainer.resume_mode=resume_path",
                  f"trainer.resume_from_path={trained}")
