@@ -108,6 +108,13 @@ def test_bad_parquet_every_reader(capsys, fws, tiny_model_dir, reader, name, wor
     assert not (fws / "gen.jsonl").exists() and not (fws / "kept.parquet").exists()
 
 
+def test_config_explain_counts_no_rows_of_a_bad_parquet(capsys, fws):
+    """`tiller config explain` (and the batch line `tiller rl` prints first) reads only the row count: unknown."""
+    assert main(["config", "explain", f"data.train_files=[{fws}/empty.parquet]"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "unknown (training files not readable)" in out
+
+
 @pytest.mark.parametrize("lines, skipped", [
     ([b'{"step": 1, "a": 1.0}', b'{"step": 2, "a": \xff\xfe 2.0}', b'{"step": 3, "a": 3.0}'], 1),
     ([b'{"step": 1, "a": 1.0}', b'{"step": 2, "a": 2.0}', b'{"step": 3, "a": 3'], 1),  # cut by a kill

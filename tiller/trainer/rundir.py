@@ -132,7 +132,7 @@ def clear_records(run_dir: Path, records: list[Path]) -> None:
 
 def refuse_other_model(ckpt: Path, model_path: str, where: str) -> None:
     """A ConfigError naming both models when checkpoint `ckpt` holds another model than `model_path`."""
-    from tiller.models.checkpoint import model_mismatch  # torch: not imported by the lock alone
+    from tiller.models.checkpoint import model_mismatch  # import cost: torch, which the lock alone does not need
 
     other = model_mismatch(ckpt, model_path)
     if other is None:
@@ -146,6 +146,7 @@ def refuse_other_model(ckpt: Path, model_path: str, where: str) -> None:
 def claim_run_dir(run_dir: Path, ckpt_root: Path, tr, model_path: str) -> None:
     """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue, so
     checkpoints and metrics of two runs never mix in one dir. `tr`: the trainer config section."""
+    # import cost: torch, which the lock alone does not need
     from tiller.models.checkpoint import latest_checkpoint, model_mismatch, resolve_checkpoint
 
     if tr.resume_mode == "resume_path":
