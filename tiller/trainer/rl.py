@@ -185,9 +185,14 @@ class RLTrainer:
             if (size * self.n) % self.world_size:
                 raise ConfigError(f"{key} x rollout.n = {size * self.n} samples must divide evenly over "
                                   f"{self.world_size} workers")
+        agent_app = None
+        if self.cfg.actor_rollout_ref.rollout.agent.path:
+            # import cost: fastapi and the OpenAI server, only for agent rollouts
+            from tiller.serve.app import agent_app
         self.actor = create_worker_group(
             ActorRolloutRefWorker, dict(config=self.cfg, total_training_steps=self.total_steps,
-                                        need_ref=self.need_ref), name="actor_rollout_ref", **opts)
+                                        need_ref=self.need_ref, agent_app=agent_app),
+            name="actor_rollout_ref", **opts)
         self.critic = None
         if self.use_critic:
             self.critic = create_worker_group(CriticWorker, dict(config=self.cfg, total_training_steps=self.total_steps),
