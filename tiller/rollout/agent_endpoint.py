@@ -28,7 +28,7 @@ import uuid
 from typing import Any, Callable
 
 from tiller.errors import UserError
-from tiller.rollout.episodes import Episode, episode_reward, Segment
+from tiller.rollout.episodes import call_user, describe, Episode, episode_reward, failure, Segment
 
 CURRENT_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tiller_episode", default=None)
 """The agent episode a request belongs to (set by `EpisodeRouter`)."""
@@ -157,10 +157,10 @@ def run_agent_episodes(endpoint: AgentEndpoint, agent, samples: list[dict], *, m
     """Run `agent(base_url_or_client, sample)` once per sample, concurrently (at most `max_concurrency` at once,
     0 = all), each in its own episode; returns one `tiller.rollout.episodes.Episode` per sample, in order.
 
-    An agent that raises, or returns something other than a number / {'reward': number}, is a UserError
-    naming the sample."""
+    A plain (blocking) agent function runs in a daemon thread per call (`call_user`), so Ctrl-C stops the run
+    while one hangs. An agent that raises (or calls sys.exit()), or returns something other than a finite number
+    / {'reward': finite number}, is a UserError naming the agent and the sample."""
     import asyncio
-    import inspect
 
     async def one(i: int, sample: dict, gate: asyncio.Semaphore) -> Episode:
         async with gate:
@@ -172,16 +172,11 @@ def run_agent_episodes(endpoint: AgentEndpoint, agent, samples: list[dict], *, m
 
                     api = openai.AsyncOpenAI(base_url=handle, api_key=eid, max_retries=0, timeout=3600)
                     handle = api
-                if inspect.iscoroutinefunction(agent):
-                    value = await agent(handle, sample)
-                else:
-                    value = await asyncio.to_thread(agent, handle, sample)
-                    if inspect.isawaitable(value):
-                        value = await value
+                value = await call_user(agent, handle, sample)
                 reward, info = episode_reward(value, f"agent on sample {i}")
-            except Exception as err:  # noqa: BLE001 - named and re-raised as the user's error
-                raise UserError(f"actor_rollout_ref.rollout.agent: the agent failed on sample {i} "
-                                f"(data_source {sample.get('data_source')!r}): {type(err).__name__}: {err}") from err
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - named and re-raised as the user's error
+                raise UserError(f"actor_rollout_ref.rollout.agent: the agent {describe(agent)} failed on sample {i} "
+                                f"(data_source {sample.get('data_source')!r}): {failure(err)}") from err
             finally:
                 segments = endpoint.close_episode(eid)
                 if api is not None:
