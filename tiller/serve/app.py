@@ -51,6 +51,7 @@ from tiller.rollout.agent_endpoint import CURRENT_EPISODE, EpisodeNotFound, Epis
 from tiller.rollout.constrained import Grammar, GrammarCompiler, GrammarError
 from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.continuous import QueueFull as RowsFull
+from tiller.rollout.continuous import RequestFuture
 from tiller.rollout.native import NativeRolloutEngine
 from tiller.serve.batcher import MicroBatcher, QueueFull
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
@@ -215,7 +216,12 @@ class ServedModel:
             future = self.batcher.submit(prompts, sampling, **extra)
         except (QueueFull, RowsFull) as err:
             raise RequestError(str(err), None, status=429, code="queue_full") from None
-        out = await asyncio.wrap_future(future)  # cancelling this await cancels the queued job
+        try:
+            out = await asyncio.wrap_future(future)  # cancelling this await cancels the queued job
+        except asyncio.CancelledError:  # the client left: a running request's rows leave the batch too
+            if isinstance(future, RequestFuture):
+                future.abandon()
+            raise
         if self.recorder is not None:
             self.recorder.record(episode, out, self.policy_version)
         return out
