@@ -189,3 +189,34 @@ def test_ctrl_c_stops_while_user_code_hangs(tmp_path):
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+def test_a_request_outside_a_live_episode_is_404(tiny_model_dir):
+    """The agent endpoint (tiller.rollout.agent_endpoint, serving tiller.serve.app.agent_app): no episode, an unknown
+    one, or one already closed is refused with 404 / episode_not_found; a live one is served."""
+    import httpx
+
+    from tiller.models.loading import load_causal_lm, load_tokenizer
+    from tiller.rollout.agent_endpoint import AgentEndpoint
+    from tiller.rollout.native import NativeRolloutEngine
+    from tiller.serve.app import agent_app
+
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    engine = NativeRolloutEngine(load_causal_lm(str(tiny_model_dir), dtype="float32"), tok, dtype="float32")
+    endpoint = AgentEndpoint(engine, tok, app=agent_app, max_model_len=256, max_tokens_default=2)
+    body = {"model": "policy", "prompt": "1+1=", "max_tokens": 2}
+    try:
+        live = endpoint.open_episode()
+        closed = endpoint.open_episode()
+        endpoint.close_episode(closed)
+        with httpx.Client(timeout=60) as client:
+            for url, headers in ((f"{endpoint.root}/v1/completions", {}),
+                                 (f"{endpoint.root}/v1/completions", {"Authorization": "Bearer ep-nope"}),
+                                 (f"{endpoint.base_url(closed)}/completions", {})):
+                reply = client.post(url, json=body, headers=headers)
+                assert reply.status_code == 404 and reply.json()["error"]["code"] == "episode_not_found", reply.text
+            assert client.post(f"{endpoint.base_url(live)}/completions", json=body).status_code == 200
+        segments = endpoint.close_episode(live)
+        assert len(segments) == 1 and len(segments[0].response_ids) == 2
+    finally:
+        endpoint.close()
