@@ -79,15 +79,21 @@ def test_the_naive_manager_stops_at_the_first_exit_in_either_thread(tmp_path, in
     _, fn = _fn(tmp_path, "sys.exit(3)")
     manager = NaiveRewardManager(timeout=60.0)
     manager.fn = fn
-    t0 = time.monotonic()
     if in_thread:
         err = _in_thread(lambda: manager.score(_requests())).get("err")
     else:
         with pytest.raises(RewardExit) as info:
             manager.score(_requests())
         err = info.value
-    assert isinstance(err, RewardExit) and "sys.exit(3)" in str(err)
-    assert time.monotonic() - t0 < 30, "the manager waited for a timeout instead of stopping"  # 60 s would be 3 x 60
+    assert isinstance(err, RewardExit) and "sys.exit(3)" in str(err)  # (_in_thread gives up after 30 s of 180)
+
+
+def test_a_base_exception_in_the_producer_threads_reward_call_is_raised_not_waited_out(tmp_path):
+    _, fn = _fn(tmp_path, "raise KeyboardInterrupt")
+    manager = NaiveRewardManager(timeout=60.0)
+    manager.fn = fn
+    err = _in_thread(lambda: manager.score(_requests())).get("err")
+    assert isinstance(err, KeyboardInterrupt)  # without the re-raise: 3 calls x 60 s, then "timeout" scores
 
 
 def test_batch_and_parallel_managers_name_the_exit(tmp_path):
@@ -113,10 +119,8 @@ def test_the_trainer_never_waits_on_a_producer_that_died(fault):
                                staleness_threshold=1.0, trigger=1)
     producer.publish(0, None)
     producer.start()
-    t0 = time.monotonic()
     with pytest.raises(BaseException) as info:
         producer.get(1)
-    assert time.monotonic() - t0 < 10
     if isinstance(fault, SystemExit):
         assert isinstance(info.value, UserError) and f"sys.exit({fault.code!r})" in str(info.value)
         assert "step 1" in str(info.value)

@@ -203,6 +203,8 @@ def _call_each(fn: Callable, calls: list[tuple], timeout: float | None, kwargs: 
                 value = (RewardExit(fn, repr(err.code)), "user_error")
             except Exception:  # noqa: BLE001 - a failing reward function scores 0, counted
                 value = (None, "error")
+            except BaseException as err:  # noqa: BLE001 - e.g. KeyboardInterrupt raised by the function: the
+                value = (err, "user_error")  # caller re-raises it instead of waiting out this helper's deadline
             with cond:
                 if state["abandoned"] >= token:
                     return
