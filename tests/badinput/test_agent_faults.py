@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import math
 import signal
-import subprocess
 import sys
-import textwrap
 from types import SimpleNamespace
 
 import numpy as np
@@ -111,84 +109,66 @@ def test_tiller_rl_refuses_an_agent_that_returns_nan(tmp_path, capsys, tiny_mode
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or "nan" not in (tmp_path / "run" / "metrics.jsonl").read_text()
 
 
-# Ctrl-C while user code hangs. A child process runs the episodes with user code that never returns (an hour's
-# sleep); once it has started (a marker file), the test sends SIGINT: the child must print "interrupted" and exit
-# 130 well before the hour. Before the fix a blocking agent ran in asyncio's default executor, which asyncio.run
-# joins on the way out, and a blocking environment step blocked the event loop itself.
-CHILD = textwrap.dedent('''
-    import asyncio, pathlib, sys, time
-    from types import SimpleNamespace
-    from tiller.rollout import SamplingParams
-    from tiller.rollout.agent_endpoint import run_agent_episodes
-    from tiller.rollout.environments import run_env_episodes
+class _Endpoint:
+    """What run_agent_episodes needs of an endpoint, for agents that never call it."""
 
-    MARK = pathlib.Path(sys.argv[2])
+    def open_episode(self):
+        return "ep"
+
+    def base_url(self, eid):
+        return "http://127.0.0.1:9/episodes/ep/v1"
+
+    def close_episode(self, eid):
+        return []
+
+
+@pytest.mark.parametrize("kind", ["agent", "env"])
+def test_ctrl_c_stops_while_user_code_hangs(kind):
+    """Ctrl-C (SIGINT to this process) while a blocking agent function / environment step waits for an event that
+    is set only after the run returned: the run must raise KeyboardInterrupt without waiting for the call. Before
+    the fix a blocking agent ran in asyncio's default executor, which asyncio.run joins on the way out, and a
+    blocking environment step blocked the event loop; a watchdog then had to release the call (after 60 s)."""
+    import os
+    import threading
+
+    from tiller.rollout.agent_endpoint import run_agent_episodes
+
+    started, release, returned, watchdog_released = threading.Event(), threading.Event(), threading.Event(), []
 
     def hang(*args):
-        MARK.touch()
-        time.sleep(3600)
+        started.set()
+        release.wait(120)
         return 1.0
-
-    async def hang_async(*args):
-        MARK.touch()
-        await asyncio.sleep(3600)
-        return 1.0
-
-    class Endpoint:
-        def open_episode(self): return "ep"
-        def base_url(self, eid): return "http://127.0.0.1:9/episodes/ep/v1"
-        def close_episode(self, eid): return []
 
     class Env:
-        def reset(self, sample): return None
-        def step(self, action): return hang()
+        def reset(self, sample):
+            return None
 
-    class Tok:
-        def __call__(self, text, add_special_tokens=False): return {"input_ids": [3]}
-        def decode(self, ids, skip_special_tokens=True): return "x"
+        def step(self, action):
+            return "", hang(), True, {}
 
-    class Engine:
-        def generate(self, prompts, sampling):
-            return SimpleNamespace(response_ids=[[5]], logprobs=[[-0.5]], finish_reason=["stop"])
+    def interrupt():
+        if started.wait(60):
+            os.kill(os.getpid(), signal.SIGINT)
 
-    samples = [{"prompt_text": "1+1=", "prompt_ids": [1]}] * 2
+    def watchdog():
+        if not returned.wait(60):
+            watchdog_released.append(True)
+            release.set()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    threading.Thread(target=watchdog, daemon=True).start()
+    samples = [{"prompt_text": "1+1=", "prompt_ids": [1, 2]}] * 2
     try:
-        if sys.argv[1] == "env":
-            run_env_episodes(Engine(), Tok(), Env, samples, SamplingParams(max_new_tokens=1))
-        else:
-            run_agent_episodes(Endpoint(), hang if sys.argv[1] == "agent" else hang_async, samples)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
-''')
-
-
-def test_ctrl_c_stops_while_user_code_hangs(tmp_path):
-    """A blocking agent function and a blocking environment step, each in its own child (started together)."""
-    import os
-    import time
-
-    (tmp_path / "child.py").write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    kids = {kind: subprocess.Popen([sys.executable, str(tmp_path / "child.py"), kind, str(tmp_path / kind)],
-                                   stderr=subprocess.PIPE, text=True, env=env) for kind in ("agent", "env")}
-    try:
-        for kind, child in kids.items():
-            for _ in range(1200):  # up to 2 minutes to import torch and start, on a loaded host
-                if (tmp_path / kind).exists() or child.poll() is not None:
-                    break
-                time.sleep(0.1)
-            assert (tmp_path / kind).exists(), (kind, child.poll())
-        for child in kids.values():
-            child.send_signal(signal.SIGINT)
-        for kind, child in kids.items():  # the user code sleeps an hour: only a prompt stop ends by then
-            err = child.communicate(timeout=60)[1]
-            assert child.returncode == 130 and err.strip().endswith("interrupted"), (kind, err)
+        with pytest.raises(KeyboardInterrupt):
+            if kind == "agent":
+                run_agent_episodes(_Endpoint(), hang, samples)
+            else:
+                run_env_episodes(_Engine(), _Tokenizer(), Env, samples, SamplingParams(max_new_tokens=1))
     finally:
-        for child in kids.values():
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+        returned.set()
+        release.set()
+    assert started.is_set() and not watchdog_released, "the run waited for the hanging call"
 
 
 def test_a_request_outside_a_live_episode_is_404(tiny_model_dir):
