@@ -182,10 +182,11 @@ def warm_up(model, tok, rows: list[dict], tools: bool, eval_fn, *, target: float
 def held_out_success(model, tok, rows: list[dict], agent) -> float:
     """Greedy success of `agent` over `rows` through tiller's endpoint in front of `model`."""
     from tiller.rollout.native import NativeRolloutEngine
-    from tiller.serve.agent_endpoint import AgentEndpoint, run_agent_episodes
+    from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
+    from tiller.serve.app import agent_app
 
     engine = NativeRolloutEngine(model, tok, dtype="float32")
-    endpoint = AgentEndpoint(engine, tok, max_model_len=512, max_tokens_default=32,
+    endpoint = AgentEndpoint(engine, tok, app=agent_app, max_model_len=512, max_tokens_default=32,
                              fixed_sampling={"temperature": 0.0})
     try:
         samples = [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-partitioner": ("tiller.trainer.partitioner:main", "fine-tune a pair classifier (same / different) for "
                           "DARLING's partitioner=classifier and tiller eval --diversity"),
     "config": ("tiller.config.cli:main", "show the resolved configuration: tiller config show [key=value ...]"),
-    "data": ("tiller.data.cli:main", "prepare datasets: tiller data gsm8k --out DIR"),
+    "data": ("tiller.data_cli:main", "prepare datasets: tiller data gsm8k --out DIR"),
     "export": ("tiller.models.checkpoint:export_main", "export a checkpoint as a Hugging Face model dir"),
     "report": ("tiller.tracking.report:main", "plots and a summary table for a run directory"),
     "serve-rm": ("tiller.rewards.server:main", "serve a reward model over HTTP"),

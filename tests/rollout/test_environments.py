@@ -110,6 +110,6 @@ def test_tool_env_runs_the_calculator_and_failing_envs_are_user_errors(policy):
         def reset(self, sample):
             raise RuntimeError("no world")
 
-    with pytest.raises(UserError, match="environment failed on sample 0: RuntimeError: no world"):
+    with pytest.raises(UserError, match="environment .*Broken failed on sample 0: RuntimeError: no world"):
         run_env_episodes(policy.engine, policy.tokenizer, Broken, _samples(policy, ["1+2="]),
                          SamplingParams(max_new_tokens=2))

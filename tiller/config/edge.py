@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tiller.config.given import given_keys
 from tiller.config.readers import config_reads, schema_sections
 from tiller.config.schema import (DistillationInferenceConfig, FSDPConfig, LoraConfig, MtpConfig, OptimConfig,
                                   RLConfig, TraceConfig, TransferQueueConfig)
@@ -577,9 +578,6 @@ def _default(path: str) -> Any:
 
 def _given(cfg: RLConfig, path: str) -> bool:
     """Did the user set `path`? (for a config not from `load_config`: differs from the default)"""
-    # lazy, a cycle: tiller.config.loader imports tiller.config.validate, which imports this module
-    from tiller.config.loader import given_keys
-
     keys = given_keys(cfg)
     if keys is None:
         return get(cfg, path) != _default(path)
@@ -588,9 +586,6 @@ def _given(cfg: RLConfig, path: str) -> bool:
 
 def _given_under(cfg: RLConfig, path: str) -> bool:
     """`path` or, for an open-ended mapping, a key inside it was set by the user."""
-    # lazy, a cycle: tiller.config.loader imports tiller.config.validate, which imports this module
-    from tiller.config.loader import given_keys
-
     keys = given_keys(cfg)
     if keys is None:
         return get(cfg, path) != _default(path)

@@ -31,6 +31,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+from tiller.config.given import given_keys, GIVEN_KEYS_ATTR
 from tiller.config.schema import RLConfig
 from tiller.config.validate import validate_rl
 from tiller.errors import ConfigError
@@ -474,15 +475,6 @@ def load_config(
     if validate is not None:
         validate(obj)
     return obj  # type: ignore[return-value]
-
-
-GIVEN_KEYS_ATTR = "_tiller_given_keys"
-
-
-def given_keys(cfg: Any) -> frozenset[str] | None:
-    """The dotted keys the user set (config file and command line; a preset's do not count) for a config
-    returned by `load_config`, or None for one built otherwise."""
-    return getattr(cfg, GIVEN_KEYS_ATTR, None)
 
 
 class _open_struct:

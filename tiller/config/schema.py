@@ -585,7 +585,8 @@ class ValKwargsConfig:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False
-    """Multi-turn tool-using rollouts."""
+    """Multi-turn tool-using rollouts, in tiller eval (tools from tool_config_path); tiller rl refuses it (train
+    tool use with an agent function, rollout.agent.path, or an environment, rollout.agent.env_path)."""
     max_assistant_turns: Optional[int] = 4
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None

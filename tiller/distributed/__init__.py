@@ -14,18 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from tiller.distributed.dispatch import DISPATCH_MODES, check_mode, merge_dp, split_dp
+from tiller.distributed.dispatch import DISPATCH_MODES, check_mode, merge_dp, split_dp, WorkerError
 from tiller.errors import ConfigError, UserError
 
 BACKENDS = ("local", "ray")
-
-
-class WorkerError(RuntimeError):
-    """A worker raised, or its process died, during a call; the message names group, rank and method."""
-
-    def __init__(self, message: str, *, group: str, rank: int, method: str, died: bool = False):
-        super().__init__(message)
-        self.group, self.rank, self.method, self.died = group, rank, method, died
 
 
 class WorkerGroup(Protocol):

@@ -54,3 +54,11 @@ def merge_dp(results: list, pad: int, padded_len: int):
     if isinstance(first, tuple):
         return tuple(merge_dp([r[i] for r in results], pad, padded_len) for i in range(len(first)))
     return first
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, or its process died, during a call; the message names group, rank and method."""
+
+    def __init__(self, message: str, *, group: str, rank: int, method: str, died: bool = False):
+        super().__init__(message)
+        self.group, self.rank, self.method, self.died = group, rank, method, died

@@ -32,8 +32,8 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tiller.distributed import context, WorkerError
-from tiller.distributed.dispatch import check_mode, merge_dp, split_dp
+from tiller.distributed import context
+from tiller.distributed.dispatch import check_mode, merge_dp, split_dp, WorkerError
 from tiller.errors import ConfigError, UserError
 
 MAX_COLOCATE = 4

@@ -15,7 +15,9 @@
 
 A return value may be a number or a dict with `score` (other numeric keys become per-sample extras,
 NaN where a sample lacks them). A function that raises, or returns NaN / inf / no score, gives 0 and
-is counted in `reward/num_errors`; a `UserError` (bad config or data) is raised, not counted.
+is counted in `reward/num_errors`; a `UserError` (bad config or data) is raised, not counted, and so is a call
+of `sys.exit()` inside the function (`RewardExit`: the run stops with one line naming the function, in the
+synchronous loop and in asynchronous RL's producer alike).
 """
 
 from __future__ import annotations
@@ -101,6 +103,17 @@ def _collect(values: list[Any], errors: list[bool]) -> ScoreBatch:
     return ScoreBatch(scores, extras, {"reward/num_errors": float(num_errors)})
 
 
+class RewardExit(UserError):
+    """The reward function called `sys.exit()` (raised `SystemExit`) while scoring: not a score, the run stops."""
+
+    def __init__(self, fn: Any, code: str):
+        where = getattr(fn, "__code__", None)
+        name = getattr(fn, "__qualname__", repr(fn))
+        at = f" ({where.co_filename}:{where.co_firstlineno})" if where is not None else ""
+        super().__init__(f"the reward function {name}{at} called sys.exit({code}) while scoring a sample: a reward "
+                         "function returns a score (or raises, to score 0 counted in reward/num_errors)")
+
+
 class _Overran(BaseException):
     """Raised into a reward call that passed its time limit (a BaseException: `except Exception` in user code
     does not swallow it)."""
@@ -117,6 +130,8 @@ def call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) -
             return fn(*args, **kwargs), "ok"
         except UserError:
             raise
+        except SystemExit as err:
+            raise RewardExit(fn, repr(err.code)) from None
         except Exception:  # noqa: BLE001 - a failing reward function scores 0, counted
             return None, "error"
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
@@ -131,6 +146,8 @@ def call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) -
             return None, "timeout"
         except UserError:
             raise
+        except SystemExit as err:
+            raise RewardExit(fn, repr(err.code)) from None
         except Exception:  # noqa: BLE001
             return None, "error"
         finally:
@@ -151,6 +168,8 @@ def call_or_error(fn: Callable, *args, timeout: float | None = None, **kwargs) -
         return None, "timeout"
     if isinstance(box.get("error"), UserError):
         raise box["error"]
+    if isinstance(box.get("error"), SystemExit):
+        raise RewardExit(fn, repr(box["error"].code))
     return (None, "error") if "error" in box else (box["value"], "ok")
 
 
@@ -180,8 +199,12 @@ def _call_each(fn: Callable, calls: list[tuple], timeout: float | None, kwargs: 
                 value = (fn(*calls[i], **kwargs), "ok")
             except UserError as err:
                 value = (err, "user_error")
+            except SystemExit as err:
+                value = (RewardExit(fn, repr(err.code)), "user_error")
             except Exception:  # noqa: BLE001 - a failing reward function scores 0, counted
                 value = (None, "error")
+            except BaseException as err:  # noqa: BLE001 - e.g. KeyboardInterrupt raised by the function: the
+                value = (err, "user_error")  # caller re-raises it instead of waiting out this helper's deadline
             with cond:
                 if state["abandoned"] >= token:
                     return
@@ -289,6 +312,8 @@ class ParallelRewardManager:
         for outcome in outcomes:
             if outcome.status == "error" and outcome.error.startswith(_USER_ERRORS):
                 raise UserError(outcome.error.split(": ", 1)[1])
+            if outcome.status == "error" and outcome.error.startswith("SystemExit:"):
+                raise RewardExit(resolve_ref(self.ref), outcome.error.split(": ", 1)[1])
         batch = _collect([o.value for o in outcomes], [o.status != "ok" for o in outcomes])
         timeouts = sum(o.status == "timeout" for o in outcomes)
         batch.metrics["reward/num_timeouts"] = float(timeouts)

@@ -11,13 +11,15 @@ rewards (older servers). A `.py` file (`--remote_rm_url reward_func.py`) defines
 
 Here: `openrlhf_request(requests)` builds the request, `parse_reply(body, n, where)` turns a reply into a
 `ScoreBatch` (scores = rewards; extras["acc"] = scores, so `algorithm.filter_groups.metric=acc` filters on what
-OpenRLHF filters on; per-sample `extra_logs` become extras, scalars become `reward/<name>` metrics), and
+OpenRLHF filters on; per-sample `extra_logs` become extras, scalars become `reward/<name>` metrics; a log that is
+neither, e.g. a string, is skipped with one warning per name), and
 `OpenRLHFRewardManager` (reward_model.reward_manager=openrlhf) calls a `reward_func` file in process, with
 DAPO overlong shaping when configured (OpenRLHF applies its overlong penalty to any reward).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -26,6 +28,9 @@ import numpy as np
 from tiller.errors import UserError
 from tiller.rewards.managers import ScoreBatch, call_or_error, check_timeout, overlong_penalty
 from tiller.rewards.types import RewardRequest
+
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, str]] = set()  # (where, log name) already warned about: one warning each per process
 
 
 def _label(value: Any) -> Any:
@@ -72,14 +77,27 @@ def parse_reply(body: Any, n: int, where: str) -> ScoreBatch:
     extras = {"acc": scores.astype(np.float32)}
     metrics = {"reward/num_errors": float(bad.sum())}
     for key, value in logs.items():
-        if hasattr(value, "detach"):
-            value = value.detach().float().cpu().numpy()
-        arr = np.asarray(value, dtype=np.float64).reshape(-1) if not isinstance(value, str) else None
+        arr = _log_numbers(value)
         if arr is not None and arr.shape[0] == n:
             extras[str(key)] = arr.astype(np.float32)
         elif arr is not None and arr.shape[0] == 1 and math.isfinite(float(arr[0])):
             metrics[f"reward/{key}"] = float(arr[0])
+        elif (where, str(key)) not in _WARNED:
+            _WARNED.add((where, str(key)))
+            shape = "not numbers" if arr is None else f"{arr.shape[0]} values for {n} samples"
+            log.warning(f"{where}: extra_logs[{str(key)!r}] is {shape} ({str(value)[:80]}): not logged (said once)")
     return ScoreBatch(scores=rewards.astype(np.float32), extras=extras, metrics=metrics)
+
+
+def _log_numbers(value: Any) -> np.ndarray | None:
+    """One extra_logs entry as a flat float array, or None when it is not numbers (strings, None, objects)."""
+    if hasattr(value, "detach"):
+        value = value.detach().float().cpu().numpy()
+    try:
+        arr = np.asarray(value)
+        return arr.astype(np.float64).reshape(-1) if arr.dtype.kind in "biuf" else None
+    except (TypeError, ValueError):  # ragged lists
+        return None
 
 
 class OpenRLHFRewardManager:

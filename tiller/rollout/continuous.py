@@ -78,6 +78,19 @@ class QueueFull(Exception):
     """More requests are waiting or running than the batcher takes (`max_queue`): the server answers 429."""
 
 
+class RequestFuture(Future):
+    """A request's future. `abandon()` drops the request: one still waiting is cancelled, one already running
+    has its rows leave the batch at the next decode step (its client disconnected; nobody reads the result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        if not self.cancel():
+            self.abandoned = True
+
+
 @dataclass
 class _Job:
     prompt_ids: list[list[int]]
@@ -85,7 +98,7 @@ class _Job:
     logit_bias: dict[int, float]
     top_logprobs: int
     grammar: Grammar | None = None
-    future: Future = field(default_factory=Future)
+    future: RequestFuture = field(default_factory=RequestFuture)
     rows: list["_Row"] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
     watcher: StopStringWatcher | None = None
@@ -231,8 +244,10 @@ class ContinuousBatcher:
     """`submit(...) -> Future[DetailedOutput]`; a daemon thread decodes all live rows together.
 
     At most `max_queue` requests wait or run at once (`submit` raises `QueueFull` past it); a request whose
-    future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted request runs to its
-    end. Stats: requests, prompts, tokens, steps, dropped, peak_rows, prefills_in_decode (admissions that ran
+    future is cancelled before it is admitted is dropped (`stats["dropped"]`); an admitted one whose future is
+    abandoned (`RequestFuture.abandon`: its client left) leaves the batch at the next decode step, its rows
+    freed (`stats["abandoned"]`), else it runs to its end. Stats: requests, prompts, tokens, steps, dropped,
+    abandoned, peak_rows, prefills_in_decode (admissions that ran
     in a decode pass), prompt_cache_hits (prompts that needed no prefill: cached or repeated within an
     admission, see `PromptCache`; `prompt_cache_mb=0` turns both off), prompt_cache_prefix_tokens (prompt tokens
     not prefilled because a cached prompt shared them), idle_s (seconds with no live row, waiting
@@ -249,7 +264,8 @@ class ContinuousBatcher:
         self.pending = 0
         self._pending_lock = threading.Lock()
         self.queue: queue.Queue[_Job | None] = queue.Queue()
-        self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "peak_rows": 0,
+        self.stats = {"requests": 0, "prompts": 0, "tokens": 0, "steps": 0, "dropped": 0, "abandoned": 0,
+                      "peak_rows": 0,
                       "prefills_in_decode": 0, "prompt_cache_hits": 0, "prompt_cache_prefix_tokens": 0,
                       "idle_s": 0.0,
                       "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}
@@ -351,6 +367,10 @@ class ContinuousBatcher:
                 if not job.future.set_running_or_notify_cancel():  # cancelled while waiting: its client left
                     self.stats["dropped"] += 1
                     continue
+            elif job.future.abandoned:  # taken earlier, waited for rows, and its client left meanwhile
+                self.stats["dropped"] += 1
+                job.future.set_exception(RequestAbandoned("the request was abandoned before it ran"))
+                continue
             size = len(job.prompt_ids) * job.sampling.n
             if size > free and (jobs or self._rows):
                 self._waiting = job  # wait for rows to free up (a job larger than max_rows runs alone)
@@ -582,6 +602,7 @@ class ContinuousBatcher:
             if r.matcher is not None:
                 r.matcher.consume_token(t)  # a forbidden token cannot be drawn; a failure shows in is_error()
         self._check_done(rows)
+        self._drop_abandoned(rows)
         self._retire()
         self.stats["sample_s"] += time.perf_counter() - t0
         if not self._rows:
@@ -618,6 +639,15 @@ class ContinuousBatcher:
                     out.finish_reason.append(reason)
                     out.top_logprobs.append(r.top[: len(ids)])
                 job.future.set_result(out)
+
+    def _drop_abandoned(self, rows: list[_Row]) -> None:
+        """Rows of abandoned requests are done: `_retire` frees their slots before the next decode step."""
+        for job in {id(r.job): r.job for r in rows}.values():
+            if job.future.abandoned and not job.future.done():
+                for r in job.rows:
+                    r.done = True
+                job.future.set_exception(RequestAbandoned("the request was abandoned (its client left)"))
+                self.stats["abandoned"] += 1
 
     def _retire(self) -> None:
         """Drop finished rows; the last live rows move into the freed slots (live rows stay in front)."""
@@ -697,3 +727,7 @@ class ContinuousBatcher:
 
 class _Closed(Exception):
     pass
+
+
+class RequestAbandoned(Exception):
+    """The result of an abandoned request (set on its future; nobody waits for it)."""

@@ -39,21 +39,8 @@ from tiller.errors import ConfigError, UserError
 from tiller.rollout.agent import parse_tool_calls, run_tool_calls, ToolResponseEncoder
 from tiller.rollout.base import SamplingParams
 from tiller.rollout.continuous import ContinuousBatcher
-from tiller.rollout.episodes import Episode, Segment, load_callable
+from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, Segment
 from tiller.rollout.native import NativeRolloutEngine
-
-
-async def _maybe_await(value):
-    return await value if inspect.isawaitable(value) else value
-
-
-def _number(value: Any) -> float:
-    """A reward as float: numbers, 0-d / 1-element tensors and arrays."""
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"a reward must be a number, got {value!r}")
-    return float(value)
 
 
 class OpenRLHFAdapter:
@@ -68,7 +55,7 @@ class OpenRLHFAdapter:
     async def reset(self, sample: dict) -> str | None:
         self.label = sample.get("ground_truth")
         self.transcript = sample["prompt_text"]
-        out = await _maybe_await(self.instance.reset({"observation": sample["prompt_text"], "label": self.label}))
+        out = await call_user(self.instance.reset, {"observation": sample["prompt_text"], "label": self.label})
         observation = out.get("observation", sample["prompt_text"]) if isinstance(out, dict) else out
         self.transcript = observation
         return None if observation == sample["prompt_text"] else observation
@@ -76,11 +63,11 @@ class OpenRLHFAdapter:
     async def step(self, action: str) -> tuple[str, float, bool, dict]:
         states = {"observation_text": self.transcript, "action_text": action, "label": self.label,
                   "sampling_params": self.sampling}
-        out = await _maybe_await(self.instance.step(states))
+        out = await call_user(self.instance.step, states)
         feedback = out.get("environment_feedback", "") or ""
         self.transcript += action + feedback
         info = {"scores": out.get("scores"), "extra_logs": out.get("extra_logs", {}), "last_reward": True}
-        return feedback, _number(out.get("rewards", 0.0)), bool(out.get("done", False)), info
+        return feedback, out.get("rewards", 0.0), bool(out.get("done", False)), info
 
 
 def load_environment(path: str, name: str) -> Callable[[], Any]:
@@ -101,7 +88,7 @@ async def _episode(env, sample: dict, prompt_ids: list[int], generate, tokenizer
                    max_turns: int, version: int, max_context: int) -> Episode:
     if _is_openrlhf(env):
         env = OpenRLHFAdapter(env)
-    first = await _maybe_await(env.reset(sample))
+    first = await call_user(env.reset, sample)
     last_reward_only = isinstance(env, OpenRLHFAdapter)
     context = list(prompt_ids)
     if isinstance(env, OpenRLHFAdapter) and first is not None:  # the reset observation replaces the prompt text
@@ -120,8 +107,8 @@ async def _episode(env, sample: dict, prompt_ids: list[int], generate, tokenizer
         ids, lps, reason = out.response_ids[0], out.logprobs[0], out.finish_reason[0]
         episode.segments.append(Segment(list(context), list(ids), list(lps), reason, version))
         action = tokenizer.decode(ids, skip_special_tokens=True)
-        observation, reward, done, info = await _maybe_await(env.step(action))
-        rewards.append(_number(reward))
+        observation, reward, done, info = await call_user(env.step, action)
+        rewards.append(finite_reward(reward, f"turn {turn + 1}'s step()"))
         episode.info.update({k: v for k, v in (info or {}).items() if isinstance(v, (int, float, str))})
         if done:
             break
@@ -161,9 +148,9 @@ def run_env_episodes(engine, tokenizer, env_factory, samples: list[dict], sampli
                                       policy_version, limit)
             except UserError:
                 raise
-            except Exception as err:  # noqa: BLE001 - named and re-raised as the user's error
-                raise UserError(f"actor_rollout_ref.rollout.agent.env: the environment failed on sample {k}: "
-                                f"{type(err).__name__}: {err}") from err
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - named and re-raised as the user's error
+                raise UserError(f"actor_rollout_ref.rollout.agent.env: the environment {describe(env_factory)} "
+                                f"failed on sample {k}: {failure(err)}") from err
 
     async def main() -> list[Episode]:
         gate = asyncio.Semaphore(max_concurrency or max(1, len(samples)))

@@ -13,10 +13,13 @@ one empty row so its reward still counts in its group's baseline).
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -81,15 +84,78 @@ def load_agent_function(path: str, name: str = "run") -> Callable:
     return fn
 
 
+def finite_reward(value: Any, where: str) -> float:
+    """A reward as a finite float (numbers, 0-d / 1-element tensors and arrays); TypeError / ValueError naming
+    `where` otherwise: a NaN or inf reward would reach the update as NaN advantages."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: a reward must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: the reward is {value}, not a finite number")
+    return float(value)
+
+
 def episode_reward(value: Any, where: str) -> tuple[float, dict]:
-    """An agent's return value -> (reward, info): a number, or a dict with `reward` (or `score`) and extras."""
+    """An agent's return value -> (reward, info): a finite number, or a dict with `reward` (or `score`) and
+    extras."""
     info: dict = {}
     if isinstance(value, dict):
         info = {k: v for k, v in value.items() if k not in ("reward", "score")}
         value = value.get("reward", value.get("score"))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: the agent must return a number (or a dict with 'reward'), got {value!r}")
-    return float(value), info
+    try:
+        return finite_reward(value, where), info
+    except TypeError:
+        raise TypeError(f"{where}: the agent must return a number (or a dict with 'reward'), got {value!r}") from None
+
+
+def describe(fn: Callable) -> str:
+    """`name (file:line)` of a user's function or class, for error messages."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__init__", None), "__code__", None)
+    name = getattr(fn, "__qualname__", repr(fn))
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+class UserExit(RuntimeError):
+    """The user's code called `sys.exit()` inside an agent or environment."""
+
+
+def failure(err: BaseException) -> str:
+    """What went wrong in the user's code, for one error line."""
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r})"
+    return str(err) if isinstance(err, UserExit) else f"{type(err).__name__}: {err}"
+
+
+async def call_user(fn: Callable, *args) -> Any:
+    """Await `fn(*args)`: a coroutine function in the event loop, a plain function in a daemon thread of its own
+    (the loop stays free for other episodes; a call that never returns does not hold up Ctrl-C or the process's
+    exit, as `asyncio.to_thread`'s executor would, which the interpreter joins). A plain function's awaitable
+    result is awaited; `sys.exit()` inside it is a `UserExit`."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            ok, value = True, fn(*args)
+        except SystemExit as err:
+            ok, value = False, UserExit(f"called sys.exit({err.code!r})")
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting task
+            ok, value = False, err
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop has closed (interrupted, or another episode failed): nobody waits
+            pass
+
+    threading.Thread(target=run, daemon=True, name="tiller-user-call").start()
+    value = await future
+    return await value if inspect.isawaitable(value) else value
 
 
 def rows_from_episodes(episodes: list[Episode], first_prompts: list[list[int]]) -> list[dict]:

@@ -37,7 +37,6 @@ Semantics and deviations from the OpenAI API:
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import threading
 import time
@@ -48,17 +47,15 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (str
 
 from tiller.errors import UserError
 from tiller.rollout import RolloutOutput, SamplingParams
+from tiller.rollout.agent_endpoint import CURRENT_EPISODE, EpisodeNotFound, EpisodeRecorder
 from tiller.rollout.constrained import Grammar, GrammarCompiler, GrammarError
 from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.continuous import QueueFull as RowsFull
+from tiller.rollout.continuous import RequestFuture
 from tiller.rollout.native import NativeRolloutEngine
 from tiller.serve.batcher import MicroBatcher, QueueFull
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
 from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
-
-
-CURRENT_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tiller_episode", default=None)
-"""The agent episode a request belongs to (set by `tiller.serve.agent_endpoint.EpisodeRouter`)."""
 
 
 class ServedModel:
@@ -219,7 +216,12 @@ class ServedModel:
             future = self.batcher.submit(prompts, sampling, **extra)
         except (QueueFull, RowsFull) as err:
             raise RequestError(str(err), None, status=429, code="queue_full") from None
-        out = await asyncio.wrap_future(future)  # cancelling this await cancels the queued job
+        try:
+            out = await asyncio.wrap_future(future)  # cancelling this await cancels the queued job
+        except asyncio.CancelledError:  # the client left: a running request's rows leave the batch too
+            if isinstance(future, RequestFuture):
+                future.abandon()
+            raise
         if self.recorder is not None:
             self.recorder.record(episode, out, self.policy_version)
         return out
@@ -483,3 +485,24 @@ def create_app(served: ServedModel):
         return respond(await unless_client_leaves(request, completion(served, req)))
 
     return app
+
+
+def agent_app(engine, tokenizer, recorder: EpisodeRecorder, *, max_model_len: int, max_tokens_default: int,
+              max_rows: int):
+    """(served, app): the OpenAI app an agent rollout trains through (`tiller.rollout.agent_endpoint.AgentEndpoint`
+    starts it), every completion recorded by `recorder` under its episode; a request outside a live episode
+    is answered 404."""
+    from fastapi.responses import JSONResponse
+
+    served = ServedModel(engine, tokenizer, name="policy", max_model_len=max_model_len,
+                         max_tokens_default=max_tokens_default, max_batch_prompts=max_rows, max_queue=1 << 16,
+                         max_prompts_per_request=max_rows)
+    served.recorder = recorder
+    app = create_app(served)
+
+    async def not_found(request, exc: EpisodeNotFound):
+        return JSONResponse(status_code=404, content={"error": {"message": str(exc), "type": "invalid_request_error",
+                                                                "param": None, "code": "episode_not_found"}})
+
+    app.add_exception_handler(EpisodeNotFound, not_found)
+    return served, app

@@ -26,7 +26,8 @@ What the two threads share: the reward function and the prompt sampler (producer
 producer only touches its own engine and weight copy through `generate_sequences` / `load_producer_weights`).
 
 Faults: an exception in the producer is handed to the trainer, which raises it (UserError types as they
-are, anything else as `RolloutProducerError` naming the step, chained to the cause); the trainer never
+are, a `sys.exit()` in code the producer ran as a UserError naming the step, anything else as
+`RolloutProducerError` naming the step, chained to the cause); the trainer never
 waits on a dead producer. A trainer failure stops the producer (partial rollouts abort at the next decode
 step, otherwise after the current generation; the thread is a daemon).
 """
@@ -188,6 +189,9 @@ class RolloutProducer:
             return
         if isinstance(err, UserError):
             raise err
+        if isinstance(err, SystemExit):  # user code (an agent, a hook) called sys.exit(): say so in one line
+            raise UserError(f"the rollout producer stopped while generating step {self._error_step}: code it ran "
+                            f"called sys.exit({err.code!r})") from None
         raise RolloutProducerError(f"the rollout producer failed while generating step {self._error_step}: "
                                    f"{type(err).__name__}: {err}") from err
 

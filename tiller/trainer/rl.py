@@ -110,6 +110,11 @@ class RLTrainer:
         if not arr.model.path:
             raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
                               "(or run `tiller demo` for the built-in model and task)")
+        if arr.rollout.multi_turn.enable:  # read by tiller eval's tool loop; training on it is not built
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true: tiller rl does not train on the "
+                              "multi-turn tool loop (tiller eval runs it); for tool-using RL give an agent function "
+                              "that calls its tools through tiller's OpenAI endpoint, actor_rollout_ref.rollout.agent."
+                              "path (examples/agent_calculator.py), or an environment, rollout.agent.env_path")
         torch.manual_seed(tr.seed)
         self.n = arr.rollout.n
         self.prompt_width = arr.rollout.prompt_length or data.max_prompt_length
@@ -204,9 +209,14 @@ class RLTrainer:
             if (size * self.n) % self.world_size:
                 raise ConfigError(f"{key} x rollout.n = {size * self.n} samples must divide evenly over "
                                   f"{self.world_size} workers")
+        agent_app = None
+        if self.cfg.actor_rollout_ref.rollout.agent.path:
+            # import cost: fastapi and the OpenAI server, only for agent rollouts
+            from tiller.serve.app import agent_app
         self.actor = create_worker_group(
             ActorRolloutRefWorker, dict(config=self.cfg, total_training_steps=self.total_steps,
-                                        need_ref=self.need_ref), name="actor_rollout_ref", **opts)
+                                        need_ref=self.need_ref, agent_app=agent_app),
+            name="actor_rollout_ref", **opts)
         self.critic = None
         if self.use_critic:
             self.critic = create_worker_group(CriticWorker, dict(config=self.cfg, total_training_steps=self.total_steps),

@@ -54,6 +54,7 @@ from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
+from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
 from tiller.workers.common import (
@@ -87,9 +88,12 @@ class ActorRolloutRefWorker:
         config: the `RLConfig` (only `actor_rollout_ref`, `data` and `trainer` are read).
         total_training_steps: length of the lr schedule.
         need_ref: load a reference policy (KL loss or KL in reward).
+        agent_app: for agent rollouts (`rollout.agent.path`), the OpenAI app factory the agent endpoint serves
+            (`tiller.rollout.agent_endpoint.AppFactory`; the trainer hands it `tiller.serve.app.agent_app`).
     """
 
-    def __init__(self, config, total_training_steps: int, need_ref: bool = False):
+    def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None):
+        self.agent_app = agent_app
         self._mismatch_parts = None
         self.cfg = config
         arr = config.actor_rollout_ref
@@ -289,10 +293,10 @@ class ActorRolloutRefWorker:
         """tiller's OpenAI endpoint on loopback in front of the rollout engine (started once, kept)."""
         endpoint = getattr(self, "_endpoint", None)
         if endpoint is None:
-            # import cost: fastapi and the OpenAI app, only for agent rollouts
-            from tiller.serve.agent_endpoint import AgentEndpoint
-
-            endpoint = AgentEndpoint(self.rollout, self.tokenizer, max_model_len=max_model_len,
+            if self.agent_app is None:
+                raise ConfigError("actor_rollout_ref.rollout.agent.path: this worker was built without an agent "
+                                  "app (ActorRolloutRefWorker(agent_app=tiller.serve.app.agent_app))")
+            endpoint = AgentEndpoint(self.rollout, self.tokenizer, app=self.agent_app, max_model_len=max_model_len,
                                      max_tokens_default=max_tokens)
             self._endpoint = endpoint
         return endpoint
@@ -317,9 +321,6 @@ class ActorRolloutRefWorker:
                                 "prompt_ids": list(fields["prompt_ids"][i])})
         version = int(prompts.meta.get("global_step", 0))
         if a.path:
-            # import cost: fastapi and the OpenAI app, only for agent rollouts
-            from tiller.serve.agent_endpoint import run_agent_episodes
-
             max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
             endpoint = self._agent_endpoint(max_len, T)
             endpoint.served.policy_version = version

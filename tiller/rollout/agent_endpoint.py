@@ -1,13 +1,16 @@
 """The OpenAI-compatible endpoint an agent rollout trains through (AReaL's black-box agent pattern).
 
-`AgentEndpoint(engine, tokenizer, ...)` starts tiller's OpenAI app (`tiller.serve.app`) on 127.0.0.1 (a free
-port, uvicorn in a daemon thread) in front of the rollout engine, and records every completion made during
-an episode at token level. An episode is addressed by its base URL, `http://127.0.0.1:PORT/episodes/<id>/v1`,
+`AgentEndpoint(engine, tokenizer, app=..., ...)` starts an OpenAI app on 127.0.0.1 (a free port, uvicorn in a
+daemon thread) in front of the rollout engine, and records every completion made during an episode at token
+level. The app comes from above, as a factory: `tiller.serve.app.agent_app` (tiller's OpenAI server) is the
+one the trainer hands its actor worker; it calls `recorder.check` / `recorder.record` for every request and
+reads the episode from `CURRENT_EPISODE`, both defined here. An episode is addressed by its base URL, `http://127.0.0.1:PORT/episodes/<id>/v1`,
 or by its id as the API key (`Authorization: Bearer <id>`) against `http://127.0.0.1:PORT/v1`, so agent code
 written against `openai.AsyncOpenAI(base_url=..., api_key=...)` runs unmodified. A request outside a live
 episode is refused (404), as is one whose `temperature` / `top_p` / `top_k` differ from the rollout's.
 
-    endpoint = AgentEndpoint(engine, tokenizer, max_model_len=2048, fixed_sampling={"temperature": 1.0})
+    endpoint = AgentEndpoint(engine, tokenizer, app=tiller.serve.app.agent_app, max_model_len=2048,
+                             fixed_sampling={"temperature": 1.0})
     eid = endpoint.open_episode()
     ... the agent calls endpoint.base_url(eid) ...
     segments = endpoint.close_episode(eid)     # list[tiller.rollout.episodes.Segment]
@@ -16,16 +19,28 @@ episode is refused (404), as is one whose `temperature` / `top_p` / `top_k` diff
 
 from __future__ import annotations
 
+import contextvars
 import re
 import socket
 import threading
 import time
 import uuid
+from typing import Any, Callable
 
 from tiller.errors import UserError
-from tiller.rollout.episodes import Episode, episode_reward, Segment
-from tiller.serve.app import CURRENT_EPISODE, ServedModel, create_app
-from tiller.serve.protocol import RequestError
+from tiller.rollout.episodes import call_user, describe, Episode, episode_reward, failure, Segment
+
+CURRENT_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tiller_episode", default=None)
+"""The agent episode a request belongs to (set by `EpisodeRouter`)."""
+
+AppFactory = Callable[..., tuple[Any, Any]]
+"""`app(engine, tokenizer, recorder, *, max_model_len, max_tokens_default, max_rows) -> (served, asgi_app)`:
+`served` has `policy_version`, `fixed_sampling` and `batcher.close()`; the app calls `recorder.check(episode)`
+before and `recorder.record(episode, out, version)` after every completion (`tiller.serve.app.agent_app`)."""
+
+
+class EpisodeNotFound(UserError):
+    """A request outside a live episode (the app answers 404, code `episode_not_found`)."""
 
 _EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_-]+)(/.*)$")
 
@@ -51,10 +66,9 @@ class EpisodeRecorder:
         with self._lock:
             live = eid in self._episodes
         if not live:
-            raise RequestError("this endpoint serves agent episodes: use the episode's base URL "
-                               "(.../episodes/<id>/v1) or its id as the API key; "
-                               f"{'no episode given' if eid is None else f'episode {eid!r} is not running'}",
-                               None, status=404, code="episode_not_found")
+            raise EpisodeNotFound("this endpoint serves agent episodes: use the episode's base URL "
+                                  "(.../episodes/<id>/v1) or its id as the API key; "
+                                  f"{'no episode given' if eid is None else f'episode {eid!r} is not running'}")
 
     def record(self, eid: str, out, version: int) -> None:
         segments = [Segment(list(p), list(r), [float(x) for x in lp], reason, int(version))
@@ -95,20 +109,19 @@ def _free_port() -> int:
 
 
 class AgentEndpoint:
-    """tiller's OpenAI app on loopback in front of `engine`, recording episodes (see the module docstring)."""
+    """An OpenAI app (`app`, see `AppFactory`) on loopback in front of `engine`, recording episodes (see the
+    module docstring)."""
 
-    def __init__(self, engine, tokenizer, *, max_model_len: int, max_tokens_default: int = 512,
-                 fixed_sampling: dict | None = None, name: str = "policy", max_rows: int = 256):
+    def __init__(self, engine, tokenizer, *, app: AppFactory, max_model_len: int, max_tokens_default: int = 512,
+                 fixed_sampling: dict | None = None, max_rows: int = 256):
         import uvicorn
 
         self.recorder = EpisodeRecorder()
-        self.served = ServedModel(engine, tokenizer, name=name, max_model_len=max_model_len,
-                                  max_tokens_default=max_tokens_default, max_batch_prompts=max_rows,
-                                  max_queue=1 << 16, max_prompts_per_request=max_rows)
-        self.served.recorder = self.recorder
+        self.served, asgi = app(engine, tokenizer, self.recorder, max_model_len=max_model_len,
+                                max_tokens_default=max_tokens_default, max_rows=max_rows)
         self.served.fixed_sampling = dict(fixed_sampling or {})
         self.port = _free_port()
-        config = uvicorn.Config(EpisodeRouter(create_app(self.served)), host="127.0.0.1", port=self.port,
+        config = uvicorn.Config(EpisodeRouter(asgi), host="127.0.0.1", port=self.port,
                                 log_level="error", timeout_keep_alive=60)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tiller-agent-endpoint", daemon=True)
@@ -144,10 +157,10 @@ def run_agent_episodes(endpoint: AgentEndpoint, agent, samples: list[dict], *, m
     """Run `agent(base_url_or_client, sample)` once per sample, concurrently (at most `max_concurrency` at once,
     0 = all), each in its own episode; returns one `tiller.rollout.episodes.Episode` per sample, in order.
 
-    An agent that raises, or returns something other than a number / {'reward': number}, is a UserError
-    naming the sample."""
+    A plain (blocking) agent function runs in a daemon thread per call (`call_user`), so Ctrl-C stops the run
+    while one hangs. An agent that raises (or calls sys.exit()), or returns something other than a finite number
+    / {'reward': finite number}, is a UserError naming the agent and the sample."""
     import asyncio
-    import inspect
 
     async def one(i: int, sample: dict, gate: asyncio.Semaphore) -> Episode:
         async with gate:
@@ -159,16 +172,11 @@ def run_agent_episodes(endpoint: AgentEndpoint, agent, samples: list[dict], *, m
 
                     api = openai.AsyncOpenAI(base_url=handle, api_key=eid, max_retries=0, timeout=3600)
                     handle = api
-                if inspect.iscoroutinefunction(agent):
-                    value = await agent(handle, sample)
-                else:
-                    value = await asyncio.to_thread(agent, handle, sample)
-                    if inspect.isawaitable(value):
-                        value = await value
+                value = await call_user(agent, handle, sample)
                 reward, info = episode_reward(value, f"agent on sample {i}")
-            except Exception as err:  # noqa: BLE001 - named and re-raised as the user's error
-                raise UserError(f"actor_rollout_ref.rollout.agent: the agent failed on sample {i} "
-                                f"(data_source {sample.get('data_source')!r}): {type(err).__name__}: {err}") from err
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - named and re-raised as the user's error
+                raise UserError(f"actor_rollout_ref.rollout.agent: the agent {describe(agent)} failed on sample {i} "
+                                f"(data_source {sample.get('data_source')!r}): {failure(err)}") from err
             finally:
                 segments = endpoint.close_episode(eid)
                 if api is not None:
