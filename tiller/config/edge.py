@@ -147,8 +147,11 @@ for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache
              "max_num_batched_tokens", "enable_chunked_prefill"):
     RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
 RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
-    "vLLM's CUDA graphs / torch.compile, or the native engine's compiled decode step (False compiles it)",
+    "vLLM's CUDA graphs / torch.compile, or the native engine's CUDA-graph decode (CUDA) / compiled decode step (CPU)",
     lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
+RULES["actor_rollout_ref.rollout.cudagraph_capture_sizes"] = noop(
+    "the native engine's CUDA-graph batch sizes; tiller's vllm engine does not pass it",
+    lambda cfg: cfg.actor_rollout_ref.rollout.name == "native", "rollout.name=native")
 
 # ----------------------------------------------------------------- verl 0.7 / 0.8.0.dev's tree (b178a3cd)
 _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "
@@ -259,7 +262,7 @@ RULES.update({
     "actor_rollout_ref.rollout.skip_tokenizer_init": noop("tiller's engines decode with the actor's tokenizer"),
     "actor_rollout_ref.rollout.multi_stage_wake_up": noop(_MEMORY),
     **{f"actor_rollout_ref.rollout.{k}": noop(_ENGINE_KNOB)
-       for k in ("cudagraph_capture_sizes", "disable_log_stats", "enable_prefix_caching", "max_num_seqs",
+       for k in ("disable_log_stats", "enable_prefix_caching", "max_num_seqs",
                  "scheduling_policy")},
     **{f"actor_rollout_ref.{role}.router_replay.{k}": noop("only with router_replay.mode, which is refused")
        for role in ("actor", "ref") for k in ("record_file", "replay_file")},

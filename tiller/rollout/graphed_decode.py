@@ -353,6 +353,25 @@ class GraphedDecoder:
 
 
 # ------------------------------------------------------------------------------------- the engine's use
+def native_decode_options(enforce_eager: bool | None, device_type: str,
+                          sizes: list[int] | None = None) -> dict:
+    """The native engine's decode options for verl's `rollout.enforce_eager` on `device_type`: on CUDA, null (the
+    default) or False captures the static-shape step in CUDA graphs (vLLM's default), True decodes eagerly; on a CPU,
+    False compiles the fused step with Inductor (`tiller.rollout.compiled_decode`, ~10-30 s of compiling, so not the
+    default), null or True decodes eagerly. `sizes` is `rollout.cudagraph_capture_sizes`.
+
+    >>> native_decode_options(None, "cuda")
+    {'static_decode': True, 'cuda_graphs': True, 'capture_sizes': None}
+    >>> native_decode_options(False, "cpu"), native_decode_options(None, "cpu")
+    ({'compile_decode': True}, {})
+    """
+    if device_type == "cuda":
+        if enforce_eager:
+            return {}
+        return {"static_decode": True, "cuda_graphs": True, "capture_sizes": sizes}
+    return {"compile_decode": True} if enforce_eager is False else {}
+
+
 def decoder_for(engine, model) -> GraphedDecoder | None:
     """The engine's static-shape decoder for `model` (kept across calls: its graphs and buffers are reused), or
     None where it does not apply (static decode off, or no fused decoder for this model)."""

@@ -49,6 +49,7 @@ from tiller.algos.rollout_correction import (
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
+from tiller.rollout.graphed_decode import native_decode_options
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
@@ -178,18 +179,21 @@ class ActorRolloutRefWorker:
             return build_rollout_engine(
                 "vllm", m.path, self.tokenizer, dtype=r.dtype,
                 seed=self.cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
+                tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager is not False,
                 enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
                 max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs={**extra, **r.engine_kwargs})
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
-        if name == "native":  # enforce_eager=False: the decode step compiled (tiller.rollout.compiled_decode)
-            opts.setdefault("compile_decode", not r.enforce_eager)
+        if name == "native":  # CUDA graphs on a GPU, the compiled step on a CPU (tiller.rollout.graphed_decode)
+            for key, value in native_decode_options(r.enforce_eager, self.device.type,
+                                                    r.cudagraph_capture_sizes).items():
+                opts.setdefault(key, value)
         try:
             return build_rollout_engine(name, module or self.rollout_module, self.tokenizer, **opts)
         except ModuleNotFoundError:
             if name != "native":
                 raise
-            opts.pop("compile_decode", None)
+            for key in ("compile_decode", "static_decode", "capture_sizes"):
+                opts.pop(key, None)
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
     # ------------------------------------------------------------- asynchronous RL: the producer's engine
