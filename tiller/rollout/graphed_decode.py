@@ -46,6 +46,7 @@ Letters: `b` batch rows (a bucket), `C` cache rows, `R` rows of the wave, `T` ne
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +168,7 @@ class GraphedDecoder:
         self.cap = (0, 0, 0, 0)  # (cache rows C, columns Lcap, output rows R + 1, tokens T)
         self.stop = torch.empty(0, dtype=torch.long)
         self.replays = self.captures = self.eager_steps = 0  # counters (tests and the GPU check read them)
+        self.capture_error: str | None = None
 
     # ------------------------------------------------------------------------------------- storage
     def _ensure(self, rows: int, cols: int, new_tokens: int, stop_ids: list[int]) -> None:
@@ -272,10 +274,16 @@ class GraphedDecoder:
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.eager_steps += 1
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step(b, lb, sampler)
-        if self._pool is None:
-            self._pool = graph.pool()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(b, lb, sampler)
+        except Exception as err:  # an op that cannot be captured here: keep decoding eagerly, say so once
+            self.capture, self.capture_error = False, f"{type(err).__name__}: {err}"
+            warnings.warn(f"tiller: capturing the decode step in a CUDA graph failed ({self.capture_error}); "
+                          "decoding eagerly", stacklevel=2)
+            return
+        if self._pool is None:  # one memory pool for every graph: each keeps nothing alive in it past its replay
+            self._pool = graph.pool()  # (all its results go to the static buffers), and they never run concurrently
         self.graphs[key] = graph
         self.captures += 1
 
