@@ -74,8 +74,8 @@ def num_workers(cfg: RLConfig) -> int:
     return tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
 
 
-_PADDING = ("tiller pads each micro-batch and trims it to the columns its rows use; there are no varlen "
-            "kernels to switch on")
+_PADDING = ("tiller pads this model's micro-batches and trims them to the columns its rows use (packing without "
+            "padding is built for the actor's forwards: actor_rollout_ref.model.use_remove_padding)")
 _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same; memory per worker is not "
             "split); verl's per-GPU token budgets of the role are its share of a micro-batch of this many GPUs, so "
             "they are multiplied by this size at load time, as verl does, and micro-batches hold the same sequences")
@@ -104,7 +104,6 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.rollout.multi_turn.format": refused(
         "tiller's agent loop parses Hermes / Qwen tool calls (<tool_call>{json}</tool_call>) only",
         use="format=hermes with a model whose chat template emits <tool_call> blocks", allowed=("hermes",)),
-    "actor_rollout_ref.model.use_remove_padding": noop(_PADDING),
     "critic.model.use_remove_padding": noop(_PADDING),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
@@ -228,7 +227,8 @@ RULES.update({
         "grouper does"),
     "actor_rollout_ref.actor.use_fused_kernels": noop("verl's copy of model.use_fused_kernels (no fused kernels in "
                                                       "tiller)"),
-    "actor_rollout_ref.actor.use_remove_padding": noop(_PADDING),
+    "actor_rollout_ref.actor.use_remove_padding": noop(
+        "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key tiller reads (set that one)"),
     "actor_rollout_ref.actor.router_replay.mode": _ROUTER,
     "actor_rollout_ref.ref.router_replay.mode": _ROUTER,
     # rollout

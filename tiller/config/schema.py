@@ -284,7 +284,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = False
-    """verl: pack sequences without padding (flash-attn varlen); tiller pads, trimmed per micro-batch."""
+    """Actor, reference and old-logprob forwards: each micro-batch's rows packed into one sequence without padding
+    (position ids restart per row; transformers masks attention block-diagonally), the LM head on response
+    positions only (tiller.workers.packed). False: padded rows, trimmed per micro-batch. The critic stays padded."""
     use_shm: bool = False
     """verl: copy the model to /dev/shm before loading; tiller loads from model.path."""
     use_fused_kernels: bool = False

@@ -31,6 +31,7 @@ Letters: `B` samples, `P` prompt width, `T` response width.
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import torch
@@ -74,6 +75,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
+from tiller.workers.packed import packed_response_forward
 from tiller.workers.prm import ImplicitPRM
 
 
@@ -129,6 +131,8 @@ class ActorRolloutRefWorker:
         module.train()
         self.module = module
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
+        # verl's use_remove_padding: rows packed into one sequence per micro-batch (tiller.workers.packed)
+        self._remove_padding = bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"]
         self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False  # set_lent_lanes
         refuse_lanes_under_distributed("actor_rollout_ref.actor.update_lanes", self.actor_cfg.update_lanes)
@@ -436,9 +440,9 @@ class ActorRolloutRefWorker:
         """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`).
         With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline)."""
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
-        logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
-                                          mb["attention_mask"].to(self.device), P,
-                                          mb["response_mask"].to(self.device), **self._forward_opts)
+        forward = packed_response_forward if self._remove_padding else partial(response_forward, **self._forward_opts)
+        logits, t_used = forward(model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device), P,
+                                 mb["response_mask"].to(self.device))
         logits = logits.float() / temperature
         labels = mb["responses"][:, :t_used].to(self.device)
         logp = pad_right(logprobs_from_logits(logits, labels), T)
