@@ -84,3 +84,29 @@ def test_rows_that_saw_each_other_would_be_caught(sharp_qwen):
     last_prompt_token = int(mask[0, :-1].sum()) + 3 - 1
     leaked_lp = torch.log_softmax(leaked[last_prompt_token], -1)[ids[1, P]]
     assert abs(float(leaked_lp - good[1, 0])) > 1e-3
+
+
+def test_actor_honours_use_remove_padding(tiny_model_dir, monkeypatch):
+    """actor_rollout_ref.model.use_remove_padding=true: the worker's old / ref logprobs and its update's gradient
+    equal the padded worker's, and the packed forward is the one that ran."""
+    import tiller.workers.actor as actor_module
+    from tests.trainer.test_dynamic_batches import _batch, _cfg, _grads
+
+    calls = []
+    monkeypatch.setattr(actor_module, "packed_response_forward",
+                        lambda *a, **k: calls.append(1) or packed_response_forward(*a, **k))
+    batch = _batch()
+    logps, grads, counts = [], [], []
+    for flag in ("false", "true"):
+        w = actor_module.ActorRolloutRefWorker(
+            _cfg(tiny_model_dir, f"actor_rollout_ref.model.use_remove_padding={flag}"), total_training_steps=1,
+            need_ref=True)
+        batch["ref_log_prob"] = w.compute_ref_log_prob(batch)["ref_log_prob"]
+        logps.append(w.compute_log_prob(batch)["old_log_probs"])
+        grads.append(_grads(w, "update_actor", batch))
+        counts.append(len(calls))
+    assert counts[0] == 0 and counts[1] >= 3  # padded worker: never; packed: ref, old and update forwards
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(logps[1][mask], logps[0][mask], atol=1e-5, rtol=0)
+    for name, grad in grads[0].items():
+        assert float((grads[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name
