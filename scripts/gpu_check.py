@@ -30,6 +30,9 @@ Checks:
 - `graph_speed`: `bench/rollout.py --device cuda` at GPU.md's shape (Qwen2.5-0.5B body, bf16, 64 / 128 / 256
   prompts of 16-128 tokens x 256 new tokens): native with graphs, native eager, HF `generate`, and the floor from
   this run's GEMM and copy rates (on `--device cpu`: the 2M model, 8 x 16, to test this script).
+- `packed_update`: the update's forward without padding (`use_remove_padding`, torch's varlen attention on CUDA):
+  logprobs and gradients equal the padded forward's (fp32, Qwen2 and Llama); then `bench/packed_update.py` (30M,
+  16 rows, bf16 on CUDA) times both and `mfu` reports what `perf/mfu/actor` would say for each.
 """
 
 from __future__ import annotations
@@ -452,8 +455,46 @@ def c_graph_speed(a):
     return {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 
+@check("packed_update")
+def c_packed_update(a):
+    from tiller.algos.entropy import logprobs_from_logits
+    from tiller.workers.common import response_forward
+    from tiller.workers.packed import packed_response_forward, varlen_available
+
+    info = {"varlen": varlen_available(torch.device(a.device))}
+    sys.path.insert(0, str(ROOT / "bench"))
+    from packed_update import micro_batch
+
+    for arch, path in _models(a).items():
+        model, _ = _load_sharp(path, a.device)
+        ids, mask, rmask, P = (t.to(a.device) if torch.is_tensor(t) else t
+                               for t in micro_batch(6, 0, (1, 12), (1, 16)))
+        results = []
+        for fn in (lambda: response_forward(model, ids, mask, P, rmask, logits_to_keep=True),
+                   lambda: packed_response_forward(model, ids, mask, P, rmask)):
+            model.zero_grad(set_to_none=True)
+            logits, t = fn()
+            logp = logprobs_from_logits(logits.float(), ids[:, P : P + t]) * rmask[:, :t]
+            (logp.sum() + logp.square().sum()).backward()
+            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (lp_pad, g_pad), (lp_pack, g_pack) = results
+        lp_err = float((lp_pack - lp_pad).abs().max())
+        grad_err = max(float((g_pack[n] - g).abs().max() / g.abs().max()) for n, g in g_pad.items())
+        assert lp_err < 1e-4, f"{arch}: packed logprobs differ by {lp_err:.2e}"
+        assert grad_err < 1e-4, f"{arch}: packed gradients differ by {grad_err:.2e} of their largest entry"
+        info[arch] = {"max_logprob_err": lp_err, "max_rel_grad_err": grad_err}
+    log = a.out / "packed_update.log"
+    cmd = [sys.executable, str(ROOT / "bench" / "packed_update.py"), "--device", a.device, "--size",
+           "30M" if a.device == "cuda" else "2M", "--dtype", "bfloat16" if a.device == "cuda" else "float32",
+           "--repeats", "3" if a.device == "cuda" else "1"]
+    code = sh(cmd, log, 300)
+    assert code == 0, f"bench exit {code}: {tail(log, 8)}"
+    info["bench"] = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
+    return info
+
+
 CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_async, c_speed,
-          c_graphed_decode, c_graph_speed]
+          c_graphed_decode, c_graph_speed, c_packed_update]
 
 
 def main() -> int:
