@@ -483,6 +483,21 @@ def c_packed_update(a):
         assert lp_err < 1e-4, f"{arch}: packed logprobs differ by {lp_err:.2e}"
         assert grad_err < 1e-4, f"{arch}: packed gradients differ by {grad_err:.2e} of their largest entry"
         info[arch] = {"max_logprob_err": lp_err, "max_rel_grad_err": grad_err}
+    # bf16: the varlen kernel on CUDA (fp32 above runs per-row SDPA); logprobs agree to bf16's precision
+    from tiller.workers import packed
+
+    model, _ = _load_sharp(_models(a)["qwen2"], a.device)
+    model = model.to(torch.bfloat16)
+    before = packed.varlen_calls
+    with torch.no_grad():
+        pad, t = response_forward(model, ids, mask, P, rmask, logits_to_keep=True)
+        pack, _ = packed_response_forward(model, ids, mask, P, rmask)
+    lp = [logprobs_from_logits(x.float(), ids[:, P : P + t]) * rmask[:, :t] for x in (pad, pack)]
+    info["bf16_max_logprob_diff"] = float((lp[0] - lp[1]).abs().max())
+    info["bf16_varlen_calls"] = packed.varlen_calls - before
+    assert info["bf16_max_logprob_diff"] < 0.1, f"bf16 packed logprobs differ by {info['bf16_max_logprob_diff']:.3f}"
+    if info["varlen"]:
+        assert info["bf16_varlen_calls"] > 0, "bf16 on CUDA did not run the varlen kernel"
     log = a.out / "packed_update.log"
     cmd = [sys.executable, str(ROOT / "bench" / "packed_update.py"), "--device", a.device, "--size",
            "30M" if a.device == "cuda" else "2M", "--dtype", "bfloat16" if a.device == "cuda" else "float32",
@@ -494,7 +509,7 @@ def c_packed_update(a):
 
 
 CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_async, c_speed,
-          c_graphed_decode, c_graph_speed, c_packed_update]
+          c_graphed_decode, c_packed_update, c_graph_speed]
 
 
 def main() -> int:

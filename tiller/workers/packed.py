@@ -11,8 +11,8 @@ in one sequence `[1, N]`, N = the micro-batch's real tokens, with position ids r
 
 The attention runs per row: for the packed forward the model's attention implementation is switched to
 `tiller_packed` (registered with transformers' `AttentionInterface`; no mask is built), which attends causally
-inside each row's slice: `torch.nn.attention.varlen.varlen_attn` on CUDA (FlashAttention's varlen kernel in torch),
-else one SDPA call per row with `is_causal=True`. Attention costs the sum of the rows' squared lengths, never the
+inside each row's slice: `torch.nn.attention.varlen.varlen_attn` on CUDA in bf16 / fp16 (FlashAttention's varlen
+kernel in torch), else one SDPA call per row with `is_causal=True`. Attention costs the sum of the rows' squared lengths, never the
 packed length's square, and no `[N, N]` mask exists. The matmuls run on N tokens instead of B x (P + T); the LM
 head runs only on the positions that predict a response token (`logits_to_keep` as an index tensor), scattered back
 to `[B, t, V]`. Every real token gets the position id and the keys it has in the padded forward, so logprobs and
@@ -44,6 +44,7 @@ IMPL = "tiller_packed"
 _SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("tiller_packed_segments", default=None)
 _SWITCH = threading.Lock()
 _ACTIVE: dict[int, list] = {}  # id(config) -> [packed forwards running, the implementation to restore]
+varlen_calls = 0  # attention calls that ran torch's varlen kernel (the GPU check reads it)
 
 
 def varlen_available(device: torch.device) -> bool:
@@ -81,7 +82,9 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if segments is None:
         raise RuntimeError(f"the {IMPL!r} attention runs only inside tiller.workers.packed.packed_response_forward")
     lengths, cu, longest = segments
-    if varlen_available(query.device) and dropout == 0.0:
+    if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device):
+        global varlen_calls
+        varlen_calls += 1
         out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest, scaling)
         return out.unsqueeze(0), None
     gqa = query.shape[1] != key.shape[1]
