@@ -9,7 +9,8 @@ real / padded token counts, packed_speedup (padded seconds / packed seconds), ea
 over the real tokens (`tiller.trainer.flops`) and, on a GPU in verl's table, its MFU.
 
 Measured (2026-11-26, this repo's CPU host, 1 thread, fp32, 16 rows of 16-128 + 16-512 tokens: 5,673 real tokens,
-9,664 padded): 2M model padded 10.8 s, packed 6.0 s (1.8x). Packing with one SDPA call over a block-diagonal
+9,664 padded): 2M model padded 10.8 s, packed 6.0 s (1.8x); 30M padded 110.6 s, packed 63.1 s (1.75x; the two
+cores were shared with other jobs). Packing with one SDPA call over a block-diagonal
 `[N, N]` mask instead of per-row calls was 0.53x at 30M (the mask path costs N^2), hence the per-row attention.
 """
 
