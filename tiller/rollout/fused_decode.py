@@ -71,6 +71,12 @@ def can_pack(model) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
 class FusedDecoder:
     """Holds the fused weights of `model` and runs its one-token decode step."""
 
@@ -110,6 +116,7 @@ class FusedDecoder:
         seen = param_versions(self.model)
         if seen == self._seen:
             return
+        old = None if self._seen is None else [*self.qkv, *self.o, *self.gate_up, *self.down, self.head]
         self.qkv, self.o, self.gate_up, self.down = [], [], [], []
         with torch.no_grad():
             for layer in self.model.model.layers:
@@ -124,7 +131,23 @@ class FusedDecoder:
                 self.down.append(self._linear(m.down_proj.weight, m.down_proj.bias))
             head = self.model.lm_head
             self.head = self._linear(head.weight, head.bias)
+            if old is not None and not self.pack:
+                self._keep_addresses(old)
         self._seen = param_versions(self.model)
+
+    def _keep_addresses(self, old: list[tuple]) -> None:
+        """Copy the rebuilt weights into the previous tensors and keep those: a CUDA graph captured on them
+        (`tiller.rollout.graphed_decode`) then runs the synced weights without recapture."""
+        new = [*self.qkv, *self.o, *self.gate_up, *self.down, self.head]
+        if len(old) != len(new) or any(not _same_layout(a, b) for o, n in zip(old, new) for a, b in zip(o[:2], n[:2])):
+            return
+        for o, n in zip(old, new):
+            for a, b in zip(o[:2], n[:2]):
+                if a is not None and a.data_ptr() != b.data_ptr():
+                    a.copy_(b)
+        layers = len(self.qkv)
+        self.qkv, self.o, self.gate_up, self.down = (old[k * layers : (k + 1) * layers] for k in range(4))
+        self.head = old[-1]
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
         """(weight, bias, packed): `packed` is the oneDNN-prepacked copy of `weight` when packing is on."""

@@ -49,7 +49,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
-from tiller.rollout import compiled_decode
+from tiller.rollout import compiled_decode, graphed_decode
 from tiller.rollout.fused_decode import FusedDecoder
 from tiller.rollout.fused_decode import supports as supports_fused
 from tiller.rollout.sampling import sample_tokens
@@ -176,13 +176,16 @@ class NativeRolloutEngine(InProcessEngine):
     `compile_decode` (that step compiled by Inductor, `tiller.rollout.compiled_decode`; verl's
     `rollout.enforce_eager=False`; needs a C++ compiler, the first decode step compiles for ~10-30 s),
     `decode_kernel` (on CPU, the fused step's one-token attention in a C kernel built once with the C compiler
-    on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply).
+    on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply), `static_decode` (Llama / Qwen2: decode
+    with the static-shape step of `tiller.rollout.graphed_decode`, captured in CUDA graphs per batch-size bucket when
+    `cuda_graphs`; without stop strings or a weights hook), `capture_sizes` (its buckets; default vLLM's).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
                  max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
                  num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True,
-                 compile_decode: bool = False, decode_kernel: bool = True):
+                 compile_decode: bool = False, decode_kernel: bool = True, static_decode: bool = False,
+                 cuda_graphs: bool | None = None, capture_sizes: list[int] | None = None):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -204,6 +207,11 @@ class NativeRolloutEngine(InProcessEngine):
         self.compile_decode = compile_decode
         self.decode_kernel = decode_kernel
         self._fused: FusedDecoder | None = None
+        self.static_decode, self.capture_sizes = static_decode, capture_sizes
+        self.cuda_graphs = (device_type == "cuda") if cuda_graphs is None else cuda_graphs
+        if static_decode and self.cuda_graphs and device_type != "cuda":
+            raise UserError("CUDA graphs (rollout.enforce_eager=False) need the model on a CUDA device")
+        graphed_decode.capture_sizes(max_num_seqs, capture_sizes)  # a bad rollout.cudagraph_capture_sizes fails here
 
     def fused_for(self, model) -> FusedDecoder | None:
         """The fused decoder of `model` (built on first use, re-synced with its weights), or None where it does
@@ -310,6 +318,10 @@ class NativeRolloutEngine(InProcessEngine):
                        weights_hook=None):
         """Generate for one wave of prompts; returns raw (tokens, logprobs, versions) lists per row, row-major
         (versions: the policy version of each token's logits, from `weights_hook`; empty lists without it)."""
+        graphed = graphed_decode.decoder_for(self, model) if weights_hook is None and not watcher else None
+        if graphed is not None:  # the static-shape step (CUDA graphs on a GPU)
+            return graphed_decode.generate_wave(self, graphed, model, prompts, sampling, stop_ids, generator,
+                                                pad_token_id(model, self.tokenizer), KVBuffer)
         device = next(model.parameters()).device
         impl = model.config._attn_implementation
         dtype = next(model.parameters()).dtype

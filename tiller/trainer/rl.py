@@ -63,7 +63,7 @@ from tiller.data.seqlen import balanced_order
 from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
 from tiller.models.checkpoint import list_checkpoints, resolve_checkpoint
-from tiller.models.loading import load_tokenizer
+from tiller.models.loading import load_tokenizer, model_config
 from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
@@ -71,6 +71,7 @@ from tiller.rewards.types import RewardRequest
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
+from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.rl_metrics import data_metrics, validation_metrics
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
@@ -757,7 +758,24 @@ class RLTrainer:
         tokens = float(batch["attention_mask"].sum())
         out["perf/total_num_tokens"] = tokens
         out["perf/throughput"] = tokens / step_s / self.world_size if step_s > 0 else 0.0
+        mfu = self._actor_mfu(batch, m.get("timing_s/update_actor", 0.0))
+        if mfu is not None:  # CUDA devices in verl's table only (tiller.trainer.flops)
+            out["perf/mfu/actor"] = mfu
         return out
+
+    def _actor_mfu(self, batch: Batch, seconds: float) -> float | None:
+        """verl's perf/mfu/actor for this step's update (None off CUDA or on a device verl's table does not name)."""
+        if not hasattr(self, "_mfu_model"):
+            self._mfu_model, self._mfu_peak = None, None
+            if self.cfg.trainer.device == "cuda" and torch.cuda.is_available():
+                m = self.cfg.actor_rollout_ref.model
+                self._mfu_peak = device_peak_flops(torch.cuda.get_device_name())
+                self._mfu_model = model_config(m.path, m.override_config, trust_remote_code=m.trust_remote_code)
+        if self._mfu_model is None:
+            return None
+        seqlens = batch["attention_mask"].sum(-1).tolist()
+        return actor_mfu(self._mfu_model, seqlens, seconds, self._mfu_peak,
+                         self.cfg.actor_rollout_ref.actor.ppo_epochs, self.world_size)
 
     def validate(self) -> dict[str, float]:
         """Generate for the validation set with `rollout.val_kwargs`; `val-core/<source>/acc/mean@N` etc."""

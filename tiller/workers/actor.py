@@ -31,6 +31,7 @@ Letters: `B` samples, `P` prompt width, `T` response width.
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from tiller.algos.rollout_correction import (
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
+from tiller.rollout.graphed_decode import native_decode_options
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
@@ -74,6 +76,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
+from tiller.workers.packed import packed_response_forward
 from tiller.workers.prm import ImplicitPRM
 
 
@@ -132,6 +135,8 @@ class ActorRolloutRefWorker:
         module.train()
         self.module = module
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
+        # verl's use_remove_padding: rows packed into one sequence per micro-batch (tiller.workers.packed)
+        self._remove_padding = bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"]
         self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False  # set_lent_lanes
         refuse_lanes_under_distributed("actor_rollout_ref.actor.update_lanes", self.actor_cfg.update_lanes)
@@ -182,18 +187,21 @@ class ActorRolloutRefWorker:
             return build_rollout_engine(
                 "vllm", m.path, self.tokenizer, dtype=r.dtype,
                 seed=self.cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
+                tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager is not False,
                 enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
                 max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs={**extra, **r.engine_kwargs})
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
-        if name == "native":  # enforce_eager=False: the decode step compiled (tiller.rollout.compiled_decode)
-            opts.setdefault("compile_decode", not r.enforce_eager)
+        if name == "native":  # CUDA graphs on a GPU, the compiled step on a CPU (tiller.rollout.graphed_decode)
+            for key, value in native_decode_options(r.enforce_eager, self.device.type,
+                                                    r.cudagraph_capture_sizes).items():
+                opts.setdefault(key, value)
         try:
             return build_rollout_engine(name, module or self.rollout_module, self.tokenizer, **opts)
         except ModuleNotFoundError:
             if name != "native":
                 raise
-            opts.pop("compile_decode", None)
+            for key in ("compile_decode", "static_decode", "capture_sizes"):
+                opts.pop(key, None)
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
     # ------------------------------------------------------------- asynchronous RL: the producer's engine
@@ -433,9 +441,9 @@ class ActorRolloutRefWorker:
         """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`).
         With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline)."""
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
-        logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
-                                          mb["attention_mask"].to(self.device), P,
-                                          mb["response_mask"].to(self.device), **self._forward_opts)
+        forward = packed_response_forward if self._remove_padding else partial(response_forward, **self._forward_opts)
+        logits, t_used = forward(model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device), P,
+                                 mb["response_mask"].to(self.device))
         logits = logits.float() / temperature
         labels = mb["responses"][:, :t_used].to(self.device)
         logp = pad_right(logprobs_from_logits(logits, labels), T)

@@ -1,0 +1,142 @@
+"""The static-shape decode step (`tiller.rollout.graphed_decode`), run eagerly on CPU: it must equal the eager
+engine (greedy tokens, logprobs), padding rows must change nothing, seeded sampling must repeat and not depend on
+the batch, and a weight sync must land in the tensors a CUDA graph would have captured."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.rollout.conftest import PROMPTS, prompt_ids, reference_logprobs
+from tiller.errors import UserError
+from tiller.rollout import SamplingParams, build_rollout_engine
+from tiller.rollout.graphed_decode import (bucket_for, capture_sizes, native_decode_options, row_keys,
+                                           row_uniforms)
+
+MORE_PROMPTS = PROMPTS + ["x", "Once upon a time there was a little"]
+
+
+def static_engine(model, tok, **kw):
+    return build_rollout_engine("native", model, tok, static_decode=True, **kw)
+
+
+def test_buckets_are_vllms_sizes():
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(256, [32, 1, 32]) == [1, 32]
+    assert [bucket_for(n, [1, 2, 4, 8, 16]) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, None]
+    with pytest.raises(UserError, match="cudagraph_capture_sizes"):
+        capture_sizes(8, [0, 4])
+
+
+def test_enforce_eager_false_chooses_graphs_on_cuda_and_compile_on_cpu():
+    assert native_decode_options(None, "cuda") == {}  # eager until the GPU check has passed (#37)
+    assert native_decode_options(False, "cuda", [8]) == {"static_decode": True, "cuda_graphs": True,
+                                                        "capture_sizes": [8]}
+    assert native_decode_options(False, "cuda")["cuda_graphs"] is True
+    assert native_decode_options(True, "cuda") == {}
+    assert native_decode_options(False, "cpu") == {"compile_decode": True}
+    assert native_decode_options(None, "cpu") == native_decode_options(True, "cpu") == {}
+
+
+def test_row_uniforms_are_uniform_repeatable_and_per_row():
+    keys = row_keys(7, 200).repeat_interleave(100)
+    counters = torch.arange(100).repeat(200)
+    u = row_uniforms(keys, counters).squeeze(-1)
+    assert u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
+    # 20,000 fixed (not random) values: Kolmogorov-Smirnov distance to U[0, 1) (1% critical value ~0.0115)
+    ks = (torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u) - u.sort().values).abs().max()
+    assert ks < 0.0115 and abs(float(u.mean()) - 0.5) < 0.005
+    assert torch.equal(row_uniforms(keys[1234:1235], counters[1234:1235]).squeeze(-1), u[1234:1235])
+    assert torch.equal(row_keys(7, 5), row_keys(7, 200)[:5]) and not torch.equal(row_keys(7, 5), row_keys(8, 5))
+    assert len(set(u.tolist())) == len(u)
+
+
+@pytest.mark.parametrize("arch", ["sharp_qwen", "sharp_llama"])
+def test_static_step_equals_the_eager_engine(arch, request):
+    model, tok = request.getfixturevalue(arch)
+    prompts = prompt_ids(tok, MORE_PROMPTS)  # lengths 1..8 tokens: real left padding
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=20, ignore_eos=True)
+    eager = build_rollout_engine("native", model, tok).generate(prompts, greedy)
+    engine = static_engine(model, tok)
+    static = engine.generate(prompts, greedy)
+    assert static.response_ids == eager.response_ids
+    assert len(set(map(tuple, static.response_ids))) == len(prompts)
+    for a, b in zip(static.logprobs, eager.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    graphed = engine._graphed
+    assert graphed.eager_steps == 19 and graphed.captures == 0  # CPU: the step runs eagerly, nothing captured
+    assert graphed.cap[0] == 16  # 12 rows run in the bucket of 16
+
+
+def test_stop_tokens_and_compaction_equal_hf(sharp_qwen):
+    """Rows stop at different steps (on the device), the host learns it every few steps and compacts the batch
+    into smaller buckets; every row still equals HF generate's."""
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    free = build_rollout_engine("hf", model, tok).generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True))
+    stops = sorted({r[k] for r, k in zip(free.response_ids, [3, 7, 12, 20, 25, 29])})
+    greedy = SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True, stop_token_ids=stops)
+    hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
+    engine = static_engine(model, tok, compact_fraction=0.01)
+    out = engine.generate(prompts, greedy)
+    assert out.response_ids == hf.response_ids and out.finish_reason == hf.finish_reason
+    assert len({len(r) for r in out.response_ids}) >= 3 and "stop" in out.finish_reason
+    for a, b in zip(out.logprobs, hf.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_padding_rows_change_nothing(sharp_qwen):
+    """The same rows at their own size, padded into a bucket of 64, and past every bucket (run at their count)."""
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    sampled = SamplingParams(n=2, max_new_tokens=12, ignore_eos=True, seed=5, temperature=0.8, top_p=0.95)
+    runs = [static_engine(model, tok, capture_sizes=sizes).generate(prompts, sampled) for sizes in ([12], [64], [1])]
+    for other in runs[1:]:
+        assert other.response_ids == runs[0].response_ids
+        for a, b in zip(other.logprobs, runs[0].logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+
+
+def test_seeded_sampling_repeats_is_batch_independent_and_reports_its_logprobs(sharp_qwen):
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    engine = static_engine(model, tok)
+    sampled = SamplingParams(n=3, max_new_tokens=10, ignore_eos=True, seed=11, temperature=0.7, top_k=20)
+    first, again = engine.generate(prompts, sampled), engine.generate(prompts, sampled)
+    assert first.response_ids == again.response_ids
+    alone = static_engine(model, tok).generate(prompts[:2], sampled)  # other rows, other bucket
+    assert alone.response_ids == first.response_ids[:6]
+    other_seed = engine.generate(prompts, SamplingParams(**{**sampled.__dict__, "seed": 12}))
+    assert other_seed.response_ids != first.response_ids
+    assert len(set(map(tuple, first.response_ids[:3]))) > 1  # the n samples of a prompt differ
+    for i, (resp, lps) in enumerate(zip(first.response_ids, first.logprobs)):
+        ref = reference_logprobs(model, prompts[i // 3], resp, temperature=0.7, top_k=20)
+        torch.testing.assert_close(torch.tensor(lps), ref, atol=1e-4, rtol=0)
+
+
+def test_weight_sync_lands_in_the_captured_tensors(sharp_qwen):
+    """After an in-place update (an optimizer step), the step reads the new weights from the same tensors (the
+    addresses a CUDA graph captured): output equals a fresh engine's on the updated model."""
+    model, tok = sharp_qwen
+    model = copy.deepcopy(model)
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True)
+    engine = static_engine(model, tok, fused_decode=True)
+    before = engine.generate(prompts, greedy)
+    engine._fused.pack = False  # CPU prepacking rebuilds its packed copies; unpacked tensors keep their addresses
+    engine._fused._seen = None
+    engine._fused.sync()
+    addresses = [t[0].data_ptr() for t in engine._fused.qkv + engine._fused.gate_up]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    after = engine.generate(prompts, greedy)
+    assert [t[0].data_ptr() for t in engine._fused.qkv + engine._fused.gate_up] == addresses
+    fresh = build_rollout_engine("native", model, tok).generate(prompts, greedy)
+    assert after.response_ids == fresh.response_ids != before.response_ids

@@ -1,0 +1,112 @@
+"""The update's forward without padding (`tiller.workers.packed`, verl's use_remove_padding): logprobs and gradients
+equal the padded forward's; a packing that let rows see each other would not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rollout.conftest import load
+from tiller.algos.entropy import logprobs_from_logits
+from tiller.workers.common import response_forward
+from tiller.workers.packed import pack_rows, packed_response_forward
+
+
+@pytest.fixture(scope="module")
+def sharp_qwen(tiny_model_dir):
+    return load(tiny_model_dir, sharpen=0.1)
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tiny_llama_dir):
+    return load(tiny_llama_dir, sharpen=0.1)
+
+
+def micro_batch(prompt_lens, response_lens, seed=0):
+    """Left-padded prompts, right-padded responses: input_ids / attention_mask [B, P + T], response_mask [B, T]."""
+    P, T = max(prompt_lens), max(response_lens)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(prompt_lens), P + T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rmask = torch.zeros(len(prompt_lens), T)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        ids[b, P - p : P + r] = torch.randint(5, 500, (p + r,), generator=g)
+        mask[b, P - p : P + r] = 1
+        rmask[b, :r] = 1
+    return ids, mask, rmask, P
+
+
+def test_pack_rows_worked_example():
+    ids = torch.tensor([[0, 7, 8, 9], [5, 6, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    flat, pos, index = pack_rows(ids, mask)
+    assert flat.tolist() == [[7, 8, 9, 5, 6]] and pos.tolist() == [[0, 1, 2, 0, 1]]
+    assert index.tolist() == [[-1, 0, 1, 2], [3, 4, -1, -1]]
+
+
+def _logp_and_grads(model, forward, ids, mask, rmask, P):
+    model.zero_grad(set_to_none=True)
+    logits, t = forward(model, ids, mask, P, rmask)
+    logp = logprobs_from_logits(logits.float(), ids[:, P : P + t]) * rmask[:, :t]
+    (logp.sum() + (logp * torch.linspace(0.5, 2, t)).square().sum()).backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch,impl", [("sharp_qwen", "sdpa"), ("sharp_llama", "sdpa"), ("sharp_qwen", "eager")])
+def test_packed_forward_equals_padded_logprobs_and_gradients(arch, impl, request):
+    model, _ = request.getfixturevalue(arch)
+    model.config._attn_implementation = impl
+    try:
+        ids, mask, rmask, P = micro_batch([7, 3, 5, 1, 6], [9, 2, 5, 7, 1])
+        padded = lambda *a: response_forward(*a, logits_to_keep=True)
+        lp_pad, g_pad = _logp_and_grads(model, padded, ids, mask, rmask, P)
+        lp_pack, g_pack = _logp_and_grads(model, packed_response_forward, ids, mask, rmask, P)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(lp_pack, lp_pad, atol=2e-5, rtol=0)
+    for name, grad in g_pad.items():  # summation order only: within 1e-5 of each gradient's largest entry
+        scale = float(grad.abs().max())
+        assert scale > 0, name
+        assert float((g_pack[name] - grad).abs().max()) <= 1e-5 * scale, name
+
+
+def test_rows_that_saw_each_other_would_be_caught(sharp_qwen):
+    """Negative control: the same packed sequence with position ids that do not restart (one long sequence, every
+    token attending to the rows before it) gives other logprobs, so the equality above is not vacuous."""
+    model, _ = sharp_qwen
+    ids, mask, rmask, P = micro_batch([7, 3, 5], [9, 2, 5])
+    with torch.no_grad():
+        logits, t = packed_response_forward(model, ids, mask, P, rmask)
+        flat, _, _ = pack_rows(ids[:, :-1], mask[:, :-1])
+        leaked = model(input_ids=flat, use_cache=False).logits[0]
+    good = logprobs_from_logits(logits, ids[:, P : P + t])
+    # row 1's last prompt token (which predicts its first response token) follows row 0's 15 packed tokens
+    last_prompt_token = int(mask[0, :-1].sum()) + 3 - 1
+    leaked_lp = torch.log_softmax(leaked[last_prompt_token], -1)[ids[1, P]]
+    assert abs(float(leaked_lp - good[1, 0])) > 1e-3
+
+
+def test_actor_honours_use_remove_padding(tiny_model_dir, monkeypatch):
+    """actor_rollout_ref.model.use_remove_padding=true: the worker's old / ref logprobs and its update's gradient
+    equal the padded worker's, and the packed forward is the one that ran."""
+    import tiller.workers.actor as actor_module
+    from tests.trainer.test_dynamic_batches import _batch, _cfg, _grads
+
+    calls = []
+    monkeypatch.setattr(actor_module, "packed_response_forward",
+                        lambda *a, **k: calls.append(1) or packed_response_forward(*a, **k))
+    batch = _batch()
+    logps, grads, counts = [], [], []
+    for flag in ("false", "true"):
+        w = actor_module.ActorRolloutRefWorker(
+            _cfg(tiny_model_dir, f"actor_rollout_ref.model.use_remove_padding={flag}"), total_training_steps=1,
+            need_ref=True)
+        batch["ref_log_prob"] = w.compute_ref_log_prob(batch)["ref_log_prob"]
+        logps.append(w.compute_log_prob(batch)["old_log_probs"])
+        grads.append(_grads(w, "update_actor", batch))
+        counts.append(len(calls))
+    assert counts[0] == 0 and counts[1] >= 3  # padded worker: never; packed: ref, old and update forwards
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(logps[1][mask], logps[0][mask], atol=1e-5, rtol=0)
+    for name, grad in grads[0].items():
+        assert float((grads[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name

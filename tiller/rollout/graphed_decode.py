@@ -1,0 +1,418 @@
+"""A static-shape decode step for the native engine, captured in CUDA graphs on a GPU (eager on a CPU).
+
+Why: on a GPU the eager decode step of a 0.5B model is bound by Python and kernel launches, not by the device
+(~950 launches and ~3 host syncs a step; the GPU busy 8% of the time, `shared/GPU.md`). Mature engines (vLLM,
+SGLang, nano-vllm's `model_runner.py`, gpt-fast) capture the whole step once per batch-size bucket in a CUDA
+graph and replay it: one launch a step. A graph replays fixed device addresses and shapes, so everything the
+step touches lives in buffers allocated once and updated in place:
+
+- the KV cache `[C, Hk, Lcap, D]` per layer (C = the largest bucket), one cache row per batch row;
+- per batch row: the input token, its rotary position, the column it writes (`write`), its first live column
+  (`start`: prompts are right-aligned), the output row it records to (`row_id`), its token counter, its `alive`
+  flag and its sampling key;
+- the outputs: sampled tokens and logprobs `[R + 1, T]`, each row's length `[R + 1]` (row R is the dummy).
+
+One replay feeds each row's last token, writes its keys / values at `(row, write[row])`, attends over the
+columns `[start, write]` of its own cache row (a bool mask built on the device from the two vectors, over the
+first `Lb` columns: `Lb` is the live length rounded up to `kv_block`, so a step reads the live KV plus at most
+one block, and each (bucket, Lb) pair is one graph, captured on first use), samples the next token, records it
+and its logprob at `(row_id, counter)`, marks rows that drew a stop token (their length set on the device) and
+advances the row's state. Nothing in the step syncs with the host: the host learns which rows are done through
+a non-blocking copy of `alive` every `sync_every` steps, read `sync_every` steps later, and then compacts the
+batch (live rows gathered to the front of every buffer, the cache included) into a smaller bucket.
+
+Buckets are vLLM's capture sizes: 1, 2, 4, then multiples of 8 up to `max_num_seqs` (`rollout.cudagraph_capture_sizes`
+overrides). A batch of `b` live rows runs at the smallest bucket >= b; the padding rows occupy cache rows past the
+live ones (never read by a live row: attention is per row), record to the dummy output row R and are never alive.
+A batch larger than every bucket runs the same step eagerly.
+
+Sampling is per row and counter-based: row r's uniform for its token t is a hash of (the row's 32-bit key, t)
+computed with integer ops on the device (`row_uniforms`), so it needs no generator state (graph-safe without
+`register_generator_state`), is repeatable, and does not depend on which other rows share the batch or on the
+bucket's padding. The filters and the draw are `tiller.rollout.sampling`'s (HF's warper order, CDF inversion).
+
+Weight sync: the step reads the `FusedDecoder`'s fused weights and the model's own embedding / norm / rotary
+tensors; `FusedDecoder.sync()` copies new weights into those same tensors (never new ones) when nothing is
+prepacked, so a captured graph uses the synced weights without recapture.
+
+On a CPU the same step runs eagerly (no capture); tests check it against the eager engine (greedy tokens equal,
+logprobs close), that padding rows change nothing, and that seeded sampling is repeatable and batch-independent.
+
+Deviations from vLLM: no paged cache (one contiguous row per sequence, compacted as rows finish); stop strings
+and partial-rollout weight hooks need the host every step, so the engine keeps its eager loop for those.
+
+Letters: `b` batch rows (a bucket), `C` cache rows, `R` rows of the wave, `T` new tokens, `Lb` columns read.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tiller.errors import UserError
+from tiller.rollout.sampling import draw_with_uniforms, warp_logits
+
+KV_BLOCK = 256
+"""Columns a step reads beyond the live ones at most: the attention width is the live length rounded up to this."""
+
+SYNC_EVERY = 8
+"""Steps between the host's looks at which rows are done (each look is one step stale, so never a stall)."""
+
+MAX_STOP_IDS = 16
+"""Stop-token slots in the static stop buffer (more stop ids grow it and recapture)."""
+
+_MASK32 = 0xFFFFFFFF
+
+
+def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int]:
+    """The batch-size buckets: `sizes` when given (sorted, deduplicated), else vLLM's 1, 2, 4, 8, 16, ... up to
+    `max_num_seqs` (itself included when it is not a multiple of 8).
+
+    >>> capture_sizes(20)
+    [1, 2, 4, 8, 16, 20]
+    >>> capture_sizes(256, [64, 8, 8])
+    [8, 64]
+    """
+    if sizes:
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+            raise UserError(f"rollout.cudagraph_capture_sizes: batch sizes must be positive integers, got {sizes}")
+        return sorted({int(s) for s in sizes})
+    out = [s for s in (1, 2, 4) if s <= max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if out[-1] != max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+def bucket_for(rows: int, sizes: list[int]) -> int | None:
+    """The smallest bucket holding `rows`, or None when none does (the step then runs eagerly at `rows`)."""
+    return next((s for s in sizes if s >= rows), None)
+
+
+# ----------------------------------------------------------------------------------------- sampling
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of 32-bit values held in int64 (every product stays below 2^63, so no overflow anywhere)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & _MASK32
+    return x ^ (x >> 15)
+
+
+def row_keys(seed: int, rows: int) -> torch.Tensor:
+    """The 32-bit sampling key of each of `rows` rows of a wave seeded `seed` (any int >= 0): [rows] int64 (CPU).
+    Row r's key depends on the seed and r only."""
+    base = _mix32(torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.long))
+    key = _mix32(base[0] ^ _mix32(base[1] ^ 0x5BD1E995))
+    return _mix32(key ^ _mix32(torch.arange(rows, dtype=torch.long)))
+
+
+def row_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """keys [b], counters [b] int64 (>= 0) -> one uniform in [0, 1) per row, [b, 1] float64 (53 random bits from two
+    32-bit hashes of (key, counter)). A pure function of its row's key and counter: batch-independent by design."""
+    c = counters & _MASK32
+    hi = _mix32(keys ^ _mix32(2 * c))
+    lo = _mix32(keys ^ _mix32(2 * c + 1))
+    bits = (hi << 21) | (lo >> 11)  # < 2^53
+    return (bits.double() * (1.0 / 2 ** 53)).unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The sampling parameters a graph is captured with (they are constants of the graph)."""
+
+    do_sample: bool
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @classmethod
+    def of(cls, sampling) -> "Sampler":
+        return cls(bool(sampling.do_sample), float(sampling.temperature), int(sampling.top_k), float(sampling.top_p),
+                   float(sampling.min_p))
+
+    def __call__(self, logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor):
+        """logits [b, V] -> (tokens [b] long, logprobs [b] fp32); `sample_tokens`' math with per-row uniforms."""
+        if not self.do_sample:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            tokens = logp.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(warp_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p), dim=-1)
+            tokens = draw_with_uniforms(logp.exp(), row_uniforms(keys, counters))
+        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------- the step
+class GraphedDecoder:
+    """The static buffers and the captured decode steps of one `FusedDecoder` (one model's weights).
+
+    `capture`: record CUDA graphs (default: on CUDA); False runs the same static-shape step eagerly."""
+
+    def __init__(self, fused, sizes: list[int], kv_block: int = KV_BLOCK, sync_every: int = SYNC_EVERY,
+                 capture: bool | None = None):
+        self.fused = fused
+        self.sizes = sizes
+        self.kv_block = kv_block
+        self.sync_every = max(1, sync_every)
+        p = next(fused.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.capture = (self.device.type == "cuda") if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.cap = (0, 0, 0, 0)  # (cache rows C, columns Lcap, output rows R + 1, tokens T)
+        self.stop = torch.empty(0, dtype=torch.long)
+        self.replays = self.captures = self.eager_steps = 0  # counters (tests and the GPU check read them)
+        self.capture_error: str | None = None
+
+    # ------------------------------------------------------------------------------------- storage
+    def _ensure(self, rows: int, cols: int, new_tokens: int, stop_ids: list[int]) -> None:
+        """(Re)allocate the static buffers when this wave needs more than they hold (dropping every graph)."""
+        bucket = bucket_for(rows, self.sizes) or rows
+        c_rows, c_cols, c_out, c_t = self.cap
+        n_stop = max(MAX_STOP_IDS, len(stop_ids))
+        if bucket > c_rows or cols > c_cols or rows + 1 > c_out or new_tokens > c_t or n_stop > len(self.stop):
+            c_rows, c_out = max(bucket, c_rows), max(rows + 1, c_out)
+            c_cols = max(c_cols, -(-cols // self.kv_block) * self.kv_block)
+            c_t = max(c_t, new_tokens)
+            self._allocate(c_rows, c_cols, c_out, c_t, n_stop)
+        self.stop.fill_(-1)
+        if stop_ids:
+            self.stop[: len(stop_ids)] = torch.tensor(sorted(stop_ids), device=self.device)
+
+    def _allocate(self, c_rows: int, c_cols: int, c_out: int, c_t: int, n_stop: int) -> None:
+        self.graphs.clear()
+        self.kc = self.vc = None
+        f, dev = self.fused, self.device
+        shape = (c_rows, f.n_kv, c_cols, f.head_dim)
+        layers = len(f.model.model.layers)
+        # zeros: masked columns still enter the attention matmuls, and 0 * NaN garbage would be NaN
+        self.kc = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        self.vc = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        long = dict(dtype=torch.long, device=dev)
+        self.state = {name: torch.zeros(c_rows, **long)
+                      for name in ("tokens", "positions", "write", "start", "row_id", "counter", "keys")}
+        self.alive = torch.zeros(c_rows, dtype=torch.bool, device=dev)
+        self.arange = torch.arange(c_rows, **long)
+        self.columns = torch.arange(c_cols, **long)
+        self.out_tokens = torch.zeros((c_out, c_t), **long)
+        self.out_logp = torch.zeros((c_out, c_t), dtype=torch.float32, device=dev)
+        self.lengths = torch.zeros(c_out, **long)
+        self.stop = torch.full((n_stop,), -1, **long)
+        self.cap = (c_rows, c_cols, c_out, c_t)
+
+    # ---------------------------------------------------------------------------------- the step body
+    def _forward(self, b: int, lb: int) -> torch.Tensor:
+        """Rows [:b]: feed their tokens, write their keys / values, attend over columns [:lb]; logits [b, V]."""
+        f, s = self.fused, self.state
+        inner = f.model.model
+        d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
+        half = d // 2
+        write, rows = s["write"][:b], self.arange[:b]
+        cols = self.columns[:lb]
+        mask = ((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :]
+        x = inner.embed_tokens(s["tokens"][:b])  # [b, E]
+        cos, sin = inner.rotary_emb(x[:1], s["positions"][:b, None])  # [b, 1, D]: broadcast over the heads
+        for i, layer in enumerate(inner.layers):
+            qkv = f._apply(f._norm(layer.input_layernorm, x), f.qkv[i])
+            qk = qkv[:, : (n_q + n_kv) * d].view(b, n_q + n_kv, d)
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q, k = qk.split([n_q, n_kv], dim=1)
+            v = qkv[:, (n_q + n_kv) * d :].view(b, n_kv, d)
+            self.kc[i][rows, :, write] = k
+            self.vc[i][rows, :, write] = v
+            o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
+                                   self.vc[i][:b, :, :lb], mask)
+            x = x + f._apply(o.reshape(b, n_q * d), f.o[i])
+            gate, up = f._apply(f._norm(layer.post_attention_layernorm, x), f.gate_up[i]).chunk(2, dim=-1)
+            x = x + f._apply(layer.mlp.act_fn(gate) * up, f.down[i])
+        return f._apply(f._norm(inner.norm, x), f.head)
+
+    def _record(self, b: int, tokens: torch.Tensor, logp: torch.Tensor) -> None:
+        """Record rows [:b]'s sampled tokens at their counters; stop rows that drew a stop token (device only)."""
+        s = self.state
+        row_id, counter = s["row_id"][:b], s["counter"][:b]
+        self.out_tokens[row_id, counter] = tokens
+        self.out_logp[row_id, counter] = logp
+        hit = (tokens[:, None] == self.stop[None, :]).any(-1) & self.alive[:b]
+        self.lengths[row_id] = torch.where(hit, counter + 1, self.lengths[row_id])
+        self.alive[:b] &= ~hit
+        s["tokens"][:b] = tokens
+
+    def _step(self, b: int, lb: int, sampler: Sampler) -> None:
+        """One decode step of rows [:b], everything in place in the static buffers (what a graph records)."""
+        s = self.state
+        logits = self._forward(b, lb)
+        s["counter"][:b] += 1
+        self._record(b, *sampler(logits, s["keys"][:b], s["counter"][:b]))
+        s["positions"][:b] += 1
+        s["write"][:b] += 1
+
+    def run_step(self, b: int, lb: int, sampler: Sampler) -> None:
+        """Replay the graph of (b, lb, sampler), capturing it on first use; eager when not capturing or b is no
+        bucket. The first use runs the step eagerly on a side stream (the warm-up torch.cuda.graph needs), which
+        is this step's real work; capture records without running."""
+        key = (b, lb, sampler)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        if not self.capture or b not in self.sizes:
+            self._step(b, lb, sampler)
+            self.eager_steps += 1
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step(b, lb, sampler)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.eager_steps += 1
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(b, lb, sampler)
+        except Exception as err:  # an op that cannot be captured here: keep decoding eagerly, say so once
+            self.capture, self.capture_error = False, f"{type(err).__name__}: {err}"
+            warnings.warn(f"tiller: capturing the decode step in a CUDA graph failed ({self.capture_error}); "
+                          "decoding eagerly", stacklevel=2)
+            return
+        if self._pool is None:  # one memory pool for every graph: each keeps nothing alive in it past its replay
+            self._pool = graph.pool()  # (all its results go to the static buffers), and they never run concurrently
+        self.graphs[key] = graph
+        self.captures += 1
+
+    # ----------------------------------------------------------------------------- host bookkeeping
+    def _pad_rows(self, live: int) -> None:
+        """Rows [live:] become padding: never alive, recording to the dummy output row, writing column 0."""
+        s = self.state
+        for name in ("tokens", "positions", "write", "start", "counter", "keys"):
+            s[name][live:] = 0
+        s["row_id"][live:] = self.cap[2] - 1
+        self.alive[live:] = False
+
+    def _compact(self, keep: torch.Tensor, upto: int) -> None:
+        """Gather batch rows `keep` [b'] (device long) to the front of every buffer; cache columns < `upto`."""
+        nb = len(keep)
+        for buf in (*self.state.values(), self.alive):
+            buf[:nb] = buf[keep]
+        for caches in (self.kc, self.vc):
+            for c in caches:
+                c[:nb, :, :upto] = c[keep, :, :upto]
+        self._pad_rows(nb)
+
+    def start_wave(self, first_logits: torch.Tensor, prompt_len: torch.Tensor, width: int, seed: int,
+                   sampler: Sampler) -> None:
+        """Rows [:R] after the prefill (keys / values at right-aligned columns [width - len, width)): sample
+        token 0 from `first_logits` [R, V] and set every row's state. `prompt_len` [R] long on the device."""
+        rows = first_logits.shape[0]
+        s = self.state
+        self._pad_rows(0)
+        self.lengths.fill_(self.cap[3])
+        s["keys"][:rows] = row_keys(seed, rows).to(self.device)
+        s["row_id"][:rows] = self.arange[:rows]
+        s["positions"][:rows] = prompt_len
+        s["start"][:rows] = width - prompt_len
+        s["write"][:rows] = width
+        self.alive[:rows] = True
+        self._record(rows, *sampler(first_logits, s["keys"][:rows], s["counter"][:rows]))
+
+    def decode(self, rows: int, width: int, new_tokens: int, sampler: Sampler, compact_fraction: float) -> None:
+        """Decode tokens 1 .. new_tokens - 1 of the wave set up by `start_wave`, compacting finished rows away."""
+        live = rows
+        pending: tuple[torch.Tensor, object] | None = None
+        host_alive = torch.empty(self.cap[0], dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        for t in range(1, new_tokens):
+            if (t - 1) % self.sync_every == 0:
+                if pending is not None:
+                    count, event = pending
+                    if event is not None:
+                        event.synchronize()
+                    alive = host_alive[:count]
+                    n_alive = int(alive.sum())
+                    if n_alive == 0:
+                        return
+                    if count - n_alive >= max(1, compact_fraction * count):
+                        keep = alive.nonzero().squeeze(-1)
+                        self._compact(keep.to(self.device, non_blocking=True), width + t - 1)
+                        live = n_alive
+                host_alive[:live].copy_(self.alive[:live], non_blocking=True)
+                event = None
+                if self.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                pending = (live, event)
+            b = bucket_for(live, self.sizes) or live
+            lb = min(self.cap[1], -(-(width + t) // self.kv_block) * self.kv_block)  # token t-1 writes width+t-1
+            self.run_step(b, lb, sampler)
+
+    def results(self, rows: int, new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's tokens and logprobs, cut at its length (one device-to-host copy of each)."""
+        tokens = self.out_tokens[:rows, :new_tokens].tolist()
+        logp = self.out_logp[:rows, :new_tokens].tolist()
+        lengths = self.lengths[:rows].clamp_max(new_tokens).tolist()
+        return [t[:n] for t, n in zip(tokens, lengths)], [lp[:n] for lp, n in zip(logp, lengths)]
+
+
+
+# ------------------------------------------------------------------------------------- the engine's use
+def native_decode_options(enforce_eager: bool | None, device_type: str,
+                          sizes: list[int] | None = None) -> dict:
+    """The native engine's decode options for verl's `rollout.enforce_eager` on `device_type`: on CUDA, False captures
+    the static-shape step in CUDA graphs, null (the default) or True decodes eagerly (graphs become the default, as in
+    vLLM, once `scripts/gpu_check.py`'s graphed_decode check has passed on a GPU: issue #37); on a CPU,
+    False compiles the fused step with Inductor (`tiller.rollout.compiled_decode`, ~10-30 s of compiling, so not the
+    default), null or True decodes eagerly. `sizes` is `rollout.cudagraph_capture_sizes`.
+
+    >>> native_decode_options(False, "cuda")
+    {'static_decode': True, 'cuda_graphs': True, 'capture_sizes': None}
+    >>> native_decode_options(None, "cuda")
+    {}
+    >>> native_decode_options(False, "cpu"), native_decode_options(None, "cpu")
+    ({'compile_decode': True}, {})
+    """
+    if device_type == "cuda":
+        if enforce_eager is not False:
+            return {}
+        return {"static_decode": True, "cuda_graphs": True, "capture_sizes": sizes}
+    return {"compile_decode": True} if enforce_eager is False else {}
+
+
+def decoder_for(engine, model) -> GraphedDecoder | None:
+    """The engine's static-shape decoder for `model` (kept across calls: its graphs and buffers are reused), or
+    None where it does not apply (static decode off, or no fused decoder for this model)."""
+    fused = engine._fused
+    if not engine.static_decode or fused is None or fused.model is not model:
+        return None
+    graphed = getattr(engine, "_graphed", None)
+    if graphed is None or graphed.fused is not fused:
+        graphed = GraphedDecoder(fused, capture_sizes(engine.max_num_seqs, engine.capture_sizes),
+                                 capture=engine.cuda_graphs)
+        engine._graphed = graphed
+    return graphed
+
+
+def generate_wave(engine, graphed: GraphedDecoder, model, prompts: list[list[int]], sampling, stop_ids,
+                  generator: torch.Generator, pad_id: int, make_cache):
+    """The native engine's `_generate_wave` on the static-shape step: (tokens, logprobs, versions) per row.
+    `make_cache(rows, columns, device)` is the engine's cache class (its prefill writes through that contract)."""
+
+    n, new_tokens = sampling.n, sampling.max_new_tokens
+    rows, width = len(prompts) * n, max(len(p) for p in prompts)
+    graphed._ensure(rows, width + new_tokens, new_tokens, sorted(stop_ids))
+    cache = make_cache(rows, graphed.cap[1], graphed.device)
+    cache.keys, cache.values = list(graphed.kc), list(graphed.vc)
+    first_logits = engine._prefill(model, prompts, cache, width, n, pad_id)
+    # the wave's seed: one draw from the call's generator, so waves differ and a seeded call repeats
+    seed = int(torch.randint(2 ** 62, (1,), generator=generator, device=generator.device))
+    prompt_len = torch.tensor([len(p) for p in prompts], device=graphed.device).repeat_interleave(n)
+    sampler = Sampler.of(sampling)
+    graphed.start_wave(first_logits, prompt_len, width, seed, sampler)
+    graphed.decode(rows, width, new_tokens, sampler, engine.compact_fraction)
+    tokens, logprobs = graphed.results(rows, new_tokens)
+    return tokens, logprobs, [[] for _ in range(rows)]

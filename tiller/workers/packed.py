@@ -1,0 +1,155 @@
+"""The update's forward without padding (verl's `use_remove_padding=True`): a micro-batch's rows packed into one.
+
+A micro-batch of RL samples is `[B, P + T]`: left-padded prompts, right-padded responses. The padded forward
+(`tiller.workers.common.response_forward`) trims the columns no row uses, but every row still runs at the width of
+the longest prompt plus the longest response. Packed, each row's real tokens (attention mask 1) are laid end to end
+in one sequence `[1, N]`, N = the micro-batch's real tokens, with position ids restarting at 0 for every row:
+
+    row 0: p p p r r r          ->   p p p r r r q q r r r r s s s r
+    row 1:     q q r r r r                      (positions 0 1 2 3 4 5 0 1 2 3 4 5 0 1 2 3)
+    row 2:   s s s r
+
+The attention runs per row: for the packed forward the model's attention implementation is switched to
+`tiller_packed` (registered with transformers' `AttentionInterface`; no mask is built), which attends causally
+inside each row's slice: `torch.nn.attention.varlen.varlen_attn` on CUDA in bf16 / fp16 (FlashAttention's varlen
+kernel in torch), else one SDPA call per row with `is_causal=True`. Attention costs the sum of the rows' squared lengths, never the
+packed length's square, and no `[N, N]` mask exists. The matmuls run on N tokens instead of B x (P + T); the LM
+head runs only on the positions that predict a response token (`logits_to_keep` as an index tensor), scattered back
+to `[B, t, V]`. Every real token gets the position id and the keys it has in the padded forward, so logprobs and
+gradients are the padded forward's up to summation order (tests/trainer/test_packed_forward.py).
+
+Deviations from verl: rows are packed per micro-batch (the micro-batching stays tiller's, token-budgeted or not);
+no flash-attn package needed (torch's own varlen kernel on CUDA). Slots past a row's response are zero logits (the padded
+forward has pad-token logits there); both are masked by `response_mask` downstream.
+
+Letters: `B` rows, `W` trimmed columns, `N` packed tokens, `K` kept (response-predicting) positions, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from tiller.workers.common import position_ids_from_mask, trim_bounds
+
+IMPL = "tiller_packed"
+"""The attention implementation name the packed forward switches the model to while it runs."""
+
+# (row lengths on the host, cumulative offsets [B + 1] int32 on the device, longest row) of the running packed forward
+_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("tiller_packed_segments", default=None)
+_SWITCH = threading.Lock()
+_ACTIVE: dict[int, list] = {}  # id(config) -> [packed forwards running, the implementation to restore]
+varlen_calls = 0  # attention calls that ran torch's varlen kernel (the GPU check reads it)
+
+
+def varlen_available(device: torch.device) -> bool:
+    """torch's varlen attention (FlashAttention) is there and applies: CUDA only."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale) -> torch.Tensor:
+    """q [N, Hq, D], k / v [N, Hk, D] -> causal attention within each row of `cu`, [N, Hq, D]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"scale": scale}
+    kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+
+def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-interface contract for the packed sequence: query [1, Hq, N, D], key / value
+    [1, Hk, N, D] -> ([1, N, Hq, D], None), each row attending causally to its own tokens only."""
+    segments = _SEGMENTS.get()
+    if segments is None:
+        raise RuntimeError(f"the {IMPL!r} attention runs only inside tiller.workers.packed.packed_response_forward")
+    lengths, cu, longest = segments
+    if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device):
+        global varlen_calls
+        varlen_calls += 1
+        out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest, scaling)
+        return out.unsqueeze(0), None
+    gqa = query.shape[1] != key.shape[1]
+    outs, start = [], 0
+    for n in lengths:
+        end = start + n
+        outs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end],
+                                                   value[:, :, start:end], dropout_p=dropout, is_causal=True,
+                                                   scale=scaling, enable_gqa=gqa))
+        start = end
+    return torch.cat(outs, dim=2).transpose(1, 2), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPL, packed_attention)
+
+
+@contextlib.contextmanager
+def _packed_attention(config, lengths: list[int], device: torch.device):
+    """Run the model's attention as `packed_attention` over rows of `lengths` (a thread-safe, counted switch of
+    `config._attn_implementation`: concurrent packed forwards of one model share it, the last one restores it)."""
+    _register()
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    token = _SEGMENTS.set((lengths, cu, max(lengths)))
+    with _SWITCH:
+        entry = _ACTIVE.setdefault(id(config), [0, config._attn_implementation])
+        entry[0] += 1
+        config._attn_implementation = IMPL
+    try:
+        yield
+    finally:
+        with _SWITCH:
+            entry[0] -= 1
+            if entry[0] == 0:
+                config._attn_implementation = entry[1]
+                del _ACTIVE[id(config)]
+        _SEGMENTS.reset(token)
+
+
+def pack_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, mask [B, W] -> (packed ids [1, N], position ids [1, N] restarting at each row, index [B, W] of each
+    column in the packed sequence; -1 for padding)."""
+    valid = mask.bool()
+    index = torch.where(valid, valid.reshape(-1).long().cumsum(0).view_as(valid) - 1, -1)
+    return ids[valid][None], position_ids_from_mask(mask)[valid][None], index
+
+
+def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                            response_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
+    predicts response token j. input_ids, attention_mask [B, P + T]; response_mask [B, T]."""
+    left, right = trim_bounds(attention_mask, prompt_width, response_mask)
+    t_used = right - prompt_width
+    ids, mask = input_ids[:, left : right - 1], attention_mask[:, left : right - 1]
+    flat_ids, positions, index = pack_rows(ids, mask)
+    # response slot j is predicted at trimmed column (P - left) - 1 + j
+    predictor = index[:, prompt_width - left - 1 + torch.arange(t_used, device=ids.device)]  # [B, t]
+    keep = predictor >= 0
+    lengths = [n for n in mask.sum(1).tolist() if n > 0]
+    with _packed_attention(model.config, lengths, ids.device):
+        out = model(input_ids=flat_ids, attention_mask=None, position_ids=positions, use_cache=False,
+                    logits_to_keep=predictor[keep])
+    logits = out.logits[0]  # [K, V]
+    full = logits.new_zeros((ids.shape[0], t_used, logits.shape[-1]))
+    full[keep] = logits
+    return full, t_used
