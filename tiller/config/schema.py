@@ -1111,17 +1111,20 @@ class RolloutCorrectionConfig:
     compute old logprobs even when the update is on-policy."""
 
     rollout_is: Optional[str] = None
-    """Truncated importance sampling of the policy gradient by p_old / p_rollout: null (off) | token | sequence."""
-    rollout_is_threshold: float = 2.0
-    """Cap of the importance weights (TIS)."""
+    """Importance sampling of the policy gradient by p_old / p_rollout: null (off) | token | sequence."""
+    rollout_is_threshold: str = "2.0"
+    """verl's string-or-float form: a float C caps the weights at C (truncated IS); "lo_hi" (e.g. 0.5_2.0) is
+    IcePop: weights outside [lo, hi] are set to 0 (the tokens stay in the loss mask)."""
     rollout_is_batch_normalize: bool = False
     """Divide the importance weights by their batch mean (tokens, or sequences for rollout_is=sequence)."""
     rollout_rs: Optional[str] = None
-    """Rejection (masking) of tokens / sequences, comma-separated: token_k1 | seq_sum_k1 | seq_mean_k1 (ratio in
-    [lo, hi]; IcePop-style) | token_k2 | token_k3 | seq_{sum,mean,max}_k{2,3} (divergence <= threshold); null = off."""
+    """Rejection (masking) of tokens / sequences, comma-separated: token_k1 | seq_sum_k1 | seq_mean_k1 (verl's k1 =
+    log(p_rollout / p_old), per token / summed / averaged, in [log lo, log hi]) | token_k2 | token_k3 |
+    seq_{sum,mean,max}_k{2,3} (divergence <= threshold); null = off."""
     rollout_rs_threshold: Optional[str] = None
-    """Bounds of rollout_rs: k1 options "lo_hi" (e.g. 0.5_2.0) or hi (lo = 1/hi); k2/k3 options an upper bound;
-    one value for all options or one per option, comma-separated."""
+    """Bounds of rollout_rs: k1 options "lo_hi" (e.g. 0.5_2.0; as verl, they bound p_rollout / p_old, so bounds
+    [a, b] on p_old / p_rollout are written 1/b_1/a) or hi (lo = 1/hi); k2/k3 options an upper bound; one value for
+    all options or one per option, comma-separated."""
     bypass_mode: bool = False
     """Bypass mode: the rollout engine's logprobs are the old logprobs (no recompute forward); the IS weights and
     rejection above are computed inside the loss from the current policy (policy loss `bypass_mode`)."""

@@ -13,7 +13,7 @@ from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
 from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
 from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
-from tiller.algos.rollout_correction import parse_rs_options, ROLLOUT_IS_LEVELS
+from tiller.algos.rollout_correction import parse_is_threshold, parse_rs_options, ROLLOUT_IS_LEVELS
 from tiller.config.edge import apply_edge
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
@@ -224,7 +224,7 @@ def _validate_rollout_correction(rc) -> None:
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None:
         _choice(f"{key}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS)
-        _positive(f"{key}.rollout_is_threshold", rc.rollout_is_threshold)
+        parse_is_threshold(rc.rollout_is_threshold)  # ConfigError naming the key
     elif rc.rollout_is_batch_normalize:
         raise ConfigError(f"{key}.rollout_is_batch_normalize=True needs {key}.rollout_is=token|sequence")
     parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)  # ConfigError naming the key
