@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tiller.config import schema_verl010 as v010
+from tiller.config.schema_verl010 import MegatronOptimOptions, QatConfig, SkipConfig, V1TrainerConfig
+
 # ------------------------------------------------------------- verl sections tiller accepts as a whole
 
 
@@ -154,6 +157,12 @@ class DataConfig:
     """verl: a dynamic data generator {path, name}; refused unless both are null."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """verl: extra keyword arguments of apply_chat_template (e.g. enable_thinking); refused unless empty."""
+    function_tool_path: Optional[str] = None
+    """verl 0.10: data-level copy of rollout.multi_turn.function_tool_path; refused (use tool_config_path)."""
+    audio_key: str = "audios"
+    """verl 0.10: the column of audio inputs; tiller trains text-only models."""
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """verl 0.10: keyword arguments of the multimodal processor; tiller trains text-only models."""
 
 
 # ------------------------------------------------------------------------------------ actor / rollout
@@ -201,6 +210,18 @@ class FSDPConfig:
     """verl's engine torch.compile switch; tiller's is <role>.use_torch_compile."""
     forward_only: bool = False
     """verl: an engine without optimizer (set by verl for the reference); tiller builds the reference without one."""
+    entropy_from_logits_chunk_size: int = 2048
+    """verl 0.10: chunk size of entropy_from_logits_with_chunking; a memory tuning."""
+    pad_to_length: bool = False
+    """verl 0.10: pad every micro-batch to a fixed bucketed length (static shapes); tiller pads each micro-batch to
+    its longest row (the update is the same)."""
+    pad_to_length_bucket: int = 1024
+    """verl 0.10: the bucket of pad_to_length (no effect in tiller)."""
+    qat: QatConfig = field(default_factory=QatConfig)
+    """verl 0.10: quantization-aware training of this engine (enable refused)."""
+    turbo_config: dict[str, Any] = field(default_factory=v010.turbo_config)
+    """verl 0.10: the parallel plan of its FSDP "turbo" engine (expert / tensor / Ulysses sizes); tiller's FSDP2
+    shards over data-parallel ranks."""
 
 
 @dataclass
@@ -320,7 +341,7 @@ class ModelConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(MegatronOptimOptions):
     lr: float = 1e-6
     """Peak learning rate."""
     lr_warmup_steps: int = -1
@@ -368,6 +389,9 @@ class OptimConfig:
     """verl Megatron optimizer schedule (strategy=megatron only)."""
     weight_decay_incr_style: str = "constant"
     """verl Megatron optimizer schedule (strategy=megatron only)."""
+    zero_indexed_step: bool = True
+    """verl 0.10: the LR schedule counts steps from 0 (True, verl's default, tiller's schedules) or from 1 (False,
+    torchtitan's); False is refused."""
 
 
 @dataclass
@@ -389,8 +413,9 @@ class PolicyLossConfig:
     """Older name of actor.tau_pos (converted at load time; setting both is an error)."""
     sapo_tau_neg: Optional[float] = None
     """Older name of actor.tau_neg (converted at load time; setting both is an error)."""
-    dro_beta: float = 0.1
-    """dro: weight of the quadratic log-ratio penalty beta/2 (logp - old_logp)^2 (> 0)."""
+    dro_beta: Optional[float] = None
+    """dro: weight of the quadratic log-ratio penalty beta/2 (logp - old_logp)^2 (> 0); required with loss_mode=dro
+    (verl 0.10's default is null, and verl stops on a null beta too)."""
 
 
 @dataclass
@@ -532,6 +557,13 @@ class ActorConfig:
     """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
     megatron: dict[str, Any] = field(default_factory=_megatron)
     """verl's Megatron-Core parallelism of this role (strategy=megatron only, which tiller refuses)."""
+    qat: QatConfig = field(default_factory=QatConfig)
+    """verl 0.10: quantization-aware training of the actor (enable refused)."""
+    entropy_from_logits_chunk_size: int = 2048
+    """verl 0.10: chunk size of entropy_from_logits_with_chunking; a memory tuning."""
+    pad_to_length: bool = False
+    """verl 0.10: pad micro-batches to a fixed bucketed length (static shapes); tiller pads each micro-batch to its
+    longest row (the update is the same)."""
 
 
 @dataclass
@@ -566,6 +598,11 @@ class RefConfig:
     """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
     megatron: dict[str, Any] = field(default_factory=_megatron)
     """verl's Megatron-Core parallelism of the reference (strategy=megatron only, which tiller refuses)."""
+    entropy_from_logits_chunk_size: int = 2048
+    """verl 0.10: chunk size of entropy_from_logits_with_chunking; a memory tuning."""
+    pad_to_length: Optional[bool] = None
+    """verl 0.10: pad micro-batches to a fixed length (null = the actor's); tiller pads each micro-batch to its
+    longest row."""
 
 
 @dataclass
@@ -609,6 +646,8 @@ class MultiTurnConfig:
     """verl: check incremental tokenization against a full re-render; tiller tokenizes each turn once."""
     num_repeat_rollouts: Optional[int] = None
     """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
+    function_tool_path: Optional[str] = None
+    """verl 0.10: a Python file of function tools; refused (tiller's tools are listed in tool_config_path)."""
 
 
 @dataclass
@@ -649,6 +688,10 @@ class TraceConfig:
     """verl: decode token ids in rollout traces."""
     max_samples_per_step_per_worker: Optional[int] = None
     """verl: cap of traced samples; tiller records no rollout traces."""
+    project_name: Optional[str] = None
+    """verl 0.10: the trace backend's project (null = trainer.project_name)."""
+    experiment_name: Optional[str] = None
+    """verl 0.10: the trace backend's experiment (null = trainer.experiment_name)."""
 
 
 @dataclass
@@ -662,6 +705,9 @@ class CheckpointEngineConfig:
     """verl: bucket size of the weight transfer; tiller's vllm sync uses its own bucket size."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """verl: keyword arguments of the checkpoint-engine backend (no backend to pass them to)."""
+    custom_backend_module: Optional[str] = None
+    """verl 0.10: a module providing a custom checkpoint-engine backend (only with a backend other than naive, which
+    is refused)."""
 
 
 @dataclass
@@ -782,6 +828,23 @@ class RolloutConfig:
     layer_name_map: dict[str, Any] = field(default_factory=lambda: {"qkv_layer_name": "qkv",
                                                                     "gate_proj_layer_name": "gate_up"})
     """verl (Megatron): layer names for the weight sync of fused layers (strategy=megatron only)."""
+    nnodes: int = 0
+    """verl 0.10: nodes of a standalone rollout pool (0 = the rollout shares the trainer's GPUs, verl's hybrid
+    engine, which is tiller's layout)."""
+    n_gpus_per_node: Optional[int] = None
+    """verl 0.10: GPUs per node of a standalone rollout pool (null = trainer.n_gpus_per_node)."""
+    full_determinism: bool = False
+    """verl 0.10: deterministic inference kernels in the engine; a GPU setting (tiller's engines are deterministic
+    per seed on CPU)."""
+    seed: int = 42
+    """verl 0.10: the engine's seed; tiller seeds sampling from trainer.seed (per step and sample)."""
+    moe_load_balance_metrics_interval: int = 0
+    """verl 0.10: log the engine's MoE expert load every N steps (0 = off)."""
+    qat: Any = None
+    """verl 0.10: the engine's copy of the actor's QAT settings (actor qat.enable is refused)."""
+    disaggregation: dict[str, Any] = field(default_factory=v010.disaggregation)
+    """verl 0.10: prefill / decode on separate engine replicas (SGLang / vLLM with nixl); refused unless at its
+    defaults (tiller's engine prefills and decodes in one loop)."""
 
 
 @dataclass
@@ -842,6 +905,22 @@ class CriticModelConfig:
     """verl (Megatron): the critic's LoRA section (strategy=megatron only, which tiller refuses)."""
     tiled_mlp: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "num_shards": 4})
     """verl: tiled MLP to save activation memory; a memory tuning tiller does not have."""
+    hf_config_path: Optional[str] = None
+    """verl: read the critic's HF config from another dir; refused (tiller reads critic.model.path's config.json)."""
+    custom_chat_template: Optional[str] = None
+    """verl: a chat template for the critic's tokenizer; the critic reads the actor's token ids (no template)."""
+    exclude_modules: Optional[str] = None
+    """verl: modules left out of the critic's LoRA (only with critic LoRA, which is refused)."""
+    lora_adapter_path: Optional[str] = None
+    """verl: a saved LoRA adapter for the critic; refused (tiller trains the critic in full)."""
+    use_liger: bool = False
+    """verl: Liger fused kernels; tiller runs the Hugging Face modelling code."""
+    use_fused_kernels: bool = False
+    """verl: fused kernels for the critic; none in tiller."""
+    fused_kernel_options: dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
+    """verl: backend of use_fused_kernels (no fused kernels in tiller)."""
+    mtp: MtpConfig = field(default_factory=MtpConfig)
+    """verl: multi-token prediction settings copied into the critic's model config; a value model has no MTP."""
 
 
 @dataclass
@@ -907,6 +986,10 @@ class CriticConfig:
     """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
     megatron: dict[str, Any] = field(default_factory=_megatron)
     """verl's Megatron-Core parallelism of the critic (strategy=megatron only, which tiller refuses)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl 0.10's place of the critic's sharding / offload knobs (critic.model.fsdp_config before); no effect."""
+    loss_scale_factor: Optional[float] = None
+    """verl 0.10: the critic's copy of actor.loss_scale_factor; refused unless null (as the actor's)."""
 
 
 # --------------------------------------------------------------------------------------------- reward
@@ -919,7 +1002,7 @@ class RewardModelModelConfig:
     input_tokenizer: Optional[str] = None
     """verl: the policy's tokenizer, to re-render responses when the RM's differs; tiller always hands the
     RM decoded text rendered with the RM's own chat template, which is what this key switches on in verl."""
-    trust_remote_code: bool = False
+    trust_remote_code: Optional[bool] = False
     """Pass trust_remote_code to from_pretrained."""
     use_remove_padding: bool = False
     """verl: pack sequences without padding; tiller pads."""
@@ -982,7 +1065,7 @@ class DiversityConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = False
+    enable: Optional[bool] = False
     """Score with a reward model."""
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     """The reward model."""
@@ -1000,10 +1083,10 @@ class RewardModelConfig:
     penalty_factor, log} and max_resp_len (open-ended: use +key=value)."""
     max_length: Optional[int] = None
     """Longest prompt + response the RM sees."""
-    reward_manager: str = "naive"
+    reward_manager: Optional[str] = "naive"
     """naive | batch | parallel | dapo | openrlhf (a batched OpenRLHF reward_func(queries, prompts, labels) in
     custom_reward_function.path)."""
-    num_workers: int = 2
+    num_workers: Optional[int] = 2
     """Processes of the parallel reward manager."""
     timeout: float = 30.0
     """tiller: seconds per reward-function call (naive / dapo: per sample, batch: per batch, parallel: per sample
@@ -1024,13 +1107,13 @@ class RewardModelConfig:
     """DARLING diversity-aware reward."""
     strategy: str = "fsdp"
     """verl: the RM worker's strategy; tiller runs the RM forward in its own process (megatron is refused)."""
-    enable_resource_pool: bool = False
+    enable_resource_pool: Optional[bool] = False
     """verl: a separate GPU pool for the reward model; tiller runs the RM next to the trainer."""
-    n_gpus_per_node: int = 8
+    n_gpus_per_node: Optional[int] = 8
     """verl: GPUs per node of the RM's own pool (enable_resource_pool)."""
-    nnodes: int = 0
+    nnodes: Optional[int] = 0
     """verl: nodes of the RM's own pool (enable_resource_pool)."""
-    reward_loop_source: str = "register"
+    reward_loop_source: Optional[str] = "register"
     """verl: where the reward-loop class comes from (register | importlib); tiller's reward managers are built in."""
     reward_loop_module_path: Optional[str] = None
     """verl: module of a custom reward loop; refused (write a reward function: custom_reward_function.path)."""
@@ -1070,7 +1153,7 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: Optional[str] = None
     """Python file defining the reward function."""
-    name: str = "compute_score"
+    name: Optional[str] = "compute_score"
     """Function name: compute_score(data_source, solution_str, ground_truth, extra_info)."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the function (open-ended: use +key=value)."""
@@ -1097,11 +1180,14 @@ class KLControlConfig:
 class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling / Skywork online filtering: drop groups whose metric is constant."""
-    metric: str = "acc"
+    metric: Optional[str] = "acc"
     """acc | score | seq_reward | seq_final_reward."""
     max_num_gen_batches: int = 0
     """Most generation rounds per step while collecting train_batch_size groups that pass the filter
     (0 = no cap, as DAPO); at the cap the step trains on the groups collected so far."""
+    max_inflight_gen_batches: int = 1
+    """verl 0.10 (v1 trainer): generation batches in flight at once while filling a DAPO step; tiller generates
+    them one after another (verl's default 1)."""
 
 
 @dataclass
@@ -1360,12 +1446,21 @@ class TrainerConfig:
     max_actor_ckpt_to_keep bounds both."""
     ray_wait_register_center_timeout: int = 300
     """verl: seconds to wait for its Ray register center; tiller has none."""
+    use_v1: bool = True
+    """verl 0.10: its v1 trainer (verl's default) or the legacy one; tiller has one trainer, whose step is v1's sync
+    mode."""
+    v1: V1TrainerConfig = field(default_factory=V1TrainerConfig)
+    """verl 0.10: the v1 trainer's modes (trainer_mode=sync only)."""
 
 
 @dataclass
 class NewRewardManagerConfig:
     name: Optional[str] = None
     """= reward_model.reward_manager (naive | batch | parallel | dapo | openrlhf)."""
+    source: str = "register"
+    """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
+    module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})
+    """verl: a custom reward-manager class {path, name}; refused unless path is null."""
 
 
 @dataclass
@@ -1380,6 +1475,9 @@ class NewRewardModelConfig:
     """= reward_model.n_gpus_per_node."""
     nnodes: Optional[int] = None
     """= reward_model.nnodes."""
+    rollout: dict[str, Any] = field(default_factory=v010.reward_model_rollout)
+    """verl 0.10: the inference server (vLLM / SGLang) its reward loop runs the reward model on; tiller's reward
+    model is one forward pass in the driver (a sequence classifier), so these engine settings have no effect."""
 
 
 @dataclass
@@ -1400,6 +1498,9 @@ class RewardConfig:
     (null = data.max_response_length), present by default as in verl 0.9's reward.yaml (set them without +)."""
     num_workers: Optional[int] = None
     """= reward_model.num_workers."""
+    sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
+                                                                     "memory_limit_mb": 1024})
+    """verl 0.10's place of reward_model.sandbox_fusion: refused unless url is null (no SandboxFusion client)."""
 
 
 @dataclass
@@ -1450,11 +1551,11 @@ class DistillationTeacherModelConfig:
 
 @dataclass
 class DistillationLossConfig:
-    """verl's `distillation.distillation_loss` (defaults: verl's)."""
+    """verl's `distillation.distillation_loss` (defaults: verl 0.10's, verl-project/verl 1dda039b)."""
 
     loss_mode: str = "k3"
     """= algorithm.distill.loss_mode (verl's default k3; the top-k modes are refused)."""
-    topk: Optional[int] = 128
+    topk: Optional[int] = 32
     """verl: top-k for the *_topk loss modes, which tiller refuses."""
     use_task_rewards: bool = True
     """= algorithm.distill.use_outcome_reward."""
@@ -1462,11 +1563,11 @@ class DistillationLossConfig:
     """= algorithm.distill.coef."""
     task_loss_coef: float = 1.0
     """= algorithm.distill.outcome_coef."""
-    loss_max_clamp: Optional[float] = 10.0
+    loss_max_clamp: Optional[float] = None
     """= algorithm.distill.loss_max_clamp."""
-    log_prob_min_clamp: Optional[float] = -10.0
+    log_prob_min_clamp: Optional[float] = None
     """= algorithm.distill.log_prob_min_clamp."""
-    use_policy_gradient: bool = True
+    use_policy_gradient: bool = False
     """= algorithm.distill.use_policy_gradient."""
     policy_loss_mode: str = "vanilla"
     """verl: the distillation surrogate's policy loss; only vanilla (verl: the same)."""
@@ -1491,6 +1592,14 @@ class TransferQueueConfig:
     """verl TransferQueue option (only with transfer_queue.enable, refused)."""
     num_data_storage_units: int = 8
     """verl TransferQueue option (only with transfer_queue.enable, refused)."""
+    metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "port": 0})
+    """verl 0.10 TransferQueue option (only with transfer_queue.enable, refused)."""
+    backend: dict[str, Any] = field(default_factory=lambda: {
+        "storage_backend": "SimpleStorage", "SimpleStorage": {"total_storage_size": 100000, "num_data_storage_units": 8},
+        "MooncakeStore": {"auto_init": False, "metadata_server": "localhost:50123",
+                          "master_server_address": "localhost:50124", "local_hostname": "localhost", "protocol": "tcp",
+                          "global_segment_size": 4294967296, "local_buffer_size": 1073741824, "device_name": ""}})
+    """verl 0.10 TransferQueue storage backend (only with transfer_queue.enable, refused)."""
 
 
 @dataclass
@@ -1521,6 +1630,15 @@ class DistillationConfig:
     """The teacher (model_path = algorithm.distill.teacher_path)."""
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
     """The loss (onto algorithm.distill.*)."""
+    n_gpus_per_node: int = 8
+    """verl 0.10: GPUs per node of the teacher pool; tiller's teacher sits in the actor worker."""
+    nnodes: int = 0
+    """verl 0.10: nodes of the teacher pool; tiller's teacher sits in the actor worker."""
+    teacher_models: dict[str, Any] = field(default_factory=v010.teacher_models)
+    """verl 0.10: named teachers {key, model_path, num_replicas, inference}; one teacher's model_path resolves onto
+    algorithm.distill.teacher_path, several teachers (routed by teacher_key) are refused."""
+    teacher_key: str = "data_source"
+    """verl 0.10: the sample field that routes a sample to one of several teachers (one teacher here)."""
 
 
 @dataclass
@@ -1542,5 +1660,10 @@ class RLConfig:
     global_profiler: dict[str, Any] = field(default_factory=_global_profiler)
     rollout: dict[str, Any] = field(default_factory=lambda: {
         "nnodes": 1, "n_gpus_per_node": 8, "n": 4, "total_rollout_steps": None, "total_epochs": 10, "test_freq": 1})
-    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
-                                                               "timeline_json_file": None})
+    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None, "runtime_env": {
+        "py_executable": None}}, "timeline_json_file": None})
+    sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": None,
+                                                                     "memory_limit_mb": None})
+    """verl 0.10's top-level SandboxFusion service: refused unless url is null (no SandboxFusion client)."""
+    skip: SkipConfig = field(default_factory=SkipConfig)
+    """verl 0.10: dump a stage's output and replay it on later runs (enable refused)."""

@@ -342,7 +342,12 @@ def _validate_new_algorithms(cfg: RLConfig) -> None:
     if algo.gdpo_reward_weights is not None and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
                           f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys: give one weight per key")
-    _positive("actor_rollout_ref.actor.policy_loss.dro_beta", cfg.actor_rollout_ref.actor.policy_loss.dro_beta)
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    if policy_loss.loss_mode == "dro" and policy_loss.dro_beta is None:
+        raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode=dro needs actor_rollout_ref.actor.policy_loss."
+                          "dro_beta > 0 (e.g. 0.1; verl's default is null, which verl refuses too)")
+    if policy_loss.dro_beta is not None:
+        _positive("actor_rollout_ref.actor.policy_loss.dro_beta", policy_loss.dro_beta)
 
 
 def _validate_distill(cfg: RLConfig) -> None:

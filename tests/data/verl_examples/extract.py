@@ -1,6 +1,10 @@
 """Regenerate the override lists in this directory from a verl checkout (a dev tool; the tests only read the JSON).
 
     python tests/data/verl_examples/extract.py VERL_GIT_DIR COMMIT [script ...]
+    python tests/data/verl_examples/extract.py --tree VERL_GIT_DIR COMMIT TAG   # the two generated config trees
+
+`--tree` writes `TAG_generated_ppo_trainer.tsv` / `TAG_generated_ppo_megatron_trainer.tsv`: every key path of verl's
+`verl/trainer/config/_generated_*.yaml` with its default (JSON), tab-separated (an empty mapping is one key).
 
 Each launch script is run by bash with `python`, `python3`, `srun`, `ray`, `conda`, `nvidia-smi`, ... replaced by
 stubs on PATH: the `python -m verl.trainer.main_ppo` (or a recipe's main) call records its arguments and nothing
@@ -80,7 +84,36 @@ def extract(repo: Path, commit: str, script: str) -> dict:
     return {"repo": Path(repo).parent.name.replace("+", "/"), "commit": commit, "file": script, "config": config, "overrides": overrides}
 
 
+def _flat(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def trees(repo: Path, commit: str, tag: str) -> None:
+    import yaml
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", f"--git-dir={repo}", *args], check=True, capture_output=True, text=True).stdout
+
+    date, version = git("log", "-1", "--format=%cs", commit).strip(), git("show", f"{commit}:verl/version/version").strip()
+    for name in ("_generated_ppo_trainer", "_generated_ppo_megatron_trainer"):
+        flat = _flat(yaml.safe_load(git("show", f"{commit}:verl/trainer/config/{name}.yaml")))
+        lines = [f"# every key path of verl/trainer/config/{name}.yaml with its default (JSON), tab-separated",
+                 f"# {Path(repo).parent.name.replace('+', '/')} {commit} ({date}, version {version})"]
+        lines += [f"{k}\t{json.dumps(v)}" for k, v in flat.items()]
+        (HERE / f"{tag}{name}.tsv").write_text("\n".join(lines) + "\n")
+        print(f"{tag}{name}.tsv: {len(flat)} keys")
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "--tree":
+        trees(Path(argv[1]), argv[2], argv[3])
+        return
     repo, commit, *scripts = argv
     for script in scripts:
         out = extract(Path(repo), commit, script)
