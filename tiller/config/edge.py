@@ -508,6 +508,16 @@ RULES.update({
     "trainer.v1.sampler.custom_sampler": refused("custom replay-buffer samplers are not built", use="leave path null",
                                                  allowed=({"path": None, "name": None},)),
     "trainer.v1.sampler.sampler_kwargs": noop("only with trainer.v1.sampler.custom_sampler, which is refused"),
+    "actor_rollout_ref.actor.policy_loss.tau_pos": noop("verl's SAPO reads actor.tau_pos (its sapo example sets "
+                                                        "this key with +, with no effect in verl either)"),
+    "actor_rollout_ref.actor.policy_loss.tau_neg": noop("verl's SAPO reads actor.tau_neg (its sapo example sets "
+                                                        "this key with +, with no effect in verl either)"),
+    # verl 0.10's engine switch (a config group there: dp | megatron | veomni | torchtitan)
+    "model_engine": refused("tiller's training engine is FSDP2 over data-parallel ranks (verl's dp)", use="dp",
+                            allowed=("dp", "fsdp")),
+    "actor_rollout_ref.actor.model_engine": refused(
+        "tiller's training engine is FSDP2 over data-parallel ranks (verl's dp)", use="dp (or leave it null)",
+        allowed=(None, "dp", "fsdp")),
 })
 
 # deprecated key -> (successor, divided by the number of workers); converted at load time
@@ -662,6 +672,30 @@ REFUSED_VALUES: dict[str, tuple[tuple, str, str]] = {
                 "reward_model.strategy")
 }
 REFUSED_VALUES["trainer.device"] = (("npu",), "tiller runs on CPU and CUDA (no Ascend NPU backend)", "cpu or cuda")
+# verl 0.10 picks the training engine with the config group `model_engine` (dp = FSDP, its default)
+_ENGINES = {"megatron": _MEGATRON_REFUSAL,
+            "veomni": ("VeOmni (verl's model_engine=veomni: ByteDance's model-parallel training engine) is not built in "
+                       "tiller: its workers shard with FSDP2 over data-parallel ranks", "model_engine=dp (FSDP, verl's "
+                       "default) and drop the veomni.* keys"),
+            "torchtitan": ("TorchTitan (verl's model_engine=torchtitan) is not built in tiller: its workers shard with "
+                           "FSDP2 over data-parallel ranks", "model_engine=dp (FSDP, verl's default)")}
+for _key in ("model_engine", "actor_rollout_ref.actor.model_engine"):
+    REFUSED_VALUES[_key] = (tuple(_ENGINES), "; ".join(f"{k}: {v[0]}" for k, v in _ENGINES.items()),
+                            _ENGINES["veomni"][1].split(" and ")[0])
+#: keys whose refused value makes the rest of a launch script moot: a command line stops on them before any other
+#: key is checked (a Megatron script's megatron.* keys would otherwise be reported as unknown first)
+ENGINE_KEYS = ("model_engine", "actor_rollout_ref.actor.model_engine", "actor_rollout_ref.actor.strategy",
+               "actor_rollout_ref.ref.strategy", "critic.strategy", "reward_model.strategy", "trainer.device")
+
+
+def refuse_engines_first(items: list[tuple[str, Any]]) -> None:
+    """(key, value) pairs of a command line: ConfigError for a refused engine / device, named by key and reason."""
+    for key, value in items:
+        if key in ENGINE_KEYS and value in REFUSED_VALUES[key][0]:
+            values, reason, use = REFUSED_VALUES[key]
+            if key.endswith("model_engine") and value in _ENGINES:
+                reason, use = _ENGINES[value]
+            raise ConfigError(f"{key}={value!r} is refused: {reason}. Instead: {use}")
 REFUSED_VALUES["actor_rollout_ref.rollout.name"] = (
     ("sglang", "trtllm"), "tiller's rollout engines are native, hf and vllm (SGLang and TensorRT-LLM servers are not "
                           "built)", "rollout.name=vllm (the same sampling) or native")

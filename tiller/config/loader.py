@@ -380,7 +380,12 @@ def load_config(
         if by_user:
             given |= _leaf_keys(data, "", paths)
         cfg = _merge(cfg, data, paths, str(source))
-    for override in _parse_overrides(overrides):
+    parsed = _parse_overrides(overrides)
+    if schema is RLConfig:  # a Megatron / VeOmni script stops on that, before any key only those engines have
+        from tiller.config.edge import refuse_engines_first  # lazy: edge reads given_keys from this module
+
+        refuse_engines_first([(o.key_or_group.lstrip("+~"), o.value()) for o in parsed if not o.is_delete()])
+    for override in parsed:
         key = _apply_override(cfg, override, paths, schema, given)
         value = override.value() if not override.is_delete() else None
         given |= {key} | (_leaf_keys(value, key + ".", paths) if isinstance(value, dict) else set())

@@ -23,21 +23,38 @@ from tiller.config.schema_verl010 import MegatronOptimOptions, QatConfig, SkipCo
 def _profiler() -> dict[str, Any]:
     """verl's per-role `profiler` section (verl/trainer/config/profiler/profiler.yaml)."""
     return {"tool": None, "enable": False, "all_ranks": False, "ranks": [], "save_path": None,
+            # verl 0.10's additions
+            "relocate_results": False, "finish_hook_cmd": None, "finish_hook_all_ranks": False,
+            "finish_hook_ranks": [],
             "tool_config": {"nsys": {"discrete": False},
                             "npu": {"contents": [], "level": "level0", "analysis": True, "discrete": False},
-                            "torch": {"contents": [], "discrete": False},
-                            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}}}
+                            "torch": {"contents": [], "discrete": False, "schedule": {
+                                "skip_first": 0, "wait": 0, "warmup": 0, "active": 0, "repeat": 0}},
+                            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32},
+                            "precision_debugger": {"config_path": None, "steps": None, "stages": None,
+                                                   "strict": False}}}
+
+
+def _rollout_profiler() -> dict[str, Any]:
+    """verl 0.10's rollout `profiler`: the role section plus the engine's token window per tool."""
+    out = _profiler()
+    for tool in ("npu", "torch"):
+        out["tool_config"][tool].update({"profile_token_start": None, "profile_token_end": None})
+    return out
 
 
 def _global_profiler() -> dict[str, Any]:
     nsys = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
     return {"tool": None, "steps": None, "profile_continuous_steps": False, "save_path": "outputs/profile",
+            "relocate_results": False, "finish_hook_cmd": None, "finish_hook_all_ranks": False,
+            "finish_hook_ranks": [],  # (verl 0.10)
             "global_tool_config": {
                 "nsys": {"discrete": False, "controller_nsight_options": dict(nsys),
                          "worker_nsight_options": {**nsys, "capture-range": "cudaProfilerApi",
                                                    "capture-range-end": None, "kill": "none"}},
                 "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32, "context": "all",
-                                 "stacks": "all", "kw_args": {}}}}
+                                 "stacks": "all", "kw_args": {}},
+                "precision_debugger": {"config_path": None, "steps": None, "stages": None, "strict": False}}}
 
 
 def _checkpoint() -> dict[str, Any]:
@@ -219,6 +236,9 @@ class FSDPConfig:
     """verl 0.10: the bucket of pad_to_length (no effect in tiller)."""
     qat: QatConfig = field(default_factory=QatConfig)
     """verl 0.10: quantization-aware training of this engine (enable refused)."""
+    mixed_precision: dict[str, Any] = field(default_factory=dict)
+    """verl: FSDP mixed-precision dtypes {param_dtype, reduce_dtype, buffer_dtype} (+key=value); tiller's compute
+    dtype is <role>.dtype, gradients reduce in fp32."""
     turbo_config: dict[str, Any] = field(default_factory=v010.turbo_config)
     """verl 0.10: the parallel plan of its FSDP "turbo" engine (expert / tensor / Ulysses sizes); tiller's FSDP2
     shards over data-parallel ranks."""
@@ -409,6 +429,11 @@ class PolicyLossConfig:
     """kl_cov: fraction of tokens given the KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of the KL penalty."""
+    tau_pos: Optional[float] = None
+    """verl's sapo example sets +policy_loss.tau_pos; verl's SAPO reads actor.tau_pos, so this key has no effect there
+    either (set actor_rollout_ref.actor.tau_pos)."""
+    tau_neg: Optional[float] = None
+    """As policy_loss.tau_pos: verl's SAPO reads actor.tau_neg."""
     sapo_tau_pos: Optional[float] = None
     """Older name of actor.tau_pos (converted at load time; setting both is an error)."""
     sapo_tau_neg: Optional[float] = None
@@ -564,6 +589,8 @@ class ActorConfig:
     pad_to_length: bool = False
     """verl 0.10: pad micro-batches to a fixed bucketed length (static shapes); tiller pads each micro-batch to its
     longest row (the update is the same)."""
+    model_engine: Optional[str] = None
+    """verl 0.10: the actor's engine (= model_engine); only dp, megatron / veomni / torchtitan are refused."""
 
 
 @dataclass
@@ -813,7 +840,7 @@ class RolloutConfig:
     """verl: record MoE routing in the engine for router replay; refused."""
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     """verl: the weight-transfer backend between trainer and rollout servers."""
-    profiler: dict[str, Any] = field(default_factory=_profiler)
+    profiler: dict[str, Any] = field(default_factory=_rollout_profiler)
     """verl's profiler hooks of the rollout; tiller has no profiler integration."""
     prometheus: dict[str, Any] = field(default_factory=lambda: {
         "enable": False, "port": 9090, "file": "/tmp/ray/session_latest/metrics/prometheus/prometheus.yml",
@@ -1085,7 +1112,7 @@ class RewardModelConfig:
     """Longest prompt + response the RM sees."""
     reward_manager: Optional[str] = "naive"
     """naive | batch | parallel | dapo | openrlhf (a batched OpenRLHF reward_func(queries, prompts, labels) in
-    custom_reward_function.path)."""
+    custom_reward_function.path) | gdpo (verl 0.10's name for naive with dict scores, for adv_estimator=gdpo)."""
     num_workers: Optional[int] = 2
     """Processes of the parallel reward manager."""
     timeout: float = 30.0
@@ -1665,5 +1692,8 @@ class RLConfig:
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": None,
                                                                      "memory_limit_mb": None})
     """verl 0.10's top-level SandboxFusion service: refused unless url is null (no SandboxFusion client)."""
+    model_engine: str = "dp"
+    """verl 0.10's training engine (a config group there): dp (FSDP, tiller's) | megatron | veomni | torchtitan
+    (refused, before any other key of the command line)."""
     skip: SkipConfig = field(default_factory=SkipConfig)
     """verl 0.10: dump a stage's output and replay it on later runs (enable refused)."""

@@ -152,4 +152,11 @@ def reward_model_rollout() -> dict[str, Any]:
 
 def teacher_models() -> dict[str, Any]:
     """verl 0.10's `distillation.teacher_models`: named teachers {key, model_path, num_replicas, inference}."""
-    return {"teacher_model": {"key": None, "model_path": None, "num_replicas": 0, "inference": {}}}
+    inference = {"name": None, "dtype": None, "gpu_memory_utilization": 0.5, "enforce_eager": True,
+                 "cudagraph_capture_sizes": None, "free_cache_engine": True, "data_parallel_size": 1,
+                 "expert_parallel_size": 1, "tensor_model_parallel_size": 2, "max_num_batched_tokens": 8192,
+                 "max_model_len": None, "max_num_seqs": 1024, "load_format": "auto", "engine_kwargs": {},
+                 "limit_images": None, "enable_chunked_prefill": True, "enable_prefix_caching": True,
+                 "disable_log_stats": True, "skip_tokenizer_init": True, "prompt_length": None,
+                 "response_length": None, "temperature": None}
+    return {"teacher_model": {"key": None, "model_path": None, "num_replicas": 0, "inference": inference}}

@@ -22,7 +22,7 @@ from tiller.errors import ConfigError
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
-REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf")
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries
@@ -106,7 +106,8 @@ def validate_rl(cfg: RLConfig) -> None:
     if tr.total_epochs <= 0:
         raise ConfigError(f"trainer.total_epochs must be > 0, got {tr.total_epochs}")
     _validate_batches(cfg)
-    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+    distill_only = bool(algo.distill.teacher_path) and not algo.distill.use_outcome_reward  # no advantage is used
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2 and not distill_only:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of one prompt, so it needs "
             f"actor_rollout_ref.rollout.n >= 2 (got {rollout.n})"
@@ -197,6 +198,8 @@ def _validate_batches(cfg: RLConfig) -> None:
                 arr.ref.log_prob_max_token_len_per_gpu),
                ("critic.ppo_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
                ("critic.forward_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)]
+    if cfg.algorithm.adv_estimator != "gae":  # no critic runs: its budgets are never used (verl 0.10's GRPO scripts)
+        budgets = [b for b in budgets if not b[0].startswith("critic.")]
     for key, on, budget in budgets:
         if on and budget < seq:
             raise ConfigError(f"{key}={budget} is below one sequence (max prompt + response length = {seq} "
