@@ -214,3 +214,16 @@ def test_verl010_refusals_name_the_key_and_reason(items, phrase):
         load_config(items)
     key = items[0].split("=")[0]
     assert "unknown key" not in str(err.value) and key.rsplit(".", 1)[0] in str(err.value)
+
+
+def test_issue38_keys_load_as_noops_with_a_notice():
+    """The keys issue 38 found refused as unknown: verl 0.10's critic.fsdp, reward-model server, distillation pool and
+    Ray runtime env, and an old script's fsdp_config.grad_offload (a key verl dropped): accepted, named at start-up."""
+    items = ["critic.fsdp.param_offload=True", "reward.reward_model.rollout.name=vllm",
+             "distillation.n_gpus_per_node=4", "ray_kwargs.ray_init.runtime_env.py_executable=uv run python",
+             "actor_rollout_ref.actor.fsdp_config.grad_offload=True"]
+    line = edge.noop_line(load_config(items))
+    for item in items:
+        key = item.split("=")[0]
+        assert key in line or key.rsplit(".", 1)[0] in line or key.split(".")[0] + "={" in line, key
+

@@ -236,6 +236,9 @@ class FSDPConfig:
     """verl 0.10: the bucket of pad_to_length (no effect in tiller)."""
     qat: QatConfig = field(default_factory=QatConfig)
     """verl 0.10: quantization-aware training of this engine (enable refused)."""
+    grad_offload: bool = False
+    """verl (before 0.3): offload gradients to CPU; verl dropped the key long ago, tiller keeps gradients on the
+    worker's device."""
     mixed_precision: dict[str, Any] = field(default_factory=dict)
     """verl: FSDP mixed-precision dtypes {param_dtype, reduce_dtype, buffer_dtype} (+key=value); tiller's compute
     dtype is <role>.dtype, gradients reduce in fp32."""
