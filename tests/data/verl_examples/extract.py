@@ -2,6 +2,10 @@
 
     python tests/data/verl_examples/extract.py VERL_GIT_DIR COMMIT [script ...]
     python tests/data/verl_examples/extract.py --tree VERL_GIT_DIR COMMIT TAG   # the two generated config trees
+    python tests/data/verl_examples/extract.py --out verl010 VERL_GIT_DIR COMMIT examples/.../*.sh  # a subdirectory
+
+With --out the files are named <examples dir>__<script>.json (script names repeat across verl's example dirs); each
+records the trainer's entry point as "main".
 
 `--tree` writes `TAG_generated_ppo_trainer.tsv` / `TAG_generated_ppo_megatron_trainer.tsv`: every key path of verl's
 `verl/trainer/config/_generated_*.yaml` with its default (JSON), tab-separated (an empty mapping is one key).
