@@ -125,11 +125,13 @@ def test_verl09_reward_layout_and_ulysses_budgets(capsys):
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 999
 
 
-TREES = ("_generated_ppo_trainer.tsv", "_generated_ppo_megatron_trainer.tsv")
+TREES = ("_generated_ppo_trainer.tsv", "_generated_ppo_megatron_trainer.tsv",  # volcengine/verl b178a3cd (0.8.0.dev)
+         # verl-project/verl 1dda039b (2026-08-22, 0.10.0.dev; `extract.py --tree ... verl010`)
+         "verl010_generated_ppo_trainer.tsv", "verl010_generated_ppo_megatron_trainer.tsv")
 
 
 def _tree(name: str) -> dict:
-    """verl's generated config tree (key path -> default), as stored from verl b178a3cd."""
+    """verl's generated config tree (key path -> default), as stored from verl b178a3cd / 1dda039b."""
     rows = [line.split("\t", 1) for line in (DATA / name).read_text().splitlines() if not line.startswith("#")]
     return {key: json.loads(value) for key, value in rows}
 
@@ -160,19 +162,21 @@ def test_every_key_of_verls_tree_has_a_state(name):
     assert missing == []
 
 
-def test_verls_whole_generated_yaml_loads_as_a_config_file(tmp_path, capsys):
+@pytest.mark.parametrize("trainer, megatron", [TREES[:2], TREES[2:]], ids=["verl0.8", "verl0.10"])
+def test_verls_whole_generated_yaml_loads_as_a_config_file(tmp_path, capsys, trainer, megatron):
     """verl's _generated_ppo_trainer.yaml as `--config`: its nulls ("not set"), `${oc.select:...}` interpolations,
     `_target_` keys and both layouts of the same key (equal values) load; its megatron twin is refused by name."""
     import yaml
 
     path = tmp_path / "verl.yaml"
-    path.write_text(yaml.safe_dump(_nested(_tree(TREES[0]))))
+    path.write_text(yaml.safe_dump(_nested(_tree(trainer))))
     cfg = load_config([], config_file=path)
     assert cfg.data.train_batch_size == 1024 and cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8  # verl's null: tiller's default
     assert cfg.actor_rollout_ref.actor.optim.warmup_style == "constant"  # from verl's lr_scheduler_type
+    assert cfg.reward_model.reward_manager == "naive"  # verl 0.10: legacy key null, reward.reward_manager.name naive
     assert "accepted with no effect here" in edge.noop_line(cfg)
-    path.write_text(yaml.safe_dump(_nested(_tree(TREES[1]))))
+    path.write_text(yaml.safe_dump(_nested(_tree(megatron))))
     with pytest.raises(ConfigError, match="strategy='megatron' is refused: Megatron-Core"):
         load_config([], config_file=path)
 

@@ -121,9 +121,9 @@ def discounted_returns(rewards, mask, gamma):
         row = [0.0] * len(r)
         running = 0.0
         for t in reversed(range(len(r))):
-            running = r[t] * m[t] + gamma * running
-            row[t] = running * m[t]
-            running = running * m[t]
+            if m[t]:  # masked tokens (padding, observation turns) are skipped: the return crosses them unchanged
+                running = r[t] + gamma * running
+                row[t] = running
         out.append(row)
     return out
 

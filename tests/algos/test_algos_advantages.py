@@ -106,6 +106,22 @@ def test_remax_and_reinforce_pp_worked_numbers():
     assert adv[1, 2].item() == 0.0
 
 
+def test_reinforce_pp_multi_turn_mask_carries_the_return_across_observations():
+    # one response of 5 tokens: turn 1 (t0, t1), a tool observation (t2, t3: mask 0, reward 7 there is not the
+    # policy's), turn 2 (t4, reward 1). gamma 0.5, as verl's compute_reinforce_plus_plus_outcome_advantage after
+    # its fix #7278: G4 = 1; t3, t2 skipped (G stays 1, no discount); G1 = 0 + 0.5 * 1 = 0.5; G0 = 0.25.
+    # (Before the fix tiller reset the return to 0 at t3, giving turn 1 G = [0, 0].) A second row: plain [0, 1].
+    r = torch.tensor([[0.0, 0.0, 7.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    m = torch.tensor([[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]])
+    adv, ret = get_advantage_estimator("reinforce_plus_plus")(r, m, None, None, gamma=0.5)
+    ref.assert_close(ret, [[0.25, 0.5, 0.0, 0.0, 1.0], [0.5, 1.0, 0.0, 0.0, 0.0]], atol=1e-12)
+    # whitened over the 5 valid returns [0.25, 0.5, 1, 0.5, 1]: mean 0.65, squared deviations
+    # 0.16 + 0.0225 + 0.1225 + 0.0225 + 0.1225 = 0.45, unbiased var 0.1125, std 0.335410 -> A0 = -0.4 / 0.335410
+    assert adv[0, 0].item() == pytest.approx(-1.192570, abs=1e-5)
+    assert adv[0, 4].item() == pytest.approx(0.35 / 0.335410, abs=1e-5)
+    assert adv[0, 2].item() == adv[0, 3].item() == 0.0
+
+
 def test_reinforce_pp_baseline_worked_numbers():
     # scores [1, 0 | 1]: centred [0.5, -0.5 | 1 (singleton: mean 0)] -> tokens (2 each):
     #   [0.5, 0.5, -0.5, -0.5, 1, 1]: mean 2/6 = 1/3; squared deviations 2/36 + 50/36 + 32/36 = 84/36,

@@ -10,6 +10,7 @@ from tiller.algos.rollout_correction import (
     mismatch_metrics,
     mismatch_sums,
     offpolicy_metrics,
+    parse_is_threshold,
     parse_rs_options,
     rollout_correction,
     rollout_mismatch_metrics,
@@ -46,8 +47,12 @@ def test_token_tis_caps_the_ratio():
     assert torch.equal(mask, MASK) and not weights.requires_grad
     assert float(m["rollout_is_ratio_fraction_high"]) == pytest.approx(0.25)  # 3 > 2.5
     assert float(m["rollout_is_ratio_fraction_low"]) == 0.0  # none below 1/2.5 = 0.4
-    assert float(m["rollout_is_mean"]) == pytest.approx((2 + 0.5 + 3 + 1.2) / 4, rel=1e-5)  # before the cap
-    assert float(m["rollout_is_max"]) == pytest.approx(3.0, rel=1e-5)
+    # verl's mean / max / min are of the applied (capped) weights: mean (2 + 0.5 + 2.5 + 1.2) / 4 = 1.55
+    assert float(m["rollout_is_mean"]) == pytest.approx(1.55, rel=1e-5)
+    assert float(m["rollout_is_max"]) == pytest.approx(2.5, rel=1e-5)
+    assert float(m["rollout_is_min"]) == pytest.approx(0.5, rel=1e-5)
+    # std of the capped weights: mean(w^2) = (4 + 0.25 + 6.25 + 1.44) / 4 = 2.985, minus 1.55^2 -> sqrt(0.5825)
+    assert float(m["rollout_is_std"]) == pytest.approx(math.sqrt(0.5825), rel=1e-5)
     # ESS of the capped weights w = [2, 0.5, 2.5, 1.2]: mean 1.55, mean((w / 1.55)^2) = 11.94 / 4 / 2.4025
     assert float(m["rollout_is_eff_sample_size"]) == pytest.approx(4 * 2.4025 / 11.94, rel=1e-5)
 
@@ -66,16 +71,60 @@ def test_sequence_tis_and_batch_normalisation():
     torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5], [2.5, 1.2]]) / 1.55, rtol=1e-5, atol=0)
 
 
-def test_token_k1_masks_ratios_outside_lo_hi():
+def test_token_k1_bounds_verls_inverse_ratio():
+    # verl's k1 = -log r: "lo_hi" bounds q = p_rollout / p_old = 1 / r = [[0.5, 2], [1/3, 0.8333]]
+    # (rollout_corr_helper.compute_rollout_rejection_mask: keep log lo <= -log r <= log hi).
+    # [0.6, 2.5] rejects q = 0.5 (r = 2) and q = 1/3 (r = 3), keeps q = 2 (r = 0.5) and q = 0.8333.
     weights, mask, m = _correct(rollout_rs="token_k1", rollout_rs_threshold="0.6_2.5")
-    # r = [[2, 0.5], [3, 1.2]]: 0.5 < 0.6 and 3 > 2.5 are rejected
-    assert mask.tolist() == [[1, 0], [0, 1]] and mask.dtype == MASK.dtype
-    assert weights.tolist() == [[1.0, 0.0], [0.0, 1.0]]  # no TIS: 1 on kept tokens, 0 on rejected ones
+    assert mask.tolist() == [[0, 1], [0, 1]] and mask.dtype == MASK.dtype
+    assert weights.tolist() == [[0.0, 1.0], [0.0, 1.0]]  # no TIS: 1 on kept tokens, 0 on rejected ones
+    # the k1 statistic reported is verl's -log r: mean(-ln2 + ln2 - ln3 - ln1.2) / 4 = -(1.098612 + 0.182322) / 4
+    assert float(m["rollout_rs_token_k1_mean"]) == pytest.approx(-0.320234, abs=1e-5)
     assert float(m["rollout_rs_masked_fraction"]) == 0.5
     assert float(m["rollout_rs_seq_masked_fraction"]) == 1.0  # both rows lost a token
-    # a float threshold h means [1/h, h]: 2.1 keeps [0.476, 2.1] -> only 3 is rejected
+    # a float threshold h means [1/h, h], the same interval for both orientations: 2.1 keeps q in [0.476, 2.1]
+    # -> only q = 1/3 (r = 3) is rejected
     _, mask, _ = _correct(rollout_rs="token_k1", rollout_rs_threshold=2.1)
     assert mask.tolist() == [[1, 1], [0, 1]]
+
+
+def test_asymmetric_k1_bounds_follow_verl():
+    # issue 38's case: "0.6_1.6" and a token with r = p_old / p_rollout = 1.644 (p_old 0.822, p_rollout 0.5):
+    # verl keeps it (q = 1 / 1.644 = 0.608 in [0.6, 1.6]); bounding r itself would reject it (1.644 > 1.6).
+    # A token with r = 0.61 (q = 1.639 > 1.6) is rejected by verl's reading, kept by the other.
+    old = torch.tensor([[0.822, 0.305]], dtype=D).log()
+    roll = torch.tensor([[0.5, 0.5]], dtype=D).log()
+    _, mask, _ = rollout_correction(old, roll, torch.ones(1, 2), rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")
+    assert mask.tolist() == [[1.0, 0.0]]
+    # the reciprocal bounds 1/1.6 _ 1/0.6 select on r in [0.6, 1.6] instead
+    _, mask, _ = rollout_correction(old, roll, torch.ones(1, 2), rollout_rs="token_k1",
+                                    rollout_rs_threshold=f"{1 / 1.6}_{1 / 0.6}")
+    assert mask.tolist() == [[0.0, 1.0]]
+    # seq_sum_k1 bounds prod q: row q = 0.608 * 1.639 = 0.997 is kept by [0.9, 1.1]
+    _, mask, _ = rollout_correction(old, roll, torch.ones(1, 2), rollout_rs="seq_sum_k1", rollout_rs_threshold="0.9_1.1")
+    assert mask.tolist() == [[1.0, 1.0]]
+
+
+def test_icepop_zeroes_weights_outside_the_bounds_and_keeps_the_mask():
+    # rollout_is_threshold="lo_hi" (verl's IcePop): r = [[2, 0.5], [3, 1.2]], [0.5, 2.0] keeps 2, 0.5 and 1.2
+    # (bounds inclusive) and sets the weight of r = 3 to 0; the mask is unchanged (the token still counts).
+    weights, mask, m = _correct(rollout_is="token", rollout_is_threshold="0.5_2.0")
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5], [0.0, 1.2]]), rtol=1e-5, atol=0)
+    assert torch.equal(mask, MASK)
+    assert float(m["rollout_is_oob_ratio"]) == 0.25
+    assert float(m["rollout_is_mean"]) == pytest.approx((2 + 0.5 + 0 + 1.2) / 4, rel=1e-5)
+    assert float(m["rollout_is_min"]) == 0.0
+    # sequence level: row products 1.0 and 3.6; "0.5_2.0" zeroes row 1, keeps row 0 at 1.0
+    weights, mask, m = _correct(rollout_is="sequence", rollout_is_threshold="0.5_2.0")
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.0], [0.0, 0.0]]), rtol=1e-5, atol=0)
+    assert torch.equal(mask, MASK) and float(m["rollout_is_oob_ratio"]) == 0.5
+    # a plain string float is TIS, as verl ("2.5" == 2.5)
+    torch.testing.assert_close(_correct(rollout_is="token", rollout_is_threshold="2.5")[0],
+                               _correct(rollout_is="token", rollout_is_threshold=2.5)[0])
+    for bad in ("2_1", "abc", "0_2", "-1", True):
+        with pytest.raises(ConfigError, match="rollout_is_threshold"):
+            parse_is_threshold(bad)
+    assert parse_is_threshold("0.5_2.0") == (2.0, 0.5) and parse_is_threshold(3) == (3.0, None)
 
 
 def test_sequence_options_reject_whole_rows():
@@ -111,8 +160,8 @@ def test_padding_never_leaks():
     roll = torch.tensor([[math.log(0.25), 0.0], [math.log(0.3), 5.0]])
     mask = torch.tensor([[1, 0], [1, 0]])
     weights, new_mask, m = rollout_correction(old, roll, mask, rollout_is="sequence", rollout_is_threshold=2.5,
-                                              rollout_rs="token_k1", rollout_rs_threshold="0.5_2.5")
-    assert new_mask.tolist() == [[1, 0], [0, 0]]  # r = 2 kept, r = 3 rejected; padding stays 0
+                                              rollout_rs="token_k1", rollout_rs_threshold="0.4_2.5")
+    assert new_mask.tolist() == [[1, 0], [0, 0]]  # q = 1 / r: 0.5 kept, 1/3 rejected; padding stays 0
     assert weights.tolist() == [[2.0, 0.0], [0.0, 0.0]]
     assert all(math.isfinite(float(v)) for v in m.values()), m
 
@@ -122,7 +171,7 @@ def test_threshold_parsing_names_the_key():
     assert parse_rs_options("token_k1", 4) == [("token_k1", 0.25, 4.0)]
     assert parse_rs_options(None, None) == []
     for rs, threshold, needle in [("token_k9", 2, "unknown option 'token_k9'"), ("token_k1", None, "needs"),
-                                  ("token_k1", "2_1", "lo_hi"), ("token_k1", 0.5, "lo_hi"),
+                                  ("token_k1", "2_1", "lo_hi"), ("token_k1", 0.5, "lo_hi"), ("token_k1", "0_1", "lo_hi"),
                                   ("token_k2", "0.1_0.2", "a float > 0"), ("token_k1,token_k2", "1,2,3", "one per")]:
         with pytest.raises(ConfigError, match=needle):
             parse_rs_options(rs, threshold)

@@ -242,8 +242,8 @@ def test_bypass_mode_reinforce_with_truncated_is_and_rejection():
     hyper = dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold=2.0)
     _, grad, met = grad_of("bypass_mode", leaf([[ln(0.6), ln(0.3)]]), rollout, adv, mask, **hyper)
     ref.assert_close(grad, [[-2.0, -0.5]], atol=1e-12)
-    assert met["rollout_is_mean"].item() == pytest.approx(1.75)  # raw ratios (3 + 0.5) / 2
-    # rejection: token_k1 keeps ratios in [0.4, 2.5]: t0 (ratio 3) leaves the loss
+    assert met["rollout_is_mean"].item() == pytest.approx(1.25)  # applied weights (2 + 0.5) / 2, as verl
+    # rejection: token_k1 keeps p_rollout / p in [0.4, 2.5] (verl's k1 orientation): t0 (1/3) leaves the loss
     _, grad, met = grad_of("bypass_mode", leaf([[ln(0.6), ln(0.3)]]), rollout, adv, mask, rollout_rs="token_k1",
                            rollout_rs_threshold="0.4_2.5", **hyper)
     ref.assert_close(grad, [[0.0, -0.5]], atol=1e-12)

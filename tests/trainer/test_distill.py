@@ -75,11 +75,12 @@ def test_verl_distillation_layout_resolves(distill_setup, tmp_path):
     cfg = _cfg(tmp_path / "run", student, teacher, data, "distillation.enabled=true",
                f"distillation.teacher_model.model_path={teacher}",
                "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_task_rewards=false",
-               "distillation.num_workers=2")
+               "distillation.distillation_loss.use_policy_gradient=true", "distillation.num_workers=2")
     d = cfg.algorithm.distill
     assert (d.teacher_path, d.loss_mode, d.use_outcome_reward, d.use_policy_gradient) == (str(teacher), "k1", False,
                                                                                           True)
-    assert (d.loss_max_clamp, d.log_prob_min_clamp, d.clip_ratio_low, d.clip_ratio_high) == (10.0, -10.0, 0.2, 0.2)
+    # verl 0.10's defaults for the keys left unset: no clamps, clip ratios 0.2
+    assert (d.loss_max_clamp, d.log_prob_min_clamp, d.clip_ratio_low, d.clip_ratio_high) == (None, None, 0.2, 0.2)
     assert cfg.distillation.teacher_model.model_path is None and not cfg.distillation.enabled  # one config shown
     # verl's default loss_mode (k3) applies when the verl layout leaves it unset
     cfg = _cfg(tmp_path / "run", student, teacher, data, "distillation.enabled=true",

@@ -27,7 +27,9 @@ Estimators (paper, and verl `verl/trainer/ppo/core_algos.py`):
 - remax: ReMax (Li et al. 2023, arXiv 2310.10505): returns = reward-to-go, A = returns - b with
   b = `baseline_rewards[B]`, the greedy rollout's score.
 - reinforce_plus_plus: REINFORCE++ (Hu 2025, arXiv 2501.03262): discounted reward-to-go G_t =
-  r_t + gamma G_{t+1} (reset at the end of the response), whitened over the batch.
+  r_t + gamma G_{t'} over the response tokens, t' the next response token (masked tokens inside a
+  multi-turn response are skipped: the return carries across them undiscounted, as verl after #7278),
+  whitened over the batch.
 - reinforce_plus_plus_baseline: s_i - mean_g (singleton mean 0) broadcast, then whitened over the batch.
 - opo: on-policy RL with optimal baseline (Hao et al. 2025, arXiv 2505.23585): baseline
   b_g = sum_i |y_i| s_i / sum_i |y_i| (length-weighted); singleton b = 0.
@@ -270,10 +272,11 @@ def compute_reinforce_plus_plus(
         returns = torch.zeros_like(token_rewards)
         running = torch.zeros_like(token_rewards[:, 0])
         for t in reversed(range(token_rewards.shape[1])):
-            running = token_rewards[:, t] * m[:, t] + gamma * running
-            returns[:, t] = running
-            running = running * m[:, t]
-        returns = returns * m
+            step = token_rewards[:, t] * m[:, t] + gamma * running
+            returns[:, t] = step * m[:, t]
+            # a masked token (padding, or a tool / user turn inside a multi-turn response) is skipped: the running
+            # return crosses it unchanged (no reward, no discount), as GAE skips masked steps (verl #7278)
+            running = torch.where(m[:, t] > 0, step, running)
         adv = masked_whiten(returns, response_mask)
     return adv, returns
 

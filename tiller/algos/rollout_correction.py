@@ -7,21 +7,29 @@ ratio r_t = p_old(y_t) / p_rollout(y_t) is 1 when both agree. Two corrections ac
 from the Training-Inference Mismatch"; Yao et al. 2025, "Your efficient RL framework secretly brings you
 off-policy RL training"):
 
-- truncated importance sampling (TIS), `rollout_is`: multiply each token's policy-gradient loss by a
-  constant weight w, the ratio capped at `rollout_is_threshold` C:
-      token:    w_t = min(r_t, C)
-      sequence: w_t = min(prod_s r_s, C) = min(exp(sum_s log r_s), C)  for every token of the row
-  (log ratios clamped to [-20, 20] before exp). `rollout_is_batch_normalize` divides the weights by their
-  mean over the batch (tokens, or sequences for `sequence`) so they average 1.
+- importance sampling, `rollout_is`: multiply each token's policy-gradient loss by a constant weight
+  built from the ratio, per token (w_t = r_t) or per sequence (w_t = prod_s r_s = exp(sum_s log r_s) on
+  every token of the row; log ratios clamped to [-20, 20] before exp). `rollout_is_threshold` is verl's
+  string-or-float form:
+      a float C (or "C"): truncated IS (TIS): w = min(w, C);
+      "lo_hi" (e.g. "0.5_2.0"): IcePop: w is set to 0 where it lies outside [lo, hi] (the token stays in
+          the loss mask, so it still counts in the token-mean's denominator), kept unchanged inside.
+  `rollout_is_batch_normalize` divides the weights by their mean over the batch (tokens, or sequences for
+  `sequence`) so they average 1.
 - rejection sampling (RS), `rollout_rs`: set the loss mask to 0 where a divergence statistic leaves its
-  bounds (IcePop-style masking; Ling team 2025). Options (comma-separated; all must pass):
-      token_k1 / seq_sum_k1 / seq_mean_k1: the ratio r_t / prod_t r_t / exp(mean_t log r_t) (geometric mean)
-          must lie in [lo, hi]; threshold "lo_hi" (e.g. "0.5_2.0") or a float hi (then lo = 1 / hi).
+  bounds. Options (comma-separated; all must pass), statistics of the log ratio clamped to [-20, 20]:
+      token_k1 / seq_sum_k1 / seq_mean_k1: k1 = -log r = log(p_rollout / p_old), per token / summed /
+          averaged over the row, must lie in [log lo, log hi]: verl's k1 bounds apply to the inverse ratio
+          p_rollout / p_old (per token, its product over the row, or its geometric mean). Threshold "lo_hi"
+          (e.g. "0.5_2.0", lo <= hi) or a float hi (then lo = 1 / hi, the same interval for both
+          orientations). To bound p_old / p_rollout in [a, b] instead, write "1/b_1/a" (e.g. [0.6, 1.6] on
+          p_old / p_rollout is "0.625_1.6667").
       token_k2 / seq_sum_k2 / seq_mean_k2 / seq_max_k2: k2 = 0.5 (log r)^2, per token / summed / averaged /
           max over the row, must be <= the threshold (a float).
       token_k3 / ... / seq_max_k3: k3 = r - 1 - log r, likewise.
   A sequence-level option rejects every token of a failing row. `rollout_rs_threshold` is one threshold
-  for all options or one per option, comma-separated.
+  for all options or one per option, comma-separated. This is verl's code (`rollout_corr_helper.py` at
+  verl-project/verl 1dda039b, 0.10.0.dev) key for key: a verl key means here what it means there.
 
 Interface (shared by the synchronous trainer, async RL and bypass mode):
 
@@ -38,11 +46,9 @@ Mismatch diagnostics (verl's `calculate_debug_metrics`, names without the `train
 built from additive sums (`mismatch_sums`, `merge_mismatch_sums`, `mismatch_metrics`) so micro-batches and
 ranks combine exactly.
 
-Deviations from verl: (1) k1 bounds apply to the ratio r = p_old / p_rollout itself, as verl's docs say
-and IcePop does; verl's code compares -log r with [log lo, log hi], i.e. keeps 1/hi <= r <= 1/lo, which
-is the same only for symmetric bounds (lo = 1/hi, the default). (2) Metrics are 0-dim tensors (no
-`.item()`), and sequence fractions count only rows with at least one response token. (3) The k1 statistic
-in metrics is log r (verl reports -log r).
+Deviations from verl: metrics are 0-dim tensors (no `.item()`), sequence fractions count only rows with
+at least one response token, and only verl's headline metrics are computed (not its per-option std /
+seq_* breakdowns).
 
 Letters: `B` sequences, `T` response tokens.
 """
@@ -69,10 +75,30 @@ RS_KEY = "algorithm.rollout_correction.rollout_rs"
 RS_THRESHOLD_KEY = "algorithm.rollout_correction.rollout_rs_threshold"
 
 
+def parse_is_threshold(spec: str | float) -> tuple[float, float | None]:
+    """verl's `rollout_is_threshold`: a float C (or its string) -> (C, None), TIS; "lo_hi" -> (hi, lo), IcePop.
+    ConfigError naming the key unless 0 < C, or 0 < lo <= hi."""
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    try:
+        if isinstance(spec, bool):
+            raise ValueError
+        text = str(spec).strip()
+        lo_s, _, hi_s = text.partition("_") if "_" in text else ("", "", text)
+        hi, lo = float(hi_s), (float(lo_s) if lo_s else None)
+        ok = hi > 0 and (lo is None or 0 < lo <= hi)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key}={spec!r} must be a float cap C > 0 (truncated IS) or \"lo_hi\" with "
+                          "0 < lo <= hi (IcePop: weights outside [lo, hi] set to 0), e.g. 2.0 or \"0.5_2.0\"")
+    return hi, lo
+
+
 def parse_rs_options(rollout_rs: str | None, rollout_rs_threshold: str | float | None
                      ) -> list[tuple[str, float | None, float]]:
-    """`rollout_rs` + `rollout_rs_threshold` -> [(option, lo, hi)]: for k1 options lo / hi bound the ratio,
-    for k2 / k3 options lo is None and hi bounds the divergence. ConfigError (naming the key) when invalid."""
+    """`rollout_rs` + `rollout_rs_threshold` -> [(option, lo, hi)]: for k1 options lo / hi bound p_rollout /
+    p_old (verl's orientation), for k2 / k3 options lo is None and hi bounds the divergence. ConfigError (naming
+    the key) when invalid."""
     if rollout_rs is None or not str(rollout_rs).strip():
         return []
     options = []
@@ -96,7 +122,7 @@ def parse_rs_options(rollout_rs: str | None, rollout_rs_threshold: str | float |
                 lo_s, _, hi_s = spec.partition("_") if "_" in spec else ("", "", spec)
                 hi = float(hi_s)
                 lo = float(lo_s) if lo_s else 1.0 / hi
-                ok = 0 < lo < hi
+                ok = 0 < lo <= hi
             else:
                 if "_" in spec:
                     raise ValueError
@@ -105,7 +131,7 @@ def parse_rs_options(rollout_rs: str | None, rollout_rs_threshold: str | float |
         except (ValueError, ZeroDivisionError):
             ok = False
         if not ok:
-            form = '"lo_hi" with 0 < lo < hi, or a float hi > 1' if opt.endswith("k1") else "a float > 0"
+            form = '"lo_hi" with 0 < lo <= hi, or a float hi >= 1' if opt.endswith("k1") else "a float > 0"
             raise ConfigError(f"{RS_THRESHOLD_KEY}: {spec!r} for {opt} must be {form}")
         out.append((opt, lo, hi))
     return out
@@ -130,10 +156,12 @@ def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch
 
 
 def _rs_statistic(option: str, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The option's statistic per token [B, T] (sequence options: the row's value on every token)."""
+    """The option's statistic per token [B, T] (sequence options: the row's value on every token); k1 is
+    -log r = log(p_rollout / p_old), as verl."""
     kind = option[-2:]
+    log_ratio = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if kind == "k1":
-        per_token = log_ratio
+        per_token = -log_ratio
     elif kind == "k2":
         per_token = 0.5 * log_ratio**2
     else:
@@ -150,8 +178,55 @@ def _rs_statistic(option: str, log_ratio: torch.Tensor, mask: torch.Tensor) -> t
     return row.unsqueeze(-1).expand_as(per_token)
 
 
+def _is_weights(log_ratio: torch.Tensor, fmask: torch.Tensor, valid_rows: torch.Tensor, level: str,
+                threshold: str | float, batch_normalize: bool, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+    """TIS / IcePop weights [B, T] (0 outside the mask) and verl's `rollout_is_*` metrics (into `metrics`)."""
+    hi, lo = parse_is_threshold(threshold)
+    lo_metric = 1.0 / hi if lo is None else lo
+    if level == "token":
+        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * fmask
+    else:
+        log_row = masked_sum(log_ratio, fmask, dim=-1)
+        raw = torch.exp(log_row.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1) * fmask
+    if lo is None:  # TIS
+        weights = raw.clamp(max=hi)
+    else:  # IcePop: out-of-bounds weights are 0, the tokens stay in the mask
+        outside = (raw < lo) | (raw > hi)
+        weights = torch.where(outside, torch.zeros_like(raw), raw)
+        metrics["rollout_is_oob_ratio"] = masked_mean(outside.float(), fmask)
+    mask = fmask.bool()
+    metrics["rollout_is_mean"] = masked_mean(weights, fmask)
+    if level == "token":
+        metrics["rollout_is_ratio_fraction_high"] = masked_mean((raw > hi).float(), fmask)
+        metrics["rollout_is_ratio_fraction_low"] = masked_mean((raw < lo_metric).float(), fmask)
+        metrics["rollout_is_max"] = _masked_extreme(weights, mask, largest=True)
+        metrics["rollout_is_min"] = _masked_extreme(weights, mask, largest=False)
+    else:  # the rows' unclamped products, in log space
+        metrics["rollout_is_ratio_fraction_high"] = _frac_rows(log_row > math.log(hi), valid_rows)
+        metrics["rollout_is_ratio_fraction_low"] = _frac_rows(log_row < math.log(lo_metric), valid_rows)
+        top = _masked_extreme(log_row, valid_rows, largest=True)
+        metrics["rollout_is_max"] = torch.exp(top.clamp(max=SAFETY_BOUND))
+        metrics["rollout_is_min"] = torch.exp(_masked_extreme(log_row, valid_rows, largest=False))
+    # spread and effective sample size (a fraction of the tokens, 1 / E[(w / E[w])^2]) of the applied weights
+    w = weights.clamp(min=0.0, max=hi)
+    w_mean = masked_mean(w, fmask)
+    var = (masked_mean(w**2, fmask) - w_mean**2).clamp(min=0)
+    metrics["rollout_is_std"] = torch.where(fmask.sum() > 1, var.sqrt(), torch.zeros_like(var))
+    metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean((w / (w_mean + 1e-8)) ** 2, fmask).clamp(min=1e-8)
+    if batch_normalize:
+        if level == "token":
+            norm = masked_mean(weights, fmask)
+        else:
+            row_w = masked_mean(weights, fmask, dim=-1)
+            norm = (row_w * valid_rows).sum() / valid_rows.sum().clamp(min=1)
+        norm = torch.where(norm > 1e-8, norm, torch.ones_like(norm))
+        weights = weights / norm
+        metrics["rollout_is_batch_norm_factor"] = norm
+    return weights
+
+
 def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *,
-                       rollout_is: str | None = None, rollout_is_threshold: float = 2.0,
+                       rollout_is: str | None = None, rollout_is_threshold: str | float = 2.0,
                        rollout_is_batch_normalize: bool = False, rollout_rs: str | None = None,
                        rollout_rs_threshold: str | float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -162,7 +237,7 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, respo
         rollout_logp: [B, T] the rollout engine's logprobs of the same tokens (p_rollout).
         response_mask: [B, T] 1 on response tokens.
         rollout_is: None (off) | "token" | "sequence".
-        rollout_is_threshold: the cap C of the weights (> 0).
+        rollout_is_threshold: the cap C of the weights (TIS), or "lo_hi" (IcePop); see `parse_is_threshold`.
         rollout_is_batch_normalize: divide the weights by their batch mean.
         rollout_rs: None (off) or comma-separated options of `ROLLOUT_RS_OPTIONS`.
         rollout_rs_threshold: see `parse_rs_options`.
@@ -177,8 +252,6 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, respo
                          f"rollout_logp {tuple(rollout_logp.shape)}, response_mask {tuple(response_mask.shape)}")
     if rollout_is is not None and rollout_is not in ROLLOUT_IS_LEVELS:
         raise ConfigError(f"{IS_KEY} = {rollout_is!r} is not one of: null, {', '.join(ROLLOUT_IS_LEVELS)}")
-    if rollout_is is not None and not rollout_is_threshold > 0:
-        raise ConfigError(f"algorithm.rollout_correction.rollout_is_threshold must be > 0, got {rollout_is_threshold}")
     rs_options = parse_rs_options(rollout_rs, rollout_rs_threshold)
     old_logp, rollout_logp = old_logp.detach().float(), rollout_logp.detach().float()
     mask = response_mask.bool()
@@ -189,36 +262,8 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, respo
 
     weights = fmask.clone()
     if rollout_is is not None:
-        if rollout_is == "token":
-            log_w = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-            over, under = log_w > math.log(rollout_is_threshold), log_w < -math.log(rollout_is_threshold)
-            metrics["rollout_is_ratio_fraction_high"] = masked_mean(over.float(), fmask)
-            metrics["rollout_is_ratio_fraction_low"] = masked_mean(under.float(), fmask)
-        else:
-            log_row = masked_sum(log_ratio, fmask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-            metrics["rollout_is_ratio_fraction_high"] = _frac_rows(log_row > math.log(rollout_is_threshold),
-                                                                   valid_rows)
-            metrics["rollout_is_ratio_fraction_low"] = _frac_rows(log_row < -math.log(rollout_is_threshold),
-                                                                  valid_rows)
-            log_w = log_row.unsqueeze(-1).expand_as(log_ratio)
-        raw = torch.exp(log_w) * fmask
-        metrics["rollout_is_mean"] = masked_mean(raw, fmask)
-        metrics["rollout_is_max"] = _masked_extreme(raw, mask, largest=True)
-        metrics["rollout_is_min"] = _masked_extreme(raw, mask, largest=False)
-        weights = raw.clamp(max=rollout_is_threshold)
-        # effective sample size of the capped weights, as a fraction of the tokens: 1 / E[(w / E[w])^2]
-        w_ess = weights.clamp(min=1.0 / rollout_is_threshold)
-        normed = w_ess / masked_mean(w_ess, fmask).clamp(min=1e-8)
-        metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normed**2, fmask).clamp(min=1e-8)
-        if rollout_is_batch_normalize:
-            if rollout_is == "token":
-                norm = masked_mean(weights, fmask)
-            else:
-                row_w = masked_mean(weights, fmask, dim=-1)
-                norm = (row_w * valid_rows).sum() / valid_rows.sum().clamp(min=1)
-            norm = torch.where(norm > 1e-8, norm, torch.ones_like(norm))
-            weights = weights / norm
-            metrics["rollout_is_batch_norm_factor"] = norm
+        weights = _is_weights(log_ratio, fmask, valid_rows, rollout_is, rollout_is_threshold,
+                              rollout_is_batch_normalize, metrics)
 
     keep = mask.clone()
     for option, lo, hi in rs_options:

@@ -32,9 +32,18 @@ from tiller.config.given import given_keys
 from tiller.config.readers import config_reads, schema_sections
 from tiller.config.schema import (DistillationInferenceConfig, FSDPConfig, LoraConfig, MtpConfig, OptimConfig,
                                   RLConfig, TraceConfig, TransferQueueConfig)
+from tiller.config.schema_verl010 import MEGATRON_OPTIM_OPTIONS, QatConfig, SkipStageConfig
 from tiller.errors import ConfigError
 
 HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
+
+
+def _default_value(path: str) -> Any:
+    """The schema's default at `path` (a dotted key)."""
+    node: Any = RLConfig()
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
 
 
 @dataclass(frozen=True)
@@ -415,6 +424,106 @@ RULES.update({
                        "takes the machine's CPUs)"),
 })
 
+# ----------------------------------------------------------------- verl 0.10.0.dev's tree (verl-project/verl 1dda039b)
+_SERVER = ("an inference-server setting of verl's reward loop, which serves the reward model with vLLM / SGLang; "
+           "tiller's reward model is one forward pass of a sequence classifier in the driver (reward_model.*)")
+_V1_ASYNC = "only with trainer.v1.trainer_mode=colocate_async / separate_async, which is refused"
+RULES.update({
+    "actor_rollout_ref.actor.entropy_from_logits_chunk_size": noop(_MEMORY),
+    "actor_rollout_ref.ref.entropy_from_logits_chunk_size": noop(_MEMORY),
+    "actor_rollout_ref.actor.pad_to_length": noop(_PADDING),
+    "actor_rollout_ref.ref.pad_to_length": noop(_PADDING),
+    "actor_rollout_ref.rollout.nnodes": refused(
+        "a standalone rollout pool (the engine on GPUs of its own) is not built: tiller's engine runs in the actor "
+        "worker, verl's hybrid engine", use="0 (the rollout shares the trainer's GPUs)", allowed=(0, None)),
+    "actor_rollout_ref.rollout.n_gpus_per_node": noop("only with rollout.nnodes > 0, which is refused"),
+    "actor_rollout_ref.rollout.full_determinism": noop("deterministic GPU inference kernels; tiller's CPU runs are "
+                                                       "deterministic per seed"),
+    "actor_rollout_ref.rollout.seed": noop("tiller seeds sampling from trainer.seed (per step and sample)"),
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval": noop(
+        "MoE expert-load metrics of verl's vLLM / SGLang server; tiller's engines do not report them"),
+    "actor_rollout_ref.rollout.qat": noop("verl's copy of the actor's QAT settings (actor qat.enable is refused)"),
+    "actor_rollout_ref.rollout.disaggregation": refused(
+        "prefill / decode disaggregation over engine replicas is not built (tiller's engine prefills and decodes in "
+        "one loop)", use="leave rollout.disaggregation at its defaults (enabled=false)",
+        allowed=(_default_value("actor_rollout_ref.rollout.disaggregation"),)),
+    "actor_rollout_ref.rollout.multi_turn.function_tool_path": refused(
+        "tiller's tools are declared in a tool config file (verl's tool_config_path format), not a Python file of "
+        "functions", use="actor_rollout_ref.rollout.multi_turn.tool_config_path", allowed=(None,)),
+    "data.function_tool_path": refused(
+        "tiller's tools are declared in a tool config file (verl's tool_config_path format), not a Python file of "
+        "functions", use="actor_rollout_ref.rollout.multi_turn.tool_config_path", allowed=(None,)),
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": noop(
+        "only with a checkpoint_engine.backend other than naive, which is refused"),
+    "data.audio_key": noop(_TEXT_ONLY),
+    "data.mm_processor_kwargs": noop(_TEXT_ONLY),
+    "algorithm.filter_groups.max_inflight_gen_batches": noop(
+        "tiller generates a DAPO step's batches one after another (verl's default 1); the batches kept are the same"),
+    # critic
+    "critic.loss_scale_factor": refused(
+        "tiller's seq-mean-token-sum-norm divides by the padded response length (verl's behaviour when this is null)",
+        use="leave it null", allowed=(None,)),
+    "critic.model.hf_config_path": refused(
+        "tiller reads the critic's config.json from critic.model.path", use="edit that config.json",
+        allowed=(None,)),
+    "critic.model.custom_chat_template": noop("the critic reads the actor's token ids; it renders no chat template"),
+    "critic.model.exclude_modules": noop("only with critic LoRA (critic.model.lora_rank), which is refused"),
+    "critic.model.lora_adapter_path": refused("tiller trains the critic in full (no LoRA on the value model)",
+                                              use="leave it null", allowed=(None,)),
+    "critic.model.use_liger": noop("tiller runs the Hugging Face modelling code (no Liger kernels); the math is the "
+                                   "same"),
+    "critic.model.use_fused_kernels": noop("no fused kernels in tiller"),
+    "critic.model.fused_kernel_options": noop("no fused kernels in tiller (critic.model.use_fused_kernels)"),
+    # reward (verl 0.10 layout)
+    "reward.reward_manager.source": refused("tiller's reward managers are built in", use="register with "
+                                            "reward.reward_manager.name", allowed=("register",)),
+    "reward.reward_manager.module": refused(
+        "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
+        allowed=({"path": None, "name": "custom_reward_manager"},)),
+    "reward.reward_model.rollout": noop(_SERVER),
+    "reward.sandbox_fusion": refused(
+        "tiller has no SandboxFusion client", use="a custom_reward_function.path scorer that calls your sandbox",
+        allowed=({"url": None, "max_concurrent": 64, "memory_limit_mb": 1024},)),
+    "sandbox_fusion": refused(
+        "tiller has no SandboxFusion client", use="a custom_reward_function.path scorer that calls your sandbox",
+        allowed=({"url": None, "max_concurrent": None, "memory_limit_mb": None},)),
+    # distillation (verl 0.10 layout)
+    "distillation.n_gpus_per_node": noop("tiller's teacher is a frozen model inside each actor worker"),
+    "distillation.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
+    "distillation.teacher_models": Rule(HONOURED, "verl 0.10's named teachers: one teacher's model_path resolves onto "
+                                                  "algorithm.distill.teacher_path (its key, num_replicas and inference "
+                                                  "server settings have no effect); several teachers are refused"),
+    "distillation.teacher_key": noop("routes samples among several teachers; tiller has one teacher"),
+    # trainer: verl's v1 trainer
+    "trainer.use_v1": noop("tiller has one trainer; its step is verl's v1 sync mode (rollout, then update, one "
+                           "policy)"),
+    "trainer.v1.trainer_mode": refused(
+        "verl's v1 asynchronous modes (colocate_async, separate_async) are not built as such: tiller's asynchronous "
+        "RL is a producer / consumer over one policy's versions", use="sync, or async_training.staleness_threshold "
+        "(tiller's async RL)", allowed=("sync",)),
+    "trainer.v1.sync": noop("verl's sync mode has no options"),
+    "trainer.v1.colocate_async": noop(_V1_ASYNC),
+    "trainer.v1.separate_async": noop(_V1_ASYNC),
+    "trainer.v1.sampler.max_off_policy_threshold": noop(_V1_ASYNC + " (tiller's bound: async_training."
+                                                                    "staleness_threshold)"),
+    "trainer.v1.sampler.max_off_policy_strategy": noop(_V1_ASYNC),
+    "trainer.v1.sampler.sync_refill_failed_groups": noop("tiller's rollouts do not fail per group (a step trains on "
+                                                         "every group it generated)"),
+    "trainer.v1.sampler.custom_sampler": refused("custom replay-buffer samplers are not built", use="leave path null",
+                                                 allowed=({"path": None, "name": None},)),
+    "trainer.v1.sampler.sampler_kwargs": noop("only with trainer.v1.sampler.custom_sampler, which is refused"),
+    "actor_rollout_ref.actor.policy_loss.tau_pos": noop("verl's SAPO reads actor.tau_pos (its sapo example sets "
+                                                        "this key with +, with no effect in verl either)"),
+    "actor_rollout_ref.actor.policy_loss.tau_neg": noop("verl's SAPO reads actor.tau_neg (its sapo example sets "
+                                                        "this key with +, with no effect in verl either)"),
+    # verl 0.10's engine switch (a config group there: dp | megatron | veomni | torchtitan)
+    "model_engine": refused("tiller's training engine is FSDP2 over data-parallel ranks (verl's dp)", use="dp",
+                            allowed=("dp", "fsdp")),
+    "actor_rollout_ref.actor.model_engine": refused(
+        "tiller's training engine is FSDP2 over data-parallel ranks (verl's dp)", use="dp (or leave it null)",
+        allowed=(None, "dp", "fsdp")),
+})
+
 # deprecated key -> (successor, divided by the number of workers); converted at load time
 DEPRECATED: dict[str, tuple[str, bool]] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", True),
@@ -441,7 +550,9 @@ _OPTIM_RULES = {  # fields of every `optim` section
                                          use="those keys", allowed=(None, {})),
     **{k: noop(_MEGATRON) for k in ("lr_decay_steps", "lr_decay_style", "lr_warmup_init", "lr_wsd_decay_steps",
                                     "lr_wsd_decay_style", "min_lr", "use_checkpoint_opt_param_scheduler",
-                                    "weight_decay_incr_style")},
+                                    "weight_decay_incr_style", *MEGATRON_OPTIM_OPTIONS)},
+    "zero_indexed_step": refused("tiller's LR schedules count steps from 0 (verl's default; False is torchtitan's "
+                                 "1-based count)", use="True", allowed=(True,)),
 }
 _LORA_MEGATRON = ("dropout_position", "lora_A_init_method", "lora_B_init_method", "a2a_experimental", "dtype",
                   "freeze_vision_model", "freeze_vision_projection")
@@ -456,8 +567,16 @@ def _section_rules() -> None:
         if cls in (FSDPConfig, TraceConfig, MtpConfig, TransferQueueConfig, DistillationInferenceConfig):
             docs = _field_docs(cls)
             for f in dataclasses.fields(cls):
+                if f"{path}.{f.name}" in sections:  # a nested section (fsdp_config.qat) has rules of its own
+                    continue
                 RULES.setdefault(f"{path}.{f.name}", noop(docs.get(f.name) or "a verl knob with no counterpart in "
                                                                               "tiller"))
+        if cls in (QatConfig, SkipStageConfig):  # `enable` refused, the rest only acts with it
+            what = ("quantization-aware training is not built (tiller's engines run the actor's weights unquantized)"
+                    if cls is QatConfig else "replaying dumped rollouts (verl's skip.*) is not built")
+            RULES.setdefault(f"{path}.enable", refused(what, use="leave enable False", allowed=(False,)))
+            for f in dataclasses.fields(cls):
+                RULES.setdefault(f"{path}.{f.name}", noop(f"only with {path}.enable, which is refused"))
         if cls is OptimConfig:
             for name, rule in _OPTIM_RULES.items():
                 RULES.setdefault(f"{path}.{name}", rule)
@@ -557,6 +676,30 @@ REFUSED_VALUES: dict[str, tuple[tuple, str, str]] = {
                 "reward_model.strategy")
 }
 REFUSED_VALUES["trainer.device"] = (("npu",), "tiller runs on CPU and CUDA (no Ascend NPU backend)", "cpu or cuda")
+# verl 0.10 picks the training engine with the config group `model_engine` (dp = FSDP, its default)
+_ENGINES = {"megatron": _MEGATRON_REFUSAL,
+            "veomni": ("VeOmni (verl's model_engine=veomni: ByteDance's model-parallel training engine) is not built in "
+                       "tiller: its workers shard with FSDP2 over data-parallel ranks", "model_engine=dp (FSDP, verl's "
+                       "default) and drop the veomni.* keys"),
+            "torchtitan": ("TorchTitan (verl's model_engine=torchtitan) is not built in tiller: its workers shard with "
+                           "FSDP2 over data-parallel ranks", "model_engine=dp (FSDP, verl's default)")}
+for _key in ("model_engine", "actor_rollout_ref.actor.model_engine"):
+    REFUSED_VALUES[_key] = (tuple(_ENGINES), "; ".join(f"{k}: {v[0]}" for k, v in _ENGINES.items()),
+                            _ENGINES["veomni"][1].split(" and ")[0])
+#: keys whose refused value makes the rest of a launch script moot: a command line stops on them before any other
+#: key is checked (a Megatron script's megatron.* keys would otherwise be reported as unknown first)
+ENGINE_KEYS = ("model_engine", "actor_rollout_ref.actor.model_engine", "actor_rollout_ref.actor.strategy",
+               "actor_rollout_ref.ref.strategy", "critic.strategy", "reward_model.strategy", "trainer.device")
+
+
+def refuse_engines_first(items: list[tuple[str, Any]]) -> None:
+    """(key, value) pairs of a command line: ConfigError for a refused engine / device, named by key and reason."""
+    for key, value in items:
+        if key in ENGINE_KEYS and value in REFUSED_VALUES[key][0]:
+            values, reason, use = REFUSED_VALUES[key]
+            if key.endswith("model_engine") and value in _ENGINES:
+                reason, use = _ENGINES[value]
+            raise ConfigError(f"{key}={value!r} is refused: {reason}. Instead: {use}")
 REFUSED_VALUES["actor_rollout_ref.rollout.name"] = (
     ("sglang", "trtllm"), "tiller's rollout engines are native, hf and vllm (SGLang and TensorRT-LLM servers are not "
                           "built)", "rollout.name=vllm (the same sampling) or native")
@@ -643,9 +786,12 @@ def _resolve_layouts(cfg: RLConfig) -> None:
     """verl 0.8+ keys (`reward.*`, `model.lora.*`, `fsdp_config.ulysses_sequence_parallel_size`) onto the legacy
     keys tiller reads; the new-layout key goes back to its default so `tiller config show` prints one config."""
     set_by: dict[str, str] = {}
+    lora_on = bool(cfg.actor_rollout_ref.model.lora.rank)
     for new, old in LAYOUT_ALIASES.items():
         if not _given_under(cfg, new) or get(cfg, new) == _default(new):
             continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)
+        if new.startswith("actor_rollout_ref.model.lora.") and not lora_on:
+            continue  # verl 0.10's tree carries model.lora (Megatron's LoRA, alpha 32) at rank 0: LoRA off says nothing
         if (_given_under(cfg, old) and get(cfg, old) not in (None, get(cfg, new))) or old in set_by:
             raise ConfigError(f"{new} and {set_by.get(old, old)} are the same setting (verl's newer and older "
                               "layouts): set one of them")
@@ -662,7 +808,12 @@ NULL_IS_DEFAULT = ("actor_rollout_ref.actor.optim.warmup_style", "critic.optim.w
                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "data.seed",
                    "reward_model.micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
-                   "critic.forward_micro_batch_size_per_gpu")
+                   "critic.forward_micro_batch_size_per_gpu",
+                   # verl 0.10 keeps the legacy reward keys in its tree as null (unset: the reward.* layout decides)
+                   "custom_reward_function.name", "reward_model.num_workers", "reward_model.reward_manager",
+                   "reward_model.enable", "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node",
+                   "reward_model.nnodes", "reward_model.reward_loop_source", "reward_model.model.trust_remote_code",
+                   "algorithm.filter_groups.metric")
 
 
 def _resolve_engine_kwargs(cfg: RLConfig) -> None:
@@ -690,6 +841,7 @@ def _resolve_distillation(cfg: RLConfig) -> None:
     given, so a second pass is a no-op."""
     section = cfg.distillation
     on = section.enabled or bool(section.enable)
+    _fold_teacher_models(cfg, on)
     changed = [k for k in DISTILLATION_ALIASES if get(cfg, k) != _default(k)]
     if not on:
         if changed:
@@ -718,6 +870,29 @@ def _resolve_distillation(cfg: RLConfig) -> None:
         _set(cfg, old, get(cfg, new))
         _set(cfg, new, _default(new))
     section.enabled, section.enable = False, None  # the no-op keys keep their values (the start-up line names them)
+
+
+def _fold_teacher_models(cfg: RLConfig, on: bool) -> None:
+    """verl 0.10's `distillation.teacher_models` {name: {key, model_path, num_replicas, inference}}: one teacher's
+    model_path becomes distillation.teacher_model.model_path (then the section goes back to its default); several
+    teachers are refused."""
+    section = cfg.distillation
+    teachers = {name: t for name, t in section.teacher_models.items() if isinstance(t, dict) and t.get("model_path")}
+    if not teachers:
+        return
+    if len(teachers) > 1:
+        raise ConfigError(f"distillation.teacher_models has {len(teachers)} teachers ({', '.join(teachers)}): several "
+                          "teachers routed by distillation.teacher_key are refused: tiller distils from one teacher. "
+                          "Instead: one entry (distillation.teacher_models.teacher_model.model_path)")
+    (name, teacher), = teachers.items()
+    key = f"distillation.teacher_models.{name}.model_path"
+    if not on:
+        raise ConfigError(f"{key} is set but distillation.enabled is false: set distillation.enabled=true")
+    if section.teacher_model.model_path not in (None, teacher["model_path"]):
+        raise ConfigError(f"{key} and distillation.teacher_model.model_path are both set (verl 0.10's layout and the "
+                          "one before): use one")
+    section.teacher_model.model_path = teacher["model_path"]
+    section.teacher_models = _default("distillation.teacher_models")
 
 
 def _convert_deprecated(cfg: RLConfig) -> None:
@@ -887,6 +1062,11 @@ def key_states() -> list[KeyState]:
     return out
 
 
+#: the verl trees whose every key path has a state here (stored under tests/data/verl_examples/)
+VERL_TREES = ("volcengine/verl b178a3cd (2026-01-29, 0.8.0.dev) and verl-project/verl 1dda039b (2026-08-22, "
+              "0.10.0.dev)")
+
+
 def markdown() -> str:
     """`docs/verl-keys.md`: the state of every key."""
     states = key_states()
@@ -902,6 +1082,10 @@ def markdown() -> str:
         "it), **no-op** (accepted; it tunes machinery tiller does differently, and one line at start-up "
         "lists the no-op keys you set) or **refused** (an error at load time, unless it has an accepted "
         "value). Deprecated verl keys are converted at load time with one deprecation line.",
+        "",
+        f"Checked against verl's generated config trees at {VERL_TREES}: every key path of their "
+        "`_generated_ppo_trainer.yaml` and `_generated_ppo_megatron_trainer.yaml` is a key of this table or inside a "
+        "section it declares whole (`tests/test_verl_examples.py`).",
         "",
         f"{counts[HONOURED]} honoured, {counts[NOOP]} no-op (some honoured under a condition), "
         f"{counts[REFUSED]} refused.",

@@ -31,6 +31,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+from tiller.config.edge import refuse_engines_first
 from tiller.config.given import given_keys, GIVEN_KEYS_ATTR
 from tiller.config.schema import RLConfig
 from tiller.config.validate import validate_rl
@@ -460,7 +461,11 @@ def load_config(
         if by_user:
             given |= _leaf_keys(data, "", paths)
         cfg = _merge(cfg, data, paths, str(source))
-    for override in _parse_overrides(overrides):
+    parsed = _parse_overrides(overrides)
+    if schema is RLConfig:  # a Megatron / VeOmni script stops on that, before any key only those engines have
+
+        refuse_engines_first([(o.key_or_group.lstrip("+~"), o.value()) for o in parsed if not o.is_delete()])
+    for override in parsed:
         key = _apply_override(cfg, override, paths, schema, given)
         value = override.value() if not override.is_delete() else None
         given |= {key} | (_leaf_keys(value, key + ".", paths) if isinstance(value, dict) else set())

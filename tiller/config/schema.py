@@ -14,27 +14,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tiller.config import schema_verl010 as v010
+from tiller.config.schema_verl010 import MegatronOptimOptions, QatConfig, SkipConfig, V1TrainerConfig
+
 # ------------------------------------------------------------- verl sections tiller accepts as a whole
 
 
 def _profiler() -> dict[str, Any]:
     """verl's per-role `profiler` section (verl/trainer/config/profiler/profiler.yaml)."""
     return {"tool": None, "enable": False, "all_ranks": False, "ranks": [], "save_path": None,
+            # verl 0.10's additions
+            "relocate_results": False, "finish_hook_cmd": None, "finish_hook_all_ranks": False,
+            "finish_hook_ranks": [],
             "tool_config": {"nsys": {"discrete": False},
                             "npu": {"contents": [], "level": "level0", "analysis": True, "discrete": False},
-                            "torch": {"contents": [], "discrete": False},
-                            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}}}
+                            "torch": {"contents": [], "discrete": False, "schedule": {
+                                "skip_first": 0, "wait": 0, "warmup": 0, "active": 0, "repeat": 0}},
+                            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32},
+                            "precision_debugger": {"config_path": None, "steps": None, "stages": None,
+                                                   "strict": False}}}
+
+
+def _rollout_profiler() -> dict[str, Any]:
+    """verl 0.10's rollout `profiler`: the role section plus the engine's token window per tool."""
+    out = _profiler()
+    for tool in ("npu", "torch"):
+        out["tool_config"][tool].update({"profile_token_start": None, "profile_token_end": None})
+    return out
 
 
 def _global_profiler() -> dict[str, Any]:
     nsys = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
     return {"tool": None, "steps": None, "profile_continuous_steps": False, "save_path": "outputs/profile",
+            "relocate_results": False, "finish_hook_cmd": None, "finish_hook_all_ranks": False,
+            "finish_hook_ranks": [],  # (verl 0.10)
             "global_tool_config": {
                 "nsys": {"discrete": False, "controller_nsight_options": dict(nsys),
                          "worker_nsight_options": {**nsys, "capture-range": "cudaProfilerApi",
                                                    "capture-range-end": None, "kill": "none"}},
                 "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32, "context": "all",
-                                 "stacks": "all", "kw_args": {}}}}
+                                 "stacks": "all", "kw_args": {}},
+                "precision_debugger": {"config_path": None, "steps": None, "stages": None, "strict": False}}}
 
 
 def _checkpoint() -> dict[str, Any]:
@@ -154,6 +174,12 @@ class DataConfig:
     """verl: a dynamic data generator {path, name}; refused unless both are null."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """verl: extra keyword arguments of apply_chat_template (e.g. enable_thinking); refused unless empty."""
+    function_tool_path: Optional[str] = None
+    """verl 0.10: data-level copy of rollout.multi_turn.function_tool_path; refused (use tool_config_path)."""
+    audio_key: str = "audios"
+    """verl 0.10: the column of audio inputs; tiller trains text-only models."""
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """verl 0.10: keyword arguments of the multimodal processor; tiller trains text-only models."""
 
 
 # ------------------------------------------------------------------------------------ actor / rollout
@@ -201,6 +227,24 @@ class FSDPConfig:
     """verl's engine torch.compile switch; tiller's is <role>.use_torch_compile."""
     forward_only: bool = False
     """verl: an engine without optimizer (set by verl for the reference); tiller builds the reference without one."""
+    entropy_from_logits_chunk_size: int = 2048
+    """verl 0.10: chunk size of entropy_from_logits_with_chunking; a memory tuning."""
+    pad_to_length: bool = False
+    """verl 0.10: pad every micro-batch to a fixed bucketed length (static shapes); tiller pads each micro-batch to
+    its longest row (the update is the same)."""
+    pad_to_length_bucket: int = 1024
+    """verl 0.10: the bucket of pad_to_length (no effect in tiller)."""
+    qat: QatConfig = field(default_factory=QatConfig)
+    """verl 0.10: quantization-aware training of this engine (enable refused)."""
+    grad_offload: bool = False
+    """verl (before 0.3): offload gradients to CPU; verl dropped the key long ago, tiller keeps gradients on the
+    worker's device."""
+    mixed_precision: dict[str, Any] = field(default_factory=dict)
+    """verl: FSDP mixed-precision dtypes {param_dtype, reduce_dtype, buffer_dtype} (+key=value); tiller's compute
+    dtype is <role>.dtype, gradients reduce in fp32."""
+    turbo_config: dict[str, Any] = field(default_factory=v010.turbo_config)
+    """verl 0.10: the parallel plan of its FSDP "turbo" engine (expert / tensor / Ulysses sizes); tiller's FSDP2
+    shards over data-parallel ranks."""
 
 
 @dataclass
@@ -322,7 +366,7 @@ class ModelConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(MegatronOptimOptions):
     lr: float = 1e-6
     """Peak learning rate."""
     lr_warmup_steps: int = -1
@@ -370,6 +414,9 @@ class OptimConfig:
     """verl Megatron optimizer schedule (strategy=megatron only)."""
     weight_decay_incr_style: str = "constant"
     """verl Megatron optimizer schedule (strategy=megatron only)."""
+    zero_indexed_step: bool = True
+    """verl 0.10: the LR schedule counts steps from 0 (True, verl's default, tiller's schedules) or from 1 (False,
+    torchtitan's); False is refused."""
 
 
 @dataclass
@@ -387,12 +434,18 @@ class PolicyLossConfig:
     """kl_cov: fraction of tokens given the KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of the KL penalty."""
+    tau_pos: Optional[float] = None
+    """verl's sapo example sets +policy_loss.tau_pos; verl's SAPO reads actor.tau_pos, so this key has no effect there
+    either (set actor_rollout_ref.actor.tau_pos)."""
+    tau_neg: Optional[float] = None
+    """As policy_loss.tau_pos: verl's SAPO reads actor.tau_neg."""
     sapo_tau_pos: Optional[float] = None
     """Older name of actor.tau_pos (converted at load time; setting both is an error)."""
     sapo_tau_neg: Optional[float] = None
     """Older name of actor.tau_neg (converted at load time; setting both is an error)."""
-    dro_beta: float = 0.1
-    """dro: weight of the quadratic log-ratio penalty beta/2 (logp - old_logp)^2 (> 0)."""
+    dro_beta: Optional[float] = None
+    """dro: weight of the quadratic log-ratio penalty beta/2 (logp - old_logp)^2 (> 0); required with loss_mode=dro
+    (verl 0.10's default is null, and verl stops on a null beta too)."""
 
 
 @dataclass
@@ -534,6 +587,15 @@ class ActorConfig:
     """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
     megatron: dict[str, Any] = field(default_factory=_megatron)
     """verl's Megatron-Core parallelism of this role (strategy=megatron only, which tiller refuses)."""
+    qat: QatConfig = field(default_factory=QatConfig)
+    """verl 0.10: quantization-aware training of the actor (enable refused)."""
+    entropy_from_logits_chunk_size: int = 2048
+    """verl 0.10: chunk size of entropy_from_logits_with_chunking; a memory tuning."""
+    pad_to_length: bool = False
+    """verl 0.10: pad micro-batches to a fixed bucketed length (static shapes); tiller pads each micro-batch to its
+    longest row (the update is the same)."""
+    model_engine: Optional[str] = None
+    """verl 0.10: the actor's engine (= model_engine); only dp, megatron / veomni / torchtitan are refused."""
 
 
 @dataclass
@@ -568,6 +630,11 @@ class RefConfig:
     """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
     megatron: dict[str, Any] = field(default_factory=_megatron)
     """verl's Megatron-Core parallelism of the reference (strategy=megatron only, which tiller refuses)."""
+    entropy_from_logits_chunk_size: int = 2048
+    """verl 0.10: chunk size of entropy_from_logits_with_chunking; a memory tuning."""
+    pad_to_length: Optional[bool] = None
+    """verl 0.10: pad micro-batches to a fixed length (null = the actor's); tiller pads each micro-batch to its
+    longest row."""
 
 
 @dataclass
@@ -612,6 +679,8 @@ class MultiTurnConfig:
     """verl: check incremental tokenization against a full re-render; tiller tokenizes each turn once."""
     num_repeat_rollouts: Optional[int] = None
     """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
+    function_tool_path: Optional[str] = None
+    """verl 0.10: a Python file of function tools; refused (tiller's tools are listed in tool_config_path)."""
 
 
 @dataclass
@@ -652,6 +721,10 @@ class TraceConfig:
     """verl: decode token ids in rollout traces."""
     max_samples_per_step_per_worker: Optional[int] = None
     """verl: cap of traced samples; tiller records no rollout traces."""
+    project_name: Optional[str] = None
+    """verl 0.10: the trace backend's project (null = trainer.project_name)."""
+    experiment_name: Optional[str] = None
+    """verl 0.10: the trace backend's experiment (null = trainer.experiment_name)."""
 
 
 @dataclass
@@ -665,6 +738,9 @@ class CheckpointEngineConfig:
     """verl: bucket size of the weight transfer; tiller's vllm sync uses its own bucket size."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """verl: keyword arguments of the checkpoint-engine backend (no backend to pass them to)."""
+    custom_backend_module: Optional[str] = None
+    """verl 0.10: a module providing a custom checkpoint-engine backend (only with a backend other than naive, which
+    is refused)."""
 
 
 @dataclass
@@ -773,7 +849,7 @@ class RolloutConfig:
     """verl: record MoE routing in the engine for router replay; refused."""
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     """verl: the weight-transfer backend between trainer and rollout servers."""
-    profiler: dict[str, Any] = field(default_factory=_profiler)
+    profiler: dict[str, Any] = field(default_factory=_rollout_profiler)
     """verl's profiler hooks of the rollout; tiller has no profiler integration."""
     prometheus: dict[str, Any] = field(default_factory=lambda: {
         "enable": False, "port": 9090, "file": "/tmp/ray/session_latest/metrics/prometheus/prometheus.yml",
@@ -788,6 +864,23 @@ class RolloutConfig:
     layer_name_map: dict[str, Any] = field(default_factory=lambda: {"qkv_layer_name": "qkv",
                                                                     "gate_proj_layer_name": "gate_up"})
     """verl (Megatron): layer names for the weight sync of fused layers (strategy=megatron only)."""
+    nnodes: int = 0
+    """verl 0.10: nodes of a standalone rollout pool (0 = the rollout shares the trainer's GPUs, verl's hybrid
+    engine, which is tiller's layout)."""
+    n_gpus_per_node: Optional[int] = None
+    """verl 0.10: GPUs per node of a standalone rollout pool (null = trainer.n_gpus_per_node)."""
+    full_determinism: bool = False
+    """verl 0.10: deterministic inference kernels in the engine; a GPU setting (tiller's engines are deterministic
+    per seed on CPU)."""
+    seed: int = 42
+    """verl 0.10: the engine's seed; tiller seeds sampling from trainer.seed (per step and sample)."""
+    moe_load_balance_metrics_interval: int = 0
+    """verl 0.10: log the engine's MoE expert load every N steps (0 = off)."""
+    qat: Any = None
+    """verl 0.10: the engine's copy of the actor's QAT settings (actor qat.enable is refused)."""
+    disaggregation: dict[str, Any] = field(default_factory=v010.disaggregation)
+    """verl 0.10: prefill / decode on separate engine replicas (SGLang / vLLM with nixl); refused unless at its
+    defaults (tiller's engine prefills and decodes in one loop)."""
 
 
 @dataclass
@@ -848,6 +941,22 @@ class CriticModelConfig:
     """verl (Megatron): the critic's LoRA section (strategy=megatron only, which tiller refuses)."""
     tiled_mlp: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "num_shards": 4})
     """verl: tiled MLP to save activation memory; a memory tuning tiller does not have."""
+    hf_config_path: Optional[str] = None
+    """verl: read the critic's HF config from another dir; refused (tiller reads critic.model.path's config.json)."""
+    custom_chat_template: Optional[str] = None
+    """verl: a chat template for the critic's tokenizer; the critic reads the actor's token ids (no template)."""
+    exclude_modules: Optional[str] = None
+    """verl: modules left out of the critic's LoRA (only with critic LoRA, which is refused)."""
+    lora_adapter_path: Optional[str] = None
+    """verl: a saved LoRA adapter for the critic; refused (tiller trains the critic in full)."""
+    use_liger: bool = False
+    """verl: Liger fused kernels; tiller runs the Hugging Face modelling code."""
+    use_fused_kernels: bool = False
+    """verl: fused kernels for the critic; none in tiller."""
+    fused_kernel_options: dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
+    """verl: backend of use_fused_kernels (no fused kernels in tiller)."""
+    mtp: MtpConfig = field(default_factory=MtpConfig)
+    """verl: multi-token prediction settings copied into the critic's model config; a value model has no MTP."""
 
 
 @dataclass
@@ -913,6 +1022,10 @@ class CriticConfig:
     """verl (Megatron): load the HF weights at start-up (strategy=megatron only)."""
     megatron: dict[str, Any] = field(default_factory=_megatron)
     """verl's Megatron-Core parallelism of the critic (strategy=megatron only, which tiller refuses)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl 0.10's place of the critic's sharding / offload knobs (critic.model.fsdp_config before); no effect."""
+    loss_scale_factor: Optional[float] = None
+    """verl 0.10: the critic's copy of actor.loss_scale_factor; refused unless null (as the actor's)."""
 
 
 # --------------------------------------------------------------------------------------------- reward
@@ -925,7 +1038,7 @@ class RewardModelModelConfig:
     input_tokenizer: Optional[str] = None
     """verl: the policy's tokenizer, to re-render responses when the RM's differs; tiller always hands the
     RM decoded text rendered with the RM's own chat template, which is what this key switches on in verl."""
-    trust_remote_code: bool = False
+    trust_remote_code: Optional[bool] = False
     """Pass trust_remote_code to from_pretrained."""
     use_remove_padding: bool = False
     """verl: pack sequences without padding; tiller pads."""
@@ -988,7 +1101,7 @@ class DiversityConfig:
 
 @dataclass
 class RewardModelConfig:
-    enable: bool = False
+    enable: Optional[bool] = False
     """Score with a reward model."""
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     """The reward model."""
@@ -1006,10 +1119,10 @@ class RewardModelConfig:
     penalty_factor, log} and max_resp_len (open-ended: use +key=value)."""
     max_length: Optional[int] = None
     """Longest prompt + response the RM sees."""
-    reward_manager: str = "naive"
+    reward_manager: Optional[str] = "naive"
     """naive | batch | parallel | dapo | openrlhf (a batched OpenRLHF reward_func(queries, prompts, labels) in
-    custom_reward_function.path)."""
-    num_workers: int = 2
+    custom_reward_function.path) | gdpo (verl 0.10's name for naive with dict scores, for adv_estimator=gdpo)."""
+    num_workers: Optional[int] = 2
     """Processes of the parallel reward manager."""
     bad_ground_truth: str = "error"
     """tiller: a row whose ground truth has the wrong type for its data_source's rule scorer (a dict where the
@@ -1034,13 +1147,13 @@ class RewardModelConfig:
     """DARLING diversity-aware reward."""
     strategy: str = "fsdp"
     """verl: the RM worker's strategy; tiller runs the RM forward in its own process (megatron is refused)."""
-    enable_resource_pool: bool = False
+    enable_resource_pool: Optional[bool] = False
     """verl: a separate GPU pool for the reward model; tiller runs the RM next to the trainer."""
-    n_gpus_per_node: int = 8
+    n_gpus_per_node: Optional[int] = 8
     """verl: GPUs per node of the RM's own pool (enable_resource_pool)."""
-    nnodes: int = 0
+    nnodes: Optional[int] = 0
     """verl: nodes of the RM's own pool (enable_resource_pool)."""
-    reward_loop_source: str = "register"
+    reward_loop_source: Optional[str] = "register"
     """verl: where the reward-loop class comes from (register | importlib); tiller's reward managers are built in."""
     reward_loop_module_path: Optional[str] = None
     """verl: module of a custom reward loop; refused (write a reward function: custom_reward_function.path)."""
@@ -1080,7 +1193,7 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: Optional[str] = None
     """Python file defining the reward function."""
-    name: str = "compute_score"
+    name: Optional[str] = "compute_score"
     """Function name: compute_score(data_source, solution_str, ground_truth, extra_info)."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the function (open-ended: use +key=value)."""
@@ -1107,11 +1220,14 @@ class KLControlConfig:
 class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling / Skywork online filtering: drop groups whose metric is constant."""
-    metric: str = "acc"
+    metric: Optional[str] = "acc"
     """acc | score | seq_reward | seq_final_reward."""
     max_num_gen_batches: int = 0
     """Most generation rounds per step while collecting train_batch_size groups that pass the filter
     (0 = no cap, as DAPO); at the cap the step trains on the groups collected so far."""
+    max_inflight_gen_batches: int = 1
+    """verl 0.10 (v1 trainer): generation batches in flight at once while filling a DAPO step; tiller generates
+    them one after another (verl's default 1)."""
 
 
 @dataclass
@@ -1121,17 +1237,20 @@ class RolloutCorrectionConfig:
     compute old logprobs even when the update is on-policy."""
 
     rollout_is: Optional[str] = None
-    """Truncated importance sampling of the policy gradient by p_old / p_rollout: null (off) | token | sequence."""
-    rollout_is_threshold: float = 2.0
-    """Cap of the importance weights (TIS)."""
+    """Importance sampling of the policy gradient by p_old / p_rollout: null (off) | token | sequence."""
+    rollout_is_threshold: str = "2.0"
+    """verl's string-or-float form: a float C caps the weights at C (truncated IS); "lo_hi" (e.g. 0.5_2.0) is
+    IcePop: weights outside [lo, hi] are set to 0 (the tokens stay in the loss mask)."""
     rollout_is_batch_normalize: bool = False
     """Divide the importance weights by their batch mean (tokens, or sequences for rollout_is=sequence)."""
     rollout_rs: Optional[str] = None
-    """Rejection (masking) of tokens / sequences, comma-separated: token_k1 | seq_sum_k1 | seq_mean_k1 (ratio in
-    [lo, hi]; IcePop-style) | token_k2 | token_k3 | seq_{sum,mean,max}_k{2,3} (divergence <= threshold); null = off."""
+    """Rejection (masking) of tokens / sequences, comma-separated: token_k1 | seq_sum_k1 | seq_mean_k1 (verl's k1 =
+    log(p_rollout / p_old), per token / summed / averaged, in [log lo, log hi]) | token_k2 | token_k3 |
+    seq_{sum,mean,max}_k{2,3} (divergence <= threshold); null = off."""
     rollout_rs_threshold: Optional[str] = None
-    """Bounds of rollout_rs: k1 options "lo_hi" (e.g. 0.5_2.0) or hi (lo = 1/hi); k2/k3 options an upper bound;
-    one value for all options or one per option, comma-separated."""
+    """Bounds of rollout_rs: k1 options "lo_hi" (e.g. 0.5_2.0; as verl, they bound p_rollout / p_old, so bounds
+    [a, b] on p_old / p_rollout are written 1/b_1/a) or hi (lo = 1/hi); k2/k3 options an upper bound; one value for
+    all options or one per option, comma-separated."""
     bypass_mode: bool = False
     """Bypass mode: the rollout engine's logprobs are the old logprobs (no recompute forward); the IS weights and
     rejection above are computed inside the loss from the current policy (policy loss `bypass_mode`)."""
@@ -1367,12 +1486,21 @@ class TrainerConfig:
     max_actor_ckpt_to_keep bounds both."""
     ray_wait_register_center_timeout: int = 300
     """verl: seconds to wait for its Ray register center; tiller has none."""
+    use_v1: bool = True
+    """verl 0.10: its v1 trainer (verl's default) or the legacy one; tiller has one trainer, whose step is v1's sync
+    mode."""
+    v1: V1TrainerConfig = field(default_factory=V1TrainerConfig)
+    """verl 0.10: the v1 trainer's modes (trainer_mode=sync only)."""
 
 
 @dataclass
 class NewRewardManagerConfig:
     name: Optional[str] = None
     """= reward_model.reward_manager (naive | batch | parallel | dapo | openrlhf)."""
+    source: str = "register"
+    """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
+    module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})
+    """verl: a custom reward-manager class {path, name}; refused unless path is null."""
 
 
 @dataclass
@@ -1387,6 +1515,9 @@ class NewRewardModelConfig:
     """= reward_model.n_gpus_per_node."""
     nnodes: Optional[int] = None
     """= reward_model.nnodes."""
+    rollout: dict[str, Any] = field(default_factory=v010.reward_model_rollout)
+    """verl 0.10: the inference server (vLLM / SGLang) its reward loop runs the reward model on; tiller's reward
+    model is one forward pass in the driver (a sequence classifier), so these engine settings have no effect."""
 
 
 @dataclass
@@ -1407,6 +1538,9 @@ class RewardConfig:
     (null = data.max_response_length), present by default as in verl 0.9's reward.yaml (set them without +)."""
     num_workers: Optional[int] = None
     """= reward_model.num_workers."""
+    sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
+                                                                     "memory_limit_mb": 1024})
+    """verl 0.10's place of reward_model.sandbox_fusion: refused unless url is null (no SandboxFusion client)."""
 
 
 @dataclass
@@ -1457,11 +1591,11 @@ class DistillationTeacherModelConfig:
 
 @dataclass
 class DistillationLossConfig:
-    """verl's `distillation.distillation_loss` (defaults: verl's)."""
+    """verl's `distillation.distillation_loss` (defaults: verl 0.10's, verl-project/verl 1dda039b)."""
 
     loss_mode: str = "k3"
     """= algorithm.distill.loss_mode (verl's default k3; the top-k modes are refused)."""
-    topk: Optional[int] = 128
+    topk: Optional[int] = 32
     """verl: top-k for the *_topk loss modes, which tiller refuses."""
     use_task_rewards: bool = True
     """= algorithm.distill.use_outcome_reward."""
@@ -1469,11 +1603,11 @@ class DistillationLossConfig:
     """= algorithm.distill.coef."""
     task_loss_coef: float = 1.0
     """= algorithm.distill.outcome_coef."""
-    loss_max_clamp: Optional[float] = 10.0
+    loss_max_clamp: Optional[float] = None
     """= algorithm.distill.loss_max_clamp."""
-    log_prob_min_clamp: Optional[float] = -10.0
+    log_prob_min_clamp: Optional[float] = None
     """= algorithm.distill.log_prob_min_clamp."""
-    use_policy_gradient: bool = True
+    use_policy_gradient: bool = False
     """= algorithm.distill.use_policy_gradient."""
     policy_loss_mode: str = "vanilla"
     """verl: the distillation surrogate's policy loss; only vanilla (verl: the same)."""
@@ -1498,6 +1632,14 @@ class TransferQueueConfig:
     """verl TransferQueue option (only with transfer_queue.enable, refused)."""
     num_data_storage_units: int = 8
     """verl TransferQueue option (only with transfer_queue.enable, refused)."""
+    metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "port": 0})
+    """verl 0.10 TransferQueue option (only with transfer_queue.enable, refused)."""
+    backend: dict[str, Any] = field(default_factory=lambda: {
+        "storage_backend": "SimpleStorage", "SimpleStorage": {"total_storage_size": 100000, "num_data_storage_units": 8},
+        "MooncakeStore": {"auto_init": False, "metadata_server": "localhost:50123",
+                          "master_server_address": "localhost:50124", "local_hostname": "localhost", "protocol": "tcp",
+                          "global_segment_size": 4294967296, "local_buffer_size": 1073741824, "device_name": ""}})
+    """verl 0.10 TransferQueue storage backend (only with transfer_queue.enable, refused)."""
 
 
 @dataclass
@@ -1528,6 +1670,15 @@ class DistillationConfig:
     """The teacher (model_path = algorithm.distill.teacher_path)."""
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
     """The loss (onto algorithm.distill.*)."""
+    n_gpus_per_node: int = 8
+    """verl 0.10: GPUs per node of the teacher pool; tiller's teacher sits in the actor worker."""
+    nnodes: int = 0
+    """verl 0.10: nodes of the teacher pool; tiller's teacher sits in the actor worker."""
+    teacher_models: dict[str, Any] = field(default_factory=v010.teacher_models)
+    """verl 0.10: named teachers {key, model_path, num_replicas, inference}; one teacher's model_path resolves onto
+    algorithm.distill.teacher_path, several teachers (routed by teacher_key) are refused."""
+    teacher_key: str = "data_source"
+    """verl 0.10: the sample field that routes a sample to one of several teachers (one teacher here)."""
 
 
 @dataclass
@@ -1549,5 +1700,13 @@ class RLConfig:
     global_profiler: dict[str, Any] = field(default_factory=_global_profiler)
     rollout: dict[str, Any] = field(default_factory=lambda: {
         "nnodes": 1, "n_gpus_per_node": 8, "n": 4, "total_rollout_steps": None, "total_epochs": 10, "test_freq": 1})
-    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
-                                                               "timeline_json_file": None})
+    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None, "runtime_env": {
+        "py_executable": None}}, "timeline_json_file": None})
+    sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": None,
+                                                                     "memory_limit_mb": None})
+    """verl 0.10's top-level SandboxFusion service: refused unless url is null (no SandboxFusion client)."""
+    model_engine: str = "dp"
+    """verl 0.10's training engine (a config group there): dp (FSDP, tiller's) | megatron | veomni | torchtitan
+    (refused, before any other key of the command line)."""
+    skip: SkipConfig = field(default_factory=SkipConfig)
+    """verl 0.10: dump a stage's output and replay it on later runs (enable refused)."""

@@ -13,7 +13,7 @@ from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
 from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
 from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
-from tiller.algos.rollout_correction import parse_rs_options, ROLLOUT_IS_LEVELS
+from tiller.algos.rollout_correction import parse_is_threshold, parse_rs_options, ROLLOUT_IS_LEVELS
 from tiller.config.edge import apply_edge
 from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
@@ -22,7 +22,7 @@ from tiller.errors import ConfigError
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
-REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf")
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries
@@ -106,7 +106,8 @@ def validate_rl(cfg: RLConfig) -> None:
     if tr.total_epochs <= 0:
         raise ConfigError(f"trainer.total_epochs must be > 0, got {tr.total_epochs}")
     _validate_batches(cfg)
-    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+    distill_only = bool(algo.distill.teacher_path) and not algo.distill.use_outcome_reward  # no advantage is used
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2 and not distill_only:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of one prompt, so it needs "
             f"actor_rollout_ref.rollout.n >= 2 (got {rollout.n})"
@@ -197,6 +198,8 @@ def _validate_batches(cfg: RLConfig) -> None:
                 arr.ref.log_prob_max_token_len_per_gpu),
                ("critic.ppo_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
                ("critic.forward_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)]
+    if cfg.algorithm.adv_estimator != "gae":  # no critic runs: its budgets are never used (verl 0.10's GRPO scripts)
+        budgets = [b for b in budgets if not b[0].startswith("critic.")]
     for key, on, budget in budgets:
         if on and budget < seq:
             raise ConfigError(f"{key}={budget} is below one sequence (max prompt + response length = {seq} "
@@ -225,7 +228,7 @@ def _validate_rollout_correction(rc) -> None:
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None:
         _choice(f"{key}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS)
-        _positive(f"{key}.rollout_is_threshold", rc.rollout_is_threshold)
+        parse_is_threshold(rc.rollout_is_threshold)  # ConfigError naming the key
     elif rc.rollout_is_batch_normalize:
         raise ConfigError(f"{key}.rollout_is_batch_normalize=True needs {key}.rollout_is=token|sequence")
     parse_rs_options(rc.rollout_rs, rc.rollout_rs_threshold)  # ConfigError naming the key
@@ -343,7 +346,12 @@ def _validate_new_algorithms(cfg: RLConfig) -> None:
     if algo.gdpo_reward_weights is not None and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
                           f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys: give one weight per key")
-    _positive("actor_rollout_ref.actor.policy_loss.dro_beta", cfg.actor_rollout_ref.actor.policy_loss.dro_beta)
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    if policy_loss.loss_mode == "dro" and policy_loss.dro_beta is None:
+        raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode=dro needs actor_rollout_ref.actor.policy_loss."
+                          "dro_beta > 0 (e.g. 0.1; verl's default is null, which verl refuses too)")
+    if policy_loss.dro_beta is not None:
+        _positive("actor_rollout_ref.actor.policy_loss.dro_beta", policy_loss.dro_beta)
 
 
 def _validate_distill(cfg: RLConfig) -> None:

@@ -273,7 +273,7 @@ TABLE: tuple[Flag, ...] = (
        "algo.advantage.is_correction_enable"),
     _f("vllm_is_truncated_threshold", MAPPED, "algorithm.rollout_correction.rollout_is_threshold"),
     _f("algo.advantage.is_correction_threshold", MAPPED, "tis: rollout_is_threshold = high; icepop: rollout_rs="
-       "token_k1 with threshold low_high"),
+       "token_k1 with threshold 1/high_1/low (verl's k1 bounds p_rollout / p_old)"),
     _f("algo.advantage.is_correction_type", MAPPED, "tis -> rollout_is=token; icepop -> rollout_rs=token_k1; "
        "seq-mask-tis refused"),
     _f("enable_ema", REFUSED, "no EMA copy of the actor in tiller", "train.enable_ema"),

@@ -528,7 +528,8 @@ def _is_correction(a: Args, o: dict) -> None:
         o[f"{corr}.rollout_is_threshold"] = float(high)
     elif kind == "icepop":
         o[f"{corr}.rollout_rs"] = "token_k1"
-        o[f"{corr}.rollout_rs_threshold"] = f"{float(low)}_{float(high)}"
+        # OpenRLHF bounds p_old / p_rollout in [low, high]; verl's (and tiller's) k1 bounds p_rollout / p_old
+        o[f"{corr}.rollout_rs_threshold"] = f"{1.0 / float(high)!r}_{1.0 / float(low)!r}"
     else:
         raise a.refuse("algo.advantage.is_correction_type", "seq-mask-tis is not available; use tis or icepop")
 

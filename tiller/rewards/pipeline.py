@@ -113,7 +113,7 @@ def _rule_manager(cfg: Any) -> Any:
         return _openrlhf_manager(cfg, ref, kwargs, ob)
     if ob is not None and name != "dapo":
         raise ConfigError(f"{where}.enable needs reward_model.reward_manager=dapo (or openrlhf)")
-    if name == "naive":
+    if name in ("naive", "gdpo"):
         return NaiveRewardManager(ref, kwargs, timeout=rm.timeout)
     if name == "batch":
         return BatchRewardManager(ref if custom.path else None, kwargs, timeout=rm.timeout)
