@@ -44,10 +44,33 @@ PREFIX = "global_step_"
 
 
 # ---- small filesystem helpers -----------------------------------------------------------------------
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, so no other thread sees it changed)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
+    """fsync every file under `root`, and give every file and dir the mode a plain `open` / `mkdir` would have
+    (0o666 / 0o777 less the umask): temp dirs and files from `mkdtemp` / `mkstemp` (transformers writes
+    safetensors through one) are owner-only, and a finished model dir must not stay so."""
+    umask = current_umask()
+    os.chmod(root, 0o777 & ~umask)
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            path = os.path.join(dirpath, name)
+            os.chmod(path, (0o666 | (os.stat(path).st_mode & 0o111)) & ~umask)
+            fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:

@@ -42,8 +42,17 @@ from tiller.tasks import arithmetic
 from tiller.trainer.rl import RLTrainer
 from tiller.workers.common import lr_lambda
 
-DEMO_VERSION = 6
+DEMO_VERSION = 7  # 7: the starter's tokenizer carries PROMPT_TEMPLATE (same weights as 6)
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
+
+PROMPT_TEMPLATE = (
+    "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+"""The chat template the demo's model is trained with, saved in its tokenizer (and so in its checkpoints and
+`tiller export`): a user turn is its text as is (`"47+38="`), nothing added for the reply. A short prompt keeps
+the demo fast; shipping it as the model's template means `tiller eval` / `tiller serve` / transformers'
+`apply_chat_template` prompt the trained model exactly as RL did (a ChatML template there would score 0)."""
 
 
 def cache_root() -> Path:
@@ -52,8 +61,8 @@ def cache_root() -> Path:
 
 # ------------------------------------------------------------------------------------ warm-up
 def _prompt_ids(tokenizer, row: dict) -> list[int]:
-    """The prompt as the RL run renders it (plain text: `data.apply_chat_template=false` keeps it short)."""
-    text = render_prompt(row["prompt"], tokenizer, apply_chat_template=False, where="demo")
+    """The prompt as the RL run renders it: through the tokenizer's chat template (`PROMPT_TEMPLATE`)."""
+    text = render_prompt(row["prompt"], tokenizer, apply_chat_template=True, where="demo")
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -178,6 +187,7 @@ def starter_model(args, log=print) -> Path:
         f"to {args.warmup_target:.2f} greedy accuracy) ...")
     t0 = time.time()
     tokenizer = train_tokenizer()
+    tokenizer.chat_template = PROMPT_TEMPLATE
     model = build_model(tokenizer, "qwen2", n_params=args.model_params, seed=args.seed)
     sft_rows, dev_rows = warmup_rows(args.train_size, args.seed)
     with torch.random.fork_rng(devices=[]):
@@ -198,7 +208,7 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
         f"data.train_files=[{data_dir / 'train.parquet'}]",
         f"data.val_files=[{data_dir / 'test.parquet'}]",
         "data.max_prompt_length=16", "data.max_response_length=6", "data.train_batch_size=32",
-        "data.apply_chat_template=false",
+        "data.apply_chat_template=true",  # the starter's own template: PROMPT_TEMPLATE
         f"data.seed={args.seed}",
         "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
         "algorithm.filter_groups.max_num_gen_batches=1",  # one generation round: train on the groups that pass
