@@ -9,12 +9,14 @@ trainer's engines keep an fp32 actor plus a bf16 copy; inference needs only one)
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from tiller.data.rl_dataset import read_rows, render_prompt
 from tiller.errors import ConfigError, DataError
+from tiller.models.checkpoint import model_dir_for
 from tiller.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.base import effective_dtype
@@ -38,6 +40,7 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
 
     if not model_path:
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model dir)")
+    model_path = model_dir_for(model_path, log=lambda line: print(f"tiller: {line}", file=sys.stderr))
     tokenizer = load_tokenizer(tokenizer_path or model_path, padding_side="left", trust_remote_code=trust_remote_code)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but torch sees no CUDA device")

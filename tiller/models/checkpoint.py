@@ -340,6 +340,30 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise UserError(f"no checkpoint in {p} (expected state.pt, or {PREFIX}N/ dirs, or checkpoints/)")
 
 
+def model_dir_for(path: str | os.PathLike, log=None) -> str:
+    """The Hugging Face model dir to load for `path`: `path` itself when it is one (or a hub id), else, for a run
+    dir / checkpoint root / `global_step_N` dir, its newest checkpoint's `model/` (announced through `log`).
+    A checkpoint holding a LoRA adapter, or a run dir with no checkpoint, is a `UserError` saying what to pass."""
+    p = Path(path).expanduser()
+    if not p.is_dir() or (p / "config.json").exists() or (p / "adapter_config.json").exists():
+        return str(path)
+    is_run = any((p / name).exists() for name in ("checkpoints", "metrics.jsonl", "config.yaml", "state.pt"))
+    try:
+        ckpt = resolve_checkpoint(p)
+    except UserError:
+        if is_run:
+            raise UserError(f"{p} is a run dir with no checkpoint yet (nothing under {p / 'checkpoints'}): pass a "
+                            "model dir, or let the run save one (trainer.save_freq)") from None
+        return str(path)
+    model = ckpt / "model"
+    if (model / "adapter_config.json").exists() or not (model / "config.json").exists():
+        raise UserError(f"{p} is a run dir whose newest checkpoint ({ckpt}) holds no full model (a LoRA adapter): "
+                        f"`tiller export {path} --to DIR` merges it into one; then pass DIR")
+    if log is not None:
+        log(f"{path} is a run dir: using its newest checkpoint's model, {model}")
+    return str(model)
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None, scheduler=None,
                     extra_models: dict[str, torch.nn.Module] | None = None,
                     extra_states: dict[str, Any] | None = None, restore_rng: bool = True) -> dict:
