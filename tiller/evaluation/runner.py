@@ -59,6 +59,12 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
                   tokenizer, model_path, model)
 
 
+def show_progress(wanted: bool) -> bool:
+    """Whether to draw a progress bar: asked for, and stderr (where tqdm draws) is a terminal. In a log file a bar
+    is a stream of carriage returns that runs into the results printed after it."""
+    return wanted and sys.stderr.isatty()
+
+
 def tokenize_prompt(text: str, tokenizer, max_len: int, truncation: str, where: str) -> list[int]:
     """Token ids of a rendered prompt, fitted to `max_len` by `truncation` (error | left | right | middle)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -118,7 +124,7 @@ def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingPara
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     out = RolloutOutput()
-    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, leave=False)
+    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not show_progress(progress), leave=False)
     try:
         for j, start in enumerate(range(0, len(prompt_ids), batch_size)):
             chunk = prompt_ids[start:start + batch_size]
