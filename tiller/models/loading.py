@@ -45,7 +45,7 @@ def _looks_local(path: str) -> bool:
 def _cached_on_hub(repo: str) -> bool:
     """Whether the Hugging Face cache holds a config or tokenizer of hub id `repo` (usable offline)."""
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from transformers.utils import try_to_load_from_cache  # huggingface_hub's, as transformers ships it
 
         return any(isinstance(try_to_load_from_cache(repo, name), str)
                    for name in ("config.json", "tokenizer_config.json"))
