@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="prompt file (verl schema), e.g. runs/demo/data/test.parquet")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai: the server's /v1 URL")
     parser.add_argument("--model", default=None, help="transformers: the exported model dir")
+    parser.add_argument("--limit", type=int, default=None, help="only the file's first N prompts")
     args = parser.parse_args(argv)
-    rows = read_rows(args.data)
+    rows = read_rows(args.data)[:args.limit]
     if args.via == "openai":
         answers = answers_openai(args.base_url, rows)
     else:
