@@ -86,8 +86,9 @@ def all_commands() -> list[tuple[str, str]]:
     seen, out = set(), []
     for page in ("README.md", *DOC_PAGES):
         for cmd in readme_commands(ROOT / page):
-            if _strip_comment(cmd) not in seen:
-                seen.add(_strip_comment(cmd))
+            key = " ".join(_strip_comment(cmd).split())
+            if key not in seen:
+                seen.add(key)
                 out.append((page, cmd))
     return out
 
