@@ -183,6 +183,34 @@ def test_export_cli_writes_loadable_hf_dir(tiny_model_dir, tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_and_exported_files_honour_the_umask(tiny_model_dir, tmp_path, umask):
+    """Weights, like every other file, get 0o666 less the umask (transformers writes them through a temp file
+    that is owner-only), dirs 0o777 less it: in the checkpoint, in an export and in save_pretrained_atomic."""
+    import stat
+
+    from transformers import AutoTokenizer
+
+    from tiller.models.checkpoint import save_pretrained_atomic
+
+    old = os.umask(umask)
+    try:
+        model, opt, _ = make_training(tiny_model_dir)
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", 1, model=model, optimizer=opt, tokenizer=tok)
+        assert cli_main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "exported")]) == 0
+        save_pretrained_atomic(tmp_path / "direct", model, tok)
+    finally:
+        os.umask(old)
+    for root in (ckpt, tmp_path / "exported", tmp_path / "direct"):
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert any(p.name == "model.safetensors" for p in files), root
+        modes = {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in files}
+        assert set(modes.values()) == {0o666 & ~umask}, modes
+        for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+            assert stat.S_IMODE(d.stat().st_mode) == 0o777 & ~umask, d
+
+
 def test_peft_adapter_saved_loaded_and_merged_on_export(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -125,11 +125,12 @@ def test_the_default_decision_is_made_once_and_logged_once(monkeypatch, caplog):
     timing = FakeTiming(80.0, 170.0)
     monkeypatch.setattr(hostinfo, "cpu_features", fake_features)
     monkeypatch.setattr(hostinfo, "measure_bf16_vs_fp32", timing)
-    with caplog.at_level("INFO", logger="tiller.hostinfo"):
+    with caplog.at_level("DEBUG", logger="tiller.hostinfo"):
         first, second = bf16_decision(), bf16_decision()
     assert first is second and first.use_bf16
     assert calls["features"] == 1 and timing.calls == 1
     assert [r.getMessage() for r in caplog.records] == [f"CPU bf16 compute on: {first.reason}"]
+    assert caplog.records[0].levelname == "DEBUG"  # `tiller env` prints it; other commands do not repeat it
 
 
 @pytest.mark.parametrize("host,kind", [

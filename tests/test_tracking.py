@@ -131,3 +131,13 @@ def test_report_user_errors(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli_main(["report", str(tmp_path / "empty")]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_main_png_has_a_kl_panel_only_when_the_run_has_kl():
+    from tiller.tracking.report import main_panels
+
+    run = {"critic/score/mean": ([1, 2], [0.1, 0.2]), "actor/ppo_kl": ([1, 2], [1e-4, 2e-4]),
+           "actor/pg_loss": ([1, 2], [0.0, 0.1])}
+    assert [t for t, _ in main_panels(run)] == ["reward", "policy loss"]  # ppo_kl is the update's size, not KL
+    with_kl = run | {"actor/kl_loss": ([1, 2], [0.01, 0.02])}
+    assert ("KL", ["actor/kl_loss"]) in main_panels(with_kl)

@@ -77,6 +77,16 @@ def _show_tiller_log() -> None:
         log.setLevel(logging.INFO)
 
 
+def _quiet_transformers() -> None:
+    """No transformers progress bars ("Loading weights", "Writing model shards") between tiller's own lines: a
+    local model loads in a blink, and in a log a bar is noise. Hub downloads keep theirs (huggingface_hub's)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiller: error: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     _show_tiller_log()
+    _quiet_transformers()
     try:
         func = _resolve(COMMANDS[name][0])
         code = func(rest)

@@ -291,7 +291,8 @@ def bf16_decision(features: dict | None = None, timing: Timing | None = None) ->
     with _DECISION_LOCK:
         if _DECISION is None:
             _DECISION = decide_bf16(cpu_features(), measure_bf16_vs_fp32)
-            logger.info("CPU bf16 compute %s: %s", "on" if _DECISION.use_bf16 else "off", _DECISION.reason)
+            # DEBUG: every command makes the decision; `tiller env` prints it, the others need not repeat it
+            logger.debug("CPU bf16 compute %s: %s", "on" if _DECISION.use_bf16 else "off", _DECISION.reason)
         return _DECISION
 
 

@@ -46,6 +46,8 @@ from pathlib import Path
 
 from tiller.config.edge import num_workers
 from tiller.config.schema import RLConfig
+from tiller.errors import UserError
+from tiller.models.loading import check_model_path
 
 MiB = 1024**2
 RUNTIME_BYTES = 150 * MiB
@@ -275,6 +277,12 @@ def _memory_lines(cfg: RLConfig, a: Arithmetic) -> list[str]:
     path = cfg.actor_rollout_ref.model.path
     if not path:
         return ["peak memory per rank: no actor_rollout_ref.model.path to read"]
+    try:
+        check_model_path(path, "model")
+    except UserError as err:  # a placeholder path, a hub id offline: no hub error text, say what was skipped
+        return [f"peak memory per rank: no config.json at {path}: memory estimate skipped ({err})"]
+    if Path(path).is_dir() and not (Path(path) / "config.json").exists():
+        return [f"peak memory per rank: no config.json at {path}: memory estimate skipped"]
     try:
         shape = model_shape(path, cfg.actor_rollout_ref.model.trust_remote_code)
     except Exception as err:  # a hub id not cached, a custom architecture: say so, do not fail the report

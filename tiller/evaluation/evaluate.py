@@ -54,6 +54,7 @@ from tiller.evaluation.runner import (
     generate_batched,
     policy_from_config,
     sampling_from_rollout,
+    show_progress,
     tokenize_prompt,
 )
 from tiller.rewards import build_reward_manager, RewardRequest
@@ -203,7 +204,8 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
         prompts.append(tokenize_prompt(text, tok, d.max_prompt_length, d.truncation, f"data.val_files prompt {i}"))
     out = AgentRolloutOutput()
     budget = cfg.actor_rollout_ref.rollout.response_length or d.max_response_length
-    for j, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="eval (tools)", disable=not progress)):
+    for j, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="eval (tools)",
+                                      disable=not show_progress(progress))):
         call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
         res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget)
         for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",

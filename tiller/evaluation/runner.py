@@ -9,12 +9,14 @@ trainer's engines keep an fp32 actor plus a bf16 copy; inference needs only one)
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from tiller.data.rl_dataset import read_rows, render_prompt
 from tiller.errors import ConfigError, DataError
+from tiller.models.checkpoint import model_dir_for
 from tiller.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.base import effective_dtype
@@ -38,6 +40,7 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
 
     if not model_path:
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model dir)")
+    model_path = model_dir_for(model_path, log=lambda line: print(f"tiller: {line}", file=sys.stderr))
     tokenizer = load_tokenizer(tokenizer_path or model_path, padding_side="left", trust_remote_code=trust_remote_code)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
@@ -54,6 +57,12 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
     model.requires_grad_(False)
     return Policy(build_rollout_engine(engine, model, tokenizer, dtype=None, seed=seed, **opts),
                   tokenizer, model_path, model)
+
+
+def show_progress(wanted: bool) -> bool:
+    """Whether to draw a progress bar: asked for, and stderr (where tqdm draws) is a terminal. In a log file a bar
+    is a stream of carriage returns that runs into the results printed after it."""
+    return wanted and sys.stderr.isatty()
 
 
 def tokenize_prompt(text: str, tokenizer, max_len: int, truncation: str, where: str) -> list[int]:
@@ -115,7 +124,7 @@ def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingPara
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     out = RolloutOutput()
-    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, leave=False)
+    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not show_progress(progress), leave=False)
     try:
         for j, start in enumerate(range(0, len(prompt_ids), batch_size)):
             chunk = prompt_ids[start:start + batch_size]

@@ -45,10 +45,33 @@ PREFIX = "global_step_"
 
 
 # ---- small filesystem helpers -----------------------------------------------------------------------
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, so no other thread sees it changed)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
+    """fsync every file under `root`, and give every file and dir the mode a plain `open` / `mkdir` would have
+    (0o666 / 0o777 less the umask): temp dirs and files from `mkdtemp` / `mkstemp` (transformers writes
+    safetensors through one) are owner-only, and a finished model dir must not stay so."""
+    umask = current_umask()
+    os.chmod(root, 0o777 & ~umask)
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            path = os.path.join(dirpath, name)
+            os.chmod(path, (0o666 | (os.stat(path).st_mode & 0o111)) & ~umask)
+            fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
@@ -355,6 +378,30 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if latest is not None:
             return latest
     raise UserError(f"no checkpoint in {p} (expected state.pt, or {PREFIX}N/ dirs, or checkpoints/)")
+
+
+def model_dir_for(path: str | os.PathLike, log=None) -> str:
+    """The Hugging Face model dir to load for `path`: `path` itself when it is one (or a hub id), else, for a run
+    dir / checkpoint root / `global_step_N` dir, its newest checkpoint's `model/` (announced through `log`).
+    A checkpoint holding a LoRA adapter, or a run dir with no checkpoint, is a `UserError` saying what to pass."""
+    p = Path(path).expanduser()
+    if not p.is_dir() or (p / "config.json").exists() or (p / "adapter_config.json").exists():
+        return str(path)
+    is_run = any((p / name).exists() for name in ("checkpoints", "metrics.jsonl", "config.yaml", "state.pt"))
+    try:
+        ckpt = resolve_checkpoint(p)
+    except UserError:
+        if is_run:
+            raise UserError(f"{p} is a run dir with no checkpoint yet (nothing under {p / 'checkpoints'}): pass a "
+                            "model dir, or let the run save one (trainer.save_freq)") from None
+        return str(path)
+    model = ckpt / "model"
+    if (model / "adapter_config.json").exists() or not (model / "config.json").exists():
+        raise UserError(f"{p} is a run dir whose newest checkpoint ({ckpt}) holds no full model (a LoRA adapter): "
+                        f"`tiller export {path} --to DIR` merges it into one; then pass DIR")
+    if log is not None:
+        log(f"{path} is a run dir: using its newest checkpoint's model, {model}")
+    return str(model)
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None, scheduler=None,

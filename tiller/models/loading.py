@@ -33,12 +33,60 @@ def resolve_dtype(dtype) -> torch.dtype | str:
     return DTYPES[key]
 
 
-def _check_path(path, what: str) -> str:
-    """A local path that must exist, or a hub id (`name` / `org/name`) passed through."""
+def _looks_local(path: str) -> bool:
+    """A path, not a hub id: absolute or relative-dotted, more than `org/name`, a trailing slash, or under a dir
+    that exists here (`runs/x` when ./runs exists)."""
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or path.endswith("/"):
+        return True
+    parent = os.path.dirname(path)
+    return bool(parent) and os.path.isdir(parent)
+
+
+def _cached_on_hub(repo: str) -> bool:
+    """Whether the Hugging Face cache holds a config or tokenizer of hub id `repo` (usable offline)."""
+    try:
+        from transformers.utils import try_to_load_from_cache  # huggingface_hub's, as transformers ships it
+
+        return any(isinstance(try_to_load_from_cache(repo, name), str)
+                   for name in ("config.json", "tokenizer_config.json"))
+    except Exception:  # an id the hub library rejects: transformers will say why
+        return False
+
+
+def _hub_reachable(timeout: float = 5.0) -> str | None:
+    """None when one TCP connection to the hub's endpoint opens, else why not (one try: no retry loop)."""
+    from urllib.parse import urlparse
+
+    import socket
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"{host}:{port}: {getattr(err, 'strerror', None) or err}"
+    return None
+
+
+def check_model_path(path, what: str) -> str:
+    """A local path that must exist, or a hub id (`name` / `org/name`) passed through when the hub can serve it.
+
+    A missing local path fails at once. A hub id not in the local cache fails at once when the hub is switched
+    off (`HF_HUB_OFFLINE=1`) or one connection to it fails: Hugging Face's client would retry for over a minute."""
     path = os.path.expanduser(os.fspath(path))
-    looks_local = path.startswith((".", "/")) or path.count("/") > 1 or path.endswith("/")
-    if looks_local and not os.path.exists(path):
+    if os.path.exists(path):
+        return path
+    if _looks_local(path):
         raise UserError(f"{what} path not found: {path}")
+    if _cached_on_hub(path):
+        return path
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise UserError(f"{what} path not found: {path} (not a local dir, and HF_HUB_OFFLINE is set, so it is not "
+                        "fetched as a Hugging Face hub id)")
+    why = _hub_reachable()
+    if why is not None:
+        raise UserError(f"{what} path not found: {path} is not a local dir, and the Hugging Face hub is unreachable "
+                        f"to fetch it as a hub id ({why})")
     return path
 
 
@@ -64,7 +112,7 @@ def load_tokenizer(path, padding_side: str | None = None, trust_remote_code: boo
     """`AutoTokenizer.from_pretrained(path)` with a pad token guaranteed and an optional padding side."""
     from transformers import AutoTokenizer
 
-    path = _check_path(path, "tokenizer")
+    path = check_model_path(path, "tokenizer")
     local = Path(str(path))
     if local.is_dir() and not any((local / name).exists() for name in _TOKENIZER_FILES):
         raise UserError(f"no tokenizer in {local} (none of {', '.join(_TOKENIZER_FILES)}): save the tokenizer "
@@ -132,7 +180,7 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     """
     from transformers import AutoModelForCausalLM
 
-    path = _check_path(path, "model")
+    path = check_model_path(path, "model")
     kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     overrides = dict(override_config or {})
     attn_implementation = attn_implementation or overrides.get("attn_implementation")

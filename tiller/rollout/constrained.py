@@ -69,6 +69,9 @@ class GrammarCompiler:
         except ValueError as err:  # a slow (Python) tokenizer
             raise GrammarError(f"constrained decoding needs a fast tokenizer: {err}") from None
         self.vocab_size = width
+        # llguidance >= 1.7 lists every end token (`eos_tokens`); 1.3-1.6 (the newest on glibc < 2.31) has one
+        eos = getattr(self.tokenizer, "eos_tokens", None)
+        self.eos_ids = tuple(eos) if eos else (self.tokenizer.eos_token,)
 
     def json_schema(self, schema: dict[str, Any]) -> Grammar:
         """The grammar of JSON texts valid under `schema` (`{"type": "object"}`: any JSON object)."""
@@ -86,7 +89,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Grammar(matcher, tuple(self.tokenizer.eos_tokens), self.tokenizer.vocab_size)
+        return Grammar(matcher, self.eos_ids, self.tokenizer.vocab_size)
 
 
 def allowed_tokens(rows: list[tuple[Matcher, Grammar]], vocab_size: int) -> torch.Tensor:

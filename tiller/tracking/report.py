@@ -31,7 +31,9 @@ MAIN_PANELS = [
     ("response length", r"^response_length/mean$"),
     ("entropy", r"^actor/entropy$"),
     ("policy loss", r"^actor/pg_loss$"),
-    ("KL", r"^actor/kl_loss$|^actor/ppo_kl$|^critic/kl$"),
+    # KL to the reference model, in the loss or the reward: a run without KL has no such metric and no panel
+    # (actor/ppo_kl, how far one update moved the policy, is in actor.png)
+    ("KL", r"^actor/kl_loss$|^critic/kl$"),
     ("grad norm", r"^actor/grad_norm$"),
     ("loss", r"^(train|val)/loss$"),
     ("accuracy", r"^(train|val)/(acc|accuracy|reward_accuracy)$"),
@@ -115,6 +117,12 @@ def _figure(series: Series, panels: list[tuple[str, list[str]]], path: Path) -> 
     return path
 
 
+def main_panels(series: Series) -> list[tuple[str, list[str]]]:
+    """main.png's panels: (title, metrics drawn) for each of `MAIN_PANELS` with a metric in `series`."""
+    panels = [(title, [k for k in series if re.search(rx, k)]) for title, rx in MAIN_PANELS]
+    return [(t, ks) for t, ks in panels if ks]
+
+
 def write_plots(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                 series: Series | None = None, families: bool = True) -> list[Path]:
     """Write main.png and (with `families`) one PNG per metric family; returns the paths written."""
@@ -123,8 +131,7 @@ def write_plots(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    main = [(title, [k for k in series if re.search(rx, k)]) for title, rx in MAIN_PANELS]
-    main = [(t, ks) for t, ks in main if ks]
+    main = main_panels(series)
     if main:
         written.append(_figure(series, main, out / "main.png"))
     if not families:

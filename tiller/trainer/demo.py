@@ -42,8 +42,17 @@ from tiller.tasks import arithmetic
 from tiller.trainer.rl import RLTrainer
 from tiller.workers.common import lr_lambda
 
-DEMO_VERSION = 6
+DEMO_VERSION = 7  # 7: the starter's tokenizer carries PROMPT_TEMPLATE (same weights as 6)
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
+
+PROMPT_TEMPLATE = (
+    "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+"""The chat template the demo's model is trained with, saved in its tokenizer (and so in its checkpoints and
+`tiller export`): a user turn is its text as is (`"47+38="`), nothing added for the reply. A short prompt keeps
+the demo fast; shipping it as the model's template means `tiller eval` / `tiller serve` / transformers'
+`apply_chat_template` prompt the trained model exactly as RL did (a ChatML template there would score 0)."""
 
 
 def cache_root() -> Path:
@@ -52,8 +61,8 @@ def cache_root() -> Path:
 
 # ------------------------------------------------------------------------------------ warm-up
 def _prompt_ids(tokenizer, row: dict) -> list[int]:
-    """The prompt as the RL run renders it (plain text: `data.apply_chat_template=false` keeps it short)."""
-    text = render_prompt(row["prompt"], tokenizer, apply_chat_template=False, where="demo")
+    """The prompt as the RL run renders it: through the tokenizer's chat template (`PROMPT_TEMPLATE`)."""
+    text = render_prompt(row["prompt"], tokenizer, apply_chat_template=True, where="demo")
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -167,17 +176,34 @@ def warmup_rows(rl_train_size: int, seed: int, n_rows: int = 100_000, n_dev: int
     return rows, every[-n_dev:]
 
 
+def starter_dir(args) -> Path:
+    """Where the starter model for these settings is cached."""
+    key = hashlib.sha1(json.dumps([DEMO_VERSION, args.seed, args.model_params, args.warmup_target]).encode())
+    return cache_root() / f"starter-{key.hexdigest()[:10]}"
+
+
+def starter_is_cached(args) -> bool:
+    return (starter_dir(args) / "config.json").exists() and not args.rebuild
+
+
+def _time_split(starter_s: float, rl_s: float, built: bool) -> str:
+    """What the run's seconds went to: the one-off warm-up (cached for later runs) and RL."""
+    first = f"{starter_s:.0f} s supervised warm-up (once; cached for later runs)" if built \
+        else f"{starter_s:.0f} s loading the cached starter model"
+    return f"{first}, {rl_s:.0f} s GRPO and validation"
+
+
 def starter_model(args, log=print) -> Path:
     """The cached warmed-up model dir; built (tokenizer, model, warm-up) on first use."""
-    key = hashlib.sha1(json.dumps([DEMO_VERSION, args.seed, args.model_params, args.warmup_target]).encode())
-    out = cache_root() / f"starter-{key.hexdigest()[:10]}"
-    if (out / "config.json").exists() and not args.rebuild:
+    out = starter_dir(args)
+    if starter_is_cached(args):
         log(f"starter model: {out} (cached)")
         return out
     log(f"building the starter model ({args.model_params / 1e6:.1f}M-parameter Qwen2, supervised warm-up "
         f"to {args.warmup_target:.2f} greedy accuracy) ...")
     t0 = time.time()
     tokenizer = train_tokenizer()
+    tokenizer.chat_template = PROMPT_TEMPLATE
     model = build_model(tokenizer, "qwen2", n_params=args.model_params, seed=args.seed)
     sft_rows, dev_rows = warmup_rows(args.train_size, args.seed)
     with torch.random.fork_rng(devices=[]):
@@ -198,7 +224,7 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
         f"data.train_files=[{data_dir / 'train.parquet'}]",
         f"data.val_files=[{data_dir / 'test.parquet'}]",
         "data.max_prompt_length=16", "data.max_response_length=6", "data.train_batch_size=32",
-        "data.apply_chat_template=false",
+        "data.apply_chat_template=true",  # the starter's own template: PROMPT_TEMPLATE
         f"data.seed={args.seed}",
         "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
         "algorithm.filter_groups.max_num_gen_batches=1",  # one generation round: train on the groups that pass
@@ -268,11 +294,16 @@ def run_demo(args) -> int:
     t0 = time.time()
     torch.set_num_threads(args.threads)
     run_dir = Path(args.out).expanduser().resolve()
+    data_dir = run_dir / "data"
+    # every key is checked before any work: a typo must not wait for the warm-up (paths are not opened here)
+    overrides = list(args.overrides)
+    load_config(rl_overrides(starter_dir(args), data_dir, run_dir, args) + overrides)
+    warmup_rows(args.train_size, args.seed, n_rows=0)  # --train-size checked too
+    built = not starter_is_cached(args)
     model_dir = starter_model(args)
     t_warm = time.time() - t0
-    data_dir = run_dir / "data"
     arithmetic.write_task(data_dir, n_train=args.train_size, n_test=256, seed=args.seed)
-    cfg = load_config(rl_overrides(model_dir, data_dir, run_dir, args) + list(args.overrides))
+    cfg = load_config(rl_overrides(model_dir, data_dir, run_dir, args) + overrides)
     print(f"GRPO: {args.steps} steps x {cfg.data.train_batch_size} prompts x n={cfg.actor_rollout_ref.rollout.n}; "
           f"run dir {run_dir}")
     trainer = RLTrainer(cfg)
@@ -290,7 +321,7 @@ def run_demo(args) -> int:
                "plot": str(png)}
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(f"held-out accuracy (256 prompts, greedy): before RL {acc_before:.3f} -> after RL {acc_after:.3f} "
-          f"({acc_after - acc_before:+.3f}) in {wall:.0f} s")
+          f"({acc_after - acc_before:+.3f}) in {wall:.0f} s: {_time_split(t_warm, wall - t_warm, built)}")
     print(f"run dir: {run_dir} (summary.json, metrics.jsonl, tensorboard/, plots/demo_curves.png)")
     return 0
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -37,7 +35,7 @@ import torch
 
 from tiller.config import to_dict
 from tiller.errors import ConfigError, UserError
-from tiller.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tiller.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained_atomic
 from tiller.models.lora import merge_lora
 from tiller.tracking import Tracker
 from tiller.trainer.data_parallel import DataParallel
@@ -147,19 +145,7 @@ def _accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor], weight
 
 def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     """Save `model` (LoRA merged into a copy-free unload) + tokenizer to `out_dir` atomically."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain = merge_lora(model)
-    plain.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return out_dir
+    return save_pretrained_atomic(Path(out_dir), merge_lora(model), tokenizer)
 
 
 # ------------------------------------------------------------------------------------------- loop
