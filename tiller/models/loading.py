@@ -125,14 +125,18 @@ def model_config(path, override_config: dict | None = None, *, trust_remote_code
 def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
                    attn_implementation: str | None = None, device=None, override_config: dict | None = None,
                    key: str = "model.override_config"):
-    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype` (name or torch.dtype), optionally moved to `device`.
+    """`AutoModelForCausalLM.from_pretrained(path)` (a vision-language model dir: `AutoModelForImageTextToText`) in `dtype` (name or torch.dtype), optionally moved to `device`.
 
     override_config: keys set on the model's HF config before it is built (`model_config`); `key` names them
     in errors. An explicit `attn_implementation` argument wins over the override's.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tiller.models.vision import is_vision_checkpoint
 
     path = _check_path(path, "model")
+    # vision-language checkpoints (Qwen2-VL, Qwen2.5-VL) load through the image-text-to-text class
+    auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
     kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     overrides = dict(override_config or {})
     attn_implementation = attn_implementation or overrides.get("attn_implementation")
@@ -141,7 +145,7 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto.from_pretrained(path, **kwargs)
     except Exception as err:
         if attn_implementation and isinstance(err, (ImportError, ValueError)) and \
                 ("attn" in str(err).lower() or "attention" in str(err).lower()):
