@@ -154,7 +154,10 @@ RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
 _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "
              "with FSDP2 over data-parallel ranks, no tensor / pipeline / expert parallelism)")
 _PROFILER = "verl's nsys / npu / torch profiler hooks; tiller has no profiler integration (use py-spy or torch.profiler)"
-_TEXT_ONLY = "tiller trains text-only causal LMs (no vision / video inputs)"
+_LORA_VISION = ("verl's Megatron LoRA knob; tiller's LoRA adapts the modules named in lora.target_modules (the "
+                "language model's, by default) and actor.freeze_vision_tower freezes the vision tower")
+_VIDEO = ("tiller's vision-language path takes images only (Qwen2-VL / Qwen2.5-VL image prompts); a row with a "
+          "non-empty 'videos' column is refused at load")
 _ENGINE_KNOB = "a vLLM / SGLang server knob that tiller's vllm engine does not pass (vLLM's default applies)"
 _MEMORY = "a GPU memory tuning (recompute / offload / chunking) tiller does not have; the update is the same"
 _CKPT = ("tiller saves and loads model, optimizer and trainer state together, synchronously (a checkpoint is "
@@ -215,7 +218,6 @@ RULES.update({
     "actor_rollout_ref.model.lora.freeze_language_model": noop("tiller always freezes the base weights under LoRA "
                                                                "adapters"),
     # actor
-    "actor_rollout_ref.actor.freeze_vision_tower": noop(_TEXT_ONLY),
     "actor_rollout_ref.actor.loss_scale_factor": refused(
         "tiller's seq-mean-token-sum-norm divides by the padded response length (verl's behaviour when this is null)",
         use="leave it null", allowed=(None,)),
@@ -357,10 +359,12 @@ RULES.update({
                                     "the order)"),
     "data.filter_overlong_prompts_workers": noop("tiller filters prompts in the driver"),
     "data.trust_remote_code": noop("the tokenizer is loaded with actor_rollout_ref.model.trust_remote_code"),
-    "data.image_key": noop(_TEXT_ONLY),
-    "data.video_key": noop(_TEXT_ONLY),
-    "data.image_patch_size": noop(_TEXT_ONLY),
-    "data.return_multi_modal_inputs": noop(_TEXT_ONLY),
+    "data.video_key": refused(_VIDEO, use="sample frames into the data.image_key column as images",
+                              allowed=("videos",)),
+    "data.image_patch_size": noop("the patch size comes from the model's image processor config "
+                                  "(preprocessor_config.json), as the processor reads it"),
+    "data.return_multi_modal_inputs": noop("tiller always keeps each image prompt's pixel_values / image_grid_thw on "
+                                           "its samples (the actor and reference forwards need them)"),
     "data.custom_cls": refused("custom Dataset classes are not built (tiller reads parquet, jsonl and datasets "
                                "dirs)", use="convert the data to parquet / jsonl with verl's columns",
                                allowed=({"path": None, "name": None},)),
@@ -460,7 +464,7 @@ def _section_rules() -> None:
         if cls is LoraConfig:
             for name in _LORA_MEGATRON:
                 RULES.setdefault(f"{path}.{name}", noop(_MEGATRON if name != "freeze_vision_model" and
-                                                         name != "freeze_vision_projection" else _TEXT_ONLY))
+                                                         name != "freeze_vision_projection" else _LORA_VISION))
     for key in keys:
         section, _, leaf = key.rpartition(".")
         if leaf in _ROLE_DICTS and section in ROLE_SECTIONS:

@@ -63,6 +63,7 @@ from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
 from tiller.models.checkpoint import latest_checkpoint, list_checkpoints, resolve_checkpoint
 from tiller.models.loading import load_tokenizer
+from tiller.models.vision import is_vision_checkpoint, load_processor
 from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.types import RewardRequest
@@ -113,12 +114,18 @@ class RLTrainer:
             from dataclasses import replace
 
             data = replace(data, return_raw_chat=True)
+        # a vision-language model's processor renders and encodes image prompts (rows with data.image_key)
+        self.processor = None
+        if is_vision_checkpoint(arr.model.path):
+            self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
+                                            trust_remote_code=arr.model.trust_remote_code)
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
-                                         require_ground_truth=rules)
+                                         require_ground_truth=rules, processor=self.processor)
         self.val_ds = None
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
-                                           what="data.val_files", require_ground_truth=rules)
+                                           what="data.val_files", require_ground_truth=rules,
+                                           processor=self.processor)
         # prompts are drawn data.gen_batch_size at a time (DAPO's dynamic sampling may draw several per step)
         self.sampler = PromptSampler(len(self.train_ds), data.gen_batch_size or data.train_batch_size,
                                      shuffle=data.shuffle, seed=data.seed)
@@ -390,6 +397,9 @@ class RLTrainer:
         }
         if self.agent:
             fields["raw_prompt"] = [it.raw_prompt for it in items]
+        if any(it.multi_modal_inputs is not None for it in items):  # image prompts: pixels ride on each sample
+            fields["multi_modal_inputs"] = [it.multi_modal_inputs for it in items]
+            fields["images"] = [it.images for it in items]
         meta = {"sampling": sampling, "prompt_width": self.prompt_width, "response_width": self.response_width,
                 "temperature": self.cfg.actor_rollout_ref.rollout.temperature,
                 "global_step": self.global_step if step is None else step, "seed_chunks": self.rollout_seed_chunks,
@@ -514,7 +524,7 @@ class RLTrainer:
         requests = [
             RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
                           response=texts[i], ground_truth=batch["ground_truth"][i],
-                          extra_info=dict(batch["extra_info"][i] or {}), response_length=int(lengths[i]),
+                          extra_info=_with_images(batch, i), response_length=int(lengths[i]),
                           group=str(batch["uid"][i]))
             for i in range(len(batch))
         ]
@@ -844,3 +854,12 @@ def run(cfg: RLConfig) -> dict[str, float]:
     metrics = dict(metrics)
     metrics["wall_s"] = time.time() - start
     return metrics
+
+
+def _with_images(batch: Batch, i: int) -> dict:
+    """Row i's extra_info for the reward function; an image prompt's PIL images under "images" (verl passes a
+    row's images to custom reward functions the same way; rule scorers ignore the key)."""
+    extra = dict(batch["extra_info"][i] or {})
+    if "images" in batch and batch["images"][i] is not None:
+        extra.setdefault("images", list(batch["images"][i]))
+    return extra

@@ -52,6 +52,7 @@ from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
+from tiller.models.vision import is_vision_model, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.environments import load_environment, run_env_episodes
@@ -123,6 +124,12 @@ class ActorRolloutRefWorker:
         self.prm = None  # PRIME: the implicit PRM (trained) and its frozen reference
         if config.algorithm.adv_estimator == "prime":
             self.prm = ImplicitPRM(config, self.device)
+        self.vision = is_vision_model(module)
+        if self.actor_cfg.freeze_vision_tower:
+            if not self.vision:
+                raise ConfigError("actor_rollout_ref.actor.freeze_vision_tower=True but the model "
+                                  f"({type(module).__name__}) has no vision tower")
+            vision_tower(module).requires_grad_(False)
         if arr.model.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.train()
