@@ -6,6 +6,12 @@ Per-token logprobs come from `output_scores`, which holds the logits *after* HF'
 Stop strings are watched by a `StoppingCriteria` built on `StopStringWatcher`, and every row is cut by
 `finalize_row`, the same rule the native engine uses.
 
+Image prompts (vision-language models): `multi_modal[i]` holds prompt i's `pixel_values` / `image_grid_thw`
+(`tiller.models.vision.encode_image_prompt`). The vision tower runs once per prompt, before the n copies are
+made, and its outputs go to `generate` as `mm_encoder_outputs` (repeated for the n samples of the prompt, as
+`generate`'s own `num_return_sequences` expands them), so the n samples share the prompt's pixels; `generate`
+computes the M-RoPE positions from `image_grid_thw` and `mm_token_type_ids` by the model's rule.
+
 Deviations from plain `generate`: every sampling knob is set explicitly (so a checkpoint's
 `generation_config`, e.g. `top_k=20`, never leaks in), and `ignore_eos` is implemented by giving
 `generate` no eos id rather than suppressing eos logits (the distribution stays unchanged).
@@ -48,7 +54,9 @@ class _StopStringCriteria(StoppingCriteria):
 class HFRolloutEngine(InProcessEngine):
     """Generation through `model.generate`; shares the actor module (or a dtype-cast copy of it)."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 multi_modal: list[dict | None] | None = None) -> RolloutOutput:
+        """`multi_modal`: per prompt, None (text) or {"pixel_values", "image_grid_thw"} (see the module docstring)."""
         sampling.validate()
         self.weights.sync_if_stale()
         model = self.weights.module
@@ -82,11 +90,13 @@ class HFRolloutEngine(InProcessEngine):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eval_mode(model):
             torch.manual_seed(seed)
             with torch.inference_mode():
+                vision = image_inputs(model, input_ids, multi_modal, sampling.n) if multi_modal else {}
                 out = model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=gen_cfg,
                     stopping_criteria=criteria,
+                    **vision,
                 )
         sequences = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] processed logits
@@ -99,3 +109,30 @@ class HFRolloutEngine(InProcessEngine):
             result.logprobs.append(lp)
             result.finish_reason.append(reason)
         return result
+
+
+def image_inputs(model, input_ids: torch.Tensor, multi_modal: list[dict | None], n: int) -> dict:
+    """`generate` keywords for a batch of image prompts, each repeated n times: the vision tower run once on
+    the prompts' pixels, its per-image outputs repeated per sample (`mm_encoder_outputs`), plus
+    `image_grid_thw` and `mm_token_type_ids` for the M-RoPE positions. {} when no prompt has images."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from tiller.models.vision import image_token_id
+
+    rows = [m for m in multi_modal if m is not None]
+    if not rows:
+        return {}
+    device = input_ids.device
+    grids = [m["image_grid_thw"].to(device) for m in rows]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    encoded = base.model.get_image_features(torch.cat([m["pixel_values"] for m in rows]).to(device),
+                                            torch.cat(grids), return_dict=True).pooler_output
+    per_prompt, k = [], 0
+    for m in multi_modal:
+        count = 0 if m is None else len(m["image_grid_thw"])
+        per_prompt.append(list(encoded[k:k + count]))
+        k += count
+    features = tuple(f for feats in per_prompt for _ in range(n) for f in feats)
+    grid = torch.cat([m["image_grid_thw"] for m in multi_modal if m is not None for _ in range(n)]).to(device)
+    return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=features)},
+            "image_grid_thw": grid, "mm_token_type_ids": (input_ids == image_token_id(base)).int()}
