@@ -447,9 +447,10 @@ class ActorRolloutRefWorker:
         """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`).
         With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline)."""
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
+        mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
         logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
                                           mb["attention_mask"].to(self.device), P,
-                                          mb["response_mask"].to(self.device), **self._forward_opts)
+                                          mb["response_mask"].to(self.device), multi_modal=mm, **self._forward_opts)
         logits = logits.float() / temperature
         labels = mb["responses"][:, :t_used].to(self.device)
         logp = pad_right(logprobs_from_logits(logits, labels), T)
