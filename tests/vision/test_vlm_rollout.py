@@ -7,6 +7,7 @@ from PIL import Image
 from tiller.models.loading import load_causal_lm
 from tiller.models.vision import encode_image_prompt, load_processor
 from tiller.rollout import build_rollout_engine, SamplingParams
+from tiller.rollout.hf import vision_token_ids
 
 PROMPTS = [("a<|vision_start|><|image_pad|><|vision_end|>how many?", (255, 0, 0)),
            ("<|vision_start|><|image_pad|><|vision_end|>", (0, 90, 255)),
@@ -37,6 +38,7 @@ def test_greedy_equals_hf_generate_per_prompt(setup):
                                  image_grid_thw=p.image_grid_thw,
                                  mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=6,
                                  do_sample=False, eos_token_id=[10**9], pad_token_id=0, output_scores=True,
+                                 suppress_tokens=vision_token_ids(model),
                                  return_dict_in_generate=True)
         tokens = ref.sequences[0, ids.shape[1]:].tolist()
         ref_lp = torch.stack(ref.scores, 1)[0].log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
@@ -66,6 +68,8 @@ def test_n_samples_share_the_vision_pass(setup):
     finally:
         handle.remove()
     assert len(out) == 12 and out.prompt_ids[5] == prompts[1].prompt_ids
+    vision_ids = set(vision_token_ids(model))
+    assert len(vision_ids) == 4 and not any(vision_ids & set(r) for r in out.response_ids)
     # one vision pass over the 3 prompts' patches (6 x 8 patches each), not 12 copies
     assert seen == [sum(p.pixel_values.shape[0] for p in prompts)]
     # seeded: the same call gives the same samples

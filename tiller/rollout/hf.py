@@ -10,7 +10,9 @@ Image prompts (vision-language models): `multi_modal[i]` holds prompt i's `pixel
 (`tiller.models.vision.encode_image_prompt`). The vision tower runs once per prompt, before the n copies are
 made, and its outputs go to `generate` as `mm_encoder_outputs` (repeated for the n samples of the prompt, as
 `generate`'s own `num_return_sequences` expands them), so the n samples share the prompt's pixels; `generate`
-computes the M-RoPE positions from `image_grid_thw` and `mm_token_type_ids` by the model's rule.
+computes the M-RoPE positions from `image_grid_thw` and `mm_token_type_ids` by the model's rule. A vision model
+never samples its vision special tokens (`<|image_pad|>`, ...: suppressed, the logprobs are those of the
+renormalised distribution): a response holding one would be read as an image slot by every later forward.
 
 Deviations from plain `generate`: every sampling knob is set explicitly (so a checkpoint's
 `generation_config`, e.g. `top_k=20`, never leaks in), and `ignore_eos` is implemented by giving
@@ -83,6 +85,7 @@ class HFRolloutEngine(InProcessEngine):
             return_dict_in_generate=True,
             output_scores=True,
             use_cache=True,
+            suppress_tokens=vision_token_ids(model) or None,
         )
         criteria = StoppingCriteriaList([_StopStringCriteria(watcher, width)]) if watcher else None
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
@@ -136,3 +139,15 @@ def image_inputs(model, input_ids: torch.Tensor, multi_modal: list[dict | None],
     grid = torch.cat([m["image_grid_thw"] for m in multi_modal if m is not None for _ in range(n)]).to(device)
     return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=features)},
             "image_grid_thw": grid, "mm_token_type_ids": (input_ids == image_token_id(base)).int()}
+
+
+def vision_token_ids(model) -> list[int]:
+    """The vision special token ids of a vision-language model (never sampled); [] for a text model."""
+    from tiller.models.vision import is_vision_model
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not is_vision_model(base):
+        return []
+    cfg = base.config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(cfg, n)) for n in names if getattr(cfg, n, None) is not None]
