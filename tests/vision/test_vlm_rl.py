@@ -79,3 +79,16 @@ def test_freeze_vision_tower_needs_a_vision_model(tmp_path, tiny_model_dir, shap
 
     with pytest.raises((ConfigError, DataError), match="freeze_vision_tower=True but the model|not a vision-language"):
         RLTrainer(_cfg(tmp_path / "run", tiny_model_dir, shapes_data, "actor_rollout_ref.actor.freeze_vision_tower=true"))
+
+
+def test_openrlhf_vlm_flags_translate():
+    from tiller.openrlhf.cli import resolve
+
+    argv = ["train_ppo_ray", "--actor.model_name_or_path", "Qwen/Qwen2.5-VL-3B-Instruct",
+            "--data.prompt_dataset", "geo3k.parquet", "--data.input_key", "prompt", "--data.image_key", "images",
+            "--data.max_images_per_prompt", "1", "--actor.freeze_visual_encoder",
+            "--reward.remote_url", "http://rm:5000/get_reward"]
+    cfg = resolve(argv)[2]
+    assert cfg.data.image_key == "images" and cfg.actor_rollout_ref.actor.freeze_vision_tower is True
+    plain = [a for a in argv if a != "--actor.freeze_visual_encoder"]
+    assert resolve(plain)[2].actor_rollout_ref.actor.freeze_vision_tower is False
