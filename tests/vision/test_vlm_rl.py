@@ -2,6 +2,7 @@
 reward function sees the row's images, freeze_vision_tower keeps the vision tower fixed."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +93,28 @@ def test_openrlhf_vlm_flags_translate():
     assert cfg.data.image_key == "images" and cfg.actor_rollout_ref.actor.freeze_vision_tower is True
     plain = [a for a in argv if a != "--actor.freeze_visual_encoder"]
     assert resolve(plain)[2].actor_rollout_ref.actor.freeze_vision_tower is False
+
+
+SCRIPT = Path(__file__).parents[1] / "data" / "verl_scripts" / "grpo_qwen2_5_vl_geo3k.txt"
+
+
+@pytest.mark.slow
+def test_verls_qwen2_5_vl_script_runs_on_the_tiny_vlm(tmp_path, tiny_vlm_dir, shapes_data):
+    """verl's run_qwen2_5_vl_7b_fsdp.sh overrides, paths pointed at the tiny VLM and shapes data (verl's schema),
+    INFER_BACKEND=hf, and sizes cut for a CPU (batch, response length, one step, no wandb)."""
+    from tiller.trainer.rl import RLTrainer
+
+    lines = [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
+    paths = {"actor_rollout_ref.model.path": str(tiny_vlm_dir),
+             "data.train_files": str(shapes_data / "train.parquet"), "data.val_files": str(shapes_data / "test.parquet"),
+             "actor_rollout_ref.rollout.name": "hf"}
+    args = [f"{k}={paths[k]}" if (k := line.split("=", 1)[0]) in paths else line for line in lines]
+    args += ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=4",
+             "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+             "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable"]
+    trainer = RLTrainer(load_config(args))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert trainer.global_step == 1

@@ -1541,5 +1541,5 @@ class RLConfig:
     global_profiler: dict[str, Any] = field(default_factory=_global_profiler)
     rollout: dict[str, Any] = field(default_factory=lambda: {
         "nnodes": 1, "n_gpus_per_node": 8, "n": 4, "total_rollout_steps": None, "total_epochs": 10, "test_freq": 1})
-    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
-                                                               "timeline_json_file": None})
+    ray_kwargs: dict[str, Any] = field(default_factory=lambda: {
+        "ray_init": {"num_cpus": None, "runtime_env": {"py_executable": None}}, "timeline_json_file": None})
