@@ -32,7 +32,7 @@ from tiller.rollout import SamplingParams, build_rollout_engine
 from tiller.tasks import shapes
 from tiller.trainer.rl import RLTrainer
 
-SHAPES_VERSION = 1
+SHAPES_VERSION = 2
 VAL_KEY = f"val-core/{shapes.DATA_SOURCE}/acc/mean@1"
 
 
@@ -78,7 +78,7 @@ def _sft_batch(model, processor, rows: list[dict]) -> dict:
             "image_grid_thw": torch.cat(grids), "mm_token_type_ids": (ids == model.config.image_token_id).int()}
 
 
-def warm_up(model, processor, dev_rows: list[dict], *, target: float, seed: int, lr: float = 2e-3,
+def warm_up(model, processor, dev_rows: list[dict], *, target: float, seed: int, lr: float = 3e-3,
             batch_size: int = 32, eval_every: int = 20, max_steps: int = 1500, log=print) -> tuple[float, int]:
     """Supervised steps on fresh images until greedy dev accuracy >= target; returns (acc, steps)."""
     rng = random.Random(f"shapes-warmup-{seed}")
