@@ -133,6 +133,9 @@ class RLTrainer:
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
+        if self.use_critic and self.processor is not None:
+            raise ConfigError("algorithm.adv_estimator=gae trains a critic, and a critic on a vision-language model "
+                              "is not supported yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
         self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
         self.prime = algo.adv_estimator == "prime"  # PRIME: an implicit PRM trained each step (algorithm.prime)
