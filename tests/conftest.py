@@ -47,3 +47,11 @@ def force_bf16(monkeypatch):
     from tiller import hostinfo
 
     monkeypatch.setattr(hostinfo, "_DECISION", hostinfo.Bf16Decision(True, "forced on by the test"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """Path to a saved ~1.1M-parameter Qwen2-VL (vision tower + LM) with tokenizer and image processor (seed 0)."""
+    from tiller.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen2vl", seed=0)

@@ -2,6 +2,8 @@
 
     tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N]
         (without --src: openai/gsm8k through `datasets`, from the hub or its local cache)
+    tiller data geo3k --src DIR --out data/geo3k [--max-rows N]
+        (DIR: a local copy of hiyouga/geometry3k, data/{train,test}-*.parquet; verl's multimodal schema out)
     tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
     tiller data reasoning-gym --task letter_counting --out data/lc [--train N --test N --format jsonl]
     tiller data filter-difficulty --model DIR --data train.parquet --k 8 --keep 0.1:0.9 --out kept.parquet
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from tiller.data.preprocess import gsm8k, reasoning_gym
+from tiller.data.preprocess import geo3k, gsm8k, reasoning_gym
 from tiller.tasks import arithmetic
 
 
@@ -30,6 +32,11 @@ def main(argv: list[str]) -> int:
     g.add_argument("--src", default=None, help="dir with GSM8K train.jsonl and test.jsonl (default: load "
                                                "openai/gsm8k with the `datasets` package, hub or local cache)")
     g.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
+    v = sub.add_parser("geo3k", help="Geometry3K (a local hiyouga/geometry3k copy) -> train/test parquet with images "
+                                     "(verl's geo3k.py format)")
+    v.add_argument("--src", required=True, help="dir of the dataset (data/train-*.parquet, data/test-*.parquet)")
+    v.add_argument("--out", required=True, help="output directory")
+    v.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
     a = sub.add_parser("arithmetic", help="the built-in demo task (tiller/arithmetic) -> train/test parquet")
     a.add_argument("--out", required=True)
     a.add_argument("--train", type=int, default=2000)
@@ -49,6 +56,8 @@ def main(argv: list[str]) -> int:
     if args.dataset == "reasoning-gym":
         paths = reasoning_gym.convert(args.task, args.out, n_train=args.train, n_test=args.test, seed=args.seed,
                                       fmt=args.format)
+    elif args.dataset == "geo3k":
+        paths = geo3k.convert(args.src, args.out, max_rows=args.max_rows)
     elif args.dataset == "gsm8k":
         paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows)
     else:

@@ -166,7 +166,10 @@ RULES["actor_rollout_ref.rollout.cudagraph_capture_sizes"] = noop(
 _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "
              "with FSDP2 over data-parallel ranks, no tensor / pipeline / expert parallelism)")
 _PROFILER = "verl's nsys / npu / torch profiler hooks; tiller has no profiler integration (use py-spy or torch.profiler)"
-_TEXT_ONLY = "tiller trains text-only causal LMs (no vision / video inputs)"
+_LORA_VISION = ("verl's Megatron LoRA knob; tiller's LoRA adapts the modules named in lora.target_modules (the "
+                "language model's, by default) and actor.freeze_vision_tower freezes the vision tower")
+_VIDEO = ("tiller's vision-language path takes images only (Qwen2-VL / Qwen2.5-VL image prompts); a row with a "
+          "non-empty 'videos' column is refused at load")
 _ENGINE_KNOB = "a vLLM / SGLang server knob that tiller's vllm engine does not pass (vLLM's default applies)"
 _MEMORY = "a GPU memory tuning (recompute / offload / chunking) tiller does not have; the update is the same"
 _CKPT = ("tiller saves and loads model, optimizer and trainer state together, synchronously (a checkpoint is "
@@ -227,7 +230,6 @@ RULES.update({
     "actor_rollout_ref.model.lora.freeze_language_model": noop("tiller always freezes the base weights under LoRA "
                                                                "adapters"),
     # actor
-    "actor_rollout_ref.actor.freeze_vision_tower": noop(_TEXT_ONLY),
     "actor_rollout_ref.actor.loss_scale_factor": refused(
         "tiller's seq-mean-token-sum-norm divides by the padded response length (verl's behaviour when this is null)",
         use="leave it null", allowed=(None,)),
@@ -370,10 +372,12 @@ RULES.update({
                                     "the order)"),
     "data.filter_overlong_prompts_workers": noop("tiller filters prompts in the driver"),
     "data.trust_remote_code": noop("the tokenizer is loaded with actor_rollout_ref.model.trust_remote_code"),
-    "data.image_key": noop(_TEXT_ONLY),
-    "data.video_key": noop(_TEXT_ONLY),
-    "data.image_patch_size": noop(_TEXT_ONLY),
-    "data.return_multi_modal_inputs": noop(_TEXT_ONLY),
+    "data.video_key": refused(_VIDEO, use="sample frames into the data.image_key column as images",
+                              allowed=("videos",)),
+    "data.image_patch_size": noop("the patch size comes from the model's image processor config "
+                                  "(preprocessor_config.json), as the processor reads it"),
+    "data.return_multi_modal_inputs": noop("tiller always keeps each image prompt's pixel_values / image_grid_thw on "
+                                           "its samples (the actor and reference forwards need them)"),
     "data.custom_cls": refused("custom Dataset classes are not built (tiller reads parquet, jsonl and datasets "
                                "dirs)", use="convert the data to parquet / jsonl with verl's columns",
                                allowed=({"path": None, "name": None},)),
@@ -455,8 +459,11 @@ RULES.update({
         "functions", use="actor_rollout_ref.rollout.multi_turn.tool_config_path", allowed=(None,)),
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": noop(
         "only with a checkpoint_engine.backend other than naive, which is refused"),
-    "data.audio_key": noop(_TEXT_ONLY),
-    "data.mm_processor_kwargs": noop(_TEXT_ONLY),
+    "data.audio_key": refused("tiller's vision-language path takes images only (no audio inputs)",
+                              use="leave it at its default", allowed=("audios",)),
+    "data.mm_processor_kwargs": refused("tiller builds the processor from the model dir's own processor config "
+                                        "(preprocessor_config.json); it passes no extra processor kwargs",
+                                        use="set them in the model dir's preprocessor_config.json", allowed=({},)),
     "algorithm.filter_groups.max_inflight_gen_batches": noop(
         "tiller generates a DAPO step's batches one after another (verl's default 1); the batches kept are the same"),
     # critic
@@ -583,7 +590,7 @@ def _section_rules() -> None:
         if cls is LoraConfig:
             for name in _LORA_MEGATRON:
                 RULES.setdefault(f"{path}.{name}", noop(_MEGATRON if name != "freeze_vision_model" and
-                                                         name != "freeze_vision_projection" else _TEXT_ONLY))
+                                                         name != "freeze_vision_projection" else _LORA_VISION))
     for key in keys:
         section, _, leaf = key.rpartition(".")
         if leaf in _ROLE_DICTS and section in ROLE_SECTIONS:

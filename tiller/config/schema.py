@@ -159,13 +159,14 @@ class DataConfig:
     trust_remote_code: bool = False
     """verl: trust_remote_code for the data tokenizer; tiller's tokenizer follows actor_rollout_ref.model.trust_remote_code."""
     image_key: str = "images"
-    """verl: column of the images (vision-language models); tiller trains text-only models."""
+    """Column of a row's images (a list of {"bytes"} / {"path"}; `<image>` placeholders in the prompt), read for
+    vision-language models (Qwen2-VL / Qwen2.5-VL)."""
     video_key: str = "videos"
-    """verl: column of the videos (vision-language models); tiller trains text-only models."""
+    """verl: column of the videos; refused unless "videos" (tiller takes images only; rows with videos are refused)."""
     image_patch_size: int = 14
-    """verl: vision patch size; tiller trains text-only models."""
+    """verl: vision patch size; tiller reads it from the model's image processor config."""
     return_multi_modal_inputs: bool = True
-    """verl: keep the processed images / videos on each sample; tiller trains text-only models."""
+    """verl: keep the processed images on each sample; tiller always does (the forwards need them)."""
     custom_cls: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
     """verl: a custom Dataset class {path, name}; refused unless both are null (tiller reads parquet / jsonl / datasets)."""
     sampler: dict[str, Any] = field(default_factory=lambda: {"class_path": None, "class_name": None})
@@ -556,7 +557,8 @@ class ActorConfig:
     use_rollout_log_probs: Optional[bool] = None
     """verl fully-async's copy of async_training.use_rollout_log_probs (False is refused)."""
     freeze_vision_tower: bool = False
-    """verl: freeze a vision-language model's vision tower; tiller trains text-only models."""
+    """Freeze a vision-language model's vision tower (no gradient, no optimizer state; the merger too, as verl's
+    `model.visual`); an error for a text-only model."""
     loss_scale_factor: Optional[float] = None
     """verl: the constant of seq-mean-token-sum-norm (null = the response length, which tiller uses); refused unless
     null."""

@@ -19,7 +19,17 @@ than `data.max_prompt_length` is dropped (`filter_overlong_prompts`) or handled 
 `numpy.random.default_rng(seed + epoch)` (no shuffle: in file order), whole batches only (drop last, as
 verl). Its position (`epoch`, `index`) is part of every checkpoint, so a resumed run sees the same prompts.
 
-Deviations from verl: no multimodal fields; prompts are not padded here (the rollout pads).
+Images (vision-language models, verl's multimodal schema): a row's `images` column (`data.image_key`) holds a
+list of `{"bytes": ...}` / `{"path": ...}` entries (a single entry, raw bytes, a path or a PIL image also do:
+TRL's and OpenRLHF's layouts), and each `<image>` in the prompt messages' text marks where one goes (content
+already in parts, `{"type": "image"}`, is taken as is). Such a row is rendered by the processor's chat template and
+encoded by `tiller.models.vision.encode_image_prompt`: `prompt_ids` then hold one `<|image_pad|>` per merged
+patch, and `multi_modal_inputs` the `pixel_values` / `image_grid_thw` the model takes. An unreadable image, a
+missing file or a placeholder count that differs from the image count is a `DataError` naming the file and row.
+An image prompt is never truncated (cutting image tokens breaks the model's input): over the limit it is
+filtered (`filter_overlong_prompts`) or an error.
+
+Deviations from verl: prompts are not padded here (the rollout pads); no videos.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import numpy as np
 
 from tiller.data.sources import apply_template, load_sources
 from tiller.errors import ConfigError, DataError
+from tiller.models.vision import encode_image_prompt, split_placeholders, to_pil
 
 
 @dataclass
@@ -48,6 +59,10 @@ class PromptItem:
     uid: str = ""
     where: str = ""  # "<file> row <i>", for errors about this row
     ground_truth_key: str = ""  # the field the ground truth came from (reward_model.ground_truth, ground_truth, ...)
+    images: list | None = None
+    """PIL images of an image prompt (None for text)."""
+    multi_modal_inputs: dict | None = None
+    """`pixel_values [N_patches, D]` and `image_grid_thw [n_images, 3]` of an image prompt (None for text)."""
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -190,7 +205,7 @@ class RLDataset:
                  return_raw_chat: bool = False, max_samples: int = -1, what: str = "data.train_files",
                  label_key: str | None = None, default_data_source: str | None = None,
                  input_template: str | None = None, probs: Sequence[float] | None = None, split: str = "train",
-                 seed: int = 42):
+                 seed: int = 42, processor=None, image_key: str = "images"):
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")
@@ -214,13 +229,30 @@ class RLDataset:
                                 "data.reward_fn_key, or data.default_data_source for rows without one")
             if label_key is not None and label_key not in row:
                 raise DataError(f"{where}: missing column {label_key!r} (data.label_key); row has {sorted(row)}")
-            text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if row.get("videos") is not None and len(row["videos"]):
+                raise DataError(f"{where}: the row has videos; tiller's vision-language path takes images only "
+                                "(sample frames into the images column)")
+            images = _row_images(row, image_key, where)
+            vision = None
+            if images:
+                if processor is None:
+                    raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a "
+                                    "vision-language model (Qwen2-VL / Qwen2.5-VL); drop the column or change "
+                                    "data.image_key")
+                vision = _encode_images(row[prompt_key], images, processor, where)
+                text, ids = vision.text, vision.prompt_ids
+            else:
+                text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise DataError(f"{where}: prompt tokenizes to 0 tokens")
             if len(ids) > max_prompt_length and filter_overlong_prompts:
                 self.num_filtered += 1
                 continue
+            if vision is not None and len(ids) > max_prompt_length:
+                raise DataError(f"{where}: image prompt has {len(ids)} tokens > data.max_prompt_length="
+                                f"{max_prompt_length} (image prompts are not truncated); raise it or set "
+                                "data.filter_overlong_prompts=True")
             ids = _fit_length(ids, max_prompt_length, truncation, where)
             stem, index = Path(where.rsplit(" row ", 1)[0]).stem, where.rsplit(" row ", 1)[1]
             ground_truth = _plain(row[label_key]) if label_key is not None else _ground_truth(row)
@@ -230,6 +262,9 @@ class RLDataset:
                 raw_prompt=row[prompt_key] if return_raw_chat else None,
                 uid=f"{stem}-{index}" if probs is None else f"{stem}-{index}-{k}",
                 where=where, ground_truth_key=label_key or _ground_truth_key(row),
+                images=images or None,
+                multi_modal_inputs=None if vision is None else {"pixel_values": vision.pixel_values,
+                                                                "image_grid_thw": vision.image_grid_thw},
             ))
             if require_ground_truth and self.items[-1].ground_truth is None:
                 raise DataError(f"{where}: no ground truth (reward_model.ground_truth, or a top-level "
@@ -251,6 +286,30 @@ class RLDataset:
         return self.items[i]
 
 
+def _row_images(row: dict, image_key: str, where: str) -> list:
+    """The row's images as PIL images ([] when the column is absent or empty)."""
+    value = row.get(image_key)
+    if value is None:
+        return []
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        value = [value]
+    return [to_pil(img, f"{where} {image_key}[{j}]") for j, img in enumerate(value)]
+
+
+def _encode_images(raw: Any, images: list, processor, where: str):
+    """One image prompt through the processor's chat template and image processor."""
+    if isinstance(raw, np.ndarray):
+        raw = raw.tolist()
+    messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "content" in m for m in messages):
+        raise DataError(f"{where}: prompt must be a string or a list of chat messages, got {type(raw).__name__}")
+    messages = split_placeholders([dict(m) for m in messages], len(images), where)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode_image_prompt(processor, text, images, where)
+
+
 def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, np.ndarray) else value
 
@@ -270,9 +329,10 @@ def _ground_truth(row: dict) -> Any:
 
 
 def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: int = -1,
-                     what: str = "data.train_files", require_ground_truth: bool = False) -> RLDataset:
+                     what: str = "data.train_files", require_ground_truth: bool = False, processor=None) -> RLDataset:
     """`RLDataset` from a `tiller.config.schema.DataConfig`; says how many prompts filter_overlong_prompts dropped.
-    `require_ground_truth`: a row without one is an error naming the file and row (rule scoring needs it)."""
+    `require_ground_truth`: a row without one is an error naming the file and row (rule scoring needs it).
+    `processor`: a vision-language model's processor (`tiller.models.vision.load_processor`): rows with images."""
     ds = RLDataset(files, tokenizer, prompt_key=data_cfg.prompt_key, reward_fn_key=data_cfg.reward_fn_key,
                    max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
                    filter_overlong_prompts=data_cfg.filter_overlong_prompts,
@@ -282,7 +342,7 @@ def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: 
                    input_template=data_cfg.input_template,
                    probs=data_cfg.train_probs if what == "data.train_files" else None,
                    split=data_cfg.train_split if what == "data.train_files" else data_cfg.val_split,
-                   seed=data_cfg.seed)
+                   seed=data_cfg.seed, processor=processor, image_key=data_cfg.image_key)
     if ds.num_filtered:
         print(f"{what}: data.filter_overlong_prompts dropped {ds.num_filtered} of {ds.num_rows} prompts longer than "
               f"data.max_prompt_length={data_cfg.max_prompt_length} tokens")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 import functools
+import json
 import inspect
 import os
 from pathlib import Path
@@ -66,6 +67,21 @@ def _hub_reachable(timeout: float = 5.0) -> str | None:
     except OSError as err:
         return f"{host}:{port}: {getattr(err, 'strerror', None) or err}"
     return None
+
+
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+"""HF model types tiller trains as vision-language models (tiller.models.vision)."""
+
+
+def is_vision_checkpoint(path) -> bool:
+    """Whether the model dir `path` holds a vision-language model (reads config.json only)."""
+    cfg = Path(os.path.expanduser(os.fspath(path))) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("model_type") in VISION_MODEL_TYPES
+    except ValueError:
+        return False
 
 
 def check_model_path(path, what: str) -> str:
@@ -173,14 +189,16 @@ def model_config(path, override_config: dict | None = None, *, trust_remote_code
 def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
                    attn_implementation: str | None = None, device=None, override_config: dict | None = None,
                    key: str = "model.override_config"):
-    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype` (name or torch.dtype), optionally moved to `device`.
+    """`AutoModelForCausalLM.from_pretrained(path)` (a vision-language model dir: `AutoModelForImageTextToText`) in `dtype` (name or torch.dtype), optionally moved to `device`.
 
     override_config: keys set on the model's HF config before it is built (`model_config`); `key` names them
     in errors. An explicit `attn_implementation` argument wins over the override's.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = check_model_path(path, "model")
+    # vision-language checkpoints (Qwen2-VL, Qwen2.5-VL) load through the image-text-to-text class
+    auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
     kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     overrides = dict(override_config or {})
     attn_implementation = attn_implementation or overrides.get("attn_implementation")
@@ -189,7 +207,7 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto.from_pretrained(path, **kwargs)
     except Exception as err:
         if attn_implementation and isinstance(err, (ImportError, ValueError)) and \
                 ("attn" in str(err).lower() or "attention" in str(err).lower()):

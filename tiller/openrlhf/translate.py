@@ -272,6 +272,9 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     o["data.prompt_key"] = a("input_key")
     o["data.label_key"] = a("label_key")
     o["data.default_data_source"] = "openrlhf"  # OpenRLHF rows carry no data_source column
+    if a("data.image_key") is not None:  # image prompts (vision-language models): the column of the images
+        o["data.image_key"] = a("data.image_key")
+    o[f"{arr}.actor.freeze_vision_tower"] = bool(a("actor.freeze_visual_encoder"))
     o["data.input_template"] = a("input_template")
     o["data.apply_chat_template"] = bool(a("apply_chat_template"))
     o["data.max_samples"] = a("max_samples")

@@ -7,7 +7,8 @@
 | `math_dapo`, `aime*` | `scorers.math.compute_score_dapo` (`Answer:` line, +1 / -1, as verl) |
 | `codecontests`, `apps`, `taco`, `livecodebench`, `codeforces`, `humaneval`, `openai/openai_humaneval` | `scorers.code` in the sandbox (kwargs: mode=binary\\|fraction) |
 | `reasoning_gym/<task>`, `reasoning_gym` | the task's own reasoning-gym scorer |
-| `tiller/arithmetic` | `scorers.arithmetic` (last integer equals the answer) |
+| `tiller/arithmetic`, `tiller/shapes` | `scorers.arithmetic` (last integer equals the answer) |
+| `hiyouga/geometry3k` | `scorers.geo3k` (0.9 boxed-answer accuracy + 0.1 `<think>` format, as verl) |
 
 Extra keyword `think_format=True` (any task): the response must be `<think>...</think>answer`
 (`scorers.format`); otherwise it scores 0, else the answer part is scored; the dict result then
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 from tiller.errors import UserError
 from tiller.rewards.scorers import arithmetic, gsm8k
-from tiller.rewards.scorers import code, format as format_scorer, math as math_scorer, reasoning_gym
+from tiller.rewards.scorers import code, format as format_scorer, geo3k, math as math_scorer, reasoning_gym
 
 Scorer = Callable[..., "float | dict"]
 
@@ -53,8 +54,13 @@ def _arithmetic(data_source, solution_str, ground_truth, extra_info, **kw):
     return arithmetic.compute_score(solution_str, ground_truth, **kw)
 
 
+def _geo3k(data_source, solution_str, ground_truth, extra_info, **kw):
+    return geo3k.compute_score(solution_str, ground_truth, **kw)
+
+
 _EXACT: dict[str, Scorer] = {"openai/gsm8k": _gsm8k, "gsm8k": _gsm8k, "math_dapo": _math_dapo,
-                             "tiller/arithmetic": _arithmetic, "reasoning_gym": _reasoning_gym}
+                             "tiller/arithmetic": _arithmetic, "tiller/shapes": _arithmetic,
+                             "reasoning_gym": _reasoning_gym, "hiyouga/geometry3k": _geo3k}
 _EXACT.update({name: _math for name in MATH_SOURCES})
 _EXACT.update({name: _code for name in CODE_SOURCES})
 _PREFIX: dict[str, Scorer] = {"numina_": _math, "aime": _math_dapo, "reasoning_gym/": _reasoning_gym}

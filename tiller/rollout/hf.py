@@ -6,6 +6,14 @@ Per-token logprobs come from `output_scores`, which holds the logits *after* HF'
 Stop strings are watched by a `StoppingCriteria` built on `StopStringWatcher`, and every row is cut by
 `finalize_row`, the same rule the native engine uses.
 
+Image prompts (vision-language models): `multi_modal[i]` holds prompt i's `pixel_values` / `image_grid_thw`
+(`tiller.models.vision.encode_image_prompt`). The vision tower runs once per prompt, before the n copies are
+made, and its outputs go to `generate` as `mm_encoder_outputs` (repeated for the n samples of the prompt, as
+`generate`'s own `num_return_sequences` expands them), so the n samples share the prompt's pixels; `generate`
+computes the M-RoPE positions from `image_grid_thw` and `mm_token_type_ids` by the model's rule. A vision model
+never samples its vision special tokens (`<|image_pad|>`, ...: suppressed, the logprobs are those of the
+renormalised distribution): a response holding one would be read as an image slot by every later forward.
+
 Deviations from plain `generate`: every sampling knob is set explicitly (so a checkpoint's
 `generation_config`, e.g. `top_k=20`, never leaks in), and `ignore_eos` is implemented by giving
 `generate` no eos id rather than suppressing eos logits (the distribution stays unchanged).
@@ -16,6 +24,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from tiller.models.vision import image_token_id, is_vision_model
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -48,7 +57,9 @@ class _StopStringCriteria(StoppingCriteria):
 class HFRolloutEngine(InProcessEngine):
     """Generation through `model.generate`; shares the actor module (or a dtype-cast copy of it)."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 multi_modal: list[dict | None] | None = None) -> RolloutOutput:
+        """`multi_modal`: per prompt, None (text) or {"pixel_values", "image_grid_thw"} (see the module docstring)."""
         sampling.validate()
         self.weights.sync_if_stale()
         model = self.weights.module
@@ -75,6 +86,7 @@ class HFRolloutEngine(InProcessEngine):
             return_dict_in_generate=True,
             output_scores=True,
             use_cache=True,
+            suppress_tokens=vision_token_ids(model) or None,
         )
         criteria = StoppingCriteriaList([_StopStringCriteria(watcher, width)]) if watcher else None
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
@@ -82,11 +94,13 @@ class HFRolloutEngine(InProcessEngine):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eval_mode(model):
             torch.manual_seed(seed)
             with torch.inference_mode():
+                vision = image_inputs(model, input_ids, multi_modal, sampling.n) if multi_modal else {}
                 out = model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=gen_cfg,
                     stopping_criteria=criteria,
+                    **vision,
                 )
         sequences = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] processed logits
@@ -99,3 +113,38 @@ class HFRolloutEngine(InProcessEngine):
             result.logprobs.append(lp)
             result.finish_reason.append(reason)
         return result
+
+
+def image_inputs(model, input_ids: torch.Tensor, multi_modal: list[dict | None], n: int) -> dict:
+    """`generate` keywords for a batch of image prompts, each repeated n times: the vision tower run once on
+    the prompts' pixels, its per-image outputs repeated per sample (`mm_encoder_outputs`), plus
+    `image_grid_thw` and `mm_token_type_ids` for the M-RoPE positions. {} when no prompt has images."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    rows = [m for m in multi_modal if m is not None]
+    if not rows:
+        return {}
+    device = input_ids.device
+    grids = [m["image_grid_thw"].to(device) for m in rows]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    encoded = base.model.get_image_features(torch.cat([m["pixel_values"] for m in rows]).to(device),
+                                            torch.cat(grids), return_dict=True).pooler_output
+    per_prompt, k = [], 0
+    for m in multi_modal:
+        count = 0 if m is None else len(m["image_grid_thw"])
+        per_prompt.append(list(encoded[k:k + count]))
+        k += count
+    features = tuple(f for feats in per_prompt for _ in range(n) for f in feats)
+    grid = torch.cat([m["image_grid_thw"] for m in multi_modal if m is not None for _ in range(n)]).to(device)
+    return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=features)},
+            "image_grid_thw": grid, "mm_token_type_ids": (input_ids == image_token_id(base)).int()}
+
+
+def vision_token_ids(model) -> list[int]:
+    """The vision special token ids of a vision-language model (never sampled); [] for a text model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not is_vision_model(base):
+        return []
+    cfg = base.config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(cfg, n)) for n in names if getattr(cfg, n, None) is not None]

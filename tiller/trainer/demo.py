@@ -243,7 +243,7 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
     ]
 
 
-def plot_curves(metrics_path: Path, out_png: Path) -> Path | None:
+def plot_curves(metrics_path: Path, out_png: Path, val_key: str = VAL_KEY) -> Path | None:
     """Reward (mean score per step) and held-out accuracy curves as one PNG."""
     import matplotlib
 
@@ -253,7 +253,7 @@ def plot_curves(metrics_path: Path, out_png: Path) -> Path | None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     rows = [r.get("metrics", r) | {"step": r.get("step", r.get("metrics", {}).get("step", 0))} for r in rows]
     reward = [(r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
-    acc = [(r["step"], r[VAL_KEY]) for r in rows if VAL_KEY in r]
+    acc = [(r["step"], r[val_key]) for r in rows if val_key in r]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, series, title in ((axes[0], reward, "train reward (mean score)"),
                               (axes[1], acc, "held-out greedy accuracy")):
@@ -272,18 +272,33 @@ def plot_curves(metrics_path: Path, out_png: Path) -> Path | None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tiller demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=150, help="GRPO steps")
+    parser.add_argument("--task", choices=("arithmetic", "shapes"), default="arithmetic",
+                        help="arithmetic (text, the default) or shapes (a tiny vision-language model counts red "
+                             "squares; see tiller/trainer/demo_shapes.py)")
+    parser.add_argument("--out", default=None, help="run directory (default: runs/demo, runs/demo-shapes)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: 150 arithmetic, 60 shapes)")
     parser.add_argument("--test-freq", type=int, default=25, help="validate every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a busy 2-core machine a second thread mostly spin-waits)")
     parser.add_argument("--model-params", type=int, default=2_000_000)
-    parser.add_argument("--warmup-target", type=float, default=0.4)
-    parser.add_argument("--train-size", type=int, default=4000)
+    parser.add_argument("--warmup-target", type=float, default=None, help="default: 0.4 arithmetic, 0.45 shapes")
+    parser.add_argument("--train-size", type=int, default=None, help="default: 4000 arithmetic, 2000 shapes")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached starter model")
+    parser.add_argument("--warmup-max-steps", type=int, default=1500, help="shapes: most supervised warm-up steps")
+    parser.add_argument("--val-size", type=int, default=256, help="shapes: held-out images")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
     args = parser.parse_args(argv)
+    shapes = args.task == "shapes"
+    defaults = dict(out="runs/demo-shapes" if shapes else "runs/demo", steps=60 if shapes else 150,
+                    warmup_target=0.45 if shapes else 0.4, train_size=2000 if shapes else 4000)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if shapes:
+        from tiller.trainer.demo_shapes import run_shapes_demo  # import cost: the vision-language path, this task only
+
+        return run_shapes_demo(args, cache_root(), plot_curves)
     return run_demo(args)
 
 

@@ -63,7 +63,8 @@ from tiller.data.seqlen import balanced_order
 from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
 from tiller.models.checkpoint import list_checkpoints, resolve_checkpoint
-from tiller.models.loading import load_tokenizer, model_config
+from tiller.models.loading import is_vision_checkpoint, load_tokenizer, model_config
+from tiller.models.vision import load_processor
 from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
@@ -132,12 +133,18 @@ class RLTrainer:
             from dataclasses import replace
 
             data = replace(data, return_raw_chat=True)
+        # a vision-language model's processor renders and encodes image prompts (rows with data.image_key)
+        self.processor = None
+        if is_vision_checkpoint(arr.model.path):
+            self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
+                                            trust_remote_code=arr.model.trust_remote_code)
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
-                                         require_ground_truth=rules)
+                                         require_ground_truth=rules, processor=self.processor)
         self.val_ds = None
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
-                                           what="data.val_files", require_ground_truth=rules)
+                                           what="data.val_files", require_ground_truth=rules,
+                                           processor=self.processor)
         # rule scoring: a ground truth of the wrong type for its scorer is refused here, or (count) scored 0 and counted
         self.count_bad_ground_truth = rules and rm_cfg.bad_ground_truth == "count"
         self.bad_ground_truth_total = 0
@@ -151,6 +158,9 @@ class RLTrainer:
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
+        if self.use_critic and self.processor is not None:
+            raise ConfigError("algorithm.adv_estimator=gae trains a critic, and a critic on a vision-language model "
+                              "is not supported yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
         self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
         self.prime = algo.adv_estimator == "prime"  # PRIME: an implicit PRM trained each step (algorithm.prime)
@@ -424,6 +434,9 @@ class RLTrainer:
         }
         if self.agent:
             fields["raw_prompt"] = [it.raw_prompt for it in items]
+        if any(it.multi_modal_inputs is not None for it in items):  # image prompts: pixels ride on each sample
+            fields["multi_modal_inputs"] = [it.multi_modal_inputs for it in items]
+            fields["images"] = [it.images for it in items]
         meta = {"sampling": sampling, "prompt_width": self.prompt_width, "response_width": self.response_width,
                 "temperature": self.cfg.actor_rollout_ref.rollout.temperature,
                 "global_step": self.global_step if step is None else step, "seed_chunks": self.rollout_seed_chunks,
@@ -548,7 +561,7 @@ class RLTrainer:
         requests = [
             RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
                           response=texts[i], ground_truth=batch["ground_truth"][i],
-                          extra_info=dict(batch["extra_info"][i] or {}), response_length=int(lengths[i]),
+                          extra_info=_with_images(batch, i), response_length=int(lengths[i]),
                           group=str(batch["uid"][i]))
             for i in range(len(batch))
         ]
@@ -896,3 +909,12 @@ def run(cfg: RLConfig) -> dict[str, float]:
     metrics = dict(metrics)
     metrics["wall_s"] = time.time() - start
     return metrics
+
+
+def _with_images(batch: Batch, i: int) -> dict:
+    """Row i's extra_info for the reward function; an image prompt's PIL images under "images" (verl passes a
+    row's images to custom reward functions the same way; rule scorers ignore the key)."""
+    extra = dict(batch["extra_info"][i] or {})
+    if "images" in batch and batch["images"][i] is not None:
+        extra.setdefault("images", list(batch["images"][i]))
+    return extra

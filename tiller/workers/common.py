@@ -24,6 +24,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
+from tiller.models.vision import mrope_position_ids
 
 BF16 = ("bfloat16", "bf16")
 
@@ -126,7 +127,7 @@ def split_long_responses(response_mask: torch.Tensor, min_saving: float = 0.2):
 
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                      response_mask: torch.Tensor, *, logits_to_keep: bool = False,
-                     share_prompts: bool = False) -> tuple[torch.Tensor, int]:
+                     share_prompts: bool = False, multi_modal=None) -> tuple[torch.Tensor, int]:
     """Run `model` on the trimmed micro-batch; returns (output tensor over the response slots, t_used).
     When a few rows have much longer responses than the rest (`split_long_responses`), they run as a second
     trimmed forward and the others' outputs are zero-padded to t_used (not under torch.distributed, where
@@ -139,22 +140,55 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     logits_to_keep: the model takes HF's `logits_to_keep` (causal LMs): the LM head runs on the response
         slots only, not on the prompt.
     share_prompts: the model is an HF model that takes `past_key_values`: rows with the same prompt (tokens
-        and padding) share one prompt forward (see `shared_prompt_forward`).
+        and padding, and images) share one prompt forward (see `shared_prompt_forward`).
+    multi_modal: per row None or {"pixel_values", "image_grid_thw"} (image prompts of a vision-language model):
+        the pixels go into the forward with the model's M-RoPE positions (`tiller.models.vision`).
     """
     split = None if dist_ctx.is_distributed() else split_long_responses(response_mask)
     if split is not None:
         outs = [_response_forward(model, input_ids[rows], attention_mask[rows], prompt_width, response_mask[rows],
-                                  logits_to_keep, share_prompts) for rows in split]
+                                  logits_to_keep, share_prompts, _rows(multi_modal, rows)) for rows in split]
         t_used = outs[1][1]
         short = torch.nn.functional.pad(outs[0][0], (0, 0, 0, t_used - outs[0][1]))
         order = torch.argsort(torch.cat(split))
         return torch.cat([short, outs[1][0]])[order], t_used
     return _response_forward(model, input_ids, attention_mask, prompt_width, response_mask, logits_to_keep,
-                             share_prompts)
+                             share_prompts, multi_modal)
+
+
+def _rows(multi_modal, rows: torch.Tensor):
+    return None if multi_modal is None else [multi_modal[i] for i in rows.tolist()]
+
+
+def _vision_kwargs(model, ids: torch.Tensor, mask: torch.Tensor, multi_modal) -> tuple[dict, torch.Tensor]:
+    """(pixel keywords, position ids) of a micro-batch: `pixel_values` / `image_grid_thw` of the rows with images
+    in row order and M-RoPE positions `[3, B, L]`; ({}, 2-D positions) for text."""
+    if multi_modal is None or all(m is None for m in multi_modal):
+        return {}, position_ids_from_mask(mask)
+    rows = [m for m in multi_modal if m is not None]
+    grid = torch.cat([m["image_grid_thw"] for m in rows]).to(ids.device)
+    pixels = torch.cat([m["pixel_values"] for m in rows]).to(ids.device)
+    return {"pixel_values": pixels, "image_grid_thw": grid}, mrope_position_ids(model, ids, mask, grid)
+
+
+def _image_keys(multi_modal, n: int, device) -> torch.Tensor:
+    """[n, 1] an id per distinct image set (0 = none), so rows with equal prompt tokens but other images differ."""
+    import hashlib
+
+    ids, table = [], {}
+    for m in multi_modal if multi_modal is not None else [None] * n:
+        if m is None:
+            ids.append(0)
+            continue
+        h = hashlib.blake2b(m["pixel_values"].float().numpy().tobytes(), digest_size=16)
+        h.update(m["image_grid_thw"].numpy().tobytes())
+        ids.append(table.setdefault(h.digest(), len(table) + 1))
+    return torch.tensor(ids, device=device).unsqueeze(1)
 
 
 def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                      response_mask: torch.Tensor, logits_to_keep: bool, share_prompts: bool) -> tuple[torch.Tensor, int]:
+                      response_mask: torch.Tensor, logits_to_keep: bool, share_prompts: bool,
+                      multi_modal=None) -> tuple[torch.Tensor, int]:
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
     # Under torch.distributed every rank must run the same number of forwards (FSDP2 all-gathers and DDP
@@ -165,21 +199,25 @@ def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     cut = right if lockstep and t_used == 1 else right - 1
     ids, mask = input_ids[:, left:cut], attention_mask[:, left:cut]
     p = prompt_width - left
+    vision, positions = _vision_kwargs(model, ids, mask, multi_modal)
     if share_prompts:
         prompt_key = torch.cat([ids[:, :p], mask[:, :p]], dim=1)
+        if vision:
+            prompt_key = torch.cat([prompt_key, _image_keys(multi_modal, len(ids), ids.device)], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
         if len(unique) < len(ids) or lockstep:
-            out = shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:], inverse,
-                                        logits_to_keep=logits_to_keep)
+            out = shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:2 * p], inverse,
+                                        logits_to_keep=logits_to_keep, position_ids=positions if vision else None,
+                                        multi_modal=multi_modal if vision else None)
             return out[:, :t_used], t_used
     kwargs = {"logits_to_keep": t_used} if logits_to_keep else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False,
-                **kwargs)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **vision, **kwargs)
     return out.logits[:, -t_used:], t_used  # the last t_used columns: P - 1 ... P + t_used - 2
 
 
 def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, prompt_ids: torch.Tensor,
-                          prompt_mask: torch.Tensor, inverse: torch.Tensor, logits_to_keep: bool = False) -> torch.Tensor:
+                          prompt_mask: torch.Tensor, inverse: torch.Tensor, logits_to_keep: bool = False,
+                          position_ids: torch.Tensor | None = None, multi_modal=None) -> torch.Tensor:
     """Outputs over the response slots with each distinct prompt run once (exact, differentiable).
 
     ids, mask: `[B, p + t - 1]` trimmed input (p prompt columns, left-padded, then t - 1 response columns).
@@ -189,6 +227,8 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
     KV cache expanded by `inverse` (an index-select, so the gradients of every sample flow back into the
     one prompt forward). Position ids continue from each prompt's length. The cache is passed in and filled
     in place, so models whose output does not return it (token classification) share prompts too.
+    Image prompts: `position_ids` `[3, B, p + t - 1]` (M-RoPE, of the whole rows) and `multi_modal` (per row);
+    the prompt forward takes the pixels of each distinct prompt's first row, the response forward none.
     """
     from transformers import DynamicCache
 
@@ -196,13 +236,23 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     keep = {"logits_to_keep": 1} if logits_to_keep else {}
     kw = cache_keyword(model) or "past_key_values"
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                **{kw: cache}, use_cache=True, **keep)
+    vision, prompt_pos, rest_pos = {}, position_ids_from_mask(prompt_mask), position_ids_from_mask(mask)[:, p:]
+    if position_ids is not None:
+        first_row = torch.full((len(prompt_ids),), len(inverse), dtype=torch.long, device=inverse.device)
+        first_row = first_row.scatter_reduce(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin")
+        firsts = [multi_modal[i] for i in first_row.tolist()]
+        with_images = [m for m in firsts if m is not None]
+        if with_images:
+            vision = {"pixel_values": torch.cat([m["pixel_values"] for m in with_images]).to(ids.device),
+                      "image_grid_thw": torch.cat([m["image_grid_thw"] for m in with_images]).to(ids.device)}
+        prompt_pos, rest_pos = position_ids[:, first_row, :p], position_ids[:, :, p:]
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
+                **{kw: cache}, use_cache=True, **keep, **vision)
     first = out.logits[:, -1:][inverse]  # [B, 1, V]
     if ids.shape[1] == p:  # one-token responses: nothing after the prompt
         return first
     cache.batch_select_indices(inverse)
-    rest = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, p:],
+    rest = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=rest_pos,
                  **{kw: cache}, use_cache=True).logits
     return torch.cat([first, rest], dim=1)
 

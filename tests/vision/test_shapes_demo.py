@@ -1,0 +1,56 @@
+"""The shapes task and `tiller demo --task shapes` (tiny run: it runs, scores, writes its files)."""
+
+import io
+import json
+
+import pytest
+
+from PIL import Image
+
+from tiller.tasks import shapes
+
+
+def _red_squares(png: bytes) -> int:
+    """Count red-filled cells of the 4x4 grid whose red pixels form a square (a circle leaves its corners empty)."""
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    px = img.load()
+    count = 0
+    for cy in range(4):
+        for cx in range(4):
+            red = [(x, y) for x in range(cx * 16, cx * 16 + 16) for y in range(cy * 16, cy * 16 + 16)
+                   if px[x, y] == shapes.COLORS["red"]]
+            if red:
+                xs, ys = [p[0] for p in red], [p[1] for p in red]
+                count += len(red) == (max(xs) - min(xs) + 1) * (max(ys) - min(ys) + 1)
+    return count
+
+
+def test_shapes_rows_are_counted_right_and_splits_are_disjoint():
+    splits = shapes.make_splits(n_train=64, n_test=32, seed=3)
+    for row in splits["train"][:20] + splits["test"][:10]:
+        assert _red_squares(row["images"][0]["bytes"]) == int(row["reward_model"]["ground_truth"])
+        assert row["prompt"][0]["content"] == shapes.QUESTION and row["data_source"] == "tiller/shapes"
+    train = {r["images"][0]["bytes"] for r in splits["train"]}
+    assert not train & {r["images"][0]["bytes"] for r in splits["test"]}
+    assert {int(r["reward_model"]["ground_truth"]) for r in splits["train"]} == {1, 2, 3, 4}
+    again = shapes.make_splits(n_train=64, n_test=32, seed=3)
+    assert [r["images"][0]["bytes"] for r in again["test"]] == [r["images"][0]["bytes"] for r in splits["test"]]
+
+
+@pytest.mark.slow
+def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch):
+    from tiller.cli import main
+
+    monkeypatch.setenv("TILLER_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["demo", "--task", "shapes", "--out", str(out), "--steps", "1", "--test-freq", "1",
+                 "--warmup-max-steps", "2", "--train-size", "32", "--val-size", "8",
+                 "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                 "algorithm.filter_groups.enable=false"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "shapes" and summary["rl_steps"] == 1 and summary["val_prompts"] == 8
+    assert 0.0 <= summary["val_acc_before"] <= 1.0 and 0.0 <= summary["val_acc_after"] <= 1.0
+    assert (out / "plots" / "demo_curves.png").exists()
+    warm = json.loads(next((tmp_path / "cache" / "demo").glob("shapes-starter-*/warmup.json")).read_text())
+    assert warm["steps"] == 2

@@ -1,0 +1,89 @@
+"""Tiny-VLM kit: a Qwen2-VL saved like a hub checkpoint, loaded back by transformers' own classes; image prompts."""
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from tiller.errors import DataError
+from tiller.models import load_causal_lm
+from tiller.models.vision import (
+    IMAGE_PAD, encode_image_prompt, is_vision_model, load_processor, mrope_position_ids, split_placeholders, to_pil,
+)
+
+
+def _png(color=(255, 0, 0), size=(64, 64)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_tiny_vlm_loads_like_a_hub_model(tiny_vlm_dir):
+    from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGeneration
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    assert isinstance(model, Qwen2VLForConditionalGeneration) and is_vision_model(model)
+    assert sum(p.numel() for p in model.parameters()) <= 2_000_000
+    assert type(load_causal_lm(tiny_vlm_dir)) is Qwen2VLForConditionalGeneration
+    proc = load_processor(tiny_vlm_dir)
+    assert proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD) == model.config.image_token_id
+    assert proc.image_processor.patch_size == model.config.vision_config.patch_size
+
+
+def test_image_prompt_expands_placeholders_per_merged_patch(tiny_vlm_dir):
+    proc = load_processor(tiny_vlm_dir)
+    msgs = split_placeholders([{"role": "user", "content": "<image>count <image>"}], 2, "row 0")
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text.count(IMAGE_PAD) == 2
+    ip = encode_image_prompt(proc, text, [to_pil(_png()), to_pil({"bytes": _png(size=(64, 64))})])
+    pad = proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    # 64x64 px at patch 8 -> 8x8 patches -> 16 tokens after the 2x2 merge, each image (min = max pixels = 64**2)
+    assert ip.image_grid_thw.tolist() == [[1, 8, 8], [1, 8, 8]]
+    assert ip.prompt_ids.count(pad) == 32
+    assert ip.pixel_values.shape == (128, 3 * 2 * 8 * 8)
+
+
+def test_official_processor_gives_the_same_ids(tiny_vlm_dir):
+    pytest.importorskip("torchvision")
+    from transformers import AutoProcessor
+
+    from tiller.models.vision import ImageTextProcessor
+
+    full, ours = AutoProcessor.from_pretrained(tiny_vlm_dir), load_processor(tiny_vlm_dir)
+    ours = ImageTextProcessor(full.image_processor, full.tokenizer)
+    text = "<|vision_start|><|image_pad|><|vision_end|>hi"
+    a = encode_image_prompt(full, text, [to_pil(_png())])
+    b = encode_image_prompt(ours, text, [to_pil(_png())])
+    assert a.prompt_ids == b.prompt_ids and torch.equal(a.pixel_values, b.pixel_values)
+
+
+def test_mrope_positions_follow_the_grid_and_left_padding(tiny_vlm_dir):
+    model = load_causal_lm(tiny_vlm_dir)
+    proc = load_processor(tiny_vlm_dir)
+    ip = encode_image_prompt(proc, "a<|vision_start|><|image_pad|><|vision_end|>b", [to_pil(_png(size=(64, 64)))])
+    n = len(ip.prompt_ids)
+    ids = torch.tensor([[0, 0] + ip.prompt_ids])
+    mask = torch.tensor([[0, 0] + [1] * n])
+    pos = mrope_position_ids(model, ids, mask, ip.image_grid_thw)
+    # "a", vision_start at 0, 1; the 4x4 merged grid starts at 2: t = 2, h = 2..5, w = 2..5; vision_end at 6
+    assert pos[:, 0, :4].tolist() == [[0, 0, 0, 1]] * 3
+    grid = pos[:, 0, 4:20]
+    assert grid[0].tolist() == [2] * 16
+    assert grid[1].tolist() == [2 + i // 4 for i in range(16)] and grid[2].tolist() == [2 + i % 4 for i in range(16)]
+    assert pos[:, 0, 20].tolist() == [6, 6, 6]
+
+
+@pytest.mark.parametrize("image, message", [
+    (b"not an image", "unreadable image"),
+    ({"path": "/nonexistent/x.png"}, "image file not found"),
+    ({"neither": 1}, "image entry has neither 'bytes' nor 'path'"),
+])
+def test_bad_images_name_the_row(image, message):
+    with pytest.raises(DataError, match=f"train.parquet row 3: {message}"):
+        to_pil(image, "train.parquet row 3")
+
+
+def test_placeholder_count_must_match_images():
+    with pytest.raises(DataError, match=r"row 7: the prompt has 1 image placeholder\(s\).*but the row has 2"):
+        split_placeholders([{"role": "user", "content": "<image> how many?"}], 2, "f.parquet row 7")

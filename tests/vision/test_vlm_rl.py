@@ -1,0 +1,127 @@
+"""GRPO end to end on the tiny VLM and the shapes task (verl keys): a step runs, weights change, the custom
+reward function sees the row's images, freeze_vision_tower keeps the vision tower fixed."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiller.config import load_config
+from tiller.errors import ConfigError
+from tiller.tasks import shapes
+
+REWARD_SRC = '''
+import json, os
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
+    images = extra_info["images"]
+    with open(os.environ["SHAPES_LOG"], "a") as fh:
+        fh.write(json.dumps({"n": len(images), "size": list(images[0].size)}) + "\\n")
+    return float(solution_str.strip().startswith(str(ground_truth)))
+'''
+
+
+@pytest.fixture(scope="module")
+def shapes_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    shapes.write_task(root, n_train=8, n_test=4, seed=0)
+    (root / "reward.py").write_text(REWARD_SRC)
+    return root
+
+
+def _cfg(run_dir, model_dir, data, *overrides):
+    return load_config([
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data / 'train.parquet'}]",
+        "data.image_key=images", "data.train_batch_size=2", "data.max_prompt_length=64",
+        "data.max_response_length=4", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.rollout.dtype=float32", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
+        "trainer.save_freq=-1", f"trainer.default_local_dir={run_dir}", *overrides])
+
+
+def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir, shapes_data, monkeypatch):
+    from tiller.trainer.rl import RLTrainer
+
+    log = tmp_path / "reward.log"
+    monkeypatch.setenv("SHAPES_LOG", str(log))
+    cfg = _cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.actor.freeze_vision_tower=true",
+               "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={shapes_data / 'reward.py'}")
+    trainer = RLTrainer(cfg)
+    try:
+        before = trainer.actor.execute("state_dict")
+        trainer.fit()
+        after = trainer.actor.execute("state_dict")
+    finally:
+        trainer.shutdown()
+    lm = [k for k in before if "language_model" in k]
+    vision = [k for k in before if ".visual." in k]
+    assert lm and vision
+    assert any(not torch.equal(before[k], after[k]) for k in lm)
+    assert all(torch.equal(before[k], after[k]) for k in vision)
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(seen) == 2 * 4 and all(s == {"n": 1, "size": [64, 64]} for s in seen)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("actor/pg_loss" in json.dumps(m) for m in metrics)
+
+
+def test_vlm_refuses_engines_without_image_prompts(tmp_path, tiny_vlm_dir, shapes_data):
+    from tiller.trainer.rl import RLTrainer
+
+    with pytest.raises(ConfigError, match="rollout.name=native: image prompts .* set actor_rollout_ref.rollout.name=hf"):
+        RLTrainer(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.rollout.name=native"))
+
+
+def test_freeze_vision_tower_needs_a_vision_model(tmp_path, tiny_model_dir, shapes_data):
+    from tiller.trainer.rl import RLTrainer
+
+    from tiller.errors import DataError
+
+    with pytest.raises((ConfigError, DataError), match="freeze_vision_tower=True but the model|not a vision-language"):
+        RLTrainer(_cfg(tmp_path / "run", tiny_model_dir, shapes_data, "actor_rollout_ref.actor.freeze_vision_tower=true"))
+
+
+def test_openrlhf_vlm_flags_translate():
+    from tiller.openrlhf.cli import resolve
+
+    argv = ["train_ppo_ray", "--actor.model_name_or_path", "Qwen/Qwen2.5-VL-3B-Instruct",
+            "--data.prompt_dataset", "geo3k.parquet", "--data.input_key", "prompt", "--data.image_key", "images",
+            "--data.max_images_per_prompt", "1", "--actor.freeze_visual_encoder",
+            "--reward.remote_url", "http://rm:5000/get_reward"]
+    cfg = resolve(argv)[2]
+    assert cfg.data.image_key == "images" and cfg.actor_rollout_ref.actor.freeze_vision_tower is True
+    plain = [a for a in argv if a != "--actor.freeze_visual_encoder"]
+    assert resolve(plain)[2].actor_rollout_ref.actor.freeze_vision_tower is False
+
+
+SCRIPT = Path(__file__).parents[1] / "data" / "verl_scripts" / "grpo_qwen2_5_vl_geo3k.txt"
+
+
+@pytest.mark.slow
+def test_verls_qwen2_5_vl_script_runs_on_the_tiny_vlm(tmp_path, tiny_vlm_dir, shapes_data):
+    """verl's run_qwen2_5_vl_7b_fsdp.sh overrides, paths pointed at the tiny VLM and shapes data (verl's schema),
+    INFER_BACKEND=hf, and sizes cut for a CPU (batch, response length, one step, no wandb)."""
+    from tiller.trainer.rl import RLTrainer
+
+    lines = [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
+    paths = {"actor_rollout_ref.model.path": str(tiny_vlm_dir),
+             "data.train_files": str(shapes_data / "train.parquet"), "data.val_files": str(shapes_data / "test.parquet"),
+             "actor_rollout_ref.rollout.name": "hf"}
+    args = [f"{k}={paths[k]}" if (k := line.split("=", 1)[0]) in paths else line for line in lines]
+    args += ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=4",
+             "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+             "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable"]
+    trainer = RLTrainer(load_config(args))
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert trainer.global_step == 1
+
+
+def test_a_critic_on_a_vlm_is_refused(tmp_path, tiny_vlm_dir, shapes_data):
+    from tiller.trainer.rl import RLTrainer
+
+    with pytest.raises(ConfigError, match="adv_estimator=gae trains a critic, and a critic on a vision-language"):
+        RLTrainer(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "algorithm.adv_estimator=gae"))
