@@ -108,8 +108,9 @@ ALL_RUNS += [("loss", m) for m in POLICY_LOSSES]
 @pytest.mark.parametrize("kind,name", ALL_RUNS)
 def test_every_estimator_and_loss_mode_runs(tmp_path, tiny_model_dir, rl_data, kind, name):
     key = "algorithm.adv_estimator" if kind == "adv" else "actor_rollout_ref.actor.policy_loss.loss_mode"
+    extra = ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if name == "dro" else []  # verl 0.10: no default
     cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, f"{key}={name}", "trainer.total_training_steps=1",
-                   "actor_rollout_ref.actor.ppo_epochs=2", "trainer.save_freq=100", "data.val_files=[]")
+                   "actor_rollout_ref.actor.ppo_epochs=2", "trainer.save_freq=100", "data.val_files=[]", *extra)
     metrics, changed, _ = _train(cfg)
     assert changed
     _finite(metrics)
