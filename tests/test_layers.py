@@ -27,10 +27,7 @@ LAYER = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1
 
 # module cycles not yet broken, each with why: {frozenset of modules: reason}
-KNOWN_MODULE_CYCLES = {
-    frozenset({"tiller.data.rl_dataset", "tiller.data.sources"}):
-        "read_rows / write_rows (file I/O) move below sources.py once the parquet-reader errors of issue 40 land",
-}
+KNOWN_MODULE_CYCLES: dict = {}
 
 
 def _floor(i: int) -> str:

@@ -1,6 +1,6 @@
 """SFT datasets: prompt / response pairs or chat conversations, tokenized with a loss mask.
 
-Two row formats (parquet or JSONL; `tiller.data.rl_dataset.read_rows` reads both):
+Two row formats (parquet or JSONL; `tiller.data.files.read_rows` reads both):
 
 - prompt / response (verl's `SFTDataset`, `data.prompt_key` / `data.response_key`; OpenRLHF's
   `input_key` / `output_key` are accepted as aliases). The prompt is a string or a list of chat

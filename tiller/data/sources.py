@@ -1,7 +1,7 @@
 """Data sources as OpenRLHF names them: files, dataset dirs or hub names, blended with sampling probabilities.
 
 `load_sources(sources, split, probs=None, seed=42, max_per_source=-1) -> [(where, row), ...]`:
-- a source is a local `.parquet` / `.jsonl` / `.json` file (read by `tiller.data.rl_dataset.read_rows`; a file is
+- a source is a local `.parquet` / `.jsonl` / `.json` file (read by `tiller.data.files.read_rows`; a file is
   one split, read whole), or a dataset dir / a dataset name, read with `datasets.load_dataset(name)` (offline it
   reads the local Hugging Face cache) and then `split` (OpenRLHF's `--dataset_split`); `name@subdir` gives
   `data_dir` as OpenRLHF does. Without `datasets` installed, or when the dataset cannot be loaded, one
@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tiller.data.files import read_rows
 from tiller.errors import ConfigError, DataError
 
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -33,8 +34,6 @@ def _is_file_source(source: str) -> bool:
 
 def read_source(source: str, split: str = "train") -> list[dict]:
     """Rows of one source (see the module docstring)."""
-    from tiller.data.rl_dataset import read_rows  # a cycle: tiller.data.rl_dataset imports this module
-
     if _is_file_source(source):
         return read_rows(source)
     name, _, data_dir = source.partition("@")
