@@ -159,6 +159,8 @@ def test_ctrl_c_stops_while_user_code_hangs(kind):
     threading.Thread(target=interrupt, daemon=True).start()
     threading.Thread(target=watchdog, daemon=True).start()
     samples = [{"prompt_text": "1+1=", "prompt_ids": [1, 2]}] * 2
+    # Python's own Ctrl-C handler, as in a terminal (a shell starts background jobs with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             if kind == "agent":
@@ -166,6 +168,7 @@ def test_ctrl_c_stops_while_user_code_hangs(kind):
             else:
                 run_env_episodes(_Engine(), _Tokenizer(), Env, samples, SamplingParams(max_new_tokens=1))
     finally:
+        signal.signal(signal.SIGINT, previous)
         returned.set()
         release.set()
     assert started.is_set() and not watchdog_released, "the run waited for the hanging call"
