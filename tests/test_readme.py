@@ -140,7 +140,7 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
     if cmd.startswith("tiller eval"):
         few = " data.val_max_samples=16" if "runs/demo/data/" in cmd else ""  # 16 of the demo's 256 prompts
         return cmd.replace("DIR", "tiny") + " data.max_response_length=8" + few, "tiny model, 8 tokens"
-    if cmd.startswith("tiller serve "):  # a trailing `&` (the README backgrounds it): _run_server does that
+    if cmd.startswith("tiller serve "):  # a trailing `&` (the README backgrounds it): assert_server_answers does that
         cmd = cmd.removesuffix("&").rstrip()
         return cmd.replace("DIR", "tiny").replace("--port 8000", f"--port {port}"), "tiny model, a free port"
     if cmd.startswith("python examples/demo_model.py"):  # repo-relative; 16 of the 256 prompts
@@ -277,7 +277,7 @@ def _env(ws: Path) -> dict:
     return env
 
 
-def _run_server(cmd: str, ws: Path, port: int, then: str | None = None) -> None:
+def assert_server_answers(cmd: str, ws: Path, port: int, then: str | None = None) -> None:
     """Start `tiller serve`, wait for /health, ask for one completion (and run `then`, a client), stop it."""
     proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=ws, env=_env(ws), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -299,7 +299,7 @@ def _run_server(cmd: str, ws: Path, port: int, then: str | None = None) -> None:
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200 and json.loads(r.read())["choices"]
         if then is not None:
-            _run(then, ws)
+            assert_command_succeeds(then, ws)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -308,7 +308,7 @@ def _run_server(cmd: str, ws: Path, port: int, then: str | None = None) -> None:
 COMMANDS = all_commands()
 
 
-def _run(cmd: str, ws: Path) -> None:
+def assert_command_succeeds(cmd: str, ws: Path) -> None:
     proc = subprocess.run(["bash", "-c", cmd], cwd=ws, env=_env(ws), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"README command failed ({proc.returncode}):\n  {cmd}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -356,13 +356,13 @@ def test_readme_command_runs(index, workspace, artifacts):
     cmd, _how = adapted
     artifacts.provide(cmd, workspace)
     if cmd.startswith("tiller serve "):
-        _run_server(cmd, workspace, port)
+        assert_server_answers(cmd, workspace, port)
     elif cmd.startswith(f"python {ROOT}/examples/demo_model.py openai"):  # needs the README's server running
         server, _ = adapt(next(c for _, c in COMMANDS if c.startswith(SERVES_DEMO)), port)
         artifacts.provide(server, workspace)
-        _run_server(server, workspace, port, then=cmd)
+        assert_server_answers(server, workspace, port, then=cmd)
     else:
-        _run(cmd, workspace)
+        assert_command_succeeds(cmd, workspace)
     for path, (_, prefix) in ARTIFACTS.items():  # a making command run in full: later readers copy its output
         if command.startswith(prefix) and path not in artifacts.made and (workspace / path).exists():
             artifacts.made[path] = workspace / path
