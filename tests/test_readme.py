@@ -338,7 +338,7 @@ def test_quick_start_install_matches_ci():
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -q torch==2.13.0 -e ".[test]"' in ci
     test_line = readme_commands()[1]
-    assert test_line == 'python -m pytest -q -m "not slow"' and 'python -m pytest -q -m "not slow"' in ci
+    assert test_line == 'python -m pytest -q -m "not slow" -n 2' and 'python -m pytest -q -m "not slow" -n 2' in ci
 
 
 def _id(page: str, cmd: str) -> str:

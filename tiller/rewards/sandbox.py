@@ -574,8 +574,10 @@ def _init_config(mode: str, limits: SandboxLimits, uid: int | None, fds: dict[st
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process whose real uid is `uid` (children that left the process group)."""
-    for _ in range(3):
+    """SIGKILL every process whose real uid is `uid` (children that left the process group), and wait (up to
+    5 s) until none is left alive: a killed process lingers until the kernel runs it, longer on a loaded host."""
+    deadline = time.monotonic() + 5.0
+    while True:
         found = False
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
@@ -590,7 +592,7 @@ def _kill_uid(uid: int) -> None:
                     os.kill(int(entry), signal.SIGKILL)
             except (OSError, KeyError, ValueError):
                 continue
-        if not found:
+        if not found or time.monotonic() > deadline:
             return
         time.sleep(0.01)
 
