@@ -278,5 +278,5 @@ def test_openrlhf_example_scripts_dry_run(capsys, tmp_path, monkeypatch, name, e
 
 def test_example_counts():
     kinds = [e[1] for e in examples()]
-    assert len(kinds) == 22 and sum(k == "ok" for k in kinds) == 17
-    assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 8  # dotted ones
+    assert len(kinds) == 23 and sum(k == "ok" for k in kinds) == 18
+    assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 9  # dotted ones

