@@ -190,7 +190,7 @@ def _offline(a: Args, job: str, notices: list[str]) -> tuple[dict, dict]:
     o["model.enable_gradient_checkpointing"] = bool(a("gradient_checkpointing"))
     _lora(a, o, "model", dropout_key="model.lora_dropout")
     _tracking(a, o, env, "trainer.max_ckpt_to_keep")
-    stage = a("zero_stage")
+    stage = a("zero_stage", 3)  # OpenRLHF's FSDP2 backend (--fsdp.*) has no ZeRO stage: it shards like stage 3
     if stage not in (0, 1, 2, 3):
         raise a.refuse("zero_stage", "ZeRO stages are 0-3")
     o["trainer.strategy"] = "ddp" if stage < 2 else "fsdp"
