@@ -24,7 +24,7 @@ rule the other engines use. Seeds: prompt i of a call seeded s samples with vLLM
 s + i n + n - 1 (vLLM gives a request's j-th sample seed + j), so no two samples share a random stream; a
 call with `seed=None` uses the engine's `seed` plus a call counter. vLLM is imported only when this engine
 is built. bf16 on a CPU without fast bf16 matmuls falls back to fp32 (`dtype_fallback`), as the
-in-process engines do.
+in-process engines do. Vision-language models are refused before vLLM is imported (`VLM_REFUSED` says why).
 """
 
 from __future__ import annotations
