@@ -25,9 +25,9 @@ def test_rl_with_rollout_vllm_on_a_vlm_is_a_config_error(tmp_path, tiny_vlm_dir)
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_vlm_dir}", f"data.train_files=[{paths['train']}]",
                        "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=4",
                        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                       "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1", "trainer.val_before_train=false",
-                       "trainer.logger=[jsonl]",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1",
+                       "trainer.val_before_train=false", "trainer.logger=[jsonl]",
                        f"trainer.default_local_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.rollout.name=vllm: image prompts .*torchvision.*"
                                           r"set actor_rollout_ref.rollout.name=hf$"):
