@@ -5,7 +5,9 @@
 
 Each `parser.add_argument(...)` call of `openrlhf/cli/train_{sft,rm,dpo,kto,ppo_ray}.py` is rebuilt on a real
 argparse parser (ast, no OpenRLHF import), at tag v0.8.9.post1 (flat names, the last release with train_kto)
-and at v0.11.0 (dotted names); names, dest, action, nargs, type, default and choices are written out.
+and at v0.11.0 (dotted names; also OpenRLHF's main as of 2026-08-13, 3c3be623), and at the FSDP2 / AutoModel
+backend's `--fsdp.*` option set of the unmerged `automodel` branch (commit c37c32d7, 2026-05-02: `--ds.*` replaced
+by `--fsdp.*`); names, dest, action, nargs, type, default and choices are written out.
 """
 import argparse, ast, json, subprocess, sys
 
@@ -47,6 +49,9 @@ def dump(tag):
   return res
 
 
+FSDP_COMMIT = "c37c32d72446cb4d3ec4fb23d2277a5dc45d8c7f"  # OpenRLHF branch `automodel`: the FSDP2 backend
+
+
 RUN_NAME = {"train_sft": "sft_%m%dT%H:%M", "train_rm": "rm_%m%dT%H:%M", "train_dpo": "exp_%m%dT%H:%M",
             "train_kto": "rm_%m%dT%H:%M", "train_ppo_ray": "ppo_%m%dT%H:%M"}
 
@@ -70,7 +75,7 @@ if __name__ == "__main__":
     print('"""')
     print()
     print("# fmt: off")
-    for var, tag in (("FLAT", "v0.8.9.post1"), ("DOTTED", "v0.11.0")):
+    for var, tag in (("FLAT", "v0.8.9.post1"), ("DOTTED", "v0.11.0"), ("FSDP", FSDP_COMMIT)):
         print(f"{var}_TAG = {tag!r}")
         print(f"{var} = {{")
         for job, opts in dump(tag).items():

@@ -254,7 +254,7 @@ def test_python_m_entry_point(tmp_path):
 def examples() -> list[tuple[str, str, list[str]]]:
     out, name, expect = [], "", ""
     for line in EXAMPLES.read_text().splitlines():
-        if line.startswith("# v"):
+        if line.startswith(("# v", "# automodel@")):
             name = line[2:]
         elif line.startswith("# expect: "):
             expect = line[len("# expect: "):]
@@ -278,5 +278,7 @@ def test_openrlhf_example_scripts_dry_run(capsys, tmp_path, monkeypatch, name, e
 
 def test_example_counts():
     kinds = [e[1] for e in examples()]
-    assert len(kinds) == 22 and sum(k == "ok" for k in kinds) == 17
-    assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 8  # dotted ones
+    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 23
+    assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 18  # dotted ones
+    fsdp = [e for e in examples() if e[0].startswith("automodel@")]  # OpenRLHF's FSDP2 backend branch
+    assert len(fsdp) == 9 and all(any(t.startswith("--fsdp.") for t in e[2]) for e in fsdp)

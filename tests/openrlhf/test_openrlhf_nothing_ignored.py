@@ -1,4 +1,4 @@
-"""Nothing is ignored silently: for every option of every job (flat and dotted), given with a value other than
+"""Nothing is ignored silently: for every option of every job (flat, dotted and FSDP), given with a value other than
 OpenRLHF's default, the translation changes the resolved config, prints a notice, or stops with a clear error."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ BASE = {
                                   "--data.prompt_dataset", "p.jsonl", "--rollout.n_samples_per_prompt", "2",
                                   "--eval.dataset", "e.jsonl", "--eval.steps", "2"],
 }
+BASE.update({("fsdp", job): [*argv, "--fsdp.param_dtype", "bf16"] for (version, job), argv in list(BASE.items())
+             if version == "dotted"})  # one --fsdp.* flag selects the FSDP2 backend's option set
 # a value other than the default where a generic one does not fit
 SPECIAL = {
     "input_key": ["q"], "output_key": ["b"], "label_key": ["lab"], "prompt_key": ["p"], "chosen_key": ["c"],
@@ -33,7 +35,7 @@ SPECIAL = {
     "reward_pretrain": ["rm"], "remote_rm_url": ["r.py"], "critic_pretrain": ["crit"], "ref_pretrain": ["ref"],
     "lr_scheduler": ["cosine"], "critic.lr_scheduler": ["cosine"], "loss": ["logexp"],
     "advantage_estimator": ["rloo"], "kl_estimator": ["k2"], "policy_loss_type": ["gspo"], "target_modules": ["q_proj"],
-    "wandb_run_name": ["run1"], "ds.param_dtype": ["fp16"], "optim": ["muon"],
+    "wandb_run_name": ["run1"], "ds.param_dtype": ["fp16"], "fsdp.attn_implementation": ["sdpa"], "optim": ["muon"],
     "algo.advantage.is_correction_type": ["icepop"], "train_batch_size": ["64"], "micro_train_batch_size": ["2"],
     "rollout_batch_size": ["16"], "n_samples_per_prompt": ["4"], "eps_clip_low_high": ["0.2", "0.3"],
     "dynamic_filtering_reward_range": ["0", "0.5"], "reward_clip_range": ["-3", "3"], "adam_betas": ["0.9", "0.99"],
@@ -65,13 +67,15 @@ def _value(name: str, row: str, dest_default, action, nargs, type_name) -> list[
 def cases():
     index = flag_index()
     out = []
-    for version, table in (("flat", spec.FLAT), ("dotted", spec.DOTTED)):
+    for version, table in (("flat", spec.FLAT), ("dotted", spec.DOTTED), ("fsdp", spec.FSDP)):
         for job, opts in table.items():
             for names, _dest, action, nargs, type_name, default, _choices in opts:
                 name = names[0][2:]
                 row = index[name]
                 if action == "StoreTrue" and default is True:
                     continue  # given = its default (muon.nesterov): nothing to change
+                if version == "fsdp" and names in {n for n, *_ in spec.DOTTED[job]}:
+                    continue  # the same option as in the dotted set (checked there)
                 out.append(pytest.param(version, job, names[0], row.name, row.for_job(job)[0],
                                         _value(name, row.name, default, action, nargs, type_name),
                                         id=f"{version}-{job}-{name}"))

@@ -57,17 +57,17 @@ def test_every_fact_sheet_flag_is_classified(job):
         assert kind in (MAPPED, HINT, REFUSED) and len(text) >= 5, (job, flag)
 
 
-def test_every_option_of_both_versions_has_exactly_one_row():
+def test_every_option_of_every_version_has_exactly_one_row():
     index = _index()
     used = set()
-    for version in (spec.FLAT, spec.DOTTED):
+    for version in (spec.FLAT, spec.DOTTED, spec.FSDP):
         for job, opts in version.items():
             for names, *_ in opts:
                 assert len(names) == 1
                 assert names[0][2:] in index, f"{job}: {names[0]} is not classified"
                 used.add(index[names[0][2:]].name)
     assert used == {row.name for row in TABLE}, "a table row matches no OpenRLHF option"
-    assert set(spec.DOTTED) == set(JOB_LETTER) - {"train_kto"}  # OpenRLHF 0.10+ dropped train_kto
+    assert set(spec.DOTTED) == set(spec.FSDP) == set(JOB_LETTER) - {"train_kto"}  # 0.10+ dropped train_kto
 
 
 def test_table_examples_from_the_issue():
@@ -92,7 +92,7 @@ def counts() -> dict[str, dict[str, int]]:
     out = {}
     for job in JOB_LETTER:
         rows = {index[names[0][2:]].name: index[names[0][2:]]
-                for version in (spec.FLAT, spec.DOTTED) for names, *_ in version.get(job, [])}
+                for version in (spec.FLAT, spec.DOTTED, spec.FSDP) for names, *_ in version.get(job, [])}
         out[job] = {k: sum(1 for r in rows.values() if r.for_job(job)[0] == k) for k in (MAPPED, HINT, REFUSED)}
     return out
 

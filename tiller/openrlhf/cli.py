@@ -5,7 +5,8 @@
     python -m tiller.openrlhf.train_ppo_ray --pretrain ./tiny --remote_rm_url reward.py ...
 
 JOB is train_sft | train_rm | train_dpo | train_kto | train_ppo_ray (the tiller jobs sft, rm, dpo, kto, rl).
-Flat 0.8.x flags and dotted 0.10+ flags (`--train.batch_size`) both work. `--dry-run` prints the resolved
+Flat 0.8.x flags, dotted 0.10+ flags (`--train.batch_size`) and the FSDP2 backend's `--fsdp.*` flags
+(OpenRLHF's `automodel` branch) all work. `--dry-run` prints the resolved
 tiller config, the equivalent `tiller JOB key=value ...` command and the notices, and exits 0 without loading
 a model or data or creating a directory. `--help` after the job prints the flag table. Bare `key=value`
 tokens are tiller overrides applied last (e.g. `trainer.device=cuda`).
@@ -69,10 +70,10 @@ def resolve(argv: list[str]):
 
 
 def flag_table(job: str) -> str:
-    """The classification of every flag of `job` (flat and dotted spellings), as `--help` prints it."""
+    """The classification of every flag of `job` (flat, dotted and FSDP spellings), as `--help` prints it."""
     index = flag_index()
     rows: dict[str, list[str]] = {}
-    for version in ("flat", "dotted"):
+    for version in ("flat", "dotted", "fsdp"):
         try:
             opts = options(job, version)
         except ConfigError:

@@ -1,9 +1,10 @@
 """Parse an OpenRLHF command line exactly as OpenRLHF's argparse would, from `tiller.openrlhf.spec`.
 
 `parse_command(argv)` strips a launcher prefix (`deepspeed --module openrlhf.cli.train_sft`, `ray job submit ...
--- python3 -m openrlhf.cli.train_ppo_ray`, `torchrun ... -m ...`), finds the job, picks the flat (0.8.x) or dotted
-(0.10+) option set (a dotted option name anywhere means dotted), and parses with `allow_abbrev=True` as OpenRLHF
-does. Bare `key=value` tokens are tiller overrides applied after the translation.
+-- python3 -m openrlhf.cli.train_ppo_ray`, `torchrun ... -m ...`), finds the job, picks the flat (0.8.x), dotted
+(0.10+) or FSDP option set (a dotted option name anywhere means dotted; an `--fsdp.` one means the FSDP2 backend's
+set, OpenRLHF's `automodel` branch, where `--fsdp.*` replaced `--ds.*`), and parses with `allow_abbrev=True` as
+OpenRLHF does. Bare `key=value` tokens are tiller overrides applied after the translation.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Command:
     """A parsed OpenRLHF command line."""
 
     job: str
-    version: str  # "flat" | "dotted"
+    version: str  # "flat" | "dotted" | "fsdp"
     values: dict[str, Any]  # row name -> value (given or OpenRLHF's default)
     defaults: dict[str, Any]  # row name -> OpenRLHF's default
     spelled: dict[str, str]  # row name -> the option string of this version ("--train.batch_size")
@@ -47,8 +48,8 @@ class Command:
 
 
 def options(job: str, version: str) -> list[tuple]:
-    """OpenRLHF's option rows for `job` in `version` (flat | dotted)."""
-    table = spec.FLAT if version == "flat" else spec.DOTTED
+    """OpenRLHF's option rows for `job` in `version` (flat | dotted | fsdp)."""
+    table = {"flat": spec.FLAT, "dotted": spec.DOTTED, "fsdp": spec.FSDP}[version]
     if job not in table:
         raise ConfigError(f"OpenRLHF {spec.DOTTED_TAG} has no {job}; use its 0.8.x flat flags "
                           f"(--pretrain, --dataset, ...) for {job}")
@@ -66,10 +67,10 @@ def split_job(argv: list[str]) -> tuple[str, list[str], list[str]]:
 
 
 def detect_version(args: list[str]) -> str:
-    for token in args:
-        if token.startswith("--") and "." in token[2:].split("=", 1)[0]:
-            return "dotted"
-    return "flat"
+    names = [t[2:].split("=", 1)[0] for t in args if t.startswith("--")]
+    if any(n.startswith("fsdp.") for n in names):
+        return "fsdp"
+    return "dotted" if any("." in n for n in names) else "flat"
 
 
 def _parser(job: str, version: str) -> argparse.ArgumentParser:
@@ -101,7 +102,11 @@ def parse_command(argv: list[str]) -> Command:
         ns, unknown = parser.parse_known_args(flags)
     except argparse.ArgumentError as err:
         raise ConfigError(f"{job}: {err}") from None
-    if unknown and version == "dotted" and job in spec.FLAT:
+    if unknown and version == "fsdp" and any(t.startswith("--ds.") for t in unknown):
+        raise ConfigError(f"{job}: the command line mixes --fsdp.* flags (OpenRLHF's FSDP2 backend) with --ds.* ones "
+                          f"(its DeepSpeed backend: {' '.join(t for t in unknown if t.startswith('--ds.'))}); "
+                          "OpenRLHF takes one backend's flags: use one")
+    if unknown and version != "flat" and job in spec.FLAT:
         flat = {names[0] for names, *_ in spec.FLAT[job]}
         mixed = [t.split("=", 1)[0] for t in unknown if t.split("=", 1)[0] in flat]
         if mixed:

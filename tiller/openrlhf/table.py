@@ -37,6 +37,7 @@ def _f(name: str, kind: str, text: str, *dotted: str, **jobs: tuple[str, str]) -
 
 
 _DS = "DeepSpeed setting: tiller trains in one process (no DeepSpeed); "
+_FSDP = "FSDP2 backend setting: tiller shards with FSDP2 (RL: trainer.backend=ray; SFT / RM / DPO: torchrun); "
 _GPUS = "a Ray / GPU placement setting: tiller runs every role in this process (trainer.backend=local)"
 _VLLM = "a vLLM engine setting: tiller samples with its rollout engine (actor_rollout_ref.rollout.name, native on CPU)"
 
@@ -53,7 +54,7 @@ TABLE: tuple[Flag, ...] = (
        "file: custom_reward_function.path, name=reward_func, reward_model.reward_manager=openrlhf",
        "reward.remote_url"),
     _f("value_head_prefix", REFUSED, "tiller's reward / value heads are transformers' `score` head only",
-       "ds.value_head_prefix"),
+       "ds.value_head_prefix", "fsdp.value_head_prefix"),
     _f("agent_func_path", REFUSED, "OpenRLHF agent functions are not supported: use tiller's multi-turn tool "
        "rollouts (actor_rollout_ref.rollout.multi_turn)", "train.agent_func_path"),
     # ------------------------------------------------------------------ data
@@ -156,28 +157,34 @@ TABLE: tuple[Flag, ...] = (
        "critic.muon.nesterov"),
     _f("muon.no_nesterov", REFUSED, "Muon is not available (AdamW only)", "actor.muon.no_nesterov",
        "critic.muon.no_nesterov"),
+    _f("muon.weight_decay", REFUSED, "Muon is not available (AdamW only)", "actor.muon.weight_decay",
+       "critic.muon.weight_decay"),
     _f("aux_loss_coef", REFUSED, "no MoE router load-balancing loss in tiller", "model.aux_loss_coef",
        "actor.aux_loss_coef"),
     # ------------------------------------------------------------------ precision, memory, kernels
     _f("bf16", MAPPED, "optim.dtype / actor.dtype / critic.dtype = bfloat16 (else float32)"),
     _f("ds.param_dtype", MAPPED, "optim.dtype / actor.dtype / critic.dtype: bf16 -> bfloat16, fp32 -> float32 "
-       "(OpenRLHF 0.10+'s default bf16)"),
+       "(OpenRLHF 0.10+'s default bf16)", "fsdp.param_dtype"),
     _f("flash_attn", HINT, "tiller loads models with transformers' default attention (sdpa)"),
-    _f("ds.attn_implementation", HINT, "tiller loads models with transformers' default attention (sdpa)"),
+    _f("ds.attn_implementation", HINT, "tiller loads models with transformers' default attention (sdpa)",
+       "fsdp.attn_implementation"),
     _f("ds.experts_implementation", HINT, "tiller loads MoE models with transformers' default experts code"),
     _f("gradient_checkpointing", MAPPED, "model.enable_gradient_checkpointing (PPO: actor_rollout_ref.model.)",
        "model.gradient_checkpointing_enable", "actor.gradient_checkpointing_enable"),
     _f("gradient_checkpointing_use_reentrant", HINT, "tiller uses transformers' default (non-reentrant) "
        "checkpointing", "model.gradient_checkpointing_reentrant", "actor.gradient_checkpointing_reentrant"),
     _f("packing_samples", MAPPED, "SFT: data.packing=True; RM / DPO / PPO: notice (tiller pads and trims each "
-       "micro-batch)", "ds.packing_samples"),
-    _f("use_liger_kernel", HINT, "tiller uses its own chunked log-prob / entropy kernels", "ds.use_liger_kernel"),
+       "micro-batch)", "ds.packing_samples", "fsdp.packing_samples"),
+    _f("fsdp.no_packing_samples", HINT, "packing off: tiller pads and trims each micro-batch unless packing is on "
+       "(SFT: data.packing)"),
+    _f("use_liger_kernel", HINT, "tiller uses its own chunked log-prob / entropy kernels", "ds.use_liger_kernel",
+       "fsdp.use_liger_kernel"),
     _f("load_in_4bit", REFUSED, "4-bit (QLoRA) loading is not supported", "ds.load_in_4bit"),
-    _f("lora_rank", MAPPED, "model.lora_rank", "ds.lora.rank"),
-    _f("lora_alpha", MAPPED, "model.lora_alpha", "ds.lora.alpha"),
-    _f("target_modules", MAPPED, "model.target_modules", "ds.lora.target_modules"),
+    _f("lora_rank", MAPPED, "model.lora_rank", "ds.lora.rank", "fsdp.lora.rank"),
+    _f("lora_alpha", MAPPED, "model.lora_alpha", "ds.lora.alpha", "fsdp.lora.alpha"),
+    _f("target_modules", MAPPED, "model.target_modules", "ds.lora.target_modules", "fsdp.lora.target_modules"),
     _f("lora_dropout", MAPPED, "model.lora_dropout (PPO: refused when not 0: the RL actor's LoRA has no dropout)",
-       "ds.lora.dropout"),
+       "ds.lora.dropout", "fsdp.lora.dropout"),
     _f("zero_stage", MAPPED, "trainer.strategy: 0 / 1 -> ddp, 2 / 3 -> fsdp (FSDP2), used when the job runs under "
        "torchrun --nproc_per_node N", "ds.zero_stage",
        P=(HINT, _DS + "tiller's RL workers shard with FSDP2 on Ray (trainer.backend=ray, actor strategy fsdp)")),
@@ -192,7 +199,16 @@ TABLE: tuple[Flag, ...] = (
        "ds.ring_attn_head_stride"),
     _f("local_rank", HINT, "set by the deepspeed launcher; tiller runs one process", "local_rank"),
     _f("deepspeed_enable_sleep", HINT, "tiller's in-process engines share the actor's weights (nothing to "
-       "offload while sampling)", "ds.enable_sleep"),
+       "offload while sampling)", "ds.enable_sleep", "fsdp.enable_sleep"),
+    # the FSDP2 / AutoModel backend's own flags (OpenRLHF's `automodel` branch; the rest alias the --ds.* rows)
+    _f("fsdp.tp_size", HINT, _FSDP + "no tensor parallelism in training (each rank holds whole layers; same math)"),
+    _f("fsdp.cp_size", REFUSED, "context parallelism (a sequence split across GPUs) is not supported"),
+    _f("fsdp.ep_size", HINT, _FSDP + "no expert parallelism (each rank holds every expert; same math)"),
+    _f("fsdp.pp_size", HINT, _FSDP + "no pipeline parallelism (each rank holds every layer; same math)"),
+    _f("fsdp.sequence_parallel", HINT, _FSDP + "no tensor parallelism, so no sequence parallelism in it"),
+    _f("fsdp.no_sequence_parallel", HINT, _FSDP + "no tensor parallelism, so no sequence parallelism in it"),
+    _f("fsdp.cpu_offload", HINT, _FSDP + "parameters stay on the training device (no per-layer CPU offload)"),
+    _f("fsdp.force_hf_model", HINT, "tiller always loads the transformers (HF) model classes"),
     _f("ref_offload", HINT, "the reference model stays in memory (tiller: one process)", "ref.offload"),
     _f("ref_reward_offload", HINT, "reference and reward models stay in memory (tiller: one process)",
        "reward.offload"),

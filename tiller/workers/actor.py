@@ -59,6 +59,7 @@ from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
+from tiller.rollout.vllm_engine import VLM_REFUSED
 from tiller.workers.common import (
     autocast,
     epoch_passes,
@@ -181,6 +182,9 @@ class ActorRolloutRefWorker:
         """The configured engine around `module` (default: the rollout module shared with the actor)."""
         name, r = self.rollout_cfg.name, self.rollout_cfg
         if name == "vllm":  # vLLM loads the actor's model dir; its weights follow via sync_rollout_weights
+            if self.vision:
+                raise ConfigError(f"actor_rollout_ref.rollout.name=vllm: {VLM_REFUSED}; set "
+                                  "actor_rollout_ref.rollout.name=hf")
             m = self.cfg.actor_rollout_ref.model
             extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill)
             # the same config changes the actor got (vLLM's own copy of the HF config); vLLM picks its own
