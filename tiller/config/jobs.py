@@ -40,6 +40,9 @@ class SFTDataConfig:
     """OpenRLHF's name for the response column; overrides data.response_key when set."""
     messages_key: str = "messages"
     """Chat-conversation column (list of {role, content}); loss on every assistant turn."""
+    image_key: str = "images"
+    """Image column of image + text conversations (verl's multimodal schema; a vision-language model: the
+    messages' `<image>` placeholders take these images in order)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (as the RL trainer does)."""
     max_length: int = 512

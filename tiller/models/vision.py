@@ -55,6 +55,12 @@ class ImageTextProcessor:
     def apply_chat_template(self, messages, **kwargs):
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
+    def save_pretrained(self, directory, **kwargs):
+        """Write `preprocessor_config.json` and the tokenizer files (chat template included), as the full
+        processor does, so `AutoProcessor` / `load_processor` read the dir back."""
+        self.image_processor.save_pretrained(directory)
+        return self.tokenizer.save_pretrained(directory, **kwargs)
+
     def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt"):
         image_pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         merge = int(self.image_processor.merge_size) ** 2

@@ -171,6 +171,9 @@ def _vision_kwargs(model, ids: torch.Tensor, mask: torch.Tensor, multi_modal) ->
     return {"pixel_values": pixels, "image_grid_thw": grid}, mrope_position_ids(model, ids, mask, grid)
 
 
+vision_inputs = _vision_kwargs  # the public name (SFT's padded forward, tiller.data.packing)
+
+
 def _image_keys(multi_modal, n: int, device) -> torch.Tensor:
     """[n, 1] an id per distinct image set (0 = none), so rows with equal prompt tokens but other images differ."""
     import hashlib
