@@ -158,9 +158,11 @@ class RLTrainer:
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
-        if self.use_critic and self.processor is not None:
-            raise ConfigError("algorithm.adv_estimator=gae trains a critic, and a critic on a vision-language model "
-                              "is not supported yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+        critic_path = cfg.critic.model.path or arr.model.path
+        if self.use_critic and self.processor is not None and not is_vision_checkpoint(critic_path):
+            raise ConfigError(f"critic.model.path={critic_path}: the actor is a vision-language model and the prompts "
+                              "have images, but the critic is a text-only model (its values would ignore the pixels); "
+                              "use a vision-language critic (default: the actor's model)")
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
         self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
         self.prime = algo.adv_estimator == "prime"  # PRIME: an implicit PRM trained each step (algorithm.prime)
@@ -727,7 +729,8 @@ class RLTrainer:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights")
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights",
+                             "multi_modal_inputs")  # image prompts: the updates' forwards take the pixels too
                  if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
             keys.append("rollout_log_probs")
