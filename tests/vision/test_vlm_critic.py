@@ -140,5 +140,27 @@ def test_ppo_step_with_a_vlm_critic(tiny_vlm_dir, shapes_data, tmp_path):
 def test_text_critic_for_an_image_actor_is_refused(tiny_vlm_dir, tiny_model_dir, shapes_data, tmp_path):
     from tiller.trainer.rl import RLTrainer
 
-    with pytest.raises(ConfigError, match="critic.model.path=.*the critic is a text-only model .*ignore the pixels"):
+    with pytest.raises(ConfigError, match=r"critic.model.path=.*: the prompts have images but this is a text-only "
+                                          r"model \(it would ignore the pixels\)"):
         RLTrainer(_ppo_cfg(tiny_vlm_dir, shapes_data["train"], tmp_path / "r", f"critic.model.path={tiny_model_dir}"))
+
+
+def test_prime_on_image_prompts_is_refused(tiny_vlm_dir, shapes_data, tmp_path):
+    from tiller.trainer.rl import RLTrainer
+
+    with pytest.raises(ConfigError, match="adv_estimator=prime: the prompts have images"):
+        RLTrainer(_ppo_cfg(tiny_vlm_dir, shapes_data["train"], tmp_path / "r", "algorithm.adv_estimator=prime"))
+
+
+@pytest.mark.parametrize("job", ["dpo", "rm", "kto"])
+def test_text_jobs_refuse_image_rows(tiny_model_dir, tmp_path, capsys, job):
+    from tiller.cli import main
+    from tiller.data.files import write_rows
+
+    row = {"prompt": "how many?", "chosen": "2", "rejected": "3", "completion": "2", "label": True,
+           "images": [{"bytes": b"png"}]}
+    path = write_rows([row], tmp_path / "pairs.parquet")
+    code = main([job, f"model.partial_pretrain={tiny_model_dir}", f"data.train_files=[{path}]",
+                 f"trainer.default_local_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "pairs.parquet row 0: the row has images (column 'images')" in err, err
