@@ -135,6 +135,12 @@ def test_ppo_step_with_a_vlm_critic(tiny_vlm_dir, shapes_data, tmp_path):
     saved = load_file(str(run / "checkpoints" / "critic" / "global_step_1" / "model" / "model.safetensors"))
     assert saved["lm_head.weight"].shape == (1, 128) and saved["lm_head.bias"].shape == (1,)
     torch.testing.assert_close(saved["lm_head.weight"], after["lm_head.weight"])
+    # the actor's checkpoint carries the processor: its model dir loads back as a VLM (tiller rl can start from it)
+    from tiller.models.loading import is_vision_checkpoint
+    from tiller.models.vision import load_processor
+
+    actor_dir = run / "checkpoints" / "global_step_1" / "model"
+    assert is_vision_checkpoint(actor_dir) and load_processor(actor_dir).image_processor.merge_size == 2
 
 
 def test_text_critic_for_an_image_actor_is_refused(tiny_vlm_dir, tiny_model_dir, shapes_data, tmp_path):

@@ -31,7 +31,8 @@ def test_grpo_step_with_lora_changes_only_the_adapters(tmp_path, tiny_vlm_dir, s
 
     cfg = _cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.model.lora_rank=4",
                "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.use_kl_loss=true",
-               "actor_rollout_ref.actor.optim.lr=5e-2", f"custom_reward_function.path={shapes_data / 'reward.py'}")
+               "actor_rollout_ref.actor.optim.lr=5e-2", f"custom_reward_function.path={shapes_data / 'reward.py'}",
+               "trainer.save_freq=1")
     monkeypatch.setenv("SHAPES_LOG", str(tmp_path / "reward.log"))
     trainer = RLTrainer(cfg)
     try:
@@ -62,6 +63,15 @@ def test_grpo_step_with_lora_changes_only_the_adapters(tmp_path, tiny_vlm_dir, s
         assert (got - base).abs().max() > 1e-4  # the adapters moved the outputs
     finally:
         trainer.shutdown()
+    # `tiller export` merges the checkpoint's adapter into the VLM and keeps the processor
+    from tiller.models.checkpoint import export_hf
+    from tiller.models.loading import load_causal_lm
+
+    out = export_hf(tmp_path / "run", tmp_path / "merged")
+    exported = load_causal_lm(out).eval()
+    assert (out / "preprocessor_config.json").is_file() and load_processor(out).image_processor.merge_size == 2
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**kw).logits, want, atol=1e-4, rtol=0)
 
 
 def test_lora_and_freeze_vision_tower(tmp_path, tiny_vlm_dir, shapes_data, monkeypatch):  # noqa: F811

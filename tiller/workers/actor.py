@@ -694,6 +694,18 @@ class ActorRolloutRefWorker:
         return distill
 
     # --------------------------------------------------------------------------- checkpoints
+    def _files_saver(self):
+        """What writes the checkpoint's tokenizer files: a vision-language model's processor (tokenizer + image
+        processor config), so the checkpoint's model dir loads back as a VLM; else the tokenizer."""
+        if not self.vision:
+            return self.tokenizer
+        if getattr(self, "_processor", None) is None:
+            from tiller.models.vision import load_processor
+
+            m = self.cfg.actor_rollout_ref.model
+            self._processor = load_processor(m.path, tokenizer=self.tokenizer, trust_remote_code=m.trust_remote_code)
+        return self._processor
+
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
         """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
         path, model = None, dist_ctx.unwrap_model(self.module)
@@ -703,7 +715,8 @@ class ActorRolloutRefWorker:
             model = self.rollout_module
         if dist_ctx.rank() == 0:
             path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
-                                   extra_state=extra_state, tokenizer=self.tokenizer, keep=keep, **self._prm_state())
+                                   extra_state=extra_state, tokenizer=self._files_saver(), keep=keep,
+                                   **self._prm_state())
         dist_ctx.barrier()
         return str(path)
 
