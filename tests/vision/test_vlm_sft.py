@@ -106,6 +106,21 @@ def test_sft_on_shapes_learns_and_saves_a_vlm_with_its_processor(tiny_vlm_dir, s
     assert (ckpt / "model" / "preprocessor_config.json").is_file()
 
 
+def test_lora_sft_adapts_the_language_model_and_exports_a_merged_vlm(tiny_vlm_dir, sft_parquet, tmp_path):
+    from tiller.models.loading import load_causal_lm
+    from tiller.trainer import sft as sft_trainer
+
+    cfg = _cfg(tiny_vlm_dir, sft_parquet, tmp_path / "run", "model.lora_rank=4", "model.lora_alpha=8",
+               "trainer.total_training_steps=2")
+    model, _ = sft_trainer.build_model_and_tokenizer(cfg)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and ".language_model." in n for n in trainable)
+    sft_trainer.train_sft(cfg)
+    out = tmp_path / "run" / "hf_model"
+    assert type(load_causal_lm(out)).__name__ == "Qwen2VLForConditionalGeneration"
+    assert (out / "preprocessor_config.json").is_file() and not (out / "adapter_config.json").exists()
+
+
 def test_rl_starts_from_the_sft_output(tiny_vlm_dir, sft_parquet, tmp_path):
     """The SFT'd dir is a model `tiller rl` takes: the trainer loads it, its processor encodes image prompts."""
     from tiller.trainer.rl import RLTrainer
