@@ -65,9 +65,15 @@ def _image_batch(model_dir) -> tuple[Batch, list]:
     return batch, list(zip(prompts, responses))
 
 
-def test_critic_values_read_the_image_and_equal_a_plain_forward(critic, tiny_vlm_dir):
+@pytest.mark.parametrize("share", [True, False])
+def test_critic_values_read_the_image_and_equal_a_plain_forward(critic, tiny_vlm_dir, share):
     batch, rows = _image_batch(tiny_vlm_dir)
-    values = critic.compute_values(batch)["values"]
+    assert critic._forward_opts["share_prompts"]  # the default; rows 0 and 2 (same text, same image) share
+    critic._forward_opts["share_prompts"] = share
+    try:
+        values = critic.compute_values(batch)["values"]
+    finally:
+        critic._forward_opts["share_prompts"] = True
     # rows 0 and 1: same tokens, red vs blue image -> different values at every response position
     assert torch.equal(batch["input_ids"][0], batch["input_ids"][1])
     assert (values[0, :3] - values[1, :3]).abs().min() > 1e-5
