@@ -132,8 +132,9 @@ def test_rl_starts_from_the_sft_output(tiny_vlm_dir, sft_parquet, tmp_path):
     cfg = load_config([
         f"actor_rollout_ref.model.path={run / 'hf_model'}", f"data.train_files=[{data['train']}]",
         "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=2",
-        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1", "trainer.val_before_train=false",
         "trainer.logger=[jsonl]", "trainer.resume_mode=disable", "trainer.save_freq=-1",
         f"trainer.default_local_dir={tmp_path / 'rl_run'}"])
