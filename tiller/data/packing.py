@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from tiller.data.sft import IGNORE, SFTExample
+from tiller.models.vision import vision_inputs
 
 
 def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -105,10 +106,8 @@ def make_micro_batches(examples: Sequence[SFTExample], micro_batch_size: int, pa
 
 def forward_logits(model, batch: dict) -> torch.Tensor:
     """Logits [R, L, V] of a padded (`attention_mask`) or packed (`position_ids`) micro-batch. Padded rows with
-    images (`multi_modal`) take their pixels and the model's M-RoPE positions (`tiller.workers.common`)."""
+    images (`multi_modal`) take their pixels and the model's M-RoPE positions (`tiller.models.vision`)."""
     if batch.get("multi_modal") is not None:
-        from tiller.workers.common import vision_inputs
-
         vision, positions = vision_inputs(model, batch["input_ids"], batch["attention_mask"], batch["multi_modal"])
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
                      use_cache=False, **vision).logits

@@ -34,9 +34,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tiller.data.rl_dataset import _row_images, render_prompt
+from tiller.data.rl_dataset import render_prompt, row_images
+from tiller.data.sft_vision import count_placeholders, expand_images, plain_messages
 from tiller.data.sources import load_sources
 from tiller.errors import DataError
+from tiller.models.vision import split_placeholders
 
 IGNORE = -100
 FORMATS = ("auto", "prompt_response", "messages")
@@ -173,11 +175,10 @@ def prompt_response_keys(data_cfg) -> tuple[str, str]:
 
 
 def _encode_image_row(row: dict, fmt: str, data_cfg, tokenizer, processor, where: str) -> SFTExample | None:
-    """An image conversation's example; None for a text row. Refuses images a text model or format cannot take."""
-    from tiller.data.sft_vision import count_placeholders, encode_image_conversation
-
+    """An image conversation's example (`tiller.data.sft_vision`); None for a text row. Refuses images a text
+    model or the prompt / response format cannot take, and placeholders without images."""
     image_key = data_cfg.image_key
-    images = _row_images(row, image_key, where)
+    images = row_images(row, image_key, where)
     messages = row.get(data_cfg.messages_key) if fmt == "messages" else None
     if not images:
         slots = count_placeholders(messages) if processor is not None and messages is not None else 0
@@ -193,7 +194,20 @@ def _encode_image_row(row: dict, fmt: str, data_cfg, tokenizer, processor, where
                         f"with <image> placeholders (data.format=messages, column {data_cfg.messages_key!r})")
     if messages is None:
         raise DataError(f"{where}: missing key {data_cfg.messages_key!r} (data.messages_key); row has {sorted(row)}")
-    return encode_image_conversation(messages, images, processor, tokenizer, data_cfg.max_length, where)
+    messages = plain_messages(messages)
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise DataError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
+    parts = split_placeholders([dict(m) for m in messages], len(images), where)
+    ids, mask = encode_messages(parts, tokenizer, where)  # one <|image_pad|> per image
+    ids, mask, pixels = expand_images(parts, ids, mask, images, processor, tokenizer, where)
+    if len(ids) > data_cfg.max_length:
+        raise DataError(f"{where}: the conversation has {len(ids)} tokens (image tokens included) > "
+                        f"data.max_length={data_cfg.max_length}; image conversations are not truncated: "
+                        "raise data.max_length")
+    example = SFTExample(input_ids=ids, labels=shifted_labels(ids, mask), multi_modal=pixels)
+    if example.num_loss_tokens == 0:
+        raise DataError(f"{where}: no assistant token to learn from")
+    return example
 
 
 def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str, processor=None) -> SFTExample:

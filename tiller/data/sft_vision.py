@@ -4,7 +4,7 @@ A row is a chat conversation (`data.messages_key`) whose messages hold verl's `<
 `{"type": "image"}` content parts), plus the row's images in `data.image_key` (default `images`; the same
 entries as RL rows: `{"bytes"}` / `{"path"}` dicts, raw bytes, paths, PIL images), one per placeholder, in order.
 
-Encoding (`encode_image_conversation`): the placeholders become image parts (`split_placeholders`), the
+Encoding (`tiller.data.sft` with `expand_images` here): the placeholders become image parts (`split_placeholders`), the
 conversation is rendered by the chat template with ONE `<|image_pad|>` per image, and the assistant-token mask
 is computed on that text exactly as for text conversations (`tiller.data.sft.encode_messages`). Each
 `<|image_pad|>` is then expanded to the image's `prod(image_grid_thw) / merge_size**2` tokens (mask 0: no loss
@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiller.data.sft import SFTExample, encode_messages, shifted_labels
 from tiller.errors import DataError
-from tiller.models.vision import IMAGE_PAD, IMAGE_PLACEHOLDER, encode_image_prompt, split_placeholders
+from tiller.models.vision import IMAGE_PAD, IMAGE_PLACEHOLDER, encode_image_prompt
 
 
-def _plain_messages(messages: Any) -> Any:
+def plain_messages(messages: Any) -> Any:
     """numpy arrays (parquet lists) -> Python lists, in the messages and in their content parts."""
     if isinstance(messages, np.ndarray):
         messages = messages.tolist()
@@ -43,7 +42,7 @@ def _plain_messages(messages: Any) -> Any:
 def count_placeholders(messages: Any) -> int:
     """Image slots in a conversation: `<image>` in string contents plus `{"type": "image"}` parts."""
     n = 0
-    for m in _plain_messages(messages) or []:
+    for m in plain_messages(messages) or []:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str):
             n += content.count(IMAGE_PLACEHOLDER)
@@ -72,14 +71,11 @@ def expand_image_pads(ids: list[int], mask: list[int], image_pad_id: int, counts
     return out_ids, out_mask
 
 
-def encode_image_conversation(messages: Any, images: list, processor, tokenizer, max_length: int,
-                              where: str) -> SFTExample:
-    """One image conversation -> `SFTExample` with `multi_modal` {"pixel_values", "image_grid_thw"} (module doc)."""
-    messages = _plain_messages(messages)
-    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
-        raise DataError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
-    parts = split_placeholders([dict(m) for m in messages], len(images), where)
-    ids, mask = encode_messages(parts, tokenizer, where)
+def expand_images(parts: list[dict], ids: list[int], mask: list[int], images: list, processor, tokenizer,
+                  where: str) -> tuple[list[int], list[int], dict]:
+    """(ids, loss mask, {"pixel_values", "image_grid_thw"}) of a conversation in image parts (`split_placeholders`)
+    whose `ids` / `mask` were rendered with one `<|image_pad|>` per image (`tiller.data.sft.encode_messages`): each
+    pad expanded to its image's tokens (mask 0), the result checked against the processor's own encoding."""
     text = tokenizer.apply_chat_template(parts, tokenize=False)
     enc = encode_image_prompt(processor, text, images, where)
     merge = int(processor.image_processor.merge_size) ** 2
@@ -88,12 +84,4 @@ def encode_image_conversation(messages: Any, images: list, processor, tokenizer,
     if ids != enc.prompt_ids:
         raise DataError(f"{where}: the chat template's tokens differ from the processor's encoding of the same "
                         "conversation (a tokenizer / processor mismatch in the model dir)")
-    if len(ids) > max_length:
-        raise DataError(f"{where}: the conversation has {len(ids)} tokens (image tokens included) > "
-                        f"data.max_length={max_length}; image conversations are not truncated: raise data.max_length")
-    example = SFTExample(input_ids=ids, labels=shifted_labels(ids, mask),
-                         multi_modal={"pixel_values": enc.pixel_values,
-                                      "image_grid_thw": torch.as_tensor(enc.image_grid_thw).long()})
-    if example.num_loss_tokens == 0:
-        raise DataError(f"{where}: no assistant token to learn from")
-    return example
+    return ids, mask, {"pixel_values": enc.pixel_values, "image_grid_thw": torch.as_tensor(enc.image_grid_thw).long()}

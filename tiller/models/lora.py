@@ -23,6 +23,7 @@ import re
 import torch
 
 from tiller.errors import ConfigError
+from tiller.models.vision import is_vision_model
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -71,8 +72,6 @@ def language_model_targets(model: torch.nn.Module) -> str | None:
     """For a vision-language model, peft's `target_modules` regex (full match on module names) of every linear
     layer inside its language model, e.g. `model\\.language_model\\..*\\.(?:down_proj|...|v_proj)`; None for a
     text model (`all-linear` applies as is)."""
-    from tiller.models.vision import is_vision_model
-
     if not is_vision_model(model):
         return None
     lm = getattr(getattr(model, "model", None), "language_model", None)

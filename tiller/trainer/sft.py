@@ -38,6 +38,7 @@ from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import UserError
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora
+from tiller.models.vision import load_processor
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 
 
@@ -154,8 +155,6 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     seed = cfg.trainer.seed
     processor = None  # a vision-language model: its processor encodes image rows and is saved with the model
     if is_vision_checkpoint(cfg.model.partial_pretrain):
-        from tiller.models.vision import load_processor
-
         processor = load_processor(cfg.model.partial_pretrain, tokenizer=tokenizer,
                                    trust_remote_code=cfg.model.trust_remote_code)
     train = load_sft_examples(data.train_files, data, tokenizer, data.max_samples, seed=seed, processor=processor)

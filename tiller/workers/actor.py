@@ -53,7 +53,7 @@ from tiller.rollout.graphed_decode import native_decode_options
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
-from tiller.models.vision import is_vision_model, vision_tower
+from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
@@ -700,8 +700,6 @@ class ActorRolloutRefWorker:
         if not self.vision:
             return self.tokenizer
         if getattr(self, "_processor", None) is None:
-            from tiller.models.vision import load_processor
-
             m = self.cfg.actor_rollout_ref.model
             self._processor = load_processor(m.path, tokenizer=self.tokenizer, trust_remote_code=m.trust_remote_code)
         return self._processor

@@ -24,7 +24,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
-from tiller.models.vision import is_vision_model, mrope_position_ids
+from tiller.models.vision import vision_inputs
 
 BF16 = ("bfloat16", "bf16")
 
@@ -158,24 +158,6 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 def _rows(multi_modal, rows: torch.Tensor):
     return None if multi_modal is None else [multi_modal[i] for i in rows.tolist()]
-
-
-def vision_inputs(model, ids: torch.Tensor, mask: torch.Tensor, multi_modal) -> tuple[dict, torch.Tensor]:
-    """(pixel keywords, position ids) of a micro-batch: `pixel_values` / `image_grid_thw` of the rows with images
-    in row order and M-RoPE positions `[3, B, L]`; ({}, 2-D positions) for text."""
-    if multi_modal is None or all(m is None for m in multi_modal):
-        config = getattr(model, "config", None)
-        if is_vision_model(config) and bool((ids == config.image_token_id).any()):
-            # the model would embed the placeholders as text: an image prompt lost its pixels on the way here
-            raise RuntimeError("image tokens in a forward's input but no pixel_values: the batch lost its "
-                               "multi_modal_inputs (a tiller bug; please report it)")
-        return {}, position_ids_from_mask(mask)
-    rows = [m for m in multi_modal if m is not None]
-    grid = torch.cat([m["image_grid_thw"] for m in rows]).to(ids.device)
-    pixels = torch.cat([m["pixel_values"] for m in rows]).to(ids.device)
-    return {"pixel_values": pixels, "image_grid_thw": grid}, mrope_position_ids(model, ids, mask, grid)
-
-
 
 
 def image_keys(multi_modal, n: int, device) -> torch.Tensor:

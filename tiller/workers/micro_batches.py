@@ -32,6 +32,7 @@ from tiller.data.seqlen import token_budget_micro_batches
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.protocol import Batch
+from tiller.workers.common import image_keys
 
 
 @dataclass
@@ -57,8 +58,6 @@ def prompt_units(batch: Batch) -> torch.Tensor:
     P = batch["prompts"].shape[1]
     key = torch.cat([batch["input_ids"][:, :P], batch["attention_mask"][:, :P].long()], dim=1)
     if "multi_modal_inputs" in batch:  # image prompts: the same text over other images is another prompt
-        from tiller.workers.common import image_keys
-
         key = torch.cat([key, image_keys(list(batch["multi_modal_inputs"]), len(key), key.device)], dim=1)
     return torch.unique(key, dim=0, return_inverse=True)[1]
 
