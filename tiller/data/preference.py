@@ -234,8 +234,8 @@ IMAGE_COLUMNS = ("images", "image")
 
 
 def refuse_images(row: dict, where: str) -> None:
-    """A preference row with images: the reward-model / DPO / KTO / SPIN jobs train on text only, so the images would be
-    silently dropped; refuse the row instead."""
+    """A preference row with images: the reward-model / DPO / KTO / SPIN jobs train on text only, so the images
+    would be silently dropped; refuse the row instead."""
     for key in IMAGE_COLUMNS:
         value = row.get(key)
         if value is not None and not (hasattr(value, "__len__") and len(value) == 0):

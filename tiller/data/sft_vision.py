@@ -4,14 +4,15 @@ A row is a chat conversation (`data.messages_key`) whose messages hold verl's `<
 `{"type": "image"}` content parts), plus the row's images in `data.image_key` (default `images`; the same
 entries as RL rows: `{"bytes"}` / `{"path"}` dicts, raw bytes, paths, PIL images), one per placeholder, in order.
 
-Encoding (`tiller.data.sft` with `expand_images` here): the placeholders become image parts (`split_placeholders`), the
-conversation is rendered by the chat template with ONE `<|image_pad|>` per image, and the assistant-token mask
-is computed on that text exactly as for text conversations (`tiller.data.sft.encode_messages`). Each
-`<|image_pad|>` is then expanded to the image's `prod(image_grid_thw) / merge_size**2` tokens (mask 0: no loss
-on image tokens), and the result is checked against the processor's own encoding of the same text
-(`tiller.models.vision.encode_image_prompt`, which also gives the pixels), so the ids are the ones the model's
-processor produces. `data.max_length` counts the image tokens; an image conversation is never truncated
-(cutting image tokens breaks the input): over the limit is an error naming file and row.
+Encoding (`tiller.data.sft`, with `expand_images` here): the placeholders become image parts
+(`split_placeholders`), the conversation is rendered by the chat template with ONE `<|image_pad|>` per image, and
+the assistant-token mask is computed on that text exactly as for text conversations
+(`tiller.data.sft.encode_messages`). Each `<|image_pad|>` is then expanded to the image's
+`prod(image_grid_thw) / merge_size**2` tokens (mask 0: no loss on image tokens), and the result is checked against
+the processor's own encoding of the same text (`tiller.models.vision.encode_image_prompt`, which also gives the
+pixels), so the ids are the ones the model's processor produces. `data.max_length` counts the image tokens; an
+image conversation is never truncated (cutting image tokens breaks the input): over the limit is an error naming
+file and row.
 """
 
 from __future__ import annotations

@@ -38,9 +38,8 @@ import torch
 
 from tiller.config.jobs import SPINConfig
 from tiller.data.packing import collate_padded
-from tiller.data.preference import PairExample, make_sequence
+from tiller.data.preference import PairExample, make_sequence, refuse_images
 from tiller.data.sft import encode_prompt_response
-from tiller.data.preference import refuse_images
 from tiller.data.sources import load_sources
 from tiller.errors import DataError
 from tiller.models.checkpoint import write_text_atomic
