@@ -12,7 +12,7 @@ import torch
 from tiller.config import load_config
 from tiller.config.jobs import SFTConfig, validate_job
 from tiller.data.files import write_rows
-from tiller.errors import DataError, UserError
+from tiller.errors import ConfigError, DataError, UserError
 from tiller.tasks import shapes
 
 
@@ -119,6 +119,20 @@ def test_lora_sft_adapts_the_language_model_and_exports_a_merged_vlm(tiny_vlm_di
     out = tmp_path / "run" / "hf_model"
     assert type(load_causal_lm(out)).__name__ == "Qwen2VLForConditionalGeneration"
     assert (out / "preprocessor_config.json").is_file() and not (out / "adapter_config.json").exists()
+
+
+def test_freeze_vision_tower_in_sft(tiny_vlm_dir, tiny_model_dir, sft_parquet, tmp_path):
+    from tiller.trainer import sft as sft_trainer
+
+    model, _ = sft_trainer.build_model_and_tokenizer(
+        _cfg(tiny_vlm_dir, sft_parquet, tmp_path / "a", "model.freeze_vision_tower=true"))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert trainable and all(".visual." not in n for n in trainable)
+    assert frozen and all(".visual." in n for n in frozen)
+    with pytest.raises(ConfigError, match="model.freeze_vision_tower=True but .* has no vision tower"):
+        sft_trainer.build_model_and_tokenizer(_cfg(tiny_model_dir, sft_parquet, tmp_path / "b",
+                                                   "model.freeze_vision_tower=true"))
 
 
 def test_rl_starts_from_the_sft_output(tiny_vlm_dir, sft_parquet, tmp_path):

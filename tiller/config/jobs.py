@@ -182,7 +182,10 @@ class JobModelConfig:
     lora_dropout: float = 0.0
     """LoRA dropout."""
     target_modules: Any = "all-linear"
-    """LoRA target modules: a list of module names or 'all-linear'."""
+    """LoRA target modules: a list of module names or 'all-linear' (a vision-language model: its language model's)."""
+    freeze_vision_tower: bool = False
+    """Freeze a vision-language model's vision tower (patch embedding, blocks and merger), as the RL actor's
+    actor.freeze_vision_tower; an error on a text-only model."""
 
 
 @dataclass

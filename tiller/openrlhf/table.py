@@ -100,7 +100,8 @@ TABLE: tuple[Flag, ...] = (
     _f("data.max_images_per_prompt", HINT, "tiller encodes every image of a row (no per-prompt cap; the prompt's "
        "tokens, image tokens included, are capped by data.max_prompt_length)"),
     _f("actor.freeze_visual_encoder", MAPPED, "actor_rollout_ref.actor.freeze_vision_tower",
-       S=(REFUSED, "SFT of vision-language models is not supported yet")),
+       S=(REFUSED, "OpenRLHF's SFT image flags are not translated yet; `tiller sft` takes verl's multi-turn image "
+          "parquet directly, with model.freeze_vision_tower (docs/vlm.md)")),
     _f("use_ms", REFUSED, "ModelScope hub: tiller loads local dirs and the Hugging Face cache only", "use_ms"),
     # ------------------------------------------------------------------ batches and schedule
     _f("train_batch_size", MAPPED, "data.train_batch_size (PPO: samples per update: actor.ppo_mini_batch_size = "

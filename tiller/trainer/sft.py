@@ -35,10 +35,10 @@ from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
 from tiller.data.packing import forward_logits, make_micro_batches
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
-from tiller.errors import UserError
+from tiller.errors import ConfigError, UserError
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora
-from tiller.models.vision import load_processor
+from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 
 
@@ -102,6 +102,11 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         if m.enable_gradient_checkpointing:
             model.enable_input_require_grads()
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules, m.lora_dropout)
+    if m.freeze_vision_tower:
+        if not is_vision_model(model):
+            raise ConfigError(f"model.freeze_vision_tower=True but {m.partial_pretrain} ({type(model).__name__}) has "
+                              "no vision tower")
+        vision_tower(model).requires_grad_(False)
     return model, tokenizer
 
 
