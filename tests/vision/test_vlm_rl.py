@@ -118,10 +118,3 @@ def test_verls_qwen2_5_vl_script_runs_on_the_tiny_vlm(tmp_path, tiny_vlm_dir, sh
     finally:
         trainer.shutdown()
     assert trainer.global_step == 1
-
-
-def test_a_critic_on_a_vlm_is_refused(tmp_path, tiny_vlm_dir, shapes_data):
-    from tiller.trainer.rl import RLTrainer
-
-    with pytest.raises(ConfigError, match="adv_estimator=gae trains a critic, and a critic on a vision-language"):
-        RLTrainer(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "algorithm.adv_estimator=gae"))

@@ -40,6 +40,9 @@ class SFTDataConfig:
     """OpenRLHF's name for the response column; overrides data.response_key when set."""
     messages_key: str = "messages"
     """Chat-conversation column (list of {role, content}); loss on every assistant turn."""
+    image_key: str = "images"
+    """Image column of image + text conversations (verl's multimodal schema; a vision-language model: the
+    messages' `<image>` placeholders take these images in order)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (as the RL trainer does)."""
     max_length: int = 512
@@ -179,7 +182,10 @@ class JobModelConfig:
     lora_dropout: float = 0.0
     """LoRA dropout."""
     target_modules: Any = "all-linear"
-    """LoRA target modules: a list of module names or 'all-linear'."""
+    """LoRA target modules: a list of module names or 'all-linear' (a vision-language model: its language model's)."""
+    freeze_vision_tower: bool = False
+    """Freeze a vision-language model's vision tower (patch embedding, blocks and merger), as the RL actor's
+    actor.freeze_vision_tower; an error on a text-only model."""
 
 
 @dataclass

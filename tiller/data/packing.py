@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from tiller.data.sft import IGNORE, SFTExample
+from tiller.models.vision import vision_inputs
 
 
 def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -49,8 +50,9 @@ def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def collate_padded(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded rows: input_ids, attention_mask, labels, all [R, L] (L = longest example)."""
+def collate_padded(examples: Sequence[SFTExample], pad_id: int) -> dict:
+    """Right-padded rows: input_ids, attention_mask, labels, all [R, L] (L = longest example); with image
+    conversations also `multi_modal` (per row None or {"pixel_values", "image_grid_thw"})."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
@@ -60,7 +62,10 @@ def collate_padded(examples: Sequence[SFTExample], pad_id: int) -> dict[str, tor
         ids[r, :n] = torch.tensor(e.input_ids)
         labels[r, :n] = torch.tensor(e.labels)
         attn[r, :n] = 1
-    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    out = {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    if any(e.multi_modal is not None for e in examples):
+        out["multi_modal"] = [e.multi_modal for e in examples]
+    return out
 
 
 def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -92,13 +97,20 @@ def make_micro_batches(examples: Sequence[SFTExample], micro_batch_size: int, pa
                 for i in range(0, len(examples), micro_batch_size)]
     if capacity is None:
         raise ValueError("packing needs a row capacity")
+    if any(e.multi_modal is not None for e in examples):
+        raise ValueError("packing takes text sequences only (image conversations need per-sequence M-RoPE positions)")
     bins = pack_bins([len(e.input_ids) for e in examples], capacity)
     rows = [[examples[i] for i in b] for b in bins]
     return [collate_packed(rows[i:i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
 
 
-def forward_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits [R, L, V] of a padded (`attention_mask`) or packed (`position_ids`) micro-batch."""
+def forward_logits(model, batch: dict) -> torch.Tensor:
+    """Logits [R, L, V] of a padded (`attention_mask`) or packed (`position_ids`) micro-batch. Padded rows with
+    images (`multi_modal`) take their pixels and the model's M-RoPE positions (`tiller.models.vision`)."""
+    if batch.get("multi_modal") is not None:
+        vision, positions = vision_inputs(model, batch["input_ids"], batch["attention_mask"], batch["multi_modal"])
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
+                     use_cache=False, **vision).logits
     if "position_ids" in batch:
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
                      use_cache=False).logits

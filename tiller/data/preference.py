@@ -229,6 +229,20 @@ def encode_unpaired(row: dict, data_cfg, tokenizer, where: str) -> UnpairedExamp
     return UnpairedExample(p_ids, c_ids, desirable)
 
 
+IMAGE_COLUMNS = ("images", "image")
+"""verl's / TRL's image columns: preference rows carrying them are refused (text-only jobs)."""
+
+
+def refuse_images(row: dict, where: str) -> None:
+    """A preference row with images: the reward-model / DPO / KTO / SPIN jobs train on text only, so the images
+    would be silently dropped; refuse the row instead."""
+    for key in IMAGE_COLUMNS:
+        value = row.get(key)
+        if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+            raise DataError(f"{where}: the row has images (column {key!r}); tiller's rm, dpo, kto and spin jobs "
+                            "train on text only (image preference data is not supported yet): drop the column")
+
+
 def load_preference_examples(files: Sequence[str], data_cfg, tokenizer, kind: str = "paired",
                              max_samples: int = -1, which: str = "train", seed: int = 42) -> list:
     """Tokenize every row of `files`: kind "paired" (DPO) or "rm" -> `PairExample`, "unpaired" (KTO) ->
@@ -243,6 +257,7 @@ def load_preference_examples(files: Sequence[str], data_cfg, tokenizer, kind: st
     split = data_cfg.train_split if which == "train" else data_cfg.val_split
     examples: list = []
     for where, row in load_sources([str(f) for f in files], split, probs, seed, max_per_source=max_samples):
+        refuse_images(row, where)
         examples.append(encode(row, data_cfg, tokenizer, where))
         if 0 < max_samples <= len(examples):
             return examples

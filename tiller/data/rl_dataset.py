@@ -140,7 +140,7 @@ class RLDataset:
             if row.get("videos") is not None and len(row["videos"]):
                 raise DataError(f"{where}: the row has videos; tiller's vision-language path takes images only "
                                 "(sample frames into the images column)")
-            images = _row_images(row, image_key, where)
+            images = row_images(row, image_key, where)
             vision = None
             if images:
                 if processor is None:
@@ -194,7 +194,7 @@ class RLDataset:
         return self.items[i]
 
 
-def _row_images(row: dict, image_key: str, where: str) -> list:
+def row_images(row: dict, image_key: str, where: str) -> list:
     """The row's images as PIL images ([] when the column is absent or empty)."""
     value = row.get(image_key)
     if value is None:

@@ -19,6 +19,9 @@ Length: a sequence over `data.max_length` tokens raises a `DataError` naming fil
 (`data.truncation=error`, the default), or is cut: `right` keeps the start (the response tail is
 lost), `left` keeps the end (the prompt head is lost). An example left with no loss token raises.
 
+Images (vision-language models): a chat row with an `images` column (`data.image_key`) and `<image>`
+placeholders is encoded by `tiller.data.sft_vision` (pixels kept on the example); see that module.
+
 Each example is stored as `input_ids` and `labels` (the next-token target at every position, -100
 where no loss is taken; the last position is always -100), so packed sequences never predict across
 a boundary: see `tiller.data.packing`.
@@ -31,9 +34,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tiller.data.rl_dataset import render_prompt
+from tiller.data.rl_dataset import render_prompt, row_images
+from tiller.data.sft_vision import count_placeholders, expand_images, plain_messages
 from tiller.data.sources import load_sources
 from tiller.errors import DataError
+from tiller.models.vision import split_placeholders
 
 IGNORE = -100
 FORMATS = ("auto", "prompt_response", "messages")
@@ -48,6 +53,8 @@ class SFTExample:
 
     input_ids: list[int]
     labels: list[int]
+    multi_modal: dict | None = None
+    """image conversations: {"pixel_values", "image_grid_thw"} (`tiller.data.sft_vision`); None for text."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -167,8 +174,48 @@ def prompt_response_keys(data_cfg) -> tuple[str, str]:
     return (data_cfg.input_key or data_cfg.prompt_key, data_cfg.output_key or data_cfg.response_key)
 
 
-def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str) -> SFTExample:
-    """Tokenize one row into an `SFTExample` (see the module docstring)."""
+def _encode_image_row(row: dict, fmt: str, data_cfg, tokenizer, processor, where: str) -> SFTExample | None:
+    """An image conversation's example (`tiller.data.sft_vision`); None for a text row. Refuses images a text
+    model or the prompt / response format cannot take, and placeholders without images."""
+    image_key = data_cfg.image_key
+    images = row_images(row, image_key, where)
+    messages = row.get(data_cfg.messages_key) if fmt == "messages" else None
+    if not images:
+        slots = count_placeholders(messages) if processor is not None and messages is not None else 0
+        if slots:
+            raise DataError(f"{where}: the messages have {slots} image placeholder(s) (<image> or {{'type': 'image'}}) "
+                            f"but the row has no images (column {image_key!r}, data.image_key)")
+        return None
+    if processor is None:
+        raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a vision-language "
+                        "model (Qwen2-VL / Qwen2.5-VL); drop the column or change data.image_key")
+    if fmt != "messages":
+        raise DataError(f"{where}: the row has images (column {image_key!r}); image SFT takes chat conversations "
+                        f"with <image> placeholders (data.format=messages, column {data_cfg.messages_key!r})")
+    if messages is None:
+        raise DataError(f"{where}: missing key {data_cfg.messages_key!r} (data.messages_key); row has {sorted(row)}")
+    messages = plain_messages(messages)
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise DataError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
+    parts = split_placeholders([dict(m) for m in messages], len(images), where)
+    ids, mask = encode_messages(parts, tokenizer, where)  # one <|image_pad|> per image
+    ids, mask, pixels = expand_images(parts, ids, mask, images, processor, tokenizer, where)
+    if len(ids) > data_cfg.max_length:
+        raise DataError(f"{where}: the conversation has {len(ids)} tokens (image tokens included) > "
+                        f"data.max_length={data_cfg.max_length}; image conversations are not truncated: "
+                        "raise data.max_length")
+    example = SFTExample(input_ids=ids, labels=shifted_labels(ids, mask), multi_modal=pixels)
+    if example.num_loss_tokens == 0:
+        raise DataError(f"{where}: no assistant token to learn from")
+    return example
+
+
+def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str, processor=None) -> SFTExample:
+    """Tokenize one row into an `SFTExample` (see the module docstring); `processor`: a vision-language
+    model's (`tiller.models.vision.load_processor`), for rows with images."""
+    example = _encode_image_row(row, fmt, data_cfg, tokenizer, processor, where)
+    if example is not None:
+        return example
     if fmt == "messages":
         key = data_cfg.messages_key
         if key not in row:
@@ -191,7 +238,7 @@ def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str) -> SFTExamp
 
 
 def load_sft_examples(files: Sequence[str], data_cfg, tokenizer, max_samples: int = -1,
-                      which: str = "train", seed: int = 42) -> list[SFTExample]:
+                      which: str = "train", seed: int = 42, processor=None) -> list[SFTExample]:
     """Read and tokenize every row of `files` (see the module docstring); `DataError` names file and row.
     `which` = train | val picks data.train_probs / data.train_split or data.val_split (`tiller.data.sources`);
     `seed` seeds a probability blend (OpenRLHF blends with its --seed: pass trainer.seed)."""
@@ -205,7 +252,7 @@ def load_sft_examples(files: Sequence[str], data_cfg, tokenizer, max_samples: in
     fmt = detect_format([r for _, r in rows[:1]], data_cfg, str(files[0]))
     examples: list[SFTExample] = []
     for where, row in rows:
-        examples.append(encode_row(row, fmt, data_cfg, tokenizer, where))
+        examples.append(encode_row(row, fmt, data_cfg, tokenizer, where, processor))
         if 0 < max_samples <= len(examples):
             return examples
     if not examples:

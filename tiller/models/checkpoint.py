@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from tiller.errors import UserError
-from tiller.models.loading import resolve_dtype
+from tiller.models.loading import is_vision_checkpoint, resolve_dtype
 
 MARKER = "latest_checkpointed_iteration.txt"
 PREFIX = "global_step_"
@@ -570,7 +570,7 @@ def _auto_class(src: Path):
 
 
 def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype) if dtype is not None else "auto"
     auto_cls = _auto_class(src)
@@ -582,14 +582,22 @@ def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
         base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base or not (Path(base).exists() or base.count("/") == 1):
             raise UserError(f"cannot merge the adapter in {src}: its base model {base!r} is not available")
-        extra = {} if auto_cls.__name__ == "AutoModelForCausalLM" else {"num_labels": 1}
+        if auto_cls.__name__ == "AutoModelForCausalLM" and is_vision_checkpoint(base):
+            auto_cls = AutoModelForImageTextToText  # a vision-language policy's adapter (language model LoRA)
+        extra = {} if auto_cls in (AutoModelForImageTextToText,) or auto_cls.__name__ == "AutoModelForCausalLM" \
+            else {"num_labels": 1}
         model = auto_cls.from_pretrained(base, dtype=torch_dtype, **extra)
         model = PeftModel.from_pretrained(model, str(src)).merge_and_unload()
     else:
+        if auto_cls.__name__ == "AutoModelForCausalLM" and is_vision_checkpoint(src):
+            auto_cls = AutoModelForImageTextToText
         model = auto_cls.from_pretrained(src, dtype=torch_dtype)
     model.save_pretrained(out, safe_serialization=True)
     if (src / "tokenizer_config.json").exists():
         AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    for name in ("preprocessor_config.json", "chat_template.jinja", "chat_template.json"):  # a VLM's processor
+        if (src / name).exists() and not (out / name).exists():
+            shutil.copy2(src / name, out / name)
 
 
 def export_main(argv: list[str]) -> int:

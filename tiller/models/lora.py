@@ -7,15 +7,23 @@ plain transformers model that `save_pretrained` / `from_pretrained` handle like 
 
 For a sequence-classification model (reward model) the fresh `score` head is trained in full
 (peft `modules_to_save`), as TRL and OpenRLHF do; `all-linear` never adapts the output head.
+
+A vision-language model (Qwen2-VL / Qwen2.5-VL): `all-linear` adapts the language model's linear layers only,
+not the vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
+names is the user's choice and is taken as given (Qwen2-VL's `q_proj` / `v_proj` / ... live in the language
+model only, its vision blocks use `qkv` / `proj` / `fc1` / `fc2`, so naming those adapts the vision tower).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import re
+
 import torch
 
 from tiller.errors import ConfigError
+from tiller.models.vision import is_vision_model
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -49,6 +57,8 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
                              if isinstance(m, torch.nn.Linear)})
             raise ConfigError(f"model.target_modules: no module named {unknown} in the model; "
                               f"linear layers: {', '.join(linear)}")
+    if target_modules == "all-linear":
+        target_modules = language_model_targets(model) or target_modules
     is_seq_cls = type(model).__name__.endswith("ForSequenceClassification")
     config = LoraConfig(
         r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
@@ -56,6 +66,21 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         modules_to_save=list(modules_to_save) if modules_to_save else None,
     )
     return get_peft_model(model, config)
+
+
+def language_model_targets(model: torch.nn.Module) -> str | None:
+    """For a vision-language model, peft's `target_modules` regex (full match on module names) of every linear
+    layer inside its language model, e.g. `model\\.language_model\\..*\\.(?:down_proj|...|v_proj)`; None for a
+    text model (`all-linear` applies as is)."""
+    if not is_vision_model(model):
+        return None
+    lm = getattr(getattr(model, "model", None), "language_model", None)
+    prefix = next((name for name, m in model.named_modules() if m is lm), None) if lm is not None else None
+    if not prefix:
+        raise ConfigError(f"model.target_modules=all-linear: cannot find the language model of "
+                          f"{type(model).__name__} (model.language_model); name the modules to adapt")
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, torch.nn.Linear)})
+    return rf"{re.escape(prefix)}\..*\.(?:{'|'.join(map(re.escape, names))})"
 
 
 def merge_lora(model: torch.nn.Module) -> torch.nn.Module:

@@ -55,6 +55,12 @@ class ImageTextProcessor:
     def apply_chat_template(self, messages, **kwargs):
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
+    def save_pretrained(self, directory, **kwargs):
+        """Write `preprocessor_config.json` and the tokenizer files (chat template included), as the full
+        processor does, so `AutoProcessor` / `load_processor` read the dir back."""
+        self.image_processor.save_pretrained(directory)
+        return self.tokenizer.save_pretrained(directory, **kwargs)
+
     def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt"):
         image_pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         merge = int(self.image_processor.merge_size) ** 2
@@ -212,6 +218,23 @@ def mrope_position_ids(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     pos, _ = inner.get_rope_index(input_ids, mm_types, image_grid_thw=image_grid_thw.to(input_ids.device),
                                   attention_mask=attention_mask)
     return pos
+
+
+def vision_inputs(model, ids: torch.Tensor, mask: torch.Tensor, multi_modal) -> tuple[dict, torch.Tensor]:
+    """(pixel keywords, position ids) of a micro-batch's forward: `pixel_values` / `image_grid_thw` of the rows with
+    images in row order and M-RoPE positions `[3, B, L]`; ({}, 2-D positions `cumsum(mask) - 1`) for text rows.
+    ids, mask: `[B, L]` (any padding); multi_modal: per row None or {"pixel_values", "image_grid_thw"}, or None.
+    Image tokens in `ids` with no pixels raise: the model would read the placeholders as text."""
+    if multi_modal is None or all(m is None for m in multi_modal):
+        config = getattr(model, "config", None)
+        if is_vision_model(config) and bool((ids == config.image_token_id).any()):
+            raise RuntimeError("image tokens in a forward's input but no pixel_values: the batch lost its "
+                               "multi_modal_inputs (a tiller bug; please report it)")
+        return {}, (mask.long().cumsum(-1) - 1).clamp(min=0)
+    rows = [m for m in multi_modal if m is not None]
+    grid = torch.cat([m["image_grid_thw"] for m in rows]).to(ids.device)
+    pixels = torch.cat([m["pixel_values"] for m in rows]).to(ids.device)
+    return {"pixel_values": pixels, "image_grid_thw": grid}, mrope_position_ids(model, ids, mask, grid)
 
 
 def vision_tower(model):

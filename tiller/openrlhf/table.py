@@ -94,13 +94,15 @@ TABLE: tuple[Flag, ...] = (
        "data.disable_fast_tokenizer"),
     _f("data.dataloader_num_workers", HINT, "tiller tokenizes the data once up front (no data-loader workers)"),
     _f("data.image_key", MAPPED, "data.image_key (PPO: image prompts of a vision-language model, docs/vlm.md)",
-       S=(REFUSED, "SFT on image+text conversations is not supported yet (RL on image prompts is: train_ppo_ray)"),
+       S=(REFUSED, "OpenRLHF's SFT image data is not translated yet; `tiller sft` takes verl's multi-turn image "
+          "parquet directly (data.image_key, docs/vlm.md)"),
        R=(REFUSED, "reward models on images are not supported"), D=(REFUSED, "DPO on images is not supported"),
        K=(REFUSED, "KTO on images is not supported")),
     _f("data.max_images_per_prompt", HINT, "tiller encodes every image of a row (no per-prompt cap; the prompt's "
        "tokens, image tokens included, are capped by data.max_prompt_length)"),
     _f("actor.freeze_visual_encoder", MAPPED, "actor_rollout_ref.actor.freeze_vision_tower",
-       S=(REFUSED, "SFT of vision-language models is not supported yet")),
+       S=(REFUSED, "OpenRLHF's SFT image flags are not translated yet; `tiller sft` takes verl's multi-turn image "
+          "parquet directly, with model.freeze_vision_tower (docs/vlm.md)")),
     _f("use_ms", REFUSED, "ModelScope hub: tiller loads local dirs and the Hugging Face cache only", "use_ms"),
     # ------------------------------------------------------------------ batches and schedule
     _f("train_batch_size", MAPPED, "data.train_batch_size (PPO: samples per update: actor.ppo_mini_batch_size = "

@@ -158,9 +158,7 @@ class RLTrainer:
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
-        if self.use_critic and self.processor is not None:
-            raise ConfigError("algorithm.adv_estimator=gae trains a critic, and a critic on a vision-language model "
-                              "is not supported yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+        self._refuse_text_models_for_images(cfg)
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
         self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
         self.prime = algo.adv_estimator == "prime"  # PRIME: an implicit PRM trained each step (algorithm.prime)
@@ -658,6 +656,24 @@ class RLTrainer:
         out.meta = {"prm_mini_batch_size": prompts * self.n // self.world_size}
         return self._pad_to_world(out)
 
+    def _refuse_text_models_for_images(self, cfg) -> None:
+        """Image prompts: every model that reads them must take the pixels (a text model would read the image
+        placeholders as text); PRIME's implicit PRM update is not wired for pixels."""
+        ds = [d for d in (self.train_ds, self.val_ds) if d is not None]
+        if not any(it.multi_modal_inputs is not None for d in ds for it in d.items):
+            return
+        algo = cfg.algorithm
+        if algo.adv_estimator == "prime":
+            raise ConfigError("algorithm.adv_estimator=prime: the prompts have images and PRIME's implicit PRM update "
+                              "takes text only in this version; use grpo / rloo / gae ...")
+        paths = {"algorithm.distill.teacher_path": algo.distill.teacher_path}
+        if self.use_critic:
+            paths["critic.model.path"] = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
+        for key, path in paths.items():
+            if path and not is_vision_checkpoint(path):
+                raise ConfigError(f"{key}={path}: the prompts have images but this is a text-only model (it would "
+                                  "ignore the pixels); use a vision-language model (default: the actor's)")
+
     def _pad_to_world(self, out: Batch) -> Batch:
         """Rows appended (copies with a zero response mask) so the batch divides over the workers."""
         pad = (-len(out)) % self.world_size
@@ -727,7 +743,8 @@ class RLTrainer:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights")
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights",
+                             "multi_modal_inputs")  # image prompts: the updates' forwards take the pixels too
                  if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
             keys.append("rollout_log_probs")

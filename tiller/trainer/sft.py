@@ -7,7 +7,10 @@ packed into rows (global token-mean, `tiller.algos.aggregate_loss(..., "token-me
 Validation reports the same token-mean `val/loss` over the whole validation set and
 `val/perplexity = exp(val/loss)`.
 
-Data: `tiller.data.sft` (prompt / response or chat messages, every assistant turn learned);
+Data: `tiller.data.sft` (prompt / response or chat messages, every assistant turn learned); a
+vision-language model (Qwen2-VL / Qwen2.5-VL) also learns from image + text conversations
+(`tiller.data.sft_vision`: the pixels and M-RoPE positions go through the forward, the saved model dir
+carries the processor config, so `AutoProcessor` and `tiller rl` load it back);
 packing: `tiller.data.packing` (`data.packing=True`). Deviation from verl's SFT trainer: verl
 averages each micro-batch's tokens and then the micro-batches; tiller normalises by the step's token
 count (the two agree only when every micro-batch holds the same number of response tokens).
@@ -32,9 +35,10 @@ from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
 from tiller.data.packing import forward_logits, make_micro_batches
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
-from tiller.errors import UserError
-from tiller.models.loading import is_load_error, load_causal_lm, load_tokenizer
+from tiller.errors import ConfigError, UserError
+from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora
+from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 
 
@@ -98,6 +102,11 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         if m.enable_gradient_checkpointing:
             model.enable_input_require_grads()
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules, m.lora_dropout)
+    if m.freeze_vision_tower:
+        if not is_vision_model(model):
+            raise ConfigError(f"model.freeze_vision_tower=True but {m.partial_pretrain} ({type(model).__name__}) has "
+                              "no vision tower")
+        vision_tower(model).requires_grad_(False)
     return model, tokenizer
 
 
@@ -149,12 +158,20 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     model.to(device)
     data = cfg.data
     seed = cfg.trainer.seed
-    train = load_sft_examples(data.train_files, data, tokenizer, data.max_samples, seed=seed)
-    val = (load_sft_examples(data.val_files, data, tokenizer, data.val_max_samples, which="val", seed=seed)
-           if data.val_files else [])
+    processor = None  # a vision-language model: its processor encodes image rows and is saved with the model
+    if is_vision_checkpoint(cfg.model.partial_pretrain):
+        processor = load_processor(cfg.model.partial_pretrain, tokenizer=tokenizer,
+                                   trust_remote_code=cfg.model.trust_remote_code)
+    train = load_sft_examples(data.train_files, data, tokenizer, data.max_samples, seed=seed, processor=processor)
+    val = (load_sft_examples(data.val_files, data, tokenizer, data.val_max_samples, which="val", seed=seed,
+                             processor=processor) if data.val_files else [])
+    if data.packing and any(e.multi_modal is not None for e in (*train, *val)):
+        raise UserError("data.packing=True: the data has image conversations, and packing takes text only (a packed "
+                        "row would need M-RoPE positions restarted per sequence, which the model's get_rope_index "
+                        "does not do); set data.packing=false")
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
                  data.pack_length or default_pack_length(train, data.max_length))
-    return run_training(cfg, job, model, tokenizer, train, val, device=device)
+    return run_training(cfg, job, model, processor or tokenizer, train, val, device=device)
 
 
 def main(argv: list[str]) -> int:

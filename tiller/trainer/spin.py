@@ -38,7 +38,7 @@ import torch
 
 from tiller.config.jobs import SPINConfig
 from tiller.data.packing import collate_padded
-from tiller.data.preference import PairExample, make_sequence
+from tiller.data.preference import PairExample, make_sequence, refuse_images
 from tiller.data.sft import encode_prompt_response
 from tiller.data.sources import load_sources
 from tiller.errors import DataError
@@ -57,6 +57,7 @@ def load_spin_rows(cfg: SPINConfig, tokenizer) -> list[tuple[list[int], list[int
     rows = []
     for where, row in load_sources([str(f) for f in data.train_files], data.train_split, None, cfg.trainer.seed,
                                    max_per_source=data.max_samples):
+        refuse_images(row, where)  # text only: images would be dropped
         for key, name in ((data.prompt_key, "data.prompt_key"), (data.response_key, "data.response_key")):
             if key not in row or row[key] is None:
                 raise DataError(f"{where}: no {key!r} column ({name}); columns: {sorted(row)}")

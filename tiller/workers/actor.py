@@ -53,7 +53,7 @@ from tiller.rollout.graphed_decode import native_decode_options
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
-from tiller.models.vision import is_vision_model, vision_tower
+from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
@@ -698,6 +698,16 @@ class ActorRolloutRefWorker:
         return distill
 
     # --------------------------------------------------------------------------- checkpoints
+    def _files_saver(self):
+        """What writes the checkpoint's tokenizer files: a vision-language model's processor (tokenizer + image
+        processor config), so the checkpoint's model dir loads back as a VLM; else the tokenizer."""
+        if not self.vision:
+            return self.tokenizer
+        if getattr(self, "_processor", None) is None:
+            m = self.cfg.actor_rollout_ref.model
+            self._processor = load_processor(m.path, tokenizer=self.tokenizer, trust_remote_code=m.trust_remote_code)
+        return self._processor
+
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
         """Atomic checkpoint of model, optimizer, schedule, tokenizer and the driver's `extra_state`."""
         path, model = None, dist_ctx.unwrap_model(self.module)
@@ -707,7 +717,8 @@ class ActorRolloutRefWorker:
             model = self.rollout_module
         if dist_ctx.rank() == 0:
             path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
-                                   extra_state=extra_state, tokenizer=self.tokenizer, keep=keep, **self._prm_state())
+                                   extra_state=extra_state, tokenizer=self._files_saver(), keep=keep,
+                                   **self._prm_state())
         dist_ctx.barrier()
         return str(path)
 

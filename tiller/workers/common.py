@@ -24,7 +24,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
-from tiller.models.vision import mrope_position_ids
+from tiller.models.vision import vision_inputs
 
 BF16 = ("bfloat16", "bf16")
 
@@ -160,18 +160,7 @@ def _rows(multi_modal, rows: torch.Tensor):
     return None if multi_modal is None else [multi_modal[i] for i in rows.tolist()]
 
 
-def _vision_kwargs(model, ids: torch.Tensor, mask: torch.Tensor, multi_modal) -> tuple[dict, torch.Tensor]:
-    """(pixel keywords, position ids) of a micro-batch: `pixel_values` / `image_grid_thw` of the rows with images
-    in row order and M-RoPE positions `[3, B, L]`; ({}, 2-D positions) for text."""
-    if multi_modal is None or all(m is None for m in multi_modal):
-        return {}, position_ids_from_mask(mask)
-    rows = [m for m in multi_modal if m is not None]
-    grid = torch.cat([m["image_grid_thw"] for m in rows]).to(ids.device)
-    pixels = torch.cat([m["pixel_values"] for m in rows]).to(ids.device)
-    return {"pixel_values": pixels, "image_grid_thw": grid}, mrope_position_ids(model, ids, mask, grid)
-
-
-def _image_keys(multi_modal, n: int, device) -> torch.Tensor:
+def image_keys(multi_modal, n: int, device) -> torch.Tensor:
     """[n, 1] an id per distinct image set (0 = none), so rows with equal prompt tokens but other images differ."""
     import hashlib
 
@@ -199,11 +188,11 @@ def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     cut = right if lockstep and t_used == 1 else right - 1
     ids, mask = input_ids[:, left:cut], attention_mask[:, left:cut]
     p = prompt_width - left
-    vision, positions = _vision_kwargs(model, ids, mask, multi_modal)
+    vision, positions = vision_inputs(model, ids, mask, multi_modal)
     if share_prompts:
         prompt_key = torch.cat([ids[:, :p], mask[:, :p]], dim=1)
         if vision:
-            prompt_key = torch.cat([prompt_key, _image_keys(multi_modal, len(ids), ids.device)], dim=1)
+            prompt_key = torch.cat([prompt_key, image_keys(multi_modal, len(ids), ids.device)], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
         if len(unique) < len(ids) or lockstep:
             out = shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:2 * p], inverse,

@@ -3,6 +3,9 @@
 The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the critic path (default:
 the actor's model dir), so it starts from the policy's transformer with a fresh scalar head, as in verl.
 `compute_values` returns V at every response position (the state before each response token);
+A vision-language model (Qwen2-VL / Qwen2.5-VL: no token-classification class in transformers) is the same
+architecture with its LM head replaced by a fresh scalar head (`vision_value_model`), and its forwards take each
+row's `pixel_values` / `image_grid_thw` with the model's M-RoPE positions, as the actor's do.
 `update_critic` regresses them on the GAE returns with verl's clipped value loss
     L = 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),
 aggregated with global counts over `ppo_epochs` x mini-batches x micro-batches, grad clipping and AdamW.
@@ -20,7 +23,7 @@ from tiller.algos.value_loss import explained_variance, value_loss
 from tiller.distributed import context as dist_ctx
 from tiller.errors import UserError
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
-from tiller.models.loading import model_config as hf_model_config
+from tiller.models.loading import is_vision_checkpoint, model_config as hf_model_config
 from tiller.protocol import Batch
 from tiller.workers.common import (
     autocast,
@@ -62,9 +65,12 @@ class CriticWorker:
                                            key="critic.model.override_config", num_labels=1)
             model_config.classifier_dropout = 0.0
             attn = self.ccfg.model.override_config.get("attn_implementation")
-            module = AutoModelForTokenClassification.from_pretrained(
-                path, config=model_config, dtype=torch.float32, trust_remote_code=trust,
-                **({"attn_implementation": attn} if attn else {}))
+            kwargs = dict(config=model_config, dtype=torch.float32, trust_remote_code=trust,
+                          **({"attn_implementation": attn} if attn else {}))
+            if is_vision_checkpoint(path):
+                module = vision_value_model(path, **kwargs)
+            else:
+                module = AutoModelForTokenClassification.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as err:
             raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
         if module.config.pad_token_id is None:
@@ -87,8 +93,9 @@ class CriticWorker:
 
     def _values(self, mb: Batch) -> torch.Tensor:
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
+        mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None  # image prompts: their pixels
         out, _ = response_forward(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                                  P, mb["response_mask"].to(self.device), **self._forward_opts)
+                                  P, mb["response_mask"].to(self.device), multi_modal=mm, **self._forward_opts)
         return pad_right(out.squeeze(-1).float(), T) * mb["response_mask"].to(self.device)
 
     @torch.no_grad()
@@ -186,6 +193,24 @@ class CriticWorker:
                                 optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer))
         dist_ctx.load_full_state_dict(self.model, self.full_module.state_dict())
         return state
+
+
+def vision_value_model(path: str, config, **kwargs) -> torch.nn.Module:
+    """A vision-language model as a value model: `AutoModelForImageTextToText` with `lm_head` replaced by a fresh
+    `Linear(hidden, 1)` (initialised as transformers' token-classification head: weight ~ N(0, initializer_range),
+    bias 0; word embeddings untied from it), so its forward returns `logits [B, L, 1]` = V(s_t) and takes
+    `pixel_values` / `image_grid_thw` / M-RoPE `position_ids` like the policy."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, config=config, **kwargs)
+    text = getattr(model.config, "text_config", model.config)
+    head = torch.nn.Linear(text.hidden_size, 1, bias=True, dtype=model.lm_head.weight.dtype)
+    torch.nn.init.normal_(head.weight, std=getattr(text, "initializer_range", 0.02))
+    torch.nn.init.zeros_(head.bias)
+    model.lm_head = head
+    for cfg in {id(model.config): model.config, id(text): text}.values():
+        cfg.tie_word_embeddings = False  # save / load the head as its own weight, never re-tied to the embeddings
+    return model
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 `split_micro_batches(batch, rows=..., max_tokens=None)` cuts `batch` into micro-batches of `rows` samples
 (contiguous, as `Batch.split`). With `max_tokens` it packs them by padded size instead: each micro-batch
-holds at most `max_tokens` tokens of rows x (longest prompt + longest response) among its rows, which is
+holds at most `max_tokens` tokens of rows x (longest prompt + longest response) among its rows (an image
+prompt's length counts its image tokens: one per merged patch, as they are in the sequence), which is
 what the trimmed, padded forward (`tiller.workers.common.response_forward`) materialises, so peak memory
 follows the budget rather than the row count. Samples of one prompt stay together while they fit
 (`tiller.data.seqlen.token_budget_micro_batches`), so the shared-prompt forward still runs each prompt
@@ -31,6 +32,7 @@ from tiller.data.seqlen import token_budget_micro_batches
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.protocol import Batch
+from tiller.workers.common import image_keys
 
 
 @dataclass
@@ -52,9 +54,11 @@ class MicroBatches:
 
 
 def prompt_units(batch: Batch) -> torch.Tensor:
-    """[B] id of each row's prompt (tokens and padding), as the shared-prompt forward groups them."""
+    """[B] id of each row's prompt (tokens and padding, and images), as the shared-prompt forward groups them."""
     P = batch["prompts"].shape[1]
     key = torch.cat([batch["input_ids"][:, :P], batch["attention_mask"][:, :P].long()], dim=1)
+    if "multi_modal_inputs" in batch:  # image prompts: the same text over other images is another prompt
+        key = torch.cat([key, image_keys(list(batch["multi_modal_inputs"]), len(key), key.device)], dim=1)
     return torch.unique(key, dim=0, return_inverse=True)[1]
 
 
