@@ -133,3 +133,35 @@ def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, tiny
     assert step["step"] == 1 and step["prompt_length/mean"] == 38  # 16 image tokens + the question's text
     # the rollout's sampling probabilities and the actor's (old_log_prob) agree (measured 2.4e-5)
     assert step["training/rollout_probs_diff_max"] < 1e-4 and step["training/rollout_actor_probs_pearson_corr"] > 0.9999
+
+
+def test_continuous_batcher_takes_image_prompts(setup):
+    """The serve / agent scheduler: equal to the engine's greedy rows; two requests with the same tokens over
+    different images never share a prefill or a prompt-cache entry."""
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    model, proc, prompts, text = setup
+    engine = build_rollout_engine("native", model, proc.tokenizer)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=6, ignore_eos=True)
+    want = engine.generate([p.prompt_ids for p in prompts] + [text], greedy, multi_modal=_mm(prompts) + [None])
+    green = encode_image_prompt(proc, SPECS[0][0], [Image.new("RGB", SPECS[0][1][0], (0, 255, 0))])
+    assert green.prompt_ids == prompts[0].prompt_ids
+    other = _mm([green])[0]  # the same tokens, other pixels
+    alone = engine.generate([prompts[0].prompt_ids], greedy, multi_modal=[other])
+    batcher = ContinuousBatcher(engine, max_rows=16)
+    try:
+        futures = [batcher.submit([p.prompt_ids], greedy, multi_modal=[m]) for p, m in zip(prompts, _mm(prompts))]
+        futures.append(batcher.submit([text], greedy))
+        futures.append(batcher.submit([prompts[0].prompt_ids], greedy, multi_modal=[other]))
+        got = [f.result(timeout=120) for f in futures]
+        again = batcher.submit([prompts[0].prompt_ids], greedy, multi_modal=_mm(prompts[:1])).result(timeout=120)
+    finally:
+        batcher.close()
+    for i, out in enumerate(got[:-1]):
+        assert out.response_ids == want.response_ids[2 * i:2 * i + 2]
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want.logprobs[2 * i:2 * i + 2]),
+                                   atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(got[-1].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    assert abs(got[-1].logprobs[0][0] - got[0].logprobs[0][0]) > 1e-4  # the other image changed the answer
+    torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(got[0].logprobs), atol=1e-5, rtol=0)
+    assert batcher.stats["prompt_cache_hits"] == 0  # only the text prompt was cached, and not asked again
