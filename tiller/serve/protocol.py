@@ -141,9 +141,13 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
-    def text_messages(self) -> list[dict[str, Any]]:
+    def text_messages(self, images: list | None = None) -> list[dict[str, Any]]:
         """Messages with content flattened to text (`[{"type": "text", "text": ...}]` parts joined); the
-        `tool_calls`, `tool_call_id` and `name` fields are kept."""
+        `tool_calls`, `tool_call_id` and `name` fields are kept. `images` (a list, for a vision-language model):
+        `image_url` parts are decoded into it and a message holding one keeps its parts
+        (`tiller.serve.images.message_content`); None: an image part is a 400."""
+        from tiller.serve.images import message_content
+
         out = []
         for i, m in enumerate(self.messages):
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -151,13 +155,7 @@ class ChatCompletionRequest(SamplingFields):
                                    f"messages[{i}].role")
             content = m.content
             if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise RequestError(f"messages[{i}].content: only text parts are supported, got "
-                                           f"{part.get('type')!r}", f"messages[{i}].content")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
+                content = message_content(content, f"messages[{i}].content", images)
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             for key in ("tool_calls", "tool_call_id", "name"):
                 if (m.model_extra or {}).get(key) is not None:
