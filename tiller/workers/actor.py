@@ -31,6 +31,7 @@ Letters: `B` samples, `P` prompt width, `T` response width.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import numpy as np
 import torch
@@ -165,6 +166,9 @@ class ActorRolloutRefWorker:
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
         self.rollout = self._build_rollout()
+        if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
+            raise ConfigError(f"actor_rollout_ref.rollout.name={self.rollout_cfg.name}: this engine takes text prompts "
+                              "only, and a vision-language model's prompts carry images; use rollout.name=native or hf")
 
     def _load_teacher(self, path: str, trust_remote_code: bool):
         """The distillation teacher, frozen; its tokenizer must map text to the same ids as the student's."""
