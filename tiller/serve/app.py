@@ -40,6 +40,7 @@ Semantics and deviations from the OpenAI API:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import threading
@@ -59,6 +60,7 @@ from tiller.rollout.continuous import QueueFull as RowsFull
 from tiller.rollout.continuous import RequestFuture
 from tiller.rollout.native import NativeRolloutEngine
 from tiller.serve.batcher import MicroBatcher, QueueFull
+from tiller.serve.images import message_content
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
 from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
 
@@ -186,8 +188,9 @@ class ServedModel:
         if req.tool_choice not in (None, "auto", "none"):
             raise RequestError("tool_choice must be 'auto' or 'none' (forcing a tool is not supported)",
                                "tool_choice")
-        images: list | None = [] if self.processor is not None else None
-        messages, tools = prepare_messages(req.text_messages(images), req.tools, self.tokenizer.chat_template)
+        images: list | None = [] if self.processor is not None else None  # None: a text model, image parts refused
+        messages, tools = prepare_messages(req.text_messages(functools.partial(message_content, images=images)),
+                                           req.tools, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                       add_generation_prompt=req.add_generation_prompt, tokenize=False)

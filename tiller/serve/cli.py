@@ -17,6 +17,8 @@ from pathlib import Path
 from tiller.errors import UserError
 from tiller.evaluation.runner import load_policy
 from tiller.httpguard import Guard, resolve_api_key
+from tiller.models.loading import is_vision_checkpoint
+from tiller.models.vision import load_processor
 from tiller.rollout.base import SamplingParams
 from tiller.serve.app import create_app, ServedModel
 
@@ -95,9 +97,6 @@ def build_served_model(args: argparse.Namespace):
 
 def _processor(policy, trust_remote_code: bool):
     """A vision-language model's processor (chat image_url parts go through it), None for a text model."""
-    from tiller.models.loading import is_vision_checkpoint
-    from tiller.models.vision import load_processor
-
     if not is_vision_checkpoint(policy.model_path):
         return None
     return load_processor(policy.model_path, tokenizer=policy.tokenizer, trust_remote_code=trust_remote_code)

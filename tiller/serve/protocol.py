@@ -9,7 +9,7 @@ fields tiller cannot honour (penalties, `best_of` > n, forced `tool_choice`, `fu
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -141,13 +141,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
-    def text_messages(self, images: list | None = None) -> list[dict[str, Any]]:
-        """Messages with content flattened to text (`[{"type": "text", "text": ...}]` parts joined); the
-        `tool_calls`, `tool_call_id` and `name` fields are kept. `images` (a list, for a vision-language model):
-        `image_url` parts are decoded into it and a message holding one keeps its parts
-        (`tiller.serve.images.message_content`); None: an image part is a 400."""
-        from tiller.serve.images import message_content
-
+    def text_messages(self, parts: Callable[[list[dict], str], Any]) -> list[dict[str, Any]]:
+        """Messages for the chat template, a list content turned into what `parts(content, where)` makes of it
+        (the server's `tiller.serve.images.message_content`: text parts joined, image parts decoded); the
+        `tool_calls`, `tool_call_id` and `name` fields are kept."""
         out = []
         for i, m in enumerate(self.messages):
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -155,7 +152,7 @@ class ChatCompletionRequest(SamplingFields):
                                    f"messages[{i}].role")
             content = m.content
             if isinstance(content, list):
-                content = message_content(content, f"messages[{i}].content", images)
+                content = parts(content, f"messages[{i}].content")
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             for key in ("tool_calls", "tool_call_id", "name"):
                 if (m.model_extra or {}).get(key) is not None:
