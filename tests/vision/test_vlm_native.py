@@ -60,6 +60,10 @@ def test_greedy_equals_hf_generate_on_image_prompts(setup):
             assert out.response_ids[row] == tokens
             # atol 1e-5: decode positions off by the rope delta move these by ~8e-3 (checked by hand)
             torch.testing.assert_close(torch.tensor(out.logprobs[row]), logp, atol=1e-5, rtol=0)
+    assert engine._fused is not None  # Qwen2-VL decodes with the fused step (its prefill of images: the HF forward)
+    alone = engine.generate([text], greedy)  # a text-only call: the fused step prefills too
+    assert alone.response_ids[0] == refs[-1][0]
+    torch.testing.assert_close(torch.tensor(alone.logprobs[0]), refs[-1][1], atol=1e-5, rtol=0)
 
 
 def test_sampled_logprobs_equal_the_actor_forward_and_n_share_one_vision_pass(setup):

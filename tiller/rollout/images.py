@@ -15,10 +15,12 @@ and the image-token merge are the model's code; what this module adds is the eng
 - **Vision special tokens are never sampled** (`suppress_vision_tokens`), as in the hf engine: a response
   holding `<|image_pad|>` would be read as an image slot by every later forward.
 
-The fused / compiled / CUDA-graph decode steps (`fused_decode`, `compiled_decode`, `graphed_decode`) are
-Llama / Qwen2 layer code with 1D RoPE: they do not apply to a Qwen2-VL (its `model_type` is not theirs), so the
-decode step of a vision-language model is its own HF forward with explicit per-row positions (see
-`NativeRolloutEngine`, which warns when such a step was asked for).
+Decode: a response token's three M-RoPE positions are equal, where M-RoPE is the plain rotary embedding, so
+Qwen2-VL decodes with the fused step (`fused_decode`, also compiled with `compile_decode`) at per-row positions
+`next_position + t`; an image prompt's prefill always runs the HF forward (it needs the image outputs and the
+3D positions). The static-shape / CUDA-graph step (`graphed_decode`) computes positions as `len(prompt) + t`
+and samples without the vision-token mask, so a vision-language model never takes it (`NativeRolloutEngine`
+warns when it was asked for).
 
 Letters: `c` prompts in a prefill chunk, `w` chunk width, `L` a prompt's length.
 """

@@ -27,8 +27,8 @@ before sampling.
 Image prompts (Qwen2-VL / Qwen2.5-VL, `multi_modal=[{"pixel_values", "image_grid_thw"} | None]` per prompt, as the
 hf engine): the vision tower runs once per prompt in the prefill, which runs the model's own forward with the
 image outputs and M-RoPE positions; decode positions continue from each prompt's largest position + 1; the vision
-special tokens are never sampled; the fused / compiled / CUDA-graph decode steps do not apply (HF forward per
-step). See `tiller.rollout.images`.
+special tokens are never sampled; decode runs the fused (or compiled) step for Qwen2-VL, not the CUDA-graph one.
+See `tiller.rollout.images`.
 
 Deviations: no paged / prefix cache across calls; rows are grouped in waves of `max_num_seqs` rather than
 refilled continuously; only `sdpa` and `eager` attention implementations are driven.
@@ -221,12 +221,12 @@ class NativeRolloutEngine(InProcessEngine):
         if static_decode and self.cuda_graphs and device_type != "cuda":
             raise UserError("CUDA graphs (rollout.enforce_eager=False) need the model on a CUDA device")
         graphed_decode.capture_sizes(max_num_seqs, capture_sizes)  # a bad rollout.cudagraph_capture_sizes fails here
-        if (static_decode or compile_decode) and vision_token_ids(model):
+        if static_decode and vision_token_ids(model):
             import warnings
 
-            warnings.warn("rollout: a vision-language model decodes with its own HF forward (M-RoPE positions); the "
-                          "fused / compiled / CUDA-graph decode steps are Llama / Qwen2 text layers and are not used "
-                          "for it (tiller.rollout.images)", stacklevel=2)
+            warnings.warn("rollout: the static-shape / CUDA-graph decode step (rollout.enforce_eager=False on a GPU) "
+                          "does not apply to a vision-language model (per-row M-RoPE offsets, vision tokens "
+                          "suppressed): it decodes with the fused step instead (tiller.rollout.images)", stacklevel=2)
 
     def fused_for(self, model) -> FusedDecoder | None:
         """The fused decoder of `model` (built on first use, re-synced with its weights), or None where it does
