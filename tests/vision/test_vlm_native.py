@@ -66,6 +66,37 @@ def test_greedy_equals_hf_generate_on_image_prompts(setup):
     torch.testing.assert_close(torch.tensor(alone.logprobs[0]), refs[-1][1], atol=1e-5, rtol=0)
 
 
+def test_qwen2_5_vl_greedy_equals_hf_generate(setup):
+    """Qwen2.5-VL (verl's VLM example model; windowed vision attention): the tiny VLM's language model config with
+    a small Qwen2.5-VL vision tower, random weights; fused decode, a prompt with two images."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    model, proc, prompts, _ = setup
+    c = model.config
+    vision = dict(depth=2, hidden_size=64, out_hidden_size=c.text_config.hidden_size, intermediate_size=128,
+                  num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                  fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=c.text_config.to_dict(), vision_config=vision, tie_word_embeddings=True,
+                              image_token_id=c.image_token_id, video_token_id=c.video_token_id,
+                              vision_start_token_id=c.vision_start_token_id, vision_end_token_id=c.vision_end_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vl25 = Qwen2_5_VLForConditionalGeneration(config).eval()
+        with torch.no_grad():
+            for p in vl25.model.visual.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.1)
+    engine = build_rollout_engine("native", vl25, proc.tokenizer)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True)
+    chosen = [prompts[0], prompts[2]]
+    out = engine.generate([p.prompt_ids for p in chosen], greedy, multi_modal=_mm(chosen))
+    assert engine._fused is not None
+    for i, p in enumerate(chosen):
+        tokens, logp = _hf_generate(vl25, p.prompt_ids, p.pixel_values, p.image_grid_thw, steps=6)
+        assert out.response_ids[i] == tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs[i]), logp, atol=1e-5, rtol=0)
+
+
 def test_sampled_logprobs_equal_the_actor_forward_and_n_share_one_vision_pass(setup):
     model, proc, prompts, _ = setup
     engine = build_rollout_engine("native", model, proc.tokenizer)

@@ -35,8 +35,9 @@ from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
-SUPPORTED = ("llama", "qwen2", "qwen2_vl")
-"""Model types whose decoder layers this step runs. Qwen2-VL's language model is Qwen2's layers with M-RoPE: at
+SUPPORTED = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")
+"""Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
+M-RoPE: at
 decode time a response token's (t, h, w) positions are equal, where M-RoPE is the 1D rotary embedding, and the
 model's own `rotary_emb` computes it from [B, T] positions; image prompts' prefill runs the HF forward
 (`tiller.rollout.images`)."""
