@@ -2,6 +2,8 @@
 prompt with two images, a text prompt in the same batch), sampled rows' logprobs equal the actor's forward with
 the same pixels, the n samples of a prompt share one vision pass, and bad image inputs are refused."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from PIL import Image
@@ -61,6 +63,17 @@ def test_greedy_equals_hf_generate_on_image_prompts(setup):
             # atol 1e-5: decode positions off by the rope delta move these by ~8e-3 (checked by hand)
             torch.testing.assert_close(torch.tensor(out.logprobs[row]), logp, atol=1e-5, rtol=0)
     assert engine._fused is not None  # Qwen2-VL decodes with the fused step (its prefill of images: the HF forward)
+    # waves of one prompt, and rows leaving early (prompt 0's first token made a stop token: the batch is compacted,
+    # each remaining row keeps its own M-RoPE offset)
+    stop = refs[0][0][0]
+    ids = [p.prompt_ids for p in prompts] + [text]
+    for opts, sampling in (({"max_num_seqs": 2}, greedy), ({}, replace(greedy, stop_token_ids=[stop]))):
+        again = build_rollout_engine("native", model, proc.tokenizer, **opts).generate(
+            ids, sampling, multi_modal=_mm(prompts) + [None])
+        for i, (tokens, logp) in enumerate(refs):
+            end = tokens.index(stop) + 1 if stop in sampling.stop_token_ids and stop in tokens else len(tokens)
+            assert again.response_ids[2 * i] == tokens[:end]
+            torch.testing.assert_close(torch.tensor(again.logprobs[2 * i]), logp[:end], atol=1e-5, rtol=0)
     alone = engine.generate([text], greedy)  # a text-only call: the fused step prefills too
     assert alone.response_ids[0] == refs[-1][0]
     torch.testing.assert_close(torch.tensor(alone.logprobs[0]), refs[-1][1], atol=1e-5, rtol=0)

@@ -272,6 +272,7 @@ class NativeRolloutEngine(InProcessEngine):
                 for start in range(0, len(prompt_ids), per_wave):
                     wave = prompt_ids[start : start + per_wave]
                     wave_mm = None if multi_modal is None else multi_modal[start : start + per_wave]
+                    wave_mm = wave_mm if wave_mm and any(m is not None for m in wave_mm) else None  # text-only wave
                     tokens, logprobs, versions = self._generate_wave(model, wave, sampling, stop_ids, watcher,
                                                                      generator, weights_hook, wave_mm)
                     for row, (toks, lps) in enumerate(zip(tokens, logprobs)):
