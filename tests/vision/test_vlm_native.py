@@ -14,7 +14,7 @@ from tiller.models.loading import load_causal_lm
 from tiller.models.vision import encode_image_prompt, load_processor
 from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.rollout.base import left_pad
-from tiller.rollout.hf import vision_token_ids
+from tiller.rollout.images import vision_token_ids
 from tiller.workers.common import response_forward
 
 V = "<|vision_start|><|image_pad|><|vision_end|>"

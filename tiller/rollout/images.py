@@ -31,9 +31,9 @@ import torch
 
 from tiller.errors import UserError
 from tiller.models.vision import image_token_id, is_vision_model
-from tiller.rollout.hf import vision_token_ids
 
-__all__ = ["ImagePrompts", "check_multi_modal", "next_positions", "suppress_vision_tokens"]
+__all__ = ["ImagePrompts", "check_multi_modal", "encode_images", "next_positions", "suppress_vision_tokens",
+           "vision_token_ids"]
 
 
 def _base(model):
@@ -87,6 +87,24 @@ def next_positions(model, prompts: list[list[int]], multi_modal) -> list[int]:
             for p, m in zip(prompts, multi_modal)]
 
 
+def encode_images(model, multi_modal: list[dict | None]) -> list[list[torch.Tensor]]:
+    """The vision tower run once over every prompt's pixels (`get_image_features`); per prompt, its images'
+    merged-patch features ([] for a text prompt)."""
+    rows = [m for m in multi_modal if m is not None]
+    if not rows:
+        return [[] for _ in multi_modal]
+    device = next(model.parameters()).device
+    encoded = _base(model).model.get_image_features(
+        torch.cat([m["pixel_values"] for m in rows]).to(device),
+        torch.cat([m["image_grid_thw"] for m in rows]).to(device), return_dict=True).pooler_output
+    features, k = [], 0
+    for m in multi_modal:
+        count = 0 if m is None else len(m["image_grid_thw"])
+        features.append(list(encoded[k:k + count]))
+        k += count
+    return features
+
+
 class ImagePrompts:
     """The image side of one prefill: per prompt its vision outputs (the tower run once for all prompts) and
     its M-RoPE positions; `chunk_inputs` gives a prefill chunk's forward keywords."""
@@ -95,18 +113,7 @@ class ImagePrompts:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         self._output = BaseModelOutputWithPooling
-        base = _base(model)
-        device = next(model.parameters()).device
-        rows = [m for m in multi_modal if m is not None]
-        encoded = base.model.get_image_features(
-            torch.cat([m["pixel_values"] for m in rows]).to(device),
-            torch.cat([m["image_grid_thw"] for m in rows]).to(device), return_dict=True).pooler_output
-        self.features: list[list[torch.Tensor]] = []
-        k = 0
-        for m in multi_modal:
-            count = 0 if m is None else len(m["image_grid_thw"])
-            self.features.append(list(encoded[k:k + count]))
-            k += count
+        self.features = encode_images(model, multi_modal)
         self.positions = [mrope_positions(model, p, None if m is None else m["image_grid_thw"])
                           for p, m in zip(prompts, multi_modal)]
 
@@ -129,6 +136,16 @@ def suppress_vision_tokens(logits: torch.Tensor, ids: torch.Tensor | None) -> to
     if ids is None:
         return logits
     return logits.float().index_fill(-1, ids, float("-inf"))
+
+
+def vision_token_ids(model) -> list[int]:
+    """The vision special token ids of a vision-language model (never sampled); [] for a text model."""
+    base = _base(model)
+    if not is_vision_model(base):
+        return []
+    cfg = base.config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(cfg, n)) for n in names if getattr(cfg, n, None) is not None]
 
 
 def vision_ids_tensor(model, device) -> torch.Tensor | None:

@@ -57,8 +57,7 @@ from tiller.rollout.base import (
 )
 from tiller.rollout import compiled_decode, graphed_decode
 from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
-from tiller.rollout.images import vision_ids_tensor
-from tiller.rollout.hf import vision_token_ids
+from tiller.rollout.images import vision_ids_tensor, vision_token_ids
 from tiller.rollout.fused_decode import FusedDecoder
 from tiller.rollout.fused_decode import supports as supports_fused
 from tiller.rollout.sampling import sample_tokens
