@@ -30,5 +30,5 @@ def test_rl_with_rollout_vllm_on_a_vlm_is_a_config_error(tmp_path, tiny_vlm_dir)
                        "trainer.val_before_train=false", "trainer.logger=[jsonl]",
                        f"trainer.default_local_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.rollout.name=vllm: image prompts .*torchvision.*"
-                                          r"set actor_rollout_ref.rollout.name=hf$"):
+                                          r"set actor_rollout_ref.rollout.name=native \(the default\) or hf$"):
         RLTrainer(cfg)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiller.errors import ConfigError
-from tiller.models.loading import is_vision_checkpoint
 from tiller.openrlhf.parse import Command, flag_index
 from tiller.openrlhf.table import HINT, MAPPED, REFUSED
 
@@ -59,10 +58,6 @@ class Args:
 
     def refuse(self, name: str, why: str) -> ConfigError:
         return ConfigError(f"{self.flag(name)} {_show(self.cmd.values.get(name))}: refused: {why}".replace(" True:", ":"))
-
-
-VLM_ROLLOUT = "hf"
-"""tiller's rollout engine for a vision-language model's image prompts (the one that takes them today)."""
 
 
 def _show(value: Any) -> str:
@@ -280,10 +275,6 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     if a("data.image_key") is not None:  # image prompts (vision-language models): the column of the images
         o["data.image_key"] = a("data.image_key")
     o[f"{arr}.actor.freeze_vision_tower"] = bool(a("actor.freeze_visual_encoder"))
-    if is_vision_checkpoint(a("pretrain")):  # OpenRLHF samples image prompts with vLLM; tiller with this engine
-        o[f"{arr}.rollout.name"] = VLM_ROLLOUT
-        notices.append(f"{a.flag('pretrain')}: a vision-language model: tiller samples its image prompts with "
-                       f"actor_rollout_ref.rollout.name={VLM_ROLLOUT} (docs/vlm.md)")
     o["data.input_template"] = a("input_template")
     o["data.apply_chat_template"] = bool(a("apply_chat_template"))
     o["data.max_samples"] = a("max_samples")

@@ -97,7 +97,7 @@ class RolloutOutput:
 @runtime_checkable
 class RolloutEngine(Protocol):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutOutput: ...
-    # engines that take image prompts (hf) also accept `multi_modal=[{"pixel_values", "image_grid_thw"} | None]`
+    # engines that take image prompts (hf, native) also accept `multi_modal=[{"pixel_values", "image_grid_thw"} | None]`
 
     def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None: ...
 

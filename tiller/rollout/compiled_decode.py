@@ -103,7 +103,7 @@ class CompiledStep:
     # ----------------------------------------------------------------------- the traced step
     def _graph(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         f, h = self.fused, self.handle
-        inner = f.model.model
+        inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
         half, b = d // 2, x.shape[0]
         width = [(len_of(f.qkv[0])), len_of(f.o[0]), len_of(f.gate_up[0]), len_of(f.down[0])]
@@ -122,7 +122,7 @@ class CompiledStep:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode step (the `FusedDecoder.step` contract): input_ids, position_ids [B, 1]. Returns [B, V]."""
-        inner = self.fused.model.model
+        inner = self.fused.inner
         x = inner.embed_tokens(input_ids[:, 0])
         cos, sin = inner.rotary_emb(x[:1], position_ids)  # [B, 1, D]: broadcast over the heads
         self._mask, self._cache = mask, cache

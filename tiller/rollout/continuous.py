@@ -60,6 +60,8 @@ from tiller.rollout.base import (
     stop_ids_for,
 )
 from tiller.rollout.constrained import Grammar, Matcher, allowed_tokens
+from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
+from tiller.rollout.images import vision_ids_tensor
 from tiller.rollout.native import KVBuffer, NativeRolloutEngine, prefill_inputs
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
@@ -98,6 +100,8 @@ class _Job:
     logit_bias: dict[int, float]
     top_logprobs: int
     grammar: Grammar | None = None
+    multi_modal: list[dict | None] | None = None  # per prompt: None (text) or its pixel_values / image_grid_thw
+    first_positions: list[int] = field(default_factory=list)  # per prompt: its first response token's position
     future: RequestFuture = field(default_factory=RequestFuture)
     rows: list["_Row"] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
@@ -110,6 +114,7 @@ class _Row:
     prompt: list[int]
     generator: torch.Generator | None
     matcher: Matcher | None = None  # a constrained row's own grammar state
+    position_offset: int = 0  # an image prompt's M-RoPE delta: positions are len(prompt) + t + this
     start: int = 0
     end: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -277,6 +282,7 @@ class ContinuousBatcher:
         model = engine.weights.module
         self._device = next(model.parameters()).device
         self._shared = torch.Generator(device=self._device).manual_seed(engine.generator_seed)
+        self._vision_ids = vision_ids_tensor(model, self._device)  # never sampled (a vision-language model)
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="tiller-continuous-batcher", daemon=True)
         self._thread.start()
@@ -287,15 +293,18 @@ class ContinuousBatcher:
 
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, *,
                logit_bias: dict[int, float] | None = None, top_logprobs: int = 0,
-               grammar: Grammar | None = None) -> Future:
+               grammar: Grammar | None = None, multi_modal: list[dict | None] | None = None) -> Future:
         """Queue one request (`len(prompt_ids) * sampling.n` rows); raises `QueueFull` past `max_queue`.
 
         `grammar` (`tiller.rollout.constrained.Grammar`) constrains every row of the request, each with its own
-        matcher.
+        matcher. `multi_modal`: per prompt None or {"pixel_values", "image_grid_thw"} (a vision-language model;
+        `tiller.rollout.images`): the vision tower runs in the prompt's prefill, and an image prompt is never
+        shared with another prompt or kept in the prompt cache (its key would have to hold the pixels).
         """
         sampling.validate()
         model = self.engine.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
+        multi_modal = check_multi_modal(model, prompt_ids, multi_modal)
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         with self._pending_lock:
@@ -303,7 +312,8 @@ class ContinuousBatcher:
                 raise QueueFull(f"{self.pending} requests are waiting or running; this server takes at most "
                                 f"{self.max_queue} at once (--max-queue): retry later")
             self.pending += 1
-        job = _Job([list(p) for p in prompt_ids], sampling, dict(logit_bias or {}), int(top_logprobs), grammar)
+        job = _Job([list(p) for p in prompt_ids], sampling, dict(logit_bias or {}), int(top_logprobs), grammar,
+                   multi_modal, next_positions(model, prompt_ids, multi_modal))
         job.future.add_done_callback(self._done)
         self.queue.put(job)
         return job.future
@@ -390,32 +400,40 @@ class ContinuousBatcher:
         """Prefill the jobs' prompts into free slots; their first logits join `self._logits`."""
         engine = self.engine
         model = self._sync_weights()
-        prompts = [p for job in jobs for p in job.prompt_ids]
+        prompts, images = _prompts_of(jobs)
         width = max(len(p) for p in prompts)
-        todo, hits = self._lookup(model, prompts)
+        keys = _prompt_keys(prompts, images)
+        todo, hits = self._lookup(model, prompts, keys)
         tmp, first = None, None
         if todo:
             tmp = KVBuffer(len(todo), width, self._device)
+            todo_mm = [images[i] for i in todo] if images is not None else None
             with eval_mode(model):
                 t0 = time.perf_counter()
-                first = engine._prefill(model, todo, tmp, width, 1, pad_token_id(model, engine.tokenizer))
+                vision = None
+                if todo_mm is not None and any(m is not None for m in todo_mm):
+                    vision = ImagePrompts(model, [prompts[i] for i in todo], todo_mm)
+                first = engine._prefill(model, [prompts[i] for i in todo], tmp, width, 1,
+                                        pad_token_id(model, engine.tokenizer), vision)
                 self.stats["prefill_s"] += time.perf_counter() - t0
-        self._install(jobs, width, *self._assemble(prompts, width, todo, tmp, first, hits))
+        self._install(jobs, width, *self._assemble(prompts, keys, width, todo, tmp, first, hits))
 
     # --------------------------------------------------------------------------------- prompt cache
-    def _lookup(self, model, prompts: list[list[int]]) -> tuple[list[list[int]], dict[tuple, tuple]]:
-        """(the distinct prompts that need a prefill, cached entries of the others)."""
+    def _lookup(self, model, prompts: list[list[int]], keys: list[tuple]) -> tuple[list[int], dict[tuple, tuple]]:
+        """(the indices of the distinct prompts that need a prefill, cached entries of the others by key)."""
         cache = self.prompt_cache
         if not cache.max_bytes:  # off: every prompt is prefilled, repeats too
-            return list(prompts), {}
+            return list(range(len(prompts))), {}
         cache.check_weights(param_versions(model))
         todo, hits, seen = [], {}, set()
         fused = self.engine._fused if self.engine._fused is not None and self.engine._fused.model is model else None
-        for p in prompts:
-            key = tuple(p)
+        for i, (p, key) in enumerate(zip(prompts, keys)):
             if key in seen:
                 continue
             seen.add(key)
+            if key != tuple(p):  # an image prompt: prefilled, never cached
+                todo.append(i)
+                continue
             entry = cache.get(key)
             if entry is None and fused is not None:
                 base, shared = cache.longest_prefix(p)
@@ -426,7 +444,7 @@ class ContinuousBatcher:
             if entry is not None:
                 hits[key] = entry
             else:
-                todo.append(p)
+                todo.append(i)
         self.stats["prompt_cache_hits"] += len(prompts) - len(todo)
         return todo, hits
 
@@ -451,9 +469,11 @@ class ContinuousBatcher:
         self.stats["prefill_s"] += time.perf_counter() - t0
         return [k[0] for k in buf.keys], [v[0] for v in buf.values], last
 
-    def _assemble(self, prompts, width, todo, tmp: KVBuffer | None, first, hits) -> tuple[KVBuffer, torch.Tensor]:
+    def _assemble(self, prompts, prompt_keys, width, todo: list[int], tmp: KVBuffer | None, first,
+                  hits) -> tuple[KVBuffer, torch.Tensor]:
         """Keys / values of every prompt (right-aligned at `width`, in order) and their first logits, from the
-        prefill of `todo` (rows of `tmp` / `first`) and the cached `hits`; the prefilled prompts are cached."""
+        prefill of prompts `todo` (indices; rows of `tmp` / `first`) and the cached `hits` (by `prompt_keys`);
+        the prefilled text prompts are cached."""
         if tmp is not None and len(todo) == len(prompts):
             out, logits = tmp, first  # nothing cached, nothing repeated: as prefilled
         else:
@@ -463,10 +483,10 @@ class ContinuousBatcher:
                 for k in src:
                     h, d = k.shape[1] if tmp is not None else k.shape[0], k.shape[-1]
                     bufs.append(torch.zeros((len(prompts), h, width, d), dtype=k.dtype, device=self._device))
-            row_of = {tuple(p): i for i, p in enumerate(todo)}
+            row_of = {prompt_keys[i]: r for r, i in enumerate(todo)}
             logits = []
             for i, p in enumerate(prompts):
-                key, n = tuple(p), len(p)
+                key, n = prompt_keys[i], len(p)
                 if key in row_of:
                     r = row_of[key]
                     for bufs, new in ((out.keys, tmp.keys), (out.values, tmp.values)):
@@ -481,8 +501,10 @@ class ContinuousBatcher:
                     logits.append(last)
             logits = torch.stack(logits)
         if self.prompt_cache.max_bytes and tmp is not None:
-            for r, p in enumerate(todo):
-                n = len(p)
+            for r, i in enumerate(todo):
+                p, n = prompts[i], len(prompts[i])
+                if prompt_keys[i] != tuple(p):
+                    continue  # an image prompt
                 self.prompt_cache.put(tuple(p), [k[r, :, width - n :].clone() for k in tmp.keys],
                                       [v[r, :, width - n :].clone() for v in tmp.values], first[r].clone())
         return out, logits
@@ -502,12 +524,12 @@ class ContinuousBatcher:
             if job.grammar is not None:  # the grammar's eos ends the text, ignore_eos or not
                 job.stop_ids = list(dict.fromkeys([*job.stop_ids, *job.grammar.eos_ids]))
             job.watcher = StopStringWatcher(engine.tokenizer, job.sampling.stop)
-            for p in job.prompt_ids:
+            for p, first_pos in zip(job.prompt_ids, job.first_positions):
                 for j in range(job.sampling.n):
                     seed = job.sampling.seed
                     gen = None if seed is None else torch.Generator(device=self._device).manual_seed(
                         (int(seed) * 1_000_003 + len(job.rows)) % (1 << 63))
-                    row = _Row(job, p, gen, start=width - len(p), end=width,
+                    row = _Row(job, p, gen, start=width - len(p), end=width, position_offset=first_pos - len(p),
                                matcher=None if job.grammar is None else job.grammar.matcher())
                     job.rows.append(row)
                     self._rows.append(row)
@@ -538,7 +560,7 @@ class ContinuousBatcher:
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
         """One token per live row: (tokens, logprobs, top-k pairs per row)."""
         rows = self._rows
-        logits = logits.float()
+        logits = suppress_vision_tokens(logits.float(), self._vision_ids)
         if any(r.job.logit_bias for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):
@@ -691,15 +713,16 @@ class ContinuousBatcher:
         dtype = next(model.parameters()).dtype
         mask = engine._mask(valid, dtype, model.config._attn_implementation)
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
-        positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in rows], device=dev)
+        positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1 + r.position_offset] for r in rows], device=dev)
         fused = engine._fused if engine._fused is not None and engine._fused.model is model else None
-        prompts = [p for job in jobs for p in job.prompt_ids]
+        prompts, images = _prompts_of(jobs)
         width = max((len(p) for p in prompts), default=0)
-        if fused is not None and prompts and len(prompts) * width <= engine.prefill_tokens:
-            todo, hits = self._lookup(model, prompts)
+        if fused is not None and prompts and images is None and len(prompts) * width <= engine.prefill_tokens:
+            keys = _prompt_keys(prompts, None)
+            todo, hits = self._lookup(model, prompts, keys)
             tmp = first = None
             if todo:
-                ids, pos, valid = prefill_inputs(todo, pad_token_id(model, engine.tokenizer), dev)
+                ids, pos, valid = prefill_inputs([prompts[i] for i in todo], pad_token_id(model, engine.tokenizer), dev)
                 w = ids.shape[1]
                 tmp = KVBuffer(len(todo), width, dev)
                 tmp.prefill_rows, tmp.prefill_cols = torch.arange(len(todo), device=dev), slice(width - w, width)
@@ -711,7 +734,7 @@ class ContinuousBatcher:
             else:
                 with eval_mode(model):
                     self._logits = fused.step(tokens, positions, mask, cache)
-            self._install(jobs, width, *self._assemble(prompts, width, todo, tmp, first, hits))
+            self._install(jobs, width, *self._assemble(prompts, keys, width, todo, tmp, first, hits))
             return
         with eval_mode(model):
             if fused is not None:
@@ -723,6 +746,20 @@ class ContinuousBatcher:
         self._logits = logits
         if jobs:
             self._admit(jobs)
+
+
+def _prompts_of(jobs: list[_Job]) -> tuple[list[list[int]], list[dict | None] | None]:
+    """The jobs' prompts in order, and their image inputs (None when no job has images)."""
+    prompts = [p for job in jobs for p in job.prompt_ids]
+    if all(job.multi_modal is None for job in jobs):
+        return prompts, None
+    return prompts, [m for job in jobs for m in (job.multi_modal or [None] * len(job.prompt_ids))]
+
+
+def _prompt_keys(prompts: list[list[int]], images: list[dict | None] | None) -> list[tuple]:
+    """Each prompt's key for the prompt cache and for sharing a prefill within an admission: its tokens; an image
+    prompt gets a key of its own (its pixels are not in the key), so it is never shared or cached."""
+    return [tuple(p) if images is None or images[i] is None else (None, i) for i, p in enumerate(prompts)]
 
 
 class _Closed(Exception):

@@ -35,20 +35,40 @@ from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")
+"""Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
+M-RoPE: at
+decode time a response token's (t, h, w) positions are equal, where M-RoPE is the 1D rotary embedding, and the
+model's own `rotary_emb` computes it from [B, T] positions; image prompts' prefill runs the HF forward
+(`tiller.rollout.images`)."""
+
+
+def decoder_stack(model):
+    """The module holding `embed_tokens`, `layers`, `norm` and `rotary_emb`: `model.model`, or a vision-language
+    model's `model.model.language_model`; None when there is none (e.g. a PeftModel, whose .model is the LM)."""
+    inner = getattr(model, "model", None)
+    inner = getattr(inner, "language_model", inner)
+    return inner if hasattr(inner, "layers") else None
+
+
+def text_config(model):
+    """The language model's config (a vision-language model's `text_config`)."""
+    config = model.config
+    return getattr(config, "text_config", None) or config
 
 
 def supports(model) -> bool:
-    """True for a plain (no adapters) Llama / Qwen2 causal LM with full attention in every layer."""
+    """True for a plain (no adapters) Llama / Qwen2 / Qwen2-VL model with full attention in every layer."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED or not hasattr(getattr(model, "model", None), "layers"):
-        return False  # a PeftModel's .model is the wrapped LM, not the decoder stack
+    if getattr(config, "model_type", None) not in SUPPORTED or decoder_stack(model) is None:
+        return False
+    config = text_config(model)
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         return False
     if getattr(config, "pretraining_tp", 1) != 1:
         return False
     linear_names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    for layer in model.model.layers:
+    for layer in decoder_stack(model).layers:
         mods = [getattr(layer.self_attn, n, None) for n in linear_names]
         mods += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(type(m) is not torch.nn.Linear for m in mods):
@@ -85,10 +105,12 @@ class FusedDecoder:
         self.pack = can_pack(model) if pack is None else pack
         self.decode_kernel = decode_kernel  # the C one-token attention on CPU (tiller.rollout.decode_kernel)
         self._kernels: dict[tuple, DecodeAttention | None] = {}
-        attn = model.model.layers[0].self_attn
+        self.inner = decoder_stack(model)  # embed_tokens, layers, norm, rotary_emb
+        attn = self.inner.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.n_q = model.config.num_attention_heads
-        self.n_kv = getattr(model.config, "num_key_value_heads", None) or self.n_q
+        config = text_config(model)
+        self.n_q = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_q
         self.scaling = attn.scaling
         self._seen = None
         self.sync()
@@ -119,7 +141,7 @@ class FusedDecoder:
         old = None if self._seen is None else [*self.qkv, *self.o, *self.gate_up, *self.down, self.head]
         self.qkv, self.o, self.gate_up, self.down = [], [], [], []
         with torch.no_grad():
-            for layer in self.model.model.layers:
+            for layer in self.inner.layers:
                 a, m = layer.self_attn, layer.mlp
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
                 if any(b is not None for b in biases) and not all(b is not None for b in biases):
@@ -187,7 +209,7 @@ class FusedDecoder:
         (input_ids [B, T], position_ids [B, T], mask [B, 1, T, L], cache). Every matmul runs once over the tokens
         of all parts (the weights stream from memory once); attention runs per part over its own cache.
         Returns each part's last-position logits [B, V]."""
-        inner = self.model.model
+        inner = self.inner
         d, n_q, n_kv = self.head_dim, self.n_q, self.n_kv
         group, half = n_q // n_kv, d // 2
         shapes = [p[0].shape for p in parts]

@@ -190,7 +190,7 @@ class GraphedDecoder:
         self.kc = self.vc = None
         f, dev = self.fused, self.device
         shape = (c_rows, f.n_kv, c_cols, f.head_dim)
-        layers = len(f.model.model.layers)
+        layers = len(f.inner.layers)
         # zeros: masked columns still enter the attention matmuls, and 0 * NaN garbage would be NaN
         self.kc = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.vc = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
@@ -210,7 +210,7 @@ class GraphedDecoder:
     def _forward(self, b: int, lb: int) -> torch.Tensor:
         """Rows [:b]: feed their tokens, write their keys / values, attend over columns [:lb]; logits [b, V]."""
         f, s = self.fused, self.state
-        inner = f.model.model
+        inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
         half = d // 2
         write, rows = s["write"][:b], self.arange[:b]

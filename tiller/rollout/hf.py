@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from tiller.models.vision import image_token_id, is_vision_model
+from tiller.models.vision import image_token_id
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -37,6 +37,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
+from tiller.rollout.images import encode_images, vision_token_ids  # noqa: F401 - vision_token_ids: re-exported
 
 
 _NO_TOKEN = 2**31 - 1
@@ -121,30 +122,12 @@ def image_inputs(model, input_ids: torch.Tensor, multi_modal: list[dict | None],
     `image_grid_thw` and `mm_token_type_ids` for the M-RoPE positions. {} when no prompt has images."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    rows = [m for m in multi_modal if m is not None]
-    if not rows:
+    if all(m is None for m in multi_modal):
         return {}
     device = input_ids.device
-    grids = [m["image_grid_thw"].to(device) for m in rows]
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    encoded = base.model.get_image_features(torch.cat([m["pixel_values"] for m in rows]).to(device),
-                                            torch.cat(grids), return_dict=True).pooler_output
-    per_prompt, k = [], 0
-    for m in multi_modal:
-        count = 0 if m is None else len(m["image_grid_thw"])
-        per_prompt.append(list(encoded[k:k + count]))
-        k += count
+    per_prompt = encode_images(model, multi_modal)
     features = tuple(f for feats in per_prompt for _ in range(n) for f in feats)
     grid = torch.cat([m["image_grid_thw"] for m in multi_modal if m is not None for _ in range(n)]).to(device)
     return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=features)},
             "image_grid_thw": grid, "mm_token_type_ids": (input_ids == image_token_id(base)).int()}
-
-
-def vision_token_ids(model) -> list[int]:
-    """The vision special token ids of a vision-language model (never sampled); [] for a text model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not is_vision_model(base):
-        return []
-    cfg = base.config
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return [int(getattr(cfg, n)) for n in names if getattr(cfg, n, None) is not None]

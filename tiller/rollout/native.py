@@ -24,6 +24,12 @@ bf16: `dtype="bfloat16"` runs a bf16 copy of the weights (refreshed by `update_w
 faster than autocast on CPU (autocast re-casts every weight at every step). Logits are cast to fp32
 before sampling.
 
+Image prompts (Qwen2-VL / Qwen2.5-VL, `multi_modal=[{"pixel_values", "image_grid_thw"} | None]` per prompt, as the
+hf engine): the vision tower runs once per prompt in the prefill, which runs the model's own forward with the
+image outputs and M-RoPE positions; decode positions continue from each prompt's largest position + 1; the vision
+special tokens are never sampled; decode runs the fused (or compiled) step for Qwen2-VL, not the CUDA-graph one.
+See `tiller.rollout.images`.
+
 Deviations: no paged / prefix cache across calls; rows are grouped in waves of `max_num_seqs` rather than
 refilled continuously; only `sdpa` and `eager` attention implementations are driven.
 
@@ -50,6 +56,8 @@ from tiller.rollout.base import (
     stop_ids_for,
 )
 from tiller.rollout import compiled_decode, graphed_decode
+from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
+from tiller.rollout.images import vision_ids_tensor, vision_token_ids
 from tiller.rollout.fused_decode import FusedDecoder
 from tiller.rollout.fused_decode import supports as supports_fused
 from tiller.rollout.sampling import sample_tokens
@@ -212,6 +220,12 @@ class NativeRolloutEngine(InProcessEngine):
         if static_decode and self.cuda_graphs and device_type != "cuda":
             raise UserError("CUDA graphs (rollout.enforce_eager=False) need the model on a CUDA device")
         graphed_decode.capture_sizes(max_num_seqs, capture_sizes)  # a bad rollout.cudagraph_capture_sizes fails here
+        if static_decode and vision_token_ids(model):
+            import warnings
+
+            warnings.warn("rollout: the static-shape / CUDA-graph decode step (rollout.enforce_eager=False on a GPU) "
+                          "does not apply to a vision-language model (per-row M-RoPE offsets, vision tokens "
+                          "suppressed): it decodes with the fused step instead (tiller.rollout.images)", stacklevel=2)
 
     def fused_for(self, model) -> FusedDecoder | None:
         """The fused decoder of `model` (built on first use, re-synced with its weights), or None where it does
@@ -227,15 +241,19 @@ class NativeRolloutEngine(InProcessEngine):
     # ------------------------------------------------------------------------------------------ API
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 weights_hook: Callable[[], int] | None = None) -> RolloutOutput:
+                 weights_hook: Callable[[], int] | None = None,
+                 multi_modal: list[dict | None] | None = None) -> RolloutOutput:
         """Sample `sampling.n` completions per prompt. `weights_hook()` (asynchronous RL's partial rollouts) is
         called before the prefill and before every decode step: it may load new weights into the module this
         engine runs (which are then used from that step on, the KV cache so far kept) and returns the policy
-        version in use, recorded per token in `RolloutOutput.token_versions`; it may raise to abort."""
+        version in use, recorded per token in `RolloutOutput.token_versions`; it may raise to abort.
+        `multi_modal`: per prompt None (text) or {"pixel_values", "image_grid_thw"} of a vision-language model
+        (`tiller.rollout.images`)."""
         sampling.validate()
         self.weights.sync_if_stale()
         model = self.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
+        multi_modal = check_multi_modal(model, prompt_ids, multi_modal)
         self.fused_for(model)
         device = next(model.parameters()).device
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
@@ -252,8 +270,10 @@ class NativeRolloutEngine(InProcessEngine):
             with eval_mode(model), torch.inference_mode():
                 for start in range(0, len(prompt_ids), per_wave):
                     wave = prompt_ids[start : start + per_wave]
+                    wave_mm = None if multi_modal is None else multi_modal[start : start + per_wave]
+                    wave_mm = wave_mm if wave_mm and any(m is not None for m in wave_mm) else None  # text-only wave
                     tokens, logprobs, versions = self._generate_wave(model, wave, sampling, stop_ids, watcher,
-                                                                     generator, weights_hook)
+                                                                     generator, weights_hook, wave_mm)
                     for row, (toks, lps) in enumerate(zip(tokens, logprobs)):
                         ids, lp, reason = finalize_row(toks, lps, stop_ids, watcher)
                         result.prompt_ids.append(list(wave[row // sampling.n]))
@@ -275,11 +295,13 @@ class NativeRolloutEngine(InProcessEngine):
         return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(
             ~valid, torch.finfo(dtype).min)
 
-    def _prefill(self, model, prompts, cache: KVBuffer, width: int, n: int, pad_id: int) -> torch.Tensor:
+    def _prefill(self, model, prompts, cache: KVBuffer, width: int, n: int, pad_id: int,
+                 images: ImagePrompts | None = None) -> torch.Tensor:
         """Run all prompts through the model in chunks, filling `cache`; returns first logits [G*n, V].
 
         Prompts go shortest first into chunks of similar lengths (`prefill_chunks`), so a chunk pads little;
         each chunk's keys / values land in its prompts' rows (n per prompt) at the right-aligned columns.
+        `images` (image prompts): the chunk's vision outputs and M-RoPE positions go to the model's forward.
         """
         device, impl = cache.device, model.config._attn_implementation
         dtype = next(model.parameters()).dtype
@@ -291,11 +313,12 @@ class NativeRolloutEngine(InProcessEngine):
             ids, pos, valid = prefill_inputs(chunk, pad_id, device)
             rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
-            if self._fused is not None and self._fused.model is model:  # prepacked weights (fused_decode)
+            extra = {} if images is None else images.chunk_inputs(chunk_idx, w, device)
+            if self._fused is not None and self._fused.model is model and not extra:  # prepacked weights
                 last = self._fused.forward(ids, pos, valid[:, None], cache)
             else:
-                last = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl), position_ids=pos,
-                             use_cache=True, logits_to_keep=1,
+                last = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl),
+                             **{"position_ids": pos, **extra}, use_cache=True, logits_to_keep=1,
                              **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
             logits = last.float().repeat_interleave(n, dim=0)
             if first_logits is None:
@@ -315,10 +338,12 @@ class NativeRolloutEngine(InProcessEngine):
         return new
 
     def _generate_wave(self, model, prompts, sampling: SamplingParams, stop_ids, watcher, generator,
-                       weights_hook=None):
+                       weights_hook=None, multi_modal=None):
         """Generate for one wave of prompts; returns raw (tokens, logprobs, versions) lists per row, row-major
         (versions: the policy version of each token's logits, from `weights_hook`; empty lists without it)."""
-        graphed = graphed_decode.decoder_for(self, model) if weights_hook is None and not watcher else None
+        vision_ids = vision_ids_tensor(model, next(model.parameters()).device)
+        graphed = (graphed_decode.decoder_for(self, model) if weights_hook is None and not watcher
+                   and vision_ids is None else None)
         if graphed is not None:  # the static-shape step (CUDA graphs on a GPU)
             return graphed_decode.generate_wave(self, graphed, model, prompts, sampling, stop_ids, generator,
                                                 pad_token_id(model, self.tokenizer), KVBuffer)
@@ -331,9 +356,12 @@ class NativeRolloutEngine(InProcessEngine):
         cache = KVBuffer(rows_total, width + max_new, device)
         version = self._new_weights(weights_hook, -1) if weights_hook is not None else -1
         step_versions = [version]  # the version of the logits each token t is sampled from
-        logits = self._prefill(model, prompts, cache, width, n, pad_token_id(model, self.tokenizer))
+        images = ImagePrompts(model, prompts, multi_modal) if multi_modal is not None else None
+        logits = self._prefill(model, prompts, cache, width, n, pad_token_id(model, self.tokenizer), images)
 
         prompt_len = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(n)
+        # each row's first response position: len(prompt), or past an image prompt's largest M-RoPE position
+        first_pos = torch.tensor(next_positions(model, prompts, multi_modal), device=device).repeat_interleave(n)
         columns = torch.arange(width + max_new, device=device)
         valid_all = (columns[None, :] >= (width - prompt_len)[:, None])[:, None, None, :]  # [B, 1, 1, L]
         mask_all = self._mask(valid_all, dtype, impl)
@@ -346,7 +374,7 @@ class NativeRolloutEngine(InProcessEngine):
         sample_kw = dict(do_sample=sampling.do_sample, temperature=sampling.temperature, top_k=sampling.top_k,
                          top_p=sampling.top_p, min_p=sampling.min_p, generator=generator)
         for t in range(max_new):
-            tokens, logp = sample_tokens(logits, **sample_kw)
+            tokens, logp = sample_tokens(suppress_vision_tokens(logits, vision_ids), **sample_kw)
             out_tokens[rows, t] = tokens
             out_logp[rows, t] = logp
             done = torch.isin(tokens, stop_tensor) if len(stop_ids) else torch.zeros_like(alive)
@@ -364,12 +392,12 @@ class NativeRolloutEngine(InProcessEngine):
                 keep = alive.nonzero().squeeze(-1)
                 cache.select_rows(keep, width + t)
                 rows, tokens, alive = rows[keep], tokens[keep], alive[keep]
-                prompt_len, mask_all = prompt_len[keep], mask_all[keep]
+                first_pos, mask_all = first_pos[keep], mask_all[keep]
             cache.write_pos = width + t
             if weights_hook is not None:  # partial rollout: newer weights from here on (KV cache kept)
                 version = self._new_weights(weights_hook, version)
                 step_versions.append(version)
-            mask, positions = mask_all[..., : width + t + 1], (prompt_len + t)[:, None]
+            mask, positions = mask_all[..., : width + t + 1], (first_pos + t)[:, None]
             if self._fused is not None:
                 logits = self._fused.step(tokens[:, None], positions, mask, cache)
             else:

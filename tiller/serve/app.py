@@ -32,11 +32,16 @@ Semantics and deviations from the OpenAI API:
 - `usage.prompt_tokens` counts each prompt once, whatever `n` is; completion tokens include a stop token.
 - Function calling (`tools`, `tool_choice` auto | none, `parallel_tool_calls`) maps to the Hermes / Qwen
   `<tool_call>` format (`tiller.serve.tool_calls`); forcing a tool is refused.
+- Images (a vision-language model, served with its processor): chat `image_url` parts with base64 `data:` URLs
+  are decoded and go through the processor into the engine (native or hf); a remote URL is not fetched (400);
+  see `tiller.serve.images`. `usage.prompt_tokens` counts the image tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import threading
 import time
@@ -45,7 +50,8 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' (string) annotations here
 
-from tiller.errors import UserError
+from tiller.errors import DataError, UserError
+from tiller.models.vision import encode_image_prompt
 from tiller.rollout import RolloutOutput, SamplingParams
 from tiller.rollout.agent_endpoint import CURRENT_EPISODE, EpisodeNotFound, EpisodeRecorder
 from tiller.rollout.constrained import Grammar, GrammarCompiler, GrammarError
@@ -54,6 +60,7 @@ from tiller.rollout.continuous import QueueFull as RowsFull
 from tiller.rollout.continuous import RequestFuture
 from tiller.rollout.native import NativeRolloutEngine
 from tiller.serve.batcher import MicroBatcher, QueueFull
+from tiller.serve.images import message_content
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
 from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
 
@@ -74,8 +81,9 @@ class ServedModel:
     def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
                  max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_n: int = 64,
                  max_prompts_per_request: int = 64, max_request_tokens: int = 1 << 20, max_queue: int = 256,
-                 prompt_cache_mb: float = 64.0):
+                 prompt_cache_mb: float = 64.0, processor=None):
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's (tiller.models.vision.load_processor): image parts
         self.max_n = int(max_n)
         self.max_prompts_per_request = int(max_prompts_per_request)
         self.max_request_tokens = int(max_request_tokens)
@@ -172,13 +180,17 @@ class ServedModel:
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], dict | None]:
+        """(prompt ids, None) or, for a chat with images, (ids with the image tokens, its pixel_values /
+        image_grid_thw from the processor)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions", "messages")
         if req.tool_choice not in (None, "auto", "none"):
             raise RequestError("tool_choice must be 'auto' or 'none' (forcing a tool is not supported)",
                                "tool_choice")
-        messages, tools = prepare_messages(req.text_messages(), req.tools, self.tokenizer.chat_template)
+        images: list | None = [] if self.processor is not None else None  # None: a text model, image parts refused
+        messages, tools = prepare_messages(req.text_messages(functools.partial(message_content, images=images)),
+                                           req.tools, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                       add_generation_prompt=req.add_generation_prompt, tokenize=False)
@@ -186,17 +198,30 @@ class ServedModel:
             raise
         except Exception as err:  # jinja errors from the model's own template
             raise RequestError(f"the chat template rejected the messages: {err}", "messages") from None
+        if images:
+            return self.encode_images(text, images)
         ids = self.encode_text(text)
         if not ids:
             raise RequestError("the rendered prompt is empty", "messages")
-        return ids
+        return ids, None
+
+    def encode_images(self, text: str, images: list) -> tuple[list[int], dict]:
+        """The rendered chat and its images through the processor: (ids, {"pixel_values", "image_grid_thw"})."""
+        if "multi_modal" not in inspect.signature(self.batcher.engine.generate).parameters:
+            raise RequestError(f"this server's engine ({type(self.batcher.engine).__name__}) takes text prompts "
+                               "only; serve a vision-language model with --engine native or hf", "messages")
+        try:
+            enc = encode_image_prompt(self.processor, text, images, where="messages")
+        except DataError as err:
+            raise RequestError(str(err), "messages") from None
+        return enc.prompt_ids, {"pixel_values": enc.pixel_values, "image_grid_thw": enc.image_grid_thw}
 
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingParams, *, logit_bias: dict | None = None,
                        top_logprobs: int = 0, top_param: str = "top_logprobs",
-                       grammar: Grammar | None = None) -> RolloutOutput:
+                       grammar: Grammar | None = None, multi_modal: list[dict | None] | None = None) -> RolloutOutput:
         episode = CURRENT_EPISODE.get()
         if self.recorder is not None:
             self.recorder.check(episode)
@@ -212,6 +237,8 @@ class ServedModel:
             extra = dict(logit_bias=logit_bias, top_logprobs=top_logprobs)
         if grammar is not None:
             extra["grammar"] = grammar  # self.grammar() refused it unless the batcher is continuous
+        if multi_modal is not None and any(m is not None for m in multi_modal):
+            extra["multi_modal"] = multi_modal  # encode_images() refused it unless the engine takes images
         try:
             future = self.batcher.submit(prompts, sampling, **extra)
         except (QueueFull, RowsFull) as err:
@@ -271,12 +298,13 @@ async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> di
     served.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = await asyncio.to_thread(served.render_chat, req)  # tokenizing a long prompt stays off the event loop
+    # rendering, decoding images and tokenizing a long prompt stay off the event loop
+    prompt, images = await asyncio.to_thread(served.render_chat, req)
     sampling = served.sampling(req, req.max_completion_tokens or req.max_tokens, [len(prompt)])
     top_k = req.top_logprobs or 0
     grammar = await asyncio.to_thread(served.grammar, req)
     out = await served.generate([prompt], sampling, logit_bias=req.token_bias(served.vocab_size()),
-                                top_logprobs=top_k, grammar=grammar)
+                                top_logprobs=top_k, grammar=grammar, multi_modal=[images])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = []
     for i in range(len(out)):

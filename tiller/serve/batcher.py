@@ -27,6 +27,7 @@ class Job:
     prompt_ids: list[list[int]]
     sampling: SamplingParams
     future: Future = field(default_factory=Future)
+    multi_modal: list[dict | None] | None = None  # per prompt: None (text) or its pixel_values / image_grid_thw
 
     def key(self) -> tuple | None:
         """Jobs with equal keys share an engine call; None = run alone."""
@@ -65,13 +66,15 @@ class MicroBatcher:
     def overloaded(self) -> bool:
         return self.pending >= self.max_queue
 
-    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Future:
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+               multi_modal: list[dict | None] | None = None) -> Future:
+        """Queue one request; `multi_modal` (image prompts) goes to the engine's `generate` with the prompts."""
         with self._pending_lock:
             if self.pending >= self.max_queue:
                 raise QueueFull(f"{self.pending} requests are waiting or running; this server takes at most "
                                 f"{self.max_queue} at once (--max-queue): retry later")
             self.pending += 1
-        job = Job([list(p) for p in prompt_ids], sampling)
+        job = Job([list(p) for p in prompt_ids], sampling, multi_modal=multi_modal)
         job.future.add_done_callback(self._done)
         self.queue.put(job)
         return job.future
@@ -136,8 +139,11 @@ class MicroBatcher:
             return
         prompts = [p for job in jobs for p in job.prompt_ids]
         sampling = jobs[0].sampling
+        images = {}
+        if any(job.multi_modal is not None for job in jobs):
+            images["multi_modal"] = [m for job in jobs for m in (job.multi_modal or [None] * len(job.prompt_ids))]
         try:
-            out = self.engine.generate(prompts, sampling)
+            out = self.engine.generate(prompts, sampling, **images)
         except BaseException as err:  # noqa: BLE001 - the error belongs to the waiting requests
             for job in jobs:
                 job.future.set_exception(err)

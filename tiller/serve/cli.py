@@ -17,6 +17,8 @@ from pathlib import Path
 from tiller.errors import UserError
 from tiller.evaluation.runner import load_policy
 from tiller.httpguard import Guard, resolve_api_key
+from tiller.models.loading import is_vision_checkpoint
+from tiller.models.vision import load_processor
 from tiller.rollout.base import SamplingParams
 from tiller.serve.app import create_app, ServedModel
 
@@ -86,10 +88,18 @@ def build_served_model(args: argparse.Namespace):
                          max_wait_s=wait_ms / 1000.0, max_n=args.max_n,
                          max_prompts_per_request=args.max_prompts_per_request,
                          max_request_tokens=args.max_request_tokens, max_queue=args.max_queue,
-                         prompt_cache_mb=64.0 if args.prompt_cache_mb is None else args.prompt_cache_mb)
+                         prompt_cache_mb=64.0 if args.prompt_cache_mb is None else args.prompt_cache_mb,
+                         processor=_processor(policy, args.trust_remote_code))
     if args.compile:
         warm_up(served)
     return served
+
+
+def _processor(policy, trust_remote_code: bool):
+    """A vision-language model's processor (chat image_url parts go through it), None for a text model."""
+    if not is_vision_checkpoint(policy.model_path):
+        return None
+    return load_processor(policy.model_path, tokenizer=policy.tokenizer, trust_remote_code=trust_remote_code)
 
 
 def warm_up(served) -> None:

@@ -9,7 +9,7 @@ fields tiller cannot honour (penalties, `best_of` > n, forced `tool_choice`, `fu
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -141,8 +141,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
-    def text_messages(self) -> list[dict[str, Any]]:
-        """Messages with content flattened to text (`[{"type": "text", "text": ...}]` parts joined); the
+    def text_messages(self, parts: Callable[[list[dict], str], Any]) -> list[dict[str, Any]]:
+        """Messages for the chat template, a list content turned into what `parts(content, where)` makes of it
+        (the server's `tiller.serve.images.message_content`: text parts joined, image parts decoded); the
         `tool_calls`, `tool_call_id` and `name` fields are kept."""
         out = []
         for i, m in enumerate(self.messages):
@@ -151,13 +152,7 @@ class ChatCompletionRequest(SamplingFields):
                                    f"messages[{i}].role")
             content = m.content
             if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise RequestError(f"messages[{i}].content: only text parts are supported, got "
-                                           f"{part.get('type')!r}", f"messages[{i}].content")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
+                content = parts(content, f"messages[{i}].content")
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             for key in ("tool_calls", "tool_call_id", "name"):
                 if (m.model_extra or {}).get(key) is not None:
