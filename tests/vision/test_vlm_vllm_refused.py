@@ -10,7 +10,7 @@ from tiller.rollout import build_rollout_engine
 def test_the_engine_refuses_a_vlm_dir_and_module(tiny_vlm_dir):
     from tiller.models.loading import load_causal_lm
 
-    with pytest.raises(UserError, match=r"rollout.name=vllm: image prompts .* torchvision .* use the hf engine"):
+    with pytest.raises(UserError, match=r"rollout.name=vllm: image prompts .* torchvision .* use rollout.name=native"):
         build_rollout_engine("vllm", str(tiny_vlm_dir))
     with pytest.raises(UserError, match="vision-language model"):
         build_rollout_engine("vllm", load_causal_lm(tiny_vlm_dir))

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 
 from tiller.errors import ConfigError, UserError
+from tiller.models.loading import is_vision_checkpoint
+from tiller.models.vision import is_vision_model
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -60,11 +62,8 @@ VLM_REFUSED = (
 
 
 def _refuse_vision_model(model) -> None:
-    from tiller.models.loading import is_vision_checkpoint
-    from tiller.models.vision import is_vision_model
-
     if is_vision_model(model) if isinstance(model, torch.nn.Module) else is_vision_checkpoint(model):
-        raise UserError(f"rollout.name=vllm: {VLM_REFUSED}; use the hf engine")
+        raise UserError(f"rollout.name=vllm: {VLM_REFUSED}; use rollout.name=native (the default) or hf")
 
 
 def _import_vllm():
