@@ -727,8 +727,9 @@ class RLTrainer:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights")
-                 if k in batch]
+        # multi_modal_inputs: image prompts' pixels, without which the update would score the image rows as text
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights",
+                             "multi_modal_inputs") if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
             keys.append("rollout_log_probs")
         out = batch.select(keys)
