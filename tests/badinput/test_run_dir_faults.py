@@ -207,3 +207,30 @@ def test_two_rl_processes_on_one_run_dir(data, tmp_path, tiny_model_dir):
     assert f"is in use by another tiller process (pid {first.pid} " in second.stderr.strip().splitlines()[-1]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and not (run / LOCK_NAME).exists()
+
+
+def test_a_run_that_refuses_to_start_leaves_no_trace(capsys, data, tmp_path, tiny_model_dir):
+    """A config error found after the run dir is taken (here the reward function's file is missing): exit 2, and
+    the dirs the run made are gone; a dir that was there before stays, empty as it was."""
+    missing = f"custom_reward_function.path={tmp_path / 'missing_reward.py'}"
+    run = tmp_path / "new" / "run"
+    assert main(_argv(data, run, tiny_model_dir, missing)) == 2
+    assert "missing_reward.py" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "new").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    assert main(_argv(data, there, tiny_model_dir, missing)) == 2
+    assert there.is_dir() and not any(there.iterdir())
+
+
+def test_a_refused_start_keeps_an_earlier_runs_records(capsys, trained, data, tmp_path, tiny_model_dir):
+    """trainer.overwrite=true replaces an earlier run's records only once start-up has passed: a run refused after
+    taking the dir leaves the records, and a file of the user's, as they were."""
+    run = _copy(trained, tmp_path)
+    (run / "notes.txt").write_text("mine")
+    before = _records(run)
+    argv = _argv(data, run, tiny_model_dir, "trainer.overwrite=true", "trainer.resume_mode=disable",
+                 f"custom_reward_function.path={tmp_path / 'missing_reward.py'}")
+    assert main(argv) == 2
+    assert "missing_reward.py" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert _records(run) == before and (run / "notes.txt").read_text() == "mine" and not (run / LOCK_NAME).exists()

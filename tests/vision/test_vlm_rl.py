@@ -66,6 +66,23 @@ def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir, shapes_data, monkeyp
     assert any("actor/pg_loss" in json.dumps(m) for m in metrics)
 
 
+def test_the_update_sees_the_pixels(tmp_path, tiny_vlm_dir, shapes_data):
+    """The update's forward takes each row's pixels (the vision tower gets a gradient and moves): an update that
+    dropped them would train the image rows as text and leave the vision tower as it was."""
+    from tiller.trainer.rl import RLTrainer
+
+    # the entropy bonus has a gradient whatever the rewards (a group of equal rewards has none)
+    trainer = RLTrainer(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.actor.entropy_coeff=0.01"))
+    try:
+        before = trainer.actor.execute("state_dict")
+        trainer.fit()
+        after = trainer.actor.execute("state_dict")
+    finally:
+        trainer.shutdown()
+    vision = [k for k in before if ".visual." in k]
+    assert vision and any(not torch.equal(before[k], after[k]) for k in vision)
+
+
 def test_freeze_vision_tower_needs_a_vision_model(tmp_path, tiny_model_dir, shapes_data):
     from tiller.trainer.rl import RLTrainer
 

@@ -100,7 +100,8 @@ class RLTrainer:
         try:
             self._set_up(cfg)
         except BaseException:
-            release_run_dir(self.run_dir)
+            # a run that refuses to start leaves no trace: the lock goes, and the dirs its acquire made if empty
+            release_run_dir(self.run_dir, discard=True)
             raise
 
     def _set_up(self, cfg: RLConfig) -> None:
@@ -200,6 +201,8 @@ class RLTrainer:
         self.global_step = 0
         self.tracker = None
         self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
+        if self._replaced_records:  # trainer.overwrite=true, once nothing above refused the run
+            clear_records(self.run_dir, self._replaced_records)
 
     # --------------------------------------------------------------------------------- set-up
     def _build_reward_fn(self):
@@ -851,9 +854,11 @@ class RLTrainer:
         return Path(self.actor.execute("save_checkpoint", str(self.ckpt_root), self.global_step, extra, keep))
 
     def _claim_run_dir(self) -> None:
-        """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue
-        (`tiller.trainer.rundir.claim_run_dir`): a checkpoint of another model is a mismatch, refused by name."""
-        claim_run_dir(self.run_dir, self.ckpt_root, self.cfg.trainer, self.cfg.actor_rollout_ref.model.path)
+        """Refuse an earlier run's records this run would not continue, or (trainer.overwrite=true) note them to
+        clear at the end of start-up (`tiller.trainer.rundir.claim_run_dir`): a checkpoint of another model is a
+        mismatch, refused by name."""
+        self._replaced_records = claim_run_dir(self.run_dir, self.ckpt_root, self.cfg.trainer,
+                                               self.cfg.actor_rollout_ref.model.path)
 
     def _load_newest_good_checkpoint(self) -> tuple[Path | None, dict | None]:
         """resume_mode=auto: the newest checkpoint that loads; a damaged one (truncated weights, optimizer or state

@@ -7,6 +7,9 @@
 checkpoints with the first. The lock is an exclusive `fcntl.flock` on the file, which the kernel drops when the
 holding process ends however it ends (kill -9 included): a lock file left by a dead process is stale, detected by
 the next run (which says so in one line) and taken over. `release_run_dir` (and interpreter exit) removes the file.
+`release_run_dir(run_dir, discard=True)` (a run that refused to start) also removes the directories `acquire_run_dir`
+created, deepest first, each only while it is empty: a refused run leaves no trace, and a dir that existed before is
+never touched.
 
 Within one process the lock is shared (a count): a test or a notebook that builds a second trainer on the same dir
 is one process, not two. POSIX only (`fcntl`); elsewhere the lock is a no-op.
@@ -30,7 +33,7 @@ from pathlib import Path
 from tiller.errors import ConfigError
 
 LOCK_NAME = "tiller.lock"
-_HELD: dict[Path, list] = {}  # lock path -> [fd, count] of the locks this process holds
+_HELD: dict[Path, list] = {}  # lock path -> [fd, count, the directories its acquire created] of this process's locks
 
 
 def _describe(info: dict) -> str:
@@ -56,19 +59,24 @@ def acquire_run_dir(run_dir: str | os.PathLike, key: str = "trainer.default_loca
         import fcntl
     except ImportError:  # not POSIX: no lock
         return Path(run_dir) / LOCK_NAME
-    run_dir = Path(run_dir).expanduser()
+    run_dir = Path(run_dir).expanduser().absolute()
+    created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     run_dir.mkdir(parents=True, exist_ok=True)
     path = (run_dir / LOCK_NAME).resolve()
     if path in _HELD:
         _HELD[path][1] += 1
         return path
     for _ in range(5):  # the file may be removed and made again by a holder between our open and our flock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # a refused run removed the dir it had made (release_run_dir's discard)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read(fd)
-            os.close(fd)
+            os.close(fd)  # the holder made the dir: ours to leave as it is
             raise ConfigError(f"{key}={run_dir} is in use by another tiller process ({_describe(holder)}); wait for "
                               f"it to end, or choose another {key}") from None
         try:
@@ -87,12 +95,14 @@ def acquire_run_dir(run_dir: str | os.PathLike, key: str = "trainer.default_loca
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, json.dumps(info).encode("utf-8"))
-    _HELD[path] = [fd, 1]
+    _HELD[path] = [fd, 1, created]
     return path
 
 
-def release_run_dir(run_dir: str | os.PathLike) -> None:
-    """Drop this process's hold on `run_dir`; the last release removes the lock file (a no-op if not held)."""
+def release_run_dir(run_dir: str | os.PathLike, discard: bool = False) -> None:
+    """Drop this process's hold on `run_dir`; the last release removes the lock file (a no-op if not held).
+    `discard` (a run that refused to start): the last release also removes the directories its acquire created
+    that are empty, deepest first (`rmdir`: a file anyone put there keeps its dir)."""
     path = (Path(run_dir).expanduser() / LOCK_NAME).resolve()
     held = _HELD.get(path)
     if held is None:
@@ -103,8 +113,19 @@ def release_run_dir(run_dir: str | os.PathLike) -> None:
     del _HELD[path]
     try:
         path.unlink(missing_ok=True)  # while still locked: no other process can have taken it
+        if discard:
+            _remove_empty(held[2])
     finally:
         os.close(held[0])
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """rmdir each of `dirs` (deepest first) while it is empty; stop at the first that is not."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (or gone): it and the dirs above it stay
+            return
 
 
 @atexit.register
@@ -143,30 +164,32 @@ def refuse_other_model(ckpt: Path, model_path: str, where: str) -> None:
                       "another trainer.default_local_dir keeps them")
 
 
-def claim_run_dir(run_dir: Path, ckpt_root: Path, tr, model_path: str) -> None:
-    """Refuse (or with trainer.overwrite=true, clear) an earlier run's records this run would not continue, so
-    checkpoints and metrics of two runs never mix in one dir. `tr`: the trainer config section."""
+def claim_run_dir(run_dir: Path, ckpt_root: Path, tr, model_path: str) -> list[Path]:
+    """Refuse an earlier run's records this run would not continue, so checkpoints and metrics of two runs never mix
+    in one dir; with trainer.overwrite=true return them: the records to replace, which the caller clears
+    (`clear_records`) once its start-up has passed, so a run that refuses to start leaves them as they were.
+    `tr`: the trainer config section."""
     # import cost: torch, which the lock alone does not need
     from tiller.models.checkpoint import latest_checkpoint, model_mismatch, resolve_checkpoint
 
     if tr.resume_mode == "resume_path":
         refuse_other_model(resolve_checkpoint(tr.resume_from_path), model_path, "trainer.resume_from_path")
-        return
+        return []
     records = run_records(run_dir, ckpt_root)
     if not records:
-        return
+        return []
     latest = latest_checkpoint(ckpt_root) if tr.resume_mode == "auto" else None
     if latest is not None and not tr.overwrite:
         refuse_other_model(latest, model_path, f"trainer.default_local_dir={run_dir}")
-        return  # the run continues from a checkpoint: its records are this run's
+        return []  # the run continues from a checkpoint: its records are this run's
     if latest is not None and model_mismatch(latest, model_path) is None:
-        return  # trainer.overwrite=true resumes a checkpoint that fits (verl: overwrite is about the records)
+        return []  # trainer.overwrite=true resumes a checkpoint that fits (verl: overwrite is about the records)
     if not tr.overwrite:
         why = "trainer.resume_mode=disable" if tr.resume_mode == "disable" else "it has no checkpoint to resume from"
         raise ConfigError(f"trainer.default_local_dir={run_dir} holds an earlier run "
                           f"({', '.join(p.name for p in records)}) and {why}: pass trainer.overwrite=true to "
                           "replace it, or choose another trainer.default_local_dir")
-    clear_records(run_dir, records)
+    return records
 
 
 # --------------------------------------------------------------------------------------------- sampling

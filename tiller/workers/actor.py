@@ -78,7 +78,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
-from tiller.workers.packed import packed_response_forward
+from tiller.workers.packed import enable_checkpointing, packed_response_forward
 from tiller.workers.prm import ImplicitPRM
 
 
@@ -139,7 +139,7 @@ class ActorRolloutRefWorker:
                                   f"({type(module).__name__}) has no vision tower")
             vision_tower(module).requires_grad_(False)
         if arr.model.enable_gradient_checkpointing:
-            module.gradient_checkpointing_enable()
+            enable_checkpointing(module)  # its recompute keeps the packed forward's attention (use_remove_padding)
         module.train()
         self.module = module
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)

@@ -18,6 +18,10 @@ head runs only on the positions that predict a response token (`logits_to_keep` 
 to `[B, t, V]`. Every real token gets the position id and the keys it has in the padded forward, so logprobs and
 gradients are the padded forward's up to summation order (tests/trainer/test_packed_forward.py).
 
+Under gradient checkpointing (`enable_gradient_checkpointing`) a layer's forward is rerun inside `backward()`, after
+the packed forward has returned; `enable_checkpointing` installs `recompute_contexts`, which re-enters the attention
+switch with the same rows for each rerun (without it the rerun attends across rows: torch's CheckpointError).
+
 Deviations from verl: rows are packed per micro-batch (the micro-batching stays tiller's, token-budgeted or not);
 no flash-attn package needed (torch's own varlen kernel on CUDA). Slots past a row's response are zero logits (the padded
 forward has pad-token logits there); both are masked by `response_mask` downstream.
@@ -40,7 +44,8 @@ from tiller.workers.common import position_ids_from_mask, trim_bounds
 IMPL = "tiller_packed"
 """The attention implementation name the packed forward switches the model to while it runs."""
 
-# (row lengths on the host, cumulative offsets [B + 1] int32 on the device, longest row) of the running packed forward
+# (the model's config, (row lengths on the host, cumulative offsets [B + 1] int32 on the device, longest row)) of
+# the running packed forward
 _SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("tiller_packed_segments", default=None)
 _SWITCH = threading.Lock()
 _ACTIVE: dict[int, list] = {}  # id(config) -> [packed forwards running, the implementation to restore]
@@ -78,10 +83,10 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """transformers' attention-interface contract for the packed sequence: query [1, Hq, N, D], key / value
     [1, Hk, N, D] -> ([1, N, Hq, D], None), each row attending causally to its own tokens only."""
-    segments = _SEGMENTS.get()
-    if segments is None:
+    running = _SEGMENTS.get()
+    if running is None:
         raise RuntimeError(f"the {IMPL!r} attention runs only inside tiller.workers.packed.packed_response_forward")
-    lengths, cu, longest = segments
+    lengths, cu, longest = running[1]
     if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device):
         global varlen_calls
         varlen_calls += 1
@@ -105,12 +110,12 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def _packed_attention(config, lengths: list[int], device: torch.device):
-    """Run the model's attention as `packed_attention` over rows of `lengths` (a thread-safe, counted switch of
-    `config._attn_implementation`: concurrent packed forwards of one model share it, the last one restores it)."""
+def _packed_attention(config, segments: tuple[list[int], torch.Tensor, int]):
+    """Run the model's attention as `packed_attention` over rows `segments` (lengths, offsets, longest): a
+    thread-safe, counted switch of `config._attn_implementation` (concurrent packed forwards of one model share
+    it, the last one restores it)."""
     _register()
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-    token = _SEGMENTS.set((lengths, cu, max(lengths)))
+    token = _SEGMENTS.set((config, segments))
     with _SWITCH:
         entry = _ACTIVE.setdefault(id(config), [0, config._attn_implementation])
         entry[0] += 1
@@ -124,6 +129,28 @@ def _packed_attention(config, lengths: list[int], device: torch.device):
                 config._attn_implementation = entry[1]
                 del _ACTIVE[id(config)]
         _SEGMENTS.reset(token)
+
+
+def recompute_contexts():
+    """`context_fn` of `torch.utils.checkpoint.checkpoint` (non-reentrant): (forward context, recompute context).
+
+    Gradient checkpointing reruns a layer's forward inside `backward()`, after `packed_response_forward` has left
+    its attention switch: the rerun would use the model's own attention over the packed sequence (every row
+    attending to the rows before it, and another count of saved tensors: torch's CheckpointError). The recompute
+    context re-enters the switch with the segments of the forward that saved the layer's inputs."""
+    running = _SEGMENTS.get()
+    if running is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _packed_attention(*running)
+
+
+def enable_checkpointing(module) -> None:
+    """Gradient (activation) checkpointing on an HF `module`, non-reentrant, with the packed forward's attention
+    restored in each recompute (`recompute_contexts`)."""
+    kwargs = {"use_reentrant": False, "context_fn": recompute_contexts}
+    # the new name first: the old one warns on transformers >= 5.24 (both take the checkpoint kwargs first)
+    enable = getattr(module, "activation_checkpointing_enable", None) or module.gradient_checkpointing_enable
+    enable(kwargs)
 
 
 def pack_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,7 +173,8 @@ def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torc
     predictor = index[:, prompt_width - left - 1 + torch.arange(t_used, device=ids.device)]  # [B, t]
     keep = predictor >= 0
     lengths = [n for n in mask.sum(1).tolist() if n > 0]
-    with _packed_attention(model.config, lengths, ids.device):
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(ids.device)
+    with _packed_attention(model.config, (lengths, cu, max(lengths))):
         out = model(input_ids=flat_ids, attention_mask=None, position_ids=positions, use_cache=False,
                     logits_to_keep=predictor[keep])
     logits = out.logits[0]  # [K, V]
