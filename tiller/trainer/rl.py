@@ -729,6 +729,8 @@ class RLTrainer:
                 "advantages", "returns"]
         keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights")
                  if k in batch]
+        if "multi_modal_inputs" in batch:  # image prompts: the update's forward needs the pixels too
+            keys.append("multi_modal_inputs")
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
             keys.append("rollout_log_probs")
         out = batch.select(keys)
