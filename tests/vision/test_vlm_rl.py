@@ -69,7 +69,7 @@ def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir, shapes_data, monkeyp
 def test_the_update_sees_the_pixels(tmp_path, tiny_vlm_dir, shapes_data):
     """The actor update's forward takes each row's pixels: its probabilities equal the rollout's (which ran
     with the images) and the vision tower learns. (Without the pixels the update trained the language model
-    on bare <|image_pad|> tokens: probabilities off by up to 0.5, the vision tower never moved, and GRPO on
+    on bare <|image_pad|> tokens: probabilities off by up to 0.66, the vision tower never moved, and GRPO on
     the shapes task lost held-out accuracy.)"""
     from tiller.trainer.rl import RLTrainer
 
@@ -85,7 +85,7 @@ def test_the_update_sees_the_pixels(tmp_path, tiny_vlm_dir, shapes_data):
     metrics = {}
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
         metrics.update(json.loads(line).get("metrics", json.loads(line)))
-    assert metrics["training/rollout_probs_diff_max"] < 1e-3
+    assert metrics["training/rollout_probs_diff_max"] < 1e-2  # the shapes demo without the pixels: up to 0.66
 
 
 def test_vlm_refuses_engines_without_image_prompts(tmp_path, tiny_vlm_dir, shapes_data):
