@@ -34,12 +34,13 @@ from tiller.cache import cache_dir
 from tiller.config import load_config
 from tiller.data.rl_dataset import render_prompt
 from tiller.errors import UserError
-from tiller.models.checkpoint import save_pretrained_atomic, write_text_atomic
+from tiller.models.checkpoint import save_pretrained_atomic
 from tiller.models.tiny import build_model, train_tokenizer
 from tiller.rewards import default_compute_score
 from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.tasks import arithmetic
-from tiller.trainer.rl import RLTrainer
+from tiller.trainer import demo_report
+from tiller.trainer.demo_report import train_and_report
 from tiller.workers.common import lr_lambda
 
 DEMO_VERSION = 7  # 7: the starter's tokenizer carries PROMPT_TEMPLATE (same weights as 6)
@@ -244,29 +245,8 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
 
 
 def plot_curves(metrics_path: Path, out_png: Path, val_key: str = VAL_KEY) -> Path | None:
-    """Reward (mean score per step) and held-out accuracy curves as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r.get("metrics", r) | {"step": r.get("step", r.get("metrics", {}).get("step", 0))} for r in rows]
-    reward = [(r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
-    acc = [(r["step"], r[val_key]) for r in rows if val_key in r]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, series, title in ((axes[0], reward, "train reward (mean score)"),
-                              (axes[1], acc, "held-out greedy accuracy")):
-        if series:
-            ax.plot(*zip(*series), marker="." if len(series) < 40 else None)
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    """Reward and held-out accuracy curves as one PNG (`demo_report.plot_curves`, the arithmetic task's key)."""
+    return demo_report.plot_curves(metrics_path, out_png, val_key)
 
 
 def main(argv: list[str]) -> int:
@@ -298,7 +278,7 @@ def main(argv: list[str]) -> int:
     if shapes:
         from tiller.trainer.demo_shapes import run_shapes_demo  # import cost: the vision-language path, this task only
 
-        return run_shapes_demo(args, cache_root(), plot_curves)
+        return run_shapes_demo(args, cache_root())
     return run_demo(args)
 
 
@@ -321,20 +301,10 @@ def run_demo(args) -> int:
     cfg = load_config(rl_overrides(model_dir, data_dir, run_dir, args) + overrides)
     print(f"GRPO: {args.steps} steps x {cfg.data.train_batch_size} prompts x n={cfg.actor_rollout_ref.rollout.n}; "
           f"run dir {run_dir}")
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    wall = time.time() - t0
-    history = trainer.val_history
-    acc_before, acc_after = history[0][1][VAL_KEY], history[-1][1][VAL_KEY]
-    png = plot_curves(run_dir / "metrics.jsonl", run_dir / "plots" / "demo_curves.png")
-    summary = {"val_acc_before": acc_before, "val_acc_after": acc_after, "val_acc_gain": acc_after - acc_before,
-               "val_prompts": 256, "rl_steps": trainer.global_step, "wall_s": wall, "warmup_s": t_warm,
-               "rl_s": wall - t_warm, "starter_model": str(model_dir), "seed": args.seed, "threads": args.threads,
-               "plot": str(png)}
-    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    summary = train_and_report(cfg, run_dir, VAL_KEY, t0=t0, warmup_s=t_warm,
+                               fields={"val_prompts": 256, "starter_model": str(model_dir), "seed": args.seed,
+                                       "threads": args.threads})
+    acc_before, acc_after, wall = summary["val_acc_before"], summary["val_acc_after"], summary["wall_s"]
     print(f"held-out accuracy (256 prompts, greedy): before RL {acc_before:.3f} -> after RL {acc_after:.3f} "
           f"({acc_after - acc_before:+.3f}) in {wall:.0f} s: {_time_split(t_warm, wall - t_warm, built)}")
     print(f"run dir: {run_dir} (summary.json, metrics.jsonl, tensorboard/, plots/demo_curves.png)")

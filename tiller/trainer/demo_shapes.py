@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from tiller.config import load_config
-from tiller.models.checkpoint import save_pretrained_atomic, write_text_atomic
+from tiller.models.checkpoint import save_pretrained_atomic
 from tiller.models.tiny_vlm import build_vlm, image_processor, vl_tokenizer
 from tiller.models.vision import ImageTextProcessor, encode_image_prompt, split_placeholders, to_pil
 from tiller.rewards import default_compute_score
 from tiller.rollout import SamplingParams, build_rollout_engine
 from tiller.tasks import shapes
-from tiller.trainer.rl import RLTrainer
+from tiller.trainer.demo_report import train_and_report
 
 SHAPES_VERSION = 2
 VAL_KEY = f"val-core/{shapes.DATA_SOURCE}/acc/mean@1"
@@ -156,7 +156,7 @@ def rl_overrides(model_dir: Path, data_dir: Path, run_dir: Path, args) -> list[s
     ]
 
 
-def run_shapes_demo(args, cache: Path, plot_curves) -> int:
+def run_shapes_demo(args, cache: Path) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -170,20 +170,10 @@ def run_shapes_demo(args, cache: Path, plot_curves) -> int:
     cfg = load_config(rl_overrides(model_dir, data_dir, run_dir, args) + list(args.overrides))
     print(f"GRPO on shapes: {args.steps} steps x {cfg.data.train_batch_size} prompts x "
           f"n={cfg.actor_rollout_ref.rollout.n}; run dir {run_dir}")
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    wall = time.time() - t0
-    history = trainer.val_history
-    acc_before, acc_after = history[0][1][VAL_KEY], history[-1][1][VAL_KEY]
-    png = plot_curves(run_dir / "metrics.jsonl", run_dir / "plots" / "demo_curves.png", VAL_KEY)
-    summary = {"task": "shapes", "val_acc_before": acc_before, "val_acc_after": acc_after,
-               "val_acc_gain": acc_after - acc_before, "val_prompts": args.val_size, "rl_steps": trainer.global_step,
-               "wall_s": wall, "warmup_s": t_warm, "rl_s": wall - t_warm, "starter_model": str(model_dir),
-               "seed": args.seed, "threads": args.threads, "plot": str(png)}
-    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    summary = train_and_report(cfg, run_dir, VAL_KEY, t0=t0, warmup_s=t_warm,
+                               fields={"task": "shapes", "val_prompts": args.val_size, "starter_model": str(model_dir),
+                                       "seed": args.seed, "threads": args.threads})
+    acc_before, acc_after, wall = summary["val_acc_before"], summary["val_acc_after"], summary["wall_s"]
     print(f"held-out accuracy ({args.val_size} images, greedy): before RL {acc_before:.3f} -> after RL {acc_after:.3f} "
           f"({acc_after - acc_before:+.3f}) in {wall:.0f} s")
     print(f"run dir: {run_dir} (summary.json, metrics.jsonl, tensorboard/, plots/demo_curves.png)")
