@@ -15,6 +15,10 @@ import torch
 # one thread by default (a busy 2-core host runs 1 thread best); TILLER_TEST_THREADS=2 runs the suite with 2,
 # to check that no test depends on the reduction order a thread count gives
 torch.set_num_threads(int(os.environ.get("TILLER_TEST_THREADS", "1")))
+# ... and the processes tests start (tiller's CLIs, servers, workers) as many, unless the caller set a count: under
+# `pytest -n 2` on 2 cores two workers' 2-thread children would oversubscribe the cores (OpenMP threads then spin
+# waiting for each other, several times slower)
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("TILLER_TEST_THREADS", "1"))
 
 
 @pytest.fixture(scope="session")
