@@ -114,6 +114,8 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
     if cmd.startswith("python3 -m venv .venv"):  # the quick start: CI installs exactly this; here only the demo
         assert cmd.endswith("&& tiller demo"), cmd
         return "tiller demo --steps 2 --test-freq 1 --warmup-target 0 --train-size 300", "install done by CI; tiny demo"
+    if cmd.startswith("tiller demo --task shapes"):
+        return cmd + " --steps 1 --test-freq 1 --warmup-target 0 --train-size 64 --val-size 16", "tiny demo"
     if cmd.startswith("tiller demo"):
         return cmd + " --steps 2 --test-freq 1 --warmup-target 0 --train-size 300", "tiny demo"
     if cmd.startswith("tiller data gsm8k"):
