@@ -101,7 +101,8 @@ def local_run(tmp_path_factory, tiny_model_dir, rl_data):
     return train(make_cfg(tmp_path_factory.mktemp("local"), tiny_model_dir, rl_data), seed_chunks=2)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# ddp on Ray is also checked, without a training loop, by tests/distributed/test_ray_groups.py; the whole loop is slow
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_grpo_two_ray_workers_equal_one_process(strategy, ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
     ray_run = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *RAY, f"actor_rollout_ref.actor.strategy={strategy}"))
     assert_same(ray_run, local_run)
