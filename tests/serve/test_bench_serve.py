@@ -12,12 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_serve_interleaves_rounds_and_reports_medians():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--requests", "8", "--tokens", "4",
-                           "--repeats", "2", "--engines", "native", "--no-vllm", "--eager"],
+                           "--repeats", "2", "--engines", "native,hf", "--no-vllm", "--eager"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     rows = [r for r in lines if "server" in r]
     assert sorted((r["server"], r["seeded"]) for r in rows) == [
+        ("tiller serve --engine hf", False), ("tiller serve --engine hf", True),
         ("tiller serve --engine native", False), ("tiller serve --engine native", True)]
     for r in rows:
         assert len(r["tok_s_runs"]) == 2 and min(r["tok_s_runs"]) <= r["tok_s"] <= max(r["tok_s_runs"])
