@@ -7,38 +7,19 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 
+from tests.serving import served_model, serving
+
 
 @pytest.fixture()
 def server(tiny_model_dir):
-    import uvicorn
-
-    from tiller.serve.app import create_app
-    from tiller.serve.cli import _parser, build_served_model
-
-    args = _parser().parse_args([str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-                                 "--max-model-len", "2048", "--engine", "native"])
-    served = build_served_model(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # bounded: 20 s
-        if srv.started:
-            break
-        time.sleep(0.1)
-    assert srv.started, "server did not start"
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    served = served_model(tiny_model_dir, "--max-model-len", "2048", "--engine", "native")
+    with serving(served) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
         yield client, served, port
-    srv.should_exit = True
-    thread.join(10)
 
 
 def _wait_for(what, check, limit_s=120):

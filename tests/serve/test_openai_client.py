@@ -9,48 +9,24 @@ distribution; what tiller cannot honour is a 400 naming the field.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
-import time
 
 import pytest
 import torch
+
+from tests.serving import served_model, serving
 
 openai = pytest.importorskip("openai")
 
 CHAT = [{"role": "user", "content": "2+3="}]
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
     """(base_url, served) of a uvicorn server on 127.0.0.1."""
-    import uvicorn
-
-    from tiller.serve.app import create_app
-    from tiller.serve.cli import _parser, build_served_model
-
-    served = build_served_model(_parser().parse_args([str(tiny_model_dir), "--dtype", "float32",
-                                                      "--served-model-name", "tiny", "--max-model-len", "2048"]))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # bounded: 20 s
-        if srv.started:
-            break
-        time.sleep(0.1)
-    assert srv.started, "server did not start"
-    yield f"http://127.0.0.1:{port}/v1", served
-    srv.should_exit = True
-    thread.join(10)
+    served = served_model(tiny_model_dir, "--max-model-len", "2048")
+    with serving(served) as port:
+        yield f"http://127.0.0.1:{port}/v1", served
 
 
 @pytest.fixture(scope="module")

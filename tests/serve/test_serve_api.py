@@ -2,45 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serving import free_port, served_model, serving
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    import uvicorn
-
-    from tiller.serve.app import create_app
-    from tiller.serve.cli import _parser, build_served_model
-
-    args = _parser().parse_args([str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-                                 "--max-model-len", "512", "--max-tokens", "8"])
-    served = build_served_model(args)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # bounded: 20 s
-        if srv.started:
-            break
-        time.sleep(0.1)
-    assert srv.started, "server did not start"
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+    served = served_model(tiny_model_dir, "--max-model-len", "512", "--max-tokens", "8")
+    with serving(served) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
         yield client, served
-    srv.should_exit = True
-    thread.join(10)
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "2+3="}], "max_tokens": 6}
@@ -188,7 +163,7 @@ def test_tiller_serve_cli_subprocess(tiny_model_dir):
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tiller.cli", "serve", str(tiny_model_dir), "--port", str(port),
                              "--dtype", "float32", "--threads", "1", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

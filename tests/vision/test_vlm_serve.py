@@ -5,23 +5,15 @@ model are 400s naming the part."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
-import socket
-import threading
-import time
 
 import pytest
 import torch
 from PIL import Image
 
+from tests.serving import served_model, serving
+
 openai = pytest.importorskip("openai")
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data_url(color, size=(64, 48)) -> str:
@@ -36,33 +28,16 @@ def _chat(url, text="how many red squares?"):
 
 
 def _served(model_dir, *flags):
-    from tiller.serve.cli import _parser, build_served_model
-
-    return build_served_model(_parser().parse_args([str(model_dir), "--dtype", "float32", "--served-model-name",
-                                                    "tiny", "--max-model-len", "512", *flags]))
+    return served_model(model_dir, "--max-model-len", "512", *flags)
 
 
 @pytest.fixture(scope="module")
 def live(tiny_vlm_dir):
     """(openai client, served) of a uvicorn server on 127.0.0.1 serving the tiny VLM (native engine)."""
-    import uvicorn
-
-    from tiller.serve.app import create_app
-
     served = _served(tiny_vlm_dir)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # bounded: 20 s
-        if srv.started:
-            break
-        time.sleep(0.1)
-    assert srv.started, "server did not start"
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60) as client:
+    with serving(served) as port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                                max_retries=0, timeout=60) as client:
         yield client, served
-    srv.should_exit = True
-    thread.join(10)
 
 
 def _engine_greedy(served, messages, color, steps):
