@@ -41,20 +41,25 @@ def _cfg(run_dir, model_dir, data, *overrides):
         "trainer.save_freq=-1", f"trainer.default_local_dir={run_dir}", *overrides])
 
 
-def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir, shapes_data, monkeypatch):
+def _fit_weights(cfg) -> tuple[dict, dict]:
+    """The actor's weights before and after `RLTrainer(cfg).fit()`."""
     from tiller.trainer.rl import RLTrainer
 
-    log = tmp_path / "reward.log"
-    monkeypatch.setenv("SHAPES_LOG", str(log))
-    cfg = _cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.actor.freeze_vision_tower=true",
-               "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={shapes_data / 'reward.py'}")
     trainer = RLTrainer(cfg)
     try:
         before = trainer.actor.execute("state_dict")
         trainer.fit()
-        after = trainer.actor.execute("state_dict")
+        return before, trainer.actor.execute("state_dict")
     finally:
         trainer.shutdown()
+
+
+def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir, shapes_data, monkeypatch):
+    log = tmp_path / "reward.log"
+    monkeypatch.setenv("SHAPES_LOG", str(log))
+    cfg = _cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.actor.freeze_vision_tower=true",
+               "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={shapes_data / 'reward.py'}")
+    before, after = _fit_weights(cfg)
     lm = [k for k in before if "language_model" in k]
     vision = [k for k in before if ".visual." in k]
     assert lm and vision
@@ -71,16 +76,9 @@ def test_the_update_sees_the_pixels(tmp_path, tiny_vlm_dir, shapes_data):
     with the images) and the vision tower learns. (Without the pixels the update trained the language model
     on bare <|image_pad|> tokens: probabilities off by up to 0.66, the vision tower never moved, and GRPO on
     the shapes task lost held-out accuracy.)"""
-    from tiller.trainer.rl import RLTrainer
-
     # the entropy bonus has a gradient whatever the rewards (a group of equal rewards has none)
-    trainer = RLTrainer(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data, "actor_rollout_ref.actor.entropy_coeff=0.01"))
-    try:
-        before = trainer.actor.execute("state_dict")
-        trainer.fit()
-        after = trainer.actor.execute("state_dict")
-    finally:
-        trainer.shutdown()
+    before, after = _fit_weights(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data,
+                                      "actor_rollout_ref.actor.entropy_coeff=0.01"))
     vision = [k for k in before if ".visual." in k]
     assert vision and any(not torch.equal(before[k], after[k]) for k in vision)
     metrics = {}
