@@ -21,6 +21,8 @@ DATA_SOURCE = "tiller/shapes"
 QUESTION = "<image>How many red squares?"
 SIZE, CELL = 64, 16
 COLORS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
+DISTRACTORS = ("blue", "green")
+MIN_SIDE = 11
 
 
 def draw(rng: random.Random) -> tuple[bytes, int]:
@@ -32,14 +34,12 @@ def draw(rng: random.Random) -> tuple[bytes, int]:
     n_other = rng.randint(0, 3)
     img = Image.new("RGB", (SIZE, SIZE), (245, 245, 240))
     pen = ImageDraw.Draw(img)
-    shapes = [("red", "square")] * n_red + [rng.choice([("blue", "square"), ("green", "square"), ("red", "circle")])
-                                            for _ in range(n_other)]
-    for cell, (color, kind) in zip(cells, shapes):
-        side = rng.randint(8, 12)
+    colors = ["red"] * n_red + [rng.choice(DISTRACTORS) for _ in range(n_other)]
+    for cell, color in zip(cells, colors):
+        side = rng.randint(MIN_SIDE, CELL - 2)
         x0 = (cell % 4) * CELL + rng.randint(0, CELL - side)
         y0 = (cell // 4) * CELL + rng.randint(0, CELL - side)
-        box = (x0, y0, x0 + side - 1, y0 + side - 1)
-        (pen.rectangle if kind == "square" else pen.ellipse)(box, fill=COLORS[color])
+        pen.rectangle((x0, y0, x0 + side - 1, y0 + side - 1), fill=COLORS[color])
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue(), n_red

@@ -32,7 +32,10 @@ from tiller.rollout import SamplingParams, build_rollout_engine
 from tiller.tasks import shapes
 from tiller.trainer.demo_report import train_and_report
 
-SHAPES_VERSION = 2
+SHAPES_VERSION = 3
+DEV_SIZE = 256
+"""Dev images the warm-up checks (its own seed stream): at 128 the 0.03-0.05 noise of one check picked
+noise peaks, and starters spread 0.39-0.54 held-out."""
 VAL_KEY = f"val-core/{shapes.DATA_SOURCE}/acc/mean@1"
 
 
@@ -79,8 +82,9 @@ def _sft_batch(model, processor, rows: list[dict]) -> dict:
 
 
 def warm_up(model, processor, dev_rows: list[dict], *, target: float, seed: int, lr: float = 3e-3,
-            batch_size: int = 32, eval_every: int = 20, max_steps: int = 1500, log=print) -> tuple[float, int]:
-    """Supervised steps on fresh images until greedy dev accuracy >= target; returns (acc, steps)."""
+            batch_size: int = 32, eval_every: int = 10, max_steps: int = 1500, log=print) -> tuple[float, int]:
+    """Supervised steps on fresh images until greedy dev accuracy, checked every `eval_every` steps, first
+    reaches `target`; returns (acc, steps)."""
     rng = random.Random(f"shapes-warmup-{seed}")
     dev_images = {r["images"][0]["bytes"] for r in dev_rows}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -98,7 +102,7 @@ def warm_up(model, processor, dev_rows: list[dict], *, target: float, seed: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step % (5 if acc >= target * 0.8 else eval_every) == 0:
+        if step % eval_every == 0 or step == max_steps:
             acc = greedy_accuracy(model, processor, dev_rows)
             model.train()
             log(f"  warm-up step {step}: loss {loss.item():.3f}, dev greedy accuracy {acc:.3f}")
@@ -121,11 +125,11 @@ def starter_model(args, cache: Path, log=print) -> Path:
     model = build_vlm(tok, seed=args.seed)
     proc = image_processor()
     processor = ImageTextProcessor(proc, tok)
-    dev = shapes.make_splits(0, 128, seed=10_000 + args.seed)["test"]
+    dev = shapes.make_splits(0, DEV_SIZE, seed=10_000 + args.seed)["test"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
         acc, steps = warm_up(model, processor, dev, target=args.warmup_target, seed=args.seed,
-                             max_steps=args.warmup_max_steps, eval_every=min(20, args.warmup_max_steps), log=log)
+                             max_steps=args.warmup_max_steps, eval_every=min(10, args.warmup_max_steps), log=log)
     save_pretrained_atomic(out, model, tok, {"preprocessor_config.json": proc.to_json_string(),
                                              "warmup.json": json.dumps({"dev_acc": acc, "steps": steps,
                                                                         "seconds": time.time() - t0})})
