@@ -10,25 +10,33 @@ from PIL import Image
 from tiller.tasks import shapes
 
 
-def _red_squares(png: bytes) -> int:
-    """Count red-filled cells of the 4x4 grid whose red pixels form a square (a circle leaves its corners empty)."""
+def _cells(png: bytes) -> list[tuple[str, int]]:
+    """(colour, side) of each occupied cell of the 4x4 grid; asserts each is one filled square inside its cell."""
     img = Image.open(io.BytesIO(png)).convert("RGB")
     px = img.load()
-    count = 0
+    names = {rgb: name for name, rgb in shapes.COLORS.items()}
+    found = []
     for cy in range(4):
         for cx in range(4):
-            red = [(x, y) for x in range(cx * 16, cx * 16 + 16) for y in range(cy * 16, cy * 16 + 16)
-                   if px[x, y] == shapes.COLORS["red"]]
-            if red:
-                xs, ys = [p[0] for p in red], [p[1] for p in red]
-                count += len(red) == (max(xs) - min(xs) + 1) * (max(ys) - min(ys) + 1)
-    return count
+            painted = [(x, y, px[x, y]) for x in range(cx * 16, cx * 16 + 16) for y in range(cy * 16, cy * 16 + 16)
+                       if px[x, y] in names]
+            if painted:
+                xs, ys = [p[0] for p in painted], [p[1] for p in painted]
+                side = max(xs) - min(xs) + 1
+                assert len({p[2] for p in painted}) == 1 and max(ys) - min(ys) + 1 == side
+                assert len(painted) == side * side  # a filled square, not a circle
+                found.append((names[painted[0][2]], side))
+    return found
 
 
 def test_shapes_rows_are_counted_right_and_splits_are_disjoint():
     splits = shapes.make_splits(n_train=64, n_test=32, seed=3)
     for row in splits["train"][:20] + splits["test"][:10]:
-        assert _red_squares(row["images"][0]["bytes"]) == int(row["reward_model"]["ground_truth"])
+        cells = _cells(row["images"][0]["bytes"])
+        assert sum(color == "red" for color, _ in cells) == int(row["reward_model"]["ground_truth"])
+        # distractors differ by colour only; every square fills most of its 16-px cell (one image token)
+        assert {color for color, _ in cells} <= {"red", "blue", "green"} and len(cells) <= 7
+        assert all(shapes.MIN_SIDE <= side <= 14 for _, side in cells)
         assert row["prompt"][0]["content"] == shapes.QUESTION and row["data_source"] == "tiller/shapes"
     train = {r["images"][0]["bytes"] for r in splits["train"]}
     assert not train & {r["images"][0]["bytes"] for r in splits["test"]}

@@ -1,12 +1,16 @@
 """`tiller/shapes`: "how many red squares?", a synthetic visual counting task drawn with PIL (no download).
 
 Each 64 x 64 image is a 4 x 4 grid of 16-pixel cells; 1-4 cells hold a red square and up to 3 more hold a
-distractor (a blue or green square, or a red circle), each shape 8-12 px at a random offset inside its cell, on
-a light background. With the tiny VLM's 8-px patches and 2 x 2 merge, each cell is one image token: counting
-is "how many tokens show a red square". Rows are in verl's multimodal schema (an `images` column of
-`{"bytes": png}`, `<image>` in the prompt; ground truth the count as a string; `data_source` `tiller/shapes`,
-scored by the last integer in the response). Splits are disjoint by construction (the test split is drawn
-from a different seed stream and any image equal to a training one is redrawn).
+distractor that differs by colour only (a blue or green square), each square 11-14 px at a random offset inside
+its cell (so it fills most of the cell), on a light background. With the tiny VLM's 8-px patches and 2 x 2
+merge, each cell is one image token: counting is "how many tokens show a red square". Rows are in verl's
+multimodal schema (an `images` column of `{"bytes": png}`, `<image>` in the prompt; ground truth the count as a
+string; `data_source` `tiller/shapes`, scored by the last integer in the response). Splits are disjoint by
+construction (the test split is drawn from a different seed stream and any image equal to a training one is
+redrawn).
+
+(Until SHAPES_VERSION 3 of the demo, squares were 8-12 px and red circles were distractors too: supervised
+training from scratch reached 0.68 greedy accuracy in 200 steps there, 0.70 here, 0.85-0.87 at 300-400.)
 """
 
 from __future__ import annotations
