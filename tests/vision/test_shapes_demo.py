@@ -62,3 +62,17 @@ def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch):
     assert (out / "plots" / "demo_curves.png").exists()
     warm = json.loads(next((tmp_path / "cache" / "demo").glob("shapes-starter-*/warmup.json")).read_text())
     assert warm["steps"] == 2
+
+
+def test_shapes_demo_recipe_is_the_measured_one(tmp_path):
+    """docs/vlm.md's three-seed table was measured with this GRPO recipe: lr 3e-4 cosine-decayed to 3e-5."""
+    from argparse import Namespace
+
+    from tiller.config import load_config
+    from tiller.trainer.demo_shapes import rl_overrides
+
+    args = Namespace(seed=1, steps=250, test_freq=25, threads=1)
+    cfg = load_config(rl_overrides(tmp_path / "model", tmp_path / "data", tmp_path / "run", args))
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert (optim.lr, optim.warmup_style, optim.min_lr_ratio, optim.lr_warmup_steps) == (3e-4, "cosine", 0.1, 10)
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.total_training_steps) == (32, 8, 250)
