@@ -10,25 +10,33 @@ from PIL import Image
 from tiller.tasks import shapes
 
 
-def _red_squares(png: bytes) -> int:
-    """Count red-filled cells of the 4x4 grid whose red pixels form a square (a circle leaves its corners empty)."""
+def _cells(png: bytes) -> list[tuple[str, int]]:
+    """(colour, side) of each occupied cell of the 4x4 grid; asserts each is one filled square inside its cell."""
     img = Image.open(io.BytesIO(png)).convert("RGB")
     px = img.load()
-    count = 0
+    names = {rgb: name for name, rgb in shapes.COLORS.items()}
+    found = []
     for cy in range(4):
         for cx in range(4):
-            red = [(x, y) for x in range(cx * 16, cx * 16 + 16) for y in range(cy * 16, cy * 16 + 16)
-                   if px[x, y] == shapes.COLORS["red"]]
-            if red:
-                xs, ys = [p[0] for p in red], [p[1] for p in red]
-                count += len(red) == (max(xs) - min(xs) + 1) * (max(ys) - min(ys) + 1)
-    return count
+            painted = [(x, y, px[x, y]) for x in range(cx * 16, cx * 16 + 16) for y in range(cy * 16, cy * 16 + 16)
+                       if px[x, y] in names]
+            if painted:
+                xs, ys = [p[0] for p in painted], [p[1] for p in painted]
+                side = max(xs) - min(xs) + 1
+                assert len({p[2] for p in painted}) == 1 and max(ys) - min(ys) + 1 == side
+                assert len(painted) == side * side  # a filled square, not a circle
+                found.append((names[painted[0][2]], side))
+    return found
 
 
 def test_shapes_rows_are_counted_right_and_splits_are_disjoint():
     splits = shapes.make_splits(n_train=64, n_test=32, seed=3)
     for row in splits["train"][:20] + splits["test"][:10]:
-        assert _red_squares(row["images"][0]["bytes"]) == int(row["reward_model"]["ground_truth"])
+        cells = _cells(row["images"][0]["bytes"])
+        assert sum(color == "red" for color, _ in cells) == int(row["reward_model"]["ground_truth"])
+        # distractors differ by colour only; every square fills most of its 16-px cell (one image token)
+        assert {color for color, _ in cells} <= {"red", "blue", "green"} and len(cells) <= 7
+        assert all(shapes.MIN_SIDE <= side <= 14 for _, side in cells)
         assert row["prompt"][0]["content"] == shapes.QUESTION and row["data_source"] == "tiller/shapes"
     train = {r["images"][0]["bytes"] for r in splits["train"]}
     assert not train & {r["images"][0]["bytes"] for r in splits["test"]}
@@ -54,3 +62,17 @@ def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch):
     assert (out / "plots" / "demo_curves.png").exists()
     warm = json.loads(next((tmp_path / "cache" / "demo").glob("shapes-starter-*/warmup.json")).read_text())
     assert warm["steps"] == 2
+
+
+def test_shapes_demo_recipe_is_the_measured_one(tmp_path):
+    """docs/vlm.md's three-seed table was measured with this GRPO recipe: lr 3e-4 cosine-decayed to 3e-5."""
+    from argparse import Namespace
+
+    from tiller.config import load_config
+    from tiller.trainer.demo_shapes import rl_overrides
+
+    args = Namespace(seed=1, steps=250, test_freq=25, threads=1)
+    cfg = load_config(rl_overrides(tmp_path / "model", tmp_path / "data", tmp_path / "run", args))
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert (optim.lr, optim.warmup_style, optim.min_lr_ratio, optim.lr_warmup_steps) == (3e-4, "cosine", 0.1, 10)
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.total_training_steps) == (32, 8, 250)

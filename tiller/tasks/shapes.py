@@ -1,12 +1,16 @@
 """`tiller/shapes`: "how many red squares?", a synthetic visual counting task drawn with PIL (no download).
 
 Each 64 x 64 image is a 4 x 4 grid of 16-pixel cells; 1-4 cells hold a red square and up to 3 more hold a
-distractor (a blue or green square, or a red circle), each shape 8-12 px at a random offset inside its cell, on
-a light background. With the tiny VLM's 8-px patches and 2 x 2 merge, each cell is one image token: counting
-is "how many tokens show a red square". Rows are in verl's multimodal schema (an `images` column of
-`{"bytes": png}`, `<image>` in the prompt; ground truth the count as a string; `data_source` `tiller/shapes`,
-scored by the last integer in the response). Splits are disjoint by construction (the test split is drawn
-from a different seed stream and any image equal to a training one is redrawn).
+distractor that differs by colour only (a blue or green square), each square 11-14 px at a random offset inside
+its cell (so it fills most of the cell), on a light background. With the tiny VLM's 8-px patches and 2 x 2
+merge, each cell is one image token: counting is "how many tokens show a red square". Rows are in verl's
+multimodal schema (an `images` column of `{"bytes": png}`, `<image>` in the prompt; ground truth the count as a
+string; `data_source` `tiller/shapes`, scored by the last integer in the response). Splits are disjoint by
+construction (the test split is drawn from a different seed stream and any image equal to a training one is
+redrawn).
+
+(Until SHAPES_VERSION 3 of the demo, squares were 8-12 px and red circles were distractors too: supervised
+training from scratch reached 0.68 greedy accuracy in 200 steps there, 0.70 here, 0.85-0.87 at 300-400.)
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ DATA_SOURCE = "tiller/shapes"
 QUESTION = "<image>How many red squares?"
 SIZE, CELL = 64, 16
 COLORS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
+DISTRACTORS = ("blue", "green")
+MIN_SIDE = 11
 
 
 def draw(rng: random.Random) -> tuple[bytes, int]:
@@ -32,14 +38,12 @@ def draw(rng: random.Random) -> tuple[bytes, int]:
     n_other = rng.randint(0, 3)
     img = Image.new("RGB", (SIZE, SIZE), (245, 245, 240))
     pen = ImageDraw.Draw(img)
-    shapes = [("red", "square")] * n_red + [rng.choice([("blue", "square"), ("green", "square"), ("red", "circle")])
-                                            for _ in range(n_other)]
-    for cell, (color, kind) in zip(cells, shapes):
-        side = rng.randint(8, 12)
+    colors = ["red"] * n_red + [rng.choice(DISTRACTORS) for _ in range(n_other)]
+    for cell, color in zip(cells, colors):
+        side = rng.randint(MIN_SIDE, CELL - 2)
         x0 = (cell % 4) * CELL + rng.randint(0, CELL - side)
         y0 = (cell // 4) * CELL + rng.randint(0, CELL - side)
-        box = (x0, y0, x0 + side - 1, y0 + side - 1)
-        (pen.rectangle if kind == "square" else pen.ellipse)(box, fill=COLORS[color])
+        pen.rectangle((x0, y0, x0 + side - 1, y0 + side - 1), fill=COLORS[color])
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue(), n_red

@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
                         help="arithmetic (text, the default) or shapes (a tiny vision-language model counts red "
                              "squares; see tiller/trainer/demo_shapes.py)")
     parser.add_argument("--out", default=None, help="run directory (default: runs/demo, runs/demo-shapes)")
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: 150 arithmetic, 60 shapes)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: 150 arithmetic, 250 shapes)")
     parser.add_argument("--test-freq", type=int, default=25, help="validate every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
     args = parser.parse_args(argv)
     shapes = args.task == "shapes"
-    defaults = dict(out="runs/demo-shapes" if shapes else "runs/demo", steps=60 if shapes else 150,
+    defaults = dict(out="runs/demo-shapes" if shapes else "runs/demo", steps=250 if shapes else 150,
                     warmup_target=0.45 if shapes else 0.4, train_size=2000 if shapes else 4000)
     for name, value in defaults.items():
         if getattr(args, name) is None:
