@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import signal
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -122,12 +123,20 @@ class _Endpoint:
         return []
 
 
+WATCHDOG_S = 10  # the call is released after this long (the run must not need it)
+
+
+@pytest.mark.parametrize("to", ["process", "other_thread"])
 @pytest.mark.parametrize("kind", ["agent", "env"])
-def test_ctrl_c_stops_while_user_code_hangs(kind):
+def test_ctrl_c_stops_while_user_code_hangs(kind, to):
     """Ctrl-C (SIGINT to this process) while a blocking agent function / environment step waits for an event that
     is set only after the run returned: the run must raise KeyboardInterrupt without waiting for the call. Before
     the fix a blocking agent ran in asyncio's default executor, which asyncio.run joins on the way out, and a
-    blocking environment step blocked the event loop; a watchdog then had to release the call (after 60 s)."""
+    blocking environment step blocked the event loop; a watchdog then had to release the call (after 60 s).
+
+    `other_thread`: the kernel hands a process's signal to any thread that does not block it, not always the main
+    one (seen in a process with Ray's threads around). Python then runs the handler only when the main thread next
+    runs bytecode, and an event loop idle on one future slept until the call returned."""
     import os
     import threading
 
@@ -149,10 +158,14 @@ def test_ctrl_c_stops_while_user_code_hangs(kind):
 
     def interrupt():
         if started.wait(60):
-            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # the event loop is idle by now, waiting on the hanging calls
+            if to == "process":
+                os.kill(os.getpid(), signal.SIGINT)
+            else:  # delivered to this (non-main) thread
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
     def watchdog():
-        if not returned.wait(60):
+        if not returned.wait(WATCHDOG_S):
             watchdog_released.append(True)
             release.set()
 

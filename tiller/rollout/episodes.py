@@ -127,6 +127,9 @@ def failure(err: BaseException) -> str:
     return str(err) if isinstance(err, UserExit) else f"{type(err).__name__}: {err}"
 
 
+USER_CALL_POLL_S = 0.2
+
+
 async def call_user(fn: Callable, *args) -> Any:
     """Await `fn(*args)`: a coroutine function in the event loop, a plain function in a daemon thread of its own
     (the loop stays free for other episodes; a call that never returns does not hold up Ctrl-C or the process's
@@ -154,7 +157,12 @@ async def call_user(fn: Callable, *args) -> Any:
             pass
 
     threading.Thread(target=run, daemon=True, name="tiller-user-call").start()
-    value = await future
+    # Wake the loop a few times a second while the call runs: the kernel may hand Ctrl-C's SIGINT to any thread of
+    # the process (seen with Ray's threads around), and Python runs the handler only when the main thread next runs
+    # bytecode; a loop idle on this future alone would sleep until the call returned.
+    while not future.done():
+        await asyncio.wait([future], timeout=USER_CALL_POLL_S)
+    value = future.result()
     return await value if inspect.isawaitable(value) else value
 
 
