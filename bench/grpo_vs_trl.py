@@ -13,7 +13,14 @@ steps 1..warmup are not timed.
 
     python bench/grpo_vs_trl.py --quick             # 2M model, 4 prompts x 4, 8 tokens, 2 steps: does it run?
     python bench/grpo_vs_trl.py [--task arithmetic|gsm8k] [--steps 4] [--prompts 8] [--n 8] [--max-new 32]
-                                [--params 30e6] [--threads 2] [--tiller-opt KEY=VALUE ...]
+                                [--params 30e6 | --shape 0.5B] [--threads 2] [--tiller-opt KEY=VALUE ...]
+    python bench/grpo_vs_trl.py --device cuda --shape 0.5B --dtype bfloat16 --prompts 16 --n 8 --max-new 256
+
+On `--device cuda` both trainers run on the GPU (TRL: `use_cpu=False`); tiller with its GPU settings
+(`rollout.enforce_eager=false`: CUDA graphs of the compiled decode step; `model.use_remove_padding=true`: the
+packed update), which `--tiller-opt` can override, and the update's `perf/mfu/actor` (verl's formula) is
+reported as `tiller_mfu`. `--shape 0.5B` is Qwen2.5-0.5B's body with the kit's 512-token vocabulary
+(`bench/rollout.py`'s SIZES, shared/GPU.md's shape).
 
 Prints one JSON line: {"tiller_s_per_step", "trl_s_per_step", "speedup" (= trl / tiller), the same three
 over process CPU seconds ("*_cpu_s_per_step", "cpu_speedup"), tiller's phases ("tiller_gen_s",
@@ -51,12 +58,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout import SIZES, build_sized  # noqa: E402  (bench/rollout.py: the model shapes)
+
+GPU_OPTS = ["actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.model.use_remove_padding=true"]
+"""tiller's settings on `--device cuda`: graphed + compiled decode, the packed update (before --tiller-opt)."""
+
 
 def build_inputs(root: Path, args) -> tuple[Path, Path]:
     from tiller.models.tiny import make_tiny_model
 
     model_dir = root / "model"
-    if not model_dir.exists():
+    if args.shape:
+        build_sized(model_dir, SIZES[args.shape])
+    elif not model_dir.exists():
         make_tiny_model(model_dir, arch="qwen2", n_params=int(args.params), seed=0)
     if not (root / "data" / "train.parquet").exists():
         n_rows = args.prompts * (args.steps + 2)
@@ -69,6 +84,11 @@ def build_inputs(root: Path, args) -> tuple[Path, Path]:
 
             arithmetic.write_task(root / "data", n_train=n_rows, n_test=8, seed=0)
     return model_dir, root / "data"
+
+
+def count_params(model_dir: Path) -> int:
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> tuple[list[float], list[float]]:
@@ -87,11 +107,11 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
         f"actor_rollout_ref.actor.kl_loss_coef={args.beta}", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean", f"actor_rollout_ref.actor.dtype={args.dtype}",
         f"trainer.total_training_steps={args.steps}", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
-        "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'tiller_run'}", *args.tiller_opt,
+        "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'tiller_run'}",
+        f"trainer.device={args.device}", *(GPU_OPTS if args.device == "cuda" else []), *args.tiller_opt,
     ])
     trainer = RLTrainer(cfg)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    params = count_params(model_dir)
     times, cpu = [], []
     try:
         for step in range(1, args.steps + 1):
@@ -107,6 +127,8 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
                 # (share_prompt_forward) plus every response token
                 tokens = args.prompts * m["prompt_length/mean"] + args.prompts * args.n * m["response_length/mean"]
                 phases.setdefault("update_gflops", []).append(6 * params * tokens / m["timing_s/update_actor"] / 1e9)
+                if "perf/mfu/actor" in m:  # verl's formula against the device's peak (CUDA only)
+                    phases.setdefault("mfu", []).append(m["perf/mfu/actor"])
     finally:
         trainer.shutdown()
     return times, cpu
@@ -147,7 +169,7 @@ def run_trl(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> 
         output_dir=str(root / "trl_run"), per_device_train_batch_size=args.prompts * args.n,
         num_generations=args.n, max_completion_length=args.max_new, beta=args.beta, num_iterations=1,
         learning_rate=args.lr, max_steps=args.steps, temperature=1.0, loss_type="dapo", scale_rewards="group",
-        use_cpu=True, bf16=args.dtype == "bfloat16", report_to=[], save_strategy="no", logging_steps=1, shuffle_dataset=False,
+        use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", report_to=[], save_strategy="no", logging_steps=1, shuffle_dataset=False,
         gradient_accumulation_steps=1, dataloader_num_workers=0, seed=0, disable_tqdm=True,
         lr_scheduler_type="constant", gradient_checkpointing=False,
     )
@@ -182,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gsm8k-src", default=None, help="dir with GSM8K train/test.jsonl (default: openai/gsm8k through `datasets`, as tiller data gsm8k)")
     p.add_argument("--max-prompt", type=int, default=None, help="max prompt tokens (default 32; gsm8k 512: no GSM8K prompt is cut)")
     p.add_argument("--params", type=float, default=30e6)
+    p.add_argument("--shape", choices=sorted(SIZES), default=None,
+                   help="a bench/rollout.py model shape instead of --params (0.5B: shared/GPU.md's GPU shape)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: both trainers on the GPU, tiller with its GPU settings (graphs, packed update)")
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=2)
@@ -207,13 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         args.max_prompt = 512 if args.task == "gsm8k" else 32
     result = {"quick": args.quick, "task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
               "max_new_tokens": args.max_new, "beta": args.beta, "steps_timed": args.steps - args.warmup,
-              "threads": args.threads, "dtype": args.dtype}
+              "threads": args.threads, "dtype": args.dtype, "device": args.device, "shape": args.shape}
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench/grpo_vs_trl.py --device cuda: torch sees no CUDA device", file=sys.stderr)
+            return 2
+        result["gpu"] = torch.cuda.get_device_name()
+        result["torch"] = torch.__version__
+        result["tiller_gpu_opts"] = GPU_OPTS
     with tempfile.TemporaryDirectory(prefix="tiller-bench-") as tmp:
         root = Path(args.workdir or tmp)
         if args.only:
             result.update(measure(args.only, root, args))
         else:  # separate processes: threads, allocator settings and caches do not carry from one to the other
-            build_inputs(root, args)
+            result["model_params"] = count_params(build_inputs(root, args)[0])
             own = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--quick"]
             own += ["--params", str(args.params), "--prompts", str(args.prompts), "--n", str(args.n),
                     "--max-new", str(args.max_new), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -228,10 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     from tiller.hostinfo import compact_host_facts
 
     result["host"] = compact_host_facts()
+    if "tiller_mfu_s" in result:  # (a mean over the timed steps, not seconds)
+        result["tiller_mfu"] = round(result.pop("tiller_mfu_s"), 4)
     if "tiller_update_gflops_s" in result:  # the update's achieved rate against the same-dtype GEMM peak
         result["tiller_update_gflops"] = result.pop("tiller_update_gflops_s")
         peak = result["host"].get("gemm_bf16_gflops" if args.dtype == "bfloat16" else "gemm_fp32_gflops")
-        if peak:
+        if peak and args.device == "cpu":
             result["tiller_update_pct_of_peak"] = round(100 * result["tiller_update_gflops"] / peak, 1)
     print(json.dumps(result))
     return 0

@@ -23,13 +23,19 @@ Checks:
   producer thread generating on the same GPU beside the update), two seeds: both learn, s/step ratio reported.
 - `speed`: native engine vs HF `generate`, 30M Qwen2, 64 prompts x 128 new tokens, fp32 and bf16 (tok/s).
 - `graphed_decode`: the static-shape decode step under CUDA graphs (`tiller.rollout.graphed_decode`, fp32, Qwen2
-  and Llama): greedy rows equal HF `generate` and the same step run eagerly; logprobs within 1e-4 of a
+  and Llama), with eager and with Inductor-compiled layers: greedy rows equal HF `generate` and the same step run
+  eagerly; logprobs within 1e-4 of a
   teacher-forced forward; stop tokens with compaction equal HF; padding rows change nothing (buckets [12] vs [64]);
   seeded sampling repeats and is batch-independent; weights updated in place after capture are the ones the
   captured graphs use (no recapture). On `--device cpu` the graph parts are skipped (the step runs eagerly).
 - `graph_speed`: `bench/rollout.py --device cuda` at GPU.md's shape (Qwen2.5-0.5B body, bf16, 64 / 128 / 256
-  prompts of 16-128 tokens x 256 new tokens): native with graphs, native eager, HF `generate`, and the floor from
+  prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers, with graphs of eager layers,
+  native eager, HF `generate`, and the floor from
   this run's GEMM and copy rates (on `--device cpu`: the 2M model, 8 x 16, to test this script).
+- `grpo_speed`: `bench/grpo_vs_trl.py --device cuda --shape 0.5B --dtype bfloat16 --prompts 16 --n 8 --max-new 256`:
+  seconds per GRPO step, tiller (graphs of the compiled decode step, packed update; generation and update times,
+  `perf/mfu/actor`) against TRL's GRPOTrainer (HF `generate`), same model and settings (on `--device cpu`: the
+  bench's `--quick` size).
 - `packed_update`: the update's forward without padding (`use_remove_padding`, torch's varlen attention on CUDA):
   logprobs and gradients equal the padded forward's (fp32, Qwen2 and Llama); then `bench/packed_update.py` (30M,
   16 rows, bf16 on CUDA) times both and `mfu` reports what `perf/mfu/actor` would say for each.
@@ -358,7 +364,7 @@ def c_speed(a):
 
 @check("graphed_decode")
 def c_graphed_decode(a):
-    from tiller.rollout import SamplingParams, build_rollout_engine
+    from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
 
     graphs = a.device == "cuda"
     if not graphs:
@@ -369,28 +375,37 @@ def c_graphed_decode(a):
         model, tok = _load_sharp(path, a.device)
         prompts = [tok(t)["input_ids"] for t in PROMPTS]
         hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
-        engine = build_rollout_engine("native", model, tok, static_decode=True)
-        out = engine.generate(prompts, greedy)
         eager_static = build_rollout_engine("native", model, tok, static_decode=True, cuda_graphs=False)
         eager_out = eager_static.generate(prompts, greedy)
-        same = sum(x == y for x, y in zip(out.response_ids, hf.response_ids))
-        assert same == len(hf.response_ids), f"{arch}: {same}/{len(hf.response_ids)} graphed rows equal HF generate"
-        assert out.response_ids == eager_out.response_ids, f"{arch}: graphed rows differ from the eager static step"
-        worst = 0.0
-        for p, r, lp in zip(out.prompt_ids, out.response_ids, out.logprobs):
-            ids = torch.tensor([list(p) + list(r)], device=a.device)
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(p) - 1 : -1].float()
-            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=a.device)[:, None])[:, 0]
-            worst = max(worst, (ref.cpu() - torch.tensor(lp)).abs().max().item())
-        assert worst < 1e-4, f"{arch}: logprobs differ from a teacher-forced forward by {worst:.2e}"
-        g = engine._graphed
-        if graphs:
-            assert g.capture_error is None, f"{arch}: capture failed: {g.capture_error}"
-            assert g.captures > 0 and g.replays > 0, f"{arch}: no graph captured / replayed ({g.captures}, {g.replays})"
-        info[arch] = {"rows_equal": same, "max_logprob_err": worst, "captures": g.captures, "replays": g.replays,
-                      "eager_steps": g.eager_steps}
+        # the graphed step as captured (eager kernels), then with each layer's body compiled by Inductor inside the
+        # graphs (rollout.enforce_eager=False's choice on CUDA)
+        for compiled in (False, True):
+            name = f"{arch}_compiled" if compiled else arch
+            engine = build_rollout_engine("native", model, tok, static_decode=True, compile_decode=compiled)
+            out = engine.generate(prompts, greedy)
+            g = engine._graphed
+            if compiled:
+                assert g.compile_error is None, f"{name}: compiling the layer failed: {g.compile_error}"
+            same = sum(x == y for x, y in zip(out.response_ids, hf.response_ids))
+            assert same == len(hf.response_ids), f"{name}: {same}/{len(hf.response_ids)} graphed rows equal HF generate"
+            assert out.response_ids == eager_out.response_ids, f"{name}: graphed rows differ from the eager static step"
+            worst = 0.0
+            for p, r, lp in zip(out.prompt_ids, out.response_ids, out.logprobs):
+                ids = torch.tensor([list(p) + list(r)], device=a.device)
+                with torch.no_grad():
+                    logits = model(ids).logits[0, len(p) - 1 : -1].float()
+                ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=a.device)[:, None])[:, 0]
+                worst = max(worst, (ref.cpu() - torch.tensor(lp)).abs().max().item())
+            assert worst < 1e-4, f"{name}: logprobs differ from a teacher-forced forward by {worst:.2e}"
+            if graphs:
+                assert g.capture_error is None, f"{name}: capture failed: {g.capture_error}"
+                assert g.captures > 0 and g.replays > 0, \
+                    f"{name}: no graph captured / replayed ({g.captures}, {g.replays})"
+            info[name] = {"rows_equal": same, "max_logprob_err": worst, "captures": g.captures, "replays": g.replays,
+                          "eager_steps": g.eager_steps, "compiled": g._layer is not None}
 
+    # the rest as rollout.enforce_eager=False runs on this device: graphs, each layer's body compiled
+    comp = compiled_decode.available(a.device)
     model, tok = _load_sharp(_models(a)["qwen2"], a.device)
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
     # stop tokens end rows at different steps; the host compacts the batch into smaller buckets
@@ -399,26 +414,29 @@ def c_graphed_decode(a):
     stops = sorted({r[k] for r, k in zip(free.response_ids, [3, 7, 12, 20, 25, 29])})
     stopped = SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True, stop_token_ids=stops)
     hf = build_rollout_engine("hf", model, tok).generate(prompts, stopped)
-    out = build_rollout_engine("native", model, tok, static_decode=True, compact_fraction=0.01).generate(prompts, stopped)
+    out = build_rollout_engine("native", model, tok, static_decode=True, compile_decode=comp,
+                               compact_fraction=0.01).generate(prompts, stopped)
     assert out.response_ids == hf.response_ids and out.finish_reason == hf.finish_reason, "stops / compaction differ"
     # padding rows change nothing: the same sampled rows at their own size and padded into a bucket of 64
     sampled = SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=5, temperature=0.8, top_p=0.95)
-    exact, padded = (build_rollout_engine("native", model, tok, static_decode=True, capture_sizes=sizes)
+    exact, padded = (build_rollout_engine("native", model, tok, static_decode=True, compile_decode=comp,
+                                          capture_sizes=sizes)
                      .generate(prompts, sampled) for sizes in ([12], [64]))
     assert exact.response_ids == padded.response_ids, "padding rows changed the sampled rows"
     lp_diff = max(abs(x - y) for r1, r2 in zip(exact.logprobs, padded.logprobs) for x, y in zip(r1, r2))
     # seeded: repeats, batch-independent (prompts 0-1 alone give the same rows), another seed differs
-    engine = build_rollout_engine("native", model, tok, static_decode=True)
+    engine = build_rollout_engine("native", model, tok, static_decode=True, compile_decode=comp)
     seeded = SamplingParams(n=3, max_new_tokens=16, ignore_eos=True, seed=11, temperature=0.7, top_k=20)
     r1, r2 = engine.generate(prompts, seeded), engine.generate(prompts, seeded)
-    alone = build_rollout_engine("native", model, tok, static_decode=True).generate(prompts[:2], seeded)
+    alone = build_rollout_engine("native", model, tok, static_decode=True,
+                                 compile_decode=comp).generate(prompts[:2], seeded)
     other = engine.generate(prompts, SamplingParams(**{**seeded.__dict__, "seed": 12}))
     assert r1.response_ids == r2.response_ids, "same seed, different samples under graphs"
     assert alone.response_ids == r1.response_ids[:6], "seeded rows changed with the batch"
     assert other.response_ids != r1.response_ids, "another seed gave the same samples"
     # weight sync: update in place after capture; the same graphs (no new capture) give the new weights' rows
     greedy = SamplingParams(do_sample=False, max_new_tokens=16, ignore_eos=True)
-    engine = build_rollout_engine("native", model, tok, static_decode=True)
+    engine = build_rollout_engine("native", model, tok, static_decode=True, compile_decode=comp)
     before = engine.generate(prompts, greedy)
     captured = engine._graphed.captures
     gen = torch.Generator().manual_seed(1)
@@ -445,13 +463,14 @@ def c_graph_speed(a):
     else:
         args = ["--sizes", "2M", "--dtypes", "float32", "--prompts", "8", "--new-tokens", "16", "--repeats", "1"]
     cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *args, "--workloads", "fixed",
-           "--engines", "native-graphs,native,hf", "--model-dir", str(a.work / "bench")]
+           "--engines", "native-graphs-compiled,native-graphs,native,hf", "--model-dir", str(a.work / "bench")]
     code = sh(cmd, log, 540)
     print(tail(log, 4))
     assert code == 0, f"exit {code}: {tail(log, 8)}"
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-    keep = ("prompts", "native_graphs_tok_s", "native_tok_s", "hf_tok_s", "floor_tok_s", "floor_ms_per_step",
-            "native_graphs_floor_frac", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
+    keep = ("prompts", "native_graphs_compiled_tok_s", "native_graphs_tok_s", "native_tok_s", "hf_tok_s", "floor_tok_s",
+            "floor_ms_per_step", "native_graphs_compiled_floor_frac", "native_graphs_floor_frac",
+            "native_graphs_compiled_steps", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
     return {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 
@@ -508,8 +527,27 @@ def c_packed_update(a):
     return info
 
 
-CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft, c_async, c_speed,
-          c_graphed_decode, c_packed_update, c_graph_speed]
+@check("grpo_speed")
+def c_grpo_speed(a):
+    """bench/grpo_vs_trl.py: a GRPO step of tiller (graphed + compiled decode, packed update) against TRL's, same
+    model, data and settings; on CUDA at the issue's shape (0.5B body, bf16, 16 prompts x n=8 x 256 tokens)."""
+    log = a.out / "grpo_speed.log"
+    if a.device == "cuda":
+        args = ["--device", "cuda", "--shape", "0.5B", "--dtype", "bfloat16", "--prompts", "16", "--n", "8",
+                "--max-new", "256", "--steps", "3", "--warmup", "1", "--threads", "8"]
+    else:
+        args = ["--quick", "--threads", "1"]
+    code = sh([sys.executable, str(ROOT / "bench" / "grpo_vs_trl.py"), *args], log, 480)
+    print(tail(log, 3))
+    assert code == 0, f"exit {code}: {tail(log, 8)}"
+    row = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
+    keep = ("tiller_s_per_step", "trl_s_per_step", "speedup", "tiller_gen_s", "tiller_update_actor_s", "tiller_mfu",
+            "tiller_update_gflops", "model_params", "gpu", "torch")
+    return {k: row[k] for k in keep if k in row}
+
+
+CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft,
+          c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_grpo_speed]
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import torch
 
 from tests.rollout.conftest import PROMPTS, prompt_ids, reference_logprobs
 from tiller.errors import UserError
-from tiller.rollout import SamplingParams, build_rollout_engine
+from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
 from tiller.rollout.graphed_decode import (bucket_for, capture_sizes, native_decode_options, row_keys,
                                            row_uniforms)
 
@@ -34,7 +34,8 @@ def test_buckets_are_vllms_sizes():
 def test_enforce_eager_false_chooses_graphs_on_cuda_and_compile_on_cpu():
     assert native_decode_options(None, "cuda") == {}  # eager until the GPU check has passed (#37)
     assert native_decode_options(False, "cuda", [8]) == {"static_decode": True, "cuda_graphs": True,
-                                                        "capture_sizes": [8]}
+                                                        "capture_sizes": [8],
+                                                        "compile_decode": compiled_decode.available("cuda")}
     assert native_decode_options(False, "cuda")["cuda_graphs"] is True
     assert native_decode_options(True, "cuda") == {}
     assert native_decode_options(False, "cpu") == {"compile_decode": True}
@@ -140,3 +141,60 @@ def test_weight_sync_lands_in_the_captured_tensors(sharp_qwen):
     assert [t[0].data_ptr() for t in engine._fused.qkv + engine._fused.gate_up] == addresses
     fresh = build_rollout_engine("native", model, tok).generate(prompts, greedy)
     assert after.response_ids == fresh.response_ids != before.response_ids
+
+
+@pytest.mark.skipif(not compiled_decode.available(), reason="no C++ compiler for Inductor")
+@pytest.mark.parametrize("arch", ["sharp_qwen", pytest.param("sharp_llama", marks=pytest.mark.slow)])
+def test_compiled_layer_step_equals_the_eager_engine(arch, request):
+    """The static step with each layer's body compiled by Inductor (what a GPU captures in its graphs, with Triton
+    there and C++ here): greedy rows equal the eager engine's, logprobs close, seeded samples equal the uncompiled
+    static step's; one compiled function serves every layer and every batch size (one row: a specialised second
+    graph); in-place weight updates are read without recompiling."""
+    from torch._dynamo.utils import counters
+
+    model, tok = request.getfixturevalue(arch)
+    model = copy.deepcopy(model)
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=12, ignore_eos=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    eager = build_rollout_engine("native", model, tok)
+    engine = static_engine(model, tok, compile_decode=True)
+    out = engine.generate(prompts, greedy)
+    graphed = engine._graphed
+    assert graphed._layer is not None and graphed.compile_error is None
+    assert out.response_ids == eager.generate(prompts, greedy).response_ids
+    for a, b in zip(out.logprobs, eager.generate(prompts, greedy).logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    one = engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True))
+    assert one.response_ids[0] == out.response_ids[0]
+    sampled = SamplingParams(n=2, max_new_tokens=10, ignore_eos=True, seed=3, temperature=0.9, top_p=0.9)
+    assert engine.generate(prompts, sampled).response_ids == static_engine(model, tok).generate(
+        prompts, sampled).response_ids
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    changed = engine.generate(prompts, greedy)
+    assert changed.response_ids != out.response_ids
+    assert changed.response_ids == build_rollout_engine("native", model, tok).generate(prompts, greedy).response_ids
+    assert graphed.compile_error is None
+    # one function for every layer, batch size >= 2 and weight version, a second for one row (not one per layer:
+    # 24 on a 0.5B model)
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 2
+
+
+def test_a_failing_compile_warns_and_decodes_eagerly(sharp_qwen, monkeypatch):
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=8, ignore_eos=True)
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("no backend here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = static_engine(model, tok, compile_decode=True)
+    with pytest.warns(UserWarning, match="compiling the decode step's layer failed .*no backend here"):
+        out = engine.generate(prompts, greedy)
+    assert engine._graphed._layer is None and "no backend here" in engine._graphed.compile_error
+    assert out.response_ids == build_rollout_engine("native", model, tok).generate(prompts, greedy).response_ids

@@ -35,8 +35,18 @@ Weight sync: the step reads the `FusedDecoder`'s fused weights and the model's o
 tensors; `FusedDecoder.sync()` copies new weights into those same tensors (never new ones) when nothing is
 prepacked, so a captured graph uses the synced weights without recapture.
 
+Fewer kernels (`compile=True`, the default with CUDA graphs where Triton is installed): a graph removes the launch
+cost, not the kernels; eagerly a layer is ~25 kernels (RMSNorm, rotary, residual adds and SiLU-times-up are several
+1-4 us elementwise kernels each, `shared/GPU.md`). With `compile` each layer's body (norm, qkv matmul, rotary, the
+cache write, attention, output matmul, residual, norm, gate-up, SiLU x up, down, residual) is one function compiled
+by Inductor once for any batch and width (`dynamic=True`; the same code for every layer, its weights and cache
+passed in), so the elementwise chains fuse into a few kernels around the matmuls and attention, and the graph
+records those. The embedding, rotary tables, mask, LM head and sampler stay eager (a few dozen kernels a step, not
+per layer). A compile that fails warns once and the step runs eagerly (`compile_error`).
+
 On a CPU the same step runs eagerly (no capture); tests check it against the eager engine (greedy tokens equal,
-logprobs close), that padding rows change nothing, and that seeded sampling is repeatable and batch-independent.
+logprobs close), that padding rows change nothing, and that seeded sampling is repeatable and batch-independent,
+and the compiled layer (Inductor's C++ backend there) against the eager one.
 
 Deviations from vLLM: no paged cache (one contiguous row per sequence, compacted as rows finish); stop strings
 and partial-rollout weight hooks need the host every step, so the engine keeps its eager loop for those.
@@ -50,8 +60,10 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tiller.errors import UserError
+from tiller.rollout.fused_decode import text_config
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
 KV_BLOCK = 256
@@ -146,14 +158,61 @@ class Sampler:
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+# ------------------------------------------------------------------------------ the compiled layer
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Qwen2 / Llama RMSNorm (fp32 statistics, the weight applied in the input's dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def layer_step_fn(fused):
+    """One decoder layer of the static step as a pure function of tensors (the weights and cache passed in), so a
+    single compiled function serves every layer: (x [b, E], cos / sin [b, 1, D], mask [b, 1, 1, Lb], rows [b],
+    write [b], kc / vc [C, Hk, Lcap, D], then the layer's norm and linear weights) -> x [b, E]; writes the rows'
+    keys / values at (rows, write) in kc / vc. None when the layers are not alike enough to share one function
+    (different norm epsilons)."""
+    from transformers.activations import ACT2FN
+
+    d, n_q, n_kv, scaling = fused.head_dim, fused.n_q, fused.n_kv, fused.scaling
+    group, half, qk_width = n_q // n_kv, d // 2, (n_q + n_kv) * d
+    layers = fused.inner.layers
+    eps = {float(getattr(norm, "variance_epsilon", getattr(norm, "eps", -1.0)))
+           for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len(eps) != 1 or min(eps) < 0:
+        return None
+    eps_value = eps.pop()
+    act_name = getattr(text_config(fused.model), "hidden_act", None)
+    # one activation object for every layer (a per-layer module would be a guard, hence a compile, per layer)
+    act = F.silu if act_name == "silu" else (ACT2FN[act_name] if act_name else layers[0].mlp.act_fn)
+
+    def layer_step(x, cos, sin, mask, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w,
+                   down_b):
+        b, lb = x.shape[0], mask.shape[-1]
+        qkv = F.linear(_rms(x, ln1, eps_value), qkv_w, qkv_b)
+        qk = qkv[:, :qk_width].view(b, n_q + n_kv, d)
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        q, k = qk.split([n_q, n_kv], dim=1)
+        kc[rows, :, write] = k
+        vc[rows, :, write] = qkv[:, qk_width:].view(b, n_kv, d)
+        o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), kc[:b, :, :lb], vc[:b, :, :lb],
+                                           attn_mask=mask, scale=scaling)
+        x = x + F.linear(o.reshape(b, n_q * d), o_w, o_b)
+        gate, up = F.linear(_rms(x, ln2, eps_value), gate_up_w).chunk(2, dim=-1)
+        return x + F.linear(act(gate) * up, down_w, down_b)
+
+    return layer_step
+
+
 # --------------------------------------------------------------------------------------- the step
 class GraphedDecoder:
     """The static buffers and the captured decode steps of one `FusedDecoder` (one model's weights).
 
-    `capture`: record CUDA graphs (default: on CUDA); False runs the same static-shape step eagerly."""
+    `capture`: record CUDA graphs (default: on CUDA); False runs the same static-shape step eagerly. `compile`:
+    each layer's body compiled by Inductor (`layer_step_fn`; needs Triton on CUDA, a C++ compiler on CPU)."""
 
     def __init__(self, fused, sizes: list[int], kv_block: int = KV_BLOCK, sync_every: int = SYNC_EVERY,
-                 capture: bool | None = None):
+                 capture: bool | None = None, compile: bool = False):
         self.fused = fused
         self.sizes = sizes
         self.kv_block = kv_block
@@ -169,6 +228,14 @@ class GraphedDecoder:
         self.stop = torch.empty(0, dtype=torch.long)
         self.replays = self.captures = self.eager_steps = 0  # counters (tests and the GPU check read them)
         self.capture_error: str | None = None
+        self.compile_error: str | None = None
+        self._layer = None  # the compiled layer body, or None: the eager step
+        if compile:
+            body = layer_step_fn(fused)
+            if body is None:
+                self.compile_error = "the layers' norms differ: no shared compiled layer"
+            else:
+                self._layer = torch.compile(body, dynamic=True, fullgraph=True)
 
     # ------------------------------------------------------------------------------------- storage
     def _ensure(self, rows: int, cols: int, new_tokens: int, stop_ids: list[int]) -> None:
@@ -209,6 +276,14 @@ class GraphedDecoder:
     # ---------------------------------------------------------------------------------- the step body
     def _forward(self, b: int, lb: int) -> torch.Tensor:
         """Rows [:b]: feed their tokens, write their keys / values, attend over columns [:lb]; logits [b, V]."""
+        if self._layer is not None:
+            try:
+                return self._forward_compiled(b, lb)
+            except Exception as err:  # Inductor could not compile (or run) the layer here: eager from now on
+                # (re-running the step is safe: its cache writes are the same values at the same columns)
+                self._layer, self.compile_error = None, f"{type(err).__name__}: {err}"
+                warnings.warn(f"tiller: compiling the decode step's layer failed ({self.compile_error}); the step "
+                              "runs eagerly", stacklevel=3)
         f, s = self.fused, self.state
         inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
@@ -231,6 +306,22 @@ class GraphedDecoder:
             x = x + f._apply(o.reshape(b, n_q * d), f.o[i])
             gate, up = f._apply(f._norm(layer.post_attention_layernorm, x), f.gate_up[i]).chunk(2, dim=-1)
             x = x + f._apply(layer.mlp.act_fn(gate) * up, f.down[i])
+        return f._apply(f._norm(inner.norm, x), f.head)
+
+    def _forward_compiled(self, b: int, lb: int) -> torch.Tensor:
+        """`_forward` with each layer's body in the compiled `layer_step_fn` (unpacked weights: Inductor traces
+        plain tensors; on CUDA they are the only ones)."""
+        f, s = self.fused, self.state
+        inner = f.inner
+        write, rows = s["write"][:b], self.arange[:b]
+        cols = self.columns[:lb]
+        mask = ((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :]
+        x = inner.embed_tokens(s["tokens"][:b])
+        cos, sin = inner.rotary_emb(x[:1], s["positions"][:b, None])
+        for i, layer in enumerate(inner.layers):
+            x = self._layer(x, cos, sin, mask, rows, write, self.kc[i], self.vc[i], layer.input_layernorm.weight,
+                            f.qkv[i][0], f.qkv[i][1], f.o[i][0], f.o[i][1], layer.post_attention_layernorm.weight,
+                            f.gate_up[i][0], f.down[i][0], f.down[i][1])
         return f._apply(f._norm(inner.norm, x), f.head)
 
     def _record(self, b: int, tokens: torch.Tensor, logp: torch.Tensor) -> None:
@@ -364,13 +455,12 @@ class GraphedDecoder:
 def native_decode_options(enforce_eager: bool | None, device_type: str,
                           sizes: list[int] | None = None) -> dict:
     """The native engine's decode options for verl's `rollout.enforce_eager` on `device_type`: on CUDA, False captures
-    the static-shape step in CUDA graphs, null (the default) or True decodes eagerly (graphs become the default, as in
-    vLLM, once `scripts/gpu_check.py`'s graphed_decode check has passed on a GPU: issue #37); on a CPU,
-    False compiles the fused step with Inductor (`tiller.rollout.compiled_decode`, ~10-30 s of compiling, so not the
-    default), null or True decodes eagerly. `sizes` is `rollout.cudagraph_capture_sizes`.
+    the static-shape step in CUDA graphs, each layer's body compiled by Inductor where Triton is installed (as vLLM
+    compiles then captures); null (the default) or True decodes eagerly (graphs become the default, as in vLLM,
+    once `scripts/gpu_check.py`'s graphed_decode check has passed on a GPU: issue #37); on a CPU, False compiles the
+    fused step with Inductor (`tiller.rollout.compiled_decode`, ~10-30 s of compiling, so not the default), null or
+    True decodes eagerly. `sizes` is `rollout.cudagraph_capture_sizes`.
 
-    >>> native_decode_options(False, "cuda")
-    {'static_decode': True, 'cuda_graphs': True, 'capture_sizes': None}
     >>> native_decode_options(None, "cuda")
     {}
     >>> native_decode_options(False, "cpu"), native_decode_options(None, "cpu")
@@ -379,7 +469,10 @@ def native_decode_options(enforce_eager: bool | None, device_type: str,
     if device_type == "cuda":
         if enforce_eager is not False:
             return {}
-        return {"static_decode": True, "cuda_graphs": True, "capture_sizes": sizes}
+        from tiller.rollout.compiled_decode import available
+
+        return {"static_decode": True, "cuda_graphs": True, "capture_sizes": sizes,
+                "compile_decode": available("cuda")}
     return {"compile_decode": True} if enforce_eager is False else {}
 
 
@@ -392,7 +485,7 @@ def decoder_for(engine, model) -> GraphedDecoder | None:
     graphed = getattr(engine, "_graphed", None)
     if graphed is None or graphed.fused is not fused:
         graphed = GraphedDecoder(fused, capture_sizes(engine.max_num_seqs, engine.capture_sizes),
-                                 capture=engine.cuda_graphs)
+                                 capture=engine.cuda_graphs, compile=engine.compile_decode)
         engine._graphed = graphed
     return graphed
 

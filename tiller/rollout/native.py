@@ -186,7 +186,8 @@ class NativeRolloutEngine(InProcessEngine):
     `decode_kernel` (on CPU, the fused step's one-token attention in a C kernel built once with the C compiler
     on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply), `static_decode` (Llama / Qwen2: decode
     with the static-shape step of `tiller.rollout.graphed_decode`, captured in CUDA graphs per batch-size bucket when
-    `cuda_graphs`; without stop strings or a weights hook), `capture_sizes` (its buckets; default vLLM's).
+    `cuda_graphs`, each layer's body compiled by Inductor with `compile_decode`; without stop strings or a weights
+    hook), `capture_sizes` (its buckets; default vLLM's).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
