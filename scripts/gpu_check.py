@@ -14,7 +14,8 @@ Checks:
   eager decoding's greedy rows and logprobs (1e-4).
 - `native_seeded`: a seeded sampling call repeats exactly, and differs under another seed.
 - `continuous`: the serving batcher: rows joining at different steps equal the native engine, a seeded request is
-  batch-independent, a JSON-schema constrained request parses (llguidance).
+  batch-independent, a JSON-schema constrained request parses (llguidance); with the fused step and with the
+  static step (CUDA graphs replayed between admissions, compiled layers).
 - `demo`: `tiller demo trainer.device=<device>`: GRPO learns on the device (held-out gain, wall).
 - `rl_gae_bf16`: PPO with a critic, KL loss against a reference, bf16 actor / critic / rollout, 4 steps,
   a checkpoint saved and resumed on the device.
@@ -202,40 +203,58 @@ def c_native_seeded(a):
 @check("continuous")
 def c_continuous(a):
     """The serving batcher on the device: rows joining at different steps equal the native engine (greedy, with a
-    request prefilled inside a decode pass), a seeded request is batch-independent, a JSON-schema request parses."""
-    from tiller.rollout import SamplingParams, build_rollout_engine
+    request prefilled inside a decode pass), a seeded request is batch-independent, a JSON-schema request parses;
+    with the fused step, then with the static step (CUDA graphs on a GPU, compiled layers where Triton is)."""
+    from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
     from tiller.rollout.constrained import GrammarCompiler
     from tiller.rollout.continuous import ContinuousBatcher
 
     model, tok = _load_sharp(_models(a)["qwen2"], a.device)
-    engine = build_rollout_engine("native", model, tok)
     prompts = [tok(t)["input_ids"] for t in PROMPTS[:4]]
-    ref = engine.generate(prompts, SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True))
-    batcher = ContinuousBatcher(engine, max_rows=3)
-    try:
-        futures = []
-        for k, p in enumerate(prompts):
-            futures.append(batcher.submit([p], SamplingParams(max_new_tokens=10 - k, do_sample=False, ignore_eos=True)))
-            time.sleep(0.002)
-        outs = [f.result(timeout=120) for f in futures]
-        seeded = SamplingParams(n=2, max_new_tokens=16, seed=9, ignore_eos=True)
-        alone = batcher.submit([prompts[1]], seeded).result(timeout=120)
-        noise = [batcher.submit([p], SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts[:2]]
-        loaded = batcher.submit([prompts[1]], seeded).result(timeout=120)
-        [f.result(timeout=120) for f in noise]
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "enum": ["x", "y"]}},
-                  "required": ["a", "b"], "additionalProperties": False}
-        grammar = GrammarCompiler(tok, model.config.vocab_size).json_schema(schema)
-        js = batcher.submit([prompts[0]], SamplingParams(n=2, max_new_tokens=200, seed=1), grammar=grammar).result(timeout=120)
-    finally:
-        batcher.close()
-    for k, out in enumerate(outs):
-        assert out.response_ids[0] == ref.response_ids[k][: 10 - k], f"request {k} differs from the native engine"
-    assert loaded.response_ids == alone.response_ids, "a seeded request changed under load"
-    texts = [tok.decode(r, skip_special_tokens=True) for r in js.response_ids]
-    values = [json.loads(t) for t in texts]
-    assert all(set(v) == {"a", "b"} and isinstance(v["a"], int) and v["b"] in ("x", "y") for v in values), texts
-    return {"prefills_in_decode": batcher.stats["prefills_in_decode"], "json": texts}
+    ref = build_rollout_engine("native", model, tok).generate(
+        prompts, SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True))
+    info = {}
+    for variant, kw in (("fused", {}), ("static", {"static_decode": True,
+                                                    "compile_decode": compiled_decode.available(a.device)})):
+        engine = build_rollout_engine("native", model, tok, **kw)
+        batcher = ContinuousBatcher(engine, max_rows=3)
+        try:
+            futures = []
+            for k, p in enumerate(prompts):
+                futures.append(batcher.submit([p], SamplingParams(max_new_tokens=10 - k, do_sample=False,
+                                                                  ignore_eos=True)))
+                time.sleep(0.002)
+            outs = [f.result(timeout=120) for f in futures]
+            seeded = SamplingParams(n=2, max_new_tokens=16, seed=9, ignore_eos=True)
+            alone = batcher.submit([prompts[1]], seeded).result(timeout=120)
+            noise = [batcher.submit([p], SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts[:2]]
+            loaded = batcher.submit([prompts[1]], seeded).result(timeout=120)
+            [f.result(timeout=120) for f in noise]
+            schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                                       "b": {"type": "string", "enum": ["x", "y"]}},
+                      "required": ["a", "b"], "additionalProperties": False}
+            grammar = GrammarCompiler(tok, model.config.vocab_size).json_schema(schema)
+            js = batcher.submit([prompts[0]], SamplingParams(n=2, max_new_tokens=200, seed=1),
+                                grammar=grammar).result(timeout=120)
+        finally:
+            batcher.close()
+        for k, out in enumerate(outs):
+            assert out.response_ids[0] == ref.response_ids[k][: 10 - k], \
+                f"{variant}: request {k} differs from the native engine"
+        assert loaded.response_ids == alone.response_ids, f"{variant}: a seeded request changed under load"
+        texts = [tok.decode(r, skip_special_tokens=True) for r in js.response_ids]
+        values = [json.loads(t) for t in texts]
+        assert all(set(v) == {"a", "b"} and isinstance(v["a"], int) and v["b"] in ("x", "y") for v in values), texts
+        info[variant] = {"prefills_in_decode": batcher.stats["prefills_in_decode"], "json": texts,
+                         "static_steps": batcher.stats["static_steps"]}
+        slot = getattr(batcher, "_slot", None)
+        if variant == "static":
+            assert batcher.stats["static_steps"] > 0, "the batcher did not run the static step"
+            info[variant].update(captures=slot.captures, replays=slot.replays, capture_error=slot.capture_error,
+                                 compile_error=slot.compile_error)
+            if a.device == "cuda":
+                assert slot.capture_error is None and slot.replays > 0, f"no graph replays: {slot.capture_error}"
+    return info
 
 
 def _demo_data(a):

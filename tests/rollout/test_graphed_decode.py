@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS, prompt_ids, reference_logprobs
+from tests.rollout.conftest import PROMPTS, prompt_ids, reference_logprobs, staggered_greedy
 from tiller.errors import UserError
 from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
 from tiller.rollout.graphed_decode import (bucket_for, capture_sizes, native_decode_options, row_keys,
@@ -198,3 +198,16 @@ def test_a_failing_compile_warns_and_decodes_eagerly(sharp_qwen, monkeypatch):
         out = engine.generate(prompts, greedy)
     assert engine._graphed._layer is None and "no backend here" in engine._graphed.compile_error
     assert out.response_ids == build_rollout_engine("native", model, tok).generate(prompts, greedy).response_ids
+
+
+def test_continuous_batcher_on_the_static_step(sharp_qwen):
+    """The serving batcher (and so the agent endpoint) decodes on the same static step: rows joining and leaving
+    at different steps, padded into buckets, give the fused step's tokens and logprobs."""
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    plain, plain_stats = staggered_greedy(build_rollout_engine("native", model, tok), prompts, 10, max_rows=4)
+    outs, stats = staggered_greedy(static_engine(model, tok), prompts, 10, max_rows=4)
+    assert plain_stats["static_steps"] == 0 and stats["static_steps"] >= 9
+    for a, b in zip(plain, outs):
+        assert a.response_ids == b.response_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs[0]), torch.tensor(b.logprobs[0]), atol=1e-5, rtol=0)

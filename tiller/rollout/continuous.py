@@ -15,7 +15,9 @@ settings, `logit_bias`, top-k logprobs, optional grammar (constrained decoding) 
    drawn (`tiller.rollout.constrained`; no mask work at all while no live row has a grammar);
 3. rows that hit a stop token / stop string / their `max_new_tokens` leave; the last live rows move into
    their slots (one row's cache copied, never the whole batch), so live rows stay at the front;
-4. one decode step for the live rows (the fused Llama / Qwen2 step where supported).
+4. one decode step for the live rows (the fused Llama / Qwen2 step where supported; with the engine's
+   `static_decode`, the static step of `tiller.rollout.graphed_decode`, replayed from CUDA graphs on a GPU: the
+   host admits, samples and retires rows between replays).
 
 Slot cache layout: keys / values [S, H, L, D] per layer (S = max_rows slots, L grows by doubling); row r's
 tokens occupy columns [start_r, end_r) and the next token is written at column end_r, so rows of
@@ -60,6 +62,7 @@ from tiller.rollout.base import (
     stop_ids_for,
 )
 from tiller.rollout.constrained import Grammar, Matcher, allowed_tokens
+from tiller.rollout.graphed_decode import capture_sizes, SlotStep
 from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
 from tiller.rollout.images import vision_ids_tensor
 from tiller.rollout.native import KVBuffer, NativeRolloutEngine, prefill_inputs
@@ -256,7 +259,8 @@ class ContinuousBatcher:
     in a decode pass), prompt_cache_hits (prompts that needed no prefill: cached or repeated within an
     admission, see `PromptCache`; `prompt_cache_mb=0` turns both off), prompt_cache_prefix_tokens (prompt tokens
     not prefilled because a cached prompt shared them), idle_s (seconds with no live row, waiting
-    for a request), prefill_s / decode_s / sample_s (seconds in each part of the loop).
+    for a request), prefill_s / decode_s / sample_s (seconds in each part of the loop), static_steps (decode
+    steps on the engine's static step: CUDA graph replays on a GPU).
     """
 
     def __init__(self, engine: NativeRolloutEngine, *, max_rows: int = 64, max_queue: int = 256,
@@ -273,7 +277,7 @@ class ContinuousBatcher:
                       "peak_rows": 0,
                       "prefills_in_decode": 0, "prompt_cache_hits": 0, "prompt_cache_prefix_tokens": 0,
                       "idle_s": 0.0,
-                      "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}
+                      "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0, "static_steps": 0}
         self.prompt_cache = PromptCache(int(prompt_cache_mb * (1 << 20)))
         self._waiting: _Job | None = None  # a job taken from the queue that did not fit yet
         self._rows: list[_Row] = []
@@ -395,6 +399,20 @@ class ContinuousBatcher:
         model = engine.weights.module
         engine.fused_for(model)
         return model
+
+    def _slot_step(self, model):
+        """The engine's static decode step over the slot cache (`graphed_decode.SlotStep`; `static_decode`, CUDA
+        graphs on a GPU), or None where the fused step applies instead (static decode off, no fused decoder for
+        the model, a vision-language model's per-row position offsets)."""
+        engine = self.engine
+        fused = engine._fused if engine._fused is not None and engine._fused.model is model else None
+        if not engine.static_decode or fused is None or self._vision_ids is not None:
+            return None
+        step = getattr(self, "_slot", None)
+        if step is None or step.fused is not fused:
+            step = self._slot = SlotStep(fused, capture_sizes(self.max_rows, engine.capture_sizes),
+                                         capture=engine.cuda_graphs, compile=engine.compile_decode)
+        return step
 
     def _admit(self, jobs: list[_Job]) -> None:
         """Prefill the jobs' prompts into free slots; their first logits join `self._logits`."""
@@ -703,11 +721,22 @@ class ContinuousBatcher:
         engine, cache, rows = self.engine, self._cache, self._rows
         model = self._sync_weights() if jobs else engine.weights.module
         dev = self._device
-        cache.ensure(cache, max(r.end for r in rows) + 1)
+        key_len = max(r.end for r in rows) + 1
+        cache.ensure(cache, key_len)
         start = torch.tensor([r.start for r in rows], device=dev)
         end = torch.tensor([r.end for r in rows], device=dev)
+        slot_step = self._slot_step(model)
+        if slot_step is not None:  # the static step (CUDA graphs on a GPU); new jobs are prefilled after it
+            slot_step.bind(cache.keys, cache.values)
+            self._logits = slot_step.forward(
+                torch.tensor([r.tokens[-1] for r in rows], device=dev),
+                torch.tensor([len(r.prompt) + len(r.tokens) - 1 for r in rows], device=dev), start, end, key_len)
+            self.stats["static_steps"] += 1
+            if jobs:
+                self._admit(jobs)
+            return
         cache.set_write_cols(end)
-        cache.key_len = int(end.max()) + 1
+        cache.key_len = key_len
         cols = torch.arange(cache.key_len, device=dev)
         valid = ((cols[None, :] >= start[:, None]) & (cols[None, :] <= end[:, None]))[:, None, None, :]
         dtype = next(model.parameters()).dtype

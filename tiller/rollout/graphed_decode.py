@@ -345,29 +345,32 @@ class GraphedDecoder:
         s["write"][:b] += 1
 
     def run_step(self, b: int, lb: int, sampler: Sampler) -> None:
-        """Replay the graph of (b, lb, sampler), capturing it on first use; eager when not capturing or b is no
-        bucket. The first use runs the step eagerly on a side stream (the warm-up torch.cuda.graph needs), which
-        is this step's real work; capture records without running."""
-        key = (b, lb, sampler)
+        """One decode step of rows [:b] over columns [:lb] (`_run`)."""
+        self._run((b, lb, sampler), b, lambda: self._step(b, lb, sampler))
+
+    def _run(self, key: tuple, b: int, body) -> None:
+        """Replay the graph of `key`, capturing `body` on first use; eager when not capturing or b is no bucket.
+        The first use runs the body eagerly on a side stream (the warm-up torch.cuda.graph needs), which is this
+        step's real work; capture records without running."""
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             self.replays += 1
             return
         if not self.capture or b not in self.sizes:
-            self._step(b, lb, sampler)
+            body()
             self.eager_steps += 1
             return
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._step(b, lb, sampler)
+            body()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.eager_steps += 1
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(b, lb, sampler)
+                body()
         except Exception as err:  # an op that cannot be captured here: keep decoding eagerly, say so once
             self.capture, self.capture_error = False, f"{type(err).__name__}: {err}"
             warnings.warn(f"tiller: capturing the decode step in a CUDA graph failed ({self.capture_error}); "
@@ -449,6 +452,48 @@ class GraphedDecoder:
         lengths = self.lengths[:rows].clamp_max(new_tokens).tolist()
         return [t[:n] for t, n in zip(tokens, lengths)], [lp[:n] for lp, n in zip(logp, lengths)]
 
+
+
+class SlotStep(GraphedDecoder):
+    """The continuous batcher's decode forward (`tiller.rollout.continuous`) on the same static step: the cache is
+    the batcher's slot cache (its tensors, bound while they stay the same: a slot cache that grows drops the
+    graphs), each step feeds the live rows' last tokens, positions and columns and returns their logits; sampling,
+    stop strings, grammars and admission stay with the batcher on the host, between replays. Live rows are slots
+    [0, live) (the batcher keeps them at the front); a bucket's padding rows are free slots, writing column 0 of
+    their own cache rows, which an admitted row's prefill overwrites before it is read."""
+
+    def bind(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Use these cache tensors ([S, Hk, L, D] per layer); new tensors (a grown cache) drop every graph."""
+        ident = tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in zip(keys, values))
+        if getattr(self, "_bound", None) == ident:
+            return
+        self.graphs.clear()
+        slots, cols = keys[0].shape[0], keys[0].shape[2]
+        self.kc, self.vc = list(keys), list(values)
+        long = dict(dtype=torch.long, device=self.device)
+        self.state = {name: torch.zeros(slots, **long) for name in ("tokens", "positions", "write", "start")}
+        self.arange = torch.arange(slots, **long)
+        self.columns = torch.arange(cols, **long)
+        self.logits = None
+        self._bound = ident
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                key_len: int) -> torch.Tensor:
+        """tokens / positions / start / end [live] long on the device (end: the column each row writes); key_len:
+        max(end) + 1 (the batcher knows it without a sync). Returns the live rows' logits [live, V]."""
+        live, slots, cols = len(tokens), len(self.arange), len(self.columns)
+        b = bucket_for(live, self.sizes) or live
+        if b > slots:
+            b = live
+        s = self.state
+        for name, value in (("tokens", tokens), ("positions", positions), ("start", start), ("write", end)):
+            s[name][:live] = value
+            s[name][live:b] = 0
+        lb = min(cols, -(-key_len // self.kv_block) * self.kv_block)
+        if self.logits is None:
+            self.logits = torch.empty((slots, self.fused.head[0].shape[0]), dtype=self.dtype, device=self.device)
+        self._run((b, lb), b, lambda: self.logits[:b].copy_(self._forward(b, lb)))
+        return self.logits[:live]
 
 
 # ------------------------------------------------------------------------------------- the engine's use

@@ -20,6 +20,7 @@ from tiller.httpguard import Guard, resolve_api_key
 from tiller.models.loading import is_vision_checkpoint
 from tiller.models.vision import load_processor
 from tiller.rollout.base import SamplingParams
+from tiller.rollout.graphed_decode import native_decode_options
 from tiller.serve.app import create_app, ServedModel
 
 
@@ -46,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--compile", action="store_true",
                    help="native engine: compile the decode step with torch.compile (needs a C++ compiler; compiles "
-                        "at start-up, ~10-30 s; vLLM's default, the inverse of its --enforce-eager)")
+                        "at start-up, ~10-30 s; vLLM's default, the inverse of its --enforce-eager); on --device "
+                        "cuda the static decode step in CUDA graphs, its layers compiled where Triton is installed "
+                        "(as rollout.enforce_eager=false)")
     p.add_argument("--prompt-cache-mb", type=float, default=None,
                    help="native engine: MiB of keys / values of recent prompts kept so the same prompt again needs "
                         "no prefill (default 64; 0 = off; emptied when the weights change)")
@@ -74,7 +77,7 @@ def build_served_model(args: argparse.Namespace):
                         "(drop --compile or use --engine native)")
     policy = load_policy(args.model, engine=args.engine, dtype=args.dtype, seed=args.seed,
                          tokenizer_path=args.tokenizer, device=args.device, trust_remote_code=args.trust_remote_code,
-                         engine_kwargs={"compile_decode": True} if args.compile else None)
+                         engine_kwargs=native_decode_options(False, args.device) if args.compile else None)
     max_len = args.max_model_len
     if max_len is None:
         cfg = getattr(policy.model, "config", None)
