@@ -53,10 +53,13 @@ SIZES = {"2M": dict(n_params=2_000_000), "30M": dict(n_params=30_000_000),
          "0.5B": dict(n_params=None, hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14,
                       num_key_value_heads=2, head_dim=64)}
 ENGINES = {"native": {}, "native-graphs": {"static_decode": True},
-           "native-graphs-compiled": {"static_decode": True, "compile_decode": True}, "hf": {}, "vllm": {}}
+           "native-graphs-compiled": {"static_decode": True, "compile_decode": True},
+           "native-graphs-flex": {"static_decode": True, "compile_decode": True, "static_attention": "flex"},
+           "hf": {}, "vllm": {}}
 """Engine rows: `native` decodes eagerly; `native-graphs` with the static-shape step (`tiller.rollout.graphed_decode`),
 captured in CUDA graphs per batch bucket on CUDA (on a CPU the same step runs eagerly); `native-graphs-compiled` the
-same with each layer's body compiled by Inductor inside the graphs (what `rollout.enforce_eager=False` runs on CUDA)."""
+same with each layer's body compiled by Inductor inside the graphs (what `rollout.enforce_eager=False` runs on CUDA);
+`native-graphs-flex` that with FlexAttention reading each row's live blocks instead of masked SDPA."""
 
 
 def best_seconds(fn, repeats: int = 3) -> float:
@@ -253,7 +256,7 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
         if e != "vllm" and args.device == "cpu":  # vLLM decodes in its own processes (not this one's CPU time)
             row[f"{key}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
         row[f"{key}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
-    for e in ("native-graphs", "native-graphs-compiled"):
+    for e in ("native-graphs", "native-graphs-compiled", "native-graphs-flex"):
         graphed = getattr(built.get(e), "_graphed", None)
         if graphed is not None:  # how the graphed rows ran: captures, replays, eager steps (first use / no bucket)
             row[f"{e.replace('-', '_')}_steps"] = {

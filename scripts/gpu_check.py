@@ -24,14 +24,14 @@ Checks:
   producer thread generating on the same GPU beside the update), two seeds: both learn, s/step ratio reported.
 - `speed`: native engine vs HF `generate`, 30M Qwen2, 64 prompts x 128 new tokens, fp32 and bf16 (tok/s).
 - `graphed_decode`: the static-shape decode step under CUDA graphs (`tiller.rollout.graphed_decode`, fp32, Qwen2
-  and Llama), with eager and with Inductor-compiled layers: greedy rows equal HF `generate` and the same step run
-  eagerly; logprobs within 1e-4 of a
+  and Llama), with eager layers, Inductor-compiled layers and compiled layers with FlexAttention: greedy rows equal HF
+  `generate` and the same step run eagerly; logprobs within 1e-4 of a
   teacher-forced forward; stop tokens with compaction equal HF; padding rows change nothing (buckets [12] vs [64]);
   seeded sampling repeats and is batch-independent; weights updated in place after capture are the ones the
   captured graphs use (no recapture). On `--device cpu` the graph parts are skipped (the step runs eagerly).
 - `graph_speed`: `bench/rollout.py --device cuda` at GPU.md's shape (Qwen2.5-0.5B body, bf16, 64 / 128 / 256
-  prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers, with graphs of eager layers,
-  native eager, HF `generate`, and the floor from
+  prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers (SDPA or FlexAttention), with
+  graphs of eager layers, native eager, HF `generate`, and the floor from
   this run's GEMM and copy rates (on `--device cpu`: the 2M model, 8 x 16, to test this script).
 - `grpo_speed`: `bench/grpo_vs_trl.py --device cuda --shape 0.5B --dtype bfloat16 --prompts 16 --n 8 --max-new 256`:
   seconds per GRPO step, tiller (graphs of the compiled decode step, packed update; generation and update times,
@@ -397,10 +397,11 @@ def c_graphed_decode(a):
         eager_static = build_rollout_engine("native", model, tok, static_decode=True, cuda_graphs=False)
         eager_out = eager_static.generate(prompts, greedy)
         # the graphed step as captured (eager kernels), then with each layer's body compiled by Inductor inside the
-        # graphs (rollout.enforce_eager=False's choice on CUDA)
-        for compiled in (False, True):
-            name = f"{arch}_compiled" if compiled else arch
-            engine = build_rollout_engine("native", model, tok, static_decode=True, compile_decode=compiled)
+        # graphs (rollout.enforce_eager=False's choice on CUDA), then that with FlexAttention over live blocks
+        for variant, kw in (("", {}), ("_compiled", {"compile_decode": True}),
+                            ("_flex", {"compile_decode": True, "static_attention": "flex"})):
+            name, compiled = arch + variant, bool(kw)
+            engine = build_rollout_engine("native", model, tok, static_decode=True, **kw)
             out = engine.generate(prompts, greedy)
             g = engine._graphed
             if compiled:
@@ -482,14 +483,16 @@ def c_graph_speed(a):
     else:
         args = ["--sizes", "2M", "--dtypes", "float32", "--prompts", "8", "--new-tokens", "16", "--repeats", "1"]
     cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *args, "--workloads", "fixed",
-           "--engines", "native-graphs-compiled,native-graphs,native,hf", "--model-dir", str(a.work / "bench")]
+           "--engines", "native-graphs-compiled,native-graphs-flex,native-graphs,native,hf",
+           "--model-dir", str(a.work / "bench")]
     code = sh(cmd, log, 540)
     print(tail(log, 4))
     assert code == 0, f"exit {code}: {tail(log, 8)}"
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-    keep = ("prompts", "native_graphs_compiled_tok_s", "native_graphs_tok_s", "native_tok_s", "hf_tok_s", "floor_tok_s",
-            "floor_ms_per_step", "native_graphs_compiled_floor_frac", "native_graphs_floor_frac",
-            "native_graphs_compiled_steps", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
+    keep = ("prompts", "native_graphs_compiled_tok_s", "native_graphs_flex_tok_s", "native_graphs_tok_s", "native_tok_s",
+            "hf_tok_s", "floor_tok_s", "floor_ms_per_step", "native_graphs_compiled_floor_frac",
+            "native_graphs_flex_floor_frac", "native_graphs_floor_frac", "native_graphs_compiled_steps",
+            "native_graphs_flex_steps", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
     return {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 

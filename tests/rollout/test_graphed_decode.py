@@ -211,3 +211,26 @@ def test_continuous_batcher_on_the_static_step(sharp_qwen):
     for a, b in zip(plain, outs):
         assert a.response_ids == b.response_ids
         torch.testing.assert_close(torch.tensor(a.logprobs[0]), torch.tensor(b.logprobs[0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not compiled_decode.available(), reason="no C++ compiler for Inductor")
+def test_flex_attention_step_reads_live_blocks_and_equals_the_eager_engine(sharp_qwen):
+    """static_attention="flex": FlexAttention over each row's live 128-column blocks gives the eager engine's greedy
+    rows and logprobs. Prompts right-aligned at column 150: the long one spans blocks 0-1, the short ones start in
+    block 1 (block 0 is never theirs), and the rows write on past column 256 (a 512-column step)."""
+    model, tok = sharp_qwen
+    long = (prompt_ids(tok, ["The cat sat on the mat and " * 40])[0])[:150]
+    prompts = [long, *prompt_ids(tok, MORE_PROMPTS[:3])]
+    greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=110, ignore_eos=True)
+    engine = static_engine(model, tok, compile_decode=True, static_attention="flex")
+    out = engine.generate(prompts, greedy)
+    assert engine._graphed.attention == "flex" and engine._graphed.compile_error is None
+    assert len(long) == 150 and max(map(len, out.response_ids)) == 110
+    eager = build_rollout_engine("native", model, tok).generate(prompts, greedy)
+    assert out.response_ids == eager.response_ids
+    for a, b in zip(out.logprobs, eager.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    with pytest.raises(UserError, match="static_attention='flex'.*compiled static step only"):
+        static_engine(model, tok, static_attention="flex")
+    with pytest.raises(UserError, match="static_attention='paged'"):
+        static_engine(model, tok, compile_decode=True, static_attention="paged")

@@ -77,6 +77,13 @@ MAX_STOP_IDS = 16
 
 _MASK32 = 0xFFFFFFFF
 
+FLEX_BLOCK = 128
+"""Columns per FlexAttention key block (`attention="flex"`): a row reads the blocks holding its live columns."""
+
+ATTENTIONS = ("sdpa", "flex")
+"""The compiled step's attention: SDPA over the first Lb columns under a mask, or FlexAttention over each row's
+live blocks (`rollout.engine_kwargs.static_attention`)."""
+
 
 def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int]:
     """The batch-size buckets: `sizes` when given (sorted, deduplicated), else vLLM's 1, 2, 4, 8, 16, ... up to
@@ -166,12 +173,15 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def layer_step_fn(fused):
+def layer_step_fn(fused, attention: str = "sdpa"):
     """One decoder layer of the static step as a pure function of tensors (the weights and cache passed in), so a
-    single compiled function serves every layer: (x [b, E], cos / sin [b, 1, D], mask [b, 1, 1, Lb], rows [b],
-    write [b], kc / vc [C, Hk, Lcap, D], then the layer's norm and linear weights) -> x [b, E]; writes the rows'
-    keys / values at (rows, write) in kc / vc. None when the layers are not alike enough to share one function
-    (different norm epsilons)."""
+    single compiled function serves every layer: (x [b, E], cos / sin [b, 1, D], attn, rows [b], write [b],
+    kc / vc [C, Hk, Lcap, D], then the layer's norm and linear weights) -> x [b, E]; writes the rows' keys / values
+    at (rows, write) in kc / vc. `attn` is (mask [b, 1, 1, Lb],) for SDPA (every column < Lb read, masked), or
+    (start [b], kv_blocks [b, 1, 1], kv_indices [b, 1, 1, Lb / FLEX_BLOCK]) for FlexAttention: each row reads
+    only the 128-column blocks that hold its live columns [start, write] (`flex_blocks`). None when the layers
+    are not alike enough to share one function (different norm epsilons)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from transformers.activations import ACT2FN
 
     d, n_q, n_kv, scaling = fused.head_dim, fused.n_q, fused.n_kv, fused.scaling
@@ -186,22 +196,44 @@ def layer_step_fn(fused):
     # one activation object for every layer (a per-layer module would be a guard, hence a compile, per layer)
     act = F.silu if act_name == "silu" else (ACT2FN[act_name] if act_name else layers[0].mlp.act_fn)
 
-    def layer_step(x, cos, sin, mask, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w,
+    def attend(q, k, v, attn, write):
+        b = q.shape[0]
+        if attention == "sdpa":
+            (mask,) = attn
+            return F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=mask, scale=scaling)
+        start, kv_blocks, kv_indices = attn
+
+        def live(bi, h, qi, kv):
+            return (kv >= start[bi]) & (kv <= write[bi])
+
+        mask = BlockMask.from_kv_blocks(kv_blocks, kv_indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=live,
+                                        seq_lengths=(1, k.shape[2]))
+        # q its own [b, Hq, 1, D] buffer, not a view of the rotary output (Inductor's CPU flex template reads the
+        # query's buffer layout as 4-D)
+        q = q.unsqueeze(2).clone(memory_format=torch.contiguous_format)
+        return flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=group > 1)
+
+    def layer_step(x, cos, sin, attn, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w,
                    down_b):
-        b, lb = x.shape[0], mask.shape[-1]
+        b = x.shape[0]
+        lb = attn[0].shape[-1] if attention == "sdpa" else attn[2].shape[-1] * FLEX_BLOCK
         qkv = F.linear(_rms(x, ln1, eps_value), qkv_w, qkv_b)
         qk = qkv[:, :qk_width].view(b, n_q + n_kv, d)
         qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
         q, k = qk.split([n_q, n_kv], dim=1)
         kc[rows, :, write] = k
         vc[rows, :, write] = qkv[:, qk_width:].view(b, n_kv, d)
-        o = F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), kc[:b, :, :lb], vc[:b, :, :lb],
-                                           attn_mask=mask, scale=scaling)
+        o = attend(q, kc[:b, :, :lb], vc[:b, :, :lb], attn, write)
         x = x + F.linear(o.reshape(b, n_q * d), o_w, o_b)
         gate, up = F.linear(_rms(x, ln2, eps_value), gate_up_w).chunk(2, dim=-1)
         return x + F.linear(act(gate) * up, down_w, down_b)
 
-    return layer_step
+    def flex_layer_step(*args):
+        return layer_step(*args)
+
+    # each attention its own code object, so its compiles never meet the other's in Dynamo's per-code cache (after
+    # an SDPA compile in the same process, Inductor's CPU flex template emitted C++ that did not compile)
+    return flex_layer_step if attention == "flex" else layer_step
 
 
 # --------------------------------------------------------------------------------------- the step
@@ -209,10 +241,17 @@ class GraphedDecoder:
     """The static buffers and the captured decode steps of one `FusedDecoder` (one model's weights).
 
     `capture`: record CUDA graphs (default: on CUDA); False runs the same static-shape step eagerly. `compile`:
-    each layer's body compiled by Inductor (`layer_step_fn`; needs Triton on CUDA, a C++ compiler on CPU)."""
+    each layer's body compiled by Inductor (`layer_step_fn`; needs Triton on CUDA, a C++ compiler on CPU), its
+    attention `attention` (one of ATTENTIONS; "flex" needs `compile`)."""
 
     def __init__(self, fused, sizes: list[int], kv_block: int = KV_BLOCK, sync_every: int = SYNC_EVERY,
-                 capture: bool | None = None, compile: bool = False):
+                 capture: bool | None = None, compile: bool = False, attention: str = "sdpa"):
+        if attention not in ATTENTIONS or (attention == "flex" and not compile):
+            raise UserError(f"static_attention={attention!r}: choose one of {list(ATTENTIONS)}; 'flex' runs "
+                            "compiled only (rollout.enforce_eager=false / compile_decode=true)")
+        if attention == "flex" and kv_block % FLEX_BLOCK:
+            raise ValueError(f"kv_block {kv_block} is not a multiple of FlexAttention's block {FLEX_BLOCK}")
+        self.attention = attention
         self.fused = fused
         self.sizes = sizes
         self.kv_block = kv_block
@@ -231,7 +270,7 @@ class GraphedDecoder:
         self.compile_error: str | None = None
         self._layer = None  # the compiled layer body, or None: the eager step
         if compile:
-            body = layer_step_fn(fused)
+            body = layer_step_fn(fused, attention)
             if body is None:
                 self.compile_error = "the layers' norms differ: no shared compiled layer"
             else:
@@ -314,12 +353,18 @@ class GraphedDecoder:
         f, s = self.fused, self.state
         inner = f.inner
         write, rows = s["write"][:b], self.arange[:b]
-        cols = self.columns[:lb]
-        mask = ((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :]
+        if self.attention == "flex":  # each row's live blocks: first .. last, then repeats of the last (unread)
+            first, last, nb = s["start"][:b] // FLEX_BLOCK, write // FLEX_BLOCK, lb // FLEX_BLOCK
+            blocks = torch.minimum(first[:, None] + self.columns[:nb][None, :], last[:, None])
+            attn = (s["start"][:b], (last - first + 1).to(torch.int32)[:, None, None],
+                    blocks.to(torch.int32)[:, None, None, :])
+        else:
+            cols = self.columns[:lb]
+            attn = (((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :],)
         x = inner.embed_tokens(s["tokens"][:b])
         cos, sin = inner.rotary_emb(x[:1], s["positions"][:b, None])
         for i, layer in enumerate(inner.layers):
-            x = self._layer(x, cos, sin, mask, rows, write, self.kc[i], self.vc[i], layer.input_layernorm.weight,
+            x = self._layer(x, cos, sin, attn, rows, write, self.kc[i], self.vc[i], layer.input_layernorm.weight,
                             f.qkv[i][0], f.qkv[i][1], f.o[i][0], f.o[i][1], layer.post_attention_layernorm.weight,
                             f.gate_up[i][0], f.down[i][0], f.down[i][1])
         return f._apply(f._norm(inner.norm, x), f.head)
@@ -530,7 +575,8 @@ def decoder_for(engine, model) -> GraphedDecoder | None:
     graphed = getattr(engine, "_graphed", None)
     if graphed is None or graphed.fused is not fused:
         graphed = GraphedDecoder(fused, capture_sizes(engine.max_num_seqs, engine.capture_sizes),
-                                 capture=engine.cuda_graphs, compile=engine.compile_decode)
+                                 capture=engine.cuda_graphs, compile=engine.compile_decode,
+                                 attention=engine.static_attention)
         engine._graphed = graphed
     return graphed
 

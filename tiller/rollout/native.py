@@ -187,14 +187,16 @@ class NativeRolloutEngine(InProcessEngine):
     on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply), `static_decode` (Llama / Qwen2: decode
     with the static-shape step of `tiller.rollout.graphed_decode`, captured in CUDA graphs per batch-size bucket when
     `cuda_graphs`, each layer's body compiled by Inductor with `compile_decode`; without stop strings or a weights
-    hook), `capture_sizes` (its buckets; default vLLM's).
+    hook), `capture_sizes` (its buckets; default vLLM's), `static_attention` ("sdpa": masked SDPA over the live
+    length rounded up to 256 columns; "flex": FlexAttention reading each row's live 128-column blocks only).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
                  max_num_seqs: int = 256, prefill_tokens: int = 4096, compact_fraction: float = 0.25,
                  num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True,
                  compile_decode: bool = False, decode_kernel: bool = True, static_decode: bool = False,
-                 cuda_graphs: bool | None = None, capture_sizes: list[int] | None = None):
+                 cuda_graphs: bool | None = None, capture_sizes: list[int] | None = None,
+                 static_attention: str = "sdpa"):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -217,6 +219,11 @@ class NativeRolloutEngine(InProcessEngine):
         self.decode_kernel = decode_kernel
         self._fused: FusedDecoder | None = None
         self.static_decode, self.capture_sizes = static_decode, capture_sizes
+        if static_attention not in graphed_decode.ATTENTIONS or (static_attention == "flex" and not compile_decode):
+            raise UserError(f"rollout engine_kwargs.static_attention={static_attention!r}: choose one of "
+                            f"{list(graphed_decode.ATTENTIONS)}; 'flex' (FlexAttention over each row's live blocks) "
+                            "runs in the compiled static step only (static_decode and compile_decode)")
+        self.static_attention = static_attention
         self.cuda_graphs = (device_type == "cuda") if cuda_graphs is None else cuda_graphs
         if static_decode and self.cuda_graphs and device_type != "cuda":
             raise UserError("CUDA graphs (rollout.enforce_eager=False) need the model on a CUDA device")
