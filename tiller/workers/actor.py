@@ -214,7 +214,7 @@ class ActorRolloutRefWorker:
         except ModuleNotFoundError:
             if name != "native":
                 raise
-            for key in ("compile_decode", "static_decode", "capture_sizes"):
+            for key in ("compile_decode", "static_decode", "capture_sizes", "cuda_graphs", "static_attention"):
                 opts.pop(key, None)
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
