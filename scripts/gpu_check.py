@@ -33,6 +33,9 @@ Checks:
   prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers (SDPA or FlexAttention), with
   graphs of eager layers, native eager, HF `generate`, and the floor from
   this run's GEMM and copy rates (on `--device cpu`: the 2M model, 8 x 16, to test this script).
+- `mismatch`: issue #37's item 7: mean / max |rollout logprob - trainer logprob| (and of the probabilities, verl's
+  `rollout_probs_diff_*`) for the same weights at bf16: the engine as `enforce_eager=false` runs it on CUDA samples
+  96 rows x 128 tokens of the 0.5B model, the actor's packed forward under bf16 autocast scores them.
 - `grpo_speed`: `bench/grpo_vs_trl.py --device cuda --shape 0.5B --dtype bfloat16 --prompts 16 --n 8 --max-new 256`:
   seconds per GRPO step, tiller (graphs of the compiled decode step, packed update; generation and update times,
   `perf/mfu/actor`) against TRL's GRPOTrainer (HF `generate`), same model and settings (on `--device cpu`: the
@@ -549,6 +552,53 @@ def c_packed_update(a):
     return info
 
 
+@check("mismatch")
+def c_mismatch(a):
+    """Issue #37 item 7: |rollout logprob - trainer logprob| for the same weights at bf16. The engine as
+    rollout.enforce_eager=false runs it on the device (graphs, compiled layers) samples 96 rows x 128 tokens; the
+    actor's packed forward under its bf16 autocast (actor.dtype=bfloat16, fp32 weights) scores them. On CUDA the
+    0.5B model graph_speed built (else the tiny Qwen2); on --device cpu, fp32 and the eager engine."""
+    from tiller.algos.entropy import logprobs_from_logits
+    from tiller.rollout import SamplingParams, build_rollout_engine
+    from tiller.rollout.graphed_decode import native_decode_options
+    from tiller.workers.common import autocast
+    from tiller.workers.packed import packed_response_forward
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    big = a.work / "bench" / "qwen2-0.5B"
+    path = big if (big / "config.json").exists() and a.device == "cuda" else _models(a)["qwen2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(a.device).eval()
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    opts = native_decode_options(False, a.device) if a.device == "cuda" else {}
+    engine = build_rollout_engine("native", model, tok, dtype=dtype, dtype_fallback=False, **opts)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS] * 16
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=128, temperature=1.0, seed=0, ignore_eos=True))
+    width, t_max = max(map(len, prompts)), max(map(len, out.response_ids))
+    rows = len(out.response_ids)
+    ids = torch.full((rows, width + t_max), tok.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rmask = torch.zeros((rows, t_max))
+    rollout_lp = torch.zeros((rows, t_max))
+    for i, (p, r, lp) in enumerate(zip(out.prompt_ids, out.response_ids, out.logprobs)):
+        ids[i, width - len(p) : width + len(r)] = torch.tensor([*p, *r])
+        mask[i, width - len(p) : width + len(r)] = 1
+        rmask[i, : len(r)] = 1
+        rollout_lp[i, : len(r)] = torch.tensor(lp)
+    ids, mask, rmask = ids.to(a.device), mask.to(a.device), rmask.to(a.device)
+    with torch.no_grad(), autocast(dtype, a.device):
+        logits, t = packed_response_forward(model, ids, mask, width, rmask)
+    actor_lp = logprobs_from_logits(logits.float(), ids[:, width : width + t]).cpu()
+    keep = rmask[:, :t].cpu().bool()
+    diff = (actor_lp - rollout_lp[:, :t]).abs()[keep]
+    pdiff = (actor_lp.exp() - rollout_lp[:, :t].exp()).abs()[keep]
+    info = {"model": path.name, "dtype": dtype, "tokens": int(keep.sum()), "logprob_diff_mean": float(diff.mean()),
+            "logprob_diff_max": float(diff.max()), "prob_diff_mean": float(pdiff.mean()),
+            "prob_diff_max": float(pdiff.max()), "engine_opts": {k: v for k, v in opts.items() if v is not None}}
+    assert info["logprob_diff_mean"] < (0.05 if dtype == "bfloat16" else 1e-4), info
+    return info
+
+
 @check("grpo_speed")
 def c_grpo_speed(a):
     """bench/grpo_vs_trl.py: a GRPO step of tiller (graphed + compiled decode, packed update) against TRL's, same
@@ -569,7 +619,7 @@ def c_grpo_speed(a):
 
 
 CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft,
-          c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_grpo_speed]
+          c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_mismatch, c_grpo_speed]
 
 
 def main() -> int:
