@@ -148,8 +148,8 @@ def test_weight_sync_lands_in_the_captured_tensors(sharp_qwen):
 def test_compiled_layer_step_equals_the_eager_engine(arch, request):
     """The static step with each layer's body compiled by Inductor (what a GPU captures in its graphs, with Triton
     there and C++ here): greedy rows equal the eager engine's, logprobs close, seeded samples equal the uncompiled
-    static step's; one compiled function serves every layer and every batch size (one row: a specialised second
-    graph); in-place weight updates are read without recompiling."""
+    static step's; one compiled function serves every layer and every batch size (one row, checked in the slow
+    variant: a specialised second graph); in-place weight updates are read without recompiling."""
     from torch._dynamo.utils import counters
 
     model, tok = request.getfixturevalue(arch)
@@ -165,8 +165,9 @@ def test_compiled_layer_step_equals_the_eager_engine(arch, request):
     assert out.response_ids == eager.generate(prompts, greedy).response_ids
     for a, b in zip(out.logprobs, eager.generate(prompts, greedy).logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
-    one = engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True))
-    assert one.response_ids[0] == out.response_ids[0]
+    if arch == "sharp_llama":  # (slow: one row is a second compile, ~10 s here; the GPU check runs it too)
+        one = engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True))
+        assert one.response_ids[0] == out.response_ids[0]
     sampled = SamplingParams(n=2, max_new_tokens=10, ignore_eos=True, seed=3, temperature=0.9, top_p=0.9)
     assert engine.generate(prompts, sampled).response_ids == static_engine(model, tok).generate(
         prompts, sampled).response_ids

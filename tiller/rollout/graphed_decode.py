@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from tiller.errors import UserError
+from tiller.rollout import compiled_decode
 from tiller.rollout.fused_decode import text_config
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
@@ -179,8 +180,9 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     kc / vc [C, Hk, Lcap, D], then the layer's norm and linear weights) -> x [b, E]; writes the rows' keys / values
     at (rows, write) in kc / vc. `attn` is (mask [b, 1, 1, Lb],) for SDPA (every column < Lb read, masked), or
     (start [b], kv_blocks [b, 1, 1], kv_indices [b, 1, 1, Lb / FLEX_BLOCK]) for FlexAttention: each row reads
-    only the 128-column blocks that hold its live columns [start, write] (`flex_blocks`). None when the layers
-    are not alike enough to share one function (different norm epsilons)."""
+    only the 128-column blocks that hold its live columns [start, write] (the block lists are built once a step in
+    `GraphedDecoder._forward_compiled`). None when the layers are not alike enough to share one function (different
+    norm epsilons)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from transformers.activations import ACT2FN
 
@@ -559,10 +561,8 @@ def native_decode_options(enforce_eager: bool | None, device_type: str,
     if device_type == "cuda":
         if enforce_eager is not False:
             return {}
-        from tiller.rollout.compiled_decode import available
-
         return {"static_decode": True, "cuda_graphs": True, "capture_sizes": sizes,
-                "compile_decode": available("cuda")}
+                "compile_decode": compiled_decode.available("cuda")}
     return {"compile_decode": True} if enforce_eager is False else {}
 
 
