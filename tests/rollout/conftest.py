@@ -67,6 +67,19 @@ def reference_logprobs(model, prompt, response, temperature=1.0, top_k=-1):
     return logp.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
 
 
+def assert_reads_new_weights(engine, model, tok, prompts, sampling, before, reference: str) -> None:
+    """Scale `model`'s weights in place (an optimizer step on a shared module): `engine`'s next output differs
+    from `before` (its output on the old weights) and equals a fresh `reference` engine's ("native" / "hf")."""
+    from tiller.rollout import build_rollout_engine
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    changed = engine.generate(prompts, sampling)
+    assert changed.response_ids != before.response_ids
+    assert changed.response_ids == build_rollout_engine(reference, model, tok).generate(prompts, sampling).response_ids
+
+
 def staggered_greedy(engine, prompts, max_new: int, max_rows: int = 3, timeout: float = 60.0):
     """Submit `prompts` to a fresh `ContinuousBatcher(engine, max_rows)` 2 ms apart, prompt k asking for
     `max_new - k` greedy tokens (eos ignored), so rows join and leave at different steps; returns

@@ -3,8 +3,6 @@ hold the exact sampled ids; rewards follow each interface's rule; the calculator
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS, prompt_ids, reference_logprobs, staggered_greedy
+from tests.rollout.conftest import PROMPTS, assert_reads_new_weights, prompt_ids, reference_logprobs, staggered_greedy
 from tiller.errors import UserError
 from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
 from tiller.rollout.graphed_decode import (bucket_for, capture_sizes, native_decode_options, row_keys,
@@ -171,12 +171,7 @@ def test_compiled_layer_step_equals_the_eager_engine(arch, request):
     sampled = SamplingParams(n=2, max_new_tokens=10, ignore_eos=True, seed=3, temperature=0.9, top_p=0.9)
     assert engine.generate(prompts, sampled).response_ids == static_engine(model, tok).generate(
         prompts, sampled).response_ids
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.3)
-    changed = engine.generate(prompts, greedy)
-    assert changed.response_ids != out.response_ids
-    assert changed.response_ids == build_rollout_engine("native", model, tok).generate(prompts, greedy).response_ids
+    assert_reads_new_weights(engine, model, tok, prompts, greedy, out, reference="native")
     assert graphed.compile_error is None
     # one function for every layer, batch size >= 2 and weight version, a second for one row (not one per layer:
     # 24 on a 0.5B model)
