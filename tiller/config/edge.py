@@ -210,9 +210,6 @@ RULES.update({
         "tiller reads the model's config.json from model.path", use="edit model.path's config.json or use "
                                                                     "+actor_rollout_ref.model.override_config.KEY=V",
         allowed=(None,)),
-    "actor_rollout_ref.model.custom_chat_template": refused(
-        "tiller renders prompts with the tokenizer's own chat template",
-        use="save the template as chat_template in the tokenizer's tokenizer_config.json", allowed=(None,)),
     "actor_rollout_ref.model.enable_activation_offload": noop(_MEMORY),
     "critic.model.enable_activation_offload": noop(_MEMORY),
     "actor_rollout_ref.model.use_liger": noop("tiller runs the Hugging Face modelling code (no Liger kernels); the "
@@ -386,9 +383,6 @@ RULES.update({
                             allowed=({"class_path": None, "class_name": None},)),
     "data.datagen": refused("dynamic data generation is not built", use="generate the prompts to a file first",
                             allowed=({"path": None, "name": None},)),
-    "data.apply_chat_template_kwargs": refused(
-        "tiller renders prompts with the chat template's defaults", use="a tokenizer whose chat template renders what "
-        "you want (e.g. edit its default for enable_thinking)", allowed=({},)),
     # trainer
     "trainer.rollout_data_dir": refused("tiller does not dump rollouts to files",
                                         use="trainer.log_val_generations to log validation samples", allowed=(None,)),

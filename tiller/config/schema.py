@@ -174,7 +174,9 @@ class DataConfig:
     datagen: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
     """verl: a dynamic data generator {path, name}; refused unless both are null."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """verl: extra keyword arguments of apply_chat_template (e.g. enable_thinking); refused unless empty."""
+    """Extra variables of the chat template (verl: keyword arguments of apply_chat_template), e.g.
+    +data.apply_chat_template_kwargs.enable_thinking=False for Qwen3: every prompt the policy sees is rendered with
+    them (prompt set and its length filter, validation, agent endpoint, tool loop, tiller eval / generate)."""
     function_tool_path: Optional[str] = None
     """verl 0.10: data-level copy of rollout.multi_turn.function_tool_path; refused (use tool_config_path)."""
     audio_key: str = "audios"
@@ -353,7 +355,8 @@ class ModelConfig:
     hf_config_path: Optional[str] = None
     """verl: read the HF config from another dir; refused (tiller reads model.path's config.json)."""
     custom_chat_template: Optional[str] = None
-    """verl: a Jinja chat template replacing the tokenizer's; refused (save it in the tokenizer's files)."""
+    """A Jinja chat template replacing the tokenizer's (and a VLM processor's) after loading: prompts render with
+    it and the checkpoints (and their export) save the tokenizer with it; null = the tokenizer's own."""
     enable_activation_offload: bool = False
     """verl: offload activations to CPU in backward; a GPU memory tuning tiller does not have."""
     use_liger: bool = False

@@ -19,6 +19,7 @@ from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
+from tiller.models.chat_template import check_chat_template_settings
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
@@ -47,6 +48,10 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_distill(cfg)
     _validate_prime(cfg)
     _validate_agent(cfg)
+    # verl's chat-template keys: a template that does not compile or render is refused before any model work
+    check_chat_template_settings(arr.model.custom_chat_template, data.apply_chat_template_kwargs,
+                                 template_key="actor_rollout_ref.model.custom_chat_template",
+                                 kwargs_key="data.apply_chat_template_kwargs")
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
     _choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))

@@ -65,9 +65,11 @@ class PromptItem:
     """`pixel_values [N_patches, D]` and `image_grid_thw [n_images, 3]` of an image prompt (None for text)."""
 
 
-def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str, input_template: str | None = None) -> str:
+def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str, input_template: str | None = None,
+                  chat_template_kwargs: dict | None = None) -> str:
     """Prompt text as the policy sees it: chat messages through the template, strings as one user turn.
-    Without a chat template, a string prompt goes through `input_template` (OpenRLHF's "User: {}\\nAssistant: ")."""
+    Without a chat template, a string prompt goes through `input_template` (OpenRLHF's "User: {}\\nAssistant: ").
+    `chat_template_kwargs`: extra template variables (verl's data.apply_chat_template_kwargs)."""
     if isinstance(raw, np.ndarray):
         raw = raw.tolist()
     if isinstance(raw, str):
@@ -78,7 +80,8 @@ def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str, in
         raise DataError(f"{where}: prompt must be a string or a non-empty list of chat messages "
                         f"({{'role': ..., 'content': ...}}), got {type(raw).__name__}")
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
     if isinstance(raw, str):
         if input_template:
             return apply_template(input_template, raw)
@@ -113,7 +116,8 @@ class RLDataset:
                  return_raw_chat: bool = False, max_samples: int = -1, what: str = "data.train_files",
                  label_key: str | None = None, default_data_source: str | None = None,
                  input_template: str | None = None, probs: Sequence[float] | None = None, split: str = "train",
-                 seed: int = 42, processor=None, image_key: str = "images"):
+                 seed: int = 42, processor=None, image_key: str = "images",
+                 chat_template_kwargs: dict | None = None):
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")
@@ -147,10 +151,11 @@ class RLDataset:
                     raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a "
                                     "vision-language model (Qwen2-VL / Qwen2.5-VL); drop the column or change "
                                     "data.image_key")
-                vision = _encode_images(row[prompt_key], images, processor, where)
+                vision = _encode_images(row[prompt_key], images, processor, where, chat_template_kwargs)
                 text, ids = vision.text, vision.prompt_ids
             else:
-                text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template)
+                text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template,
+                                     chat_template_kwargs)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise DataError(f"{where}: prompt tokenizes to 0 tokens")
@@ -206,7 +211,7 @@ def row_images(row: dict, image_key: str, where: str) -> list:
     return [to_pil(img, f"{where} {image_key}[{j}]") for j, img in enumerate(value)]
 
 
-def _encode_images(raw: Any, images: list, processor, where: str):
+def _encode_images(raw: Any, images: list, processor, where: str, chat_template_kwargs: dict | None = None):
     """One image prompt through the processor's chat template and image processor."""
     if isinstance(raw, np.ndarray):
         raw = raw.tolist()
@@ -214,7 +219,8 @@ def _encode_images(raw: Any, images: list, processor, where: str):
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "content" in m for m in messages):
         raise DataError(f"{where}: prompt must be a string or a list of chat messages, got {type(raw).__name__}")
     messages = split_placeholders([dict(m) for m in messages], len(images), where)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
     return encode_image_prompt(processor, text, images, where)
 
 
@@ -250,7 +256,8 @@ def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: 
                    input_template=data_cfg.input_template,
                    probs=data_cfg.train_probs if what == "data.train_files" else None,
                    split=data_cfg.train_split if what == "data.train_files" else data_cfg.val_split,
-                   seed=data_cfg.seed, processor=processor, image_key=data_cfg.image_key)
+                   seed=data_cfg.seed, processor=processor, image_key=data_cfg.image_key,
+                   chat_template_kwargs=dict(data_cfg.apply_chat_template_kwargs))
     if ds.num_filtered:
         print(f"{what}: data.filter_overlong_prompts dropped {ds.num_filtered} of {ds.num_rows} prompts longer than "
               f"data.max_prompt_length={data_cfg.max_prompt_length} tokens")

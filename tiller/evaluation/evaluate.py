@@ -155,7 +155,7 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
                                      cfg.trainer.seed, val=True)
     start = time.time()
     size = batch_size or cfg.data.val_batch_size or 64
-    agent = build_agent_loop(r)
+    agent = build_agent_loop(r, cfg.data.apply_chat_template_kwargs)
     if agent is None:
         out = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling, batch_size=size,
                                progress=progress, desc="eval")
@@ -199,7 +199,7 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
     for i, it in enumerate(items):
         raw = it.raw_prompt.tolist() if isinstance(it.raw_prompt, np.ndarray) else it.raw_prompt
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else [dict(m) for m in raw]
-        text = render_prompt_with_tools(tok, messages, agent.tools)
+        text = render_prompt_with_tools(tok, messages, agent.tools, agent.chat_template_kwargs)
         it.prompt_text = text
         prompts.append(tokenize_prompt(text, tok, d.max_prompt_length, d.truncation, f"data.val_files prompt {i}"))
     out = AgentRolloutOutput()

@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
     rows, prompt_ids = load_prompt_rows(files, policy.tokenizer, prompt_key=d.prompt_key,
                                         max_prompt_length=cfg.actor_rollout_ref.rollout.prompt_length
                                         or d.max_prompt_length, truncation=d.truncation,
-                                        apply_chat_template=d.apply_chat_template, max_samples=d.max_samples)
+                                        apply_chat_template=d.apply_chat_template, max_samples=d.max_samples,
+                                        chat_template_kwargs=dict(d.apply_chat_template_kwargs))
     r = cfg.actor_rollout_ref.rollout
     sampling = sampling_from_rollout(r, r.response_length or d.max_response_length, cfg.trainer.seed)
     start = time.time()

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from tiller.data.rl_dataset import read_rows, render_prompt
 from tiller.errors import ConfigError, DataError
+from tiller.models.chat_template import set_chat_template
 from tiller.models.checkpoint import model_dir_for
 from tiller.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
@@ -34,14 +35,16 @@ class Policy:
 
 def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat16", seed: int = 0,
                 tokenizer_path: str | None = None, device: str = "cpu", trust_remote_code: bool = False,
-                engine_kwargs: dict | None = None) -> Policy:
-    """Load a causal LM + tokenizer from `model_path` and build the rollout engine `engine` around it."""
+                engine_kwargs: dict | None = None, chat_template: str | None = None) -> Policy:
+    """Load a causal LM + tokenizer from `model_path` and build the rollout engine `engine` around it.
+    `chat_template`: replaces the tokenizer's (verl's actor_rollout_ref.model.custom_chat_template)."""
     import torch
 
     if not model_path:
         raise ConfigError("actor_rollout_ref.model.path is required (a Hugging Face model dir)")
     model_path = model_dir_for(model_path, log=lambda line: print(f"tiller: {line}", file=sys.stderr))
     tokenizer = load_tokenizer(tokenizer_path or model_path, padding_side="left", trust_remote_code=trust_remote_code)
+    set_chat_template(tokenizer, chat_template)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
     opts = dict(engine_kwargs or {})
@@ -85,9 +88,11 @@ def tokenize_prompt(text: str, tokenizer, max_len: int, truncation: str, where: 
 
 def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 1024,
                      truncation: str = "error", apply_chat_template: bool = True,
-                     max_samples: int = -1) -> tuple[list[dict], list[list[int]]]:
+                     max_samples: int = -1, chat_template_kwargs: dict | None = None
+                     ) -> tuple[list[dict], list[list[int]]]:
     """Rows of prompt files (verl schema, or any file with a `prompt_key` column of text or chat messages)
-    and the token ids of each rendered prompt. Each row gets `prompt_text` (the rendered prompt)."""
+    and the token ids of each rendered prompt. Each row gets `prompt_text` (the rendered prompt).
+    `chat_template_kwargs`: extra template variables (data.apply_chat_template_kwargs)."""
     if not files:
         raise ConfigError("no prompt files: pass --data FILE (or data.val_files=[...])")
     rows_out: list[dict] = []
@@ -103,7 +108,8 @@ def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prom
             where = f"{path} row {i}"
             if row.get(prompt_key) is None:
                 raise DataError(f"{where}: empty {prompt_key!r}")
-            text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where)
+            text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where,
+                                 chat_template_kwargs=chat_template_kwargs)
             ids_out.append(tokenize_prompt(text, tokenizer, max_prompt_length, truncation, where))
             rows_out.append({**row, "prompt_text": text})
             if 0 < max_samples <= len(rows_out):
@@ -159,7 +165,8 @@ def policy_from_config(cfg) -> Policy:
     arr = cfg.actor_rollout_ref
     return load_policy(arr.model.path, engine=arr.rollout.name, dtype=arr.rollout.dtype, seed=cfg.trainer.seed,
                        tokenizer_path=arr.model.tokenizer_path or cfg.data.tokenizer, device=cfg.trainer.device,
-                       trust_remote_code=arr.model.trust_remote_code, engine_kwargs=dict(arr.rollout.engine_kwargs))
+                       trust_remote_code=arr.model.trust_remote_code, engine_kwargs=dict(arr.rollout.engine_kwargs),
+                       chat_template=arr.model.custom_chat_template)
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:

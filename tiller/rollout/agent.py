@@ -91,14 +91,16 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars:
 class ToolResponseEncoder:
     """Token ids that follow a finished assistant turn: tool messages + the next generation prompt."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # data.apply_chat_template_kwargs
         self.eos_ids = set(eos_token_ids(None, tokenizer))
         eos_id = getattr(tokenizer, "eos_token_id", None)
         self.eos_text = tokenizer.decode([eos_id]) if eos_id is not None else ""
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                  **self.chat_template_kwargs)
 
     def text(self, results: Sequence[str]) -> str:
         """The text between an assistant turn's eos and the next assistant turn's first token."""
@@ -163,18 +165,19 @@ class _Row:
 def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                    tools: dict[str, Tool] | Sequence[Tool], *, max_assistant_turns: int = 4,
                    max_response_length: int | None = None, max_tool_response_chars: int = 1024,
-                   max_calls_per_turn: int = 4) -> AgentRolloutOutput:
+                   max_calls_per_turn: int = 4, chat_template_kwargs: dict | None = None) -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
     `render_prompt_with_tools`). `sampling.max_new_tokens` caps each assistant turn;
     `max_response_length` (default `sampling.max_new_tokens`) caps the whole response.
+    `chat_template_kwargs`: extra template variables of the tool turns' rendering (data.apply_chat_template_kwargs).
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
     if max_assistant_turns < 1:
         raise ValueError(f"max_assistant_turns must be >= 1, got {max_assistant_turns}")
     budget = max_response_length or sampling.max_new_tokens
-    encoder = ToolResponseEncoder(tokenizer)
+    encoder = ToolResponseEncoder(tokenizer, chat_template_kwargs)
     rows = [_Row(list(p)) for p in prompt_ids for _ in range(sampling.n)]
     for turn in range(max_assistant_turns):
         live = [r for r in rows if not r.finish]
@@ -228,13 +231,16 @@ def with_tools_system_message(messages: list[dict], schemas: list[dict]) -> list
     return out
 
 
-def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, Tool] | Sequence[Tool]) -> str:
+def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, Tool] | Sequence[Tool],
+                             chat_template_kwargs: dict | None = None) -> str:
     """The prompt text with the tools' schemas, generation prompt on: passed as `tools=` when the chat template
-    uses them (Qwen2.5, Hermes, Llama 3.1), else as a system message (`with_tools_system_message`)."""
+    uses them (Qwen2.5, Hermes, Llama 3.1), else as a system message (`with_tools_system_message`).
+    `chat_template_kwargs`: extra template variables (data.apply_chat_template_kwargs)."""
     schemas = [t.schema for t in (tools.values() if isinstance(tools, dict) else tools)]
     if schemas and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
         messages, schemas = with_tools_system_message(messages, schemas), []
-    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
 
 
 @dataclass
@@ -244,16 +250,20 @@ class AgentLoop:
     tools: dict[str, Tool]
     max_assistant_turns: int = 4
     max_tool_response_chars: int = 1024
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra chat-template variables (data.apply_chat_template_kwargs) of the tool turns."""
 
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                  max_response_length: int | None = None) -> AgentRolloutOutput:
         return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
-                              max_tool_response_chars=self.max_tool_response_chars)
+                              max_tool_response_chars=self.max_tool_response_chars,
+                              chat_template_kwargs=self.chat_template_kwargs)
 
 
-def build_agent_loop(rollout_cfg: Any) -> AgentLoop | None:
+def build_agent_loop(rollout_cfg: Any, chat_template_kwargs: dict | None = None) -> AgentLoop | None:
     """`AgentLoop` from `actor_rollout_ref.rollout` when `multi_turn.enable`, else None.
+    `chat_template_kwargs`: data.apply_chat_template_kwargs.
 
     Without `tool_config_path` the built-in calculator is the only tool.
     """
@@ -264,4 +274,5 @@ def build_agent_loop(rollout_cfg: Any) -> AgentLoop | None:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, "
                           f"got {mt.max_assistant_turns}")
     tools = load_tools(mt.tool_config_path) if mt.tool_config_path else {"calculator": CalculatorTool()}
-    return AgentLoop(tools=tools, max_assistant_turns=mt.max_assistant_turns)
+    return AgentLoop(tools=tools, max_assistant_turns=mt.max_assistant_turns,
+                     chat_template_kwargs=dict(chat_template_kwargs or {}))

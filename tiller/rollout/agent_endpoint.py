@@ -35,7 +35,7 @@ CURRENT_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("ti
 
 AppFactory = Callable[..., tuple[Any, Any]]
 """`app(engine, tokenizer, recorder, *, max_model_len, max_tokens_default, max_rows) -> (served, asgi_app)`:
-`served` has `policy_version`, `fixed_sampling` and `batcher.close()`; the app calls `recorder.check(episode)`
+`served` has `policy_version`, `fixed_sampling`, `chat_template_kwargs` and `batcher.close()`; the app calls `recorder.check(episode)`
 before and `recorder.record(episode, out, version)` after every completion (`tiller.serve.app.agent_app`)."""
 
 

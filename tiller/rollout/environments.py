@@ -167,12 +167,13 @@ class ToolEnv:
     """The built-in tools on the environment interface (see the module docstring).
 
     tools: {name: Tool} (`tiller.rollout.tools`); reward_fn(sample, final_text) -> float scores the episode when
-    the model answers without a tool call (0 when None)."""
+    the model answers without a tool call (0 when None); chat_template_kwargs: extra template variables of the tool
+    messages (give the run's data.apply_chat_template_kwargs)."""
 
     def __init__(self, tools: dict, tokenizer, reward_fn: Callable[[dict, str], float] | None = None,
-                 max_tool_response_chars: int = 1024):
+                 max_tool_response_chars: int = 1024, chat_template_kwargs: dict | None = None):
         self.tools, self.reward_fn = dict(tools), reward_fn
-        self.encoder = ToolResponseEncoder(tokenizer)
+        self.encoder = ToolResponseEncoder(tokenizer, chat_template_kwargs)
         self.max_chars = max_tool_response_chars
         self.sample: dict = {}
 

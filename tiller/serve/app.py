@@ -71,12 +71,14 @@ class ServedModel:
     Agent rollouts set `recorder` (an object with `check(episode)` and `record(episode, out, version)`;
     every completion of a request is recorded at token level under `CURRENT_EPISODE`), `policy_version`, and
     `fixed_sampling` ({field: value}: a request that leaves the field out gets the value, one that sets
-    another value is refused, so the trainer's logprobs are of the distribution that sampled).
+    another value is refused, so the trainer's logprobs are of the distribution that sampled), and
+    `chat_template_kwargs` (the run's `data.apply_chat_template_kwargs`: chats render as the prompt set did).
     """
 
     recorder = None
     policy_version = 0
     fixed_sampling: dict = {}
+    chat_template_kwargs: dict = {}  # extra template variables of every chat (an RL run's apply_chat_template_kwargs)
 
     def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
                  max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_n: int = 64,
@@ -193,7 +195,8 @@ class ServedModel:
                                            req.tools, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools,
-                                                      add_generation_prompt=req.add_generation_prompt, tokenize=False)
+                                                      add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                                                      **self.chat_template_kwargs)
         except RequestError:
             raise
         except Exception as err:  # jinja errors from the model's own template

@@ -63,6 +63,7 @@ from tiller.data.seqlen import balanced_order
 from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
 from tiller.models.checkpoint import list_checkpoints, resolve_checkpoint
+from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import is_vision_checkpoint, load_tokenizer, model_config
 from tiller.models.vision import load_processor
 from tiller.protocol import Batch
@@ -126,6 +127,7 @@ class RLTrainer:
         self._claim_run_dir()
         tok_path = data.tokenizer or arr.model.tokenizer_path or arr.model.path
         self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
+        set_chat_template(self.tokenizer, arr.model.custom_chat_template)  # verl's model.custom_chat_template
         # rule scoring (no custom function, reward model or remote server) needs every row's ground truth
         rm_cfg = cfg.reward_model
         self.agent = bool(arr.rollout.agent.path or arr.rollout.agent.env_path)  # episodes: the agent gives rewards
@@ -139,6 +141,7 @@ class RLTrainer:
         if is_vision_checkpoint(arr.model.path):
             self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
                                             trust_remote_code=arr.model.trust_remote_code)
+            set_chat_template(self.tokenizer, arr.model.custom_chat_template, self.processor)
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
                                          require_ground_truth=rules, processor=self.processor)
         self.val_ds = None

@@ -52,6 +52,7 @@ from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.rollout.graphed_decode import native_decode_options
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
+from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora, lora_template, merged_state_dict
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
@@ -113,6 +114,8 @@ class ActorRolloutRefWorker:
             importlib.import_module(arr.model.external_lib)
         tok_path = arr.model.tokenizer_path or config.data.tokenizer or arr.model.path
         self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
+        # verl's model.custom_chat_template: the agent endpoint renders with it and the checkpoints save it
+        set_chat_template(self.tokenizer, arr.model.custom_chat_template)
         module = load_causal_lm(arr.model.path, dtype="float32", trust_remote_code=arr.model.trust_remote_code,
                                 device=self.device, override_config=arr.model.override_config,
                                 key="actor_rollout_ref.model.override_config")
@@ -320,6 +323,8 @@ class ActorRolloutRefWorker:
                                   "app (ActorRolloutRefWorker(agent_app=tiller.serve.app.agent_app))")
             endpoint = AgentEndpoint(self.rollout, self.tokenizer, app=self.agent_app, max_model_len=max_model_len,
                                      max_tokens_default=max_tokens)
+            # the agent's chats render as the prompt set does (verl's agent loop reads the same key)
+            endpoint.served.chat_template_kwargs = dict(self.cfg.data.apply_chat_template_kwargs)
             self._endpoint = endpoint
         return endpoint
 
@@ -707,6 +712,7 @@ class ActorRolloutRefWorker:
         if getattr(self, "_processor", None) is None:
             m = self.cfg.actor_rollout_ref.model
             self._processor = load_processor(m.path, tokenizer=self.tokenizer, trust_remote_code=m.trust_remote_code)
+            set_chat_template(self.tokenizer, m.custom_chat_template, self._processor)
         return self._processor
 
     def save_checkpoint(self, ckpt_root: str, step: int, extra_state: dict, keep: int | None = None) -> str:
