@@ -166,10 +166,31 @@ def test_set_chat_template_reaches_the_processor_and_validation_renders_the_kwar
     assert tok.chat_template == proc.chat_template == "old"
     set_chat_template(tok, CUSTOM_TEMPLATE, proc)
     assert tok.chat_template == proc.chat_template == CUSTOM_TEMPLATE
-    keys = dict(template_key="actor_rollout_ref.model.custom_chat_template", kwargs_key="data.apply_chat_template_kwargs")
+    keys = dict(template_key="actor_rollout_ref.model.custom_chat_template",
+                kwargs_key="data.apply_chat_template_kwargs")
     check_chat_template_settings(CUSTOM_TEMPLATE, {"style": "terse"}, **keys)
     # a render that only fails with the given kwargs is caught too (a string is not iterable as a mapping)
     with pytest.raises(ConfigError, match="custom_chat_template: the chat template does not compile or render"):
         check_chat_template_settings("{{ extra['a'] + 1 }}", {"extra": {"a": "x"}}, **keys)
     with pytest.raises(ConfigError, match=r"data.apply_chat_template_kwargs must be a mapping"):
         check_chat_template_settings(None, ["enable_thinking"], **keys)
+
+
+def test_agent_endpoint_renders_chats_with_the_kwargs(thinking_model):
+    """The OpenAI endpoint an agent rollout trains through (the actor worker sets its chat_template_kwargs to
+    data.apply_chat_template_kwargs): a chat renders as the prompt set does."""
+    from tiller.serve.app import ServedModel
+    from tiller.serve.protocol import ChatCompletionRequest
+
+    tok = load_tokenizer(thinking_model)
+    served = ServedModel(object(), tok, name="policy", max_model_len=256)
+    try:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "7+8="}])
+        plain, _ = served.render_chat(req)
+        served.chat_template_kwargs = {"enable_thinking": False}
+        no_think, _ = served.render_chat(req)
+    finally:
+        served.batcher.close()
+    rows = [{"prompt": [{"role": "user", "content": "7+8="}]}]
+    assert [plain] == _by_hand(tok, rows) and [no_think] == _by_hand(tok, rows, enable_thinking=False)
+    assert no_think != plain

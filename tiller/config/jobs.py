@@ -17,6 +17,7 @@ from typing import Any, Optional
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
+from tiller.models.chat_template import check_chat_template_settings
 from tiller.tracking.tracker import LOGGERS
 
 # ----------------------------------------------------------------------------------------------- data
@@ -73,6 +74,9 @@ class SFTDataConfig:
     input_template: Optional[str] = None
     """Format string with {} applied to a string prompt when no chat template renders it (OpenRLHF's
     --input_template, e.g. "User: {}\\nAssistant: ")."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables of the chat template (verl's SFT key: keyword arguments of apply_chat_template), e.g.
+    +data.apply_chat_template_kwargs.enable_thinking=False; every prompt and conversation renders with them."""
 
 
 @dataclass
@@ -171,6 +175,9 @@ class JobModelConfig:
     """DPO / KTO reference model; None = partial_pretrain (with LoRA: the base with adapters disabled)."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
+    custom_chat_template: Optional[str] = None
+    """A Jinja chat template replacing the tokenizer's (and a VLM processor's) after loading (verl's
+    model.custom_chat_template): the data renders with it and the saved model keeps it; null = the tokenizer's own."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     attn_implementation: Optional[str] = None
@@ -377,6 +384,10 @@ def validate_job(cfg: Any) -> None:
     if tr.resume_mode == "resume_path" and not tr.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _positive("trainer.total_epochs", tr.total_epochs)
+    # before any model work: the template compiles and renders (with SFT's kwargs)
+    check_chat_template_settings(model.custom_chat_template, getattr(data, "apply_chat_template_kwargs", {}),
+                                 template_key="model.custom_chat_template",
+                                 kwargs_key="data.apply_chat_template_kwargs")
     if isinstance(cfg, SFTConfig):
         _choice("data.format", data.format, ("auto", "prompt_response", "messages"))
         if data.pack_length is not None:

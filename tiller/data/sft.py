@@ -83,13 +83,15 @@ def _check_text(value: Any, what: str, where: str) -> str:
 
 
 def encode_prompt_response(prompt: Any, response: Any, tokenizer, apply_chat_template: bool,
-                           where: str, input_template: str | None = None) -> tuple[list[int], list[int]]:
+                           where: str, input_template: str | None = None,
+                           chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """(prompt_ids, response_ids) with the response followed by eos; raises `DataError` on empty text.
-    A string prompt without a chat template goes through `input_template` when one is given (OpenRLHF)."""
+    A string prompt without a chat template goes through `input_template` when one is given (OpenRLHF).
+    `chat_template_kwargs`: extra template variables (`tiller sft`'s data.apply_chat_template_kwargs)."""
     prompt = _as_list(prompt)
     if isinstance(prompt, str):
         _check_text(prompt, "prompt", where)
-    text = render_prompt(prompt, tokenizer, apply_chat_template, where, input_template)
+    text = render_prompt(prompt, tokenizer, apply_chat_template, where, input_template, chat_template_kwargs)
     response = _check_text(_as_list(response), "response", where)
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
@@ -115,33 +117,36 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
     return out
 
 
-def encode_messages(messages: Any, tokenizer, where: str) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a chat conversation: mask 1 on every assistant turn's tokens."""
+def encode_messages(messages: Any, tokenizer, where: str,
+                    chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a chat conversation: mask 1 on every assistant turn's tokens.
+    `chat_template_kwargs`: extra template variables (data.apply_chat_template_kwargs)."""
     messages = _check_messages(messages, where)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: chat-message data needs a tokenizer with a chat template")
     if "{% generation %}" in tokenizer.chat_template or "{%- generation %}" in tokenizer.chat_template:
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+                                            return_assistant_tokens_mask=True, **(chat_template_kwargs or {}))
         return list(out["input_ids"]), list(out["assistant_masks"])
-    return _encode_incremental(messages, tokenizer, where)
+    return _encode_incremental(messages, tokenizer, where, chat_template_kwargs or {})
 
 
-def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _encode_incremental(messages: list[dict], tokenizer, where: str) -> tuple[list[int], list[int]]:
+def _encode_incremental(messages: list[dict], tokenizer, where: str, kwargs: dict) -> tuple[list[int], list[int]]:
     """Loss mask by rendering growing prefixes (templates without generation markers)."""
-    full = _render_ids(tokenizer, messages, False)
+    full = _render_ids(tokenizer, messages, False, kwargs)
     mask = [0] * len(full)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_render_ids(tokenizer, messages[:i], True)) if i else 0
-        end = len(_render_ids(tokenizer, messages[: i + 1], False))
-        if full[:end] != _render_ids(tokenizer, messages[: i + 1], False):
+        start = len(_render_ids(tokenizer, messages[:i], True, kwargs)) if i else 0
+        end = len(_render_ids(tokenizer, messages[: i + 1], False, kwargs))
+        if full[:end] != _render_ids(tokenizer, messages[: i + 1], False, kwargs):
             raise DataError(f"{where}: the chat template does not render turns as a prefix; "
                             "add {% generation %} markers to it for multi-turn SFT")
         for t in range(start, min(end, len(full))):
@@ -198,8 +203,9 @@ def _encode_image_row(row: dict, fmt: str, data_cfg, tokenizer, processor, where
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
         raise DataError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
     parts = split_placeholders([dict(m) for m in messages], len(images), where)
-    ids, mask = encode_messages(parts, tokenizer, where)  # one <|image_pad|> per image
-    ids, mask, pixels = expand_images(parts, ids, mask, images, processor, tokenizer, where)
+    kwargs = dict(data_cfg.apply_chat_template_kwargs)
+    ids, mask = encode_messages(parts, tokenizer, where, kwargs)  # one <|image_pad|> per image
+    ids, mask, pixels = expand_images(parts, ids, mask, images, processor, tokenizer, where, kwargs)
     if len(ids) > data_cfg.max_length:
         raise DataError(f"{where}: the conversation has {len(ids)} tokens (image tokens included) > "
                         f"data.max_length={data_cfg.max_length}; image conversations are not truncated: "
@@ -220,14 +226,14 @@ def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str, processor=N
         key = data_cfg.messages_key
         if key not in row:
             raise DataError(f"{where}: missing key {key!r} (data.messages_key); row has {sorted(row)}")
-        ids, mask = encode_messages(row[key], tokenizer, where)
+        ids, mask = encode_messages(row[key], tokenizer, where, dict(data_cfg.apply_chat_template_kwargs))
     else:
         pkey, rkey = prompt_response_keys(data_cfg)
         for key, name in ((pkey, "data.prompt_key"), (rkey, "data.response_key")):
             if key not in row:
                 raise DataError(f"{where}: missing key {key!r} ({name}); row has {sorted(row)}")
         p_ids, r_ids = encode_prompt_response(row[pkey], row[rkey], tokenizer, data_cfg.apply_chat_template, where,
-                                              data_cfg.input_template)
+                                              data_cfg.input_template, dict(data_cfg.apply_chat_template_kwargs))
         ids, mask = p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
     ids, mask = fit_length(ids, mask, data_cfg.max_length, data_cfg.truncation, where)
     example = SFTExample(input_ids=ids, labels=shifted_labels(ids, mask))

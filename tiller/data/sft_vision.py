@@ -73,11 +73,11 @@ def expand_image_pads(ids: list[int], mask: list[int], image_pad_id: int, counts
 
 
 def expand_images(parts: list[dict], ids: list[int], mask: list[int], images: list, processor, tokenizer,
-                  where: str) -> tuple[list[int], list[int], dict]:
+                  where: str, chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int], dict]:
     """(ids, loss mask, {"pixel_values", "image_grid_thw"}) of a conversation in image parts (`split_placeholders`)
     whose `ids` / `mask` were rendered with one `<|image_pad|>` per image (`tiller.data.sft.encode_messages`): each
     pad expanded to its image's tokens (mask 0), the result checked against the processor's own encoding."""
-    text = tokenizer.apply_chat_template(parts, tokenize=False)
+    text = tokenizer.apply_chat_template(parts, tokenize=False, **(chat_template_kwargs or {}))
     enc = encode_image_prompt(processor, text, images, where)
     merge = int(processor.image_processor.merge_size) ** 2
     counts = [int(g.prod()) // merge for g in enc.image_grid_thw]

@@ -36,6 +36,7 @@ from tiller.config.jobs import SFTConfig, validate_job
 from tiller.data.packing import forward_logits, make_micro_batches
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import ConfigError, UserError
+from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import apply_lora
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
@@ -89,6 +90,7 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
     """Load the model to train (`causal_lm` or a 1-label `seq_cls` head) and its tokenizer, LoRA applied."""
     m = cfg.model
     tokenizer = load_tokenizer(m.tokenizer_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code)
+    set_chat_template(tokenizer, m.custom_chat_template)  # verl's model.custom_chat_template (saved with the model)
     if head == "seq_cls":
         model = load_seq_cls(m.partial_pretrain, tokenizer, m.trust_remote_code, m.attn_implementation)
     else:
@@ -162,6 +164,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
     if is_vision_checkpoint(cfg.model.partial_pretrain):
         processor = load_processor(cfg.model.partial_pretrain, tokenizer=tokenizer,
                                    trust_remote_code=cfg.model.trust_remote_code)
+        set_chat_template(tokenizer, cfg.model.custom_chat_template, processor)
     train = load_sft_examples(data.train_files, data, tokenizer, data.max_samples, seed=seed, processor=processor)
     val = (load_sft_examples(data.val_files, data, tokenizer, data.val_max_samples, which="val", seed=seed,
                              processor=processor) if data.val_files else [])
