@@ -10,7 +10,8 @@ A row of an RL prompt file (verl's `RLHFDataset` schema):
     extra_info:   dict                   (passed to the reward function)
 
 JSONL rows may also give `ground_truth` at the top level. Prompts are rendered with the tokenizer's
-chat template (`add_generation_prompt=True`) and tokenized without extra special tokens. A prompt longer
+chat template (`add_generation_prompt=True`, plus `data.apply_chat_template_kwargs` as template variables; the
+template is `actor_rollout_ref.model.custom_chat_template` when set) and tokenized without extra special tokens. A prompt longer
 than `data.max_prompt_length` is dropped (`filter_overlong_prompts`) or handled by `data.truncation`:
 `error` (a `DataError` naming the file and row), `left` (keep the end), `right` (keep the start) or
 `middle` (keep both ends).

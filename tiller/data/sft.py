@@ -128,16 +128,17 @@ def encode_messages(messages: Any, tokenizer, where: str,
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **(chat_template_kwargs or {}))
         return list(out["input_ids"]), list(out["assistant_masks"])
-    return _encode_incremental(messages, tokenizer, where, chat_template_kwargs or {})
+    return _encode_incremental(messages, tokenizer, where, chat_template_kwargs)
 
 
-def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None = None) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **kwargs)
+                                         **(kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _encode_incremental(messages: list[dict], tokenizer, where: str, kwargs: dict) -> tuple[list[int], list[int]]:
+def _encode_incremental(messages: list[dict], tokenizer, where: str,
+                        kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """Loss mask by rendering growing prefixes (templates without generation markers)."""
     full = _render_ids(tokenizer, messages, False, kwargs)
     mask = [0] * len(full)
