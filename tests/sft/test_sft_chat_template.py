@@ -55,3 +55,14 @@ def test_sft_bad_chat_template_values_exit_2(tiny_model_dir, sft_file, tmp_path,
     code = main(["sft", *job_overrides(tiny_model_dir, sft_file, tmp_path / "r"), override])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_openrlhf_tokenizer_chat_template_maps_onto_custom_chat_template():
+    from tiller.openrlhf.cli import resolve
+
+    sft = resolve(["train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--input_key", "q", "--output_key", "a",
+                   "--tokenizer_chat_template", TEMPLATE])[2]
+    assert sft.model.custom_chat_template == TEMPLATE
+    dpo = resolve(["train_dpo", "--model.model_name_or_path", "m", "--data.dataset", "d.jsonl",
+                   "--data.tokenizer_chat_template", TEMPLATE])[2]
+    assert dpo.model.custom_chat_template == TEMPLATE

@@ -80,8 +80,8 @@ TABLE: tuple[Flag, ...] = (
     _f("input_template", MAPPED, "data.input_template", "data.input_template"),
     _f("apply_chat_template", MAPPED, "data.apply_chat_template (OpenRLHF's default: off)",
        "data.apply_chat_template"),
-    _f("tokenizer_chat_template", REFUSED, "tiller renders with the tokenizer's own chat template; save the "
-       "template into the tokenizer dir instead", "data.tokenizer_chat_template"),
+    _f("tokenizer_chat_template", MAPPED, "model.custom_chat_template: replaces the tokenizer's chat template",
+       "data.tokenizer_chat_template"),
     _f("max_len", MAPPED, "data.max_length with data.truncation=right (PPO: prompt + response budget)",
        "data.max_len"),
     _f("prompt_max_len", MAPPED, "data.max_prompt_length, data.truncation=right"),

@@ -173,6 +173,7 @@ def _offline(a: Args, job: str, notices: list[str]) -> tuple[dict, dict]:
     o["data.micro_batch_size_per_gpu"] = a("micro_train_batch_size")
     o["data.apply_chat_template"] = bool(a("apply_chat_template"))
     o["data.input_template"] = a("input_template")
+    o["model.custom_chat_template"] = a("tokenizer_chat_template")
     o["trainer.total_epochs"] = a("max_epochs")
     o["trainer.seed"] = a("seed")
     o["optim.lr"] = a("learning_rate")
