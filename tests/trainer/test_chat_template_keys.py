@@ -194,3 +194,29 @@ def test_agent_endpoint_renders_chats_with_the_kwargs(thinking_model):
     rows = [{"prompt": [{"role": "user", "content": "7+8="}]}]
     assert [plain] == _by_hand(tok, rows) and [no_think] == _by_hand(tok, rows, enable_thinking=False)
     assert no_think != plain
+
+
+def test_image_prompts_render_through_the_processor_with_both_keys(tiny_vlm_dir, tmp_path):
+    """A vision-language model: the processor renders image rows, so it takes the custom template and the kwargs."""
+    import io
+
+    from PIL import Image
+
+    from tiller.data.rl_dataset import RLDataset
+    from tiller.models.chat_template import set_chat_template
+    from tiller.models.tiny_vlm import VL_CHAT_TEMPLATE
+    from tiller.models.vision import IMAGE_PAD, load_processor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(buf, format="PNG")
+    path = write_rows([{"data_source": "x", "prompt": [{"role": "user", "content": "<image>How many?"}],
+                        "images": [{"bytes": buf.getvalue()}], "reward_model": {"ground_truth": "1"}}],
+                      tmp_path / "img.parquet")
+    processor = load_processor(tiny_vlm_dir)
+    tok = processor.tokenizer
+    set_chat_template(tok, "{% if mode == 'exam' %}EXAM {% endif %}" + VL_CHAT_TEMPLATE, processor)
+    item = RLDataset([path], tok, processor=processor, max_prompt_length=256,
+                     chat_template_kwargs={"mode": "exam"})[0]
+    assert item.prompt_text.startswith("EXAM <|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many?")
+    assert item.prompt_ids.count(tok.convert_tokens_to_ids(IMAGE_PAD)) == 16  # the image still expands (8x8 / 4)
+    assert item.prompt_ids[:2] == tok("EXAM <|im_start|>", add_special_tokens=False)["input_ids"][:2]
