@@ -220,3 +220,45 @@ def test_image_prompts_render_through_the_processor_with_both_keys(tiny_vlm_dir,
     assert item.prompt_text.startswith("EXAM <|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many?")
     assert item.prompt_ids.count(tok.convert_tokens_to_ids(IMAGE_PAD)) == 16  # the image still expands (8x8 / 4)
     assert item.prompt_ids[:2] == tok("EXAM <|im_start|>", add_special_tokens=False)["input_ids"][:2]
+
+
+AGENT_SRC = '''
+import openai
+
+async def run(base_url, sample):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    await client.chat.completions.create(model="policy", messages=sample["prompt"], max_tokens=2)
+    await client.close()
+    return 0.0
+'''
+
+
+def test_agent_rollout_contexts_render_with_the_kwargs(tmp_path, thinking_model, task):
+    """An agent's chat through the endpoint of `rollout.agent.path`: the trained context is the prompt rendered
+    with data.apply_chat_template_kwargs (as the prompt set renders it)."""
+    pytest.importorskip("openai")
+    from tiller.trainer.rl import RLTrainer
+
+    (tmp_path / "agent.py").write_text(AGENT_SRC)
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={thinking_model}", f"data.train_files=[{task / 'train.parquet'}]",
+        "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=grpo",
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable", f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"actor_rollout_ref.rollout.agent.path={tmp_path / 'agent.py'}",
+        "+data.apply_chat_template_kwargs.enable_thinking=False"])
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.global_step = 1
+        batch = trainer._collect_batch({}, 1)
+        contexts = [row[mask.bool()].tolist() for row, mask in
+                    zip(batch["prompts"], batch["attention_mask"][:, :batch["prompts"].shape[1]])]
+    finally:
+        trainer.shutdown()
+    tok = load_tokenizer(thinking_model)
+    rows = read_rows(str(task / "train.parquet"))
+    no_think = _by_hand(tok, rows, enable_thinking=False)
+    assert len(contexts) == 4 and all(ids in no_think for ids in contexts)
+    assert not any(ids in _by_hand(tok, rows) for ids in contexts)
