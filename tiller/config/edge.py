@@ -390,10 +390,6 @@ RULES.update({
         "tiller renders prompts with the chat template's defaults", use="a tokenizer whose chat template renders what "
         "you want (e.g. edit its default for enable_thinking)", allowed=({},)),
     # trainer
-    "trainer.rollout_data_dir": refused("tiller does not dump rollouts to files",
-                                        use="trainer.log_val_generations to log validation samples", allowed=(None,)),
-    "trainer.validation_data_dir": refused("tiller does not dump validation generations to files",
-                                           use="trainer.log_val_generations", allowed=(None,)),
     "trainer.esi_redundant_time": noop("tiller has no elastic-instance (ESI) shutdown hook"),
     "trainer.default_hdfs_dir": refused("tiller does not copy checkpoints to HDFS",
                                         use="trainer.default_local_dir (on a mounted file system)", allowed=(None,)),

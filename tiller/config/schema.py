@@ -1474,9 +1474,10 @@ class TrainerConfig:
     use_legacy_worker_impl: str = "auto"
     """verl: which of its worker implementations to run; tiller has one."""
     rollout_data_dir: Optional[str] = None
-    """verl: dump every step's rollouts as JSONL here; refused (tiller logs trainer.log_val_generations samples)."""
+    """Write every training step's samples to <dir>/<step>.jsonl (verl's keys: input, output, gts, score, step, then
+    uid and the reward's extra outputs); null: no dump."""
     validation_data_dir: Optional[str] = None
-    """verl: dump validation generations as JSONL here; refused (use trainer.log_val_generations)."""
+    """Write every validation's samples to <dir>/<step>.jsonl (as trainer.rollout_data_dir); null: no dump."""
     esi_redundant_time: float = 0
     """verl: extra seconds before an elastic-instance shutdown to save a checkpoint; tiller has no ESI hook."""
     default_hdfs_dir: Optional[str] = None

@@ -7,6 +7,8 @@ because those packages sit above `config` (docs/internals.md, Layers); tests che
 
 from __future__ import annotations
 
+import os
+
 from tiller.algos import ADV_ESTIMATORS as _ADV_REGISTRY
 from tiller.algos import LOSS_AGG_MODES
 from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
@@ -114,6 +116,13 @@ def validate_rl(cfg: RLConfig) -> None:
         )
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
+    for key in ("rollout_data_dir", "validation_data_dir"):  # <dir>/<step>.jsonl: a file there would fail mid-run
+        where = getattr(tr, key)
+        if where is not None and (not isinstance(where, str) or not where.strip()):
+            raise ConfigError(f"trainer.{key} must be a directory path or null, got {where!r}")
+        if where and os.path.exists(where) and not os.path.isdir(where):
+            raise ConfigError(f"trainer.{key}={where}: that path is a file, not a directory (each step's samples go "
+                              "to <dir>/<step>.jsonl)")
     if tr.resume_mode == "resume_path" and not tr.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
     if data.val_batch_size is not None and data.val_batch_size <= 0:
