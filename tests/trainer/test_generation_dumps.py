@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import torch
 import pytest
 
 from tests.trainer.test_rl import make_cfg, rl_data  # noqa: F401  (fixture)
@@ -69,3 +70,37 @@ def test_a_dump_dir_that_is_a_file_is_refused(tmp_path, tiny_model_dir, rl_data,
     (tmp_path / "taken").write_text("x")
     with pytest.raises(ConfigError, match=f"trainer.{key}=.*taken: that path is a file"):
         make_cfg(tmp_path / "run", tiny_model_dir, rl_data, f"trainer.{key}={tmp_path / 'taken'}")
+
+
+def test_pf_ppo_trains_on_samples_redrawn_by_reward(tmp_path, tiny_model_dir, rl_data):  # noqa: F811
+    """algorithm.use_pf_ppo with max_min: the batch the update sees (dumped after the resampling, as verl's) holds
+    only the step's best- and worst-scored samples, redrawn with replacement."""
+    from tiller.trainer.rl import RLTrainer
+
+    rollouts = tmp_path / "rollouts"
+    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gae",
+                   "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min",
+                   f"trainer.rollout_data_dir={rollouts}", "trainer.total_training_steps=1")
+    trainer = RLTrainer(cfg)
+    before = trainer.actor.execute("state_dict")
+    metrics = trainer.fit()
+    after = trainer.actor.execute("state_dict")
+    trainer.shutdown()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = _read(rollouts / "1.jsonl")
+    assert len(rows) == 16
+    scores = [r["score"] for r in rows]
+    assert len(set(scores)) <= 2  # only the extremes survive the max_min weights
+    assert metrics["pf_ppo/unique_samples"] < 16  # with replacement from few: repeats
+
+
+@pytest.mark.parametrize("override, named", [
+    ("algorithm.adv_estimator=grpo", "needs algorithm.adv_estimator=gae"),
+    ("algorithm.pf_ppo.reweight_method=median", "algorithm.pf_ppo.reweight_method"),
+    ("algorithm.pf_ppo.weight_pow=-1", "algorithm.pf_ppo.weight_pow"),
+    ("+algorithm.pf_ppo.temperature=2", "algorithm.pf_ppo takes reweight_method and weight_pow"),
+])
+def test_pf_ppo_bad_settings_are_refused(tmp_path, tiny_model_dir, rl_data, override, named):  # noqa: F811
+    with pytest.raises(ConfigError, match=named):
+        make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true",
+                 override)

@@ -362,9 +362,6 @@ RULES.update({
         "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
         allowed=({"path": None, "name": "custom_reward_manager"},)),
     # algorithm
-    "algorithm.use_pf_ppo": refused("preference-feedback PPO (reweighting samples by reward) is not built",
-                                    use="leave it False", allowed=(False,)),
-    "algorithm.pf_ppo": noop("only with algorithm.use_pf_ppo, which is refused"),
     # data
     "data.use_shm": noop("tiller reads the data files where they are (no /dev/shm copy)"),
     "data.return_raw_input_ids": noop("tiller's reward path works on decoded text; the ids are on every sample"),

@@ -1350,9 +1350,11 @@ class AlgorithmConfig:
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     """PRIME's implicit process reward model (read with adv_estimator=prime)."""
     use_pf_ppo: bool = False
-    """verl: preference-feedback PPO (reweight samples by reward); refused: not built in tiller."""
+    """Preference-feedback PPO (PF-PPO, as verl: with adv_estimator=gae): after the advantages, the step's batch is
+    redrawn with replacement, each sample with probability proportional to a weight of its score (pf_ppo)."""
     pf_ppo: dict[str, Any] = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
-    """verl: {reweight_method, weight_pow} of use_pf_ppo (refused), so no effect."""
+    """PF-PPO's weights: reweight_method pow (|score| ** weight_pow) / max_min (1 at the batch's max and min score,
+    else 0) / max_random (0.4 at the max, else 0.1)."""
 
 
 @dataclass

@@ -51,6 +51,7 @@ import torch
 from tiller.algos.advantages import get_advantage_estimator
 from tiller.algos.entropy import AdaptiveEntropyController
 from tiller.algos.kl import apply_kl_in_reward, build_kl_controller
+from tiller.algos.pf_ppo import pf_ppo_resample
 from tiller.algos.prime import prime_token_rewards
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
 from tiller.config import to_dict
@@ -347,6 +348,8 @@ class RLTrainer:
             with timer("adv", m):
                 baseline = batch["reward_baselines"] if "reward_baselines" in batch else None
                 self._compute_advantage(batch, m, baseline)
+                if self.cfg.algorithm.use_pf_ppo:  # PF-PPO: the update sees samples redrawn by reward
+                    batch = self._pf_ppo_resample(batch, m)
             train_batch = self._for_update(batch)
             if self.use_critic and len(train_batch):
                 with timer("update_critic", m):
@@ -659,6 +662,16 @@ class RLTrainer:
         else:
             adv, ret = get_advantage_estimator(algo.adv_estimator)(rewards, mask, list(batch["uid"]), values, **hyper)
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
+
+    def _pf_ppo_resample(self, batch: Batch, m: dict) -> Batch:
+        """algorithm.use_pf_ppo (verl, GAE only): the batch redrawn with replacement by its sequence scores'
+        weights (`tiller.algos.pf_ppo`); seeded by the run's seed and the step, so a resumed run redraws alike."""
+        pf = self.cfg.algorithm.pf_ppo
+        gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.global_step + 91_919)
+        idx = pf_ppo_resample(batch["token_level_scores"].sum(-1), pf.get("reweight_method", "pow"),
+                              float(pf.get("weight_pow", 2.0)), generator=gen)
+        m["pf_ppo/unique_samples"] = float(len(set(idx.tolist())))
+        return batch.index(idx)
 
     def _prime_hyper(self, batch: Batch, mask: torch.Tensor, m: dict) -> dict:
         """PRIME's estimator inputs: the dense implicit rewards from the PRM's log-ratio, and the coefficients."""
