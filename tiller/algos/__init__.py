@@ -27,6 +27,7 @@ from tiller.algos.policy_losses import (
     get_policy_loss,
     register_policy_loss,
 )
+from tiller.algos.pf_ppo import pf_ppo_resample, pf_ppo_weights
 from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss
 from tiller.algos.prime import compute_prime, prime_prm_loss, prime_token_rewards
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
@@ -64,6 +65,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "pairwise_rm_loss",
+    "pf_ppo_resample",
+    "pf_ppo_weights",
     "prime_prm_loss",
     "prime_token_rewards",
     "register_advantage_estimator",

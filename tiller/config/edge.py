@@ -359,9 +359,6 @@ RULES.update({
         "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
         allowed=({"path": None, "name": "custom_reward_manager"},)),
     # algorithm
-    "algorithm.use_pf_ppo": refused("preference-feedback PPO (reweighting samples by reward) is not built",
-                                    use="leave it False", allowed=(False,)),
-    "algorithm.pf_ppo": noop("only with algorithm.use_pf_ppo, which is refused"),
     # data
     "data.use_shm": noop("tiller reads the data files where they are (no /dev/shm copy)"),
     "data.return_raw_input_ids": noop("tiller's reward path works on decoded text; the ids are on every sample"),
@@ -384,10 +381,6 @@ RULES.update({
     "data.datagen": refused("dynamic data generation is not built", use="generate the prompts to a file first",
                             allowed=({"path": None, "name": None},)),
     # trainer
-    "trainer.rollout_data_dir": refused("tiller does not dump rollouts to files",
-                                        use="trainer.log_val_generations to log validation samples", allowed=(None,)),
-    "trainer.validation_data_dir": refused("tiller does not dump validation generations to files",
-                                           use="trainer.log_val_generations", allowed=(None,)),
     "trainer.esi_redundant_time": noop("tiller has no elastic-instance (ESI) shutdown hook"),
     "trainer.default_hdfs_dir": refused("tiller does not copy checkpoints to HDFS",
                                         use="trainer.default_local_dir (on a mounted file system)", allowed=(None,)),

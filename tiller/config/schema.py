@@ -1353,9 +1353,11 @@ class AlgorithmConfig:
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     """PRIME's implicit process reward model (read with adv_estimator=prime)."""
     use_pf_ppo: bool = False
-    """verl: preference-feedback PPO (reweight samples by reward); refused: not built in tiller."""
+    """Preference-feedback PPO (PF-PPO, as verl: with adv_estimator=gae): after the advantages, the step's batch is
+    redrawn with replacement, each sample with probability proportional to a weight of its score (pf_ppo)."""
     pf_ppo: dict[str, Any] = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
-    """verl: {reweight_method, weight_pow} of use_pf_ppo (refused), so no effect."""
+    """PF-PPO's weights: reweight_method pow (|score| ** weight_pow) / max_min (1 at the batch's max and min score,
+    else 0) / max_random (0.4 at the max, else 0.1)."""
 
 
 @dataclass
@@ -1477,9 +1479,10 @@ class TrainerConfig:
     use_legacy_worker_impl: str = "auto"
     """verl: which of its worker implementations to run; tiller has one."""
     rollout_data_dir: Optional[str] = None
-    """verl: dump every step's rollouts as JSONL here; refused (tiller logs trainer.log_val_generations samples)."""
+    """Write every training step's samples to <dir>/<step>.jsonl (verl's keys: input, output, gts, score, step, then
+    uid and the reward's extra outputs); null: no dump."""
     validation_data_dir: Optional[str] = None
-    """verl: dump validation generations as JSONL here; refused (use trainer.log_val_generations)."""
+    """Write every validation's samples to <dir>/<step>.jsonl (as trainer.rollout_data_dir); null: no dump."""
     esi_redundant_time: float = 0
     """verl: extra seconds before an elastic-instance shutdown to save a checkpoint; tiller has no ESI hook."""
     default_hdfs_dir: Optional[str] = None

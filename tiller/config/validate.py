@@ -7,11 +7,14 @@ because those packages sit above `config` (docs/internals.md, Layers); tests che
 
 from __future__ import annotations
 
+import os
+
 from tiller.algos import ADV_ESTIMATORS as _ADV_REGISTRY
 from tiller.algos import LOSS_AGG_MODES
 from tiller.algos import POLICY_LOSSES as _LOSS_REGISTRY
 from tiller.algos.distill import DISTILL_LOSS_MODES, PG_ONLY_LOSS_MODES
 from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
+from tiller.algos.pf_ppo import PF_PPO_METHODS
 from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
 from tiller.algos.rollout_correction import parse_is_threshold, parse_rs_options, ROLLOUT_IS_LEVELS
 from tiller.config.edge import apply_edge
@@ -119,6 +122,14 @@ def validate_rl(cfg: RLConfig) -> None:
         )
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
+    _validate_pf_ppo(algo)
+    for key in ("rollout_data_dir", "validation_data_dir"):  # <dir>/<step>.jsonl: a file there would fail mid-run
+        where = getattr(tr, key)
+        if where is not None and (not isinstance(where, str) or not where.strip()):
+            raise ConfigError(f"trainer.{key} must be a directory path or null, got {where!r}")
+        if where and os.path.exists(where) and not os.path.isdir(where):
+            raise ConfigError(f"trainer.{key}={where}: that path is a file, not a directory (each step's samples go "
+                              "to <dir>/<step>.jsonl)")
     if tr.resume_mode == "resume_path" and not tr.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
     if data.val_batch_size is not None and data.val_batch_size <= 0:
@@ -416,3 +427,21 @@ def _validate_prime(cfg: RLConfig) -> None:
     if rollout.agent.path or rollout.agent.env_path:
         raise ConfigError("algorithm.adv_estimator=prime is refused with agent rollouts (actor_rollout_ref.rollout."
                           "agent.*): the implicit PRM scores single responses, not episodes of segments")
+
+
+def _validate_pf_ppo(algo) -> None:
+    """algorithm.use_pf_ppo: verl applies it after GAE only (another estimator would ignore it: refused here), with
+    pf_ppo = {reweight_method, weight_pow}."""
+    pf = algo.pf_ppo
+    if not isinstance(pf, dict) or set(pf) - {"reweight_method", "weight_pow"}:
+        extra = sorted(set(pf) - {"reweight_method", "weight_pow"}) if isinstance(pf, dict) else pf
+        raise ConfigError(f"algorithm.pf_ppo takes reweight_method and weight_pow, got {extra!r}")
+    if not algo.use_pf_ppo:
+        return
+    if algo.adv_estimator != "gae":
+        raise ConfigError(f"algorithm.use_pf_ppo=true reweights PPO's samples after GAE (as verl): it needs "
+                          f"algorithm.adv_estimator=gae, got {algo.adv_estimator}")
+    _choice("algorithm.pf_ppo.reweight_method", pf.get("reweight_method", "pow"), PF_PPO_METHODS)
+    power = pf.get("weight_pow", 2.0)
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
+        raise ConfigError(f"algorithm.pf_ppo.weight_pow must be a number >= 0, got {power!r}")

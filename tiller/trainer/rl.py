@@ -51,6 +51,7 @@ import torch
 from tiller.algos.advantages import get_advantage_estimator
 from tiller.algos.entropy import AdaptiveEntropyController
 from tiller.algos.kl import apply_kl_in_reward, build_kl_controller
+from tiller.algos.pf_ppo import pf_ppo_resample
 from tiller.algos.prime import prime_token_rewards
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
 from tiller.config import to_dict
@@ -74,6 +75,7 @@ from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
 from tiller.trainer.flops import actor_mfu, device_peak_flops
+from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
 from tiller.trainer.rl_metrics import data_metrics, validation_metrics
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
@@ -349,6 +351,8 @@ class RLTrainer:
             with timer("adv", m):
                 baseline = batch["reward_baselines"] if "reward_baselines" in batch else None
                 self._compute_advantage(batch, m, baseline)
+                if self.cfg.algorithm.use_pf_ppo:  # PF-PPO: the update sees samples redrawn by reward
+                    batch = self._pf_ppo_resample(batch, m)
             train_batch = self._for_update(batch)
             if self.use_critic and len(train_batch):
                 with timer("update_critic", m):
@@ -363,7 +367,26 @@ class RLTrainer:
                 actor.execute("sync_rollout_weights")
                 self._publish_weights()
         m.update(self._data_metrics(batch, m))
+        if self.cfg.trainer.rollout_data_dir and len(batch):
+            with timer("dump_rollout_generations", m):
+                extras = list(batch["reward_extras"]) if "reward_extras" in batch else [{}] * len(batch)
+                dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step,
+                                 self._dump_rows(batch, batch["score"].tolist(), extras))
         return m
+
+    def _dump_rows(self, batch: Batch, scores: list[float], extras: list[dict]) -> list[dict]:
+        """The samples of `batch` as trainer.rollout_data_dir / validation_data_dir records
+        (`tiller.trainer.generations`): `extras` is the reward function's per-sample outputs."""
+        prompts = batch["prompts"]
+        live = batch["attention_mask"][:, :prompts.shape[1]].bool()  # left padding off
+        inputs = self.tokenizer.batch_decode([row[keep].tolist() for row, keep in zip(prompts, live)],
+                                             skip_special_tokens=True)
+        columns = {"uid": list(batch["uid"])}
+        for key in dict.fromkeys(k for e in extras for k in e):
+            if all(key in e for e in extras):
+                columns[key] = [e[key] for e in extras]
+        return generation_rows(inputs, [str(t) for t in batch["response_text"]], list(batch["ground_truth"]), scores,
+                               self.global_step, columns)
 
     # ------------------------------------------------------------------- asynchronous RL (async_training)
     def _take_batch(self, m: dict) -> Batch:
@@ -590,6 +613,8 @@ class RLTrainer:
         batch["token_level_scores"] = token_scores
         batch["score"] = torch.from_numpy(scores)
         batch["acc"] = torch.as_tensor(np.asarray(extras.get("acc", scores), dtype=np.float32))
+        if self.cfg.trainer.rollout_data_dir:  # the step's dump writes them (rows may be filtered or joined first)
+            batch["reward_extras"] = per_sample_extras(extras, len(batch))
         for k, v in extras.items():
             arr = np.asarray(v)
             if arr.dtype.kind in "fiub" and arr.shape == (len(batch),):
@@ -640,6 +665,16 @@ class RLTrainer:
         else:
             adv, ret = get_advantage_estimator(algo.adv_estimator)(rewards, mask, list(batch["uid"]), values, **hyper)
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
+
+    def _pf_ppo_resample(self, batch: Batch, m: dict) -> Batch:
+        """algorithm.use_pf_ppo (verl, GAE only): the batch redrawn with replacement by its sequence scores'
+        weights (`tiller.algos.pf_ppo`); seeded by the run's seed and the step, so a resumed run redraws alike."""
+        pf = self.cfg.algorithm.pf_ppo
+        gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.global_step + 91_919)
+        idx = pf_ppo_resample(batch["token_level_scores"].sum(-1), pf.get("reweight_method", "pow"),
+                              float(pf.get("weight_pow", 2.0)), generator=gen)
+        m["pf_ppo/unique_samples"] = float(len(set(idx.tolist())))
+        return batch.index(idx)
 
     def _prime_hyper(self, batch: Batch, mask: torch.Tensor, m: dict) -> dict:
         """PRIME's estimator inputs: the dense implicit rewards from the PRM's log-ratio, and the coefficients."""
@@ -820,7 +855,7 @@ class RLTrainer:
                         max_new_tokens=self.response_width, do_sample=vk.do_sample,
                         stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242)
         size = self.cfg.data.val_batch_size or len(self.val_ds)
-        rows = []
+        rows, dumped = [], []
         for start in range(0, len(self.val_ds), size):
             items = self.val_ds.items[start:start + size]
             prompts = self._prompt_batch(items, sampling, tag=f"v{start}")
@@ -829,6 +864,8 @@ class RLTrainer:
                 last = {int(e): i for i, e in enumerate(out["episode"].tolist())}
                 out = out.index(sorted(last.values()))
             scores, extras, _ = self._score(out)
+            if self.cfg.trainer.validation_data_dir:
+                dumped += self._dump_rows(out, scores.tolist(), per_sample_extras(extras, len(out)))
             accs = np.asarray(extras.get("acc", scores), dtype=np.float64)
             preds = extras.get("pred", out["response_text"])
             for i in range(len(out)):
@@ -837,6 +874,8 @@ class RLTrainer:
         n_log = self.cfg.trainer.log_val_generations
         for ds, _, score, _, _, prompt, response in rows[:n_log]:
             print(f"[val {ds}] score={score:g} | {prompt!r} -> {response!r}")
+        if self.cfg.trainer.validation_data_dir:
+            dump_generations(self.cfg.trainer.validation_data_dir, self.global_step, dumped)
         metrics = validation_metrics(rows, vk.n)
         self.val_history.append((self.global_step, metrics))
         return metrics
