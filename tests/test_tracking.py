@@ -53,8 +53,35 @@ def test_resume_drops_rows_after_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
+def test_verl_file_logger(tmp_path, monkeypatch):
+    """trainer.logger=file: verl's FileLogger path and line format; a resume keeps the lines up to its step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    monkeypatch.delenv("VERL_FILE_LOGGER_ROOT", raising=False)
+    with Tracker(tmp_path / "run", loggers=["file"], project="proj", experiment="exp") as tr:
+        for step in (1, 2, 3):
+            tr.log({"critic/score/mean": step / 4, "bad": float("nan")}, step=step)
+    path = tmp_path / "proj" / "exp.jsonl"  # ./<project>/<experiment>.jsonl
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0] == {"step": 1, "data": {"critic/score/mean": 0.25, "bad": None}} and len(rows) == 3
+    with Tracker(tmp_path / "run", loggers=["file"], project="proj", experiment="exp", resume_from_step=2) as tr:
+        tr.log({"critic/score/mean": 9.0}, step=3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    with Tracker(tmp_path / "run", loggers="file", project="proj", experiment="exp") as tr:  # a new run: afresh
+        tr.log({"x": 1.0}, step=1)
+    assert len(path.read_text().splitlines()) == 1
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "logs"))
+    with Tracker(tmp_path / "run", loggers="file", project="p2", experiment="e2") as tr:
+        tr.log({"x": 1.0}, step=1)
+    assert (tmp_path / "logs" / "p2" / "e2.jsonl").exists()
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "one.jsonl"))
+    with Tracker(tmp_path / "run", loggers="file", project="p2", experiment="e2") as tr:
+        tr.log({"x": 2.0}, step=5)
+    assert json.loads((tmp_path / "one.jsonl").read_text()) == {"step": 5, "data": {"x": 2.0}}
+
+
 def test_logger_errors_name_the_fix(tmp_path, monkeypatch):
-    with pytest.raises(UserError, match="tensorbord.*valid: console, jsonl, tensorboard, wandb, mlflow"):
+    with pytest.raises(UserError, match="tensorbord.*valid: console, jsonl, tensorboard, wandb, mlflow, file"):
         Tracker(tmp_path, loggers=["console", "tensorbord"])
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(UserError, match=r"pip install 'tiller\[wandb\]'"):

@@ -1422,7 +1422,8 @@ class TrainerConfig:
     experiment_name: str = "run"
     """Experiment name (tracking, run dir)."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """console | jsonl | tensorboard | wandb | mlflow."""
+    """console | jsonl | tensorboard | wandb | mlflow | file (verl's file logger: $VERL_FILE_LOGGER_PATH, else
+    ${VERL_FILE_LOGGER_ROOT:-.}/<project_name>/<experiment_name>.jsonl)."""
     total_epochs: int = 1
     """Passes over the training prompts."""
     total_training_steps: Optional[int] = None

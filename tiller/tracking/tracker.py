@@ -5,6 +5,9 @@ Backends (verl's `trainer.logger` names):
 - jsonl: `RUN_DIR/metrics.jsonl`, one JSON object per step with "step"; non-finite values are written
   as null so every line is valid JSON; flushed and fsynced each step, so a killed run keeps its metrics;
 - tensorboard: `RUN_DIR/tensorboard/` event files (torch.utils.tensorboard), flushed each step;
+- file: verl's file logger: `$VERL_FILE_LOGGER_PATH`, else `${VERL_FILE_LOGGER_ROOT:-.}/<project>/<experiment>.jsonl`,
+  one `{"step": N, "data": {...}}` line per step (verl's format; non-finite values as null); a new run starts the
+  file afresh (as verl), a resumed one keeps its lines up to the resumed step;
 - wandb / mlflow: imported only when selected; a clear error names the extra to install.
 
 The run directory also holds `config.yaml` (written atomically at start), `checkpoints/` and `plots/`
@@ -26,7 +29,7 @@ from typing import Any
 
 from tiller.errors import UserError
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "file")
 
 # Metrics shown on the console line, in this order, with short labels (others go to files only).
 CONSOLE_KEYS = {
@@ -122,6 +125,36 @@ class _Jsonl:
         self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _File:
+    """verl's `file` logger (see the module docstring)."""
+
+    def __init__(self, project: str, experiment: str, resume_from_step: int | None):
+        where = os.environ.get("VERL_FILE_LOGGER_PATH")
+        if where is None:
+            root = os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", "."))
+            where = os.path.join(root, project, f"{experiment}.jsonl")
+        self.path = Path(where)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            keep = []
+            if resume_from_step is not None and self.path.exists():
+                keep = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and _step_of_line(line) is not None and _step_of_line(line) <= resume_from_step]
+            _write_atomic(self.path, "".join(line + "\n" for line in keep))
+            self.file = open(self.path, "a")
+        except OSError as err:
+            raise UserError(f"trainer.logger=file: cannot write {self.path} ({err.strerror}); set "
+                            "VERL_FILE_LOGGER_PATH or VERL_FILE_LOGGER_ROOT to a writable place") from None
+
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"step": step, "data": {k: _jsonable(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row, allow_nan=False) + "\n")
+        self.file.flush()
 
     def close(self) -> None:
         self.file.close()
@@ -252,6 +285,8 @@ class Tracker:
                 self.backends[name] = _Wandb(self.run_dir, project, experiment, config_dict)
             elif name == "mlflow":
                 self.backends[name] = _Mlflow(self.run_dir, project, experiment, config_dict)
+            elif name == "file":
+                self.backends[name] = _File(project, experiment, resume_from_step)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record one step. Tensors / numpy scalars become floats; other non-numbers are dropped."""
