@@ -224,7 +224,7 @@ class JobTrainerConfig:
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     """Run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/, hf_model/."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """console | jsonl | tensorboard | wandb | mlflow."""
+    """console | jsonl | tensorboard | wandb | mlflow | file (verl's file logger, as in tiller rl)."""
     total_epochs: int = 1
     """Passes over the training data."""
     total_training_steps: Optional[int] = None
