@@ -20,6 +20,7 @@ from tiller.rollout.agent import (
     parse_tool_calls,
     render_prompt_with_tools,
     run_agent_loop,
+    truncate_tool_response,
 )
 from tiller.rollout.tools import CalculatorTool, load_tools, safe_eval
 
@@ -132,6 +133,51 @@ def test_max_turns_and_budget_bound_the_conversation(tok):
     assert len(tight.response_mask[0]) == len(tight.logprobs[0]) == 50
 
 
+def test_truncate_tool_response_is_verls_cut():
+    text = "0123456789" * 3
+    assert truncate_tool_response(text, 30) == text  # not longer: unchanged
+    assert truncate_tool_response(text, 8, "middle") == "0123...(truncated)...6789"
+    assert truncate_tool_response(text, 8, "left") == "(truncated)...23456789"
+    assert truncate_tool_response(text, 8, "right") == "01234567...(truncated)"
+
+
+class EchoTool:
+    """A tool whose response is long: `x` repeated `n` times, then its call number."""
+
+    name = "echo"
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}
+
+    def __call__(self, args):
+        return "x" * int(args["n"]) + str(args["id"])
+
+
+def _echo(n, i):
+    return '<tool_call>{"name": "echo", "arguments": {"n": %d, "id": %d}}</tool_call>' % (n, i)
+
+
+def test_verls_multi_turn_limits_calls_truncation_and_user_turns(tok):
+    """multi_turn.max_parallel_calls (a turn's first N calls run), max_tool_response_length +
+    tool_response_truncate_side (verl's marked cut), max_user_turns (then the next assistant turn is the last)."""
+    two_calls = lambda c, r: _echo(300, 1) + _echo(5, 2) + "<|im_end|>"  # noqa: E731
+
+    def tool_text(out):
+        return tok.decode([t for t, m in zip(out.response_ids[0], out.response_mask[0]) if m == 0])
+
+    kw = dict(max_assistant_turns=2, max_response_length=2000)
+    one = run_agent_loop(ScriptedEngine(tok, two_calls), tok, [_prompt(tok)], SamplingParams(max_new_tokens=200),
+                         [EchoTool()], **kw)  # verl's defaults: 1 call a turn, 256 characters, middle
+    assert one.num_tool_calls == [1]
+    assert "x" * 128 + "...(truncated)..." + "x" * 127 + "1" in tool_text(one) and "xxxxx2" not in tool_text(one)
+    both = run_agent_loop(ScriptedEngine(tok, two_calls), tok, [_prompt(tok)], SamplingParams(max_new_tokens=200),
+                          [EchoTool()], max_calls_per_turn=2, max_tool_response_chars=10, truncate_side="right", **kw)
+    assert both.num_tool_calls == [2]
+    assert "xxxxxxxxxx...(truncated)" in tool_text(both) and "xxxxx2" in tool_text(both)
+    always_call = lambda c, r: CALL + "<|im_end|>"  # noqa: E731
+    capped = run_agent_loop(ScriptedEngine(tok, always_call), tok, [_prompt(tok)], SamplingParams(max_new_tokens=100),
+                            [CalculatorTool()], max_assistant_turns=5, max_user_turns=1, max_response_length=1000)
+    assert capped.num_turns == [2] and capped.num_tool_calls == [1]
+
+
 def test_turn_cut_by_stop_string_gets_a_masked_eos(tok):
     def script(context, row):
         return "fine<|im_end|>" if "<|im_start|>tool" in context else CALL  # no eos: stop string ended the turn
@@ -240,6 +286,19 @@ def test_build_agent_loop_from_config(tmp_path):
                        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"])
     loop = build_agent_loop(cfg.actor_rollout_ref.rollout)
     assert loop.max_assistant_turns == 2 and list(loop.tools) == ["calculator"]
+    assert (loop.max_calls_per_turn, loop.max_tool_response_chars, loop.truncate_side, loop.max_user_turns) == (
+        1, 256, "middle", None)  # verl's defaults
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config([f"{mt}.enable=True", f"{mt}.max_parallel_calls=3", f"{mt}.max_tool_response_length=64",
+                       f"{mt}.tool_response_truncate_side=left", f"{mt}.max_user_turns=2"])
+    loop = build_agent_loop(cfg.actor_rollout_ref.rollout)
+    assert (loop.max_calls_per_turn, loop.max_tool_response_chars, loop.truncate_side, loop.max_user_turns) == (
+        3, 64, "left", 2)
+    for bad, named in (("max_parallel_calls=0", "max_parallel_calls"), ("max_tool_response_length=0", "max_tool_resp"),
+                       ("tool_response_truncate_side=top", "tool_response_truncate_side"),
+                       ("max_user_turns=-1", "max_user_turns")):
+        with pytest.raises(ConfigError, match=f"multi_turn.{named}"):
+            build_agent_loop(load_config([f"{mt}.enable=True", f"{mt}.{bad}"]).actor_rollout_ref.rollout)
 
 
 def test_python_tool_runs_in_the_sandbox():

@@ -284,14 +284,6 @@ RULES.update({
         "tiller's vllm weight sync uses its own bucket size"),
     "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs": noop(
         "keyword arguments of a checkpoint-engine backend (only naive, which takes none)"),
-    "actor_rollout_ref.rollout.multi_turn.max_user_turns": noop(
-        "tiller's tool loop is bounded by multi_turn.max_assistant_turns (a user turn follows each assistant turn)"),
-    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": noop(
-        "tiller runs a turn's tool calls one after another (the transcript is the same)"),
-    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": noop(
-        "tiller does not truncate tool responses; they count against data.max_response_length"),
-    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": noop(
-        "tiller does not truncate tool responses"),
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": refused(
         "simulated-user interactions are not built (tiller's multi-turn loop calls tools)",
         use="an environment rollout: actor_rollout_ref.rollout.agent.env_path", allowed=(None,)),

@@ -668,14 +668,14 @@ class MultiTurnConfig:
     format: str = "hermes"
     """Tool-call format: hermes (`<tool_call>{json}</tool_call>`, Qwen's), the one tiller parses."""
     max_user_turns: Optional[int] = None
-    """verl: most user (tool / interaction) turns; tiller's loop is bounded by max_assistant_turns."""
+    """Most tool turns: after this many, the next assistant turn ends the conversation (null or 0: no limit)."""
     max_parallel_calls: int = 1
-    """verl: tool calls run at once per turn; tiller runs a turn's calls one after another."""
+    """Tool calls run per assistant turn: the turn's first N (verl's; tiller runs them one after another)."""
     max_tool_response_length: int = 256
-    """verl: truncate tool responses to this many characters; tiller does not truncate them (they count against
-    data.max_response_length)."""
+    """Tool responses longer than this many characters are cut (tool_response_truncate_side), as verl does."""
     tool_response_truncate_side: str = "middle"
-    """verl: which side max_tool_response_length cuts (tiller does not truncate)."""
+    """Where max_tool_response_length cuts: left (keep the end) / right (keep the start) / middle (both halves),
+    marked "(truncated)" as verl's."""
     interaction_config_path: Optional[str] = None
     """verl: a simulated-user interaction YAML; refused (tiller's multi-turn loop calls tools only)."""
     use_inference_chat_template: bool = False

@@ -141,6 +141,8 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
         raise ConfigError("tiller eval needs data.val_files=[FILE, ...] (or --data FILE)")
     if not 0.0 < patience <= 1.0:
         raise ConfigError(f"--patience={patience}: utility@k's patience lies in (0, 1]")
+    r = cfg.actor_rollout_ref.rollout
+    agent = build_agent_loop(r, cfg.data.apply_chat_template_kwargs)  # (its settings checked before the model loads)
     policy = policy_from_config(cfg)
     partitioner = None
     if diversity:  # built before generating, so a bad partitioner key fails fast
@@ -150,12 +152,10 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     rm = cfg.reward_model
     if not (cfg.custom_reward_function.path or rm.enable or rm.remote_url):  # rule scoring: types must fit
         check_ground_truths(items, "data.val_files", rm.bad_ground_truth)
-    r = cfg.actor_rollout_ref.rollout
     sampling = sampling_from_rollout(r, r.response_length or cfg.data.max_response_length,
                                      cfg.trainer.seed, val=True)
     start = time.time()
     size = batch_size or cfg.data.val_batch_size or 64
-    agent = build_agent_loop(r, cfg.data.apply_chat_template_kwargs)
     if agent is None:
         out = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling, batch_size=size,
                                progress=progress, desc="eval")

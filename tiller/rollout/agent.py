@@ -7,10 +7,12 @@ in the Qwen / Hermes tool-call format that verl's `ToolAgentLoop` also uses):
    turn, n=1 per row; the n samples of a prompt are n rows);
 2. the turn's text is searched for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
    none -> the conversation is finished;
-3. otherwise each call runs (`tiller.rollout.tools`; errors come back as text) and the results are appended
-   as `tool` messages, rendered by the tokenizer's own chat template, plus the generation prompt of the
-   next assistant turn;
-4. repeat until no tool call, `max_assistant_turns` turns, or the response budget is spent.
+3. otherwise the turn's first `max_parallel_calls` calls run (`tiller.rollout.tools`; errors come back as text),
+   each result cut to `max_tool_response_length` characters (verl's marked left / right / middle cut), and the
+   results are appended as `tool` messages, rendered by the tokenizer's own chat template, plus the generation
+   prompt of the next assistant turn;
+4. repeat until no tool call, `max_assistant_turns` turns, `max_user_turns` tool turns, or the response budget is
+   spent (verl's multi_turn settings, with verl's defaults: 1 call a turn, 256 characters, middle).
 
 The response of a sample is everything after its prompt: model tokens (response_mask 1, with the
 engine's sampling logprobs) and template + tool-result tokens (response_mask 0, logprob 0). Tokens are
@@ -71,8 +73,31 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int) -> list[str]:
-    """The text result of every call (errors as `Error: ...`), each cut to `max_chars`."""
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+def truncate_tool_response(text: str, max_chars: int, side: str = "middle") -> str:
+    """verl's cut of a tool response longer than `max_chars` (multi_turn.max_tool_response_length /
+    tool_response_truncate_side): left keeps the end, right the start, middle both halves, each marked.
+
+    >>> truncate_tool_response("abcdefghij", 4, "middle")
+    'ab...(truncated)...ij'
+    >>> truncate_tool_response("abcdefghij", 4, "left"), truncate_tool_response("abcdefghij", 4, "right")
+    ('(truncated)...ghij', 'abcd...(truncated)')
+    """
+    if len(text) <= max_chars:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-max_chars:]
+    if side == "right":
+        return text[:max_chars] + "...(truncated)"
+    half = max_chars // 2
+    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
+
+
+def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int,
+                   side: str = "middle") -> list[str]:
+    """The text result of every call (errors as `Error: ...`), each cut to `max_chars` (`truncate_tool_response`)."""
     out = []
     for call in calls:
         if call.error:
@@ -84,7 +109,7 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars:
                 text = str(tools[call.name](call.arguments))
             except Exception as err:  # noqa: BLE001 - a broken tool must not end the rollout
                 text = f"Error: {type(err).__name__}: {err}"
-        out.append(text[:max_chars])
+        out.append(truncate_tool_response(text, max_chars, side))
     return out
 
 
@@ -164,13 +189,18 @@ class _Row:
 
 def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                    tools: dict[str, Tool] | Sequence[Tool], *, max_assistant_turns: int = 4,
-                   max_response_length: int | None = None, max_tool_response_chars: int = 1024,
-                   max_calls_per_turn: int = 4, chat_template_kwargs: dict | None = None) -> AgentRolloutOutput:
+                   max_response_length: int | None = None, max_tool_response_chars: int = 256,
+                   truncate_side: str = "middle", max_calls_per_turn: int = 1, max_user_turns: int | None = None,
+                   chat_template_kwargs: dict | None = None) -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
     `render_prompt_with_tools`). `sampling.max_new_tokens` caps each assistant turn;
     `max_response_length` (default `sampling.max_new_tokens`) caps the whole response.
+    verl's multi_turn settings, with its defaults: a turn runs its first `max_calls_per_turn` tool calls
+    (max_parallel_calls); each tool response is cut to `max_tool_response_chars` on `truncate_side`
+    (max_tool_response_length, tool_response_truncate_side); after `max_user_turns` tool turns (None or 0: no limit)
+    the next assistant turn is the last.
     `chat_template_kwargs`: extra template variables of the tool turns' rendering (data.apply_chat_template_kwargs).
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
@@ -193,10 +223,11 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
                 row.finish = "length"
                 continue
             calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))[:max_calls_per_turn]
-            if not calls or turn == max_assistant_turns - 1:
+            # (verl: at max_user_turns tool turns, the turn just generated ends the conversation)
+            if not calls or turn == max_assistant_turns - 1 or (max_user_turns and turn >= max_user_turns):
                 row.finish = "stop"
                 continue
-            results = run_tool_calls(calls, tools, max_tool_response_chars)
+            results = run_tool_calls(calls, tools, max_tool_response_chars, truncate_side)
             row.calls += len(calls)
             row.errors += sum(r.startswith("Error:") for r in results)
             ended = bool(ids) and ids[-1] in encoder.eos_ids
@@ -249,7 +280,10 @@ class AgentLoop:
 
     tools: dict[str, Tool]
     max_assistant_turns: int = 4
-    max_tool_response_chars: int = 1024
+    max_tool_response_chars: int = 256
+    truncate_side: str = "middle"
+    max_calls_per_turn: int = 1
+    max_user_turns: int | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra chat-template variables (data.apply_chat_template_kwargs) of the tool turns."""
 
@@ -257,7 +291,8 @@ class AgentLoop:
                  max_response_length: int | None = None) -> AgentRolloutOutput:
         return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
-                              max_tool_response_chars=self.max_tool_response_chars,
+                              max_tool_response_chars=self.max_tool_response_chars, truncate_side=self.truncate_side,
+                              max_calls_per_turn=self.max_calls_per_turn, max_user_turns=self.max_user_turns,
                               chat_template_kwargs=self.chat_template_kwargs)
 
 
@@ -273,6 +308,18 @@ def build_agent_loop(rollout_cfg: Any, chat_template_kwargs: dict | None = None)
     if mt.max_assistant_turns < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, "
                           f"got {mt.max_assistant_turns}")
+    key = "actor_rollout_ref.rollout.multi_turn"
+    for name in ("max_parallel_calls", "max_tool_response_length"):
+        value = getattr(mt, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}.{name} must be an integer >= 1, got {value!r}")
+    if mt.tool_response_truncate_side not in TRUNCATE_SIDES:
+        raise ConfigError(f"{key}.tool_response_truncate_side={mt.tool_response_truncate_side!r}: choose one of "
+                          f"{', '.join(TRUNCATE_SIDES)}")
+    if mt.max_user_turns is not None and (isinstance(mt.max_user_turns, bool) or mt.max_user_turns < 0):
+        raise ConfigError(f"{key}.max_user_turns must be null, 0 (no limit) or >= 1, got {mt.max_user_turns!r}")
     tools = load_tools(mt.tool_config_path) if mt.tool_config_path else {"calculator": CalculatorTool()}
     return AgentLoop(tools=tools, max_assistant_turns=mt.max_assistant_turns,
+                     max_tool_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side,
+                     max_calls_per_turn=mt.max_parallel_calls, max_user_turns=mt.max_user_turns or None,
                      chat_template_kwargs=dict(chat_template_kwargs or {}))
