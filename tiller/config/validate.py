@@ -19,6 +19,7 @@ from tiller.config.schema import RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
+from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
@@ -47,6 +48,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_distill(cfg)
     _validate_prime(cfg)
     _validate_agent(cfg)
+    _validate_optim(cfg)
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
     _choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
@@ -411,3 +413,15 @@ def _validate_prime(cfg: RLConfig) -> None:
     if rollout.agent.path or rollout.agent.env_path:
         raise ConfigError("algorithm.adv_estimator=prime is refused with agent rollouts (actor_rollout_ref.rollout."
                           "agent.*): the implicit PRM scores single responses, not episodes of segments")
+
+
+def _validate_optim(cfg: RLConfig) -> None:
+    """The optimizers (class importable, keyword arguments accepted: built once over a dummy parameter) and the
+    loss scale factors, at load time. The critic's only with adv_estimator=gae (the only estimator that builds it)."""
+    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
+    if cfg.algorithm.adv_estimator == "gae":
+        sections.append(("critic", cfg.critic))
+    for key, role in sections:
+        check_optimizer(role.optim, f"{key}.optim")
+        if role.loss_scale_factor is not None:
+            _positive(f"{key}.loss_scale_factor", role.loss_scale_factor)
