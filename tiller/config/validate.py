@@ -48,7 +48,6 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_distill(cfg)
     _validate_prime(cfg)
     _validate_agent(cfg)
-    _validate_optim(cfg)
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
     _choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
@@ -79,6 +78,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
     _positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)
     _positive("actor_rollout_ref.actor.optim.lr", actor.optim.lr)
+    _validate_optim(cfg)
 
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(

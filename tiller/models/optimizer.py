@@ -94,7 +94,7 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg, key: str) ->
         return cls(params, **kwargs)
     except (TypeError, ValueError) as err:
         given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        where = f"{key}.override_optimizer_config" if optim_cfg.override_optimizer_config else f"{key}.optimizer"
+        where = f"{key}.override_optimizer_config" if optim_cfg.override_optimizer_config else key
         raise ConfigError(f"{where}: {cls.__module__}.{cls.__qualname__}(params, {given}) is refused: {err}") from None
 
 
