@@ -160,15 +160,27 @@ def _actor(model_dir, *extra: str):
     return ActorRolloutRefWorker(cfg, total_training_steps=1)
 
 
-def test_actor_with_sgd_and_loss_scale_factor(tiny_model_dir):
+def _update_batch() -> Batch:
     g = torch.Generator().manual_seed(0)
     rmask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 2, 5, 4, 1, 2])[:, None]).long()
     prompts, responses = torch.randint(5, 300, (8, 4), generator=g), torch.randint(5, 300, (8, 5), generator=g)
-    batch = Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                   "attention_mask": torch.cat([torch.ones(8, 4, dtype=torch.long), rmask], 1),
-                   "response_mask": rmask, "advantages": torch.randn(8, 5, generator=g) * rmask,
-                   "old_log_probs": -torch.rand(8, 5, generator=g) - 5.0},
-                  meta={"mini_batch_size": 8, "temperature": 1.0})
+    return Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                  "attention_mask": torch.cat([torch.ones(8, 4, dtype=torch.long), rmask], 1),
+                  "response_mask": rmask, "advantages": torch.randn(8, 5, generator=g) * rmask,
+                  "old_log_probs": -torch.rand(8, 5, generator=g) - 5.0,
+                  "values": torch.randn(8, 5, generator=g) * rmask, "returns": torch.randn(8, 5, generator=g) * rmask},
+                 meta={"mini_batch_size": 8, "temperature": 1.0})
+
+
+def _assert_half_step(deltas):
+    scale = max(float(d.abs().max()) for d in deltas[0].values())
+    assert scale > 1e-6
+    for k in deltas[0]:
+        torch.testing.assert_close(deltas[1][k], 0.5 * deltas[0][k], atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_actor_with_sgd_and_loss_scale_factor(tiny_model_dir):
+    batch = _update_batch()
     # SGD, lr 1, no momentum / decay: the weight change is -gradient, so the two runs compare gradients directly.
     # T = 5: loss_scale_factor 10 divides the loss, so the gradient, by 10 instead of 5: half of it.
     deltas, metrics = [], []
@@ -178,12 +190,28 @@ def test_actor_with_sgd_and_loss_scale_factor(tiny_model_dir):
         before = w.state_dict()
         metrics.append(w.update_actor(batch))
         deltas.append({k: v - before[k] for k, v in w.state_dict().items()})
-    scale = max(float(d.abs().max()) for d in deltas[0].values())
-    assert scale > 1e-6
-    for k in deltas[0]:
-        torch.testing.assert_close(deltas[1][k], 0.5 * deltas[0][k], atol=1e-5 * scale, rtol=1e-4)
+    _assert_half_step(deltas)
     assert metrics[1]["actor/pg_loss"] == pytest.approx(0.5 * metrics[0]["actor/pg_loss"], rel=1e-5)
     assert metrics[1]["actor/grad_norm"] == pytest.approx(0.5 * metrics[0]["actor/grad_norm"], rel=1e-5)
+
+
+def test_critic_with_sgd_follows_the_actors_loss_scale_factor(tiny_model_dir):
+    from tiller.workers.critic import CriticWorker
+
+    batch = _update_batch()
+    deltas, metrics = [], []
+    for extra in ([], [f"{A}.loss_scale_factor=10"]):  # critic.loss_scale_factor null: the actor's, as verl's default
+        cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "algorithm.adv_estimator=gae",
+                           "critic.ppo_micro_batch_size_per_gpu=4", "critic.loss_agg_mode=seq-mean-token-sum-norm",
+                           "critic.grad_clip=1e9", "critic.optim.optimizer=SGD", "critic.optim.lr=1.0",
+                           "critic.optim.weight_decay=0.0", *extra])
+        w = CriticWorker(cfg, total_training_steps=1)
+        assert type(w.optimizer) is torch.optim.SGD
+        before = {k: v.detach().clone() for k, v in w.module.state_dict().items()}
+        metrics.append(w.update_critic(batch))
+        deltas.append({k: v - before[k] for k, v in w.module.state_dict().items()})
+    _assert_half_step(deltas)  # T = 5: divided by 10 instead of 5
+    assert metrics[1]["critic/vf_loss"] == pytest.approx(0.5 * metrics[0]["critic/vf_loss"], rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
