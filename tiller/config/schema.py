@@ -371,7 +371,7 @@ class OptimConfig(MegatronOptimOptions):
     lr: float = 1e-6
     """Peak learning rate."""
     lr_warmup_steps: int = -1
-    """Warmup steps; -1 = use lr_warmup_steps_ratio."""
+    """Warmup steps (lr x step / warmup from 0, verl's schedule); <= 0 = int(lr_warmup_steps_ratio x total steps)."""
     lr_warmup_steps_ratio: float = 0.0
     """Warmup as a fraction of total training steps."""
     min_lr_ratio: float = 0.0
