@@ -450,9 +450,9 @@ def _check_optimizer_classes(ckpt: Path, state: dict, pairs: list) -> None:
             continue
         then = saved.get(name, LEGACY_OPTIMIZER if "optimizer_classes" not in state else None)
         if then is not None and then != now:
-            raise UserError(f"checkpoint {ckpt}: its {name} state was saved by {then}, but this run builds {now} "
-                            "(optim.optimizer / optim.optimizer_impl): resume with the optimizer it was trained with, "
-                            "or start afresh (trainer.resume_mode=disable)")
+            raise UserError(f"{name}.pt holds {then} state but this run builds {now} (optim.optimizer / "
+                            f"optim.optimizer_impl), in checkpoint {ckpt}: resume with the optimizer it was trained "
+                            "with, or start afresh (trainer.resume_mode=disable)")
 
 
 def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: str | None = None,
