@@ -204,7 +204,6 @@ def test_sapo_example_policy_loss_tau_is_named_as_a_noop(capsys):
     (["actor_rollout_ref.actor.qat.enable=True"], "quantization-aware training"),
     (["skip.rollout.enable=True"], "replaying dumped rollouts"),
     (["actor_rollout_ref.rollout.nnodes=2"], "standalone rollout pool"),
-    (["actor_rollout_ref.actor.optim.zero_indexed_step=False"], "count steps from 0"),
     (["actor_rollout_ref.rollout.multi_turn.function_tool_path=tools.py"], "tool_config_path"),
     (["reward.sandbox_fusion.url=http://x"], "SandboxFusion"),
 ])

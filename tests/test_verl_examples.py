@@ -188,7 +188,6 @@ def test_verls_whole_generated_yaml_loads_as_a_config_file(tmp_path, capsys, tra
     ("actor_rollout_ref.model.mtp.enable=True", "multi-token-prediction"),
     ("actor_rollout_ref.actor.router_replay.mode=R3", "router replay"),
     ("actor_rollout_ref.rollout.quantization=fp8", "unquantized"),
-    ("actor_rollout_ref.actor.optim.optimizer=SGD", "AdamW"),
     ("trainer.rollout_data_dir=dump", "does not dump rollouts"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion"),
 ])

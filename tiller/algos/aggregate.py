@@ -5,7 +5,8 @@ Modes (verl's names; `m` = response mask, `l` = per-token loss, `n_i` = sum_t m_
 - token-sum:               sum_it l m                      (no normaliser: the loss scales with the batch)
 - seq-mean-token-sum:      sum_i (sum_t l m) / N_seq
 - seq-mean-token-mean:     sum_i (sum_t l m / n_i) / N_seq (GRPO's original 1/|o_i| per sequence)
-- seq-mean-token-sum-norm: sum_i (sum_t l m) / (N_seq * L_max)  (Dr.GRPO's constant normaliser)
+- seq-mean-token-sum-norm: sum_i (sum_t l m) / (N_seq * L_max)  (Dr.GRPO's constant normaliser; L_max = the role's
+                           `loss_scale_factor` when set, as verl's agg_loss, else the padded response width T)
 
 `N_tok` = `global_tokens`, `N_seq` = `global_seqs`, `L_max` = `max_len`: the caller passes the
 counts of the whole mini-batch, so that for micro-batches b_1..b_k of a mini-batch
@@ -65,7 +66,8 @@ def aggregate_loss(
         global_tokens: valid tokens in the whole mini-batch (token-mean).
         global_seqs: sequences with at least one valid token in the whole mini-batch (the seq-mean-*
             modes; `count_sequences`).
-        max_len: Dr.GRPO's constant (seq-mean-token-sum-norm); default T.
+        max_len: Dr.GRPO's constant (seq-mean-token-sum-norm): verl's `loss_scale_factor` (any positive number,
+            used as given) or the padded width; default T (at least 1).
     """
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"loss_agg_mode: unknown mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
@@ -83,5 +85,8 @@ def aggregate_loss(
         return seq_sum.sum() / _as_denominator(n_seq, per_token_loss)
     if mode == "seq-mean-token-mean":
         return (seq_sum / fmask.sum(-1).clamp(min=1)).sum() / _as_denominator(n_seq, per_token_loss)
-    length = per_token_loss.shape[1] if max_len is None else max_len
-    return seq_sum.sum() / (_as_denominator(n_seq, per_token_loss) * _as_denominator(length, per_token_loss))
+    if max_len is None:
+        length = _as_denominator(per_token_loss.shape[1], per_token_loss)
+    else:
+        length = torch.as_tensor(max_len, dtype=per_token_loss.dtype, device=per_token_loss.device)
+    return seq_sum.sum() / (_as_denominator(n_seq, per_token_loss) * length)

@@ -228,9 +228,6 @@ RULES.update({
     "actor_rollout_ref.model.lora.freeze_language_model": noop("tiller always freezes the base weights under LoRA "
                                                                "adapters"),
     # actor
-    "actor_rollout_ref.actor.loss_scale_factor": refused(
-        "tiller's seq-mean-token-sum-norm divides by the padded response length (verl's behaviour when this is null)",
-        use="leave it null", allowed=(None,)),
     "actor_rollout_ref.actor.calculate_entropy": noop("tiller computes and logs the entropy every update"),
     "actor_rollout_ref.actor.use_prefix_grouper": noop(
         "tiller's actor.share_prompt_forward (on by default) runs each group's shared prompt once, as the prefix "
@@ -447,9 +444,6 @@ RULES.update({
     "algorithm.filter_groups.max_inflight_gen_batches": noop(
         "tiller generates a DAPO step's batches one after another (verl's default 1); the batches kept are the same"),
     # critic
-    "critic.loss_scale_factor": refused(
-        "tiller's seq-mean-token-sum-norm divides by the padded response length (verl's behaviour when this is null)",
-        use="leave it null", allowed=(None,)),
     "critic.model.hf_config_path": refused(
         "tiller reads the critic's config.json from critic.model.path", use="edit that config.json",
         allowed=(None,)),
@@ -529,17 +523,9 @@ for _key, (_successor, _) in DEPRECATED.items():
 
 
 _OPTIM_RULES = {  # fields of every `optim` section
-    "optimizer": refused("tiller's optimizer is torch.optim.AdamW (Megatron's adam is the same decoupled AdamW)",
-                         use="AdamW", allowed=("AdamW", "adamw", "adam")),
-    "optimizer_impl": refused("tiller's optimizer is torch.optim.AdamW", use="torch.optim", allowed=("torch.optim",)),
-    "num_cycles": refused("tiller's cosine schedule is a half cycle (verl's default)", use="0.5", allowed=(0.5,)),
-    "override_optimizer_config": refused("tiller builds AdamW from lr, betas, eps and weight_decay",
-                                         use="those keys", allowed=(None, {})),
     **{k: noop(_MEGATRON) for k in ("lr_decay_steps", "lr_decay_style", "lr_warmup_init", "lr_wsd_decay_steps",
                                     "lr_wsd_decay_style", "min_lr", "use_checkpoint_opt_param_scheduler",
                                     "weight_decay_incr_style", *MEGATRON_OPTIM_OPTIONS)},
-    "zero_indexed_step": refused("tiller's LR schedules count steps from 0 (verl's default; False is torchtitan's "
-                                 "1-based count)", use="True", allowed=(True,)),
 }
 _LORA_MEGATRON = ("dropout_position", "lora_A_init_method", "lora_B_init_method", "a2a_experimental", "dtype",
                   "freeze_vision_model", "freeze_vision_projection")
@@ -940,6 +926,8 @@ def _resolve_followers(cfg: RLConfig) -> None:
             section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
     if critic.use_dynamic_bsz is None:
         critic.use_dynamic_bsz = actor.use_dynamic_bsz
+    if critic.loss_scale_factor is None:  # verl: ${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}
+        critic.loss_scale_factor = actor.loss_scale_factor
     if critic.forward_max_token_len_per_gpu is None:
         critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
     if rm.use_dynamic_bsz is None:

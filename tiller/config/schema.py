@@ -374,7 +374,7 @@ class OptimConfig(MegatronOptimOptions):
     lr: float = 1e-6
     """Peak learning rate."""
     lr_warmup_steps: int = -1
-    """Warmup steps; -1 = use lr_warmup_steps_ratio."""
+    """Warmup steps (lr x step / warmup from 0, verl's schedule); <= 0 = int(lr_warmup_steps_ratio x total steps)."""
     lr_warmup_steps_ratio: float = 0.0
     """Warmup as a fraction of total training steps."""
     min_lr_ratio: float = 0.0
@@ -384,24 +384,29 @@ class OptimConfig(MegatronOptimOptions):
     total_training_steps: int = -1
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
     weight_decay: float = 0.01
-    """AdamW weight decay."""
+    """Weight decay (passed to every optimizer class, as verl does)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
+    """Adam betas: passed when the optimizer's name contains adam / ademamix (verl's rule); another value with
+    another class is an error."""
     eps: float = 1e-8
-    """AdamW epsilon."""
+    """Adam epsilon (tiller's key; verl passes none): passed with betas; another value with another class is an
+    error (use override_optimizer_config.eps)."""
     lr_scheduler_type: Optional[str] = None
     """verl 0.6+'s name of warmup_style (constant | cosine; resolved onto it at load time; both set = error)."""
     clip_grad: Optional[float] = None
     """verl's engine-layout place of <role>.grad_clip (resolved onto it at load time; both set = error)."""
     optimizer: str = "AdamW"
-    """verl: the optimizer class; tiller's is torch.optim.AdamW (Megatron's `adam` is the same decoupled AdamW)."""
+    """Optimizer class name in optimizer_impl (AdamW, SGD, Adam, ...; Megatron's `adam` / `adamw` with torch.optim
+    is AdamW, the same decoupled AdamW); built with lr, weight_decay (+ betas, eps for Adam-family names) and
+    override_optimizer_config (`tiller.models.optimizer`). A resume refuses a checkpoint of another class."""
     optimizer_impl: str = "torch.optim"
-    """verl: the module of the optimizer class; tiller's is torch.optim."""
+    """Module the optimizer class is imported from (torch.optim, torchao.optim, bitsandbytes.optim, ...)."""
     num_cycles: float = 0.5
-    """verl: cosine cycles; tiller's cosine schedule is a half cycle, verl's default."""
+    """Cosine cycles of warmup_style=cosine (verl's formula): 0.5 decays once to min_lr_ratio; 1.0 goes down and
+    back up."""
     override_optimizer_config: Optional[dict[str, Any]] = field(default_factory=dict)
-    """verl: extra optimizer keyword arguments; refused unless empty (tiller builds AdamW from lr, betas, eps,
-    weight_decay)."""
+    """Extra keyword arguments of the optimizer class (e.g. {amsgrad: true}, SGD's {momentum: 0.9}), applied last
+    (they may replace lr / weight_decay / betas); one the class refuses is an error naming this key."""
     lr_decay_steps: Optional[int] = None
     """verl Megatron optimizer schedule (strategy=megatron only)."""
     lr_decay_style: str = "constant"
@@ -419,8 +424,8 @@ class OptimConfig(MegatronOptimOptions):
     weight_decay_incr_style: str = "constant"
     """verl Megatron optimizer schedule (strategy=megatron only)."""
     zero_indexed_step: bool = True
-    """verl 0.10: the LR schedule counts steps from 0 (True, verl's default, tiller's schedules) or from 1 (False,
-    torchtitan's); False is refused."""
+    """verl 0.10: warmup_style=cosine counts steps from 0 (True, verl's default: the first step's warmup lr is 0) or
+    from 1 (False, torchtitan's: the schedule one step ahead)."""
 
 
 @dataclass
@@ -563,8 +568,8 @@ class ActorConfig:
     """Freeze a vision-language model's vision tower (no gradient, no optimizer state; the merger too, as verl's
     `model.visual`); an error for a text-only model."""
     loss_scale_factor: Optional[float] = None
-    """verl: the constant of seq-mean-token-sum-norm (null = the response length, which tiller uses); refused unless
-    null."""
+    """The constant seq-mean-token-sum-norm divides the sequences' token sums by (null = the padded response length,
+    verl's default); the policy, entropy, KL and distillation losses (verl's agg_loss)."""
     calculate_entropy: bool = False
     """verl: compute the entropy even when entropy_coeff is 0; tiller logs actor/entropy every update."""
     use_prefix_grouper: bool = False
@@ -1030,7 +1035,8 @@ class CriticConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """verl 0.10's place of the critic's sharding / offload knobs (critic.model.fsdp_config before); no effect."""
     loss_scale_factor: Optional[float] = None
-    """verl 0.10: the critic's copy of actor.loss_scale_factor; refused unless null (as the actor's)."""
+    """The value loss's constant of seq-mean-token-sum-norm (null = actor.loss_scale_factor, verl's default; both
+    null = the padded response length)."""
 
 
 # --------------------------------------------------------------------------------------------- reward

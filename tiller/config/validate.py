@@ -23,6 +23,7 @@ from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
+from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
@@ -85,6 +86,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
     _positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)
     _positive("actor_rollout_ref.actor.optim.lr", actor.optim.lr)
+    _validate_optim(cfg)
 
     if data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
@@ -445,3 +447,15 @@ def _validate_pf_ppo(algo) -> None:
     power = pf.get("weight_pow", 2.0)
     if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
         raise ConfigError(f"algorithm.pf_ppo.weight_pow must be a number >= 0, got {power!r}")
+
+
+def _validate_optim(cfg: RLConfig) -> None:
+    """The optimizers (class importable, keyword arguments accepted: built once over a dummy parameter) and the
+    loss scale factors, at load time. The critic's only with adv_estimator=gae (the only estimator that builds it)."""
+    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
+    if cfg.algorithm.adv_estimator == "gae":
+        sections.append(("critic", cfg.critic))
+    for key, role in sections:
+        check_optimizer(role.optim, f"{key}.optim")
+        if role.loss_scale_factor is not None:
+            _positive(f"{key}.loss_scale_factor", role.loss_scale_factor)

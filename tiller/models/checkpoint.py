@@ -9,7 +9,8 @@ Layout (verl's directory and marker-file names):
                                             # saves its adapter here (adapter_model.safetensors)
         <name>/                             # each of `extra_models` (e.g. critic/), same format
         optimizer.pt  scheduler.pt          # state_dicts (torch.save); <name>.pt for `extra_states`
-        state.pt                            # {"step", "extra" (sampler position, ...), "rng"}
+        state.pt                            # {"step", "extra" (sampler position, ...), "rng",
+                                            #  "optimizer_classes": {"optimizer": "torch.optim.adamw.AdamW", ...}}
 
 A save writes everything into `global_step_N.tmp-<pid>`, fsyncs the files, then renames the directory
 into place with `os.replace` (atomic on POSIX), and only then rewrites the marker file through a temp
@@ -39,6 +40,7 @@ import torch
 
 from tiller.errors import UserError
 from tiller.models.loading import is_vision_checkpoint, resolve_dtype
+from tiller.models.optimizer import optimizer_class_name
 
 MARKER = "latest_checkpointed_iteration.txt"
 PREFIX = "global_step_"
@@ -299,6 +301,9 @@ def _disk_full_error(final: Path, root: Path) -> OSError:
                                  f"removed; {kept})", str(final))
 
 
+LEGACY_OPTIMIZER = "torch.optim.adamw.AdamW"
+
+
 # ---- public API ---------------------------------------------------------------------------------------
 def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Module | None = None,
                     optimizer=None, scheduler=None, extra_state: dict | None = None, tokenizer=None,
@@ -332,7 +337,10 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Mod
             _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         for name, obj in (extra_states or {}).items():
             _torch_save(obj.state_dict(), tmp / f"{name}.pt")
-        _torch_save({"step": int(step), "extra": dict(extra_state or {}), "rng": rng_state()}, tmp / "state.pt")
+        saved = [("optimizer", optimizer), *(extra_states or {}).items()]
+        classes = {name: optimizer_class_name(obj) for name, obj in saved if optimizer_class_name(obj) is not None}
+        _torch_save({"step": int(step), "extra": dict(extra_state or {}), "rng": rng_state(),
+                     "optimizer_classes": classes}, tmp / "state.pt")
         _fsync_tree(tmp)
         _replace_dir(tmp, final)
     except BaseException as err:
@@ -412,11 +420,13 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     `path` may be a `global_step_N` dir, a checkpoint root or a run dir (see `resolve_checkpoint`).
     """
     ckpt = resolve_checkpoint(path)
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+    pairs = [("optimizer", optimizer), ("scheduler", scheduler), *(extra_states or {}).items()]
+    _check_optimizer_classes(ckpt, state, pairs)  # before anything is loaded
     if model is not None:
         _load_module(model, ckpt / "model")
     for name, module in (extra_models or {}).items():
         _load_module(module, ckpt / name)
-    pairs = [("optimizer", optimizer), ("scheduler", scheduler), *(extra_states or {}).items()]
     for name, obj in pairs:
         if obj is None:
             continue
@@ -424,10 +434,25 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         if not file.exists():
             raise UserError(f"checkpoint {ckpt} has no {file.name}")
         obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
     if restore_rng:
         set_rng_state(state["rng"])
     return {"step": state["step"], **state["extra"]}
+
+
+def _check_optimizer_classes(ckpt: Path, state: dict, pairs: list) -> None:
+    """A resume loads an optimizer's state only into an optimizer of the class that saved it (torch's
+    `load_state_dict` would take another class's state and fail, or step wrongly, later). A checkpoint from before
+    the classes were recorded holds AdamW state (tiller's only optimizer then)."""
+    saved = state.get("optimizer_classes", {})
+    for name, obj in pairs:
+        now = optimizer_class_name(obj)
+        if now is None:
+            continue
+        then = saved.get(name, LEGACY_OPTIMIZER if "optimizer_classes" not in state else None)
+        if then is not None and then != now:
+            raise UserError(f"{name}.pt holds {then} state but this run builds {now} (optim.optimizer / "
+                            f"optim.optimizer_impl), in checkpoint {ckpt}: resume with the optimizer it was trained "
+                            "with, or start afresh (trainer.resume_mode=disable)")
 
 
 def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: str | None = None,

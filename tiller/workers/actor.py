@@ -167,7 +167,7 @@ class ActorRolloutRefWorker:
         self.model = dist_ctx.wrap_model(module, strategy=strategy, param_dtype=param_dtype)
         if self.actor_cfg.use_torch_compile:
             self.model = torch.compile(self.model)
-        self.optimizer = build_optimizer(self.model, self.actor_cfg.optim)
+        self.optimizer = build_optimizer(self.model, self.actor_cfg.optim, "actor_rollout_ref.actor.optim")
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
         self.rollout = self._build_rollout()
         if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
@@ -612,7 +612,7 @@ class ActorRolloutRefWorker:
                          rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
                          rollout_rs_threshold=rc.rollout_rs_threshold)
         policy_loss = get_policy_loss(loss_mode)
-        agg = global_counts(mb)
+        agg = global_counts(mb, a.loss_scale_factor)
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""Pieces the actor and critic workers share: optimizer + schedule, autocast, padded forward passes.
+"""Pieces the actor and critic workers share: optimizer + schedule (verl's), autocast, padded forward passes.
 
 Sequence layout (verl's): `input_ids[B, P + T]` = left-padded prompt `[B, P]` then right-padded response
 `[B, T]`; `attention_mask` marks real tokens; `position_ids = cumsum(attention_mask) - 1` (clamped at 0).
@@ -16,6 +16,7 @@ Letters: `B` samples, `P` prompt width, `T` response width, `V` vocabulary.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -24,6 +25,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
+from tiller.models.optimizer import make_optimizer
 from tiller.models.vision import vision_inputs
 
 BF16 = ("bfloat16", "bf16")
@@ -43,17 +45,19 @@ def autocast(dtype: str, device: torch.device | str = "cpu", key: str = "actor_r
     return contextlib.nullcontext()
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (`OptimConfig`: lr, betas, eps, weight_decay)."""
+def build_optimizer(model: torch.nn.Module, optim_cfg, key: str) -> torch.optim.Optimizer:
+    """The `optim` section's optimizer over the trainable parameters, built as verl builds it
+    (`tiller.models.optimizer`: optimizer_impl.optimizer with lr, weight_decay, betas / eps for Adam-family
+    classes, override_optimizer_config); `key` names the section in errors."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters")
-    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay)
+    return make_optimizer(params, optim_cfg, key)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr after `step` scheduler steps: linear warmup, then constant or cosine.
+    """Multiplier of the peak lr after `step` scheduler steps (the SFT / RM / DPO / KTO job loop and the demos'
+    warm-up): linear warmup from lr / warmup, then constant or cosine.
 
     Worked numbers: warmup=2, total=10, cosine, min 0: step 0 -> 0.5 ((0+1)/2), step 1 -> 1.0,
     step 6 -> progress (6-2)/(10-2) = 0.5 -> 0.5 * (1 + cos(pi/2)) = 0.5.
@@ -66,15 +70,40 @@ def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: f
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup (`lr_warmup_steps`, or `lr_warmup_steps_ratio` x total) then `warmup_style` constant | cosine."""
-    warmup = optim_cfg.lr_warmup_steps
-    if warmup < 0:
-        warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
-    import functools
+def verl_lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float, num_cycles: float = 0.5,
+                   zero_indexed_step: bool = True) -> float:
+    """Multiplier of the peak lr for RL step `step` (0, 1, ...): verl's `get_constant_schedule_with_warmup` and
+    `get_cosine_schedule_with_warmup` (verl.utils.torch_functional, verl-project/verl 1dda039b) exactly.
 
-    fn = functools.partial(lr_lambda, warmup=warmup, total=max(total_steps, 1), style=optim_cfg.warmup_style,
-                           min_lr_ratio=optim_cfg.min_lr_ratio)
+    constant: step / max(1, warmup) while step < warmup, then 1 (num_cycles and zero_indexed_step unused, as in verl).
+    cosine:   s = step if zero_indexed_step else step + 1;
+              s < warmup: s / max(1, warmup);
+              else p = (s - warmup) / max(1, total - warmup),
+                   max(min_lr_ratio, cos(2 pi num_cycles p) (1 - min_lr_ratio) / 2 + (1 + min_lr_ratio) / 2).
+    num_cycles 0.5 is a half cosine from 1 down to min_lr_ratio at p = 1; 1.0 goes down and back up.
+
+    Worked numbers (warmup 2, total 10, min_lr_ratio 0): step 0 -> 0, step 1 -> 0.5, step 6 -> p = 0.5 ->
+    (1 + cos(pi / 2)) / 2 = 0.5; zero_indexed_step False: step 0 -> 0.5, step 5 -> p = 0.5 -> 0.5.
+    """
+    if style == "constant":
+        return step / max(1.0, warmup) if step < warmup else 1.0
+    s = step if zero_indexed_step else step + 1
+    if s < warmup:
+        return float(s) / float(max(1, warmup))
+    progress = float(s - warmup) / float(max(1, total - warmup))
+    x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+    return max(min_lr_ratio, x * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
+
+
+def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """verl's schedule (`verl_lr_lambda`): warmup of `lr_warmup_steps` steps (<= 0: `lr_warmup_steps_ratio` x total,
+    truncated, as verl), then `warmup_style` constant | cosine (`num_cycles`, `min_lr_ratio`, `zero_indexed_step`)."""
+    warmup = optim_cfg.lr_warmup_steps
+    if warmup <= 0:
+        warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+    fn = functools.partial(verl_lr_lambda, warmup=warmup, total=max(total_steps, 1), style=optim_cfg.warmup_style,
+                           min_lr_ratio=optim_cfg.min_lr_ratio, num_cycles=optim_cfg.num_cycles,
+                           zero_indexed_step=optim_cfg.zero_indexed_step)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
@@ -402,12 +431,13 @@ def prepare_process(trainer_cfg) -> None:
         tune_cpu_malloc()
 
 
-def global_counts(mini_batch) -> dict[str, float]:
+def global_counts(mini_batch, loss_scale_factor: float | None = None) -> dict[str, float]:
     """Aggregation counts of a mini-batch over all ranks: `aggregate_loss` keyword arguments
     (global_tokens = valid response tokens, global_seqs = sequences with at least one valid token (verl
-    excludes fully masked ones), max_len = T), so that the micro-batch losses of every rank sum to the loss
-    of the whole mini-batch."""
+    excludes fully masked ones), max_len = the role's `loss_scale_factor` when set, else T), so that the
+    micro-batch losses of every rank sum to the loss of the whole mini-batch."""
     mask = mini_batch["response_mask"].float()
     n_seq = float((mask.sum(-1) > 0).sum())
     counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), n_seq], dtype=torch.float64))
-    return dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=mask.shape[1])
+    max_len = max(mask.shape[1], 1) if loss_scale_factor is None else loss_scale_factor
+    return dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=max_len)

@@ -88,7 +88,7 @@ class CriticWorker:
 
             self.full_module = copy.deepcopy(module).to("cpu").requires_grad_(False)
         self.model = dist_ctx.wrap_model(module, strategy=strategy)
-        self.optimizer = build_optimizer(self.model, self.ccfg.optim)
+        self.optimizer = build_optimizer(self.model, self.ccfg.optim, "critic.optim")
         self.scheduler = build_scheduler(self.optimizer, self.ccfg.optim, total_training_steps)
 
     def _values(self, mb: Batch) -> torch.Tensor:
@@ -138,7 +138,7 @@ class CriticWorker:
 
     def _update_mini_batch(self, mb: Batch) -> dict[str, float]:
         c = self.ccfg
-        agg = global_counts(mb)
+        agg = global_counts(mb, c.loss_scale_factor)
         self.optimizer.zero_grad(set_to_none=True)
         lanes, threads = lane_plan(c.update_lanes, self._lent_lanes, self._lane_threads)
         micros = split_micro_batches(mb, rows=lane_rows(len(mb), c.ppo_micro_batch_size_per_gpu, lanes),

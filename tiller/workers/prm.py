@@ -38,9 +38,12 @@ class ImplicitPRM:
         module.train()
         self.module = module
         self.model = dist_ctx.wrap_model(module, strategy=self.actor_cfg.strategy.replace("fsdp2", "fsdp"))
-        # verl's recipe: constant lr, no weight decay (the actor's betas / eps)
-        self.optimizer = build_optimizer(self.model, dataclasses.replace(self.actor_cfg.optim, lr=self.prime_cfg.lr,
-                                                                         weight_decay=0.0))
+        # verl's recipe: constant lr, no weight decay; the actor's optimizer class, betas / eps and override kwargs
+        optim = self.actor_cfg.optim
+        override = {k: v for k, v in (optim.override_optimizer_config or {}).items() if k not in ("lr", "weight_decay")}
+        self.optimizer = build_optimizer(self.model, dataclasses.replace(
+            optim, lr=self.prime_cfg.lr, weight_decay=0.0, override_optimizer_config=override),
+            "actor_rollout_ref.actor.optim")
 
     def update(self, batch: Batch, logp_fn: Callable) -> dict[str, float]:
         """One pass over `batch` (the actor's token tensors plus `acc[B]`) in mini-batches of meta

@@ -1,0 +1,112 @@
+"""A training role's optimizer, built as verl builds it from an `optim` section.
+
+verl (`verl.workers.config.optimizer.build_optimizer`, verl-project/verl 1dda039b) imports the module
+`optim.optimizer_impl` (`torch.optim`, `torchao.optim`, `bitsandbytes.optim`, ...), takes the class named
+`optim.optimizer` from it and constructs it over the trainable parameters with
+
+    lr, weight_decay               always
+    betas                          when the class name, lower-cased, contains "adam" or "ademamix"
+    **override_optimizer_config    last: extra keyword arguments, which may also replace the ones above
+
+so `optimizer=SGD` gets `SGD(params, lr=, weight_decay=)` and `optimizer=AdamW, override_optimizer_config=
+{amsgrad: true}` gets `AdamW(params, lr=, weight_decay=, betas=, amsgrad=True)`.
+
+Deviations from verl:
+- tiller's `optim` section has `eps` (verl's FSDP section does not): it goes with `betas` (1e-8, torch's
+  Adam / AdamW default, so the default AdamW is verl's). Override it for other classes with
+  `override_optimizer_config.eps`.
+- A `betas` / `eps` away from its default for a class that does not get it is an error naming the key
+  (verl drops it silently).
+- Megatron's names `adam` / `adamw` (verl's Megatron layout default, `optim.optimizer=adam`) with
+  `optimizer_impl=torch.optim` are torch.optim.AdamW, the same decoupled AdamW; `torch.optim.adam` is a
+  module, not a class.
+- An unknown module or class, a class that is not a `torch.optim.Optimizer`, or keyword arguments the class
+  refuses (a name it does not take, a value its constructor rejects) is a `ConfigError` naming the key, and so
+  is a class whose `step()` needs a closure (LBFGS: tiller calls `step()` once per mini-batch).
+  `check_optimizer` finds all of these at load time by building the optimizer over one dummy parameter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Iterable
+
+import torch
+
+from tiller.errors import ConfigError
+
+DEFAULT_BETAS = (0.9, 0.999)
+DEFAULT_EPS = 1e-8
+MEGATRON_ADAM = ("adam", "adamw")
+
+
+def takes_betas(name: str) -> bool:
+    """verl's rule: betas go to a class whose lower-cased name contains "adam" or "ademamix"."""
+    low = name.lower()
+    return "adam" in low or "ademamix" in low
+
+
+def optimizer_class(impl: str, name: str, key: str) -> type:
+    """The class `name` of module `impl` (`key` = the `optim` section, for the error)."""
+    if impl == "torch.optim" and name in MEGATRON_ADAM:
+        name = "AdamW"
+    try:
+        module = importlib.import_module(impl)
+    except ImportError as err:
+        raise ConfigError(f"{key}.optimizer_impl={impl!r}: cannot import it ({err}); install the package, or use "
+                          "torch.optim") from None
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        found = sorted(n for n, v in vars(module).items() if not n.startswith("_") and isinstance(v, type)
+                       and issubclass(v, torch.optim.Optimizer) and v is not torch.optim.Optimizer)
+        what = f"{impl} has no class of that name" if cls is None else f"{impl}.{name} is not an optimizer class"
+        raise ConfigError(f"{key}.optimizer={name!r}: {what}; the optimizers of {impl}: {', '.join(found) or 'none'}")
+    step = inspect.signature(cls.step).parameters.get("closure")
+    if step is not None and step.default is inspect.Parameter.empty:
+        raise ConfigError(f"{key}.optimizer={name!r}: {impl}.{name}.step() needs a closure (it re-evaluates the loss); "
+                          "tiller steps an optimizer once per mini-batch with step()")
+    return cls
+
+
+def optimizer_kwargs(optim_cfg, key: str) -> dict[str, Any]:
+    """verl's keyword arguments of `optim_cfg`'s class (see the module doc), override_optimizer_config last."""
+    kwargs: dict[str, Any] = {"lr": optim_cfg.lr, "weight_decay": optim_cfg.weight_decay}
+    betas, eps = tuple(optim_cfg.betas), optim_cfg.eps
+    if takes_betas(optim_cfg.optimizer):
+        kwargs.update(betas=betas, eps=eps)
+    else:
+        for field, value, default in (("betas", betas, DEFAULT_BETAS), ("eps", eps, DEFAULT_EPS)):
+            if value != default:
+                raise ConfigError(
+                    f"{key}.{field}={list(value) if field == 'betas' else value} does not reach "
+                    f"{key}.optimizer={optim_cfg.optimizer!r} (verl passes betas only to Adam-family classes); drop "
+                    f"it, or pass the class's own argument in {key}.override_optimizer_config")
+    kwargs.update(optim_cfg.override_optimizer_config or {})
+    return kwargs
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg, key: str) -> torch.optim.Optimizer:
+    """`optim_cfg`'s optimizer over `params`; a class or keyword arguments that do not fit is a `ConfigError`."""
+    cls = optimizer_class(optim_cfg.optimizer_impl, optim_cfg.optimizer, key)
+    kwargs = optimizer_kwargs(optim_cfg, key)
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        where = f"{key}.override_optimizer_config" if optim_cfg.override_optimizer_config else key
+        raise ConfigError(f"{where}: {cls.__module__}.{cls.__qualname__}(params, {given}) is refused: {err}") from None
+
+
+def check_optimizer(optim_cfg, key: str) -> None:
+    """Load-time check: build `optim_cfg`'s optimizer over one dummy parameter (raises what `make_optimizer` raises)."""
+    make_optimizer([torch.nn.Parameter(torch.zeros(1, 1))], optim_cfg, key)  # 2-D: Muon takes matrices only
+
+
+def optimizer_class_name(optimizer) -> str | None:
+    """`module.Class` of an optimizer (or of the one inside a wrapper with `.optimizer`, e.g. FSDP2's gathered
+    state); None for anything else. Checkpoints record it, so a resume with another class is refused."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return None
+    return f"{type(inner).__module__}.{type(inner).__qualname__}"
