@@ -32,7 +32,7 @@ EXPECTED = {
     "run_qwen2-7b_rm_legacy.json": None,
     "run_qwen2-7b_rm_seq_balance.json": None,
     "run_deepseek7b_llm_sandbox_fusion.json": "reward_model.sandbox_fusion=",
-    "run_deepseek7b_llm_pfppo.json": "algorithm.use_pf_ppo=True is refused: preference-feedback PPO",
+    "run_deepseek7b_llm_pfppo.json": None,  # PF-PPO (gae, pow)
     "test_gspo_3b_math.json": None,  # GSPO
     "run_qwen30b_sapo.json": None,  # SAPO (actor.tau_pos / tau_neg)
     # verl's rloo / grpo with the default rollout.n=1 silently give zero-baseline advantages; tiller refuses
@@ -74,8 +74,11 @@ def test_verl_example_script_loads(path, capsys):
     expected = EXPECTED[path.name]
     if expected is None:
         cfg = load_config(_overrides(case))
-        assert cfg.data.train_files == ["data/train.parquet"]
-        assert cfg.actor_rollout_ref.model.path == "tiny-model"
+        if any(o.startswith("data.train_files=") for o in case["overrides"]):  # (the pfppo case stores 3 keys only)
+            assert cfg.data.train_files == ["data/train.parquet"]
+            assert cfg.actor_rollout_ref.model.path == "tiny-model"
+        else:
+            assert cfg.algorithm.use_pf_ppo and cfg.algorithm.pf_ppo["reweight_method"] == "pow"
         # what the script sets is what tiller resolved (spot checks of verl's meaning)
         for item in case["overrides"]:
             key, _, value = item.lstrip("+").partition("=")
@@ -188,7 +191,6 @@ def test_verls_whole_generated_yaml_loads_as_a_config_file(tmp_path, capsys, tra
     ("actor_rollout_ref.model.mtp.enable=True", "multi-token-prediction"),
     ("actor_rollout_ref.actor.router_replay.mode=R3", "router replay"),
     ("actor_rollout_ref.rollout.quantization=fp8", "unquantized"),
-    ("trainer.rollout_data_dir=dump", "does not dump rollouts"),
     ("reward_model.sandbox_fusion.url=http://x", "SandboxFusion"),
 ])
 def test_refused_verl_machinery_names_key_and_reason(item, phrase):
