@@ -101,3 +101,36 @@ def test_cli_bad_adapter_exits_2(tiny_model_dir, sft_file, tmp_path, capsys, ada
     err = capsys.readouterr().err
     assert all(n in err for n in needles), err
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_spin_from_adapter_starts_there_then_trains_fresh_adapters_of_its_shape(tiny_model_dir, tmp_path,
+                                                                                adapter_and_merged):
+    from safetensors.torch import load_file
+
+    from tiller.config.jobs import SPINConfig
+    from tiller.trainer.spin import run_spin
+
+    rows = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in zip(range(10, 18), range(50, 58))]
+    data = write_jsonl(tmp_path / "sft.jsonl", rows)
+    run = tmp_path / "run"
+    summary = run_spin(load_config([
+        f"model.partial_pretrain={tiny_model_dir}", f"model.lora_adapter_path={adapter_and_merged[0]}",
+        f"data.train_files=[{data}]", "data.apply_chat_template=false", "data.max_length=32",
+        "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8", "trainer.total_training_steps=1",
+        "trainer.logger=[jsonl]", "algorithm.iterations=2", "algorithm.max_new_tokens=4",
+        f"trainer.default_local_dir={run}"], schema=SPINConfig, validate=validate_job))
+    assert [r["iteration"] for r in summary["iterations"]] == [0, 1]
+    largest_b = []
+    for t in (0, 1):
+        # p_theta_0 = base + adapter is iteration 0's reference and policy; iteration 1 starts from iteration 0's
+        # merged model with fresh adapters (B = 0): each first loss is log 2
+        assert _first_loss(run / f"iter_{t}") == pytest.approx(math.log(2), abs=1e-5)
+        ckpt = next((run / f"iter_{t}" / "checkpoints").glob("*/model"))
+        config = json.loads((ckpt / "adapter_config.json").read_text())
+        assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8, TARGETS)
+        weights = load_file(str(ckpt / "adapter_model.safetensors"))
+        largest_b.append(max(v.abs().max().item() for k, v in weights.items() if ".lora_B." in k))
+    # iteration 0 trained the saved adapter (B ~ 0.3 N(0, 1)); iteration 1 one step of fresh adapters (B from 0 by
+    # about lr = 1e-5), not the saved adapter applied a second time
+    assert largest_b[0] > 0.1 and largest_b[1] < 1e-3, largest_b
+    assert config["base_model_name_or_path"] == str(run / "iter_0" / "hf_model")
