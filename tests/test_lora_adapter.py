@@ -131,6 +131,13 @@ def test_exclude_modules_leave_modules_without_adapters(tiny_model_dir):
     assert by_name == {n for n in everything if not n.endswith("v_proj")} and by_name != everything
     by_regex = adapted(apply_lora(load_causal_lm(tiny_model_dir), 4, 8, exclude_modules=r".*layers\.0\..*"))
     assert by_regex == {n for n in everything if ".layers.0." not in n} and by_regex
+    # through the RL config, verl 0.8+'s spelling: the actor's section gives the same adapters
+    from tiller.config import load_config
+    from tiller.models.lora import attach_lora
+
+    section = load_config(["actor_rollout_ref.model.lora.rank=4",
+                           "actor_rollout_ref.model.lora.exclude_modules=[v_proj]"]).actor_rollout_ref.model
+    assert adapted(attach_lora(load_causal_lm(tiny_model_dir), section, "actor_rollout_ref.model")) == by_name
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.exclude_modules: no module named \['vproj'\]"):
         apply_lora(load_causal_lm(tiny_model_dir), 4, 8, exclude_modules=["vproj"], key="actor_rollout_ref.model")
     with pytest.raises(ConfigError, match="model.exclude_modules=q_proj: No modules were targeted"):
