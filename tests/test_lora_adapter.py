@@ -108,6 +108,11 @@ def test_bad_adapters_are_refused_by_key(tiny_model_dir, saved_adapter, tmp_path
     # another peft method's adapter
     (dropped / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
     assert "a IA3 adapter" in refuse(_section(lora_adapter_path=str(dropped)))
+    # a checkpoint dir (its adapter is in model/): the message points there
+    (tmp_path / "global_step_3").mkdir()
+    shutil.copytree(saved_adapter, tmp_path / "global_step_3" / "model")
+    msg = refuse(_section(lora_adapter_path=str(tmp_path / "global_step_3")))
+    assert f"the adapter of this checkpoint is {tmp_path / 'global_step_3' / 'model'}" in msg
     # an adapter of another base: wider layers (shape mismatch), or one layer fewer (weights with no place)
     base = AutoConfig.from_pretrained(tiny_model_dir)
     wider = AutoConfig.from_pretrained(tiny_model_dir, hidden_size=2 * base.hidden_size,

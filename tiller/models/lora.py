@@ -151,8 +151,10 @@ def read_adapter_config(path: str | Path, key: str) -> dict:
         raise ConfigError(f"{key}={path}: no such file or directory")
     file = folder / "adapter_config.json"
     if not file.is_file():
+        inner = folder / "model" / "adapter_config.json"  # a tiller checkpoint dir: its adapter is in model/
+        hint = f"; the adapter of this checkpoint is {folder / 'model'}" if inner.is_file() else ""
         raise ConfigError(f"{key}={path}: no adapter_config.json there (a peft adapter dir, as save_pretrained of a "
-                          "LoRA model or a tiller LoRA checkpoint's model/ writes, is expected)")
+                          f"LoRA model or a tiller LoRA checkpoint's model/ writes, is expected){hint}")
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as err:
