@@ -108,6 +108,10 @@ def test_bad_adapters_are_refused_by_key(tiny_model_dir, saved_adapter, tmp_path
     # another peft method's adapter
     (dropped / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
     assert "a IA3 adapter" in refuse(_section(lora_adapter_path=str(dropped)))
+    # a config without its weights
+    (dropped / "adapter_config.json").write_text(json.dumps(config))
+    (dropped / "adapter_model.safetensors").unlink()
+    assert "no adapter weights there (adapter_model.safetensors" in refuse(_section(lora_adapter_path=str(dropped)))
     # a checkpoint dir (its adapter is in model/): the message points there
     (tmp_path / "global_step_3").mkdir()
     shutil.copytree(saved_adapter, tmp_path / "global_step_3" / "model")

@@ -107,6 +107,7 @@ def _first_line(err: BaseException) -> str:
 
 # -------------------------------------------------------------------------------- a saved adapter
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
 LORA_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
                  "lora_dropout": 0.0}
 """The LoRA keys' defaults (verl's, the same in every tiller section that has them): a key at its default takes the
@@ -221,6 +222,9 @@ def load_lora_adapter(model: torch.nn.Module, path: str | Path, key: str, user: 
                                     f"{_show(theirs)} (its adapter_config.json)" for name, mine, theirs in clash)
                           + ": leave the key unset (the adapter's value is used) or set it to the adapter's")
     base_name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not any((Path(path).expanduser() / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ConfigError(f"{key}={path}: no adapter weights there ({' or '.join(ADAPTER_WEIGHTS)}), only its "
+                          "adapter_config.json")
     try:
         peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
         saved = load_peft_weights(str(path), device="cpu")

@@ -16,11 +16,12 @@ The math is `tiller.algos.kto_loss`; the step loss is the mean over the step's e
 Deviation: TRL estimates z0 per device micro-batch; tiller estimates it once over the whole
 optimizer step (a no-grad pre-pass), so the update does not depend on the micro-batch size.
 
-Reference: `model.ref_path` (default `model.partial_pretrain`) loaded frozen; with LoRA and no
-`ref_path`, the policy with its adapters disabled IS the base model, so no second copy is loaded
-(as TRL / peft do); continuing from a saved adapter (`model.lora_adapter_path`), the reference is the starting
-policy, base + that adapter (merged, frozen), as DPO's pi_ref is the policy it starts from. DPO can instead read precomputed reference log-prob sums from the data
-(`data.ref_chosen_logps_key` / `data.ref_rejected_logps_key`); then no reference model runs.
+Reference: `model.ref_path` (default `model.partial_pretrain`) loaded frozen; with LoRA and no `ref_path`, the
+policy with its adapters disabled IS the base model, so no second copy is loaded (as TRL / peft do);
+continuing from a saved adapter (`model.lora_adapter_path`), the reference is the starting policy, base + that
+adapter (merged, frozen), as DPO's pi_ref is the policy it starts from. DPO can instead read precomputed
+reference log-prob sums from the data (`data.ref_chosen_logps_key` / `data.ref_rejected_logps_key`); then no
+reference model runs.
 Logged as TRL names them: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
 logps/chosen, logps/rejected (DPO); kl, rewards/chosen, rewards/rejected (KTO).
 """
