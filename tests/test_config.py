@@ -236,8 +236,14 @@ def test_verl_new_layout_resolves_onto_the_legacy_keys():
     # the teacher
     with pytest.raises(ConfigError, match="distillation.teacher_model.model_path"):
         load_config(["distillation.enable=true"])
-    with pytest.raises(ConfigError, match="adapter_path"):
-        load_config(["actor_rollout_ref.model.lora.adapter_path=/x/adapter"])
+    # a saved adapter / an exclusion list in verl 0.8+'s lora section: the flat keys the actor reads (LoRA on with an
+    # adapter at rank 0, so the section is not skipped as verl 0.10's rank-0 Megatron defaults are)
+    model = load_config(["actor_rollout_ref.model.lora.adapter_path=/x/adapter",
+                         "actor_rollout_ref.model.lora.exclude_modules=[v_proj]"]).actor_rollout_ref.model
+    assert (model.lora_adapter_path, model.exclude_modules, model.lora_rank) == ("/x/adapter", ["v_proj"], 0)
+    assert model.lora.adapter_path is None and model.lora.exclude_modules == []
+    with pytest.raises(ConfigError, match="lora.adapter_path and actor_rollout_ref.model.lora_adapter_path"):
+        load_config(["actor_rollout_ref.model.lora.adapter_path=/x/a", "actor_rollout_ref.model.lora_adapter_path=/y"])
 
 
 def test_sapo_tau_names_and_aliases():

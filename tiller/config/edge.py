@@ -104,9 +104,6 @@ RULES: dict[str, Rule] = {
                                                             "worker"),
     "distillation.teacher_model.n_gpus_per_node": noop("tiller's teacher is a frozen model inside each actor worker"),
     "distillation.teacher_model.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
-    "actor_rollout_ref.model.lora.adapter_path": refused(
-        "tiller starts new LoRA adapters; loading a saved adapter is not built",
-        use="merge the adapter into the base model and point model.path at it", allowed=(None,)),
     "actor_rollout_ref.model.lora.merge": noop("tiller always syncs merged weights (base + adapters) to the rollout "
                                                "engine"),
     "actor_rollout_ref.hybrid_engine": refused(
@@ -199,13 +196,6 @@ RULES.update({
     "reward_model.strategy": noop("tiller runs the reward-model forward in the driver process (megatron is refused)"),
     "actor_rollout_ref.nccl_timeout": noop("tiller's process groups use torch.distributed's default timeout"),
     # model
-    "actor_rollout_ref.model.lora_adapter_path": refused(
-        "tiller starts new LoRA adapters; loading a saved adapter is not built",
-        use="merge the adapter into the base model and point model.path at it", allowed=(None,)),
-    "actor_rollout_ref.model.exclude_modules": refused(
-        "tiller's LoRA has no exclusion list", use="list the modules in model.target_modules", allowed=(None,)),
-    "actor_rollout_ref.model.lora.exclude_modules": refused(
-        "tiller's LoRA has no exclusion list", use="list the modules in model.lora.target_modules", allowed=([],)),
     "actor_rollout_ref.model.hf_config_path": refused(
         "tiller reads the model's config.json from model.path", use="edit model.path's config.json or use "
                                                                     "+actor_rollout_ref.model.override_config.KEY=V",
@@ -618,6 +608,8 @@ LAYOUT_ALIASES: dict[str, str] = {
     "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.model.lora.target_modules": "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.lora.adapter_path": "actor_rollout_ref.model.lora_adapter_path",
+    "actor_rollout_ref.model.lora.exclude_modules": "actor_rollout_ref.model.exclude_modules",
     "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size":
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
     "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size":
@@ -779,7 +771,7 @@ def _resolve_layouts(cfg: RLConfig) -> None:
     """verl 0.8+ keys (`reward.*`, `model.lora.*`, `fsdp_config.ulysses_sequence_parallel_size`) onto the legacy
     keys tiller reads; the new-layout key goes back to its default so `tiller config show` prints one config."""
     set_by: dict[str, str] = {}
-    lora_on = bool(cfg.actor_rollout_ref.model.lora.rank)
+    lora_on = bool(cfg.actor_rollout_ref.model.lora.rank or cfg.actor_rollout_ref.model.lora.adapter_path)
     for new, old in LAYOUT_ALIASES.items():
         if not _given_under(cfg, new) or get(cfg, new) == _default(new):
             continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)

@@ -186,9 +186,9 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
     arith = arith or batch_arithmetic(cfg, count_prompts=False)
     arr, data = cfg.actor_rollout_ref, cfg.data
     w = arith.workers
-    lora = arr.model.lora_rank > 0
+    lora = arr.model.lora_rank > 0 or bool(arr.model.lora_adapter_path)
     n = shape.params
-    trainable = _lora_params(shape, arr.model.lora_rank) if lora else n
+    trainable = _lora_params(shape, arr.model.lora_rank or _adapter_rank(arr.model.lora_adapter_path)) if lora else n
     need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     b = 2 if arr.actor.dtype in ("bfloat16", "bf16") else 4
     rows, s = arith.micro_batch_rows, arith.seq_len
@@ -224,6 +224,17 @@ def _teacher_params(cfg: RLConfig, teacher_shape: ModelShape | None) -> int:
         except Exception:  # noqa: BLE001 - unreadable teacher config: the estimate leaves it out
             return 0
     return teacher_shape.params
+
+
+def _adapter_rank(path: str | None) -> int:
+    """The rank in a saved LoRA adapter's adapter_config.json (0 if unreadable: the estimate leaves it out)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return int(json.loads((Path(path or "").expanduser() / "adapter_config.json").read_text()).get("r") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def _lora_params(shape: ModelShape, rank: int) -> int:

@@ -172,7 +172,8 @@ class JobModelConfig:
     tokenizer_path: Optional[str] = None
     """Tokenizer dir; None = model.partial_pretrain."""
     ref_path: Optional[str] = None
-    """DPO / KTO reference model; None = partial_pretrain (with LoRA: the base with adapters disabled)."""
+    """DPO / KTO reference model; None = the starting policy: partial_pretrain (with LoRA: the base with adapters
+    disabled; with lora_adapter_path: the base with that adapter merged in)."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
     custom_chat_template: Optional[str] = None
@@ -190,6 +191,14 @@ class JobModelConfig:
     """LoRA dropout."""
     target_modules: Any = "all-linear"
     """LoRA target modules: a list of module names or 'all-linear' (a vision-language model: its language model's)."""
+    exclude_modules: Any = None
+    """LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex string
+    matched against full module names."""
+    lora_adapter_path: Optional[str] = None
+    """Continue training from a saved LoRA adapter (a peft adapter dir, e.g. a LoRA run's checkpoint model/), loaded
+    trainable onto partial_pretrain (verl's model.lora_adapter_path); rank, alpha, targets and dropout come from its
+    adapter_config.json (the lora_* keys left at their defaults, or set to the same values). LoRA is on with it even
+    at lora_rank=0."""
     freeze_vision_tower: bool = False
     """Freeze a vision-language model's vision tower (patch embedding, blocks and merger), as the RL actor's
     actor.freeze_vision_tower; an error on a text-only model."""

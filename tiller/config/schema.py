@@ -264,13 +264,13 @@ class LoraConfig:
     merge: bool = False
     """verl: merge the adapters into the base weights for the rollout sync; tiller always syncs merged weights."""
     adapter_path: Optional[str] = None
-    """verl: start from a saved LoRA adapter; refused (tiller starts new adapters)."""
+    """= model.lora_adapter_path (continue training from a saved LoRA adapter dir)."""
     type: str = "lora"
     """verl (Megatron): lora | dora ...; tiller trains plain LoRA."""
     dropout: float = 0.0
     """verl (Megatron): LoRA dropout; tiller's adapters have none."""
     exclude_modules: list[str] = field(default_factory=list)
-    """verl: modules left out of target_modules; refused unless empty (list target_modules instead)."""
+    """= model.exclude_modules (module names left out of target_modules)."""
     dropout_position: str = "pre"
     """verl (Megatron) LoRA dropout position."""
     lora_A_init_method: str = "xavier"
@@ -349,9 +349,13 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """verl 0.8+'s LoRA section (the same settings as lora_rank / lora_alpha / target_modules)."""
     lora_adapter_path: Optional[str] = None
-    """verl's older name of lora.adapter_path; refused (tiller starts new adapters)."""
-    exclude_modules: Optional[str] = None
-    """verl: modules left out of LoRA's target_modules; refused (list target_modules instead)."""
+    """Continue training from a saved LoRA adapter (a peft adapter dir: adapter_config.json + weights, e.g. a tiller
+    LoRA checkpoint's model/): loaded trainable onto model.path; its rank, alpha and targets come from its
+    adapter_config.json (lora_rank / lora_alpha / target_modules left at their defaults, or set to the same values).
+    LoRA is on with it even at lora_rank=0; the reference policy is the base with adapters disabled."""
+    exclude_modules: Any = None
+    """LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex string
+    matched against full module names."""
     hf_config_path: Optional[str] = None
     """verl: read the HF config from another dir; refused (tiller reads model.path's config.json)."""
     custom_chat_template: Optional[str] = None

@@ -12,13 +12,24 @@ A vision-language model (Qwen2-VL / Qwen2.5-VL): `all-linear` adapts the languag
 not the vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
 names is the user's choice and is taken as given (Qwen2-VL's `q_proj` / `v_proj` / ... live in the language
 model only, its vision blocks use `qkv` / `proj` / `fc1` / `fc2`, so naming those adapts the vision tower).
+
+`exclude_modules` (peft's, as verl's `model.exclude_modules`): module-name suffixes (a list) or a regex (a string,
+matched in full) left out of `target_modules`.
+
+Continuing from a saved adapter (verl's `model.lora_adapter_path` / `model.lora.adapter_path`): `attach_lora` loads it
+onto the base with peft (`PeftModel.from_pretrained(..., is_trainable=True)`); rank, alpha, targets come from its
+`adapter_config.json`. A LoRA key left at its default takes the adapter's value; a key set to another value than the
+adapter's is refused (verl lets the adapter win silently). The adapter's weights must fit the base exactly: every saved
+tensor loads and every adapted module gets one (peft itself only warns about missing keys).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -36,36 +47,199 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: Any = "all-linear",
-               dropout: float = 0.0, modules_to_save: Sequence[str] | None = None):
+               dropout: float = 0.0, modules_to_save: Sequence[str] | None = None, exclude_modules: Any = None,
+               key: str = "model"):
     """Wrap `model` with LoRA adapters of rank `rank`; only adapter (and `modules_to_save`) weights train.
 
     target_modules: "all-linear" (every linear layer but the output head) or module-name suffixes
     such as ["q_proj", "v_proj"]. A sequence-classification model keeps its `score` head trainable.
+    exclude_modules: module-name suffixes (a list) or a regex (a string, full match) that get no adapter.
+    `key` is the config section named in errors (`model`, `actor_rollout_ref.model`).
     """
     from peft import LoraConfig, TaskType, get_peft_model
 
     if rank <= 0:
-        raise ConfigError(f"model.lora_rank must be > 0 to apply LoRA, got {rank}")
+        raise ConfigError(f"{key}.lora_rank must be > 0 to apply LoRA, got {rank}")
     if isinstance(target_modules, str) and target_modules != "all-linear":
         target_modules = [target_modules]
     if not isinstance(target_modules, str):
-        target_modules = [str(t) for t in target_modules]
-        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-        unknown = [t for t in target_modules if t not in names]
-        if unknown:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                             if isinstance(m, torch.nn.Linear)})
-            raise ConfigError(f"model.target_modules: no module named {unknown} in the model; "
-                              f"linear layers: {', '.join(linear)}")
+        target_modules = _known_names(model, target_modules, f"{key}.target_modules")
     if target_modules == "all-linear":
         target_modules = language_model_targets(model) or target_modules
+    if exclude_modules is not None and not isinstance(exclude_modules, str):
+        exclude_modules = _known_names(model, exclude_modules, f"{key}.exclude_modules") or None
     is_seq_cls = type(model).__name__.endswith("ForSequenceClassification")
     config = LoraConfig(
         r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-        task_type=TaskType.SEQ_CLS if is_seq_cls else TaskType.CAUSAL_LM,
+        exclude_modules=exclude_modules, task_type=TaskType.SEQ_CLS if is_seq_cls else TaskType.CAUSAL_LM,
         modules_to_save=list(modules_to_save) if modules_to_save else None,
     )
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # e.g. exclude_modules leaves no module to adapt
+        raise ConfigError(f"{key}.target_modules={_show(target_modules)} / {key}.exclude_modules="
+                          f"{_show(exclude_modules)}: {_first_line(err)}") from None
+
+
+def _known_names(model: torch.nn.Module, names: Any, key: str) -> list[str]:
+    """`names` as a list of strings, each the last part of some module's name in `model` (else a ConfigError)."""
+    names = [str(t) for t in names]
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    unknown = [t for t in names if t not in present]
+    if unknown:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"{key}: no module named {unknown} in the model; linear layers: {', '.join(linear)}")
+    return names
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple, set)) else str(value)
+
+
+def _first_line(err: BaseException) -> str:
+    """The line of an error's message that says what is wrong (torch's load_state_dict puts the cause, e.g.
+    `size mismatch for ...`, under a header line)."""
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if len(text) > 1 and text[0].startswith("Error(s) in loading state_dict"):
+        return text[1]
+    return text[0] if text else type(err).__name__
+
+
+# -------------------------------------------------------------------------------- a saved adapter
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
+LORA_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
+                 "lora_dropout": 0.0}
+"""The LoRA keys' defaults (verl's, the same in every tiller section that has them): a key at its default takes the
+adapter's value."""
+
+
+def lora_enabled(section: Any) -> bool:
+    """LoRA is on for a model config section (`model.lora_rank > 0` or a saved adapter), as in verl."""
+    return section.lora_rank > 0 or bool(section.lora_adapter_path)
+
+
+def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: bool = True):
+    """`model` with the LoRA adapters its config section asks for: a saved adapter (`lora_adapter_path`, loaded
+    trainable), fresh ones (`lora_rank > 0`; `lora_alpha`, `target_modules`, `exclude_modules`, `lora_dropout` where
+    the section has it), or `model` itself (LoRA off). `key` names the section in errors (`model`,
+    `actor_rollout_ref.model`); `allow_dropout=False` (the RL actor, whose logprobs must be deterministic) refuses a
+    saved adapter with dropout."""
+    dropout = float(getattr(section, "lora_dropout", 0.0))
+    if section.lora_adapter_path:
+        user = {"lora_rank": section.lora_rank, "lora_alpha": section.lora_alpha,
+                "target_modules": section.target_modules, "exclude_modules": section.exclude_modules}
+        if hasattr(section, "lora_dropout"):  # the offline jobs' sections (the RL actor's adapters have no dropout)
+            user["lora_dropout"] = dropout
+        peft_model = load_lora_adapter(model, section.lora_adapter_path, f"{key}.lora_adapter_path", user, key)
+        adapter_dropout = float(peft_model.peft_config["default"].lora_dropout or 0.0)
+        if not allow_dropout and adapter_dropout:
+            raise ConfigError(f"{key}.lora_adapter_path={section.lora_adapter_path}: the adapter has lora_dropout="
+                              f"{adapter_dropout}, and tiller's RL actor trains adapters without dropout (its "
+                              "logprobs must not be random); set lora_dropout to 0 in its adapter_config.json")
+        return peft_model
+    if section.lora_rank > 0:
+        return apply_lora(model, section.lora_rank, section.lora_alpha, section.target_modules, dropout,
+                          exclude_modules=section.exclude_modules, key=key)
+    return model
+
+
+def read_adapter_config(path: str | Path, key: str) -> dict:
+    """The `adapter_config.json` of a saved LoRA adapter dir; a ConfigError naming `key` when the path is missing,
+    holds no adapter config, or holds another peft method's adapter."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ConfigError(f"{key}={path}: no such file or directory")
+    file = folder / "adapter_config.json"
+    if not file.is_file():
+        inner = folder / "model" / "adapter_config.json"  # a tiller checkpoint dir: its adapter is in model/
+        hint = f"; the adapter of this checkpoint is {folder / 'model'}" if inner.is_file() else ""
+        raise ConfigError(f"{key}={path}: no adapter_config.json there (a peft adapter dir, as save_pretrained of a "
+                          f"LoRA model or a tiller LoRA checkpoint's model/ writes, is expected){hint}")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}: cannot read {file}: {_first_line(err)}") from None
+    if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        raise ConfigError(f"{key}={path}: a {kind or 'non-peft'} adapter; tiller continues training LoRA adapters "
+                          "only (peft_type LORA)")
+    return config
+
+
+def adapter_settings(path: str | Path, key: str) -> dict[str, Any]:
+    """The saved adapter's LoRA settings as a job section's keys (`lora_rank`, `lora_alpha`, `target_modules`,
+    `exclude_modules`, `lora_dropout`): fresh adapters of the same shape."""
+    config = read_adapter_config(path, key)
+    targets = config.get("target_modules")
+    return {"lora_rank": int(config["r"]), "lora_alpha": config.get("lora_alpha", config["r"]),
+            "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
+            "exclude_modules": config.get("exclude_modules"), "lora_dropout": float(config.get("lora_dropout") or 0)}
+
+
+def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+    """(key, user's value, adapter's value) for each LoRA key the user set (not at `LORA_DEFAULTS`) to something else
+    than the adapter's `adapter_config.json` says; `target_modules` compared as sets of names ('all-linear' as
+    every linear layer but the output head)."""
+    out = []
+    theirs = {"lora_rank": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha"),
+              "target_modules": adapter.get("target_modules"), "exclude_modules": adapter.get("exclude_modules"),
+              "lora_dropout": adapter.get("lora_dropout", 0.0)}
+    for name, value in user.items():
+        if value == LORA_DEFAULTS[name] or (name == "exclude_modules" and not value):
+            continue
+        if name in ("target_modules", "exclude_modules"):
+            same = _module_set(value, model) == _module_set(theirs[name], model)
+        else:
+            same = theirs[name] is not None and float(value) == float(theirs[name])
+        if not same:
+            out.append((name, value, theirs[name]))
+    return out
+
+
+def _module_set(value: Any, model: torch.nn.Module) -> Any:
+    if value == "all-linear":
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return frozenset(n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and m is not out)
+    if isinstance(value, (list, tuple, set)):
+        return frozenset(map(str, value))
+    return value or None
+
+
+def load_lora_adapter(model: torch.nn.Module, path: str | Path, key: str, user: dict[str, Any] | None = None,
+                      section: str = "model"):
+    """`model` with the saved LoRA adapter at `path` loaded onto it, trainable (peft's `PeftModel.from_pretrained(...,
+    is_trainable=True)`). `user`: the section's LoRA keys (`lora_rank`, `lora_alpha`, ...) whose values, where set,
+    must agree with the adapter's. Every refusal is a ConfigError naming `key` (or the contradicting keys) and the
+    path. The loaded adapter's config names `model`'s own path as its base (what `tiller export` merges into)."""
+    from peft import PeftModel, get_peft_model_state_dict, load_peft_weights
+
+    config = read_adapter_config(path, key)
+    clash = adapter_contradictions(config, user or {}, model)
+    if clash:
+        raise ConfigError("; ".join(f"{section}.{name}={_show(mine)} but the adapter {key}={path} has "
+                                    f"{_show(theirs)} (its adapter_config.json)" for name, mine, theirs in clash)
+                          + ": leave the key unset (the adapter's value is used) or set it to the adapter's")
+    base_name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not any((Path(path).expanduser() / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ConfigError(f"{key}={path}: no adapter weights there ({' or '.join(ADAPTER_WEIGHTS)}), only its "
+                          "adapter_config.json")
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
+        saved = load_peft_weights(str(path), device="cpu")
+    except (ValueError, RuntimeError, KeyError, OSError) as err:  # no target module / shape mismatch / no weights
+        raise ConfigError(f"{key}={path}: the adapter does not fit the base model {base_name}: "
+                          f"{_first_line(err)}") from None
+    expected = set(get_peft_model_state_dict(peft_model))
+    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if missing or unexpected:
+        raise ConfigError(f"{key}={path}: the adapter does not fit the base model {base_name} (another base?): "
+                          f"{len(missing)} adapter weights missing from it ({', '.join(missing[:3])}), "
+                          f"{len(unexpected)} it holds that the model has no place for ({', '.join(unexpected[:3])})")
+    if base_name:
+        peft_model.peft_config["default"].base_model_name_or_path = base_name
+    return peft_model
 
 
 def language_model_targets(model: torch.nn.Module) -> str | None:

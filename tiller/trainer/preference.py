@@ -16,10 +16,12 @@ The math is `tiller.algos.kto_loss`; the step loss is the mean over the step's e
 Deviation: TRL estimates z0 per device micro-batch; tiller estimates it once over the whole
 optimizer step (a no-grad pre-pass), so the update does not depend on the micro-batch size.
 
-Reference: `model.ref_path` (default `model.partial_pretrain`) loaded frozen; with LoRA and no
-`ref_path`, the policy with its adapters disabled IS the base model, so no second copy is loaded
-(as TRL / peft do). DPO can instead read precomputed reference log-prob sums from the data
-(`data.ref_chosen_logps_key` / `data.ref_rejected_logps_key`); then no reference model runs.
+Reference: `model.ref_path` (default `model.partial_pretrain`) loaded frozen; with LoRA and no `ref_path`, the
+policy with its adapters disabled IS the base model, so no second copy is loaded (as TRL / peft do);
+continuing from a saved adapter (`model.lora_adapter_path`), the reference is the starting policy, base + that
+adapter (merged, frozen), as DPO's pi_ref is the policy it starts from. DPO can instead read precomputed
+reference log-prob sums from the data (`data.ref_chosen_logps_key` / `data.ref_rejected_logps_key`); then no
+reference model runs.
 Logged as TRL names them: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
 logps/chosen, logps/rejected (DPO); kl, rewards/chosen, rewards/rejected (KTO).
 """
@@ -37,7 +39,7 @@ from tiller.data.preference import PairExample, UnpairedExample, load_preference
 from tiller.data.sft import IGNORE
 from tiller.distributed.context import all_reduce_sum
 from tiller.models.loading import load_causal_lm
-from tiller.models.lora import is_lora
+from tiller.models.lora import is_lora, load_lora_adapter, merge_lora
 from tiller.trainer.loop import resolve_device, run_training
 from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
@@ -66,11 +68,16 @@ class Reference:
 
 
 def build_reference(cfg, policy: torch.nn.Module, device: torch.device) -> Reference:
-    if is_lora(policy) and cfg.model.ref_path is None:
+    """model.ref_path; else the starting policy: the base (a LoRA policy with its adapters disabled), or, continuing
+    from a saved adapter (model.lora_adapter_path), the base with that adapter merged in."""
+    m = cfg.model
+    if is_lora(policy) and m.ref_path is None and not m.lora_adapter_path:
         return Reference(policy=policy)
-    ref = load_causal_lm(cfg.model.ref_path or cfg.model.partial_pretrain,
-                         trust_remote_code=cfg.model.trust_remote_code,
-                         attn_implementation=cfg.model.attn_implementation).to(device).eval()
+    ref = load_causal_lm(m.ref_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code,
+                         attn_implementation=m.attn_implementation)
+    if m.ref_path is None and m.lora_adapter_path:
+        ref = merge_lora(load_lora_adapter(ref, m.lora_adapter_path, "model.lora_adapter_path"))
+    ref = ref.to(device).eval()
     ref.requires_grad_(False)
     return Reference(model=ref)
 

@@ -38,7 +38,7 @@ from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import ConfigError, UserError
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
-from tiller.models.lora import apply_lora
+from tiller.models.lora import attach_lora, lora_enabled
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 
@@ -100,10 +100,10 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         # transformers 5 renamed it; the old name warns
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
-    if m.lora_rank > 0:
+    if lora_enabled(m):  # fresh adapters (model.lora_rank > 0) or a saved one (model.lora_adapter_path)
         if m.enable_gradient_checkpointing:
             model.enable_input_require_grads()
-        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.target_modules, m.lora_dropout)
+        model = attach_lora(model, m, "model")
     if m.freeze_vision_tower:
         if not is_vision_model(model):
             raise ConfigError(f"model.freeze_vision_tower=True but {m.partial_pretrain} ({type(model).__name__}) has "

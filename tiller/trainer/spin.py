@@ -43,6 +43,7 @@ from tiller.data.sft import encode_prompt_response
 from tiller.data.sources import load_sources
 from tiller.errors import DataError
 from tiller.models.checkpoint import write_text_atomic
+from tiller.models.lora import adapter_settings, merge_lora
 from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.trainer.loop import resolve_device, run_training, to_device
 from tiller.trainer.preference import DPOJob, Reference, sequence_logps
@@ -152,7 +153,13 @@ def run_spin(cfg: SPINConfig) -> dict:
         if (it_dir / "hf_model" / "config.json").exists():  # finished earlier: continue from its model
             current = str(it_dir / "hf_model")
             continue
-        it_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, partial_pretrain=current),
+        model_cfg = dataclasses.replace(cfg.model, partial_pretrain=current)
+        if current != cfg.model.partial_pretrain and model_cfg.lora_adapter_path:
+            # p_theta_0 = base + model.lora_adapter_path; later iterations train fresh adapters of its shape on
+            # the previous iteration's merged model (the saved adapter is in its weights already)
+            model_cfg = dataclasses.replace(model_cfg, lora_adapter_path=None,
+                                            **adapter_settings(model_cfg.lora_adapter_path, "model.lora_adapter_path"))
+        it_cfg = dataclasses.replace(cfg, model=model_cfg,
                                      trainer=dataclasses.replace(cfg.trainer, default_local_dir=str(it_dir),
                                                                  export_hf=True))
         model, tokenizer = build_model_and_tokenizer(it_cfg)
@@ -163,8 +170,9 @@ def run_spin(cfg: SPINConfig) -> dict:
         it_dir.mkdir(parents=True, exist_ok=True)
         _write_pairs(it_dir / "pairs.jsonl", tokenizer, rows, generated)
         pairs = spin_pairs(rows, generated, cfg.data.max_length, cfg.data.truncation)
-        ref = build_model_and_tokenizer(dataclasses.replace(it_cfg, model=dataclasses.replace(it_cfg.model,
-                                                                                              lora_rank=0)))[0]
+        # p_theta_t: the model as it is now (the base, or base + a saved adapter merged in), frozen
+        ref_model = it_cfg.model if it_cfg.model.lora_adapter_path else dataclasses.replace(it_cfg.model, lora_rank=0)
+        ref = merge_lora(build_model_and_tokenizer(dataclasses.replace(it_cfg, model=ref_model))[0])
         ref = ref.to(device).eval().requires_grad_(False)  # p_theta_t, frozen
         micro = cfg.data.micro_batch_size_per_gpu
         before = mean_margin(model, pairs, tokenizer.pad_token_id, micro, device)

@@ -54,7 +54,7 @@ from tiller.rollout.graphed_decode import native_decode_options
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import load_causal_lm, load_tokenizer
-from tiller.models.lora import apply_lora, lora_template, merged_state_dict
+from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_state_dict
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
@@ -119,10 +119,9 @@ class ActorRolloutRefWorker:
         module = load_causal_lm(arr.model.path, dtype="float32", trust_remote_code=arr.model.trust_remote_code,
                                 device=self.device, override_config=arr.model.override_config,
                                 key="actor_rollout_ref.model.override_config")
-        self.lora = arr.model.lora_rank > 0
-        if self.lora:
-            module = apply_lora(module, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
-                                target_modules=arr.model.target_modules)
+        # LoRA: fresh adapters (model.lora_rank > 0) or a saved adapter to continue from (model.lora_adapter_path)
+        self.lora = lora_enabled(arr.model)
+        module = attach_lora(module, arr.model, "actor_rollout_ref.model", allow_dropout=False)
         # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
         self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" else None
         self.ref_module = None
