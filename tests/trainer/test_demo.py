@@ -38,6 +38,34 @@ def test_warm_up_lowers_the_loss_and_accuracy_is_scored(tiny_model_dir):
     assert 0.0 <= demo.greedy_accuracy(model, tok, test) <= 1.0
 
 
+def test_a_stalled_warm_up_restarts_from_a_fresh_initialisation(tmp_path, monkeypatch):
+    """Below the target at max_steps: the warm-up restarts with init seed + 1000 (at most WARMUP_ATTEMPTS), the
+    first attempt that reaches it is kept (or the best of all), and warmup.json says which."""
+    import argparse
+
+    monkeypatch.setenv("TILLER_CACHE", str(tmp_path / "cache"))
+    seen = []
+
+    def fake_warm_up(model, tokenizer, train_rows, dev_rows, *, target, seed, log):
+        seen.append((seed, float(next(model.parameters()).detach().sum())))
+        return {0: 0.07, 1000: 0.45}.get(seed, 0.1), 1500 if seed == 0 else 600
+
+    monkeypatch.setattr(demo, "warm_up", fake_warm_up)
+    args = argparse.Namespace(seed=0, model_params=100_000, warmup_target=0.4, train_size=2048, rebuild=False)
+    lines = []
+    out = demo.starter_model(args, log=lines.append)
+    assert [s for s, _ in seen] == [0, 1000] and seen[0][1] != seen[1][1]  # a fresh initialisation
+    assert json.loads((out / "warmup.json").read_text())["attempt"] == 2
+    assert any("restarting from a fresh initialisation (seed 1000, attempt 2 of 3)" in line for line in lines)
+    # never reaching the target: every attempt runs and the best starter is kept
+    seen.clear()
+    monkeypatch.setattr(demo, "warm_up", lambda *a, seed, **k: (seen.append((seed, 0)) or ({2000: 0.2}.get(seed, 0.1),
+                                                                                            1500)))
+    out = demo.starter_model(argparse.Namespace(**{**vars(args), "rebuild": True}), log=lines.append)
+    assert [s for s, _ in seen] == [0, 1000, 2000]
+    assert json.loads((out / "warmup.json").read_text())["dev_acc"] == 0.2
+
+
 def test_plot_curves_writes_a_png(tmp_path):
     key = demo.VAL_KEY
     rows = [{"step": 0, key: 0.3}] + [{"step": s, "critic/score/mean": 0.1 * s} for s in range(1, 5)]

@@ -43,7 +43,13 @@ from tiller.trainer import demo_report
 from tiller.trainer.demo_report import train_and_report
 from tiller.workers.common import lr_lambda
 
-DEMO_VERSION = 7  # 7: the starter's tokenizer carries PROMPT_TEMPLATE (same weights as 6)
+DEMO_VERSION = 8  # 8: a stalled warm-up restarts (a seed that reaches the target: the same weights as 7)
+WARMUP_ATTEMPTS = 3
+"""Warm-ups per starter model: one that ends `warm_up`'s max_steps below the target restarts from a fresh
+initialisation (seed + RESTART_SEED_STRIDE x attempt). Training trajectories differ from host to host (each CPU's
+fp32 kernels round differently), and on a 2-core Intel Xeon (AVX-512 without bf16) seed 3 stalled at 0.07 dev
+accuracy after 1500 steps where an AMD EPYC reached 0.4 in 685; RL from such a starter gained +0.05."""
+RESTART_SEED_STRIDE = 1_000
 VAL_KEY = f"val-core/{arithmetic.DATA_SOURCE}/acc/mean@1"
 
 PROMPT_TEMPLATE = (
@@ -205,15 +211,28 @@ def starter_model(args, log=print) -> Path:
     t0 = time.time()
     tokenizer = train_tokenizer()
     tokenizer.chat_template = PROMPT_TEMPLATE
-    model = build_model(tokenizer, "qwen2", n_params=args.model_params, seed=args.seed)
     sft_rows, dev_rows = warmup_rows(args.train_size, args.seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        acc, steps = warm_up(model, tokenizer, sft_rows, dev_rows, target=args.warmup_target,
-                             seed=args.seed, log=log)
-    save_pretrained_atomic(out, model, tokenizer,
-                           {"warmup.json": json.dumps({"dev_acc": acc, "steps": steps, "seconds": time.time() - t0})})
-    log(f"starter model ready in {time.time() - t0:.0f} s (dev accuracy {acc:.3f} after {steps} steps): {out}")
+    best = None
+    for attempt in range(WARMUP_ATTEMPTS):
+        init_seed = args.seed + RESTART_SEED_STRIDE * attempt  # attempt 0: the seed itself
+        model = build_model(tokenizer, "qwen2", n_params=args.model_params, seed=init_seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed)
+            acc, steps = warm_up(model, tokenizer, sft_rows, dev_rows, target=args.warmup_target,
+                                 seed=init_seed, log=log)
+        if best is None or acc > best[1]:
+            best = (model, acc, steps, attempt)
+        if acc >= args.warmup_target:
+            break
+        if attempt + 1 < WARMUP_ATTEMPTS:
+            log(f"  warm-up stalled at dev accuracy {acc:.3f} after {steps} steps; restarting from a fresh "
+                f"initialisation (seed {args.seed + RESTART_SEED_STRIDE * (attempt + 1)}, attempt {attempt + 2} of "
+                f"{WARMUP_ATTEMPTS})")
+    model, acc, steps, attempt = best
+    save_pretrained_atomic(out, model, tokenizer, {"warmup.json": json.dumps(
+        {"dev_acc": acc, "steps": steps, "attempt": attempt + 1, "seconds": time.time() - t0})})
+    log(f"starter model ready in {time.time() - t0:.0f} s (dev accuracy {acc:.3f} after {steps} steps"
+        f"{'' if attempt == 0 else f' of attempt {attempt + 1}'}): {out}")
     return out
 
 
