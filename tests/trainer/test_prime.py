@@ -106,10 +106,11 @@ def test_prime_checkpoint_carries_the_prm(tiny_model_dir, data, tmp_path):
 def arithmetic_starter(tmp_path_factory):
     """A 1M-parameter Qwen2 warmed on two-digit addition to ~0.3 greedy accuracy (~525 supervised steps, ~80 s)."""
     from tiller.models.tiny import build_model, train_tokenizer
-    from tiller.trainer.demo import warm_up
+    from tiller.trainer.demo import PROMPT_TEMPLATE, warm_up
 
     out = tmp_path_factory.mktemp("prime_starter") / "starter"
     tok = train_tokenizer()
+    tok.chat_template = PROMPT_TEMPLATE  # warm_up renders through it: the bare prompt, as the arms' raw prompts
     model = build_model(tok, "qwen2", n_params=1_000_000, seed=0)
     train, _ = arithmetic.make_splits(n_train=2256, n_test=8, seed=0)
     with torch.random.fork_rng(devices=[]):
