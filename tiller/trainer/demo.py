@@ -9,9 +9,10 @@
    sampling), no KL, AdamW lr 1e-4 after a 10-step warmup, 150 steps of 32 prompts.
 3. Greedy accuracy on 256 held-out prompts (pairs never seen in training) before and after RL.
 
-Measured (`bench/demo_seeds.py --parallel 1`, seeds 0-4, fresh cache, 2-core AMD EPYC with AVX-512 BF16, fp32,
-1 thread each): held-out gains +0.46 / +0.47 / +0.38 / +0.49 / +0.40 (median +0.46) in 150-285 s, the warm-up
-385-685 steps; with torch's AVX2 kernels forced (ATEN_CPU_CAPABILITY=avx2) +0.43 / +0.36 / +0.40 / +0.55 / +0.46.
+Measured (`bench/demo_seeds.py`, seeds 0-4, fresh cache, two at a time, 2-core Intel Xeon with AVX-512 without
+bf16, fp32, 1 thread each, 2026-11-27): held-out gains +0.41 / +0.49 / +0.46 / +0.41 / +0.39 (median +0.41) in
+180-275 s (seed 3: its warm-up restarted, see WARMUP_ATTEMPTS), the warm-up 360-705 steps; with torch's AVX2 kernels
+forced (ATEN_CPU_CAPABILITY=avx2) +0.43 / +0.56 / +0.35 / +0.51 / +0.60 (docs/benchmarks.md).
 One GRPO step of this pipeline equals a plain-torch reference (tests/trainer/test_grpo_reference.py).
 
 The run dir holds `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `plots/demo_curves.png` (reward and
