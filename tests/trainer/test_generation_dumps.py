@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import torch
 import pytest
 
 from tests.trainer.test_rl import make_cfg, rl_data  # noqa: F401  (fixture)
+from tiller.data.files import read_rows
 from tiller.errors import ConfigError
 
 # a reward with an extra output (verl's dict return): the digit count rides along to the dumps
@@ -39,8 +39,7 @@ def test_rollout_and_validation_dumps(tmp_path, tiny_model_dir, rl_data):  # noq
     assert sorted(p.name for p in rollouts.iterdir()) == ["1.jsonl", "2.jsonl"]  # no temp file left beside them
     assert sorted(p.name for p in vals.iterdir()) == ["0.jsonl", "1.jsonl", "2.jsonl"]
     assert "timing_s/dump_rollout_generations" in last
-    truths = {str(gt) for gt in pd.read_parquet(rl_data / "train.parquet")["reward_model"].map(
-        lambda r: r["ground_truth"])}
+    truths = {str(row["reward_model"]["ground_truth"]) for row in read_rows(rl_data / "train.parquet")}
     for step in (1, 2):
         rows = _read(rollouts / f"{step}.jsonl")
         assert len(rows) == 4 * 4  # train_batch_size x rollout.n
@@ -58,9 +57,9 @@ def test_rollout_and_validation_dumps(tmp_path, tiny_model_dir, rl_data):  # noq
         first = rows[0]["input"]
         assert first == tok.decode(tok(first, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
     val = _read(vals / "2.jsonl")
-    test = pd.read_parquet(rl_data / "test.parquet")
+    test = read_rows(rl_data / "test.parquet")
     assert len(val) == len(test)  # val_kwargs.n = 1
-    assert [str(r["gts"]) for r in val] == [str(r["ground_truth"]) for r in test["reward_model"]]
+    assert [str(r["gts"]) for r in val] == [str(r["reward_model"]["ground_truth"]) for r in test]
     assert {r["step"] for r in val} == {2} and {r["step"] for r in _read(vals / "0.jsonl")} == {0}
     assert sum(r["score"] for r in val) / len(val) == pytest.approx(last["val-aux/tiller/arithmetic/reward/mean@1"])
 
