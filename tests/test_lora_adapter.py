@@ -153,6 +153,24 @@ def test_exclude_modules_leave_modules_without_adapters(tiny_model_dir):
         apply_lora(load_causal_lm(tiny_model_dir), 4, 8, ["q_proj"], exclude_modules=["q_proj"])
 
 
+def assert_base_plus_adapter(exported: dict, base_dir, adapter: dict, scale: float, name: str = "") -> int:
+    """Every weight of `exported` (a state dict) is the base model's (from `base_dir`) plus scale x B A where the
+    peft state dict `adapter` has LoRA factors for it (keys `...lora_A{name}.weight`), else the base's exactly;
+    returns how many weights carried an adapter."""
+    from transformers import AutoModelForCausalLM
+
+    merged = 0
+    for k, w in AutoModelForCausalLM.from_pretrained(base_dir).state_dict().items():
+        prefix = "base_model.model." + k.removesuffix(".weight")
+        if f"{prefix}.lora_A{name}.weight" in adapter:
+            a, b = adapter[f"{prefix}.lora_A{name}.weight"], adapter[f"{prefix}.lora_B{name}.weight"]
+            torch.testing.assert_close(exported[k], w + scale * b @ a, rtol=0, atol=1e-6)
+            merged += 1
+        else:
+            assert torch.equal(exported[k], w), k
+    return merged
+
+
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory):
     from tests.trainer.test_rl import REWARD_SRC
@@ -207,16 +225,7 @@ def test_rl_run_continues_a_saved_adapter(tmp_path, tiny_model_dir, saved_adapte
     assert saved and all(torch.equal(v, after[k.replace(".weight", ".default.weight")]) for k, v in saved.items())
     # `tiller export`: the base with the trained adapter merged in, W + (alpha / r) B A, the rest the base's
     exported = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "exported")).state_dict()
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    merged = 0
-    for k, w in base.items():
-        prefix = "base_model.model." + k.removesuffix(".weight")
-        if prefix + ".lora_A.default.weight" in after:
-            a, b = after[prefix + ".lora_A.default.weight"], after[prefix + ".lora_B.default.weight"]
-            torch.testing.assert_close(exported[k], w + (8 / 4) * b @ a, rtol=0, atol=1e-6)
-            merged += 1
-        else:
-            assert torch.equal(exported[k], w), k
+    merged = assert_base_plus_adapter(exported, tiny_model_dir, after, 8 / 4, ".default")
     assert merged == 2 * AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.num_hidden_layers
     # resuming step 2's checkpoint (not the initial adapter again) lands on step 3's weights exactly
     _, _, resumed = _fit(make_cfg(tmp_path / "b", tiny_model_dir, rl_data, *common, "trainer.total_training_steps=3",

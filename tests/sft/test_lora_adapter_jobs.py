@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.sft.conftest import job_overrides, write_jsonl
-from tests.test_lora_adapter import TARGETS, _perturbed_lora
+from tests.test_lora_adapter import TARGETS, _perturbed_lora, assert_base_plus_adapter
 from tiller.config import load_config
 from tiller.config.jobs import DPOConfig, SFTConfig, validate_job
 
@@ -57,18 +57,8 @@ def test_sft_from_adapter_starts_there_and_exports_the_trained_adapter(tiny_mode
     trained = load_file(str(ckpt / "adapter_model.safetensors"))
     initial = load_file(str(adapter / "adapter_model.safetensors"))
     assert all(not torch.equal(trained[k], initial[k]) for k in initial if ".lora_B." in k)  # it trained
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
-    merged_count = 0
-    for k, w in base.items():
-        prefix = "base_model.model." + k.removesuffix(".weight")
-        if prefix + ".lora_A.weight" in trained:
-            a, b = trained[prefix + ".lora_A.weight"], trained[prefix + ".lora_B.weight"]
-            torch.testing.assert_close(exported[k], w + (8 / 4) * b @ a, rtol=0, atol=1e-6)
-            merged_count += 1
-        else:
-            assert torch.equal(exported[k], w), k
-    assert merged_count == len(trained) // 2
+    assert assert_base_plus_adapter(exported, tiny_model_dir, trained, 8 / 4) == len(trained) // 2
 
 
 def test_dpo_reference_is_base_plus_adapter(tiny_model_dir, tmp_path, adapter_and_merged):
