@@ -243,7 +243,8 @@ RULES.update({
         "tiller waits for every sample of a step (no aborting of the slowest generations)", use="0",
         allowed=(0, 0.0)),
     "actor_rollout_ref.rollout.skip_rollout": refused(
-        "replaying dumped rollouts is not built", use="leave it False", allowed=(False,)),
+        "this pre-0.10 key's dump layout is not read (verl changed it twice)", allowed=(False,),
+        use="verl 0.10's skip.rollout.enable=true skip.rollout.steps=[...] skip.rollout.dump_dir=DIR"),
     "actor_rollout_ref.rollout.skip_dump_dir": noop("only with rollout.skip_rollout, which is refused"),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": refused(
         "tiller's engines do not record MoE expert routing", use="leave it False", allowed=(False,)),
@@ -534,10 +535,13 @@ def _section_rules() -> None:
                     continue
                 RULES.setdefault(f"{path}.{f.name}", noop(docs.get(f.name) or "a verl knob with no counterpart in "
                                                                               "tiller"))
-        if cls in (QatConfig, SkipStageConfig):  # `enable` refused, the rest only acts with it
+        if cls is QatConfig or (cls is SkipStageConfig and path != "skip.rollout"):  # `enable` refused, the rest
+            # only acts with it (skip.rollout is honoured: tiller.trainer.rollout_skip)
             what = ("quantization-aware training is not built (tiller's engines run the actor's weights unquantized)"
-                    if cls is QatConfig else "replaying dumped rollouts (verl's skip.*) is not built")
-            RULES.setdefault(f"{path}.enable", refused(what, use="leave enable False", allowed=(False,)))
+                    if cls is QatConfig else "replaying the dumped rollouts of verl's TransferQueue / asynchronous "
+                    "trainers is not built (skip.rollout, the synchronous step's, is)")
+            RULES.setdefault(f"{path}.enable", refused(what, use="leave enable False" if cls is QatConfig else
+                                                       "leave enable False; skip.rollout.enable", allowed=(False,)))
             for f in dataclasses.fields(cls):
                 RULES.setdefault(f"{path}.{f.name}", noop(f"only with {path}.enable, which is refused"))
         if cls is OptimConfig:

@@ -125,6 +125,7 @@ def validate_rl(cfg: RLConfig) -> None:
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
     _validate_pf_ppo(algo)
+    _validate_skip(cfg)
     for key in ("rollout_data_dir", "validation_data_dir"):  # <dir>/<step>.jsonl: a file there would fail mid-run
         where = getattr(tr, key)
         if where is not None and (not isinstance(where, str) or not where.strip()):
@@ -429,6 +430,24 @@ def _validate_prime(cfg: RLConfig) -> None:
     if rollout.agent.path or rollout.agent.env_path:
         raise ConfigError("algorithm.adv_estimator=prime is refused with agent rollouts (actor_rollout_ref.rollout."
                           "agent.*): the implicit PRM scores single responses, not episodes of segments")
+
+
+def _validate_skip(cfg: RLConfig) -> None:
+    """skip.rollout (verl's dump / replay of listed steps' rollouts, `tiller.trainer.rollout_skip`)."""
+    skip = cfg.skip.rollout
+    if skip.action not in ("cache", "repeat"):
+        raise ConfigError(f"skip.rollout.action={skip.action!r}: verl's rollout skip takes cache or repeat")
+    if not isinstance(skip.steps, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                          for s in skip.steps):
+        raise ConfigError(f"skip.rollout.steps={skip.steps!r}: a list of training steps (integers >= 1)")
+    if not isinstance(skip.dump_dir, str) or not skip.dump_dir.strip():
+        raise ConfigError(f"skip.rollout.dump_dir must be a directory path, got {skip.dump_dir!r}")
+    where = os.path.expanduser(skip.dump_dir)
+    if os.path.exists(where) and not os.path.isdir(where):
+        raise ConfigError(f"skip.rollout.dump_dir={skip.dump_dir}: that path is a file, not a directory")
+    if skip.enable and async_enabled(cfg):
+        raise ConfigError("skip.rollout.enable=true replays the synchronous step's rollout; with async_training the "
+                          "rollout runs in the producer (verl's skip.async_rollout, not built): turn one of them off")
 
 
 def _validate_pf_ppo(algo) -> None:

@@ -76,6 +76,7 @@ from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
+from tiller.trainer.rollout_skip import RolloutSkip
 from tiller.trainer.rl_metrics import data_metrics, validation_metrics
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
@@ -161,6 +162,7 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.train_ds), data.gen_batch_size or data.train_batch_size,
                                      shuffle=data.shuffle, seed=data.seed)
         self.total_steps = tr.total_training_steps or self.sampler.steps_per_epoch * tr.total_epochs
+        self.rollout_skip = RolloutSkip(cfg)  # verl's skip.rollout: listed steps' rollouts dumped / loaded
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
@@ -500,7 +502,10 @@ class RLTrainer:
         """One generation round: prompts -> n samples each (+ ReMax's greedy baseline) -> reward."""
         prompts = self._next_prompts(round_, step, extra_meta)
         with timer("gen", m):
-            batch = self.actor.execute("generate_sequences", prompts, dispatch="dp")
+            batch, source = self.rollout_skip.generate(
+                step, round_, lambda: self.actor.execute("generate_sequences", prompts, dispatch="dp"))
+        if source is not None:
+            m["skip/rollout_loaded_from_step"] = float(source)
         if self.cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max", m):
                 batch["reward_baselines"] = self._greedy_baseline(prompts)
