@@ -716,6 +716,9 @@ class AgentConfig:
     """The environment class's name in `env_path`."""
     max_turns: int = 8
     """Environment rollout: most model turns per episode."""
+    max_context: Optional[int] = None
+    """Environment rollout: an episode ends when its context (prompt, actions, observations) reaches this many
+    tokens (OpenRLHF's --max_len budget); null: the model's max_position_embeddings."""
     num_workers: int = 8
     """verl: agent-loop worker processes; tiller's episodes run in one event loop (bounded by max_concurrency)."""
     default_agent_loop: str = "single_turn_agent"

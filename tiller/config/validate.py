@@ -344,11 +344,13 @@ def _validate_agent(cfg: RLConfig) -> None:
         raise ConfigError(f"{key}.max_concurrency must be >= 0 (0 = all samples at once), got {agent.max_concurrency}")
     if agent.max_turns < 1:
         raise ConfigError(f"{key}.max_turns must be >= 1, got {agent.max_turns}")
+    if agent.max_context is not None and (isinstance(agent.max_context, bool) or not isinstance(agent.max_context, int)
+                                          or agent.max_context < 2):
+        raise ConfigError(f"{key}.max_context must be a token count >= 2 or null, got {agent.max_context!r}")
     if algo.adv_estimator not in EPISODE_ESTIMATORS:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} does not work with agent rollouts (an "
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
     for name, on in (("algorithm.use_kl_in_reward", algo.use_kl_in_reward),
-                     ("algorithm.filter_groups.enable", algo.filter_groups.enable),
                      ("trainer.backend=ray", cfg.trainer.backend == "ray"),
                      ("async_training (staleness_threshold > 0 or trigger_parameter_sync_step > 1)",
                       async_enabled(cfg))):

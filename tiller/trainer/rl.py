@@ -522,10 +522,13 @@ class RLTrainer:
         fg = self.cfg.algorithm.filter_groups
         if not fg.enable:
             return self._generate_scored(1, m, step, extra_meta)
-        want, kept, n_kept, n_seen, rounds = self.cfg.data.train_batch_size, [], 0, 0, 0
+        want, kept, n_kept, n_seen, rounds, episodes = self.cfg.data.train_batch_size, [], 0, 0, 0, 0
         while n_kept < want and (fg.max_num_gen_batches <= 0 or rounds < fg.max_num_gen_batches):
             rounds += 1
             batch = self._generate_scored(rounds, m, step, extra_meta)
+            if "episode" in batch and len(batch):  # agent rollouts: episode ids stay unique across rounds
+                batch["episode"] = batch["episode"] + episodes
+                episodes = int(batch["episode"].max()) + 1
             if fg.metric == "seq_final_reward" and self.cfg.algorithm.use_kl_in_reward:
                 batch = self._kl_inputs(batch, m)  # the filter needs the KL-penalised rewards (as verl)
             with timer("filter_groups", m):
@@ -534,8 +537,11 @@ class RLTrainer:
             n_kept += len(set(batch["uid"]))
             kept.append(batch)
         batch = Batch.concat(kept) if len(kept) > 1 else kept[0]
-        if n_kept > want:  # groups are contiguous (n rows each): keep the first train_batch_size
-            batch = batch.index(list(range(want * self.n)))
+        if n_kept > want:  # keep the first train_batch_size groups (agent rollouts: all their segments)
+            first = set(list(dict.fromkeys(batch["uid"]))[:want])
+            batch = batch.index(np.array([u in first for u in batch["uid"]]))
+        if "episode" in batch and len(batch):  # filtered out episodes leave gaps: ids 0..k-1 again, in order
+            batch["episode"] = torch.unique(batch["episode"], return_inverse=True)[1]
         elif n_kept < want and rounds > 1:  # (a cap of one round asks for "train on what passes")
             print(f"tiller: step {step}: {n_kept} of {want} groups passed "
                   f"algorithm.filter_groups after {rounds} generation rounds (max_num_gen_batches); "
@@ -587,7 +593,8 @@ class RLTrainer:
             episodes = batch["episode"]
             n_episodes = int(episodes.max()) + 1 if len(batch) else 0
             per_episode = torch.zeros(max(1, n_episodes)).index_put_((episodes,), batch["agent_reward"])
-            return scores, {}, {"agent/segments_per_episode/mean": len(batch) / max(1, n_episodes),
+            extras = {"acc": batch["agent_acc"].numpy()} if "agent_acc" in batch else {}  # OpenRLHF's scores
+            return scores, extras, {"agent/segments_per_episode/mean": len(batch) / max(1, n_episodes),
                                 "agent/reward/mean": float(per_episode[:n_episodes].mean()) if n_episodes else 0.0,
                                 "agent/episodes_without_segment": float((batch["response_mask"].sum(-1) == 0).sum())}
         requests = [
