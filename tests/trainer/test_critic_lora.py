@@ -28,7 +28,8 @@ def _critic(model_dir, *extra):
 
 def test_critic_lora_trains_adapters_and_head_only_and_starts_as_the_full_critic(tiny_model_dir):
     batch = _batch(seed=3)
-    full, lora = _critic(tiny_model_dir), _critic(tiny_model_dir, "critic.model.lora_rank=4", "critic.model.lora_alpha=8")
+    full = _critic(tiny_model_dir)
+    lora = _critic(tiny_model_dir, "critic.model.lora_rank=4", "critic.model.lora_alpha=8")
     # B = 0 at start: W x + (alpha/r) B A x adds exact zeros, so the values and the first loss are the full critic's
     # bit for bit (the same seed draws the same fresh value head in both)
     assert torch.equal(full.compute_values(batch)["values"], lora.compute_values(batch)["values"])
@@ -36,7 +37,7 @@ def test_critic_lora_trains_adapters_and_head_only_and_starts_as_the_full_critic
     assert full.update_critic(batch)["critic/vf_loss"] == lora.update_critic(batch)["critic/vf_loss"]
     after = lora.module.state_dict()
     trainable = {n for n, p in lora.module.named_parameters() if p.requires_grad}
-    head = {"base_model.model.score.modules_to_save.default.weight", "base_model.model.score.modules_to_save.default.bias"}
+    head = {f"base_model.model.score.modules_to_save.default.{w}" for w in ("weight", "bias")}
     assert head <= trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable - head)
     # every linear layer of the body has an adapter, the head none (all-linear); only those weights moved
     c = lora.module.config
@@ -45,7 +46,17 @@ def test_critic_lora_trains_adapters_and_head_only_and_starts_as_the_full_critic
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".lora_" in k or "modules_to_save" in k for k in changed)
     assert "base_model.model.score.modules_to_save.default.weight" in changed
-    assert any(".lora_B." in k for k in changed)
+    # The first AdamW step, worked: m_hat = g, v_hat = g^2, so a weight moves by lr g / (|g| + eps) after the
+    # decoupled decay p (1 - lr wd). With B = 0, dL/dA = scale B^T (dL/dy) x^T = 0: A only decays, A (1 - lr wd);
+    # B (decay of 0 is 0) moves by lr sign(g) wherever its gradient is not ~0 (|g| >> eps = 1e-8)
+    group = lora.optimizer.param_groups[0]
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    assert lr == 1e-2 and wd > 0 and eps == 1e-8
+    a_keys = [k for k in before if ".lora_A." in k]
+    for k in a_keys:
+        torch.testing.assert_close(after[k], before[k] * (1 - lr * wd), rtol=1e-6, atol=0)
+    steps = torch.cat([after[k.replace(".lora_A.", ".lora_B.")].abs().flatten() for k in a_keys])
+    assert float(steps.max()) <= lr * (1 + 1e-6) and float(steps.median()) == pytest.approx(lr, rel=1e-3)
     # memory: the optimizer holds exactly the trainable parameters, r (in + out) per adapted matrix + the head.
     # Worked for this model (hidden h, MLP width i, key/value width kv, L layers, r = 4):
     # per layer r [(h+h) q + (h+kv) k + (h+kv) v + (h+h) o + 2 (h+i) gate/up + (i+h) down], plus h + 1 (score).
@@ -120,7 +131,8 @@ def test_critic_continues_a_saved_adapter(critic_run, tiny_model_dir, tmp_path):
     trainable = {n for n, p in cont.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n or "score.modules_to_save" in n for n in trainable)
     # a key that contradicts the adapter, and an adapter of a policy (causal LM), are refused by key
-    with pytest.raises(ConfigError, match=r"critic\.model\.lora_rank=8 but the adapter critic\.model\.lora_adapter_path="):
+    with pytest.raises(ConfigError, match=r"critic\.model\.lora_rank=8 but the adapter "
+                                          r"critic\.model\.lora_adapter_path="):
         _critic(tiny_model_dir, f"critic.model.lora_adapter_path={adapter}", "critic.model.lora_rank=8")
     from tests.test_lora_adapter import _perturbed_lora
 
@@ -131,16 +143,17 @@ def test_critic_continues_a_saved_adapter(critic_run, tiny_model_dir, tmp_path):
 
 
 def test_bad_critic_lora_keys_are_refused_by_name(tmp_path, tiny_model_dir, rl_data):
-    with pytest.raises(ConfigError, match=r"critic\.model\.lora_rank must be an integer >= 0"):
-        load_config(["critic.model.lora_rank=-1"])
+    # through the CLI: a one-line error naming the key, exit code 2 (the worker's refusals below are ConfigErrors too)
+    res = _cli(["rl", *_overrides(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gae",
+                                  "critic.model.lora_rank=-1")])
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "critic.model.lora_rank must be an integer >= 0 (0 = no LoRA), got -1" in res.stderr
+    assert "Traceback" not in res.stderr
     with pytest.raises(ConfigError, match=r"critic\.model\.lora_alpha must be > 0"):
         load_config(["critic.model.lora_rank=4", "critic.model.lora_alpha=0"])
     with pytest.raises(ConfigError, match=r"critic\.model\.target_modules: \['score'\] is the model's TOKEN_CLS head"):
         _critic(tiny_model_dir, "critic.model.lora_rank=4", "critic.model.target_modules=[q_proj,score]")
+    with pytest.raises(ConfigError, match=r"critic\.model\.target_modules: no module named \['qproj'\]"):
+        _critic(tiny_model_dir, "critic.model.lora_rank=4", "critic.model.target_modules=[qproj]")
     with pytest.raises(ConfigError, match=r"critic\.model\.lora_adapter_path=.*nowhere: no such file"):
         _critic(tiny_model_dir, f"critic.model.lora_adapter_path={tmp_path / 'nowhere'}")
-    # through the CLI: the worker's refusal is a one-line error naming the key, exit code 2
-    res = _cli(["rl", *_overrides(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gae",
-                                  "critic.model.lora_rank=4", "critic.model.target_modules=[qproj]")])
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "critic.model.target_modules: no module named ['qproj']" in res.stderr and "Traceback" not in res.stderr
