@@ -6,12 +6,14 @@ the actor's model dir), so it starts from the policy's transformer with a fresh 
 A vision-language model (Qwen2-VL / Qwen2.5-VL: no token-classification class in transformers) is the same
 architecture with its LM head replaced by a fresh scalar head (`vision_value_model`), and its forwards take each
 row's `pixel_values` / `image_grid_thw` with the model's M-RoPE positions, as the actor's do.
-With LoRA (`critic.model.lora_rank > 0` or `critic.model.lora_adapter_path`, as verl's FSDP critic) the body gets
-adapters and the scalar head trains in full (peft TOKEN_CLS: `tiller.models.lora`); the optimizer holds those only,
-and checkpoints hold the adapter with the head (`tiller export` merges them into the base).
 `update_critic` regresses them on the GAE returns with verl's clipped value loss
     L = 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),
 aggregated with global counts over `ppo_epochs` x mini-batches x micro-batches, grad clipping and AdamW.
+
+With LoRA (`critic.model.lora_rank > 0` or `critic.model.lora_adapter_path`, as verl's FSDP critic) the body gets
+adapters and the scalar head trains in full (peft TOKEN_CLS: `tiller.models.lora`); the optimizer holds those only,
+and checkpoints hold the adapter with the head (`tiller export` merges them into the base). A vision-language
+critic trains in full (LoRA refused: its value head replaces the LM head, which an adapter cannot merge back into).
 
 Letters: `B` samples, `T` response width.
 """
