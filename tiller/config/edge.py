@@ -297,10 +297,6 @@ RULES.update({
                                     "so a value that disagrees is an error at load time"),
     "critic.model.external_lib": noop("tiller imports actor_rollout_ref.model.external_lib once for every model"),
     "critic.model.use_shm": noop("tiller loads the model from its path (no /dev/shm copy)"),
-    "critic.model.lora_rank": refused("tiller trains the critic in full (no LoRA on the value model)",
-                                      use="0", allowed=(0,)),
-    "critic.model.lora_alpha": noop("only with critic.model.lora_rank, which is refused"),
-    "critic.model.target_modules": noop("only with critic.model.lora_rank, which is refused"),
     "critic.model.lora": noop(_MEGATRON),
     # reward model
     "reward_model.enable_resource_pool": noop("tiller runs the reward model next to the trainer (no separate GPU "
@@ -439,9 +435,6 @@ RULES.update({
         "tiller reads the critic's config.json from critic.model.path", use="edit that config.json",
         allowed=(None,)),
     "critic.model.custom_chat_template": noop("the critic reads the actor's token ids; it renders no chat template"),
-    "critic.model.exclude_modules": noop("only with critic LoRA (critic.model.lora_rank), which is refused"),
-    "critic.model.lora_adapter_path": refused("tiller trains the critic in full (no LoRA on the value model)",
-                                              use="leave it null", allowed=(None,)),
     "critic.model.use_liger": noop("tiller runs the Hugging Face modelling code (no Liger kernels); the math is the "
                                    "same"),
     "critic.model.use_fused_kernels": noop("no fused kernels in tiller"),

@@ -945,11 +945,13 @@ class CriticModelConfig:
     enable_activation_offload: bool = False
     """verl: offload activations to CPU in backward; a GPU memory tuning tiller does not have."""
     lora_rank: int = 0
-    """verl: LoRA on the critic; refused unless 0 (tiller trains the critic in full)."""
+    """LoRA rank of the critic's body (0 = the critic trains in full); with LoRA the value head trains in full, as in
+    verl's FSDP critic, and the optimizer holds the adapters and the head only."""
     lora_alpha: int = 16
-    """verl: LoRA alpha of the critic (only with critic.model.lora_rank, refused)."""
+    """LoRA alpha of the critic (scale = alpha / rank)."""
     target_modules: Any = "all-linear"
-    """verl: LoRA targets of the critic (only with critic.model.lora_rank, refused)."""
+    """LoRA targets of the critic: a list of module names or 'all-linear' (every linear layer of the body; the value
+    head is never adapted, it trains in full)."""
     lora: dict[str, Any] = field(default_factory=lambda: {"rank": 0, "alpha": 32, "merge": False,
                                                            "adapter_path": None,
                                                            "target_modules": ["linear_qkv", "linear_proj",
@@ -962,10 +964,14 @@ class CriticModelConfig:
     """verl: read the critic's HF config from another dir; refused (tiller reads critic.model.path's config.json)."""
     custom_chat_template: Optional[str] = None
     """verl: a chat template for the critic's tokenizer; the critic reads the actor's token ids (no template)."""
-    exclude_modules: Optional[str] = None
-    """verl: modules left out of the critic's LoRA (only with critic LoRA, which is refused)."""
+    exclude_modules: Any = None
+    """Critic LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex
+    string matched against full module names."""
     lora_adapter_path: Optional[str] = None
-    """verl: a saved LoRA adapter for the critic; refused (tiller trains the critic in full)."""
+    """Continue the critic from a saved LoRA adapter of a value model (task_type TOKEN_CLS: a tiller critic
+    checkpoint's model/, checkpoints/critic/global_step_N/model), loaded trainable onto critic.model.path with its
+    value head; rank, alpha and targets come from its adapter_config.json (the LoRA keys left at their defaults, or
+    set to the same values). LoRA is on with it even at lora_rank=0."""
     use_liger: bool = False
     """verl: Liger fused kernels; tiller runs the Hugging Face modelling code."""
     use_fused_kernels: bool = False

@@ -176,6 +176,17 @@ def validate_rl(cfg: RLConfig) -> None:
             and not cfg.reward_model.diversity.llm_url:
         raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
     _validate_diversity_classifier(cfg.reward_model.diversity)
+    for key, section in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
+        _validate_lora(key, section)
+
+
+def _validate_lora(key: str, model) -> None:
+    """A model section's LoRA numbers: rank >= 0 (0 = off), and with LoRA on a positive alpha (scale alpha / rank)."""
+    if not isinstance(model.lora_rank, int) or isinstance(model.lora_rank, bool) or model.lora_rank < 0:
+        raise ConfigError(f"{key}.lora_rank must be an integer >= 0 (0 = no LoRA), got {model.lora_rank!r}")
+    if (model.lora_rank > 0 or model.lora_adapter_path) and not model.lora_alpha > 0:
+        raise ConfigError(f"{key}.lora_alpha must be > 0 with LoRA (the adapters' scale is alpha / rank), "
+                          f"got {model.lora_alpha!r}")
 
 
 def _validate_diversity_classifier(div) -> None:
