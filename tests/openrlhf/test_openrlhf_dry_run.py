@@ -44,6 +44,11 @@ def test_ppo_batch_units_samples_vs_prompts():
     assert arr.actor.ppo_micro_batch_size_per_gpu == 4 and arr.actor.ppo_epochs == 2
     assert arr.rollout.log_prob_micro_batch_size_per_gpu == 16 and arr.ref.log_prob_micro_batch_size_per_gpu == 16
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_epochs == 2
+    assert cfg.critic.model.lora_rank == 0
+    # --lora_rank: OpenRLHF's critic takes the actor's LoRA settings
+    cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--lora_alpha", "16")
+    assert (cfg.critic.model.lora_rank, cfg.critic.model.lora_alpha) == (8, 16)
+    assert cfg.actor_rollout_ref.model.lora_rank == 8
 
 
 def test_ppo_async_flags_map_to_verls_async_keys(capsys):

@@ -441,6 +441,10 @@ def _models(a: Args, o: dict, notices: list[str]) -> None:
     critic = a("critic_pretrain") or (_csv(reward)[0] if reward else a("pretrain"))
     if a("advantage_estimator") == "gae":
         o["critic.model.path"] = critic
+        if a("lora_rank"):  # OpenRLHF builds its critic with the same --lora_* settings as the actor
+            _lora(a, o, "critic.model", dropout_key=None)
+            notices.append(f"{a.flag('lora_rank')}: the critic gets LoRA adapters on its body too, its value head "
+                           "trains in full (verl's critic LoRA; OpenRLHF's peft config has no modules_to_save)")
     buffer = a("overlong_buffer_len")
     factor = a("overlong_penalty_factor")
     if buffer is not None:
