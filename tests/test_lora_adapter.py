@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from tests.trainer.test_rl import rl_data  # noqa: F401  (fixture: the arithmetic task + a digit-fraction reward)
 from tiller.errors import ConfigError
 
 TARGETS = ["q_proj", "v_proj"]
@@ -171,17 +172,6 @@ def assert_base_plus_adapter(exported: dict, base_dir, adapter: dict, scale: flo
         else:
             assert torch.equal(exported[k], w), k
     return merged
-
-
-@pytest.fixture(scope="module")
-def rl_data(tmp_path_factory):
-    from tests.trainer.test_rl import REWARD_SRC
-    from tiller.tasks import arithmetic
-
-    root = tmp_path_factory.mktemp("rl_data")
-    arithmetic.write_task(root, n_train=48, n_test=8, seed=0)
-    (root / "reward.py").write_text(REWARD_SRC)
-    return root
 
 
 def _fit(cfg):
