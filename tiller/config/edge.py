@@ -239,9 +239,9 @@ RULES.update({
     "actor_rollout_ref.rollout.logprobs_mode": refused(
         "tiller's engines return the logprobs of the distribution each token was sampled from (after temperature, "
         "top-k, top-p)", use="processed_logprobs", allowed=("processed_logprobs",)),
-    "actor_rollout_ref.rollout.over_sample_rate": refused(
-        "tiller waits for every sample of a step (no aborting of the slowest generations)", use="0",
-        allowed=(0, 0.0)),
+    "actor_rollout_ref.rollout.over_sample_rate": noop(
+        "verl 0.10 declares it (abort the remaining requests once (1 - rate) of them are done) but none of its code "
+        "reads it; tiller, like verl, waits for every sample of a step"),
     "actor_rollout_ref.rollout.skip_rollout": refused(
         "this pre-0.10 key's dump layout is not read (verl changed it twice)", allowed=(False,),
         use="verl 0.10's skip.rollout.enable=true skip.rollout.steps=[...] skip.rollout.dump_dir=DIR"),
