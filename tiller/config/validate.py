@@ -175,6 +175,23 @@ def validate_rl(cfg: RLConfig) -> None:
             and not cfg.reward_model.diversity.llm_url:
         raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
     _validate_diversity_classifier(cfg.reward_model.diversity)
+    _validate_sandbox_fusion(cfg)
+
+
+def _validate_sandbox_fusion(cfg: RLConfig) -> None:
+    """The SandboxFusion url feeds tiller's built-in scorer; a setting that replaces that scorer would leave it unused
+    (verl ignores the url then; tiller refuses the pair)."""
+    url = cfg.reward_model.sandbox_fusion.get("url")
+    if not url:
+        return
+    rm = cfg.reward_model
+    for key, replaces in (("custom_reward_function.path", cfg.custom_reward_function.path),
+                          ("reward_model.remote_url", rm.remote_url),
+                          ("reward_model.enable", rm.enable and not rm.remote_url)):
+        if replaces:
+            raise ConfigError(f"reward.sandbox_fusion.url={url} feeds tiller's built-in code scorer "
+                              f"(default_compute_score), which {key} replaces: drop one of them (a custom function may "
+                              "call tiller.rewards.default_compute_score(..., sandbox_fusion_url=...) itself)")
 
 
 def _validate_diversity_classifier(div) -> None:
