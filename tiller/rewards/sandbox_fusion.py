@@ -88,7 +88,9 @@ class SlotSemaphore:
     def __setstate__(self, state: tuple) -> None:
         self.__init__(*state)
 
-    def __enter__(self) -> "SlotSemaphore":
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Take a free slot (waiting at most `timeout` seconds; None: until one frees); False when none did."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         first = random.randrange(self.slots)
         while True:
             for k in range(self.slots):
@@ -99,13 +101,22 @@ class SlotSemaphore:
                     os.close(fd)
                     continue
                 self._held.__dict__.setdefault("fds", []).append(fd)
-                return self
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(self.poll_s)
 
-    def __exit__(self, *exc: Any) -> None:
+    def release(self) -> None:
         fd = self._held.fds.pop()
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+    def __enter__(self) -> "SlotSemaphore":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 _CLIENT = None
@@ -121,6 +132,13 @@ def _client():
 
             _CLIENT = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         return _CLIENT
+
+
+def set_client(client: Any) -> None:
+    """Send the requests of this process through `client` (an `httpx.Client`: a recording or test transport)."""
+    global _CLIENT
+    with _CLIENT_LOCK:
+        _CLIENT = client
 
 
 def run_code(url: str, code: str, stdin: str | None, *, compile_timeout: float = DEFAULT_TIMEOUT_S,
