@@ -232,6 +232,27 @@ def test_slots_are_shared_across_processes_and_freed_when_a_holder_dies(tmp_path
     sem.release()
 
 
+def test_slots_bound_the_threads_of_one_process(tmp_path):
+    sem, lock, state = sandbox_fusion.SlotSemaphore(str(tmp_path), 2), threading.Lock(), {"in": 0, "most": 0}
+
+    def work():
+        for _ in range(5):
+            with sem:
+                with lock:
+                    state["in"] += 1
+                    state["most"] = max(state["most"], state["in"])
+                threading.Event().wait(0.002)
+                with lock:
+                    state["in"] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 1 <= state["most"] <= 2 and state["in"] == 0
+
+
 # ---------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("key", ["reward.sandbox_fusion", "reward_model.sandbox_fusion", "sandbox_fusion"])
 def test_each_verl_place_resolves_onto_one_setting(key):

@@ -76,11 +76,12 @@ class SlotSemaphore:
     `directory`. It pickles as (directory, slots), so reward worker processes share it, and the kernel drops the
     lock of a process that dies holding it (a worker killed at its deadline frees its slot)."""
 
-    def __init__(self, directory: str, slots: int, poll_s: float = 0.005):
+    def __init__(self, directory: str, slots: int, poll_s: float = 0.02):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.directory, self.slots, self.poll_s = directory, slots, poll_s
         self._held = threading.local()
+        self._local = threading.BoundedSemaphore(slots)  # this process's threads queue here, not on the files
 
     def __getstate__(self) -> tuple:
         return self.directory, self.slots, self.poll_s
@@ -91,7 +92,9 @@ class SlotSemaphore:
     def acquire(self, timeout: float | None = None) -> bool:
         """Take a free slot (waiting at most `timeout` seconds; None: until one frees); False when none did."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        first = random.randrange(self.slots)
+        if not self._local.acquire(timeout=timeout):
+            return False
+        first, pause = random.randrange(self.slots), 0.001
         while True:
             for k in range(self.slots):
                 fd = os.open(os.path.join(self.directory, f"slot-{(first + k) % self.slots}"), os.O_RDWR | os.O_CREAT)
@@ -103,16 +106,20 @@ class SlotSemaphore:
                 self._held.__dict__.setdefault("fds", []).append(fd)
                 return True
             if deadline is not None and time.monotonic() >= deadline:
+                self._local.release()
                 return False
-            time.sleep(self.poll_s)
+            time.sleep(pause)  # another process holds every slot: look again, less often the longer it lasts
+            pause = min(2 * pause, self.poll_s)
 
     def release(self) -> None:
         fd = self._held.fds.pop()
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+        self._local.release()
 
     def __enter__(self) -> "SlotSemaphore":
-        self.acquire()
+        if not self.acquire():
+            raise RuntimeError(f"no slot of {self.directory} could be taken")
         return self
 
     def __exit__(self, *exc: Any) -> None:
