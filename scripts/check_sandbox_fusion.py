@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiller.errors import UserError  # noqa: E402
 from tiller.rewards import default_compute_score, sandbox_fusion  # noqa: E402
+from tiller.rollout.tools import SandboxFusionTool  # noqa: E402
 
 
 def fenced(code: str) -> str:
@@ -60,6 +61,14 @@ RUN_CASES = [
     ("C++ compile error", "int main( { return 0; }", "cpp", "", "", 10, 1024, "compile_error"),
     ("C++ correct", "#include <cstdio>\nint main() { int a; scanf(\"%d\", &a); printf(\"%d\\n\", 2 * a); }", "cpp",
      "21\n", "42\n", 10, 1024, "success"),
+]
+
+# (name, arguments, expected answer; "...": the answer contains it) of verl's SandboxFusionTool (code_interpreter)
+TOOL_CASES = [
+    ("tool: print", {"code": "print(6 * 7)"}, "42\n"),
+    ("tool: exit 3 keeps stdout", {"code": "import sys\nprint(1)\nsys.exit(3)"}, "1\n"),
+    ("tool: exception -> stderr", {"code": "raise ValueError(5)"}, "ValueError: 5..."),
+    ("tool: time limit", {"code": "while True:\n    pass", "timeout": 1}, "no stdout here"),
 ]
 
 
@@ -115,6 +124,11 @@ def check(url: str) -> list[tuple[str, str, str, bool]]:
     rows.append(("max_concurrent=2, 8 cases", "<= 2 in flight, 8 pass",
                  f"{semaphore.most} in flight, {sum(r.outcome is True for r in results)} pass",
                  semaphore.most <= 2 and all(r.outcome is True for r in results)))
+    tool = SandboxFusionTool({"sandbox_fusion_url": url, "default_timeout": 30})  # verl's retool tool
+    for name, arguments, want in TOOL_CASES:
+        got = tool(arguments)
+        shown = got if len(got) <= 40 else "..." + got[-37:]
+        rows.append((name, repr(want), repr(shown), got == want or (want.endswith("...") and want[:-3] in got)))
     try:
         sandbox_fusion.check_server(url.rsplit("/", 1)[0] + "/no_such_endpoint")
         rows.append(("bad endpoint", "UserError naming the key", "accepted", False))

@@ -25,6 +25,7 @@ from tiller.cli import main as cli
 from tiller.config.loader import load_config
 from tiller.errors import ConfigError, UserError
 from tiller.rewards import RewardRequest, build_reward_manager, default_compute_score, sandbox_fusion
+from tiller.rollout.tools import load_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLAY = json.loads((ROOT / "tests/data/sandbox_fusion/replay.json").read_text())
@@ -112,7 +113,7 @@ def test_the_check_table_holds_on_the_recorded_answers(replay):
     """Every row of scripts/check_sandbox_fusion.py: correct 1, wrong 0, partial 2/3, errors, limits, compile error."""
     rows = _load_script().check(replay.url)
     assert [name for name, *_, ok in rows if not ok] == []
-    assert len(rows) == 17
+    assert len(rows) == 21
 
 
 def test_scores_through_default_compute_score(replay):
@@ -253,6 +254,42 @@ def test_slots_bound_the_threads_of_one_process(tmp_path):
     assert 1 <= state["most"] <= 2 and state["in"] == 0
 
 
+# ------------------------------------------------------------------------------- verl's SandboxFusionTool
+VERL_TOOL_YAML = """tools:
+  - class_name: "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
+    config: {{sandbox_fusion_url: "{url}", num_workers: 128, enable_global_rate_limit: true, rate_limit: 128,
+             default_timeout: 30, default_language: python, memory_limit_mb: 1024, type: native{extra}}}
+    tool_schema:
+      type: function
+      function:
+        name: code_interpreter
+        description: A tool for executing code.
+        parameters: {{type: object, properties: {{code: {{type: string, description: The code to execute.}}}},
+                     required: [code]}}
+"""
+
+
+def test_verl_retool_tool_config_loads_and_runs(replay, tmp_path):
+    path = tmp_path / "sandbox_fusion_tool_config.yaml"  # verl's retool recipe's file, as written there
+    path.write_text(VERL_TOOL_YAML.format(url=replay.url, extra=""))
+    tool = load_tools(path)["code_interpreter"]
+    assert tool({"code": "print(6 * 7)"}) == "42\n"  # a recorded run of the real server
+    assert tool({"code": "while True:\n    pass", "timeout": 1}) == "no stdout here"
+
+
+@pytest.mark.parametrize("url, extra, message", [
+    ("", "", r"tools\[0\]: SandboxFusionTool: config.sandbox_fusion_url is not set"),
+    ("http://127.0.0.1:8080/run_code", ", retries: 3", r"tools\[0\]: SandboxFusionTool: unknown config keys \['retries'\]"),
+    (None, "", r"tools\[0\]: SandboxFusionTool: config.sandbox_fusion_url=http://127.0.0.1:\d+/run_code: "
+               "SandboxFusion did not run a test program"),
+])
+def test_verl_tool_config_errors_name_the_entry(tmp_path, url, extra, message):
+    path = tmp_path / "tools.yaml"
+    path.write_text(VERL_TOOL_YAML.format(url=_closed_port_url() if url is None else url, extra=extra))
+    with pytest.raises(ConfigError, match=message):
+        load_tools(path)
+
+
 # ---------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("key", ["reward.sandbox_fusion", "reward_model.sandbox_fusion", "sandbox_fusion"])
 def test_each_verl_place_resolves_onto_one_setting(key):
@@ -292,4 +329,4 @@ def test_the_check_script_against_a_real_server():
     res = subprocess.run([sys.executable, str(SCRIPT), "--url", os.environ["TILLER_SANDBOX_FUSION_URL"]],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "17/17 as expected" in res.stdout
+    assert "21/21 as expected" in res.stdout
