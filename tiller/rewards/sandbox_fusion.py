@@ -29,6 +29,7 @@ counts such cases in the per-sample extra `sandbox_errors` and says so once per 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import os
@@ -261,11 +262,7 @@ def call_harness(code: str, fn_name: str) -> str:
 def _run_case(url: str, code: str, stdin: Any, expected: Any, timeout: float, memory_limit_mb: int, language: str,
               semaphore: Any) -> CaseResult:
     stdin = None if stdin is None else str(stdin)
-    if semaphore is not None:
-        with semaphore:
-            response, error = run_code(url, code, stdin, compile_timeout=timeout, run_timeout=timeout,
-                                       memory_limit_mb=memory_limit_mb, language=language)
-    else:
+    with semaphore if semaphore is not None else contextlib.nullcontext():
         response, error = run_code(url, code, stdin, compile_timeout=timeout, run_timeout=timeout,
                                    memory_limit_mb=memory_limit_mb, language=language)
     if error is not None or not response:
