@@ -152,6 +152,21 @@ def test_classify_the_recorded_failures():
     assert sandbox_fusion.classify({"status": "SandboxError", "message": "x"}, "").status == "sandbox_error"
 
 
+def test_unscorable_samples_score_0_without_a_request(scripted):
+    import doctest
+
+    assert doctest.testmod(sandbox_fusion).failed == 0  # extract_solution's worked cases
+    server = scripted(lambda path, body: (500, "unexpected"))
+    fenced = "```python\nprint(1)\n```"
+    for completion, tests in [("print(1)", {"inputs": ["1"], "outputs": ["1"]}),  # no fence
+                              (fenced, "{not json"), (fenced, {"inputs": ["1"]}),  # no outputs
+                              (fenced, {"inputs": ["1", "2"], "outputs": ["1"]}),  # counts differ
+                              (fenced, {"inputs": [], "outputs": []})]:
+        got = sandbox_fusion.compute_score(server.url, None, None, completion, tests, continuous=True)
+        assert got["score"] == 0.0 and got["sandbox_errors"] == 0.0, (completion, tests)
+    assert server.requests == []
+
+
 def test_a_compile_error_marks_every_later_case(scripted):
     good, bad = _recorded("scanf"), _recorded("int main( {")
     server = scripted(lambda path, body: (200, json.dumps(bad if body["stdin"] == "bad" else good)))

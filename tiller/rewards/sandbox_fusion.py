@@ -287,8 +287,8 @@ def run_cases(url: str, code: str, tests: dict, *, timeout: float = DEFAULT_TIME
     inputs, outputs = tests.get("inputs"), tests.get("outputs")
     if not isinstance(inputs, list) or not isinstance(outputs, list):
         return [CaseResult(API_ERROR, "invalid_tests", error="tests need 'inputs' and 'outputs' lists")]
-    asserts = tests.get("assert_case") or [""] * len(inputs)
-    if len(outputs) != len(inputs) or len(asserts) != len(inputs):
+    asserts = tests.get("assert_case", [""] * len(inputs))
+    if len(outputs) != len(inputs) or not isinstance(asserts, list) or len(asserts) != len(inputs):
         return [CaseResult(API_ERROR, "invalid_tests", error="inputs / outputs / assert_case counts differ")
                 for _ in inputs]
     if not inputs:
@@ -299,7 +299,8 @@ def run_cases(url: str, code: str, tests: dict, *, timeout: float = DEFAULT_TIME
         source = f"{code}\n\n{asserts[i]}"
         return call_harness(source, fn_name) if fn_name and language == "python" else source
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(inputs), 32)) as pool:
+    workers = min(len(inputs), max(32, 5 * (os.cpu_count() or 1)))  # verl's pool size; the semaphore bounds requests
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(lambda i: _run_case(url, program(i), inputs[i], outputs[i], timeout, memory_limit_mb,
                                                     language, semaphore), range(len(inputs))))
     first_compile_error = next((i for i, r in enumerate(results) if r.outcome == COMPILE_ERROR), None)
@@ -361,7 +362,7 @@ def compute_score(sandbox_fusion_url: str, concurrent_semaphore: Any, memory_lim
     passed = [r.outcome is True for r in results]
     counted = passed[:CONTINUOUS_CASES] if continuous else passed
     return {"score": sum(counted) / len(counted), "pass_rate": sum(passed) / len(passed),
-            "num_tests": float(len(results)), "sandbox_errors": float(sum(r.outcome == API_ERROR for r in results))}
+            "num_tests": float(len(results)), "sandbox_errors": float(sum(r.outcome == API_ERROR and r.status != "invalid_tests" for r in results))}
 
 
 def check_server(url: str, memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, key: str = URL_KEY) -> None:
