@@ -174,9 +174,11 @@ def run_code(url: str, code: str, stdin: str | None, *, compile_timeout: float =
         if reply.status_code >= 400:
             return None, f"HTTP {reply.status_code}: {reply.text[:200]}"
         try:
-            return reply.json(), None
+            answer = reply.json()
         except ValueError as exc:
             return None, f"the answer is not JSON ({exc}): {reply.text[:200]}"
+        return (answer, None) if isinstance(answer, dict) else (None, f"the answer is not a JSON object: "
+                                                                      f"{reply.text[:200]}")
     return None, error
 
 
