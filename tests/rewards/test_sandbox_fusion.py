@@ -229,6 +229,30 @@ def test_reward_manager_scores_code_on_the_server(replay, manager):
     assert result.extras["num_tests"][:2].tolist() == [3.0, 3.0] and result.metrics["reward/num_errors"] == 0.0
 
 
+def test_reward_timeout_ends_a_sample_whose_server_hangs(scripted):
+    release, waited_out = threading.Event(), []
+
+    def hang(path, body):
+        if body["code"] == "print('tiller')":  # the start-up check runs
+            return 200, json.dumps(_recorded("scanf") | {"run_result": {"status": "Finished", "return_code": 0,
+                                                                         "stdout": "tiller\n", "stderr": ""}})
+        if not release.wait(20):  # the client waited for this request instead of ending the sample
+            waited_out.append(body["stdin"])
+        return 500, "late"
+
+    server = scripted(hang)
+    cfg = load_config([f"reward.sandbox_fusion.url={server.url}", "reward_model.timeout=1"])
+    fn = build_reward_manager(cfg)
+    tests = json.dumps({"inputs": [f"{i}\n" for i in range(40)], "outputs": ["0\n"] * 40})
+    try:
+        result = fn([RewardRequest("apps", "p", "```python\nprint(0)\n```", tests)])
+    finally:
+        release.set()
+    # the sample scored 0 as a timeout while its requests still hung (40 cases queued; the hung ones end alone)
+    assert result.scores.tolist() == [0.0] and result.metrics["reward/num_timeouts"] == 1.0
+    assert waited_out == []
+
+
 def test_slots_are_shared_across_processes_and_freed_when_a_holder_dies(tmp_path):
     sem = sandbox_fusion.SlotSemaphore(str(tmp_path), 1)
     copy = pickle.loads(pickle.dumps(sem))  # what a reward worker process receives

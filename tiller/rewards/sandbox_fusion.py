@@ -302,9 +302,12 @@ def run_cases(url: str, code: str, tests: dict, *, timeout: float = DEFAULT_TIME
         return call_harness(source, fn_name) if fn_name and language == "python" else source
 
     workers = min(len(inputs), max(32, 5 * (os.cpu_count() or 1)))  # verl's pool size; the semaphore bounds requests
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tiller-sandbox-fusion")
+    try:
         results = list(pool.map(lambda i: _run_case(url, program(i), inputs[i], outputs[i], timeout, memory_limit_mb,
                                                     language, semaphore), range(len(inputs))))
+    finally:  # interrupted (reward_model.timeout): drop the queued cases, leave the running requests to end alone
+        pool.shutdown(wait=False, cancel_futures=True)
     first_compile_error = next((i for i, r in enumerate(results) if r.outcome == COMPILE_ERROR), None)
     if first_compile_error is not None:  # verl: every later case counts as a compile error too
         for r in results[first_compile_error + 1:]:
