@@ -1190,8 +1190,8 @@ class RewardModelConfig:
     """verl: its reward-loop implementation (vs the legacy reward worker); tiller has one reward path."""
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
                                                                      "memory_limit_mb": 1024})
-    """verl: a SandboxFusion code-execution service for code rewards; refused unless url is null (point
-    custom_reward_function.path at a scorer that calls your sandbox)."""
+    """verl: a SandboxFusion code-execution service {url, max_concurrent, memory_limit_mb}: with url set, the code data
+    sources codecontests / apps / codeforces / taco are scored on it, as verl (tiller.rewards.sandbox_fusion)."""
     profiler: dict[str, Any] = field(default_factory=_profiler)
     """verl's profiler hooks of the reward model; tiller has no profiler integration."""
     ulysses_sequence_parallel_size: int = 1
@@ -1568,7 +1568,7 @@ class RewardConfig:
     """= reward_model.num_workers."""
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
                                                                      "memory_limit_mb": 1024})
-    """verl 0.10's place of reward_model.sandbox_fusion: refused unless url is null (no SandboxFusion client)."""
+    """= reward_model.sandbox_fusion (verl 0.10's place of it)."""
 
 
 @dataclass
@@ -1732,7 +1732,7 @@ class RLConfig:
         "py_executable": None}}, "timeline_json_file": None})
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": None,
                                                                      "memory_limit_mb": None})
-    """verl 0.10's top-level SandboxFusion service: refused unless url is null (no SandboxFusion client)."""
+    """verl 0.10's legacy top-level SandboxFusion section: = reward.sandbox_fusion (nulls: 64 / 1024)."""
     model_engine: str = "dp"
     """verl 0.10's training engine (a config group there): dp (FSDP, tiller's) | megatron | veomni | torchtitan
     (refused, before any other key of the command line)."""

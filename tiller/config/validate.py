@@ -178,6 +178,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_diversity_classifier(cfg.reward_model.diversity)
     for key, section in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
         _validate_lora(key, section)
+    _validate_sandbox_fusion(cfg)
 
 
 def _validate_lora(key: str, model) -> None:
@@ -187,6 +188,22 @@ def _validate_lora(key: str, model) -> None:
     if (model.lora_rank > 0 or model.lora_adapter_path) and not model.lora_alpha > 0:
         raise ConfigError(f"{key}.lora_alpha must be > 0 with LoRA (the adapters' scale is alpha / rank), "
                           f"got {model.lora_alpha!r}")
+
+
+def _validate_sandbox_fusion(cfg: RLConfig) -> None:
+    """The SandboxFusion url feeds tiller's built-in scorer; a setting that replaces that scorer would leave it unused
+    (verl ignores the url then; tiller refuses the pair)."""
+    url = cfg.reward_model.sandbox_fusion.get("url")
+    if not url:
+        return
+    rm = cfg.reward_model
+    for key, replaces in (("custom_reward_function.path", cfg.custom_reward_function.path),
+                          ("reward_model.remote_url", rm.remote_url),
+                          ("reward_model.enable", rm.enable and not rm.remote_url)):
+        if replaces:
+            raise ConfigError(f"reward.sandbox_fusion.url={url} feeds tiller's built-in code scorer "
+                              f"(default_compute_score), which {key} replaces: drop one of them (a custom function may "
+                              "call tiller.rewards.default_compute_score(..., sandbox_fusion_url=...) itself)")
 
 
 def _validate_diversity_classifier(div) -> None:
