@@ -31,8 +31,8 @@ EXPECTED = {
     "run_qwen2-7b_rm.json": None,  # PPO with a reward model
     "run_qwen2-7b_rm_legacy.json": None,
     "run_qwen2-7b_rm_seq_balance.json": None,
-    # PPO with code rewards on a SandboxFusion server (honoured) through verl's prime reward manager (not built)
-    "run_deepseek7b_llm_sandbox_fusion.json": "reward_model.reward_manager = 'prime' is not one of",
+    # PPO with code rewards on a SandboxFusion server through verl's prime reward manager
+    "run_deepseek7b_llm_sandbox_fusion.json": None,
     "run_deepseek7b_llm_pfppo.json": None,  # PF-PPO (gae, pow)
     "test_gspo_3b_math.json": None,  # GSPO
     "run_qwen30b_sapo.json": None,  # SAPO (actor.tau_pos / tau_neg)
@@ -104,8 +104,9 @@ def test_lora_example_resolves_verl_meaning():
 
 def test_sandbox_fusion_example_resolves_its_server():
     case = json.loads((DATA / "run_deepseek7b_llm_sandbox_fusion.json").read_text())
-    items = [o for o in case["overrides"] if o != "reward_model.reward_manager=prime"]
-    sandbox = load_config(items).reward_model.sandbox_fusion
+    cfg = load_config(case["overrides"])
+    assert cfg.reward_model.reward_manager == "prime"
+    sandbox = cfg.reward_model.sandbox_fusion
     assert sandbox["url"].endswith(".volceapi.com/run_code") and sandbox["max_concurrent"] == 128
     assert sandbox["memory_limit_mb"] == 1024  # verl's default, unset by the script
 

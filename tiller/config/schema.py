@@ -1144,8 +1144,9 @@ class RewardModelConfig:
     max_length: Optional[int] = None
     """Longest prompt + response the RM sees."""
     reward_manager: Optional[str] = "naive"
-    """naive | batch | parallel | dapo | openrlhf (a batched OpenRLHF reward_func(queries, prompts, labels) in
-    custom_reward_function.path) | gdpo (verl 0.10's name for naive with dict scores, for adv_estimator=gdpo)."""
+    """naive | batch | parallel | prime (verl's: parallel with 300 s a sample) | dapo | openrlhf (a batched OpenRLHF
+    reward_func(queries, prompts, labels) in custom_reward_function.path) | gdpo (verl 0.10's name for naive with dict
+    scores, for adv_estimator=gdpo)."""
     num_workers: Optional[int] = 2
     """Processes of the parallel reward manager."""
     bad_ground_truth: str = "error"
@@ -1524,7 +1525,7 @@ class TrainerConfig:
 @dataclass
 class NewRewardManagerConfig:
     name: Optional[str] = None
-    """= reward_model.reward_manager (naive | batch | parallel | dapo | openrlhf)."""
+    """= reward_model.reward_manager (naive | batch | parallel | prime | dapo | openrlhf)."""
     source: str = "register"
     """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
     module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})

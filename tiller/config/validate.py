@@ -27,7 +27,7 @@ from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
-REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo")
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo", "prime")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries

@@ -2,7 +2,7 @@
 
     base scores  = remote server   (reward_model.remote_url set)
                  | reward model    (reward_model.enable with model.path)
-                 | rule / custom fn through reward_model.reward_manager (naive | batch | parallel | dapo)
+                 | rule / custom fn through reward_model.reward_manager (naive | batch | parallel | prime | dapo)
                    (code data sources on a SandboxFusion server when reward.sandbox_fusion.url is set)
     + DAPO overlong shaping        (reward_model.overlong_buffer.enable; reward_manager=dapo)
     -> DARLING diversity fusion    (reward_model.diversity.enable)
@@ -100,6 +100,10 @@ def overlong_buffer(cfg: Any) -> tuple[dict | None, str]:
     return (found[0][1], found[0][0]) if found else (None, "")
 
 
+PRIME_TIMEOUT_S = 300.0
+"""verl's PrimeRewardManager bounds each sample's scoring by 300 s (a constant there, not reward_model.timeout)."""
+
+
 def _rule_manager(cfg: Any) -> Any:
     rm, custom = cfg.reward_model, cfg.custom_reward_function
     name = rm.reward_manager
@@ -125,6 +129,8 @@ def _rule_manager(cfg: Any) -> Any:
         return BatchRewardManager(ref if custom.path else None, kwargs, timeout=rm.timeout)
     if name == "parallel":
         return ParallelRewardManager(ref, kwargs, num_workers=rm.num_workers, timeout=rm.timeout)
+    if name == "prime":  # verl's PrimeRewardManager: per-sample calls in processes, 300 s each, 0 on error / timeout
+        return ParallelRewardManager(ref, kwargs, num_workers=rm.num_workers, timeout=PRIME_TIMEOUT_S)
     # verl's dapo manager takes the length limit as max_resp_len; data.max_response_length by default
     max_len = int(manager_kwargs.get("max_resp_len") or cfg.data.max_response_length)
     return DapoRewardManager(ref, kwargs, max_response_length=max_len,
