@@ -236,6 +236,22 @@ def geo_mean_loss(
     return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac, lower)
 
 
+def rollout_is_weights_for(loss_mode: str, weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The per-token factor [B, T] that rollout-correction IS `weights[B, T]` put on `loss_mode`'s per-token loss.
+
+    Every loss multiplies each token's loss by its weight, as verl's losses do, except geo_mean, whose loss is one
+    per sequence: verl weights it by the geometric mean of the row's token weights,
+    exp(sum_t m log(w_t + 1e-10) / (n_i + 1e-8)), returned here on every token of the row (so the seq-mean-token-mean
+    of geo_mean's loss times it is verl's). A zero weight (IcePop) thus shrinks the whole row to ~0.
+    """
+    if loss_mode != "geo_mean":
+        return weights
+    m = response_mask.to(weights.dtype)
+    log_w = torch.where(response_mask.bool(), torch.log(weights + 1e-10), torch.zeros((), dtype=weights.dtype))
+    seq = torch.exp(log_w.sum(-1) / (m.sum(-1) + 1e-8))
+    return seq.unsqueeze(-1).expand_as(weights)
+
+
 def _centred_cov(advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(A - mean A)(logp - mean logp) with means over valid tokens; detached. [B, T]."""
     a, lp = advantages.detach(), logp.detach()

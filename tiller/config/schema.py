@@ -1302,7 +1302,8 @@ class DistillConfig:
     clip_ratio_low: Optional[float] = None
     """The distillation surrogate's lower clip epsilon; null = actor.clip_ratio_low (or clip_ratio)."""
     clip_ratio_high: Optional[float] = None
-    """The distillation surrogate's upper clip epsilon; null = actor.clip_ratio_high (or clip_ratio)."""
+    """The distillation surrogate's upper clip epsilon; null = actor.clip_ratio_high (or clip_ratio). Its dual-clip
+    constant is 3.0, as verl's (whose distillation loss config has no clip_ratio_c), not actor.clip_ratio_c."""
 
 
 @dataclass

@@ -40,7 +40,7 @@ from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import distillation_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
-from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
+from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss, rollout_is_weights_for
 from tiller.algos.rollout_correction import (
     MISMATCH_SUM_KEYS,
     merge_mismatch_sums,
@@ -634,7 +634,8 @@ class ActorRolloutRefWorker:
             adv = micro["advantages"].to(self.device)
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
             if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
-                pg_tok = pg_tok * micro["rollout_is_weights"].to(self.device, pg_tok.dtype)
+                pg_tok = pg_tok * rollout_is_weights_for(loss_mode, micro["rollout_is_weights"].to(self.device,
+                                                                                                   pg_tok.dtype), mask)
             pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
             loss = pg_loss
             if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
@@ -692,7 +693,8 @@ class ActorRolloutRefWorker:
             loss_max_clamp=d.loss_max_clamp, clip_ratio=a.clip_ratio,
             clip_ratio_low=d.clip_ratio_low if d.clip_ratio_low is not None else a.clip_ratio_low,
             clip_ratio_high=d.clip_ratio_high if d.clip_ratio_high is not None else a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c)
+            clip_ratio_c=3.0,  # verl: DistillationLossConfig has no clip_ratio_c, its vanilla loss falls back to 3.0
+            rollout_is_weights=micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None)
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
         share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
         sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
