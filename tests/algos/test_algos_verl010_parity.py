@@ -1,5 +1,5 @@
 """Worked numbers for what a parity run against verl 0.10 (verl-project/verl 1dda039b) found or left unpinned:
-geo_mean's rollout IS weights (a geometric mean per row), the distillation surrogate's IS weights and metric
+geo_mean's rollout IS weights (a geometric mean per row), bypass mode's aggregation mask, the distillation surrogate's IS weights and metric
 names, low_var_kl's clamps, the straight-through KL variants, the value loss under every aggregation mode."""
 
 import math
@@ -10,7 +10,7 @@ import torch
 import algos_reference as ref
 from tiller.algos import aggregate_loss, get_policy_loss, kl_penalty, value_loss
 from tiller.algos.distill import distillation_loss
-from tiller.algos.policy_losses import rollout_is_weights_for
+from tiller.algos.policy_losses import bypass_loss_mask, rollout_is_weights_for
 
 D = torch.float64
 
@@ -36,6 +36,30 @@ def test_geo_mean_is_weights_are_each_rows_geometric_mean():
     assert total.item() == pytest.approx(0.5, abs=1e-7)  # verl divides by n_i + 1e-8: a 1e-8 relative shift
     total.backward()
     ref.assert_close(logp.grad, [[-0.25, -0.25, 0.0], [0.5, 0.5, 0.0]], atol=1e-7)
+
+
+def test_bypass_mode_aggregates_over_the_tokens_rejection_keeps():
+    # verl aggregates bypass_mode's loss over response_mask less the rejected tokens, so seq-mean-token-mean divides
+    # each row by its KEPT tokens. REINFORCE, TIS cap 2, token_k1 keeps p_rollout / p in [0.4, 2.5], A = 1:
+    #   row 0: p = (.6, .3), p_rollout = (.2, .6): t0 (ratio 1/3) rejected; t1 w = 0.5: -0.5 ln 0.3 = 0.601986 / 1 kept
+    #   row 1: on-policy p = p_rollout = (.5, .5): w = 1, -ln 0.5 = 0.693147 on both: 0.693147 per token
+    #   seq-mean-token-mean = (0.601986 + 0.693147) / 2 = 0.647567 (over the response mask: (0.300993 + 0.693147) / 2)
+    #   grad: row 0 t1 -w / (1 kept * 2 rows) = -0.25; row 1 -1 / (2 * 2) = -0.25
+    logp = torch.tensor([[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.5)]], dtype=D, requires_grad=True)
+    rollout = torch.tensor([[math.log(0.2), math.log(0.6)], [math.log(0.5), math.log(0.5)]], dtype=D)
+    mask = torch.ones(2, 2, dtype=D)
+    hyper = dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                 rollout_rs_threshold="0.4_2.5", clip_ratio=0.2)
+    kept = bypass_loss_mask(logp, rollout, mask, **hyper)
+    ref.assert_close(kept, [[0.0, 1.0], [1.0, 1.0]], atol=0)
+    tok, _ = get_policy_loss("bypass_mode")(logp, rollout, torch.ones(2, 2, dtype=D), mask, **hyper)
+    total = aggregate_loss(tok, kept, "seq-mean-token-mean", global_tokens=4, global_seqs=2)
+    assert total.item() == pytest.approx(0.647567, abs=1e-6)
+    total.backward()
+    ref.assert_close(logp.grad, [[0.0, -0.25], [-0.25, -0.25]], atol=1e-6)
+    # token-mean's normaliser is the global count (4 response tokens, as verl's batch_num_tokens): the mask is moot
+    assert aggregate_loss(tok, kept, "token-mean", global_tokens=4).item() == pytest.approx(
+        aggregate_loss(tok, mask, "token-mean", global_tokens=4).item())
 
 
 def test_distillation_surrogate_takes_the_is_weights_and_verls_metric_names():

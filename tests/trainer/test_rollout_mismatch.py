@@ -28,10 +28,10 @@ def _batch(seed: int = 0) -> Batch:
                  meta={"mini_batch_size": 8, "temperature": 1.0})
 
 
-def _delta(model_dir, batch: Batch):
+def _delta(model_dir, batch: Batch, *extra: str):
     # Adam with eps=1 and lr=1: the first step is ~ -g (see test_actor_update_is_micro_batch_invariant)
     w = _worker(model_dir, 4, "token-mean", "actor_rollout_ref.actor.optim.eps=1.0",
-                "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0.0")
+                "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0.0", *extra)
     before = w.state_dict()
     metrics = w.update_actor(batch)
     return {k: v - before[k] for k, v in w.state_dict().items()}, metrics, w
@@ -48,6 +48,27 @@ def test_tis_weights_scale_the_policy_gradient(tiny_model_dir):
     scaled["advantages"] = batch["advantages"] * weights
     d_w, m_w, _ = _delta(tiny_model_dir, weighted)
     d_s, m_s, _ = _delta(tiny_model_dir, scaled)
+    scale = max(float(d.abs().max()) for d in d_s.values())
+    assert scale > 1e-4
+    for k in d_s:
+        torch.testing.assert_close(d_w[k], d_s[k], atol=1e-5 * scale, rtol=1e-4)
+    assert m_w["actor/pg_loss"] == pytest.approx(m_s["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_geo_mean_weights_each_row_by_the_geometric_mean_of_its_is_weights(tiny_model_dir):
+    # verl's geo_mean has one loss per row, -mean_t(A) * ratio, and weights it by exp(mean_t log(w_t + 1e-10)) over the
+    # row's valid tokens: the same update as that row's advantages times that factor, without weights
+    batch = _batch()
+    mask = batch["response_mask"].float()
+    weights = 0.5 + 1.5 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
+    geo = torch.exp((torch.log(weights + 1e-10) * mask).sum(-1) / (mask.sum(-1) + 1e-8))
+    weighted = Batch(dict(batch.tensors), meta=dict(batch.meta))
+    weighted["rollout_is_weights"] = weights
+    scaled = Batch(dict(batch.tensors), meta=dict(batch.meta))
+    scaled["advantages"] = batch["advantages"] * geo[:, None]
+    geo_mean = "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"
+    d_w, m_w, _ = _delta(tiny_model_dir, weighted, geo_mean)
+    d_s, m_s, _ = _delta(tiny_model_dir, scaled, geo_mean)
     scale = max(float(d.abs().max()) for d in d_s.values())
     assert scale > 1e-4
     for k in d_s:

@@ -369,6 +369,19 @@ def dro_loss(
 
 
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+_RS_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")
+
+
+def bypass_loss_mask(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor,
+                     **hyper: Any) -> torch.Tensor:
+    """The mask [B, T] verl aggregates bypass_mode's loss over: `response_mask` less the tokens its rejection
+    sampling drops (computed from sg(logp) vs the rollout logprobs `old_logp`, as inside the loss).
+
+    Only seq-mean-token-mean reads it beyond the loss itself (each row's token count); the other modes'
+    normalisers are global counts. `hyper`: bypass_mode's keywords; the rollout_* ones are used, the rest ignored.
+    """
+    kw = {k: v for k, v in hyper.items() if k in _RS_KEYS}
+    return rollout_correction(logp.detach(), old_logp, response_mask, **kw)[1]
 
 
 @register_policy_loss("bypass_mode")

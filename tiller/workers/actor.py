@@ -40,7 +40,8 @@ from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import distillation_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
-from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss, rollout_is_weights_for
+from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, bypass_loss_mask, get_policy_loss,
+                                        rollout_is_weights_for)
 from tiller.algos.rollout_correction import (
     MISMATCH_SUM_KEYS,
     merge_mismatch_sums,
@@ -636,7 +637,8 @@ class ActorRolloutRefWorker:
             if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
                 pg_tok = pg_tok * rollout_is_weights_for(loss_mode, micro["rollout_is_weights"].to(self.device,
                                                                                                    pg_tok.dtype), mask)
-            pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
+            pg_mask = bypass_loss_mask(logp, old, mask, **hyper) if loss_mode == "bypass_mode" else mask  # verl's
+            pg_loss = aggregate_loss(pg_tok, pg_mask, agg_mode, **agg)
             loss = pg_loss
             if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
                 loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
