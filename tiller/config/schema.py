@@ -529,7 +529,7 @@ class ActorConfig:
     """sapo: temperature of the soft gate for negative advantages."""
     loss_agg_mode: str = "token-mean"
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (the seq-mean
-    modes count only sequences with at least one valid token, as verl)."""
+    modes divide by the mini-batch's rows, a row rejected whole included, as verl 0.10's trainer)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
