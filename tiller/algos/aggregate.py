@@ -17,9 +17,9 @@ counts are used (N_tok = local valid tokens, N_seq = local rows with at least on
 (`count_sequences`), L_max = T).
 
 The local N_seq (no `global_seqs`) counts only sequences with at least one valid token, as verl's agg_loss does
-without global_batch_size ("exclude fully masked sequences"). The trainer passes `global_seqs` = every row of the
-mini-batch, fully masked ones included, as verl 0.10's trainer passes global_batch_size = ppo_mini_batch_size x n
-(`tiller.workers.common.global_counts`): a row rejected whole by rollout correction contributes 0 and still counts.
+without global_batch_size ("exclude fully masked sequences"). The trainer's `global_seqs` also counts a row that
+rollout correction rejected whole (it contributes 0), as verl 0.10's trainer passes global_batch_size =
+ppo_mini_batch_size x n (`tiller.workers.common.global_counts`); world-size padding rows never count.
 
 Deviations from verl:
 - verl's legacy actor (gone in 0.10, whose engine passes global counts as tiller does) aggregated each micro-batch
@@ -64,8 +64,8 @@ def aggregate_loss(
 
     Args:
         global_tokens: valid tokens in the whole mini-batch (token-mean).
-        global_seqs: sequences of the whole mini-batch (the seq-mean-* modes; the trainer counts every row, as
-            verl's trainer; default: this call's rows with a valid token, `count_sequences`).
+        global_seqs: sequences of the whole mini-batch (the seq-mean-* modes; the trainer's count includes rows
+            rejected whole, as verl's trainer; default: this call's rows with a valid token, `count_sequences`).
         max_len: Dr.GRPO's constant (seq-mean-token-sum-norm): verl's `loss_scale_factor` (any positive number,
             used as given) or the padded width; default T (at least 1).
     """

@@ -55,7 +55,7 @@ class ImplicitPRM:
         stats: dict[str, list[float]] = {}
         self.model.train()
         for mb in batch.split(mini):
-            n_seq = max(global_counts(mb, nonempty_rows_only=True)["global_seqs"], 1.0)
+            n_seq = max(global_counts(mb)["global_seqs"], 1.0)
             sums = {"prm_loss": 0.0, "prm_acc": 0.0, "implicit_reward": 0.0}
             self.optimizer.zero_grad(set_to_none=True)
             micros = split_micro_batches(mb, rows=a.ppo_micro_batch_size_per_gpu).batches
