@@ -31,7 +31,9 @@ Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / e
 - geo_mean: GMPO (Zhao et al. 2025, arXiv 2507.20673): per-sequence loss -mean_t(A) exp(mean_t
   clip_sgn(rho)), where rho is clipped to [-eps_lo, eps_hi] on the side that limits the update for
   the sign of A. tiller returns that sequence loss on every valid token of the row, so
-  seq-mean-token-mean reproduces verl's torch.mean over sequences exactly.
+  seq-mean-token-mean reproduces verl's torch.mean over sequences (verl takes it per micro-batch, over all its
+  rows, ignoring the global counts, so its gradient grows with the number of micro-batches; tiller's is the
+  mini-batch's mean). Rollout IS weights act on a row through their geometric mean (`rollout_is_weights_for`).
 - clip_cov: PPO clip, plus: among tokens not already clipped whose centred covariance
   (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub), a random
   max(1, floor(clip_cov_ratio * N_valid)) of them get zero loss (no gradient) (Cui et al. 2025,
