@@ -76,6 +76,25 @@ def test_geo_mean_weights_each_row_by_the_geometric_mean_of_its_is_weights(tiny_
     assert m_w["actor/pg_loss"] == pytest.approx(m_s["actor/pg_loss"], rel=1e-5, abs=1e-7)
 
 
+def test_forced_aggregation_is_the_policy_terms_only(tiny_model_dir):
+    # verl forces seq-mean-token-mean on gspo's policy loss, but aggregates the KL loss (and entropy, distillation)
+    # with the config's loss_agg_mode. Zero advantages: gspo's and vanilla's policy terms have no gradient, so both
+    # updates are the KL term's alone, token-mean in both (seq-mean-token-mean would weigh the rows of lengths
+    # 5, 1, 3, 2, ... differently)
+    batch = _batch()
+    batch["advantages"] = torch.zeros(8, 5)
+    batch["ref_log_prob"] = -1.0 - torch.rand(8, 5, generator=torch.Generator().manual_seed(3))
+    kl = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k2",
+          "actor_rollout_ref.actor.kl_loss_coef=1.0")
+    d_g, m_g, _ = _delta(tiny_model_dir, batch, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *kl)
+    d_v, m_v, _ = _delta(tiny_model_dir, batch, *kl)
+    scale = max(float(d.abs().max()) for d in d_v.values())
+    assert scale > 1e-4
+    for k in d_v:
+        torch.testing.assert_close(d_g[k], d_v[k], atol=1e-6 * scale, rtol=1e-5)
+    assert m_g["actor/kl_loss"] == pytest.approx(m_v["actor/kl_loss"], rel=1e-6)
+
+
 def test_on_policy_update_measures_the_mismatch(tiny_model_dir):
     # no old_log_probs: the update's own logprobs are the actor's; rollout logprobs = actor's + known noise
     batch = _batch()

@@ -597,7 +597,6 @@ class ActorRolloutRefWorker:
     def _update_mini_batch(self, mb: Batch, entropy_coeff: float) -> dict[str, float]:
         a = self.actor_cfg
         loss_mode = a.policy_loss.loss_mode
-        agg_mode = FORCED_LOSS_AGG_MODE.get(loss_mode, a.loss_agg_mode)
         hyper = dict(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                      clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                      clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
@@ -612,6 +611,8 @@ class ActorRolloutRefWorker:
                          rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
                          rollout_rs_threshold=rc.rollout_rs_threshold)
         policy_loss = get_policy_loss(loss_mode)
+        pg_agg_mode = FORCED_LOSS_AGG_MODE.get(loss_mode, a.loss_agg_mode)  # verl forces it for the pg term only
+        agg_mode = a.loss_agg_mode  # entropy, KL loss and distillation: the config's (verl's ppo_loss, the same)
         agg = global_counts(mb, a.loss_scale_factor)
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
@@ -638,7 +639,7 @@ class ActorRolloutRefWorker:
                 pg_tok = pg_tok * rollout_is_weights_for(loss_mode, micro["rollout_is_weights"].to(self.device,
                                                                                                    pg_tok.dtype), mask)
             pg_mask = bypass_loss_mask(logp, old, mask, **hyper) if loss_mode == "bypass_mode" else mask  # verl's
-            pg_loss = aggregate_loss(pg_tok, pg_mask, agg_mode, **agg)
+            pg_loss = aggregate_loss(pg_tok, pg_mask, pg_agg_mode, **agg)
             loss = pg_loss
             if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
                 loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
