@@ -104,6 +104,16 @@ def test_loss_scale_factor_config_critic_follows_actor_and_must_be_positive():
         load_config([f"{A}.loss_scale_factor=0"])
 
 
+def test_critic_loss_agg_mode_follows_the_actors():
+    # verl: critic.loss_agg_mode = ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}
+    assert load_config([f"{A}.loss_agg_mode=seq-mean-token-mean"]).critic.loss_agg_mode == "seq-mean-token-mean"
+    assert load_config([f"{A}.loss_agg_mode=seq-mean-token-mean",
+                        "critic.loss_agg_mode=token-sum"]).critic.loss_agg_mode == "token-sum"
+    assert load_config([]).critic.loss_agg_mode == "token-mean"
+    with pytest.raises(ConfigError, match="critic.loss_agg_mode"):
+        load_config(["critic.loss_agg_mode=token-avg"])
+
+
 # ------------------------------------------------------------------------------------------ optimizer class
 def _params():
     return [torch.nn.Parameter(torch.ones(2, 2))]

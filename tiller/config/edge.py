@@ -921,6 +921,8 @@ def _resolve_followers(cfg: RLConfig) -> None:
             section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
     if critic.use_dynamic_bsz is None:
         critic.use_dynamic_bsz = actor.use_dynamic_bsz
+    if critic.loss_agg_mode is None:  # verl: ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}
+        critic.loss_agg_mode = actor.loss_agg_mode
     if critic.loss_scale_factor is None:  # verl: ${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}
         critic.loss_scale_factor = actor.loss_scale_factor
     if critic.forward_max_token_len_per_gpu is None:

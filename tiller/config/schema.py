@@ -1008,8 +1008,9 @@ class CriticConfig:
     """Max global grad norm."""
     cliprange_value: float = 0.5
     """Value clipping range."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the value loss."""
+    loss_agg_mode: Optional[str] = None
+    """Aggregation of the value loss; null = actor_rollout_ref.actor.loss_agg_mode (verl's default,
+    ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean})."""
     dtype: str = "float32"
     """Training compute dtype: float32 | bfloat16."""
     update_lanes: int = 1
