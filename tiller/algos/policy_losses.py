@@ -249,7 +249,8 @@ def rollout_is_weights_for(loss_mode: str, weights: torch.Tensor, response_mask:
     if loss_mode != "geo_mean":
         return weights
     m = response_mask.to(weights.dtype)
-    log_w = torch.where(response_mask.bool(), torch.log(weights + 1e-10), torch.zeros((), dtype=weights.dtype))
+    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    log_w = torch.where(response_mask.bool(), torch.log(weights + 1e-10), zero)
     seq = torch.exp(log_w.sum(-1) / (m.sum(-1) + 1e-8))
     return seq.unsqueeze(-1).expand_as(weights)
 
