@@ -89,7 +89,8 @@ POLICY_HYPER = (
     "rollout_rs_threshold", "loss_mode", "generator",
 )
 
-#: the aggregation verl forces for these losses; the trainer should use it (others: config's choice).
+#: the aggregation verl forces on these losses' policy-gradient term (entropy / KL / distillation terms and the
+#: other losses: the config's loss_agg_mode).
 FORCED_LOSS_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 LOG_RATIO_CLAMP = 20.0
