@@ -27,6 +27,8 @@ from tiller.algos import (
     value_loss,
 )
 
+from tiller.algos.policy_losses import bypass_loss_mask, rollout_is_weights_for
+
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -76,6 +78,8 @@ def test_other_functions_stay_on_device(device):
         kto_loss(adv[:, 0], adv[:, 1], adv[:, 2] > 0, adv[0, 0], beta=0.1)[0],
         pairwise_rm_loss(adv[:, 0], adv[:, 1], adv[:, 2]),
         fuse_diversity(adv[:, 0], adv[:, 1], [0, 0, 1, 1], normalization="group_max"),
+        rollout_is_weights_for("geo_mean", old.exp(), mask),
+        bypass_loss_mask(logp, old, mask, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
     ]
     assert all(o.device.type == device for o in outs)
 

@@ -122,6 +122,9 @@ def test_a_verl_distillation_script_block_parses_unchanged():
                                                                                           False, True)
     noops = " ".join(noop_keys(cfg))  # the teacher-server keys are named at start-up as having no effect here
     assert "distillation.teacher_model.inference.max_num_seqs=8" in noops and "distillation.num_workers=8" in noops
+    # verl 0.10 reads log_prob_min_clamp only in its top-k loss: the k1 estimator here clamps no log-prob, as verl's
+    assert d.log_prob_min_clamp is None and d.loss_max_clamp == 10.0
+    assert "distillation.distillation_loss.log_prob_min_clamp=-10.0" in noops
 
 
 @pytest.mark.parametrize("overrides, match", [

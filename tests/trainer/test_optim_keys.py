@@ -77,6 +77,23 @@ def test_seq_mean_token_sum_norm_divides_by_loss_scale_factor():
     assert float(aggregate_loss(loss, mask, "token-mean", **global_counts(mb, 4.0))) == 2.5  # 10 / 4 tokens
 
 
+def test_seq_mean_counts_a_row_rejected_whole_as_verls_trainer():
+    # verl 0.10's trainer passes agg_loss global_batch_size = ppo_mini_batch_size x n: a row rejected whole by
+    # rollout correction (mask 0) still counts. The driver flags the rows that count (`seq_counted`; world-size
+    # padding rows are not). Rows: sums 6 and 4, a rejected row, a padding row ->
+    # seq-mean-token-sum (6 + 4 + 0) / 3 = 3.333333 (not (6 + 4) / 2 = 5); seq-mean-token-mean (2 + 4 + 0) / 3 = 2;
+    # token-mean 10 / 4 valid tokens = 2.5.
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [0, 0, 0]])
+    counts = global_counts(Batch({"response_mask": mask, "seq_counted": torch.tensor([True, True, True, False])}))
+    assert counts["global_seqs"] == 3 and counts["global_tokens"] == 4
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-sum", **counts)) == pytest.approx(10 / 3)
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-mean", **counts)) == pytest.approx(2.0)
+    assert float(aggregate_loss(loss, mask, "token-mean", **counts)) == pytest.approx(2.5)
+    # without rejection there is no flag: the rows with a valid token count (padding rows have none)
+    assert global_counts(Batch({"response_mask": mask}))["global_seqs"] == 2
+
+
 def test_loss_scale_factor_config_critic_follows_actor_and_must_be_positive():
     cfg = load_config([f"{A}.loss_scale_factor=4096"])
     assert (cfg.actor_rollout_ref.actor.loss_scale_factor, cfg.critic.loss_scale_factor) == (4096, 4096)
@@ -85,6 +102,16 @@ def test_loss_scale_factor_config_critic_follows_actor_and_must_be_positive():
     assert load_config([]).critic.loss_scale_factor is None
     with pytest.raises(ConfigError, match=rf"{A}.loss_scale_factor must be > 0"):
         load_config([f"{A}.loss_scale_factor=0"])
+
+
+def test_critic_loss_agg_mode_follows_the_actors():
+    # verl: critic.loss_agg_mode = ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}
+    assert load_config([f"{A}.loss_agg_mode=seq-mean-token-mean"]).critic.loss_agg_mode == "seq-mean-token-mean"
+    assert load_config([f"{A}.loss_agg_mode=seq-mean-token-mean",
+                        "critic.loss_agg_mode=token-sum"]).critic.loss_agg_mode == "token-sum"
+    assert load_config([]).critic.loss_agg_mode == "token-mean"
+    with pytest.raises(ConfigError, match="critic.loss_agg_mode"):
+        load_config(["critic.loss_agg_mode=token-avg"])
 
 
 # ------------------------------------------------------------------------------------------ optimizer class

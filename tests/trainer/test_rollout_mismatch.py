@@ -28,10 +28,10 @@ def _batch(seed: int = 0) -> Batch:
                  meta={"mini_batch_size": 8, "temperature": 1.0})
 
 
-def _delta(model_dir, batch: Batch):
+def _delta(model_dir, batch: Batch, *extra: str):
     # Adam with eps=1 and lr=1: the first step is ~ -g (see test_actor_update_is_micro_batch_invariant)
     w = _worker(model_dir, 4, "token-mean", "actor_rollout_ref.actor.optim.eps=1.0",
-                "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0.0")
+                "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0.0", *extra)
     before = w.state_dict()
     metrics = w.update_actor(batch)
     return {k: v - before[k] for k, v in w.state_dict().items()}, metrics, w
@@ -53,6 +53,46 @@ def test_tis_weights_scale_the_policy_gradient(tiny_model_dir):
     for k in d_s:
         torch.testing.assert_close(d_w[k], d_s[k], atol=1e-5 * scale, rtol=1e-4)
     assert m_w["actor/pg_loss"] == pytest.approx(m_s["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_geo_mean_weights_each_row_by_the_geometric_mean_of_its_is_weights(tiny_model_dir):
+    # verl's geo_mean has one loss per row, -mean_t(A) * ratio, and weights it by exp(mean_t log(w_t + 1e-10)) over the
+    # row's valid tokens: the same update as that row's advantages times that factor, without weights
+    batch = _batch()
+    mask = batch["response_mask"].float()
+    weights = 0.5 + 1.5 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
+    geo = torch.exp((torch.log(weights + 1e-10) * mask).sum(-1) / (mask.sum(-1) + 1e-8))
+    weighted = Batch(dict(batch.tensors), meta=dict(batch.meta))
+    weighted["rollout_is_weights"] = weights
+    scaled = Batch(dict(batch.tensors), meta=dict(batch.meta))
+    scaled["advantages"] = batch["advantages"] * geo[:, None]
+    geo_mean = "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"
+    d_w, m_w, _ = _delta(tiny_model_dir, weighted, geo_mean)
+    d_s, m_s, _ = _delta(tiny_model_dir, scaled, geo_mean)
+    scale = max(float(d.abs().max()) for d in d_s.values())
+    assert scale > 1e-4
+    for k in d_s:
+        torch.testing.assert_close(d_w[k], d_s[k], atol=1e-5 * scale, rtol=1e-4)
+    assert m_w["actor/pg_loss"] == pytest.approx(m_s["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_forced_aggregation_is_the_policy_terms_only(tiny_model_dir):
+    # verl forces seq-mean-token-mean on gspo's policy loss, but aggregates the KL loss (and entropy, distillation)
+    # with the config's loss_agg_mode. Zero advantages: gspo's and vanilla's policy terms have no gradient, so both
+    # updates are the KL term's alone, token-mean in both (seq-mean-token-mean would weigh the rows of lengths
+    # 5, 1, 3, 2, ... differently)
+    batch = _batch()
+    batch["advantages"] = torch.zeros(8, 5)
+    batch["ref_log_prob"] = -1.0 - torch.rand(8, 5, generator=torch.Generator().manual_seed(3))
+    kl = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k2",
+          "actor_rollout_ref.actor.kl_loss_coef=1.0")
+    d_g, m_g, _ = _delta(tiny_model_dir, batch, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *kl)
+    d_v, m_v, _ = _delta(tiny_model_dir, batch, *kl)
+    scale = max(float(d.abs().max()) for d in d_v.values())
+    assert scale > 1e-4
+    for k in d_v:
+        torch.testing.assert_close(d_g[k], d_v[k], atol=1e-6 * scale, rtol=1e-5)
+    assert m_g["actor/kl_loss"] == pytest.approx(m_v["actor/kl_loss"], rel=1e-6)
 
 
 def test_on_policy_update_measures_the_mismatch(tiny_model_dir):

@@ -16,16 +16,16 @@ exactly (every mode is a sum over rows divided by a constant), and gradient accu
 counts are used (N_tok = local valid tokens, N_seq = local rows with at least one valid token
 (`count_sequences`), L_max = T).
 
-N_seq counts only sequences with at least one valid token, as verl does since early 2026 ("exclude
-fully masked sequences"): an empty response (or a row fully rejected by rollout correction, or a padding
-row) no longer dilutes the seq-mean modes. Before that change tiller (and verl) counted every row.
+The local N_seq (no `global_seqs`) counts only sequences with at least one valid token, as verl's agg_loss does
+without global_batch_size ("exclude fully masked sequences"). The trainer's `global_seqs` also counts a row that
+rollout correction rejected whole (it contributes 0), as verl 0.10's trainer passes global_batch_size =
+ppo_mini_batch_size x n (`tiller.workers.common.global_counts`); world-size padding rows never count.
 
 Deviations from verl:
-- verl's legacy actor aggregates each micro-batch with its own counts and scales by 1/#micro-batches,
-  which biases token-mean when micro-batches hold different token counts; tiller does not.
+- verl's legacy actor (gone in 0.10, whose engine passes global counts as tiller does) aggregated each micro-batch
+  with its own counts and scaled by 1/#micro-batches, which biases token-mean when micro-batches hold different
+  token counts, and divided seq-mean-token-sum-norm by L_max only (a constant factor larger).
 - A row with no valid token contributes 0 to seq-mean-token-mean (verl: 0 / 1e-8 = 0, the same).
-- seq-mean-token-sum-norm divides by N_seq * L_max (Dr.GRPO: (1/G) sum_i sum_t / MAX_TOKENS); verl's
-  legacy code divides only by L_max per micro-batch, i.e. a constant factor (micro-batch size) larger.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def aggregate_loss(
 
     Args:
         global_tokens: valid tokens in the whole mini-batch (token-mean).
-        global_seqs: sequences with at least one valid token in the whole mini-batch (the seq-mean-*
-            modes; `count_sequences`).
+        global_seqs: sequences of the whole mini-batch (the seq-mean-* modes; the trainer's count includes rows
+            rejected whole, as verl's trainer; default: this call's rows with a valid token, `count_sequences`).
         max_len: Dr.GRPO's constant (seq-mean-token-sum-norm): verl's `loss_scale_factor` (any positive number,
             used as given) or the padded width; default T (at least 1).
     """

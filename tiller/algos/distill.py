@@ -16,8 +16,10 @@ Two ways to turn it into a loss (verl's `distillation_loss.use_policy_gradient`)
 - supervised: div_t itself is the per-token loss, backpropagated (the estimator must then carry the teacher
   in its gradient: k2 / k3 / abs, not k1, whose gradient is that of lp_t alone).
 
-Clamps (verl's): both log-probs are clamped below at `log_prob_min_clamp` before the estimator, and the
-per-token divergence to [-loss_max_clamp, loss_max_clamp] (k1 can be negative).
+Clamps: the per-token divergence to [-loss_max_clamp, loss_max_clamp] (k1 can be negative; verl's, the same), and
+`log_prob_min_clamp` (tiller's `algorithm.distill` key only): both log-probs clamped below before the estimator.
+verl 0.10 reads its `distillation_loss.log_prob_min_clamp` only in the top-k (`forward_kl_topk`) loss, never for
+these estimators, so verl's layout resolves it to no clamp here (`tiller.config.edge`).
 
 The trainer adds this loss to the outcome-reward policy loss (verl's `use_task_rewards`):
     loss = outcome_coef * agg(pg(A_outcome)) + coef * agg(distill)     with the outcome reward,
@@ -72,7 +74,8 @@ def distillation_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: 
                       log_prob_min_clamp: float | None = -10.0, loss_max_clamp: float | None = 10.0,
                       clip_ratio: float = 0.2, clip_ratio_low: float | None = None,
                       clip_ratio_high: float | None = None,
-                      clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict[str, Any]]:
+                      clip_ratio_c: float = 3.0,
+                      rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Per-token distillation loss [B, T] (0 outside the mask; aggregate it with `aggregate_loss`) and metrics.
 
     Args:
@@ -80,8 +83,11 @@ def distillation_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: 
         old_logp: behaviour log-probs [B, T] (the PPO ratio's denominator; = logp.detach() on-policy).
         teacher_logp: teacher log-probs [B, T] of the same tokens.
         response_mask: [B, T] 0/1.
+        rollout_is_weights: rollout-correction IS weights [B, T] (constants) or None: with the policy gradient they
+            multiply its per-token loss, as verl passes them to this surrogate; the supervised loss ignores them (verl too).
     Metrics (tensors): `reverse_kl` = token mean of lp - lq (unclamped k1, the student's reverse-KL estimate),
-    `divergence` = token mean of the clamped estimator, and with the policy gradient the PPO metrics.
+    `divergence` = token mean of the clamped estimator, and with the policy gradient the PPO metrics under verl's
+    names (`pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`; logged as `distillation/<name>`, as verl).
     """
     if not use_policy_gradient and loss_mode in PG_ONLY_LOSS_MODES:
         raise ConfigError(f"algorithm.distill.loss_mode={loss_mode} with use_policy_gradient=false: the gradient of "
@@ -93,6 +99,8 @@ def distillation_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: 
         loss, pg_metrics = vanilla_loss(logp, old_logp, -div.detach(), response_mask, clip_ratio=clip_ratio,
                                         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                                         clip_ratio_c=clip_ratio_c)
-        metrics.update({f"pg_{k}" if not k.startswith("pg_") else k: v for k, v in pg_metrics.items()})
+        metrics.update(pg_metrics)  # verl's names: distillation/pg_clipfrac, /ppo_kl, /pg_clipfrac_lower
+        if rollout_is_weights is not None:
+            loss = loss * rollout_is_weights.to(loss.dtype)
         return loss, metrics
     return torch.where(response_mask.bool(), div, torch.zeros((), dtype=div.dtype, device=div.device)), metrics

@@ -31,7 +31,9 @@ Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / e
 - geo_mean: GMPO (Zhao et al. 2025, arXiv 2507.20673): per-sequence loss -mean_t(A) exp(mean_t
   clip_sgn(rho)), where rho is clipped to [-eps_lo, eps_hi] on the side that limits the update for
   the sign of A. tiller returns that sequence loss on every valid token of the row, so
-  seq-mean-token-mean reproduces verl's torch.mean over sequences exactly.
+  seq-mean-token-mean reproduces verl's torch.mean over sequences (verl takes it per micro-batch, over all its
+  rows, ignoring the global counts, so its gradient grows with the number of micro-batches; tiller's is the
+  mini-batch's mean). Rollout IS weights act on a row through their geometric mean (`rollout_is_weights_for`).
 - clip_cov: PPO clip, plus: among tokens not already clipped whose centred covariance
   (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub), a random
   max(1, floor(clip_cov_ratio * N_valid)) of them get zero loss (no gradient) (Cui et al. 2025,
@@ -87,7 +89,8 @@ POLICY_HYPER = (
     "rollout_rs_threshold", "loss_mode", "generator",
 )
 
-#: the aggregation verl forces for these losses; the trainer should use it (others: config's choice).
+#: the aggregation verl forces on these losses' policy-gradient term (entropy / KL / distillation terms and the
+#: other losses: the config's loss_agg_mode).
 FORCED_LOSS_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 LOG_RATIO_CLAMP = 20.0
@@ -236,6 +239,23 @@ def geo_mean_loss(
     return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio, clipfrac, lower)
 
 
+def rollout_is_weights_for(loss_mode: str, weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The per-token factor [B, T] that rollout-correction IS `weights[B, T]` put on `loss_mode`'s per-token loss.
+
+    Every loss multiplies each token's loss by its weight, as verl's losses do, except geo_mean, whose loss is one
+    per sequence: verl weights it by the geometric mean of the row's token weights,
+    exp(sum_t m log(w_t + 1e-10) / (n_i + 1e-8)), returned here on every token of the row (so the seq-mean-token-mean
+    of geo_mean's loss times it is verl's). A zero weight (IcePop) thus shrinks the whole row to ~0.
+    """
+    if loss_mode != "geo_mean":
+        return weights
+    m = response_mask.to(weights.dtype)
+    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    log_w = torch.where(response_mask.bool(), torch.log(weights + 1e-10), zero)
+    seq = torch.exp(log_w.sum(-1) / (m.sum(-1) + 1e-8))
+    return seq.unsqueeze(-1).expand_as(weights)
+
+
 def _centred_cov(advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(A - mean A)(logp - mean logp) with means over valid tokens; detached. [B, T]."""
     a, lp = advantages.detach(), logp.detach()
@@ -353,6 +373,19 @@ def dro_loss(
 
 
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+_RS_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")
+
+
+def bypass_loss_mask(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor,
+                     **hyper: Any) -> torch.Tensor:
+    """The mask [B, T] verl aggregates bypass_mode's loss over: `response_mask` less the tokens its rejection
+    sampling drops (computed from sg(logp) vs the rollout logprobs `old_logp`, as inside the loss).
+
+    Only seq-mean-token-mean reads it beyond the loss itself (each row's token count); the other modes'
+    normalisers are global counts. `hyper`: bypass_mode's keywords; the rollout_* ones are used, the rest ignored.
+    """
+    kw = {k: v for k, v in hyper.items() if k in _RS_KEYS}
+    return rollout_correction(logp.detach(), old_logp, response_mask, **kw)[1]
 
 
 @register_policy_loss("bypass_mode")

@@ -101,6 +101,9 @@ RULES: dict[str, Rule] = {
         "the distillation surrogate is PPO's vanilla clipped loss (verl allows only vanilla too)",
         use="leave it vanilla", allowed=("vanilla",)),
     "distillation.distillation_loss.topk": noop("only the *_topk loss modes read it, and tiller refuses them"),
+    "distillation.distillation_loss.log_prob_min_clamp": noop(
+        "verl 0.10 reads it only in the *_topk loss (refused here), never for the k1/k2/k3/abs estimators, so "
+        "algorithm.distill.log_prob_min_clamp is null (no clamp) in verl's layout"),
     "distillation.distillation_loss.clip_ratio": noop(
         "verl's vanilla surrogate reads clip_ratio_low / clip_ratio_high, which always have a value"),
     "distillation.num_workers": noop("tiller's teacher is a frozen model inside each actor worker"),
@@ -636,7 +639,6 @@ DISTILLATION_ALIASES: dict[str, str] = {
     "distillation.distillation_loss.distillation_loss_coef": "algorithm.distill.coef",
     "distillation.distillation_loss.task_loss_coef": "algorithm.distill.outcome_coef",
     "distillation.distillation_loss.loss_max_clamp": "algorithm.distill.loss_max_clamp",
-    "distillation.distillation_loss.log_prob_min_clamp": "algorithm.distill.log_prob_min_clamp",
     "distillation.distillation_loss.use_policy_gradient": "algorithm.distill.use_policy_gradient",
     "distillation.distillation_loss.clip_ratio_low": "algorithm.distill.clip_ratio_low",
     "distillation.distillation_loss.clip_ratio_high": "algorithm.distill.clip_ratio_high",
@@ -892,6 +894,7 @@ def _resolve_distillation(cfg: RLConfig) -> None:
     for new, old in DISTILLATION_ALIASES.items():
         _set(cfg, old, get(cfg, new))
         _set(cfg, new, _default(new))
+    cfg.algorithm.distill.log_prob_min_clamp = None  # verl's estimators clamp no log-prob (see RULES)
     section.enabled, section.enable = False, None  # the no-op keys keep their values (the start-up line names them)
 
 
@@ -956,6 +959,8 @@ def _resolve_followers(cfg: RLConfig) -> None:
             section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
     if critic.use_dynamic_bsz is None:
         critic.use_dynamic_bsz = actor.use_dynamic_bsz
+    if critic.loss_agg_mode is None:  # verl: ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}
+        critic.loss_agg_mode = actor.loss_agg_mode
     if critic.loss_scale_factor is None:  # verl: ${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}
         critic.loss_scale_factor = actor.loss_scale_factor
     if critic.forward_max_token_len_per_gpu is None:

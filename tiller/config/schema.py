@@ -529,7 +529,7 @@ class ActorConfig:
     """sapo: temperature of the soft gate for negative advantages."""
     loss_agg_mode: str = "token-mean"
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (the seq-mean
-    modes count only sequences with at least one valid token, as verl)."""
+    modes divide by the mini-batch's rows, a row rejected whole included, as verl 0.10's trainer)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
@@ -1017,8 +1017,9 @@ class CriticConfig:
     """Max global grad norm."""
     cliprange_value: float = 0.5
     """Value clipping range."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the value loss."""
+    loss_agg_mode: Optional[str] = None
+    """Aggregation of the value loss; null = actor_rollout_ref.actor.loss_agg_mode (verl's default,
+    ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean})."""
     dtype: str = "float32"
     """Training compute dtype: float32 | bfloat16."""
     update_lanes: int = 1
@@ -1312,7 +1313,8 @@ class DistillConfig:
     clip_ratio_low: Optional[float] = None
     """The distillation surrogate's lower clip epsilon; null = actor.clip_ratio_low (or clip_ratio)."""
     clip_ratio_high: Optional[float] = None
-    """The distillation surrogate's upper clip epsilon; null = actor.clip_ratio_high (or clip_ratio)."""
+    """The distillation surrogate's upper clip epsilon; null = actor.clip_ratio_high (or clip_ratio). Its dual-clip
+    constant is 3.0, as verl's (whose distillation loss config has no clip_ratio_c), not actor.clip_ratio_c."""
 
 
 @dataclass

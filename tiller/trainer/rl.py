@@ -733,6 +733,8 @@ class RLTrainer:
         if pad and len(out):
             extra = out.index(list(range(pad)))
             extra["response_mask"] = torch.zeros_like(extra["response_mask"])
+            if "seq_counted" in extra:
+                extra["seq_counted"] = torch.zeros_like(extra["seq_counted"])
             out = Batch.concat([out, extra])
         return out
 
@@ -804,6 +806,7 @@ class RLTrainer:
         out = batch.select(keys)
         if "loss_mask" in batch:  # rollout correction's rejections: the updates skip those tokens
             out["response_mask"] = batch["loss_mask"]
+            out["seq_counted"] = batch["response_mask"].sum(-1) > 0  # a row rejected whole still counts (verl)
         a = self.cfg.actor_rollout_ref.actor
         coeff = a.entropy_coeff
         if self.entropy_ctrl is not None:

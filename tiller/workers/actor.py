@@ -40,7 +40,8 @@ from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import distillation_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
-from tiller.algos.policy_losses import FORCED_LOSS_AGG_MODE, get_policy_loss
+from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, bypass_loss_mask, get_policy_loss,
+                                        rollout_is_weights_for)
 from tiller.algos.rollout_correction import (
     MISMATCH_SUM_KEYS,
     merge_mismatch_sums,
@@ -599,7 +600,6 @@ class ActorRolloutRefWorker:
     def _update_mini_batch(self, mb: Batch, entropy_coeff: float) -> dict[str, float]:
         a = self.actor_cfg
         loss_mode = a.policy_loss.loss_mode
-        agg_mode = FORCED_LOSS_AGG_MODE.get(loss_mode, a.loss_agg_mode)
         hyper = dict(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                      clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                      clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
@@ -614,6 +614,8 @@ class ActorRolloutRefWorker:
                          rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
                          rollout_rs_threshold=rc.rollout_rs_threshold)
         policy_loss = get_policy_loss(loss_mode)
+        pg_agg_mode = FORCED_LOSS_AGG_MODE.get(loss_mode, a.loss_agg_mode)  # verl forces it for the pg term only
+        agg_mode = a.loss_agg_mode  # entropy, KL loss and distillation: the config's (verl's ppo_loss, the same)
         agg = global_counts(mb, a.loss_scale_factor)
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
@@ -637,8 +639,10 @@ class ActorRolloutRefWorker:
             adv = micro["advantages"].to(self.device)
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
             if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
-                pg_tok = pg_tok * micro["rollout_is_weights"].to(self.device, pg_tok.dtype)
-            pg_loss = aggregate_loss(pg_tok, mask, agg_mode, **agg)
+                pg_tok = pg_tok * rollout_is_weights_for(loss_mode, micro["rollout_is_weights"].to(self.device,
+                                                                                                   pg_tok.dtype), mask)
+            pg_mask = bypass_loss_mask(logp, old, mask, **hyper) if loss_mode == "bypass_mode" else mask  # verl's
+            pg_loss = aggregate_loss(pg_tok, pg_mask, pg_agg_mode, **agg)
             loss = pg_loss
             if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
                 loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
@@ -695,7 +699,8 @@ class ActorRolloutRefWorker:
             loss_max_clamp=d.loss_max_clamp, clip_ratio=a.clip_ratio,
             clip_ratio_low=d.clip_ratio_low if d.clip_ratio_low is not None else a.clip_ratio_low,
             clip_ratio_high=d.clip_ratio_high if d.clip_ratio_high is not None else a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c)
+            clip_ratio_c=3.0,  # verl: DistillationLossConfig has no clip_ratio_c, its vanilla loss falls back to 3.0
+            rollout_is_weights=micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None)
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
         share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
         sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())

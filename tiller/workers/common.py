@@ -433,11 +433,18 @@ def prepare_process(trainer_cfg) -> None:
 
 def global_counts(mini_batch, loss_scale_factor: float | None = None) -> dict[str, float]:
     """Aggregation counts of a mini-batch over all ranks: `aggregate_loss` keyword arguments
-    (global_tokens = valid response tokens, global_seqs = sequences with at least one valid token (verl
-    excludes fully masked ones), max_len = the role's `loss_scale_factor` when set, else T), so that the
-    micro-batch losses of every rank sum to the loss of the whole mini-batch."""
+    (global_tokens = valid response tokens, global_seqs = sequences, max_len = the role's `loss_scale_factor` when
+    set, else T), so that the micro-batch losses of every rank sum to the loss of the whole mini-batch.
+
+    global_seqs: the rows flagged by the batch's `seq_counted[B]` when it has one (the driver sets it when rollout
+    correction rejects tokens: every row with a response before rejection, so a row rejected whole still counts, as
+    in verl 0.10, whose trainer passes agg_loss global_batch_size = ppo_mini_batch_size x n; world-size padding rows
+    do not), else the rows with at least one valid token (padding rows have none)."""
     mask = mini_batch["response_mask"].float()
-    n_seq = float((mask.sum(-1) > 0).sum())
+    if "seq_counted" in mini_batch:
+        n_seq = float(mini_batch["seq_counted"].float().sum())
+    else:
+        n_seq = float((mask.sum(-1) > 0).sum())
     counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), n_seq], dtype=torch.float64))
     max_len = max(mask.shape[1], 1) if loss_scale_factor is None else loss_scale_factor
     return dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=max_len)
