@@ -224,3 +224,22 @@ def test_continuous_batcher_takes_image_prompts(any_setup):
     assert abs(got[-1].logprobs[0][0] - got[0].logprobs[0][0]) > 1e-4  # the other image changed the answer
     torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(got[0].logprobs), atol=1e-5, rtol=0)
     assert batcher.stats["prompt_cache_hits"] == 0  # only the text prompt was cached, and not asked again
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_on_image_prompts(any_setup):
+    """rollout.enforce_eager=False on a CPU (the decode step compiled by Inductor; for Qwen3-VL with its per-head q / k
+    norms): greedy rows equal HF `generate` with the pixels."""
+    from tiller.rollout import compiled_decode
+
+    if not compiled_decode.available():
+        pytest.skip("no C++ compiler for Inductor")
+    model, proc, prompts, _ = any_setup
+    engine = build_rollout_engine("native", model, proc.tokenizer, compile_decode=True)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True)
+    out = engine.generate([p.prompt_ids for p in prompts], greedy, multi_modal=_mm(prompts))
+    assert engine._fused.compiled is not None
+    for i, p in enumerate(prompts):
+        tokens, logp = _hf_generate(model, p.prompt_ids, p.pixel_values, p.image_grid_thw, steps=6)
+        assert out.response_ids[i] == tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs[i]), logp, atol=1e-4, rtol=0)
