@@ -73,8 +73,10 @@ class CriticWorker:
                 module = AutoModelForTokenClassification.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as err:
             raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
-        if module.config.pad_token_id is None:
-            module.config.pad_token_id = module.config.eos_token_id
+        # a Qwen3-VL config keeps its token ids in text_config only (no top-level pad / eos attribute)
+        config = module.config
+        if getattr(config, "pad_token_id", None) is None and getattr(config, "eos_token_id", None) is not None:
+            config.pad_token_id = config.eos_token_id
         if self.ccfg.model.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.to(self.device).train()
