@@ -147,3 +147,30 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
     step = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
     # the rollout (with the pixels) and the actor's recomputed log-probs (with the pixels) agree
     assert step["training/rollout_probs_diff_max"] < 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["glm4v", "qwen3_vl_moe"])
+def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_vlm_dir, shapes_data, model_type,
+                                                                capsys):
+    """verl's GLM-4.1V and Qwen3-VL-30B-A3B scripts: their checkpoints stop `tiller rl` (exit 2, one line naming the
+    model type) before any row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM traceback)."""
+    import shutil
+
+    from tiller.cli import main
+    from tiller.errors import UserError
+    from tiller.models.loading import load_causal_lm
+
+    model_dir = shutil.copytree(tiny_vlm_dir, tmp_path / model_type)  # its tokenizer, another config
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    code = main(["rl", *(f"{k}={v}" for k, v in (("actor_rollout_ref.model.path", model_dir),
+                                                  ("data.train_files", f"[{shapes_data / 'train.parquet'}]"),
+                                                  ("data.image_key", "images"), ("data.train_batch_size", 2),
+                                                  ("actor_rollout_ref.actor.ppo_mini_batch_size", 2),
+                                                  ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 2),
+                                                  ("trainer.default_local_dir", tmp_path / "run")))])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan's info line
+    assert code == 2 and err.startswith("tiller rl: error: actor_rollout_ref.model.path="), err
+    assert f"model_type '{model_type}' is a vision-language model that tiller does not train yet" in err
+    assert "qwen2_vl, qwen2_5_vl, qwen3_vl" in err
+    with pytest.raises(UserError, match=f"model_type '{model_type}' is a vision-language model"):
+        load_causal_lm(model_dir)
