@@ -8,7 +8,7 @@ plain transformers model that `save_pretrained` / `from_pretrained` handle like 
 For a sequence-classification model (reward model) the fresh `score` head is trained in full
 (peft `modules_to_save`), as TRL and OpenRLHF do; `all-linear` never adapts the output head.
 
-A vision-language model (Qwen2-VL / Qwen2.5-VL): `all-linear` adapts the language model's linear layers only,
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): `all-linear` adapts the language model's linear layers only,
 not the vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
 names is the user's choice and is taken as given (Qwen2-VL's `q_proj` / `v_proj` / ... live in the language
 model only, its vision blocks use `qkv` / `proj` / `fc1` / `fc2`, so naming those adapts the vision tower).

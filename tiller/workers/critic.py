@@ -3,7 +3,7 @@
 The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the critic path (default:
 the actor's model dir), so it starts from the policy's transformer with a fresh scalar head, as in verl.
 `compute_values` returns V at every response position (the state before each response token);
-A vision-language model (Qwen2-VL / Qwen2.5-VL: no token-classification class in transformers) is the same
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL: no token-classification class in transformers) is the same
 architecture with its LM head replaced by a fresh scalar head (`vision_value_model`), and its forwards take each
 row's `pixel_values` / `image_grid_thw` with the model's M-RoPE positions, as the actor's do.
 `update_critic` regresses them on the GAE returns with verl's clipped value loss
