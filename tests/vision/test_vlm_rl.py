@@ -110,36 +110,40 @@ def test_openrlhf_vlm_flags_translate():
 
 
 SCRIPT = Path(__file__).parents[1] / "data" / "verl_scripts" / "grpo_qwen2_5_vl_geo3k.txt"
-QWEN3_VL_SCRIPT = (Path(__file__).parents[1] / "data" / "verl_examples" / "verl010" /
-                   "grpo_trainer__run_qwen3_vl_8b_fsdp.json")
+VERL010 = Path(__file__).parents[1] / "data" / "verl_examples" / "verl010"
+QWEN3_VL_SCRIPTS = {"qwen3_vl": "grpo_trainer__run_qwen3_vl_8b_fsdp",
+                    "qwen3_vl_distill": "on_policy_distillation_trainer__run_qwen3_vl_8b_fsdp"}
 
 
 def _script_overrides(name: str) -> list[str]:
-    """verl's overrides of run_qwen2_5_vl_7b_fsdp.sh (one per line) or of verl 0.10's run_qwen3_vl_8b_fsdp.sh."""
+    """verl's overrides of run_qwen2_5_vl_7b_fsdp.sh (one per line) or of one of verl 0.10's Qwen3-VL scripts."""
     if name == "qwen2_5_vl":
         return [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
-    return json.loads(QWEN3_VL_SCRIPT.read_text())["overrides"]
+    return json.loads((VERL010 / f"{QWEN3_VL_SCRIPTS[name]}.json").read_text())["overrides"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, model", [("qwen2_5_vl", "tiny_vlm_dir"), ("qwen3_vl", "tiny_qwen3vl_dir")])
+@pytest.mark.parametrize("script, model", [("qwen2_5_vl", "tiny_vlm_dir"), ("qwen3_vl", "tiny_qwen3vl_dir"),
+                                           ("qwen3_vl_distill", "tiny_qwen3vl_dir")])
 def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, script, model):
-    """verl's run_qwen2_5_vl_7b_fsdp.sh (on the tiny Qwen2-VL) and run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL)
-    overrides, paths pointed at the tiny VLM and shapes data (verl's schema), rollout.name=native in place of vllm,
-    and sizes cut for a CPU (batch, response length, one step, no wandb)."""
+    """verl's run_qwen2_5_vl_7b_fsdp.sh (on the tiny Qwen2-VL), run_qwen3_vl_8b_fsdp.sh and the on-policy
+    distillation run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL, its own teacher) overrides, paths pointed at the tiny
+    VLM and shapes data (verl's schema), rollout.name=native in place of vllm, and sizes cut for a CPU (batch,
+    response length, one step, no wandb)."""
     from tiller.trainer.rl import RLTrainer
 
     model_dir = request.getfixturevalue(model)
     paths = {"actor_rollout_ref.model.path": str(model_dir),
              "data.train_files": str(shapes_data / "train.parquet"), "data.val_files": str(shapes_data / "test.parquet"),
-             "actor_rollout_ref.rollout.name": "native"}
+             "actor_rollout_ref.rollout.name": "native",
+             "distillation.teacher_models.teacher_model.model_path": str(model_dir)}
     args = [f"{k}={paths[k]}" if (k := line.split("=", 1)[0]) in paths else line for line in _script_overrides(script)]
     args += ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=4",
              "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
              "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable"]
     trainer = RLTrainer(load_config(args))
     try:
-        assert trainer.actor.worker.module.config.model_type == script.replace("2_5", "2")
+        assert trainer.actor.worker.module.config.model_type == ("qwen2_vl" if script == "qwen2_5_vl" else "qwen3_vl")
         trainer.fit()
     finally:
         trainer.shutdown()
@@ -147,6 +151,8 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
     step = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
     # the rollout (with the pixels) and the actor's recomputed log-probs (with the pixels) agree
     assert step["training/rollout_probs_diff_max"] < 1e-3
+    if script == "qwen3_vl_distill":  # the teacher (the same model) sees the pixels too: KL 0 (measured -1.8e-7)
+        assert abs(step["distillation/reverse_kl"]) < 1e-5
 
 
 @pytest.mark.parametrize("model_type", ["glm4v", "qwen3_vl_moe"])
