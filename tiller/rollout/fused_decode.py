@@ -123,7 +123,7 @@ class FusedDecoder:
         self.n_q = config.num_attention_heads
         self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_q
         self.scaling = attn.scaling
-        self.qk_norms = [head_norms(layer) for layer in self.inner.layers]  # [] per layer without (Llama, Qwen2)
+        self.qk_norms = [head_norms(layer) for layer in self.inner.layers]  # () per layer without (Llama, Qwen2)
         self._seen = None
         self.sync()
         self.compiled = None  # the one-token step compiled by Inductor (tiller.rollout.compiled_decode), opt-in
