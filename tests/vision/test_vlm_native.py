@@ -1,6 +1,8 @@
 """The native engine on image prompts: greedy equals HF `generate` with the pixels (images of several sizes, a
 prompt with two images, a text prompt in the same batch), sampled rows' logprobs equal the actor's forward with
-the same pixels, the n samples of a prompt share one vision pass, and bad image inputs are refused."""
+the same pixels, the n samples of a prompt share one vision pass, and bad image inputs are refused. The tests taking
+`any_setup` / `any_vlm_dir` run on the tiny Qwen2-VL and the tiny Qwen3-VL (deepstack, q / k norms in the fused step).
+"""
 
 from dataclasses import replace
 
