@@ -60,6 +60,13 @@ def test_memory_estimate_components(tiny_model_dir):
         4 * shape.params, 4 * shape.params, 8 * shape.params, 0)
     cfg.actor_rollout_ref.actor.use_kl_loss = True
     assert memory_estimate(cfg, shape)["reference"] == 4 * shape.params
+    # the optimizer's state is the configured class's: plain SGD keeps none, SGD with momentum one fp32 buffer
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.actor.optim.optimizer=SGD",
+                       "actor_rollout_ref.actor.optim.optimizer_impl=torch.optim", "actor_rollout_ref.actor.optim."
+                       "weight_decay=0"])
+    assert memory_estimate(cfg, shape)["optimizer"] == 0
+    cfg.actor_rollout_ref.actor.optim.override_optimizer_config = {"momentum": 0.9}
+    assert memory_estimate(cfg, shape)["optimizer"] == 4 * shape.params
     text = explain(cfg)
     assert "samples per step" in text and "peak memory per rank" in text and "optimizer" in text
     assert "peak memory per rank ~" in one_line(cfg)

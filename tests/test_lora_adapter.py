@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from tests.trainer.test_rl import rl_data  # noqa: F401  (fixture: the arithmetic task + a digit-fraction reward)
 from tiller.errors import ConfigError
 
 TARGETS = ["q_proj", "v_proj"]
@@ -153,14 +154,16 @@ def test_exclude_modules_leave_modules_without_adapters(tiny_model_dir):
         apply_lora(load_causal_lm(tiny_model_dir), 4, 8, ["q_proj"], exclude_modules=["q_proj"])
 
 
-def assert_base_plus_adapter(exported: dict, base_dir, adapter: dict, scale: float, name: str = "") -> int:
-    """Every weight of `exported` (a state dict) is the base model's (from `base_dir`) plus scale x B A where the
-    peft state dict `adapter` has LoRA factors for it (keys `...lora_A{name}.weight`), else the base's exactly;
-    returns how many weights carried an adapter."""
+def assert_base_plus_adapter(exported: dict, base_dir, adapter: dict, scale: float, name: str = "",
+                             base: dict | None = None) -> int:
+    """Every weight of `exported` (a state dict) is the base model's (from `base_dir`, or the state dict `base`) plus
+    scale x B A where the peft state dict `adapter` has LoRA factors for it (keys `...lora_A{name}.weight`), else the
+    base's exactly; returns how many weights carried an adapter."""
     from transformers import AutoModelForCausalLM
 
     merged = 0
-    for k, w in AutoModelForCausalLM.from_pretrained(base_dir).state_dict().items():
+    base = AutoModelForCausalLM.from_pretrained(base_dir).state_dict() if base is None else base
+    for k, w in base.items():
         prefix = "base_model.model." + k.removesuffix(".weight")
         if f"{prefix}.lora_A{name}.weight" in adapter:
             a, b = adapter[f"{prefix}.lora_A{name}.weight"], adapter[f"{prefix}.lora_B{name}.weight"]
@@ -169,17 +172,6 @@ def assert_base_plus_adapter(exported: dict, base_dir, adapter: dict, scale: flo
         else:
             assert torch.equal(exported[k], w), k
     return merged
-
-
-@pytest.fixture(scope="module")
-def rl_data(tmp_path_factory):
-    from tests.trainer.test_rl import REWARD_SRC
-    from tiller.tasks import arithmetic
-
-    root = tmp_path_factory.mktemp("rl_data")
-    arithmetic.write_task(root, n_train=48, n_test=8, seed=0)
-    (root / "reward.py").write_text(REWARD_SRC)
-    return root
 
 
 def _fit(cfg):

@@ -202,10 +202,9 @@ def test_sapo_example_policy_loss_tau_is_named_as_a_noop(capsys):
     (["model_engine=veomni", "actor_rollout_ref.actor.veomni.param_offload=True"], "VeOmni"),
     (["trainer.v1.trainer_mode=separate_async"], "trainer.v1.trainer_mode='separate_async' is refused"),
     (["actor_rollout_ref.actor.qat.enable=True"], "quantization-aware training"),
-    (["skip.rollout.enable=True"], "replaying dumped rollouts"),
+    (["skip.async_rollout.enable=True"], "dumped rollouts of verl.s TransferQueue / asynchronous trainers"),
     (["actor_rollout_ref.rollout.nnodes=2"], "standalone rollout pool"),
     (["actor_rollout_ref.rollout.multi_turn.function_tool_path=tools.py"], "tool_config_path"),
-    (["reward.sandbox_fusion.url=http://x"], "SandboxFusion"),
 ])
 def test_verl010_refusals_name_the_key_and_reason(items, phrase):
     """An engine tiller does not have stops the command line first, before keys only that engine has."""

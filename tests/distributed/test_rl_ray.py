@@ -109,8 +109,11 @@ def test_grpo_two_ray_workers_equal_one_process(strategy, ray_session, local_run
 
 
 @pytest.mark.slow  # ~20-40 s: PPO with a critic group colocated with the actor group
-def test_ppo_gae_with_critic_two_ray_workers_equal_one_process(ray_session, tmp_path, tiny_model_dir, rl_data):
-    gae = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.total_training_steps=2")
+@pytest.mark.parametrize("critic_lora", [(), ("critic.model.lora_rank=4", "critic.model.lora_alpha=8",
+                                               "trainer.save_freq=2")], ids=["full", "lora"])
+def test_ppo_gae_with_critic_two_ray_workers_equal_one_process(ray_session, tmp_path, tiny_model_dir, rl_data,
+                                                              critic_lora):
+    gae = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.total_training_steps=2", *critic_lora)
     local = train(make_cfg(tmp_path / "local", tiny_model_dir, rl_data, *gae), seed_chunks=2)
     ray_run = train(make_cfg(tmp_path / "ray", tiny_model_dir, rl_data, *gae, *RAY, "critic.strategy=fsdp"))
     # Adam at lr 1e-3 turns the reassociated gradient sums' ~1e-7 differences into ~1e-5 on weights whose second
@@ -119,6 +122,14 @@ def test_ppo_gae_with_critic_two_ray_workers_equal_one_process(ray_session, tmp_
     # weight differences flipped one sampled token (seen: step 3's responses differ, steps 1-2 equal), after
     # which the two runs are different trajectories, not a defect
     assert_same(ray_run, local, atol=5e-5, steps=2)
+    if critic_lora:  # the FSDP2 critic's checkpoint: the gathered adapter and value head, the one process's
+        from safetensors.torch import load_file
+
+        ckpt = "checkpoints/critic/global_step_2/model/adapter_model.safetensors"
+        saved = {run: load_file(str(tmp_path / run / ckpt)) for run in ("local", "ray")}
+        assert saved["local"].keys() == saved["ray"].keys() and "base_model.model.score.weight" in saved["ray"]
+        for key, value in saved["local"].items():
+            torch.testing.assert_close(saved["ray"][key], value, atol=5e-5, rtol=0)
 
 
 @pytest.mark.slow  # ~15-35 s: two more Ray groups and FSDP2 checkpoints

@@ -44,6 +44,11 @@ def test_ppo_batch_units_samples_vs_prompts():
     assert arr.actor.ppo_micro_batch_size_per_gpu == 4 and arr.actor.ppo_epochs == 2
     assert arr.rollout.log_prob_micro_batch_size_per_gpu == 16 and arr.ref.log_prob_micro_batch_size_per_gpu == 16
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_epochs == 2
+    assert cfg.critic.model.lora_rank == 0
+    # --lora_rank: OpenRLHF's critic takes the actor's LoRA settings
+    cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--lora_alpha", "16")
+    assert (cfg.critic.model.lora_rank, cfg.critic.model.lora_alpha) == (8, 16)
+    assert cfg.actor_rollout_ref.model.lora_rank == 8
 
 
 def test_ppo_async_flags_map_to_verls_async_keys(capsys):
@@ -270,6 +275,8 @@ def test_openrlhf_example_scripts_dry_run(capsys, tmp_path, monkeypatch, name, e
     if expect == "ok":
         assert code == 0, err
         assert "# the same run as a tiller command line:" in out
+    elif expect.startswith("error "):
+        assert code == 2 and expect[len("error "):] in err, err
     else:
         flag = expect.split()[1]
         assert code == 2 and f"error: {flag} " in err and ": refused: " in err, err
@@ -278,7 +285,7 @@ def test_openrlhf_example_scripts_dry_run(capsys, tmp_path, monkeypatch, name, e
 
 def test_example_counts():
     kinds = [e[1] for e in examples()]
-    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 23
+    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 24
     assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 18  # dotted ones
     fsdp = [e for e in examples() if e[0].startswith("automodel@")]  # OpenRLHF's FSDP2 backend branch
     assert len(fsdp) == 9 and all(any(t.startswith("--fsdp.") for t in e[2]) for e in fsdp)

@@ -105,6 +105,19 @@ def test_parallel_manager_times_out_one_sample_only(user_fn):
         manage.close()
 
 
+def test_prime_manager_is_parallel_scoring_with_verls_300_s(user_fn):
+    # verl's PrimeRewardManager: per-sample calls in processes, each bounded by 300 s (not reward_model.timeout)
+    cfg = _cfg("prime", user_fn)
+    cfg.reward_model.timeout = 1.5
+    manage = build_reward_manager(cfg)
+    try:
+        assert manage.base.timeout == 300.0 and manage.base.pool is not None
+        result = manage([_req("a"), _req("raise"), _req("b")])
+        assert result.scores.tolist() == [1.0, 0.0, 0.0] and result.metrics["reward/num_errors"] == 1.0
+    finally:
+        manage.close()
+
+
 def test_overlong_penalty_worked_numbers():
     # L_max = 16, L_buf = 4 -> expected length 12; penalty = min(-(len - 12) / 4 * 0.5, 0)
     # len 10 -> 0; len 12 -> 0; len 14 -> -(2/4)*0.5 = -0.25; len 16 -> -(4/4)*0.5 = -0.5

@@ -43,7 +43,7 @@ class AgentInstance:
         assert states["observation_text"].startswith("1+")
         self.step_idx += 1
         done = self.step_idx >= 2
-        reward = torch.tensor(1.0 if done else 5.0)  # only the final step's rewards count (OpenRLHF)
+        reward = torch.tensor(1.0 if done else 5.0)  # summed over the steps (OpenRLHF's total_reward)
         return {"rewards": reward, "scores": reward, "environment_feedback": "\nHuman: again\nAssistant:",
                 "done": done, "sampling_params": states.get("sampling_params"), "extra_logs": {}}
 
@@ -87,7 +87,8 @@ def test_openrlhf_agent_instance_loads_as_is(policy):
     samples = _samples(policy, ["1+2="])
     sampling = SamplingParams(max_new_tokens=3, temperature=1.0, seed=0)
     (ep,) = run_env_episodes(policy.engine, policy.tokenizer, AgentInstance, samples, sampling, max_turns=6)
-    assert len(ep.segments) == 2 and ep.reward == 1.0  # the final step's rewards, not the sum (6.0)
+    assert len(ep.segments) == 2 and ep.reward == 6.0  # the sum of the steps' rewards, as OpenRLHF's executor
+    assert ep.info["scores"] == 1.0  # the last step's scores (OpenRLHF's dynamic-filtering signal)
     feedback = policy.tokenizer("\nHuman: again\nAssistant:", add_special_tokens=False)["input_ids"]
     s0, s1 = ep.segments
     assert s1.prompt_ids == s0.prompt_ids + s0.response_ids + feedback

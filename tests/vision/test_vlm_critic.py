@@ -1,6 +1,7 @@
 """PPO with GAE on a vision-language model: the critic is the VLM with a scalar head whose forward takes the
 pixels (values depend on the image, equal a plain forward of each row), token-budget micro-batches count the
-image tokens and give the same values, a PPO step trains and checkpoints the critic, a text critic is refused."""
+image tokens and give the same values, a PPO step trains and checkpoints the critic, a text critic and LoRA on the
+critic are refused."""
 
 from __future__ import annotations
 
@@ -156,6 +157,16 @@ def test_text_critic_for_an_image_actor_is_refused(tiny_vlm_dir, tiny_model_dir,
     with pytest.raises(ConfigError, match=r"critic.model.path=.*: the prompts have images but this is a text-only "
                                           r"model \(it would ignore the pixels\)"):
         RLTrainer(_ppo_cfg(tiny_vlm_dir, shapes_data["train"], tmp_path / "r", f"critic.model.path={tiny_model_dir}"))
+
+
+def test_lora_on_a_vlm_critic_is_refused(tiny_vlm_dir, shapes_data, tmp_path):
+    # its value head replaces the LM head, which a peft adapter of the base could not be merged back into
+    from tiller.workers.critic import CriticWorker
+
+    with pytest.raises(ConfigError, match=r"critic\.model\.lora_rank / critic\.model\.lora_adapter_path: LoRA on a "
+                                          r"vision-language critic \(Qwen2"):
+        CriticWorker(_ppo_cfg(tiny_vlm_dir, shapes_data["train"], tmp_path / "r", "critic.model.lora_rank=4"),
+                     total_training_steps=1)
 
 
 def test_prime_on_image_prompts_is_refused(tiny_vlm_dir, shapes_data, tmp_path):

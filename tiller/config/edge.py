@@ -37,6 +37,10 @@ from tiller.config.schema_verl010 import MEGATRON_OPTIM_OPTIONS, QatConfig, Skip
 from tiller.errors import ConfigError
 
 HONOURED, NOOP, REFUSED = "honoured", "no-op", "refused"
+_SANDBOX_FUSION = ("{url, max_concurrent, memory_limit_mb}: with url set, verl's code data sources (codecontests, "
+                   "apps, codeforces, taco) are scored on that SandboxFusion /run_code server, at most max_concurrent "
+                   "requests in flight across the reward workers, each run limited to memory_limit_mb "
+                   "(tiller.rewards.sandbox_fusion; docs/rewards.md)")
 
 
 def _default_value(path: str) -> Any:
@@ -239,11 +243,12 @@ RULES.update({
     "actor_rollout_ref.rollout.logprobs_mode": refused(
         "tiller's engines return the logprobs of the distribution each token was sampled from (after temperature, "
         "top-k, top-p)", use="processed_logprobs", allowed=("processed_logprobs",)),
-    "actor_rollout_ref.rollout.over_sample_rate": refused(
-        "tiller waits for every sample of a step (no aborting of the slowest generations)", use="0",
-        allowed=(0, 0.0)),
+    "actor_rollout_ref.rollout.over_sample_rate": noop(
+        "verl 0.10 declares it (abort the remaining requests once (1 - rate) of them are done) but none of its code "
+        "reads it; tiller, like verl, waits for every sample of a step"),
     "actor_rollout_ref.rollout.skip_rollout": refused(
-        "replaying dumped rollouts is not built", use="leave it False", allowed=(False,)),
+        "this pre-0.10 key's dump layout is not read (verl changed it twice)", allowed=(False,),
+        use="verl 0.10's skip.rollout.enable=true skip.rollout.steps=[...] skip.rollout.dump_dir=DIR"),
     "actor_rollout_ref.rollout.skip_dump_dir": noop("only with rollout.skip_rollout, which is refused"),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": refused(
         "tiller's engines do not record MoE expert routing", use="leave it False", allowed=(False,)),
@@ -296,10 +301,6 @@ RULES.update({
                                     "so a value that disagrees is an error at load time"),
     "critic.model.external_lib": noop("tiller imports actor_rollout_ref.model.external_lib once for every model"),
     "critic.model.use_shm": noop("tiller loads the model from its path (no /dev/shm copy)"),
-    "critic.model.lora_rank": refused("tiller trains the critic in full (no LoRA on the value model)",
-                                      use="0", allowed=(0,)),
-    "critic.model.lora_alpha": noop("only with critic.model.lora_rank, which is refused"),
-    "critic.model.target_modules": noop("only with critic.model.lora_rank, which is refused"),
     "critic.model.lora": noop(_MEGATRON),
     # reward model
     "reward_model.enable_resource_pool": noop("tiller runs the reward model next to the trainer (no separate GPU "
@@ -324,9 +325,7 @@ RULES.update({
     "reward_model.launch_reward_fn_async": noop(
         "tiller scores rewards in the driver (reward_manager=parallel runs them in processes)"),
     "reward_model.use_reward_loop": noop("tiller has one reward path"),
-    "reward_model.sandbox_fusion": refused(
-        "tiller has no SandboxFusion client", use="a custom_reward_function.path scorer that calls your sandbox",
-        allowed=({"url": None, "max_concurrent": 64, "memory_limit_mb": 1024},)),
+    "reward_model.sandbox_fusion": Rule(HONOURED, _SANDBOX_FUSION),
     "reward_model.ulysses_sequence_parallel_size": noop(_ULYSSES),
     "reward_model.rollout": noop(
         "the engine of a generative reward model in verl's reward loop; tiller's reward model is a sequence "
@@ -438,9 +437,6 @@ RULES.update({
         "tiller reads the critic's config.json from critic.model.path", use="edit that config.json",
         allowed=(None,)),
     "critic.model.custom_chat_template": noop("the critic reads the actor's token ids; it renders no chat template"),
-    "critic.model.exclude_modules": noop("only with critic LoRA (critic.model.lora_rank), which is refused"),
-    "critic.model.lora_adapter_path": refused("tiller trains the critic in full (no LoRA on the value model)",
-                                              use="leave it null", allowed=(None,)),
     "critic.model.use_liger": noop("tiller runs the Hugging Face modelling code (no Liger kernels); the math is the "
                                    "same"),
     "critic.model.use_fused_kernels": noop("no fused kernels in tiller"),
@@ -452,12 +448,11 @@ RULES.update({
         "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
         allowed=({"path": None, "name": "custom_reward_manager"},)),
     "reward.reward_model.rollout": noop(_SERVER),
-    "reward.sandbox_fusion": refused(
-        "tiller has no SandboxFusion client", use="a custom_reward_function.path scorer that calls your sandbox",
-        allowed=({"url": None, "max_concurrent": 64, "memory_limit_mb": 1024},)),
-    "sandbox_fusion": refused(
-        "tiller has no SandboxFusion client", use="a custom_reward_function.path scorer that calls your sandbox",
-        allowed=({"url": None, "max_concurrent": None, "memory_limit_mb": None},)),
+    "reward.sandbox_fusion": Rule(HONOURED, "verl 0.10's place of reward_model.sandbox_fusion (resolved onto it at "
+                                            "load time; setting both is an error). " + _SANDBOX_FUSION),
+    "sandbox_fusion": Rule(HONOURED, "verl 0.10's legacy top-level section, which verl migrates onto "
+                                     "reward.sandbox_fusion (null max_concurrent / memory_limit_mb: 64 / 1024). "
+                                     + _SANDBOX_FUSION),
     # distillation (verl 0.10 layout)
     "distillation.n_gpus_per_node": noop("tiller's teacher is a frozen model inside each actor worker"),
     "distillation.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
@@ -534,10 +529,13 @@ def _section_rules() -> None:
                     continue
                 RULES.setdefault(f"{path}.{f.name}", noop(docs.get(f.name) or "a verl knob with no counterpart in "
                                                                               "tiller"))
-        if cls in (QatConfig, SkipStageConfig):  # `enable` refused, the rest only acts with it
+        if cls is QatConfig or (cls is SkipStageConfig and path != "skip.rollout"):  # `enable` refused, the rest
+            # only acts with it (skip.rollout is honoured: tiller.trainer.rollout_skip)
             what = ("quantization-aware training is not built (tiller's engines run the actor's weights unquantized)"
-                    if cls is QatConfig else "replaying dumped rollouts (verl's skip.*) is not built")
-            RULES.setdefault(f"{path}.enable", refused(what, use="leave enable False", allowed=(False,)))
+                    if cls is QatConfig else "replaying the dumped rollouts of verl's TransferQueue / asynchronous "
+                    "trainers is not built (skip.rollout, the synchronous step's, is)")
+            RULES.setdefault(f"{path}.enable", refused(what, use="leave enable False" if cls is QatConfig else
+                                                       "leave enable False; skip.rollout.enable", allowed=(False,)))
             for f in dataclasses.fields(cls):
                 RULES.setdefault(f"{path}.{f.name}", noop(f"only with {path}.enable, which is refused"))
         if cls is OptimConfig:
@@ -615,6 +613,8 @@ LAYOUT_ALIASES: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size":
         "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    "reward.sandbox_fusion": "reward_model.sandbox_fusion",
+    "sandbox_fusion": "reward_model.sandbox_fusion",  # verl 0.10 migrates it onto reward.sandbox_fusion
 }
 LAYOUT_ALIASES.update({  # verl 0.6 / 0.7 renames
     "data.train_max_samples": "data.max_samples",
@@ -731,7 +731,9 @@ def apply_edge(cfg: RLConfig) -> None:
         if get(cfg, path) in values:
             raise ConfigError(f"{path}={get(cfg, path)!r} is refused: {reason}. Instead: {use}")
     _resolve_distillation(cfg)
+    _check_sandbox_fusion(cfg)
     _resolve_layouts(cfg)
+    _fill_sandbox_fusion(cfg)
     _resolve_engine_kwargs(cfg)
     _convert_deprecated(cfg)
     for key in NULL_IS_DEFAULT:  # verl's null = unset: tiller's default
@@ -783,6 +785,42 @@ def _resolve_layouts(cfg: RLConfig) -> None:
         _set(cfg, old, get(cfg, new))
         _set(cfg, new, _default(new))
         set_by[old] = new
+
+
+SANDBOX_FUSION_KEYS = ("reward_model.sandbox_fusion", "reward.sandbox_fusion", "sandbox_fusion")
+SANDBOX_FUSION_DEFAULTS = {"url": None, "max_concurrent": 64, "memory_limit_mb": 1024}
+
+
+def _check_sandbox_fusion(cfg: RLConfig) -> None:
+    """Each SandboxFusion section the user set, checked under its own key: known fields, an http(s) url, counts > 0."""
+    from urllib.parse import urlsplit
+
+    for key in SANDBOX_FUSION_KEYS:
+        section = get(cfg, key)
+        if section == _default(key):
+            continue
+        unknown = sorted(set(section) - set(SANDBOX_FUSION_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"{key}: unknown keys {unknown}; valid: {', '.join(SANDBOX_FUSION_DEFAULTS)}")
+        url = section.get("url")
+        if url is not None:
+            parts = urlsplit(url) if isinstance(url, str) else None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"{key}.url must be a SandboxFusion endpoint http(s)://HOST:PORT/run_code (or null), "
+                                  f"got {url!r}")
+        for field in ("max_concurrent", "memory_limit_mb"):
+            value = section.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{key}.{field} must be a whole number > 0 (or null: "
+                                  f"{SANDBOX_FUSION_DEFAULTS[field]}), got {value!r}")
+
+
+def _fill_sandbox_fusion(cfg: RLConfig) -> None:
+    """The resolved reward_model.sandbox_fusion with verl's defaults where a field is null or absent."""
+    section = cfg.reward_model.sandbox_fusion
+    for field, value in SANDBOX_FUSION_DEFAULTS.items():
+        if section.get(field) is None:
+            section[field] = value
 
 
 ENGINE_KWARGS_SECTIONS = ("vllm", "sglang", "trtllm")

@@ -21,7 +21,8 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
     weights      4 N / W                     (fp32 master weights; the compute dtype is an autocast copy)
     reference    4 N / W when a KL term needs the reference model and the actor is not LoRA
     gradients    4 N_t / W                   (during the update only)
-    optimizer    8 N_t / W                   (AdamW's two moments)
+    optimizer    s N_t / W                   (s = state bytes per parameter of actor.optim's class, measured by one
+                                             step on a dummy parameter: AdamW 8 (two moments), SGD 0, with momentum 4)
     activations  per micro-batch of r rows x S tokens: r S L (8 H + 2 kv d + 4 I) b  (saved for backward;
                  b = 2 with bf16 autocast else 4) + logits r T_resp V 4 x 3 (logits, their temperature-scaled
                  float copy, their gradient)
@@ -48,6 +49,7 @@ from tiller.config.edge import num_workers
 from tiller.config.schema import RLConfig
 from tiller.errors import UserError
 from tiller.models.loading import check_model_path
+from tiller.models.optimizer import state_bytes_per_param
 
 MiB = 1024**2
 RUNTIME_BYTES = 150 * MiB
@@ -202,7 +204,7 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
         "weights": 4 * n // w,
         "reference": 4 * n // w if need_ref else 0,
         "gradients": 4 * trainable // w,
-        "optimizer": 8 * trainable // w,
+        "optimizer": int(state_bytes_per_param(arr.actor.optim, "actor_rollout_ref.actor.optim") * trainable) // w,
         "activations": activations,
         "kv_cache": kv_cache,
         "teacher": 4 * _teacher_params(cfg, teacher_shape),

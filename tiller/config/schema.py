@@ -716,6 +716,9 @@ class AgentConfig:
     """The environment class's name in `env_path`."""
     max_turns: int = 8
     """Environment rollout: most model turns per episode."""
+    max_context: Optional[int] = None
+    """Environment rollout: an episode ends when its context (prompt, actions, observations) reaches this many
+    tokens (OpenRLHF's --max_len budget); null: the model's max_position_embeddings."""
     num_workers: int = 8
     """verl: agent-loop worker processes; tiller's episodes run in one event loop (bounded by max_concurrency)."""
     default_agent_loop: str = "single_turn_agent"
@@ -942,11 +945,13 @@ class CriticModelConfig:
     enable_activation_offload: bool = False
     """verl: offload activations to CPU in backward; a GPU memory tuning tiller does not have."""
     lora_rank: int = 0
-    """verl: LoRA on the critic; refused unless 0 (tiller trains the critic in full)."""
+    """LoRA rank of the critic's body (0 = the critic trains in full); with LoRA the value head trains in full, as in
+    verl's FSDP critic, and the optimizer holds the adapters and the head only."""
     lora_alpha: int = 16
-    """verl: LoRA alpha of the critic (only with critic.model.lora_rank, refused)."""
+    """LoRA alpha of the critic (scale = alpha / rank)."""
     target_modules: Any = "all-linear"
-    """verl: LoRA targets of the critic (only with critic.model.lora_rank, refused)."""
+    """LoRA targets of the critic: a list of module names or 'all-linear' (every linear layer of the body; the value
+    head is never adapted, it trains in full)."""
     lora: dict[str, Any] = field(default_factory=lambda: {"rank": 0, "alpha": 32, "merge": False,
                                                            "adapter_path": None,
                                                            "target_modules": ["linear_qkv", "linear_proj",
@@ -959,10 +964,14 @@ class CriticModelConfig:
     """verl: read the critic's HF config from another dir; refused (tiller reads critic.model.path's config.json)."""
     custom_chat_template: Optional[str] = None
     """verl: a chat template for the critic's tokenizer; the critic reads the actor's token ids (no template)."""
-    exclude_modules: Optional[str] = None
-    """verl: modules left out of the critic's LoRA (only with critic LoRA, which is refused)."""
+    exclude_modules: Any = None
+    """Critic LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex
+    string matched against full module names."""
     lora_adapter_path: Optional[str] = None
-    """verl: a saved LoRA adapter for the critic; refused (tiller trains the critic in full)."""
+    """Continue the critic from a saved LoRA adapter of a value model (task_type TOKEN_CLS: a tiller critic
+    checkpoint's model/, checkpoints/critic/global_step_N/model), loaded trainable onto critic.model.path with its
+    value head; rank, alpha and targets come from its adapter_config.json (the LoRA keys left at their defaults, or
+    set to the same values). LoRA is on with it even at lora_rank=0."""
     use_liger: bool = False
     """verl: Liger fused kernels; tiller runs the Hugging Face modelling code."""
     use_fused_kernels: bool = False
@@ -1135,8 +1144,9 @@ class RewardModelConfig:
     max_length: Optional[int] = None
     """Longest prompt + response the RM sees."""
     reward_manager: Optional[str] = "naive"
-    """naive | batch | parallel | dapo | openrlhf (a batched OpenRLHF reward_func(queries, prompts, labels) in
-    custom_reward_function.path) | gdpo (verl 0.10's name for naive with dict scores, for adv_estimator=gdpo)."""
+    """naive | batch | parallel | prime (verl's: parallel with 300 s a sample) | dapo | openrlhf (a batched OpenRLHF
+    reward_func(queries, prompts, labels) in custom_reward_function.path) | gdpo (verl 0.10's name for naive with dict
+    scores, for adv_estimator=gdpo)."""
     num_workers: Optional[int] = 2
     """Processes of the parallel reward manager."""
     bad_ground_truth: str = "error"
@@ -1181,8 +1191,8 @@ class RewardModelConfig:
     """verl: its reward-loop implementation (vs the legacy reward worker); tiller has one reward path."""
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
                                                                      "memory_limit_mb": 1024})
-    """verl: a SandboxFusion code-execution service for code rewards; refused unless url is null (point
-    custom_reward_function.path at a scorer that calls your sandbox)."""
+    """verl: a SandboxFusion code-execution service {url, max_concurrent, memory_limit_mb}: with url set, the code data
+    sources codecontests / apps / codeforces / taco are scored on it, as verl (tiller.rewards.sandbox_fusion)."""
     profiler: dict[str, Any] = field(default_factory=_profiler)
     """verl's profiler hooks of the reward model; tiller has no profiler integration."""
     ulysses_sequence_parallel_size: int = 1
@@ -1515,7 +1525,7 @@ class TrainerConfig:
 @dataclass
 class NewRewardManagerConfig:
     name: Optional[str] = None
-    """= reward_model.reward_manager (naive | batch | parallel | dapo | openrlhf)."""
+    """= reward_model.reward_manager (naive | batch | parallel | prime | dapo | openrlhf)."""
     source: str = "register"
     """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
     module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})
@@ -1559,7 +1569,7 @@ class RewardConfig:
     """= reward_model.num_workers."""
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": 64,
                                                                      "memory_limit_mb": 1024})
-    """verl 0.10's place of reward_model.sandbox_fusion: refused unless url is null (no SandboxFusion client)."""
+    """= reward_model.sandbox_fusion (verl 0.10's place of it)."""
 
 
 @dataclass
@@ -1723,7 +1733,7 @@ class RLConfig:
         "py_executable": None}}, "timeline_json_file": None})
     sandbox_fusion: dict[str, Any] = field(default_factory=lambda: {"url": None, "max_concurrent": None,
                                                                      "memory_limit_mb": None})
-    """verl 0.10's top-level SandboxFusion service: refused unless url is null (no SandboxFusion client)."""
+    """verl 0.10's legacy top-level SandboxFusion section: = reward.sandbox_fusion (nulls: 64 / 1024)."""
     model_engine: str = "dp"
     """verl 0.10's training engine (a config group there): dp (FSDP, tiller's) | megatron | veomni | torchtitan
     (refused, before any other key of the command line)."""

@@ -32,16 +32,17 @@ class QatConfig:
 
 @dataclass
 class SkipStageConfig:
-    """verl's `skip.<stage>`: dump a stage's output on the first run and replay it on later runs (a debugging aid)."""
+    """verl's `skip.<stage>`: dump a stage's output on the first run and replay it on later runs (a debugging aid).
+    `skip.rollout` is honoured (tiller.trainer.rollout_skip); rollout_tq / async_rollout are refused."""
 
     enable: bool = False
-    """Refused: replaying dumped rollouts is not built in tiller."""
+    """Dump the listed steps' rollouts, and load them instead of generating on later runs."""
     dump_dir: str = "~/.verl/rollout_dump"
-    """verl: where the dumps go (only with enable, which is refused)."""
+    """Where the dumps go: <dump_dir>/<experiment>_<project>/GBS<g>_N<n>_in<p>_out<r>/<step>/."""
     steps: list[int] = field(default_factory=list)
-    """verl: the steps replayed (only with enable, which is refused)."""
+    """The training steps dumped / loaded (verl's default [] touches none)."""
     action: str = "cache"
-    """verl: cache | ... (only with enable, which is refused)."""
+    """cache: a step loads its own dump; repeat: its own, else the latest before it, else the first after it."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
-REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo")
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo", "prime")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries
@@ -125,6 +125,7 @@ def validate_rl(cfg: RLConfig) -> None:
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
     _validate_pf_ppo(algo)
+    _validate_skip(cfg)
     for key in ("rollout_data_dir", "validation_data_dir"):  # <dir>/<step>.jsonl: a file there would fail mid-run
         where = getattr(tr, key)
         if where is not None and (not isinstance(where, str) or not where.strip()):
@@ -175,6 +176,34 @@ def validate_rl(cfg: RLConfig) -> None:
             and not cfg.reward_model.diversity.llm_url:
         raise ConfigError("reward_model.diversity.partitioner=llm needs reward_model.diversity.llm_url")
     _validate_diversity_classifier(cfg.reward_model.diversity)
+    for key, section in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
+        _validate_lora(key, section)
+    _validate_sandbox_fusion(cfg)
+
+
+def _validate_lora(key: str, model) -> None:
+    """A model section's LoRA numbers: rank >= 0 (0 = off), and with LoRA on a positive alpha (scale alpha / rank)."""
+    if not isinstance(model.lora_rank, int) or isinstance(model.lora_rank, bool) or model.lora_rank < 0:
+        raise ConfigError(f"{key}.lora_rank must be an integer >= 0 (0 = no LoRA), got {model.lora_rank!r}")
+    if (model.lora_rank > 0 or model.lora_adapter_path) and not model.lora_alpha > 0:
+        raise ConfigError(f"{key}.lora_alpha must be > 0 with LoRA (the adapters' scale is alpha / rank), "
+                          f"got {model.lora_alpha!r}")
+
+
+def _validate_sandbox_fusion(cfg: RLConfig) -> None:
+    """The SandboxFusion url feeds tiller's built-in scorer; a setting that replaces that scorer would leave it unused
+    (verl ignores the url then; tiller refuses the pair)."""
+    url = cfg.reward_model.sandbox_fusion.get("url")
+    if not url:
+        return
+    rm = cfg.reward_model
+    for key, replaces in (("custom_reward_function.path", cfg.custom_reward_function.path),
+                          ("reward_model.remote_url", rm.remote_url),
+                          ("reward_model.enable", rm.enable and not rm.remote_url)):
+        if replaces:
+            raise ConfigError(f"reward.sandbox_fusion.url={url} feeds tiller's built-in code scorer "
+                              f"(default_compute_score), which {key} replaces: drop one of them (a custom function may "
+                              "call tiller.rewards.default_compute_score(..., sandbox_fusion_url=...) itself)")
 
 
 def _validate_diversity_classifier(div) -> None:
@@ -343,11 +372,13 @@ def _validate_agent(cfg: RLConfig) -> None:
         raise ConfigError(f"{key}.max_concurrency must be >= 0 (0 = all samples at once), got {agent.max_concurrency}")
     if agent.max_turns < 1:
         raise ConfigError(f"{key}.max_turns must be >= 1, got {agent.max_turns}")
+    if agent.max_context is not None and (isinstance(agent.max_context, bool) or not isinstance(agent.max_context, int)
+                                          or agent.max_context < 2):
+        raise ConfigError(f"{key}.max_context must be a token count >= 2 or null, got {agent.max_context!r}")
     if algo.adv_estimator not in EPISODE_ESTIMATORS:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} does not work with agent rollouts (an "
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
     for name, on in (("algorithm.use_kl_in_reward", algo.use_kl_in_reward),
-                     ("algorithm.filter_groups.enable", algo.filter_groups.enable),
                      ("trainer.backend=ray", cfg.trainer.backend == "ray"),
                      ("async_training (staleness_threshold > 0 or trigger_parameter_sync_step > 1)",
                       async_enabled(cfg))):
@@ -429,6 +460,24 @@ def _validate_prime(cfg: RLConfig) -> None:
     if rollout.agent.path or rollout.agent.env_path:
         raise ConfigError("algorithm.adv_estimator=prime is refused with agent rollouts (actor_rollout_ref.rollout."
                           "agent.*): the implicit PRM scores single responses, not episodes of segments")
+
+
+def _validate_skip(cfg: RLConfig) -> None:
+    """skip.rollout (verl's dump / replay of listed steps' rollouts, `tiller.trainer.rollout_skip`)."""
+    skip = cfg.skip.rollout
+    if skip.action not in ("cache", "repeat"):
+        raise ConfigError(f"skip.rollout.action={skip.action!r}: verl's rollout skip takes cache or repeat")
+    if not isinstance(skip.steps, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                          for s in skip.steps):
+        raise ConfigError(f"skip.rollout.steps={skip.steps!r}: a list of training steps (integers >= 1)")
+    if not isinstance(skip.dump_dir, str) or not skip.dump_dir.strip():
+        raise ConfigError(f"skip.rollout.dump_dir must be a directory path, got {skip.dump_dir!r}")
+    where = os.path.expanduser(skip.dump_dir)
+    if os.path.exists(where) and not os.path.isdir(where):
+        raise ConfigError(f"skip.rollout.dump_dir={skip.dump_dir}: that path is a file, not a directory")
+    if skip.enable and async_enabled(cfg):
+        raise ConfigError("skip.rollout.enable=true replays the synchronous step's rollout; with async_training the "
+                          "rollout runs in the producer (verl's skip.async_rollout, not built): turn one of them off")
 
 
 def _validate_pf_ppo(algo) -> None:

@@ -6,7 +6,12 @@ starts out equal to the base. `merge_lora` folds B A into W (peft's `merge_and_u
 plain transformers model that `save_pretrained` / `from_pretrained` handle like any other.
 
 For a sequence-classification model (reward model) the fresh `score` head is trained in full
-(peft `modules_to_save`), as TRL and OpenRLHF do; `all-linear` never adapts the output head.
+(peft `modules_to_save`), as TRL and OpenRLHF do; `all-linear` never adapts the output head. A token-classification
+model (the PPO critic's value model) is the same: peft task TOKEN_CLS, as verl's FSDP critic worker
+(`fsdp_workers.CriticWorker`) sets it, so its scalar `score` head trains in full and is saved with the adapter, and
+`all-linear` adapts every linear layer of the body. (verl's engine-based critic builds CAUSAL_LM adapters on the value
+model, which peft >= 0.18 cannot wrap around a token-classification model; and with TOKEN_CLS + `all-linear` peft
+both adapts `score` and wraps it for saving, which it refuses: tiller leaves the head out of `all-linear`.)
 
 A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): `all-linear` adapts the language model's linear layers only,
 not the vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
@@ -60,18 +65,23 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
 
     if rank <= 0:
         raise ConfigError(f"{key}.lora_rank must be > 0 to apply LoRA, got {rank}")
+    task = task_type(model)
     if isinstance(target_modules, str) and target_modules != "all-linear":
         target_modules = [target_modules]
     if not isinstance(target_modules, str):
         target_modules = _known_names(model, target_modules, f"{key}.target_modules")
+        heads = sorted(set(target_modules) & head_names(model))
+        if heads:
+            raise ConfigError(f"{key}.target_modules: {heads} is the model's {task} head, which trains in full "
+                              "(peft modules_to_save) rather than through an adapter; name body modules only")
     if target_modules == "all-linear":
-        target_modules = language_model_targets(model) or target_modules
+        target_modules = language_model_targets(model) or (sorted(_module_set("all-linear", model))
+                                                           if task == "TOKEN_CLS" else target_modules)
     if exclude_modules is not None and not isinstance(exclude_modules, str):
         exclude_modules = _known_names(model, exclude_modules, f"{key}.exclude_modules") or None
-    is_seq_cls = type(model).__name__.endswith("ForSequenceClassification")
     config = LoraConfig(
         r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-        exclude_modules=exclude_modules, task_type=TaskType.SEQ_CLS if is_seq_cls else TaskType.CAUSAL_LM,
+        exclude_modules=exclude_modules, task_type=getattr(TaskType, task),
         modules_to_save=list(modules_to_save) if modules_to_save else None,
     )
     try:
@@ -79,6 +89,28 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     except ValueError as err:  # e.g. exclude_modules leaves no module to adapt
         raise ConfigError(f"{key}.target_modules={_show(target_modules)} / {key}.exclude_modules="
                           f"{_show(exclude_modules)}: {_first_line(err)}") from None
+
+
+TASKS = {"CAUSAL_LM": "causal language model (a policy)", "SEQ_CLS": "sequence-classification model (a reward model)",
+         "TOKEN_CLS": "token-classification model (a critic's value model)"}
+"""peft's task type of each kind of model tiller adapts, in words."""
+
+
+def task_type(model: torch.nn.Module) -> str:
+    """peft's task type for `model`: SEQ_CLS (`*ForSequenceClassification`), TOKEN_CLS (`*ForTokenClassification`,
+    the critic's value model) or CAUSAL_LM (anything else: a policy, a vision-language model)."""
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "SEQ_CLS"
+    return "TOKEN_CLS" if name.endswith("ForTokenClassification") else "CAUSAL_LM"
+
+
+def head_names(model: torch.nn.Module) -> set[str]:
+    """The classification head's module name(s) of a SEQ_CLS / TOKEN_CLS model (peft trains `score` / `classifier`
+    in full there); empty for a causal LM."""
+    if task_type(model) == "CAUSAL_LM":
+        return set()
+    return {name for name, _ in model.named_children() if name in ("score", "classifier")}
 
 
 def _known_names(model: torch.nn.Module, names: Any, key: str) -> list[str]:
@@ -135,8 +167,9 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
         adapter_dropout = float(peft_model.peft_config["default"].lora_dropout or 0.0)
         if not allow_dropout and adapter_dropout:
             raise ConfigError(f"{key}.lora_adapter_path={section.lora_adapter_path}: the adapter has lora_dropout="
-                              f"{adapter_dropout}, and tiller's RL actor trains adapters without dropout (its "
-                              "logprobs must not be random); set lora_dropout to 0 in its adapter_config.json")
+                              f"{adapter_dropout}, and tiller's RL workers train adapters without dropout (the "
+                              "actor's logprobs and the critic's values must not be random); set lora_dropout to 0 "
+                              "in its adapter_config.json")
         return peft_model
     if section.lora_rank > 0:
         return apply_lora(model, section.lora_rank, section.lora_alpha, section.target_modules, dropout,
@@ -198,10 +231,11 @@ def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.
 
 
 def _module_set(value: Any, model: torch.nn.Module) -> Any:
-    if value == "all-linear":
+    if value == "all-linear":  # every linear layer but the output head (a classifier's head: trained in full)
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        heads = head_names(model)
         return frozenset(n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear) and m is not out)
+                         if isinstance(m, torch.nn.Linear) and m is not out and n not in heads)
     if isinstance(value, (list, tuple, set)):
         return frozenset(map(str, value))
     return value or None
@@ -216,6 +250,13 @@ def load_lora_adapter(model: torch.nn.Module, path: str | Path, key: str, user: 
     from peft import PeftModel, get_peft_model_state_dict, load_peft_weights
 
     config = read_adapter_config(path, key)
+    kind, want = str(config.get("task_type") or "CAUSAL_LM").upper(), task_type(model)
+    if kind != want:
+        hint = (" (a tiller critic's adapter is the model/ dir of checkpoints/critic/global_step_N)"
+                if want == "TOKEN_CLS" else "")
+        raise ConfigError(f"{key}={path}: a {TASKS.get(kind, kind)}'s adapter (task_type {kind} in its "
+                          f"adapter_config.json), but {section} is a {TASKS[want]} ({type(model).__name__}): "
+                          f"continue from an adapter of a {want} model{hint}")
     clash = adapter_contradictions(config, user or {}, model)
     if clash:
         raise ConfigError("; ".join(f"{section}.{name}={_show(mine)} but the adapter {key}={path} has "

@@ -103,6 +103,19 @@ def check_optimizer(optim_cfg, key: str) -> None:
     make_optimizer([torch.nn.Parameter(torch.zeros(1, 1))], optim_cfg, key)  # 2-D: Muon takes matrices only
 
 
+def state_bytes_per_param(optim_cfg, key: str) -> float:
+    """Bytes of optimizer state the configured class keeps per trainable parameter (AdamW 8: two fp32 moments; SGD 0;
+    SGD with momentum 4), measured by one step of that class on a dummy fp32 matrix; per-tensor scalars (Adam's step
+    count) are left out."""
+    param = torch.nn.Parameter(torch.zeros(8, 8))
+    optimizer = make_optimizer([param], optim_cfg, key)
+    param.grad = torch.full_like(param, 0.5)
+    optimizer.step()
+    state = optimizer.state.get(param, {})
+    held = sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.numel() > 1)
+    return held / param.numel()
+
+
 def optimizer_class_name(optimizer) -> str | None:
     """`module.Class` of an optimizer (or of the one inside a wrapper with `.optimizer`, e.g. FSDP2's gathered
     state); None for anything else. Checkpoints record it, so a resume with another class is refused."""

@@ -55,8 +55,9 @@ TABLE: tuple[Flag, ...] = (
        "reward.remote_url"),
     _f("value_head_prefix", REFUSED, "tiller's reward / value heads are transformers' `score` head only",
        "ds.value_head_prefix", "fsdp.value_head_prefix"),
-    _f("agent_func_path", REFUSED, "OpenRLHF agent functions are not supported: use tiller's multi-turn tool "
-       "rollouts (actor_rollout_ref.rollout.multi_turn)", "train.agent_func_path"),
+    _f("agent_func_path", MAPPED, "actor_rollout_ref.rollout.agent.env_path (the file's AgentExecutor: its "
+       "AgentInstance driven by tiller's environment loop as OpenRLHF's MultiTurnAgentExecutor drives it; "
+       "agent.max_context = --max_len; the agent's rewards replace any reward model)", "train.agent_func_path"),
     # ------------------------------------------------------------------ data
     _f("dataset", MAPPED, "data.train_files (comma list; a dataset name loads through datasets.load_dataset)",
        "data.dataset"),

@@ -385,9 +385,31 @@ def _lengths(a: Args, o: dict, notices: list[str]) -> None:
     o["data.max_response_length"] = response
 
 
+def _agent(a: Args, o: dict, notices: list[str]) -> bool:
+    """--agent_func_path / --train.agent_func_path: OpenRLHF sets its reward to the agent's (remote_rm_url =
+    "agent"), runs the file's AgentExecutor until the instance says done or the --max_len budget is spent."""
+    path = a("agent_func_path")
+    if not path:
+        return False
+    if not str(path).endswith(".py"):
+        raise a.refuse("agent_func_path", "a Python file holding OpenRLHF's AgentExecutor class (as OpenRLHF)")
+    agent = "actor_rollout_ref.rollout.agent"
+    o[f"{agent}.env_path"] = path
+    o[f"{agent}.env_name"] = "AgentExecutor"
+    o[f"{agent}.max_turns"] = 10000  # OpenRLHF 0.8's max_steps default; 0.10+ has no cap but the budget
+    o[f"{agent}.max_context"] = o["data.max_prompt_length"] + o["data.max_response_length"]
+    for name in ("reward_pretrain", "remote_rm_url"):
+        if a(name):
+            notices.append(f"{a.flag(name)}: not used with {a.flag('agent_func_path')} (OpenRLHF takes the agent's "
+                           "rewards)")
+    return True
+
+
 def _models(a: Args, o: dict, notices: list[str]) -> None:
     reward, remote = a("reward_pretrain"), a("remote_rm_url")
-    if reward and remote:
+    if _agent(a, o, notices):
+        reward = remote = None
+    elif reward and remote:
         raise a.refuse("remote_rm_url", f"give {a.flag('reward_pretrain')} or {a.flag('remote_rm_url')}, not both")
     if reward:
         paths = _csv(reward)
@@ -406,9 +428,10 @@ def _models(a: Args, o: dict, notices: list[str]) -> None:
         else:
             o["reward_model.remote_url"] = urls[0]
             o["reward_model.remote_format"] = "openrlhf"
-    else:
-        raise ConfigError(f"give a reward: {a.flag('reward_pretrain')} (a reward model) or "
-                          f"{a.flag('remote_rm_url')} (an HTTP endpoint or a reward_func .py file)")
+    elif not a("agent_func_path"):
+        raise ConfigError(f"give a reward: {a.flag('reward_pretrain')} (a reward model), "
+                          f"{a.flag('remote_rm_url')} (an HTTP endpoint or a reward_func .py file) or "
+                          f"{a.flag('agent_func_path')} (an agent that gives rewards)")
     o["reward_model.normalize"] = bool(a("normalize_reward"))
     if a("normalize_reward") and not reward:
         notices.append(f"{a.flag('normalize_reward')}: applies to a reward model's scores (mean / std in its "
@@ -418,6 +441,10 @@ def _models(a: Args, o: dict, notices: list[str]) -> None:
     critic = a("critic_pretrain") or (_csv(reward)[0] if reward else a("pretrain"))
     if a("advantage_estimator") == "gae":
         o["critic.model.path"] = critic
+        if a("lora_rank"):  # OpenRLHF builds its critic with the same --lora_* settings as the actor
+            _lora(a, o, "critic.model", dropout_key=None)
+            notices.append(f"{a.flag('lora_rank')}: the critic gets LoRA adapters on its body too, its value head "
+                           "trains in full (verl's critic LoRA; OpenRLHF's peft config has no modules_to_save)")
     buffer = a("overlong_buffer_len")
     factor = a("overlong_penalty_factor")
     if buffer is not None:

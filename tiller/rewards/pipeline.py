@@ -2,7 +2,8 @@
 
     base scores  = remote server   (reward_model.remote_url set)
                  | reward model    (reward_model.enable with model.path)
-                 | rule / custom fn through reward_model.reward_manager (naive | batch | parallel | dapo)
+                 | rule / custom fn through reward_model.reward_manager (naive | batch | parallel | prime | dapo)
+                   (code data sources on a SandboxFusion server when reward.sandbox_fusion.url is set)
     + DAPO overlong shaping        (reward_model.overlong_buffer.enable; reward_manager=dapo)
     -> DARLING diversity fusion    (reward_model.diversity.enable)
 
@@ -12,11 +13,15 @@ The result is a `RewardResult`: final scores [B], per-sample extras, batch metri
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from typing import Any, Callable
 
 import numpy as np
 
 from tiller.errors import ConfigError
+from tiller.rewards import sandbox_fusion
 from tiller.rewards._procpool import resolve_ref
 from tiller.rewards.diversity import DiversityShaper
 from tiller.rewards.managers import (
@@ -95,6 +100,10 @@ def overlong_buffer(cfg: Any) -> tuple[dict | None, str]:
     return (found[0][1], found[0][0]) if found else (None, "")
 
 
+PRIME_TIMEOUT_S = 300.0
+"""verl's PrimeRewardManager bounds each sample's scoring by 300 s (a constant there, not reward_model.timeout)."""
+
+
 def _rule_manager(cfg: Any) -> Any:
     rm, custom = cfg.reward_model, cfg.custom_reward_function
     name = rm.reward_manager
@@ -109,6 +118,7 @@ def _rule_manager(cfg: Any) -> Any:
                           f"{', '.join(MANAGER_KWARGS)} (dapo); a scoring function's keyword arguments go in "
                           "custom_reward_function.reward_kwargs")
     ob, where = overlong_buffer(cfg)
+    kwargs.update(_sandbox_fusion_kwargs(cfg))
     if name == "openrlhf":
         return _openrlhf_manager(cfg, ref, kwargs, ob)
     if ob is not None and name != "dapo":
@@ -119,11 +129,27 @@ def _rule_manager(cfg: Any) -> Any:
         return BatchRewardManager(ref if custom.path else None, kwargs, timeout=rm.timeout)
     if name == "parallel":
         return ParallelRewardManager(ref, kwargs, num_workers=rm.num_workers, timeout=rm.timeout)
+    if name == "prime":  # verl's PrimeRewardManager: per-sample calls in processes, 300 s each, 0 on error / timeout
+        return ParallelRewardManager(ref, kwargs, num_workers=rm.num_workers, timeout=PRIME_TIMEOUT_S)
     # verl's dapo manager takes the length limit as max_resp_len; data.max_response_length by default
     max_len = int(manager_kwargs.get("max_resp_len") or cfg.data.max_response_length)
     return DapoRewardManager(ref, kwargs, max_response_length=max_len,
                              buffer_len=ob["len"] if ob else None, penalty_factor=ob["penalty_factor"] if ob else 1.0,
                              log_penalty=bool(ob and ob["log"]), timeout=rm.timeout)
+
+
+def _sandbox_fusion_kwargs(cfg: Any) -> dict:
+    """verl's SandboxFusion keywords of default_compute_score (url, a semaphore of max_concurrent slots shared by the
+    reward workers, memory_limit_mb) when reward.sandbox_fusion.url is set, after one test program ran there."""
+    section = cfg.reward_model.sandbox_fusion
+    url = section.get("url")
+    if not url:
+        return {}
+    sandbox_fusion.check_server(url, section["memory_limit_mb"])
+    slots = tempfile.mkdtemp(prefix="tiller-sandbox-fusion-")
+    atexit.register(shutil.rmtree, slots, True)
+    return {"sandbox_fusion_url": url, "memory_limit_mb": section["memory_limit_mb"],
+            "concurrent_semaphore": sandbox_fusion.SlotSemaphore(slots, section["max_concurrent"])}
 
 
 def _openrlhf_manager(cfg: Any, ref: Any, kwargs: dict, ob: dict | None) -> Any:

@@ -6,6 +6,7 @@
 | `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`, `math`, `numina_*` | `scorers.math` last `\\boxed{}` + math-verify (kwargs: timeout_s) |
 | `math_dapo`, `aime*` | `scorers.math.compute_score_dapo` (`Answer:` line, +1 / -1, as verl) |
 | `codecontests`, `apps`, `taco`, `livecodebench`, `codeforces`, `humaneval`, `openai/openai_humaneval` | `scorers.code` in the sandbox (kwargs: mode=binary\\|fraction) |
+| `codecontests`, `apps`, `codeforces`, `taco` with `sandbox_fusion_url` | `sandbox_fusion.compute_score(..., continuous=True)`, as verl |
 | `reasoning_gym/<task>`, `reasoning_gym` | the task's own reasoning-gym scorer |
 | `tiller/arithmetic`, `tiller/shapes` | `scorers.arithmetic` (last integer equals the answer) |
 | `hiyouga/geometry3k` | `scorers.geo3k` (0.9 boxed-answer accuracy + 0.1 `<think>` format, as verl) |
@@ -13,6 +14,10 @@
 Extra keyword `think_format=True` (any task): the response must be `<think>...</think>answer`
 (`scorers.format`); otherwise it scores 0, else the answer part is scored; the dict result then
 carries `format` (1/0). `register_scorer` adds or overrides a route.
+
+verl's SandboxFusion keywords `sandbox_fusion_url`, `concurrent_semaphore`, `memory_limit_mb` (what verl binds when
+`reward.sandbox_fusion.url` is set) send verl's four code data sources to that server (`tiller.rewards.sandbox_fusion`)
+instead of the local sandbox; other data sources ignore them, as in verl.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Callable
 
 from tiller.errors import UserError
 from tiller.rewards.scorers import arithmetic, gsm8k
+from tiller.rewards import sandbox_fusion
 from tiller.rewards.scorers import code, format as format_scorer, geo3k, math as math_scorer, reasoning_gym
 
 Scorer = Callable[..., "float | dict"]
@@ -142,15 +148,22 @@ def get_scorer(data_source: str) -> Scorer:
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
-                          extra_info: dict | None = None, think_format: bool = False, **kwargs) -> float | dict:
-    """Score one response with the rule for its `data_source` (float, or dict with `score`).
+                          extra_info: dict | None = None, sandbox_fusion_url: str | None = None,
+                          concurrent_semaphore: Any = None, memory_limit_mb: int | None = None,
+                          think_format: bool = False, **kwargs) -> float | dict:
+    """Score one response with the rule for its `data_source` (float, or dict with `score`); verl's signature.
 
     >>> default_compute_score("openai/gsm8k", "3 + 4 = 7\\n#### 7", "7")
     1.0
     >>> default_compute_score("tiller/arithmetic", "12+30=42", "42")
     1.0
     """
-    scorer = get_scorer(data_source)
+    if sandbox_fusion_url and data_source in sandbox_fusion.SANDBOX_FUSION_SOURCES:
+        def scorer(data_source, solution_str, ground_truth, extra_info, **kw):
+            return sandbox_fusion.compute_score(sandbox_fusion_url, concurrent_semaphore, memory_limit_mb,
+                                                solution_str, ground_truth, continuous=True, **kw)
+    else:
+        scorer = get_scorer(data_source)
     if not think_format:
         return scorer(data_source, solution_str, ground_truth, extra_info, **kwargs)
     if not format_scorer.think_format_ok(solution_str):

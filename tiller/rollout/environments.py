@@ -8,7 +8,8 @@ Gym-style (Brockman et al. 2016, text observations and actions; sync or async me
         def step(self, action: str) -> tuple[str, float, bool, dict]: ...
             # (observation appended after the action, reward, done, info)
 
-OpenRLHF (`--agent_func_path`, its `AgentInstance` class, used unchanged):
+OpenRLHF (`--agent_func_path`, its `AgentInstance` class, used unchanged; a file's `AgentExecutor` stands for the
+instance class it wraps, `tiller.rollout.openrlhf_agent`):
 
     class AgentInstance:
         async def reset(self, states: dict, **kwargs) -> {"observation": str}
@@ -20,8 +21,10 @@ The loop (`run_env_episodes`), per episode: context = the prompt ids (OpenRLHF: 
 the prompt text); each turn the engine samples an action from the context (one `Segment`: context ids,
 sampled ids, logprobs); the action's text goes to `step`; the observation is tokenized and appended after the
 sampled ids (context tokens, never trained); until `done` or `max_turns`. The episode's reward is the sum of
-the step rewards (Gym), or the last step's `rewards` (OpenRLHF, as its executor). Episodes run concurrently;
-with the native engine their turns share decode steps (`tiller.rollout.continuous.ContinuousBatcher`).
+the step rewards (Gym, and OpenRLHF's executor: `total_reward += rewards`); an OpenRLHF episode's `scores` (its
+dynamic-filtering signal) is the last step's `scores`, else that sum (`episode.info["scores"]`: the batch's
+`acc`, algorithm.filter_groups' default metric). Episodes run concurrently; with the native engine their turns share decode steps
+(`tiller.rollout.continuous.ContinuousBatcher`).
 
 `ToolEnv` re-expresses the built-in tools (calculator, python) on this interface: an action's `<tool_call>`
 blocks run and their results come back as the chat template's tool messages; no call ends the episode,
@@ -41,6 +44,7 @@ from tiller.rollout.base import SamplingParams
 from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, Segment
 from tiller.rollout.native import NativeRolloutEngine
+from tiller.rollout.openrlhf_agent import instance_class, is_openrlhf_executor, openrlhf_agent_imports
 
 
 class OpenRLHFAdapter:
@@ -51,6 +55,7 @@ class OpenRLHFAdapter:
         self.label = None
         self.transcript = ""
         self.sampling = None
+        self.total = 0.0
 
     async def reset(self, sample: dict) -> str | None:
         self.label = sample.get("ground_truth")
@@ -66,13 +71,19 @@ class OpenRLHFAdapter:
         out = await call_user(self.instance.step, states)
         feedback = out.get("environment_feedback", "") or ""
         self.transcript += action + feedback
-        info = {"scores": out.get("scores"), "extra_logs": out.get("extra_logs", {}), "last_reward": True}
-        return feedback, out.get("rewards", 0.0), bool(out.get("done", False)), info
+        reward = out.get("rewards", 0.0)
+        self.total += finite_reward(reward, "the AgentInstance's step() rewards")
+        scores = out.get("scores")  # OpenRLHF: the last step's scores, else the running total of rewards
+        info = {"scores": self.total if scores is None else finite_reward(scores, "the AgentInstance's step() scores")}
+        return feedback, reward, bool(out.get("done", False)), info
 
 
 def load_environment(path: str, name: str) -> Callable[[], Any]:
     """A factory of fresh environments from `path`:`name` (a Gym-style class or an OpenRLHF AgentInstance)."""
-    cls = load_callable(path, name, "actor_rollout_ref.rollout.agent.env")
+    with openrlhf_agent_imports():  # an OpenRLHF agent file imports openrlhf.utils.agent
+        cls = load_callable(path, name, "actor_rollout_ref.rollout.agent.env")
+    if is_openrlhf_executor(cls):  # OpenRLHF's AgentExecutor: the AgentInstance it wraps
+        cls = instance_class(cls, f"actor_rollout_ref.rollout.agent.env_path={path}")
     if not callable(cls):
         raise ConfigError(f"actor_rollout_ref.rollout.agent.env_name: {path}:{name} is not a class or factory")
     return cls
@@ -89,7 +100,6 @@ async def _episode(env, sample: dict, prompt_ids: list[int], generate, tokenizer
     if _is_openrlhf(env):
         env = OpenRLHFAdapter(env)
     first = await call_user(env.reset, sample)
-    last_reward_only = isinstance(env, OpenRLHFAdapter)
     context = list(prompt_ids)
     if isinstance(env, OpenRLHFAdapter) and first is not None:  # the reset observation replaces the prompt text
         context = tokenizer(first, add_special_tokens=False)["input_ids"]
@@ -114,7 +124,7 @@ async def _episode(env, sample: dict, prompt_ids: list[int], generate, tokenizer
             break
         context = context + list(ids) + (tokenizer(observation, add_special_tokens=False)["input_ids"]
                                          if observation else [])
-    episode.reward = (rewards[-1] if last_reward_only else sum(rewards)) if rewards else 0.0
+    episode.reward = sum(rewards)  # Gym: the return; OpenRLHF: the sum of the steps' rewards (as its executor)
     episode.info["turns"] = len(episode.segments)
     return episode
 

@@ -10,6 +10,8 @@ Built-ins:
   on exponents and results.
 - `python`: `{"code": "print(2**10)"}` run in the rewards sandbox (`tiller.rewards.sandbox`: own process
   group, rlimits, no network); returns stdout (and stderr on failure).
+- `class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool` (verl's retool recipe): `{"code": ...}` run on a
+  SandboxFusion server (`SandboxFusionTool`, config `sandbox_fusion_url`, ...).
 
 The YAML (`actor_rollout_ref.rollout.multi_turn.tool_config_path`; verl's layout with `class_name`,
 `config`, `tool_schema`, plus two shorter forms):
@@ -38,7 +40,8 @@ import operator
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, UserError
+from tiller.rewards import sandbox_fusion
 from tiller.rewards.sandbox import run_program, SandboxLimits
 
 
@@ -174,6 +177,52 @@ class PythonTool:
         return text.strip()[: self.max_output_chars]
 
 
+class SandboxFusionTool:
+    """verl's `verl.tools.sandbox_fusion_tools.SandboxFusionTool` (its retool recipe): the `code` argument runs on a
+    SandboxFusion `/run_code` server (`tiller.rewards.sandbox_fusion.run_code`, no stdin, compile and run limits of
+    `timeout` s); the answer is stdout + stderr when the program ran to its end (any exit code), else
+    "no stdout here" (time limit, compile error, server failure), as verl.
+
+    config: `sandbox_fusion_url` (required), `memory_limit_mb` (1024), `default_timeout` (30 s), `default_language`
+    (python); a call may pass `timeout` and `language`. verl's `num_workers` / `rate_limit` / `enable_global_rate_limit`
+    bound how many runs are in flight; tiller's tool loop runs one call at a time, inside those bounds.
+    """
+
+    CONFIG = {"sandbox_fusion_url": "", "memory_limit_mb": 1024, "default_timeout": 30, "default_language": "python",
+              "num_workers": 10, "rate_limit": 10, "enable_global_rate_limit": True}
+
+    def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
+        config = dict(config or {})
+        unknown = sorted(set(config) - set(self.CONFIG))
+        if unknown:
+            raise ConfigError(f"SandboxFusionTool: unknown config keys {unknown}; valid: {', '.join(self.CONFIG)}")
+        settings = {**self.CONFIG, **config}
+        self.url = settings["sandbox_fusion_url"]
+        if not self.url:
+            raise ConfigError("SandboxFusionTool: config.sandbox_fusion_url is not set (http://HOST:PORT/run_code)")
+        self.memory_limit_mb = int(settings["memory_limit_mb"])
+        self.timeout, self.language = settings["default_timeout"], settings["default_language"]
+        try:
+            sandbox_fusion.check_server(self.url, self.memory_limit_mb, key="config.sandbox_fusion_url")
+        except UserError as err:
+            raise ConfigError(f"SandboxFusionTool: {err}") from None
+        self.schema = tool_schema or function_schema(
+            "code_interpreter", "A tool for executing code.",
+            {"code": {"type": "string", "description": "The code to execute."}}, ["code"])
+        self.name = self.schema["function"]["name"]
+
+    def __call__(self, arguments: dict) -> str:
+        code = arguments.get("code", "")
+        response, _ = sandbox_fusion.run_code(
+            self.url, code if isinstance(code, str) else str(code), None,
+            compile_timeout=arguments.get("timeout", self.timeout), run_timeout=arguments.get("timeout", self.timeout),
+            memory_limit_mb=self.memory_limit_mb, language=arguments.get("language", self.language))
+        ran = (response or {}).get("run_result") or {}
+        if ran.get("status") == "Finished":
+            return (ran.get("stdout") or "") + (ran.get("stderr") or "")
+        return "no stdout here"
+
+
 class FunctionTool:
     """A user function `fn(**arguments) -> str` (other return values are turned into text)."""
 
@@ -193,6 +242,8 @@ class FunctionTool:
 
 
 BUILTIN_TOOLS: dict[str, type] = {"calculator": CalculatorTool, "python": PythonTool}
+# verl's tool classes tiller carries its own version of (a verl tool config names them as they are)
+VERL_TOOL_CLASSES: dict[str, type] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
 
 
 def _import(ref: str, where: str) -> Any:
@@ -216,8 +267,11 @@ def build_tool(entry: dict, where: str) -> Tool:
     config, schema = dict(entry.get("config") or {}), entry.get("tool_schema")
     config.pop("type", None)  # verl's `config: {type: native}`
     if "class_name" in entry:
-        cls = _import(str(entry["class_name"]), where)
-        tool = cls(config=config, tool_schema=schema)
+        cls = VERL_TOOL_CLASSES.get(str(entry["class_name"])) or _import(str(entry["class_name"]), where)
+        try:
+            tool = cls(config=config, tool_schema=schema)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
     elif "function" in entry:
         tool = FunctionTool(_import(str(entry["function"]), where), schema, entry.get("name"))
     elif entry.get("name") in BUILTIN_TOOLS:

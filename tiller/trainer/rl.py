@@ -76,6 +76,7 @@ from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
+from tiller.trainer.rollout_skip import RolloutSkip
 from tiller.trainer.rl_metrics import data_metrics, validation_metrics
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
@@ -164,6 +165,7 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.train_ds), data.gen_batch_size or data.train_batch_size,
                                      shuffle=data.shuffle, seed=data.seed)
         self.total_steps = tr.total_training_steps or self.sampler.steps_per_epoch * tr.total_epochs
+        self.rollout_skip = RolloutSkip(cfg)  # verl's skip.rollout: listed steps' rollouts dumped / loaded
         if self.total_steps <= 0:
             raise ConfigError("no training steps: set trainer.total_training_steps or trainer.total_epochs > 0")
         self.use_critic = algo.adv_estimator == "gae"
@@ -503,7 +505,10 @@ class RLTrainer:
         """One generation round: prompts -> n samples each (+ ReMax's greedy baseline) -> reward."""
         prompts = self._next_prompts(round_, step, extra_meta)
         with timer("gen", m):
-            batch = self.actor.execute("generate_sequences", prompts, dispatch="dp")
+            batch, source = self.rollout_skip.generate(
+                step, round_, lambda: self.actor.execute("generate_sequences", prompts, dispatch="dp"))
+        if source is not None:
+            m["skip/rollout_loaded_from_step"] = float(source)
         if self.cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max", m):
                 batch["reward_baselines"] = self._greedy_baseline(prompts)
@@ -520,10 +525,13 @@ class RLTrainer:
         fg = self.cfg.algorithm.filter_groups
         if not fg.enable:
             return self._generate_scored(1, m, step, extra_meta)
-        want, kept, n_kept, n_seen, rounds = self.cfg.data.train_batch_size, [], 0, 0, 0
+        want, kept, n_kept, n_seen, rounds, episodes = self.cfg.data.train_batch_size, [], 0, 0, 0, 0
         while n_kept < want and (fg.max_num_gen_batches <= 0 or rounds < fg.max_num_gen_batches):
             rounds += 1
             batch = self._generate_scored(rounds, m, step, extra_meta)
+            if "episode" in batch and len(batch):  # agent rollouts: episode ids stay unique across rounds
+                batch["episode"] = batch["episode"] + episodes
+                episodes = int(batch["episode"].max()) + 1
             if fg.metric == "seq_final_reward" and self.cfg.algorithm.use_kl_in_reward:
                 batch = self._kl_inputs(batch, m)  # the filter needs the KL-penalised rewards (as verl)
             with timer("filter_groups", m):
@@ -532,8 +540,11 @@ class RLTrainer:
             n_kept += len(set(batch["uid"]))
             kept.append(batch)
         batch = Batch.concat(kept) if len(kept) > 1 else kept[0]
-        if n_kept > want:  # groups are contiguous (n rows each): keep the first train_batch_size
-            batch = batch.index(list(range(want * self.n)))
+        if n_kept > want:  # keep the first train_batch_size groups (agent rollouts: all their segments)
+            first = set(list(dict.fromkeys(batch["uid"]))[:want])
+            batch = batch.index(np.array([u in first for u in batch["uid"]]))
+        if "episode" in batch and len(batch):  # filtered out episodes leave gaps: ids 0..k-1 again, in order
+            batch["episode"] = torch.unique(batch["episode"], return_inverse=True)[1]
         elif n_kept < want and rounds > 1:  # (a cap of one round asks for "train on what passes")
             print(f"tiller: step {step}: {n_kept} of {want} groups passed "
                   f"algorithm.filter_groups after {rounds} generation rounds (max_num_gen_batches); "
@@ -585,7 +596,8 @@ class RLTrainer:
             episodes = batch["episode"]
             n_episodes = int(episodes.max()) + 1 if len(batch) else 0
             per_episode = torch.zeros(max(1, n_episodes)).index_put_((episodes,), batch["agent_reward"])
-            return scores, {}, {"agent/segments_per_episode/mean": len(batch) / max(1, n_episodes),
+            extras = {"acc": batch["agent_acc"].numpy()} if "agent_acc" in batch else {}  # OpenRLHF's scores
+            return scores, extras, {"agent/segments_per_episode/mean": len(batch) / max(1, n_episodes),
                                 "agent/reward/mean": float(per_episode[:n_episodes].mean()) if n_episodes else 0.0,
                                 "agent/episodes_without_segment": float((batch["response_mask"].sum(-1) == 0).sum())}
         requests = [

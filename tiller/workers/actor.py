@@ -361,7 +361,7 @@ class ActorRolloutRefWorker:
             env_cls = load_environment(a.env_path, a.env_name)
             episodes = run_env_episodes(self.rollout, self.tokenizer, env_cls, samples, sampling,
                                         max_turns=a.max_turns, max_response_length=T, policy_version=version,
-                                        max_concurrency=a.max_concurrency)
+                                        max_concurrency=a.max_concurrency, max_context=a.max_context)
         firsts = [list(fields["prompt_ids"][k // sampling.n]) for k in range(len(samples))]
         rows = rows_from_episodes(episodes, firsts)
         P = max([P] + [len(r["prompt_ids"]) for r in rows])
@@ -396,6 +396,9 @@ class ActorRolloutRefWorker:
         batch["segment"] = torch.tensor([r["segment"] for r in rows], dtype=torch.long)
         batch["policy_version"] = torch.tensor([r["policy_version"] for r in rows], dtype=torch.long)
         batch["agent_reward"] = torch.tensor([episodes[r["episode"]].reward for r in rows], dtype=torch.float32)
+        if any("scores" in ep.info for ep in episodes):  # OpenRLHF's scores: its dynamic-filtering signal (acc)
+            acc = [float(ep.info.get("scores", ep.reward)) for ep in episodes]
+            batch["agent_acc"] = torch.tensor([acc[r["episode"]] for r in rows], dtype=torch.float32)
         return batch
 
     def shutdown_endpoint(self) -> None:

@@ -10,6 +10,11 @@ row's `pixel_values` / `image_grid_thw` with the model's M-RoPE positions, as th
     L = 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),
 aggregated with global counts over `ppo_epochs` x mini-batches x micro-batches, grad clipping and AdamW.
 
+With LoRA (`critic.model.lora_rank > 0` or `critic.model.lora_adapter_path`, as verl's FSDP critic) the body gets
+adapters and the scalar head trains in full (peft TOKEN_CLS: `tiller.models.lora`); the optimizer holds those only,
+and checkpoints hold the adapter with the head (`tiller export` merges them into the base). A vision-language
+critic trains in full (LoRA refused: its value head replaces the LM head, which an adapter cannot merge back into).
+
 Letters: `B` samples, `T` response width.
 """
 
@@ -21,9 +26,11 @@ import torch
 from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.value_loss import explained_variance, value_loss
 from tiller.distributed import context as dist_ctx
-from tiller.errors import UserError
+from tiller.errors import ConfigError, UserError
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import is_vision_checkpoint, model_config as hf_model_config
+from tiller.models.lora import attach_lora, lora_enabled
+from tiller.models.vision import is_vision_model
 from tiller.protocol import Batch
 from tiller.workers.common import (
     autocast,
@@ -77,6 +84,12 @@ class CriticWorker:
         config = module.config
         if getattr(config, "pad_token_id", None) is None and getattr(config, "eos_token_id", None) is not None:
             config.pad_token_id = config.eos_token_id
+        # LoRA (verl's critic.model.lora_rank / lora_adapter_path): adapters on the body, the value head in full
+        self.lora = lora_enabled(self.ccfg.model)
+        if self.lora and is_vision_model(module):
+            raise ConfigError("critic.model.lora_rank / critic.model.lora_adapter_path: LoRA on a vision-language "
+                              f"critic ({type(module).__name__}) is not supported; train it in full (lora_rank=0)")
+        module = attach_lora(module, self.ccfg.model, "critic.model", allow_dropout=False)
         if self.ccfg.model.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module.to(self.device).train()
