@@ -61,6 +61,21 @@ def tiny_vlm_dir(tmp_path_factory):
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen2vl", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3vl_dir(tmp_path_factory):
+    """Path to a saved ~1.3M-parameter Qwen3-VL (deepstack vision tower + Qwen3 LM, patch 16) with tokenizer and
+    image processor (seed 0)."""
+    from tiller.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen3vl", seed=0, model_type="qwen3_vl")
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen3_vl"])
+def any_vlm_dir(request):
+    """The tiny Qwen2-VL, then the tiny Qwen3-VL: a test taking this runs on both model types."""
+    return request.getfixturevalue("tiny_vlm_dir" if request.param == "qwen2_vl" else "tiny_qwen3vl_dir")
+
+
 # The longest modules first (their share of a fast-lane run on a 2-core Xeon under `-n 2`: test_readme ~26%, the
 # next ones 3-8% each). xdist's `--dist loadscope` hands modules to the workers in collection order as they free
 # up, so a long module collected late leaves the other worker idle at the end; longest-first keeps the tail short.

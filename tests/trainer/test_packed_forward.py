@@ -112,7 +112,7 @@ def test_actor_honours_use_remove_padding(tiny_model_dir, monkeypatch):
         assert float((grads[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name
 
 
-@pytest.mark.parametrize("model_dir", ["tiny_model_dir", "tiny_vlm_dir"])
+@pytest.mark.parametrize("model_dir", ["tiny_model_dir", "tiny_vlm_dir", "tiny_qwen3vl_dir"])
 def test_packed_forward_under_gradient_checkpointing(model_dir, request, monkeypatch):
     """use_remove_padding with enable_gradient_checkpointing (verl's Qwen2.5-VL script): the recompute inside
     backward() runs the packed attention again (it once ran the model's own attention over the whole packed
@@ -131,6 +131,9 @@ def test_packed_forward_under_gradient_checkpointing(model_dir, request, monkeyp
     lp_ckpt, g_ckpt = _logp_and_grads(model, packed_response_forward, ids, mask, rmask, P)
     assert forward_calls > 0 and len(calls) == 3 * forward_calls  # the checkpointed run: forward + recompute
     torch.testing.assert_close(lp_ckpt, lp_plain, atol=0, rtol=0)
+    # and the packed forward is the padded one's (a VLM's text rows: Qwen2-VL's and Qwen3-VL's 1-D positions)
+    lp_pad, _ = _logp_and_grads(model, lambda *a: response_forward(*a, logits_to_keep=True), ids, mask, rmask, P)
+    torch.testing.assert_close(lp_plain, lp_pad, atol=2e-5, rtol=0)
     for name, grad in g_plain.items():
         if grad is None:  # the VLM's vision tower: text rows never reach it
             assert g_ckpt[name] is None, name

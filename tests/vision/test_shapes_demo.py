@@ -46,12 +46,14 @@ def test_shapes_rows_are_counted_right_and_splits_are_disjoint():
 
 
 @pytest.mark.slow
-def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch, model_type):
     from tiller.cli import main
 
     monkeypatch.setenv("TILLER_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    assert main(["demo", "--task", "shapes", "--out", str(out), "--steps", "1", "--test-freq", "1",
+    assert main(["demo", "--task", "shapes", "--model-type", model_type, "--out", str(out), "--steps", "1",
+                 "--test-freq", "1",
                  "--warmup-max-steps", "2", "--train-size", "32", "--val-size", "8",
                  "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
@@ -60,8 +62,18 @@ def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch):
     assert summary["task"] == "shapes" and summary["rl_steps"] == 1 and summary["val_prompts"] == 8
     assert 0.0 <= summary["val_acc_before"] <= 1.0 and 0.0 <= summary["val_acc_after"] <= 1.0
     assert (out / "plots" / "demo_curves.png").exists()
-    warm = json.loads(next((tmp_path / "cache" / "demo").glob("shapes-starter-*/warmup.json")).read_text())
-    assert warm["steps"] == 2
+    starter = next((tmp_path / "cache" / "demo").glob("shapes-starter-*"))
+    assert json.loads((starter / "warmup.json").read_text())["steps"] == 2
+    assert json.loads((starter / "config.json").read_text())["model_type"] == model_type
+
+
+def test_model_type_is_for_the_shapes_task(capsys):
+    from tiller.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--model-type", "qwen3_vl"])
+    assert exc.value.code == 2 and "--model-type picks the tiny vision-language model of --task shapes" in \
+        capsys.readouterr().err
 
 
 def test_shapes_demo_recipe_is_the_measured_one(tmp_path):

@@ -1,4 +1,5 @@
-"""Tiny-VLM kit: a Qwen2-VL saved like a hub checkpoint, loaded back by transformers' own classes; image prompts."""
+"""Tiny-VLM kit: a Qwen2-VL (and a Qwen3-VL) saved like a hub checkpoint, loaded back by transformers' own classes;
+image prompts."""
 
 import io
 
@@ -19,29 +20,37 @@ def _png(color=(255, 0, 0), size=(64, 64)) -> bytes:
     return buf.getvalue()
 
 
-def test_tiny_vlm_loads_like_a_hub_model(tiny_vlm_dir):
-    from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGeneration
+def test_tiny_vlm_loads_like_a_hub_model(any_vlm_dir):
+    from transformers import AutoModelForImageTextToText
+    from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
-    assert isinstance(model, Qwen2VLForConditionalGeneration) and is_vision_model(model)
+    model = AutoModelForImageTextToText.from_pretrained(any_vlm_dir)
+    cls = Qwen3VLForConditionalGeneration if model.config.model_type == "qwen3_vl" else Qwen2VLForConditionalGeneration
+    assert isinstance(model, cls) and is_vision_model(model)
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
-    assert type(load_causal_lm(tiny_vlm_dir)) is Qwen2VLForConditionalGeneration
-    proc = load_processor(tiny_vlm_dir)
+    assert type(load_causal_lm(any_vlm_dir)) is cls
+    proc = load_processor(any_vlm_dir)
     assert proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD) == model.config.image_token_id
     assert proc.image_processor.patch_size == model.config.vision_config.patch_size
+    if cls is Qwen3VLForConditionalGeneration:  # the hub model's patch, deepstack features into LM layers 0 and 1
+        assert model.config.vision_config.patch_size == 16
+        assert model.config.vision_config.deepstack_visual_indexes == [0, 1]
+        assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
 
 
-def test_image_prompt_expands_placeholders_per_merged_patch(tiny_vlm_dir):
-    proc = load_processor(tiny_vlm_dir)
+def test_image_prompt_expands_placeholders_per_merged_patch(any_vlm_dir):
+    proc = load_processor(any_vlm_dir)
+    patch = proc.image_processor.patch_size
     msgs = split_placeholders([{"role": "user", "content": "<image>count <image>"}], 2, "row 0")
     text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert text.count(IMAGE_PAD) == 2
     ip = encode_image_prompt(proc, text, [to_pil(_png()), to_pil({"bytes": _png(size=(64, 64))})])
     pad = proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    # 64x64 px at patch 8 -> 8x8 patches -> 16 tokens after the 2x2 merge, each image (min = max pixels = 64**2)
+    # 64x64 px at patch 8 -> 8x8 patches -> 16 tokens after the 2x2 merge, each image (min = max pixels = 64**2);
+    # Qwen3-VL: resized to 128x128 px (min = max pixels = 128**2), patch 16 -> the same grid
     assert ip.image_grid_thw.tolist() == [[1, 8, 8], [1, 8, 8]]
     assert ip.prompt_ids.count(pad) == 32
-    assert ip.pixel_values.shape == (128, 3 * 2 * 8 * 8)
+    assert ip.pixel_values.shape == (128, 3 * 2 * patch * patch)
 
 
 def test_official_processor_gives_the_same_ids(tiny_vlm_dir):
@@ -58,9 +67,9 @@ def test_official_processor_gives_the_same_ids(tiny_vlm_dir):
     assert a.prompt_ids == b.prompt_ids and torch.equal(a.pixel_values, b.pixel_values)
 
 
-def test_mrope_positions_follow_the_grid_and_left_padding(tiny_vlm_dir):
-    model = load_causal_lm(tiny_vlm_dir)
-    proc = load_processor(tiny_vlm_dir)
+def test_mrope_positions_follow_the_grid_and_left_padding(any_vlm_dir):
+    model = load_causal_lm(any_vlm_dir)
+    proc = load_processor(any_vlm_dir)
     ip = encode_image_prompt(proc, "a<|vision_start|><|image_pad|><|vision_end|>b", [to_pil(_png(size=(64, 64)))])
     n = len(ip.prompt_ids)
     ids = torch.tensor([[0, 0] + ip.prompt_ids])

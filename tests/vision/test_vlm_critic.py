@@ -38,10 +38,10 @@ def shapes_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def critic(tiny_vlm_dir, shapes_data, tmp_path_factory):
+def critic(any_vlm_dir, shapes_data, tmp_path_factory):
     from tiller.workers.critic import CriticWorker
 
-    cfg = _ppo_cfg(tiny_vlm_dir, shapes_data["train"], tmp_path_factory.mktemp("critic"))
+    cfg = _ppo_cfg(any_vlm_dir, shapes_data["train"], tmp_path_factory.mktemp("critic"))
     return CriticWorker(cfg, total_training_steps=1)
 
 
@@ -67,8 +67,8 @@ def _image_batch(model_dir) -> tuple[Batch, list]:
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_critic_values_read_the_image_and_equal_a_plain_forward(critic, tiny_vlm_dir, share):
-    batch, rows = _image_batch(tiny_vlm_dir)
+def test_critic_values_read_the_image_and_equal_a_plain_forward(critic, any_vlm_dir, share):
+    batch, rows = _image_batch(any_vlm_dir)
     assert critic._forward_opts["share_prompts"]  # the default; rows 0 and 2 (same text, same image) share
     critic._forward_opts["share_prompts"] = share
     try:
@@ -91,12 +91,13 @@ def test_critic_values_read_the_image_and_equal_a_plain_forward(critic, tiny_vlm
     model.train()
 
 
-def test_dynamic_bsz_counts_image_tokens(critic, tiny_vlm_dir):
+def test_dynamic_bsz_counts_image_tokens(critic, any_vlm_dir):
     from tiller.workers.micro_batches import token_budget_indices
 
-    batch, rows = _image_batch(tiny_vlm_dir)
+    batch, rows = _image_batch(any_vlm_dir)
     P = batch["prompts"].shape[1]
-    # a 64 x 64 image is 16 tokens of the prompt's sequence (8 x 8 patches merged 2 x 2)
+    # a 64 x 64 image is 16 tokens of the prompt's sequence (8 x 8 patches merged 2 x 2; Qwen3-VL: resized to 128 px,
+    # patch 16)
     assert int(batch["attention_mask"][0, :P].sum()) == len(rows[0][0].prompt_ids) >= 16 + 3
     per_row = P + 4
     parts = token_budget_indices(batch, max_tokens=2 * per_row)

@@ -1,5 +1,6 @@
-"""Actor forwards on image prompts: logprobs equal a plain HF forward of each row with its pixels, with and without
-the shared-prompt forward and across micro-batches; freeze_vision_tower keeps the vision tower's weights."""
+"""Actor forwards on image prompts (Qwen2-VL and Qwen3-VL): logprobs equal a plain HF forward of each row with its
+pixels, with and without the shared-prompt forward and across micro-batches; freeze_vision_tower keeps the vision
+tower's weights."""
 
 import pytest
 import torch
@@ -15,10 +16,10 @@ TEXT = "<|vision_start|><|image_pad|><|vision_end|>how many?"
 
 
 @pytest.fixture(scope="module")
-def rows(tiny_vlm_dir):
+def rows(any_vlm_dir):
     """6 rows: prompts A (red), B (blue: same text, other image), C (other text, wider image), 2 samples each."""
-    model = load_causal_lm(tiny_vlm_dir).eval()
-    proc = load_processor(tiny_vlm_dir)
+    model = load_causal_lm(any_vlm_dir).eval()
+    proc = load_processor(any_vlm_dir)
     prompts = [encode_image_prompt(proc, TEXT, [Image.new("RGB", (64, 64), (255, 0, 0))]),
                encode_image_prompt(proc, TEXT, [Image.new("RGB", (64, 64), (0, 0, 255))]),
                encode_image_prompt(proc, "say " + TEXT, [Image.new("RGB", (96, 48), (0, 200, 0))])]

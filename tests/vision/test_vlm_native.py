@@ -1,6 +1,8 @@
 """The native engine on image prompts: greedy equals HF `generate` with the pixels (images of several sizes, a
 prompt with two images, a text prompt in the same batch), sampled rows' logprobs equal the actor's forward with
-the same pixels, the n samples of a prompt share one vision pass, and bad image inputs are refused."""
+the same pixels, the n samples of a prompt share one vision pass, and bad image inputs are refused. The tests taking
+`any_setup` / `any_vlm_dir` run on the tiny Qwen2-VL and the tiny Qwen3-VL (deepstack, q / k norms in the fused step).
+"""
 
 from dataclasses import replace
 
@@ -24,8 +26,19 @@ SPECS = [("a" + V + "how many?", [(64, 48)]), (V, [(32, 96)]), ("count " + V + "
 
 @pytest.fixture(scope="module")
 def setup(tiny_vlm_dir):
-    model = load_causal_lm(tiny_vlm_dir).eval()
-    proc = load_processor(tiny_vlm_dir)
+    return _setup(tiny_vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def any_setup(any_vlm_dir):
+    """`setup` on the tiny Qwen2-VL, then on the tiny Qwen3-VL (patch 16, deepstack, q / k norms, interleaved
+    M-RoPE: the same image token counts, as its processor resizes to twice the side)."""
+    return _setup(any_vlm_dir)
+
+
+def _setup(model_dir):
+    model = load_causal_lm(model_dir).eval()
+    proc = load_processor(model_dir)
     prompts = [encode_image_prompt(proc, text, [Image.new("RGB", size, (60 * i + 40 * j, 100, 200 - 50 * i))
                                                 for j, size in enumerate(sizes)])
                for i, (text, sizes) in enumerate(SPECS)]
@@ -50,8 +63,8 @@ def _hf_generate(model, ids, pixels=None, grid=None, steps=8):
     return tokens.tolist(), torch.stack(ref.scores, 1)[0].log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
-def test_greedy_equals_hf_generate_on_image_prompts(setup):
-    model, proc, prompts, text = setup
+def test_greedy_equals_hf_generate_on_image_prompts(any_setup):
+    model, proc, prompts, text = any_setup
     engine = build_rollout_engine("native", model, proc.tokenizer)
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=8, ignore_eos=True)
     out = engine.generate([p.prompt_ids for p in prompts] + [text], greedy, multi_modal=_mm(prompts) + [None])
@@ -62,7 +75,7 @@ def test_greedy_equals_hf_generate_on_image_prompts(setup):
             assert out.response_ids[row] == tokens
             # atol 1e-5: decode positions off by the rope delta move these by ~8e-3 (checked by hand)
             torch.testing.assert_close(torch.tensor(out.logprobs[row]), logp, atol=1e-5, rtol=0)
-    assert engine._fused is not None  # Qwen2-VL decodes with the fused step (its prefill of images: the HF forward)
+    assert engine._fused is not None  # Qwen2-VL / Qwen3-VL decode with the fused step (image prefill: the HF forward)
     # waves of one prompt, and rows leaving early (prompt 0's first token made a stop token: the batch is compacted,
     # each remaining row keeps its own M-RoPE offset)
     stop = refs[0][0][0]
@@ -110,8 +123,8 @@ def test_qwen2_5_vl_greedy_equals_hf_generate(setup):
         torch.testing.assert_close(torch.tensor(out.logprobs[i]), logp, atol=1e-5, rtol=0)
 
 
-def test_sampled_logprobs_equal_the_actor_forward_and_n_share_one_vision_pass(setup):
-    model, proc, prompts, _ = setup
+def test_sampled_logprobs_equal_the_actor_forward_and_n_share_one_vision_pass(any_setup):
+    model, proc, prompts, _ = any_setup
     engine = build_rollout_engine("native", model, proc.tokenizer)
     seen = []
     handle = model.model.visual.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
@@ -152,7 +165,7 @@ def test_bad_image_inputs_are_refused(setup, tiny_model_dir):
         build_rollout_engine("native", text_model).generate([[1, 2, 3]], greedy, multi_modal=_mm(prompts[:1]))
 
 
-def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, tiny_vlm_dir):
+def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, any_vlm_dir):
     """verl's keys with the default engine: the rollout's logprobs agree with the actor's recomputed ones."""
     import json
 
@@ -163,7 +176,7 @@ def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, tiny
 
     shapes.write_task(tmp_path / "data", n_train=4, n_test=2, seed=0)
     cfg = load_config([
-        f"actor_rollout_ref.model.path={tiny_vlm_dir}", f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
+        f"actor_rollout_ref.model.path={any_vlm_dir}", f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
         "data.image_key=images", "data.train_batch_size=2", "data.max_prompt_length=64",
         "data.max_response_length=4", "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
@@ -183,12 +196,12 @@ def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, tiny
     assert step["training/rollout_probs_diff_max"] < 1e-4 and step["training/rollout_actor_probs_pearson_corr"] > 0.9999
 
 
-def test_continuous_batcher_takes_image_prompts(setup):
+def test_continuous_batcher_takes_image_prompts(any_setup):
     """The serve / agent scheduler: equal to the engine's greedy rows; two requests with the same tokens over
     different images never share a prefill or a prompt-cache entry."""
     from tiller.rollout.continuous import ContinuousBatcher
 
-    model, proc, prompts, text = setup
+    model, proc, prompts, text = any_setup
     engine = build_rollout_engine("native", model, proc.tokenizer)
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=6, ignore_eos=True)
     want = engine.generate([p.prompt_ids for p in prompts] + [text], greedy, multi_modal=_mm(prompts) + [None])
@@ -213,3 +226,22 @@ def test_continuous_batcher_takes_image_prompts(setup):
     assert abs(got[-1].logprobs[0][0] - got[0].logprobs[0][0]) > 1e-4  # the other image changed the answer
     torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(got[0].logprobs), atol=1e-5, rtol=0)
     assert batcher.stats["prompt_cache_hits"] == 0  # only the text prompt was cached, and not asked again
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_on_image_prompts(any_setup):
+    """rollout.enforce_eager=False on a CPU (the decode step compiled by Inductor; for Qwen3-VL with its per-head q / k
+    norms): greedy rows equal HF `generate` with the pixels."""
+    from tiller.rollout import compiled_decode
+
+    if not compiled_decode.available():
+        pytest.skip("no C++ compiler for Inductor")
+    model, proc, prompts, _ = any_setup
+    engine = build_rollout_engine("native", model, proc.tokenizer, compile_decode=True)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True)
+    out = engine.generate([p.prompt_ids for p in prompts], greedy, multi_modal=_mm(prompts))
+    assert engine._fused.compiled is not None
+    for i, p in enumerate(prompts):
+        tokens, logp = _hf_generate(model, p.prompt_ids, p.pixel_values, p.image_grid_thw, steps=6)
+        assert out.response_ids[i] == tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs[i]), logp, atol=1e-4, rtol=0)

@@ -71,13 +71,13 @@ def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir, shapes_data, monkeyp
     assert any("actor/pg_loss" in json.dumps(m) for m in metrics)
 
 
-def test_the_update_sees_the_pixels(tmp_path, tiny_vlm_dir, shapes_data):
+def test_the_update_sees_the_pixels(tmp_path, any_vlm_dir, shapes_data):
     """The actor update's forward takes each row's pixels: its probabilities equal the rollout's (which ran
     with the images) and the vision tower learns. (Without the pixels the update trained the language model
     on bare <|image_pad|> tokens: probabilities off by up to 0.66, the vision tower never moved, and GRPO on
     the shapes task lost held-out accuracy.)"""
     # the entropy bonus has a gradient whatever the rewards (a group of equal rewards has none)
-    before, after = _fit_weights(_cfg(tmp_path / "run", tiny_vlm_dir, shapes_data,
+    before, after = _fit_weights(_cfg(tmp_path / "run", any_vlm_dir, shapes_data,
                                       "actor_rollout_ref.actor.entropy_coeff=0.01"))
     vision = [k for k in before if ".visual." in k]
     assert vision and any(not torch.equal(before[k], after[k]) for k in vision)
@@ -110,25 +110,73 @@ def test_openrlhf_vlm_flags_translate():
 
 
 SCRIPT = Path(__file__).parents[1] / "data" / "verl_scripts" / "grpo_qwen2_5_vl_geo3k.txt"
+VERL010 = Path(__file__).parents[1] / "data" / "verl_examples" / "verl010"
+QWEN3_VL_SCRIPTS = {"qwen3_vl": "grpo_trainer__run_qwen3_vl_8b_fsdp",
+                    "qwen3_vl_distill": "on_policy_distillation_trainer__run_qwen3_vl_8b_fsdp"}
+
+
+def _script_overrides(name: str) -> list[str]:
+    """verl's overrides of run_qwen2_5_vl_7b_fsdp.sh (one per line) or of one of verl 0.10's Qwen3-VL scripts."""
+    if name == "qwen2_5_vl":
+        return [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
+    return json.loads((VERL010 / f"{QWEN3_VL_SCRIPTS[name]}.json").read_text())["overrides"]
 
 
 @pytest.mark.slow
-def test_verls_qwen2_5_vl_script_runs_on_the_tiny_vlm(tmp_path, tiny_vlm_dir, shapes_data):
-    """verl's run_qwen2_5_vl_7b_fsdp.sh overrides, paths pointed at the tiny VLM and shapes data (verl's schema),
-    rollout.name=native in place of vllm, and sizes cut for a CPU (batch, response length, one step, no wandb)."""
+@pytest.mark.parametrize("script, model", [("qwen2_5_vl", "tiny_vlm_dir"), ("qwen3_vl", "tiny_qwen3vl_dir"),
+                                           ("qwen3_vl_distill", "tiny_qwen3vl_dir")])
+def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, script, model):
+    """verl's run_qwen2_5_vl_7b_fsdp.sh (on the tiny Qwen2-VL), run_qwen3_vl_8b_fsdp.sh and the on-policy
+    distillation run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL, its own teacher) overrides, paths pointed at the tiny
+    VLM and shapes data (verl's schema), rollout.name=native in place of vllm, and sizes cut for a CPU (batch,
+    response length, one step, no wandb)."""
     from tiller.trainer.rl import RLTrainer
 
-    lines = [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
-    paths = {"actor_rollout_ref.model.path": str(tiny_vlm_dir),
+    model_dir = request.getfixturevalue(model)
+    paths = {"actor_rollout_ref.model.path": str(model_dir),
              "data.train_files": str(shapes_data / "train.parquet"), "data.val_files": str(shapes_data / "test.parquet"),
-             "actor_rollout_ref.rollout.name": "native"}
-    args = [f"{k}={paths[k]}" if (k := line.split("=", 1)[0]) in paths else line for line in lines]
+             "actor_rollout_ref.rollout.name": "native",
+             "distillation.teacher_models.teacher_model.model_path": str(model_dir)}
+    args = [f"{k}={paths[k]}" if (k := line.split("=", 1)[0]) in paths else line for line in _script_overrides(script)]
     args += ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=4",
              "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
              "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable"]
     trainer = RLTrainer(load_config(args))
     try:
+        assert trainer.actor.worker.module.config.model_type == ("qwen2_vl" if script == "qwen2_5_vl" else "qwen3_vl")
         trainer.fit()
     finally:
         trainer.shutdown()
     assert trainer.global_step == 1
+    step = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    # the rollout (with the pixels) and the actor's recomputed log-probs (with the pixels) agree
+    assert step["training/rollout_probs_diff_max"] < 1e-3
+    if script == "qwen3_vl_distill":  # the teacher (the same model) sees the pixels too: KL 0 (measured -1.8e-7)
+        assert abs(step["distillation/reverse_kl"]) < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["glm4v", "qwen3_vl_moe"])
+def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_vlm_dir, shapes_data, model_type,
+                                                                capsys):
+    """verl's GLM-4.1V and Qwen3-VL-30B-A3B scripts: their checkpoints stop `tiller rl` (exit 2, one line naming the
+    model type) before any row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM traceback)."""
+    import shutil
+
+    from tiller.cli import main
+    from tiller.errors import UserError
+    from tiller.models.loading import load_causal_lm
+
+    model_dir = shutil.copytree(tiny_vlm_dir, tmp_path / model_type)  # its tokenizer, another config
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    code = main(["rl", *(f"{k}={v}" for k, v in (("actor_rollout_ref.model.path", model_dir),
+                                                  ("data.train_files", f"[{shapes_data / 'train.parquet'}]"),
+                                                  ("data.image_key", "images"), ("data.train_batch_size", 2),
+                                                  ("actor_rollout_ref.actor.ppo_mini_batch_size", 2),
+                                                  ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 2),
+                                                  ("trainer.default_local_dir", tmp_path / "run")))])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan's info line
+    assert code == 2 and err.startswith("tiller rl: error: actor_rollout_ref.model.path="), err
+    assert f"model_type '{model_type}' is a vision-language model that tiller does not train yet" in err
+    assert "qwen2_vl, qwen2_5_vl, qwen3_vl" in err
+    with pytest.raises(UserError, match=f"model_type '{model_type}' is a vision-language model"):
+        load_causal_lm(model_dir)

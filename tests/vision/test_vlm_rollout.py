@@ -1,4 +1,5 @@
-"""The hf engine on image prompts: greedy equals HF `generate` with the pixels; n samples share the vision pass."""
+"""The hf engine on image prompts (Qwen2-VL and Qwen3-VL): greedy equals HF `generate` with the pixels; n samples
+share the vision pass."""
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ PROMPTS = [("a<|vision_start|><|image_pad|><|vision_end|>how many?", (255, 0, 0)
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_vlm_dir):
-    model = load_causal_lm(tiny_vlm_dir).eval()
-    proc = load_processor(tiny_vlm_dir)
+def setup(any_vlm_dir):
+    model = load_causal_lm(any_vlm_dir).eval()
+    proc = load_processor(any_vlm_dir)
     prompts = [encode_image_prompt(proc, t, [Image.new("RGB", (64, 48), c)]) for t, c in PROMPTS]
     return model, proc, prompts
 

@@ -44,6 +44,7 @@ import numpy as np
 from tiller.data.files import parquet_problem, PARQUET_MAGIC, read_parquet, read_rows, write_rows  # noqa: F401 (their old home)
 from tiller.data.sources import apply_template, load_sources
 from tiller.errors import ConfigError, DataError
+from tiller.models.loading import VISION_FAMILIES
 from tiller.models.vision import encode_image_prompt, split_placeholders, to_pil
 
 
@@ -150,8 +151,8 @@ class RLDataset:
             if images:
                 if processor is None:
                     raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a "
-                                    "vision-language model (Qwen2-VL / Qwen2.5-VL); drop the column or change "
-                                    "data.image_key")
+                                    f"vision-language model tiller trains ({VISION_FAMILIES}); drop the column or "
+                                    "change data.image_key")
                 vision = _encode_images(row[prompt_key], images, processor, where, chat_template_kwargs)
                 text, ids = vision.text, vision.prompt_ids
             else:

@@ -38,6 +38,7 @@ from tiller.data.rl_dataset import render_prompt, row_images
 from tiller.data.sft_vision import count_placeholders, expand_images, plain_messages
 from tiller.data.sources import load_sources
 from tiller.errors import DataError
+from tiller.models.loading import VISION_FAMILIES
 from tiller.models.vision import split_placeholders
 
 IGNORE = -100
@@ -194,7 +195,7 @@ def _encode_image_row(row: dict, fmt: str, data_cfg, tokenizer, processor, where
         return None
     if processor is None:
         raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a vision-language "
-                        "model (Qwen2-VL / Qwen2.5-VL); drop the column or change data.image_key")
+                        f"model tiller trains ({VISION_FAMILIES}); drop the column or change data.image_key")
     if fmt != "messages":
         raise DataError(f"{where}: the row has images (column {image_key!r}); image SFT takes chat conversations "
                         f"with <image> placeholders (data.format=messages, column {data_cfg.messages_key!r})")

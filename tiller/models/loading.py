@@ -69,8 +69,10 @@ def _hub_reachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """HF model types tiller trains as vision-language models (tiller.models.vision)."""
+VISION_FAMILIES = "Qwen2-VL / Qwen2.5-VL / Qwen3-VL"
+"""The families of VISION_MODEL_TYPES, for messages."""
 
 
 def is_vision_checkpoint(path) -> bool:
@@ -82,6 +84,24 @@ def is_vision_checkpoint(path) -> bool:
         return json.loads(cfg.read_text()).get("model_type") in VISION_MODEL_TYPES
     except ValueError:
         return False
+
+
+def unsupported_vision_model(path) -> str | None:
+    """A one-line reason when the model dir `path` holds an image-text model that tiller does not drive (e.g.
+    GLM-4.1V `glm4v`, Qwen3-VL-MoE `qwen3_vl_moe`) and that does not load as a causal LM either; else None."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    cfg = Path(os.path.expanduser(os.fspath(path))) / "config.json"
+    try:
+        model_type = json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+    except ValueError:
+        return None
+    if (model_type in VISION_MODEL_TYPES or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return None
+    return (f"{path}: model_type {model_type!r} is a vision-language model that tiller does not train yet (it "
+            f"trains {', '.join(VISION_MODEL_TYPES)}: {VISION_FAMILIES})")
 
 
 def check_model_path(path, what: str) -> str:
@@ -197,7 +217,10 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = check_model_path(path, "model")
-    # vision-language checkpoints (Qwen2-VL, Qwen2.5-VL) load through the image-text-to-text class
+    # vision-language checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) load through the image-text-to-text class
+    reason = unsupported_vision_model(path)
+    if reason is not None:
+        raise UserError(reason)
     auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
     kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     overrides = dict(override_config or {})

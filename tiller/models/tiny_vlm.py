@@ -1,7 +1,8 @@
-"""Tiny vision-language kit: a randomly initialised Qwen2-VL saved like a hub checkpoint, for tests and demos.
+"""Tiny vision-language kit: a randomly initialised Qwen2-VL (or Qwen3-VL) saved like a hub checkpoint, for tests
+and demos.
 
-`make_tiny_vlm(out)` (also `python -m tiller.models.tiny_vlm --out DIR`) writes one directory that
-`Qwen2VLForConditionalGeneration` / `AutoModelForImageTextToText.from_pretrained` and
+`make_tiny_vlm(out)` (also `python -m tiller.models.tiny_vlm --out DIR [--model-type qwen3_vl]`) writes one
+directory that `Qwen2VLForConditionalGeneration` / `AutoModelForImageTextToText.from_pretrained` and
 `tiller.models.vision.load_processor` (`AutoProcessor` where torchvision is installed) load like
 `Qwen/Qwen2-VL-2B-Instruct`:
 
@@ -17,6 +18,11 @@
   width `vision_dim` and a language model of `hidden_size` x `num_layers`, initialised under `seed`.
 
 Default shape: LM hidden 128 x 4 layers (4 heads of 32, MLP 384), vision 64 x 2 blocks: ~1.0M parameters.
+
+`model_type="qwen3_vl"` writes a Qwen3-VL instead (~1.3M parameters): Qwen3's language model (q / k RMSNorm per
+head, 2 kv heads, interleaved M-RoPE), a vision tower with learned position embeddings and deepstack mergers after
+both blocks (their features are added to the image tokens after LM layers 0 and 1), and the hub model's patch 16,
+so its default `image_size` is 128: the same 16 image tokens per square image as the tiny Qwen2-VL at 64 px.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ VL_CHAT_TEMPLATE = (
 )
 
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 8, 2, 2
+PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16}
+"""Vision patch size per model type (Qwen3-VL's hub models use 16)."""
+MODEL_TYPES = tuple(PATCH_SIZES)
 VISION_INIT_STD = 0.1
 """Std of the random vision tower's weight matrices. At transformers' 0.02 the image tokens' features vary
 ~0.006 across images (text embeddings: 0.02) and a supervised warm-up on the shapes task sat at chance for
@@ -65,21 +74,26 @@ def vl_tokenizer(corpus=None, vocab_size: int = 512):
     return tok
 
 
-def image_processor(image_size: int = 64):
-    """Qwen2-VL's image processor (PIL backend) resizing every image to about `image_size`**2 pixels."""
+def image_processor(image_size: int = 64, patch_size: int = PATCH_SIZE):
+    """Qwen2-VL's image processor (PIL backend; Qwen3-VL uses it too) resizing every image to about
+    `image_size`**2 pixels."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    step = PATCH_SIZE * MERGE_SIZE
+    step = patch_size * MERGE_SIZE
     if image_size % step:
         raise ValueError(f"image_size must be a multiple of {step}, got {image_size}")
-    return Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH,
+    return Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH,
                                     min_pixels=image_size * image_size, max_pixels=image_size * image_size)
 
 
 def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vision_dim: int = 64,
-                     vision_depth: int = 2, max_position_embeddings: int = 2048):
+                     vision_depth: int = 2, max_position_embeddings: int = 2048, model_type: str = "qwen2_vl"):
     from transformers import Qwen2VLConfig
 
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {list(MODEL_TYPES)}, got {model_type!r}")
+    if model_type == "qwen3_vl":
+        return _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings)
     head_dim = 32
     heads = max(1, hidden_size // head_dim)
     half = head_dim // 2  # mrope sections split the head's rotary half into (t, h, w)
@@ -100,15 +114,43 @@ def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vis
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
+def _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings):
+    """A `Qwen3VLConfig`: Qwen3 language model (2 kv heads, interleaved M-RoPE sections sized as the hub model's
+    [24, 20, 20] of 64), vision tower with deepstack mergers after its first two blocks."""
+    from transformers import Qwen3VLConfig
+
+    head_dim = 32
+    heads = max(1, hidden_size // head_dim)
+    half = head_dim // 2
+    section = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers, head_dim=head_dim,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), intermediate_size=3 * hidden_size,
+                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
+                                 "mrope_interleaved": True},
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT))
+    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * vision_dim,
+                  num_heads=max(1, vision_dim // 32), patch_size=PATCH_SIZES["qwen3_vl"], spatial_merge_size=MERGE_SIZE,
+                  temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=hidden_size, num_position_embeddings=64,
+                  deepstack_visual_indexes=list(range(min(2, vision_depth))))
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                         image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+                         vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
+
+
 def build_vlm(tokenizer, seed: int = 0, **shape):
-    """A randomly initialised `Qwen2VLForConditionalGeneration`; same seed, same weights; caller's RNG kept.
+    """A randomly initialised `Qwen2VLForConditionalGeneration` (`model_type="qwen3_vl"`:
+    `Qwen3VLForConditionalGeneration`); same seed, same weights; caller's RNG kept.
     The vision tower's weight matrices are drawn with std `VISION_INIT_STD` (the language model keeps 0.02)."""
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     config = build_vlm_config(tokenizer, **shape)
+    cls = Qwen3VLForConditionalGeneration if config.model_type == "qwen3_vl" else Qwen2VLForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = cls(config)
         with torch.no_grad():  # see VISION_INIT_STD
             for p in model.model.visual.parameters():
                 if p.dim() > 1:
@@ -119,29 +161,34 @@ def build_vlm(tokenizer, seed: int = 0, **shape):
     return model.eval()
 
 
-def make_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0, image_size: int = 64, corpus=None,
-                  vocab_size: int = 512, **shape) -> Path:
-    """Tokenizer + image processor config + random Qwen2-VL, saved atomically to `out_dir`; returns the path."""
+def make_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0, image_size: int | None = None, corpus=None,
+                  vocab_size: int = 512, model_type: str = "qwen2_vl", **shape) -> Path:
+    """Tokenizer + image processor config + random Qwen2-VL (or Qwen3-VL), saved atomically to `out_dir`; returns
+    the path. `image_size` (default: 64 for Qwen2-VL's patch 8, 128 for Qwen3-VL's patch 16)."""
     tok = vl_tokenizer(corpus=corpus, vocab_size=vocab_size)
-    model = build_vlm(tok, seed=seed, **shape)
-    proc = image_processor(image_size)
+    model = build_vlm(tok, seed=seed, model_type=model_type, **shape)
+    patch = PATCH_SIZES[model_type]
+    proc = image_processor(image_size or 64 * patch // PATCH_SIZE, patch_size=patch)
     out = Path(out_dir)
     save_pretrained_atomic(out, model, tok, files={"preprocessor_config.json": proc.to_json_string()})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tiller.models.tiny_vlm --out DIR [--seed 0 --image-size 64]`."""
+    """`python -m tiller.models.tiny_vlm --out DIR [--seed 0 --image-size 64 --model-type qwen2_vl]`."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tiller.models.tiny_vlm",
-                                     description="Build a tiny random-init Qwen2-VL + tokenizer + image processor.")
+                                     description="Build a tiny random-init Qwen2-VL (or Qwen3-VL) + tokenizer + "
+                                                 "image processor.")
     parser.add_argument("--out", required=True, help="output directory (Hugging Face format)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="images are resized to about this squared (default 64; 128 for qwen3_vl)")
+    parser.add_argument("--model-type", choices=MODEL_TYPES, default="qwen2_vl")
     args = parser.parse_args(argv)
-    path = make_tiny_vlm(args.out, seed=args.seed, image_size=args.image_size)
-    print(f"wrote tiny Qwen2-VL to {path}")
+    path = make_tiny_vlm(args.out, seed=args.seed, image_size=args.image_size, model_type=args.model_type)
+    print(f"wrote tiny {'Qwen3-VL' if args.model_type == 'qwen3_vl' else 'Qwen2-VL'} to {path}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Vision-language models: load Qwen2-VL / Qwen2.5-VL and turn image prompts into model inputs.
+"""Vision-language models: load Qwen2-VL / Qwen2.5-VL / Qwen3-VL and turn image prompts into model inputs.
 
 A vision-language checkpoint (a hub Qwen2-VL dir, or one from `tiller.models.tiny_vlm`) holds a tokenizer
 with the vision special tokens (`<|vision_start|>`, `<|image_pad|>`, `<|vision_end|>`), an image processor
@@ -14,6 +14,12 @@ token ids plus `pixel_values [N_patches, C*T*P*P]`, `image_grid_thw [n_images, 3
 `mm_token_type_ids [L]` for one prompt. `is_vision_model(config)` says whether a model takes images;
 `mrope_position_ids` computes a batch's M-RoPE positions (3 x [B, L]) by the model's own rule
 (`get_rope_index`), so left padding and image grids are handled exactly as the model does in `generate`.
+
+Qwen3-VL (`qwen3_vl`) takes the same path: the same vision special tokens and processor (patch 16 in its
+`preprocessor_config.json`), `get_rope_index` with the same arguments (its interleaved M-RoPE is the model's own
+rotary code), and its deepstack features computed by its own forward from the pixels (the rollout engines pass them
+with the vision outputs, `tiller.rollout.images.encoder_outputs`). Videos (Qwen3-VL's timestamped frames included)
+are refused.
 """
 
 from __future__ import annotations

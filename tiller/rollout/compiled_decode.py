@@ -110,6 +110,9 @@ class CompiledStep:
         for i, layer in enumerate(inner.layers):
             qkv = torch.ops.tiller.packed_linear(_rms(layer.input_layernorm, x), h, 4 * i, width[0])
             qk = qkv[:, : (n_q + n_kv) * d].view(b, n_q + n_kv, d)
+            if f.qk_norms[i]:  # Qwen3: RMSNorm over each query / key head
+                q, k = qk.split([n_q, n_kv], dim=1)
+                qk = torch.cat([_rms(f.qk_norms[i][0], q), _rms(f.qk_norms[i][1], k)], dim=1)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
             q, k = qk.split([n_q, n_kv], dim=1)
             v = qkv[:, (n_q + n_kv) * d :].view(b, n_kv, d)

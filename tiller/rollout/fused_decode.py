@@ -35,12 +35,13 @@ from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
-SUPPORTED = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")
+SUPPORTED = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
-M-RoPE: at
-decode time a response token's (t, h, w) positions are equal, where M-RoPE is the 1D rotary embedding, and the
-model's own `rotary_emb` computes it from [B, T] positions; image prompts' prefill runs the HF forward
-(`tiller.rollout.images`)."""
+M-RoPE: at decode time a response token's (t, h, w) positions are equal, where M-RoPE (Qwen3-VL's interleaved
+M-RoPE too) is the 1D rotary embedding, and the model's own `rotary_emb` computes it from [B, T] positions; image
+prompts' prefill runs the HF forward (`tiller.rollout.images`). Qwen3-VL's language model is Qwen3's layers: an
+RMSNorm over each query / key head (`q_norm`, `k_norm`) before the rotary embedding, applied here too; its
+deepstack features only touch image tokens, which are all in the prompt."""
 
 
 def decoder_stack(model):
@@ -58,7 +59,8 @@ def text_config(model):
 
 
 def supports(model) -> bool:
-    """True for a plain (no adapters) Llama / Qwen2 / Qwen2-VL model with full attention in every layer."""
+    """True for a plain (no adapters) Llama / Qwen2 / Qwen2-VL / Qwen3-VL model with full attention in every
+    layer."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in SUPPORTED or decoder_stack(model) is None:
         return False
@@ -75,9 +77,18 @@ def supports(model) -> bool:
             return False
         if layer.mlp.gate_proj.bias is not None or layer.mlp.up_proj.bias is not None:
             return False
-        if not all(hasattr(n, "variance_epsilon") for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms(layer)]
+        if not all(hasattr(n, "variance_epsilon") for n in norms):
             return False
     return True
+
+
+def head_norms(layer) -> tuple:
+    """(q_norm, k_norm) of a decoder layer whose attention normalises each query / key head (Qwen3), else ()."""
+    attn = layer.self_attn
+    if getattr(attn, "q_norm", None) is None and getattr(attn, "k_norm", None) is None:
+        return ()
+    return attn.q_norm, attn.k_norm
 
 
 PACK_ROWS = 64
@@ -112,6 +123,7 @@ class FusedDecoder:
         self.n_q = config.num_attention_heads
         self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_q
         self.scaling = attn.scaling
+        self.qk_norms = [head_norms(layer) for layer in self.inner.layers]  # () per layer without (Llama, Qwen2)
         self._seen = None
         self.sync()
         self.compiled = None  # the one-token step compiled by Inductor (tiller.rollout.compiled_decode), opt-in
@@ -185,6 +197,12 @@ class FusedDecoder:
             return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
         return norm(x)
 
+    def norm_heads(self, qk: torch.Tensor, layer: int) -> torch.Tensor:
+        """qk [..., Hq + Hk, D] with layer `layer`'s q_norm over the query heads and k_norm over the key heads."""
+        q_norm, k_norm = self.qk_norms[layer]
+        q, k = qk.split([self.n_q, self.n_kv], dim=-2)
+        return torch.cat([self._norm(q_norm, q), self._norm(k_norm, k)], dim=-2)
+
     @staticmethod
     def _apply(x: torch.Tensor, lin: tuple) -> torch.Tensor:
         weight, bias, packed = lin
@@ -226,7 +244,10 @@ class FusedDecoder:
             for (b, t), chunk, (cos, sin), (_, _, mask, cache) in zip(shapes, qkv.split(counts), rope, parts):
                 chunk = chunk.view(b, t, -1)
                 # rotary embedding on q and k heads together (HF's apply_rotary_pos_emb, element for element)
-                qk = chunk[..., : (n_q + n_kv) * d].view(b, t, n_q + n_kv, d).transpose(1, 2)
+                qk = chunk[..., : (n_q + n_kv) * d].view(b, t, n_q + n_kv, d)
+                if self.qk_norms[i]:  # Qwen3: RMSNorm over each query / key head before the rotary embedding
+                    qk = self.norm_heads(qk, i)
+                qk = qk.transpose(1, 2)
                 qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
                 q, k = qk.split([n_q, n_kv], dim=1)
                 v = chunk[..., (n_q + n_kv) * d :].view(b, t, n_kv, d).transpose(1, 2)

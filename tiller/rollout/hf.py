@@ -37,7 +37,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
-from tiller.rollout.images import encode_images, vision_token_ids  # noqa: F401 - vision_token_ids: re-exported
+from tiller.rollout.images import encode_images, encoder_outputs, vision_token_ids  # noqa: F401 - vision_token_ids: re-exported
 
 
 _NO_TOKEN = 2**31 - 1
@@ -120,8 +120,6 @@ def image_inputs(model, input_ids: torch.Tensor, multi_modal: list[dict | None],
     """`generate` keywords for a batch of image prompts, each repeated n times: the vision tower run once on
     the prompts' pixels, its per-image outputs repeated per sample (`mm_encoder_outputs`), plus
     `image_grid_thw` and `mm_token_type_ids` for the M-RoPE positions. {} when no prompt has images."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     if all(m is None for m in multi_modal):
         return {}
     device = input_ids.device
@@ -129,5 +127,5 @@ def image_inputs(model, input_ids: torch.Tensor, multi_modal: list[dict | None],
     per_prompt = encode_images(model, multi_modal)
     features = tuple(f for feats in per_prompt for _ in range(n) for f in feats)
     grid = torch.cat([m["image_grid_thw"] for m in multi_modal if m is not None for _ in range(n)]).to(device)
-    return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=features)},
+    return {"mm_encoder_outputs": encoder_outputs(list(features)),
             "image_grid_thw": grid, "mm_token_type_ids": (input_ids == image_token_id(base)).int()}

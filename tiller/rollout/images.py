@@ -1,11 +1,12 @@
-"""Image prompts in the native engine and its continuous batcher (Qwen2-VL / Qwen2.5-VL).
+"""Image prompts in the native engine and its continuous batcher (Qwen2-VL / Qwen2.5-VL / Qwen3-VL).
 
 The native engine runs a vision-language model's own HF forward, so the language model's layers, its M-RoPE
 and the image-token merge are the model's code; what this module adds is the engine's side of it:
 
 - **Vision once per prompt.** `ImagePrompts(model, prompts, multi_modal)` runs the vision tower once over the
-  pixels of every prompt of a wave (`get_image_features`) and keeps each prompt's per-image outputs; the
-  prefill passes them as `mm_encoder_outputs` (the model then merges them into the `<|image_pad|>` slots), and
+  pixels of every prompt of a wave (`get_image_features`) and keeps each prompt's per-image outputs (a Qwen3-VL's
+  deepstack features too); the prefill passes them as `mm_encoder_outputs` (the model then merges them into the
+  `<|image_pad|>` slots, and adds a Qwen3-VL's deepstack features to those slots after its first layers), and
   the n samples of a prompt copy its prefilled keys / values, so nothing visual is repeated per sample.
 - **M-RoPE positions by the model's rule.** Each prompt's `[3, L]` (temporal, height, width) positions come
   from the model's `get_rope_index` on that prompt alone (image tokens take grid positions, text continues
@@ -16,7 +17,7 @@ and the image-token merge are the model's code; what this module adds is the eng
   holding `<|image_pad|>` would be read as an image slot by every later forward.
 
 Decode: a response token's three M-RoPE positions are equal, where M-RoPE is the plain rotary embedding, so
-Qwen2-VL decodes with the fused step (`fused_decode`, also compiled with `compile_decode`) at per-row positions
+Qwen2-VL / Qwen3-VL decode with the fused step (`fused_decode`, also compiled with `compile_decode`) at per-row positions
 `next_position + t`; an image prompt's prefill always runs the HF forward (it needs the image outputs and the
 3D positions). The static-shape / CUDA-graph step (`graphed_decode`) computes positions as `len(prompt) + t`
 and samples without the vision-token mask, so a vision-language model never takes it (`NativeRolloutEngine`
@@ -32,8 +33,8 @@ import torch
 from tiller.errors import UserError
 from tiller.models.vision import image_token_id, is_vision_model
 
-__all__ = ["ImagePrompts", "check_multi_modal", "encode_images", "next_positions", "suppress_vision_tokens",
-           "vision_token_ids"]
+__all__ = ["ImagePrompts", "check_multi_modal", "encode_images", "encoder_outputs", "next_positions",
+           "suppress_vision_tokens", "vision_token_ids"]
 
 
 def _base(model):
@@ -87,22 +88,42 @@ def next_positions(model, prompts: list[list[int]], multi_modal) -> list[int]:
             for p, m in zip(prompts, multi_modal)]
 
 
-def encode_images(model, multi_modal: list[dict | None]) -> list[list[torch.Tensor]]:
-    """The vision tower run once over every prompt's pixels (`get_image_features`); per prompt, its images'
-    merged-patch features ([] for a text prompt)."""
+def encode_images(model, multi_modal: list[dict | None]) -> list[list[tuple]]:
+    """The vision tower run once over every prompt's pixels (`get_image_features`); per prompt, per image:
+    (merged-patch features `[n_tokens, H]`, deepstack features: one `[n_tokens, H]` per deepstack layer of a
+    Qwen3-VL, () for Qwen2-VL / Qwen2.5-VL) ([] for a text prompt)."""
     rows = [m for m in multi_modal if m is not None]
     if not rows:
         return [[] for _ in multi_modal]
     device = next(model.parameters()).device
     encoded = _base(model).model.get_image_features(
         torch.cat([m["pixel_values"] for m in rows]).to(device),
-        torch.cat([m["image_grid_thw"] for m in rows]).to(device), return_dict=True).pooler_output
+        torch.cat([m["image_grid_thw"] for m in rows]).to(device), return_dict=True)
+    pooled = encoded.pooler_output
+    deep = getattr(encoded, "deepstack_features", None) or []  # per layer, a tuple of per-image features
+    images = [(pooled[i], tuple(layer[i] for layer in deep)) for i in range(len(pooled))]
     features, k = [], 0
     for m in multi_modal:
         count = 0 if m is None else len(m["image_grid_thw"])
-        features.append(list(encoded[k:k + count]))
+        features.append(images[k:k + count])
         k += count
     return features
+
+
+def encoder_outputs(images: list[tuple]) -> dict:
+    """`mm_encoder_outputs` of a forward whose image slots hold `images` (`encode_images` items) in order: the
+    merged-patch features, plus a Qwen3-VL's deepstack features (added to the image tokens' hidden states after
+    its first language-model layers)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    pooled = tuple(p for p, _ in images)
+    layers = len(images[0][1]) if images else 0
+    if not layers:
+        return {"image": BaseModelOutputWithPooling(pooler_output=pooled)}
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    deep = [tuple(d[layer] for _, d in images) for layer in range(layers)]
+    return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=pooled, deepstack_features=deep)}
 
 
 class ImagePrompts:
@@ -110,9 +131,6 @@ class ImagePrompts:
     its M-RoPE positions; `chunk_inputs` gives a prefill chunk's forward keywords."""
 
     def __init__(self, model, prompts: list[list[int]], multi_modal: list[dict | None]):
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-        self._output = BaseModelOutputWithPooling
         self.features = encode_images(model, multi_modal)
         self.positions = [mrope_positions(model, p, None if m is None else m["image_grid_thw"])
                           for p, m in zip(prompts, multi_modal)]
@@ -127,7 +145,7 @@ class ImagePrompts:
         feats = tuple(f for i in chunk_idx for f in self.features[i])
         out = {"position_ids": pos.to(device)}
         if feats:
-            out["mm_encoder_outputs"] = {"image": self._output(pooler_output=feats)}
+            out["mm_encoder_outputs"] = encoder_outputs(list(feats))
         return out
 
 

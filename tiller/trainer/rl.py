@@ -65,7 +65,7 @@ from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
 from tiller.models.checkpoint import list_checkpoints, resolve_checkpoint
 from tiller.models.chat_template import set_chat_template
-from tiller.models.loading import is_vision_checkpoint, load_tokenizer, model_config
+from tiller.models.loading import is_vision_checkpoint, load_tokenizer, model_config, unsupported_vision_model
 from tiller.models.vision import load_processor
 from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
@@ -141,6 +141,9 @@ class RLTrainer:
             data = replace(data, return_raw_chat=True)
         # a vision-language model's processor renders and encodes image prompts (rows with data.image_key)
         self.processor = None
+        unsupported = unsupported_vision_model(arr.model.path)  # e.g. GLM-4.1V: refused before its rows are read
+        if unsupported is not None:
+            raise ConfigError(f"actor_rollout_ref.model.path={unsupported}")
         if is_vision_checkpoint(arr.model.path):
             self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
                                             trust_remote_code=arr.model.trust_remote_code)

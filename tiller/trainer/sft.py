@@ -8,7 +8,7 @@ Validation reports the same token-mean `val/loss` over the whole validation set 
 `val/perplexity = exp(val/loss)`.
 
 Data: `tiller.data.sft` (prompt / response or chat messages, every assistant turn learned); a
-vision-language model (Qwen2-VL / Qwen2.5-VL) also learns from image + text conversations
+vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) also learns from image + text conversations
 (`tiller.data.sft_vision`: the pixels and M-RoPE positions go through the forward, the saved model dir
 carries the processor config, so `AutoProcessor` and `tiller rl` load it back);
 packing: `tiller.data.packing` (`data.packing=True`). Deviation from verl's SFT trainer: verl

@@ -3,7 +3,7 @@
 The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the critic path (default:
 the actor's model dir), so it starts from the policy's transformer with a fresh scalar head, as in verl.
 `compute_values` returns V at every response position (the state before each response token);
-A vision-language model (Qwen2-VL / Qwen2.5-VL: no token-classification class in transformers) is the same
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL: no token-classification class in transformers) is the same
 architecture with its LM head replaced by a fresh scalar head (`vision_value_model`), and its forwards take each
 row's `pixel_values` / `image_grid_thw` with the model's M-RoPE positions, as the actor's do.
 `update_critic` regresses them on the GAE returns with verl's clipped value loss
@@ -80,8 +80,10 @@ class CriticWorker:
                 module = AutoModelForTokenClassification.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as err:
             raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
-        if module.config.pad_token_id is None:
-            module.config.pad_token_id = module.config.eos_token_id
+        # a Qwen3-VL config keeps its token ids in text_config only (no top-level pad / eos attribute)
+        config = module.config
+        if getattr(config, "pad_token_id", None) is None and getattr(config, "eos_token_id", None) is not None:
+            config.pad_token_id = config.eos_token_id
         # LoRA (verl's critic.model.lora_rank / lora_adapter_path): adapters on the body, the value head in full
         self.lora = lora_enabled(self.ccfg.model)
         if self.lora and is_vision_model(module):
