@@ -13,7 +13,7 @@ import torch
 
 from tests.test_lora_adapter import assert_base_plus_adapter
 from tests.trainer.test_dynamic_batches import _batch, _cfg
-from tests.trainer.test_rl import _cli, _overrides, _train, make_cfg, rl_data  # noqa: F401 (rl_data: a fixture)
+from tests.trainer.test_rl import _overrides, _train, make_cfg, rl_data  # noqa: F401 (rl_data: a fixture)
 from tiller.config import load_config
 from tiller.errors import ConfigError
 
@@ -142,13 +142,16 @@ def test_critic_continues_a_saved_adapter(critic_run, tiny_model_dir, tmp_path):
         _critic(tiny_model_dir, f"critic.model.lora_adapter_path={tmp_path / 'policy_adapter'}")
 
 
-def test_bad_critic_lora_keys_are_refused_by_name(tmp_path, tiny_model_dir, rl_data):
+def test_bad_critic_lora_keys_are_refused_by_name(tmp_path, tiny_model_dir, rl_data, capsys):
     # through the CLI: a one-line error naming the key, exit code 2 (the worker's refusals below are ConfigErrors too)
-    res = _cli(["rl", *_overrides(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gae",
-                                  "critic.model.lora_rank=-1")])
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "critic.model.lora_rank must be an integer >= 0 (0 = no LoRA), got -1" in res.stderr
-    assert "Traceback" not in res.stderr
+    from tiller.cli import main
+
+    code = main(["rl", *_overrides(tmp_path / "run", tiny_model_dir, rl_data, "algorithm.adv_estimator=gae",
+                                   "critic.model.lora_rank=-1")])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "critic.model.lora_rank must be an integer >= 0 (0 = no LoRA), got -1" in err
+    assert "Traceback" not in err
     with pytest.raises(ConfigError, match=r"critic\.model\.lora_alpha must be > 0"):
         load_config(["critic.model.lora_rank=4", "critic.model.lora_alpha=0"])
     with pytest.raises(ConfigError, match=r"critic\.model\.target_modules: \['score'\] is the model's TOKEN_CLS head"):

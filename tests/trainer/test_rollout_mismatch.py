@@ -42,12 +42,17 @@ def test_tis_weights_scale_the_policy_gradient(tiny_model_dir):
     # the update with weights equals the update with pre-scaled advantages and no weights
     batch = _batch()
     weights = 0.5 + 1.5 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
+    _weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, weights)
+
+
+def _weights_act_as_scaled_advantages(model_dir, batch, weights, factor, *overrides):
+    """The update with `weights` as rollout IS weights equals the one with advantages x `factor` and no weights."""
     weighted = Batch(dict(batch.tensors), meta=dict(batch.meta))
     weighted["rollout_is_weights"] = weights
     scaled = Batch(dict(batch.tensors), meta=dict(batch.meta))
-    scaled["advantages"] = batch["advantages"] * weights
-    d_w, m_w, _ = _delta(tiny_model_dir, weighted)
-    d_s, m_s, _ = _delta(tiny_model_dir, scaled)
+    scaled["advantages"] = batch["advantages"] * factor
+    d_w, m_w, _ = _delta(model_dir, weighted, *overrides)
+    d_s, m_s, _ = _delta(model_dir, scaled, *overrides)
     scale = max(float(d.abs().max()) for d in d_s.values())
     assert scale > 1e-4
     for k in d_s:
@@ -62,18 +67,8 @@ def test_geo_mean_weights_each_row_by_the_geometric_mean_of_its_is_weights(tiny_
     mask = batch["response_mask"].float()
     weights = 0.5 + 1.5 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
     geo = torch.exp((torch.log(weights + 1e-10) * mask).sum(-1) / (mask.sum(-1) + 1e-8))
-    weighted = Batch(dict(batch.tensors), meta=dict(batch.meta))
-    weighted["rollout_is_weights"] = weights
-    scaled = Batch(dict(batch.tensors), meta=dict(batch.meta))
-    scaled["advantages"] = batch["advantages"] * geo[:, None]
-    geo_mean = "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"
-    d_w, m_w, _ = _delta(tiny_model_dir, weighted, geo_mean)
-    d_s, m_s, _ = _delta(tiny_model_dir, scaled, geo_mean)
-    scale = max(float(d.abs().max()) for d in d_s.values())
-    assert scale > 1e-4
-    for k in d_s:
-        torch.testing.assert_close(d_w[k], d_s[k], atol=1e-5 * scale, rtol=1e-4)
-    assert m_w["actor/pg_loss"] == pytest.approx(m_s["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    _weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, geo[:, None],
+                                      "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean")
 
 
 def test_forced_aggregation_is_the_policy_terms_only(tiny_model_dir):
