@@ -42,10 +42,10 @@ def test_tis_weights_scale_the_policy_gradient(tiny_model_dir):
     # the update with weights equals the update with pre-scaled advantages and no weights
     batch = _batch()
     weights = 0.5 + 1.5 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
-    _weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, weights)
+    _assert_weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, weights)
 
 
-def _weights_act_as_scaled_advantages(model_dir, batch, weights, factor, *overrides):
+def _assert_weights_act_as_scaled_advantages(model_dir, batch, weights, factor, *overrides):
     """The update with `weights` as rollout IS weights equals the one with advantages x `factor` and no weights."""
     weighted = Batch(dict(batch.tensors), meta=dict(batch.meta))
     weighted["rollout_is_weights"] = weights
@@ -67,7 +67,7 @@ def test_geo_mean_weights_each_row_by_the_geometric_mean_of_its_is_weights(tiny_
     mask = batch["response_mask"].float()
     weights = 0.5 + 1.5 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
     geo = torch.exp((torch.log(weights + 1e-10) * mask).sum(-1) / (mask.sum(-1) + 1e-8))
-    _weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, geo[:, None],
+    _assert_weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, geo[:, None],
                                       "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean")
 
 
