@@ -543,12 +543,12 @@ class RLTrainer:
         if n_kept > want:  # keep the first train_batch_size groups (agent rollouts: all their segments)
             first = set(list(dict.fromkeys(batch["uid"]))[:want])
             batch = batch.index(np.array([u in first for u in batch["uid"]]))
-        if "episode" in batch and len(batch):  # filtered out episodes leave gaps: ids 0..k-1 again, in order
-            batch["episode"] = torch.unique(batch["episode"], return_inverse=True)[1]
         elif n_kept < want and rounds > 1:  # (a cap of one round asks for "train on what passes")
             print(f"tiller: step {step}: {n_kept} of {want} groups passed "
                   f"algorithm.filter_groups after {rounds} generation rounds (max_num_gen_batches); "
                   "training on those")
+        if "episode" in batch and len(batch):  # filtered out episodes leave gaps: ids 0..k-1 again, in order
+            batch["episode"] = torch.unique(batch["episode"], return_inverse=True)[1]
         m["batch/num_gen_batches"] = float(rounds)
         m["batch/num_groups"] = float(n_seen)
         m["batch/num_groups_kept"] = float(len(set(batch["uid"])))
