@@ -17,6 +17,11 @@ from typing import Any, Optional
 from tiller.config import schema_verl010 as v010
 from tiller.config.schema_verl010 import MegatronOptimOptions, QatConfig, SkipConfig, V1TrainerConfig
 
+REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo", "prime")
+"""`reward_model.reward_manager` values (tiller.rewards.managers; openrlhf: tiller.rewards.openrlhf_api; gdpo: verl
+0.10's GDPO manager, which is its naive one, a dict's entries kept as the components algorithm.gdpo_reward_keys reads;
+prime: parallel with verl's 300 s per sample)."""
+
 # ------------------------------------------------------------- verl sections tiller accepts as a whole
 
 

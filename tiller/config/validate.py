@@ -18,7 +18,7 @@ from tiller.algos.pf_ppo import PF_PPO_METHODS
 from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
 from tiller.algos.rollout_correction import parse_is_threshold, parse_rs_options, ROLLOUT_IS_LEVELS
 from tiller.config.edge import apply_edge
-from tiller.config.schema import RLConfig
+from tiller.config.schema import REWARD_MANAGERS, RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
@@ -27,7 +27,6 @@ from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
-REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo", "prime")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries

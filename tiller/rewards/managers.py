@@ -368,6 +368,3 @@ class DapoRewardManager(NaiveRewardManager):
         return batch
 
 
-# openrlhf: tiller.rewards.openrlhf_api; gdpo: verl 0.10's GDPO manager, which is its naive one (per-sample scores,
-# a dict's entries kept as the named components algorithm.gdpo_reward_keys reads)
-REWARD_MANAGERS = ("naive", "batch", "parallel", "dapo", "openrlhf", "gdpo", "prime")

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tiller.config.schema import REWARD_MANAGERS
 from tiller.errors import ConfigError
 from tiller.rewards import sandbox_fusion
 from tiller.rewards._procpool import resolve_ref
 from tiller.rewards.diversity import DiversityShaper
 from tiller.rewards.managers import (
-    REWARD_MANAGERS,
     BatchRewardManager,
     DapoRewardManager,
     NaiveRewardManager,
