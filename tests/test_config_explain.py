@@ -72,6 +72,31 @@ def test_memory_estimate_components(tiny_model_dir):
     assert "peak memory per rank ~" in one_line(cfg)
 
 
+def test_memory_estimate_counts_the_ppo_critic(tiny_model_dir):
+    # the value model is the actor's body + a value head (tiller's critic: AutoModelForTokenClassification, num_labels
+    # 1): its parameter count is read off the shape exactly; AdamW -> 4 + 8 bytes per parameter resident
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.n=4"]
+    shape = model_shape(str(tiny_model_dir))
+    with torch.device("meta"):
+        critic = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1))
+    n_critic = sum(p.numel() for p in critic.parameters())
+    assert n_critic == shape.params - shape.lm_head + shape.hidden + 1
+    grpo = memory_estimate(load_config([*base, "algorithm.adv_estimator=grpo"]), shape)
+    gae = memory_estimate(load_config([*base, "algorithm.adv_estimator=gae"]), shape)
+    assert (grpo["critic"], grpo["critic_update"]) == (0, 0)
+    assert gae["critic"] == 12 * n_critic and gae["critic_update"] > 4 * n_critic
+    assert gae["peak"] >= grpo["peak"] + 12 * n_critic
+    # LoRA on the critic: full weights, optimizer state only for the adapters and the head
+    lora = memory_estimate(load_config([*base, "algorithm.adv_estimator=gae", "critic.model.lora_rank=4"]), shape)
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_dim
+    adapters = 4 * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3) * shape.layers
+    assert lora["critic"] == 4 * n_critic + 8 * (adapters + h + 1)
+    assert "critic" in explain(load_config([*base, "algorithm.adv_estimator=gae"]))
+
+
 def test_model_shape_counts_parameters_exactly(tiny_model_dir):
     import json
 
@@ -111,8 +136,10 @@ def _maxrss(code: str, args=()) -> int:
     return int(lines[-1].split()[1]) * 1024  # Linux: KiB
 
 
-@pytest.mark.parametrize("n_params", [2_000_000, pytest.param(30_000_000, marks=pytest.mark.slow)])
-def test_memory_estimate_within_35_percent_of_measured_peak_rss(tmp_path, n_params):
+@pytest.mark.parametrize("n_params,estimator", [(2_000_000, "grpo"), (2_000_000, "gae"),
+                                                 pytest.param(30_000_000, "grpo", marks=pytest.mark.slow),
+                                                 pytest.param(30_000_000, "gae", marks=pytest.mark.slow)])
+def test_memory_estimate_within_35_percent_of_measured_peak_rss(tmp_path, n_params, estimator):
     from tiller.models.tiny import make_tiny_model
     from tiller.tasks import arithmetic
 
@@ -126,12 +153,12 @@ def test_memory_estimate_within_35_percent_of_measured_peak_rss(tmp_path, n_para
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_prompt_length=48",
                  "data.max_response_length=32", "trainer.total_training_steps=2", "trainer.logger=[jsonl]",
                  "trainer.resume_mode=disable", "trainer.val_before_train=false", "trainer.save_freq=100",
-                 f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.adv_estimator=grpo"]
+                 f"trainer.default_local_dir={tmp_path / 'run'}", f"algorithm.adv_estimator={estimator}"]
     peak, base = _maxrss(RUN, ["rl", *overrides]), _maxrss(IDLE)
     measured = peak - base
     cfg = load_config(overrides)
     estimate = memory_estimate(cfg, model_shape(str(model)))["peak"]
-    print(f"{n_params / 1e6:g}M: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    print(f"{n_params / 1e6:g}M {estimator}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert abs(estimate - measured) <= 0.35 * measured, (estimate / 2**20, measured / 2**20, peak / 2**20, base / 2**20)
 
 

@@ -31,10 +31,14 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
     teacher      4 N_teacher with algorithm.distill.teacher_path (a frozen full copy in every worker)
     prm          PRIME: 12 N / W (the implicit PRM's weights and AdamW moments) + 4 N (its frozen reference);
                  its gradients live only during its update, before the actor's, so they are not added
+    critic       PPO with GAE: the value model (critic.model.path, default the actor's; its body without the LM head
+                 plus a value head h + 1): 4 N_c / W weights + s_c N_c,t / W optimizer state (critic.optim's class;
+                 N_c,t: the LoRA adapters + head with critic.model.lora_rank); its update (after the actor's) holds
+                 4 N_c,t / W gradients + activations of critic.ppo_micro_batch_size_per_gpu rows (no vocab logits)
     runtime      a fixed 150 MiB for what every run holds besides the model (torch's kernels and allocator
                  slack, the tokenizer, the prompt data, the reward manager)
-    peak         = weights + reference + teacher + prm + optimizer + runtime + max(gradients + activations,
-                   KV cache + the rollout's logits of one decode step)
+    peak         = weights + reference + teacher + prm + critic + optimizer + runtime + max(gradients + activations,
+                   critic update, KV cache + the rollout's logits of one decode step)
 It is an estimate: allocator fragmentation and framework caches vary; the test holds it within 35% of the
 measured peak RSS of short CPU runs.
 """
@@ -163,6 +167,7 @@ class ModelShape:
     intermediate: int
     kv_dim: int  # kv heads x head dim
     vocab: int
+    lm_head: int = 0  # parameters of an LM head not tied to the embedding (a value model drops it)
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
@@ -174,17 +179,20 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf, trust_remote_code=trust_remote_code)
     params = sum(p.numel() for p in model.parameters())
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    lm_head = head.weight.numel() if head is not None and head.weight is not embed.weight else 0
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     kv = getattr(hf, "num_key_value_heads", None) or heads
     return ModelShape(params, hf.hidden_size, hf.num_hidden_layers, getattr(hf, "intermediate_size", 4 * hf.hidden_size),
-                      kv * head_dim, hf.vocab_size)
+                      kv * head_dim, hf.vocab_size, lm_head)
 
 
 def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None = None,
-                    teacher_shape: ModelShape | None = None) -> dict[str, int]:
+                    teacher_shape: ModelShape | None = None, critic_shape: ModelShape | None = None) -> dict[str, int]:
     """Peak bytes per rank by component (see the module doc), with `peak` their combination. `teacher_shape`: the
-    distillation teacher's (default: read from algorithm.distill.teacher_path when set; 0 if unreadable)."""
+    distillation teacher's (default: read from algorithm.distill.teacher_path when set; 0 if unreadable);
+    `critic_shape`: the value model's (default: read from critic.model.path when it differs from the actor's)."""
     arith = arith or batch_arithmetic(cfg, count_prompts=False)
     arr, data = cfg.actor_rollout_ref, cfg.data
     w = arith.workers
@@ -210,10 +218,37 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
         "teacher": 4 * _teacher_params(cfg, teacher_shape),
         "prm": 12 * n // w + 4 * n if cfg.algorithm.adv_estimator == "prime" else 0,
         "runtime": RUNTIME_BYTES,
+        **_critic(cfg, shape, critic_shape, arith),
     }
-    out["peak"] = (out["weights"] + out["reference"] + out["teacher"] + out["prm"] + out["optimizer"]
-                   + out["runtime"] + max(out["gradients"] + out["activations"], out["kv_cache"]))
+    out["peak"] = (out["weights"] + out["reference"] + out["teacher"] + out["prm"] + out["critic"] + out["optimizer"]
+                   + out["runtime"] + max(out["gradients"] + out["activations"], out["critic_update"],
+                                          out["kv_cache"]))
     return out
+
+
+def _critic(cfg: RLConfig, shape: ModelShape, critic_shape: ModelShape | None, arith: Arithmetic) -> dict[str, int]:
+    """The value model's resident bytes (weights + optimizer state) and its update's transient ones (gradients +
+    activations), 0 without GAE."""
+    if cfg.algorithm.adv_estimator != "gae":
+        return {"critic": 0, "critic_update": 0}
+    critic = cfg.critic
+    if critic_shape is None:
+        path = critic.model.path
+        critic_shape = shape
+        if path and path != cfg.actor_rollout_ref.model.path:
+            try:
+                critic_shape = model_shape(path, critic.model.trust_remote_code)
+            except Exception:  # noqa: BLE001 - unreadable critic config: estimate it with the actor's shape
+                critic_shape = shape
+    w, h = arith.workers, critic_shape.hidden
+    n = critic_shape.params - critic_shape.lm_head + h + 1
+    rank = critic.model.lora_rank or _adapter_rank(critic.model.lora_adapter_path)
+    trainable = _lora_params(critic_shape, rank) + h + 1 if rank else n
+    rows = min(critic.ppo_micro_batch_size_per_gpu or arith.micro_batch_rows, math.ceil(arith.samples_per_rank))
+    c, b = critic_shape, 2 if critic.dtype in ("bfloat16", "bf16") else 4
+    activations = rows * arith.seq_len * c.layers * (8 * c.hidden + 2 * c.kv_dim + 4 * c.intermediate) * b
+    return {"critic": (4 * n + int(state_bytes_per_param(critic.optim, "critic.optim") * trainable)) // w,
+            "critic_update": 4 * trainable // w + activations}
 
 
 def _teacher_params(cfg: RLConfig, teacher_shape: ModelShape | None) -> int:
@@ -303,8 +338,8 @@ def _memory_lines(cfg: RLConfig, a: Arithmetic) -> list[str]:
     mem = memory_estimate(cfg, shape, a)
     lines = [f"peak memory per rank (estimate; {shape.params / 1e6:.1f}M parameters, {shape.layers} layers, "
              f"hidden {shape.hidden}, vocab {shape.vocab})"]
-    for key in ("weights", "reference", "teacher", "prm", "gradients", "optimizer", "activations", "kv_cache",
-                "runtime"):
+    for key in ("weights", "reference", "teacher", "prm", "critic", "gradients", "optimizer", "activations",
+                "critic_update", "kv_cache", "runtime"):
         if mem[key]:
             lines.append(f"  {key.replace('_', ' '):<26} {_mib(mem[key])}")
     lines.append(f"  {'peak':<26} {_mib(mem['peak'])}")
