@@ -180,3 +180,10 @@ def rows_from_episodes(episodes: list[Episode], first_prompts: list[list[int]]) 
                              logprobs=list(seg.logprobs), finish_reason=seg.finish_reason, episode=e, segment=s,
                              policy_version=seg.policy_version))
     return rows
+
+
+def renumber_episodes(episode):
+    """Episode ids [B] (a row's episode; rows that dropped episodes left gaps) -> 0..k-1 in the same order."""
+    import torch
+
+    return torch.unique(episode, return_inverse=True)[1]

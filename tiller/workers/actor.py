@@ -314,26 +314,40 @@ class ActorRolloutRefWorker:
         return batch
 
     # ------------------------------------------------------------------------------- agent rollouts
-    def _agent_endpoint(self, max_model_len: int, max_tokens: int):
-        """tiller's OpenAI endpoint on loopback in front of the rollout engine (started once, kept)."""
-        endpoint = getattr(self, "_endpoint", None)
+    def _agent_endpoint(self, engine, key: str, max_model_len: int, max_tokens: int):
+        """tiller's OpenAI endpoint on loopback in front of `engine` (started once per engine, kept: `key` is
+        "rollout", or "producer" for the asynchronous producer's engine)."""
+        endpoints = self.__dict__.setdefault("_endpoints", {})
+        endpoint = endpoints.get(key)
         if endpoint is None:
             if self.agent_app is None:
                 raise ConfigError("actor_rollout_ref.rollout.agent.path: this worker was built without an agent "
                                   "app (ActorRolloutRefWorker(agent_app=tiller.serve.app.agent_app))")
-            endpoint = AgentEndpoint(self.rollout, self.tokenizer, app=self.agent_app, max_model_len=max_model_len,
+            endpoint = AgentEndpoint(engine, self.tokenizer, app=self.agent_app, max_model_len=max_model_len,
                                      max_tokens_default=max_tokens)
             # the agent's chats render as the prompt set does (verl's agent loop reads the same key)
             endpoint.served.chat_template_kwargs = dict(self.cfg.data.apply_chat_template_kwargs)
-            self._endpoint = endpoint
+            endpoints[key] = endpoint
         return endpoint
+
+    def _episode_engine(self, prompts: Batch) -> tuple[object, str, int]:
+        """(engine, its name, policy version) of an agent step: the rollout engine at the step number, or, for
+        the asynchronous producer (meta engine=producer), its own engine at the version its weights_hook reports
+        (the weights it loaded; raises when the trainer asked the producer to stop)."""
+        if prompts.meta.get("engine") == "producer":
+            engine = self._producer_engine
+            if getattr(engine, "num_threads", 0) is None:  # native: its batcher threads take the producer's count
+                engine.num_threads = torch.get_num_threads()
+            return engine, "producer", int(prompts.meta["weights_hook"]())
+        return self.rollout, "rollout", int(prompts.meta.get("global_step", 0))
 
     def _generate_episodes(self, prompts: Batch, sampling) -> Batch:
         """Agent / environment rollouts: `n` episodes per prompt, one row per recorded segment.
 
-        Rows carry fields `episode` (index within this batch), `segment`, `policy_version`, `agent_reward`;
-        widths grow to the longest context / segment of the step (contexts are never truncated: the trained
-        logprobs must be of the context that was sampled from)."""
+        Rows carry fields `episode` (index within this batch), `segment`, `policy_version`, `agent_reward`
+        (asynchronous RL: also `rollout_token_version[B, T]`, each segment's version on its tokens, as plain
+        rows record theirs); widths grow to the longest context / segment of the step (contexts are never
+        truncated: the trained logprobs must be of the context that was sampled from)."""
         a = self.rollout_cfg.agent
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
         fields = {k: list(prompts[k]) for k in prompts.fields}
@@ -346,10 +360,10 @@ class ActorRolloutRefWorker:
                                 "ground_truth": fields["ground_truth"][i],
                                 "extra_info": dict(fields["extra_info"][i] or {}), "index": i, "sample": j,
                                 "prompt_ids": list(fields["prompt_ids"][i])})
-        version = int(prompts.meta.get("global_step", 0))
+        engine, engine_name, version = self._episode_engine(prompts)
         if a.path:
             max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
-            endpoint = self._agent_endpoint(max_len, T)
+            endpoint = self._agent_endpoint(engine, engine_name, max_len, T)
             endpoint.served.policy_version = version
             # the distribution the trainer assumes: requests may not change it (logit_bias None = none allowed)
             endpoint.served.fixed_sampling = {"temperature": sampling.temperature if sampling.do_sample else 0.0,
@@ -360,7 +374,7 @@ class ActorRolloutRefWorker:
                                           client=a.client)
         else:
             env_cls = load_environment(a.env_path, a.env_name)
-            episodes = run_env_episodes(self.rollout, self.tokenizer, env_cls, samples, sampling,
+            episodes = run_env_episodes(engine, self.tokenizer, env_cls, samples, sampling,
                                         max_turns=a.max_turns, max_response_length=T, policy_version=version,
                                         max_concurrency=a.max_concurrency, max_context=a.max_context)
         firsts = [list(fields["prompt_ids"][k // sampling.n]) for k in range(len(samples))]
@@ -396,6 +410,8 @@ class ActorRolloutRefWorker:
         batch["episode"] = torch.tensor([r["episode"] for r in rows], dtype=torch.long)
         batch["segment"] = torch.tensor([r["segment"] for r in rows], dtype=torch.long)
         batch["policy_version"] = torch.tensor([r["policy_version"] for r in rows], dtype=torch.long)
+        if engine_name == "producer":  # the staleness filter reads the tokens' versions (an empty row: none)
+            batch["rollout_token_version"] = batch["policy_version"][:, None].expand(B, T).clone()
         batch["agent_reward"] = torch.tensor([episodes[r["episode"]].reward for r in rows], dtype=torch.float32)
         if any("scores" in ep.info for ep in episodes):  # OpenRLHF's scores: its dynamic-filtering signal (acc)
             acc = [float(ep.info.get("scores", ep.reward)) for ep in episodes]
@@ -403,11 +419,9 @@ class ActorRolloutRefWorker:
         return batch
 
     def shutdown_endpoint(self) -> None:
-        """Stop the agent endpoint, if one was started."""
-        endpoint = getattr(self, "_endpoint", None)
-        if endpoint is not None:
+        """Stop the agent endpoints (the rollout engine's, the producer's), if any were started."""
+        for endpoint in self.__dict__.pop("_endpoints", {}).values():
             endpoint.close()
-            self._endpoint = None
 
     def _generate_seeded(self, prompts: Batch, sampling):
         """Generate in `meta["seed_chunks"]` equal prompt chunks over the group (default: one per rank),
