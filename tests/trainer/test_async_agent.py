@@ -6,6 +6,7 @@ resume loses and repeats no step; what stays refused names its key."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from pathlib import Path
@@ -85,6 +86,85 @@ def test_staleness_filter_keeps_or_drops_whole_episodes_by_their_oldest_segment(
     # staleness 2 keeps all four episodes: ages 1, 2, 0, 2 -> mean 5/4
     kept, m = staleness_filter(batch, 1, 4, 2, 1)
     assert len(kept) == 6 and m["async/dropped_stale"] == 0 and m["async/staleness_mean"] == 1.25
+
+
+# ------------------------------------------------------------------------------- partial rollouts, agents
+def _switching_hook(module, state_b, switch_at: int):
+    """A weights hook that loads `state_b` into `module` at its call `switch_at` (version 0 -> 1)."""
+    calls = {"n": 0, "v": 0}
+
+    def hook():
+        calls["n"] += 1
+        if calls["n"] == switch_at and calls["v"] == 0:
+            module.load_state_dict(state_b)
+            calls["v"] = 1
+        return calls["v"]
+
+    return hook
+
+
+def test_continuous_batcher_takes_new_weights_between_decode_steps(tiny_model_dir):
+    from tiller.models.loading import load_causal_lm, load_tokenizer
+    from tiller.rollout import SamplingParams, build_rollout_engine
+    from tiller.rollout.continuous import ContinuousBatcher
+
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    model_a = load_causal_lm(str(tiny_model_dir), dtype="float32")
+    state_b = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+               for k, v in model_a.state_dict().items()}
+    prompts = [tok("12+34=", add_special_tokens=False)["input_ids"], tok("7+5=", add_special_tokens=False)["input_ids"]]
+    sampling = SamplingParams(n=2, max_new_tokens=6, do_sample=False, ignore_eos=True)
+
+    def run(switch_at):
+        module = copy.deepcopy(model_a).requires_grad_(False).eval()
+        engine = build_rollout_engine("native", module, tok, dtype="float32")
+        # call 1: before the prefill and the first decode (tokens 0 and 1's logits); call k: before the decode
+        # giving token k's logits
+        batcher = ContinuousBatcher(engine, max_rows=8, weights_hook=_switching_hook(module, state_b, switch_at))
+        try:
+            return batcher.generate(prompts, sampling)
+        finally:
+            batcher.close()
+
+    plain, switched = run(0), run(3)  # the switch before the forward giving token 3's logits
+    assert plain.token_versions == [[0] * 6] * 4
+    assert switched.token_versions == [[0, 0, 0, 1, 1, 1]] * 4
+    for row in range(4):
+        assert switched.response_ids[row][:3] == plain.response_ids[row][:3]
+        assert switched.logprobs[row][:3] == plain.logprobs[row][:3]
+    assert any(switched.logprobs[r][3:] != plain.logprobs[r][3:] for r in range(4))  # new weights from token 3 on
+
+
+def test_partial_agent_rollout_records_each_tokens_version_and_filters_whole_episodes(tmp_path, tiny_model_dir,
+                                                                                      env_data):
+    from tiller.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(_cfg(tmp_path / "run", tiny_model_dir, env_data, "async_training.staleness_threshold=2",
+                             "async_training.partial_rollout=true", "actor_rollout_ref.rollout.agent.max_concurrency=1"))
+    try:
+        worker = trainer.actor.worker
+        module = worker._producer_engine.weights.module
+        state_b = {k: v + 0.01 for k, v in module.state_dict().items()}
+        # one episode at a time, two turns of 4 tokens each: version 1 arrives mid-way through the run's turns
+        hook = _switching_hook(module, state_b, switch_at=12)
+        batch = trainer._collect_batch({}, 1, {"engine": "producer", "weights_hook": hook})
+    finally:
+        trainer.shutdown()
+    versions, mask = batch["rollout_token_version"], batch["response_mask"].bool()
+    assert set(versions[mask].tolist()) == {0, 1}
+    for row in range(len(batch)):  # a segment's version is its first token's; versions never go back
+        toks = versions[row][mask[row]].tolist()
+        assert toks == sorted(toks) and batch["policy_version"][row] == toks[0]
+    switched = {int(e) for e in batch["episode"][(versions == 1).any(-1) & (versions == 0).any(-1)]}
+    mixed = {int(e) for e in batch["episode"].unique()
+             if set(versions[batch["episode"] == e][mask[batch["episode"] == e]].tolist()) == {0, 1}}
+    assert len(mixed) == 1 and switched <= mixed  # the episode the weights changed in holds both versions
+    # at trainer step 3 (version 2) with staleness 1, an episode with a version-0 token is dropped whole
+    kept, m = staleness_filter(batch, 0, 3, 1, 1)
+    old = {int(e) for e in batch["episode"].unique() if (versions[batch["episode"] == e][mask[batch["episode"] == e]]
+                                                         == 0).any()}
+    assert m["async/dropped_stale"] == len(old) and len(kept) == int((~torch.isin(batch["episode"],
+                                                                                   torch.tensor(sorted(old)))).sum())
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -214,8 +294,8 @@ def test_resume_after_an_interrupted_async_agent_run_repeats_and_loses_no_step(t
 
 # ------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("override,expect", [
-    ("async_training.staleness_threshold=1 async_training.partial_rollout=true",
-     "async_training.partial_rollout=True is not supported with agent rollouts"),
+    ("async_training.staleness_threshold=1 async_training.partial_rollout=true actor_rollout_ref.rollout.name=hf",
+     "async_training.partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
     ("trainer.backend=ray", "trainer.backend=ray is not supported with agent rollouts"),
 ])
 def test_what_async_agents_still_refuse_names_the_key(tmp_path, tiny_model_dir, env_data, override, expect):

@@ -382,11 +382,6 @@ def _validate_agent(cfg: RLConfig) -> None:
                      ("trainer.backend=ray", cfg.trainer.backend == "ray")):
         if on:
             raise ConfigError(f"{name} is not supported with agent rollouts ({key}) yet")
-    if async_enabled(cfg) and cfg.async_training.partial_rollout:
-        raise ConfigError(f"async_training.partial_rollout=True is not supported with agent rollouts ({key}) yet: "
-                          "an episode's requests run on the continuous batcher, which takes new weights only "
-                          "between generations, not between decode steps; set async_training.partial_rollout="
-                          "false (each episode then samples with one policy version)")
 
 
 def _validate_new_algorithms(cfg: RLConfig) -> None:

@@ -88,6 +88,16 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
+def _version_tensor(per_row: list[list[int]], T: int) -> torch.Tensor:
+    """[B, T] policy versions of each row's response tokens (asynchronous RL), padded with the row's last (-1 for
+    a row without any)."""
+    versions = torch.zeros((len(per_row), T), dtype=torch.long)
+    for i, vs in enumerate(per_row):
+        vs = list(vs[:T]) or [-1]
+        versions[i, :len(vs)] = torch.tensor(vs, dtype=torch.long)
+        versions[i, len(vs):] = vs[-1]
+    return versions
+
 class ActorRolloutRefWorker:
     """Actor + rollout + reference in one process (see module docstring).
 
@@ -304,13 +314,8 @@ class ActorRolloutRefWorker:
         batch["response_mask"] = rmask
         batch["rollout_log_probs"] = rlogp
         batch["finish_reason"] = list(out.finish_reason)
-        if out.token_versions:  # asynchronous RL: the version that sampled each token (pads: the row's last)
-            versions = torch.zeros((B, T), dtype=torch.long)
-            for i, vs in enumerate(out.token_versions):
-                vs = vs[:T] or [-1]
-                versions[i, :len(vs)] = torch.tensor(vs, dtype=torch.long)
-                versions[i, len(vs):] = vs[-1]
-            batch["rollout_token_version"] = versions
+        if out.token_versions:  # asynchronous RL: the version that sampled each token
+            batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
         return batch
 
     # ------------------------------------------------------------------------------- agent rollouts
@@ -330,16 +335,18 @@ class ActorRolloutRefWorker:
             endpoints[key] = endpoint
         return endpoint
 
-    def _episode_engine(self, prompts: Batch) -> tuple[object, str, int]:
-        """(engine, its name, policy version) of an agent step: the rollout engine at the step number, or, for
-        the asynchronous producer (meta engine=producer), its own engine at the version its weights_hook reports
-        (the weights it loaded; raises when the trainer asked the producer to stop)."""
+    def _episode_engine(self, prompts: Batch) -> tuple[object, str, int, object]:
+        """(engine, its name, policy version, weights hook) of an agent step: the rollout engine at the step
+        number, or, for the asynchronous producer (meta engine=producer), its own engine at the version its
+        weights_hook reports (the weights it loaded; raises when the trainer asked the producer to stop), the
+        hook going on to the native engine's continuous batcher (new weights between decode steps with
+        async_training.partial_rollout, each token's version recorded)."""
         if prompts.meta.get("engine") == "producer":
-            engine = self._producer_engine
+            engine, hook = self._producer_engine, prompts.meta["weights_hook"]
             if getattr(engine, "num_threads", 0) is None:  # native: its batcher threads take the producer's count
                 engine.num_threads = torch.get_num_threads()
-            return engine, "producer", int(prompts.meta["weights_hook"]())
-        return self.rollout, "rollout", int(prompts.meta.get("global_step", 0))
+            return engine, "producer", int(hook()), hook if self.rollout_cfg.name == "native" else None
+        return self.rollout, "rollout", int(prompts.meta.get("global_step", 0)), None
 
     def _generate_episodes(self, prompts: Batch, sampling) -> Batch:
         """Agent / environment rollouts: `n` episodes per prompt, one row per recorded segment.
@@ -360,7 +367,7 @@ class ActorRolloutRefWorker:
                                 "ground_truth": fields["ground_truth"][i],
                                 "extra_info": dict(fields["extra_info"][i] or {}), "index": i, "sample": j,
                                 "prompt_ids": list(fields["prompt_ids"][i])})
-        engine, engine_name, version = self._episode_engine(prompts)
+        engine, engine_name, version, hook = self._episode_engine(prompts)
         if a.path:
             max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
             endpoint = self._agent_endpoint(engine, engine_name, max_len, T)
@@ -370,13 +377,20 @@ class ActorRolloutRefWorker:
                                               "top_p": sampling.top_p, "top_k": sampling.top_k,
                                               "min_p": sampling.min_p, "logit_bias": None}
             agent = load_agent_function(a.path, a.name)
-            episodes = run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
-                                          client=a.client)
+            if hook is not None:  # (the producer's endpoint: a native engine's continuous batcher)
+                endpoint.served.batcher.weights_hook = hook
+            try:
+                episodes = run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
+                                              client=a.client)
+            finally:
+                if hook is not None:
+                    endpoint.served.batcher.weights_hook = None
         else:
             env_cls = load_environment(a.env_path, a.env_name)
             episodes = run_env_episodes(engine, self.tokenizer, env_cls, samples, sampling,
                                         max_turns=a.max_turns, max_response_length=T, policy_version=version,
-                                        max_concurrency=a.max_concurrency, max_context=a.max_context)
+                                        max_concurrency=a.max_concurrency, max_context=a.max_context,
+                                        weights_hook=hook)
         firsts = [list(fields["prompt_ids"][k // sampling.n]) for k in range(len(samples))]
         rows = rows_from_episodes(episodes, firsts)
         P = max([P] + [len(r["prompt_ids"]) for r in rows])
@@ -411,7 +425,8 @@ class ActorRolloutRefWorker:
         batch["segment"] = torch.tensor([r["segment"] for r in rows], dtype=torch.long)
         batch["policy_version"] = torch.tensor([r["policy_version"] for r in rows], dtype=torch.long)
         if engine_name == "producer":  # the staleness filter reads the tokens' versions (an empty row: none)
-            batch["rollout_token_version"] = batch["policy_version"][:, None].expand(B, T).clone()
+            batch["rollout_token_version"] = _version_tensor(
+                [r["token_versions"] or [r["policy_version"]] for r in rows], T)
         batch["agent_reward"] = torch.tensor([episodes[r["episode"]].reward for r in rows], dtype=torch.float32)
         if any("scores" in ep.info for ep in episodes):  # OpenRLHF's scores: its dynamic-filtering signal (acc)
             acc = [float(ep.info.get("scores", ep.reward)) for ep in episodes]
