@@ -187,7 +187,8 @@ def rows_from_episodes(episodes: list[Episode], first_prompts: list[list[int]]) 
 def segment_of(context: list[int], out, row: int, version: int) -> Segment:
     """Row `row` of a rollout output (`tiller.rollout.base.RolloutOutput`) sampled from `context` as a segment:
     with per-token versions (partial rollouts) its version is its first token's, else `version`."""
-    versions = list(out.token_versions[row]) if out.token_versions else []
+    recorded = getattr(out, "token_versions", None)  # (an engine that records none may leave the field out)
+    versions = list(recorded[row]) if recorded else []
     return Segment(list(context), list(out.response_ids[row]), [float(x) for x in out.logprobs[row]],
                    out.finish_reason[row], versions[0] if versions else int(version), versions)
 
