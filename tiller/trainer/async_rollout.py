@@ -15,7 +15,8 @@ the batch for step s may start once version w(s) = ceil((s - F) / trigger) is pu
 the newest weights published by then. Its samples are then at most c(s) - w(s) <= MAX_AGE =
 floor((F - 1) / trigger) versions old when used (= floor(staleness_threshold) with trigger 1); a sample
 older than that (by its oldest token) is dropped and counted: a guard, since the schedule keeps every
-sample within it.
+sample within it. Agent rollouts: the producer runs whole episodes (every turn / request, on its own engine and
+OpenAI endpoint); the sample is the episode, all its segments kept or dropped together (`staleness_filter`).
 
 Threads, not processes: torch releases the GIL inside its kernels, so generation and the update overlap on
 two cores. torch's thread count is per calling thread (OpenMP / MKL keep it per thread): the producer pins its
