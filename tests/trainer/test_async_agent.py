@@ -141,7 +141,8 @@ def test_partial_agent_rollout_records_each_tokens_version_and_filters_whole_epi
     from tiller.trainer.rl import RLTrainer
 
     trainer = RLTrainer(_cfg(tmp_path / "run", tiny_model_dir, env_data, "async_training.staleness_threshold=2",
-                             "async_training.partial_rollout=true", "actor_rollout_ref.rollout.agent.max_concurrency=1"))
+                             "async_training.partial_rollout=true",
+                             "actor_rollout_ref.rollout.agent.max_concurrency=1"))
     try:
         worker = trainer.actor.worker
         module = worker._producer_engine.weights.module

@@ -98,6 +98,7 @@ def _version_tensor(per_row: list[list[int]], T: int) -> torch.Tensor:
         versions[i, len(vs):] = vs[-1]
     return versions
 
+
 class ActorRolloutRefWorker:
     """Actor + rollout + reference in one process (see module docstring).
 
@@ -111,6 +112,7 @@ class ActorRolloutRefWorker:
 
     def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None):
         self.agent_app = agent_app
+        self._endpoints: dict[str, AgentEndpoint] = {}  # agent rollouts: the OpenAI endpoint of each engine
         self._mismatch_parts = None
         self.cfg = config
         arr = config.actor_rollout_ref
@@ -322,8 +324,7 @@ class ActorRolloutRefWorker:
     def _agent_endpoint(self, engine, key: str, max_model_len: int, max_tokens: int):
         """tiller's OpenAI endpoint on loopback in front of `engine` (started once per engine, kept: `key` is
         "rollout", or "producer" for the asynchronous producer's engine)."""
-        endpoints = self.__dict__.setdefault("_endpoints", {})
-        endpoint = endpoints.get(key)
+        endpoint = self._endpoints.get(key)
         if endpoint is None:
             if self.agent_app is None:
                 raise ConfigError("actor_rollout_ref.rollout.agent.path: this worker was built without an agent "
@@ -332,7 +333,7 @@ class ActorRolloutRefWorker:
                                      max_tokens_default=max_tokens)
             # the agent's chats render as the prompt set does (verl's agent loop reads the same key)
             endpoint.served.chat_template_kwargs = dict(self.cfg.data.apply_chat_template_kwargs)
-            endpoints[key] = endpoint
+            self._endpoints[key] = endpoint
         return endpoint
 
     def _episode_engine(self, prompts: Batch) -> tuple[object, str, int, object]:
@@ -348,6 +349,33 @@ class ActorRolloutRefWorker:
             return engine, "producer", int(hook()), hook if self.rollout_cfg.name == "native" else None
         return self.rollout, "rollout", int(prompts.meta.get("global_step", 0)), None
 
+    def _run_episodes(self, prompts: Batch, samples: list[dict], sampling, P: int, T: int) -> tuple[list, str]:
+        """One episode per sample: the agent function through the endpoint of the step's engine, or the
+        environment loop on that engine (`_episode_engine`); returns (episodes, the engine's name)."""
+        a = self.rollout_cfg.agent
+        engine, engine_name, version, hook = self._episode_engine(prompts)
+        if not a.path:
+            return run_env_episodes(engine, self.tokenizer, load_environment(a.env_path, a.env_name), samples,
+                                    sampling, max_turns=a.max_turns, max_response_length=T, policy_version=version,
+                                    max_concurrency=a.max_concurrency, max_context=a.max_context,
+                                    weights_hook=hook), engine_name
+        max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
+        endpoint = self._agent_endpoint(engine, engine_name, max_len, T)
+        endpoint.served.policy_version = version
+        # the distribution the trainer assumes: requests may not change it (logit_bias None = none allowed)
+        endpoint.served.fixed_sampling = {"temperature": sampling.temperature if sampling.do_sample else 0.0,
+                                          "top_p": sampling.top_p, "top_k": sampling.top_k,
+                                          "min_p": sampling.min_p, "logit_bias": None}
+        agent = load_agent_function(a.path, a.name)
+        if hook is not None:  # (the producer's endpoint: a native engine's continuous batcher)
+            endpoint.served.batcher.weights_hook = hook
+        try:
+            return run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
+                                      client=a.client), engine_name
+        finally:
+            if hook is not None:
+                endpoint.served.batcher.weights_hook = None
+
     def _generate_episodes(self, prompts: Batch, sampling) -> Batch:
         """Agent / environment rollouts: `n` episodes per prompt, one row per recorded segment.
 
@@ -355,7 +383,6 @@ class ActorRolloutRefWorker:
         (asynchronous RL: also `rollout_token_version[B, T]`, each segment's version on its tokens, as plain
         rows record theirs); widths grow to the longest context / segment of the step (contexts are never
         truncated: the trained logprobs must be of the context that was sampled from)."""
-        a = self.rollout_cfg.agent
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
         fields = {k: list(prompts[k]) for k in prompts.fields}
         samples = []
@@ -367,30 +394,7 @@ class ActorRolloutRefWorker:
                                 "ground_truth": fields["ground_truth"][i],
                                 "extra_info": dict(fields["extra_info"][i] or {}), "index": i, "sample": j,
                                 "prompt_ids": list(fields["prompt_ids"][i])})
-        engine, engine_name, version, hook = self._episode_engine(prompts)
-        if a.path:
-            max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
-            endpoint = self._agent_endpoint(engine, engine_name, max_len, T)
-            endpoint.served.policy_version = version
-            # the distribution the trainer assumes: requests may not change it (logit_bias None = none allowed)
-            endpoint.served.fixed_sampling = {"temperature": sampling.temperature if sampling.do_sample else 0.0,
-                                              "top_p": sampling.top_p, "top_k": sampling.top_k,
-                                              "min_p": sampling.min_p, "logit_bias": None}
-            agent = load_agent_function(a.path, a.name)
-            if hook is not None:  # (the producer's endpoint: a native engine's continuous batcher)
-                endpoint.served.batcher.weights_hook = hook
-            try:
-                episodes = run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
-                                              client=a.client)
-            finally:
-                if hook is not None:
-                    endpoint.served.batcher.weights_hook = None
-        else:
-            env_cls = load_environment(a.env_path, a.env_name)
-            episodes = run_env_episodes(engine, self.tokenizer, env_cls, samples, sampling,
-                                        max_turns=a.max_turns, max_response_length=T, policy_version=version,
-                                        max_concurrency=a.max_concurrency, max_context=a.max_context,
-                                        weights_hook=hook)
+        episodes, engine_name = self._run_episodes(prompts, samples, sampling, P, T)
         firsts = [list(fields["prompt_ids"][k // sampling.n]) for k in range(len(samples))]
         rows = rows_from_episodes(episodes, firsts)
         P = max([P] + [len(r["prompt_ids"]) for r in rows])
@@ -435,7 +439,8 @@ class ActorRolloutRefWorker:
 
     def shutdown_endpoint(self) -> None:
         """Stop the agent endpoints (the rollout engine's, the producer's), if any were started."""
-        for endpoint in self.__dict__.pop("_endpoints", {}).values():
+        endpoints, self._endpoints = self._endpoints, {}
+        for endpoint in endpoints.values():
             endpoint.close()
 
     def _generate_seeded(self, prompts: Batch, sampling):
