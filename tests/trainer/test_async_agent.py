@@ -245,22 +245,26 @@ def test_async_agent_function_runs_through_the_producers_own_endpoint(tmp_path, 
     cfg = _cfg(tmp_path / "run", tiny_model_dir, env_data, "actor_rollout_ref.rollout.agent.env_path=null",
                f"actor_rollout_ref.rollout.agent.path={env_data / 'client_agent.py'}",
                "actor_rollout_ref.rollout.agent.client=openai", "trainer.total_training_steps=2",
-               "async_training.staleness_threshold=1")
+               "async_training.staleness_threshold=1", f"data.val_files=[{env_data / 'test.parquet'}]")
     trainer = RLTrainer(cfg)
+    worker = trainer.actor.worker
     try:
         trainer.fit()
-        worker = trainer.actor.worker
         endpoints = dict(worker._endpoints)
-        assert sorted(endpoints) == ["producer"]  # validation off: only the producer's engine served episodes
+        # the producer's episodes on its own engine; validation (after the last step, in the trainer thread) on
+        # the trainer's rollout engine
+        assert sorted(endpoints) == ["producer", "rollout"]
         assert endpoints["producer"].served.batcher.engine is worker._producer_engine
+        assert endpoints["rollout"].served.batcher.engine is worker.rollout
     finally:
         trainer.shutdown()
-    assert not getattr(trainer.actor.worker, "_endpoints", {})  # closed at shutdown
+    assert not worker._endpoints  # closed at shutdown
     rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
     assert sorted(rows) == [1, 2]
     for step, m in rows.items():
         assert m["agent/segments_per_episode/mean"] == 2.0 and m["async/staleness_max"] <= 1
         assert m["async/dropped_stale"] == 0 and m["async/policy_version"] == step - 1
+    assert any(k.startswith("val-core/") for k in rows[2])
 
 
 def test_resume_after_an_interrupted_async_agent_run_repeats_and_loses_no_step(tmp_path, tiny_model_dir, env_data):
