@@ -109,3 +109,22 @@ def test_train_ppo_ray_with_an_agent_func_path(tmp_path, tiny_model_dir, monkeyp
     assert len(steps) == rounds * 16 * 2  # generation rounds x 16 episodes x 2 turns
     assert {s["label"] for s in steps} <= {"3", "7", "6", "9", "8"}  # the --label_key column
     assert _actor_changed(tmp_path / "run", tiny_model_dir)
+
+
+def test_train_ppo_ray_with_an_agent_func_path_and_async_train(tmp_path, tiny_model_dir):
+    # --async_train with an agent file: the rollout producer runs the episodes one step ahead (docs/async.md)
+    (tmp_path / "agent_func.py").write_text(AGENT_010)
+    argv = ppo_argv(tmp_path, tiny_model_dir, "unused.py", "--advantage_estimator", "reinforce_baseline",
+                    "--async_train")
+    argv[argv.index("--remote_rm_url"):argv.index("--remote_rm_url") + 2] = ["--agent_func_path",
+                                                                             str(tmp_path / "agent_func.py")]
+    cfg = resolve(argv)[2]
+    assert cfg.async_training.staleness_threshold == 1 and cfg.actor_rollout_ref.rollout.agent.env_path
+    run(argv)
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 2
+    for step, r in enumerate(rows, 1):
+        assert r["agent/segments_per_episode/mean"] == 2.0 and 0.25 <= r["agent/reward/mean"] <= 1.25
+        assert r["async/policy_version"] == step - 1 and r["async/staleness_max"] <= min(1, step - 1)
+        assert r["async/dropped_stale"] == 0
+    assert _actor_changed(tmp_path / "run", tiny_model_dir)

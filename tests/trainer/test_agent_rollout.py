@@ -165,8 +165,8 @@ def test_bad_agents_and_configs_are_user_errors(tmp_path, tiny_model_dir, agent_
             trainer.shutdown()
     with pytest.raises(ConfigError, match="adv_estimator='gae'"):
         _cfg(tmp_path / "x", tiny_model_dir, agent_data, "algorithm.adv_estimator=gae")
-    with pytest.raises(ConfigError, match="async_training .* not supported with agent rollouts"):
-        _cfg(tmp_path / "x", tiny_model_dir, agent_data, "async_training.staleness_threshold=1")
+    with pytest.raises(ConfigError, match="use_kl_in_reward is not supported with agent rollouts"):
+        _cfg(tmp_path / "x", tiny_model_dir, agent_data, "algorithm.use_kl_in_reward=true")
     with pytest.raises(ConfigError, match="agent.client"):
         _cfg(tmp_path / "x", tiny_model_dir, agent_data, "actor_rollout_ref.rollout.agent.client=http")
     with pytest.raises(ConfigError, match="no such file"):

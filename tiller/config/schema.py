@@ -1436,7 +1436,8 @@ class AsyncTrainingConfig:
     partial_rollout: bool = False
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token
-    records the version that sampled it. Only with staleness_threshold > 0 (verl: the same)."""
+    records the version that sampled it (agent rollouts: in the continuous batcher running their turns and
+    requests; an episode is as old as its oldest token). Only with staleness_threshold > 0 (verl: the same)."""
 
 
 # -------------------------------------------------------------------------------------------- trainer

@@ -378,9 +378,7 @@ def _validate_agent(cfg: RLConfig) -> None:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} does not work with agent rollouts (an "
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
     for name, on in (("algorithm.use_kl_in_reward", algo.use_kl_in_reward),
-                     ("trainer.backend=ray", cfg.trainer.backend == "ray"),
-                     ("async_training (staleness_threshold > 0 or trigger_parameter_sync_step > 1)",
-                      async_enabled(cfg))):
+                     ("trainer.backend=ray", cfg.trainer.backend == "ray")):
         if on:
             raise ConfigError(f"{name} is not supported with agent rollouts ({key}) yet")
 

@@ -28,7 +28,7 @@ import uuid
 from typing import Any, Callable
 
 from tiller.errors import UserError
-from tiller.rollout.episodes import call_user, describe, Episode, episode_reward, failure, Segment
+from tiller.rollout.episodes import call_user, describe, Episode, episode_reward, failure, Segment, segment_of
 
 CURRENT_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("tiller_episode", default=None)
 """The agent episode a request belongs to (set by `EpisodeRouter`)."""
@@ -71,8 +71,7 @@ class EpisodeRecorder:
                                   f"{'no episode given' if eid is None else f'episode {eid!r} is not running'}")
 
     def record(self, eid: str, out, version: int) -> None:
-        segments = [Segment(list(p), list(r), [float(x) for x in lp], reason, int(version))
-                    for p, r, lp, reason in zip(out.prompt_ids, out.response_ids, out.logprobs, out.finish_reason)]
+        segments = [segment_of(p, out, row, version) for row, p in enumerate(out.prompt_ids)]
         with self._lock:
             if eid in self._episodes:  # an episode closed while its request ran: the completion is not kept
                 self._episodes[eid].extend(segments)

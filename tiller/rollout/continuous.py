@@ -123,6 +123,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token: the weights' version of its logits
     done: bool = False
     result: tuple | None = None
 
@@ -261,10 +262,16 @@ class ContinuousBatcher:
     not prefilled because a cached prompt shared them), idle_s (seconds with no live row, waiting
     for a request), prefill_s / decode_s / sample_s (seconds in each part of the loop), static_steps (decode
     steps on the engine's static step: CUDA graph replays on a GPU).
+
+    `weights_hook` (asynchronous RL's partial rollouts, as the native engine's `generate`; settable while no
+    request runs): called in the batcher's thread before every forward (prefill or decode step); it may load
+    newer weights into the engine's module (re-read here: cast copy, fused decoder; the KV cache is kept) and
+    returns the version in use, recorded per token in the outputs' `token_versions`; it may raise to abort
+    every running and waiting request. It turns the static step off (its graphs hold the old weights).
     """
 
     def __init__(self, engine: NativeRolloutEngine, *, max_rows: int = 64, max_queue: int = 256,
-                 prompt_cache_mb: float = 64.0):
+                 prompt_cache_mb: float = 64.0, weights_hook=None):
         if not isinstance(engine, NativeRolloutEngine):
             raise TypeError("ContinuousBatcher drives the native engine's model")
         self.engine = engine
@@ -288,6 +295,8 @@ class ContinuousBatcher:
         self._shared = torch.Generator(device=self._device).manual_seed(engine.generator_seed)
         self._vision_ids = vision_ids_tensor(model, self._device)  # never sampled (a vision-language model)
         self._closing = False
+        self.weights_hook = weights_hook
+        self._version = self._logits_version = -1  # weights_hook's version now / when self._logits were computed
         self._thread = threading.Thread(target=self._loop, name="tiller-continuous-batcher", daemon=True)
         self._thread.start()
 
@@ -352,16 +361,20 @@ class ContinuousBatcher:
                 self.stats["idle_s"] += time.perf_counter() - t0
             try:
                 with torch.inference_mode():
+                    if self.weights_hook is not None and (jobs or self._rows):  # before this pass's forwards
+                        self._version = self.engine._new_weights(self.weights_hook, self._version)
                     if jobs and not self._rows:
                         self._admit(jobs)
                         jobs = []
+                        self._logits_version = self._version
                     if self._rows:
-                        self._step(jobs)
+                        self._step(jobs)  # samples from logits of _logits_version, then a forward at _version
+                        self._logits_version = self._version
             except BaseException as err:  # noqa: BLE001 - the error belongs to the waiting requests
-                self._fail_all(err)
+                self._fail_all(err, jobs)
 
-    def _fail_all(self, err: BaseException) -> None:
-        for job in {id(r.job): r.job for r in self._rows}.values():
+    def _fail_all(self, err: BaseException, jobs: list[_Job] = ()) -> None:
+        for job in {**{id(r.job): r.job for r in self._rows}, **{id(j): j for j in jobs}}.values():
             if not job.future.done():
                 job.future.set_exception(err)
         self._rows, self._logits = [], None
@@ -406,7 +419,7 @@ class ContinuousBatcher:
         the model, a vision-language model's per-row position offsets)."""
         engine = self.engine
         fused = engine._fused if engine._fused is not None and engine._fused.model is model else None
-        if not engine.static_decode or fused is None or self._vision_ids is not None:
+        if not engine.static_decode or fused is None or self._vision_ids is not None or self.weights_hook is not None:
             return None
         step = getattr(self, "_slot", None)
         if step is None or step.fused is not fused:
@@ -638,6 +651,7 @@ class ContinuousBatcher:
             r.tokens.append(t)
             r.logprobs.append(lp)
             r.top.append(top)
+            r.versions.append(self._logits_version)
             r.end += 1 if len(r.tokens) > 1 else 0
             if r.matcher is not None:
                 r.matcher.consume_token(t)  # a forbidden token cannot be drawn; a failure shows in is_error()
@@ -678,6 +692,8 @@ class ContinuousBatcher:
                     out.logprobs.append(lps)
                     out.finish_reason.append(reason)
                     out.top_logprobs.append(r.top[: len(ids)])
+                    if self.weights_hook is not None:
+                        out.token_versions.append(r.versions[: len(ids)])
                 job.future.set_result(out)
 
     def _drop_abandoned(self, rows: list[_Row]) -> None:

@@ -42,7 +42,7 @@ from tiller.errors import ConfigError, UserError
 from tiller.rollout.agent import parse_tool_calls, run_tool_calls, ToolResponseEncoder
 from tiller.rollout.base import SamplingParams
 from tiller.rollout.continuous import ContinuousBatcher
-from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, Segment
+from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, segment_of
 from tiller.rollout.native import NativeRolloutEngine
 from tiller.rollout.openrlhf_agent import instance_class, is_openrlhf_executor, openrlhf_agent_imports
 
@@ -114,8 +114,8 @@ async def _episode(env, sample: dict, prompt_ids: list[int], generate, tokenizer
         turn_sampling = replace(sampling, n=1, max_new_tokens=min(sampling.max_new_tokens, room),
                                 seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn)
         out = await generate(context, turn_sampling)
-        ids, lps, reason = out.response_ids[0], out.logprobs[0], out.finish_reason[0]
-        episode.segments.append(Segment(list(context), list(ids), list(lps), reason, version))
+        ids = out.response_ids[0]
+        episode.segments.append(segment_of(context, out, 0, version))
         action = tokenizer.decode(ids, skip_special_tokens=True)
         observation, reward, done, info = await call_user(env.step, action)
         rewards.append(finite_reward(reward, f"turn {turn + 1}'s step()"))
@@ -131,15 +131,18 @@ async def _episode(env, sample: dict, prompt_ids: list[int], generate, tokenizer
 
 def run_env_episodes(engine, tokenizer, env_factory, samples: list[dict], sampling: SamplingParams, *,
                      max_turns: int = 8, max_response_length: int | None = None, policy_version: int = 0,
-                     max_concurrency: int = 0, max_context: int | None = None) -> list[Episode]:
+                     max_concurrency: int = 0, max_context: int | None = None, weights_hook=None) -> list[Episode]:
     """One episode per sample (fresh env each, `samples[i]` as `reset`'s argument; `samples[i]["prompt_ids"]`
     or the tokenized `prompt_text` as the first context), run concurrently; episode k uses seed
-    `sampling.seed + 7919 k` when the step is seeded. Returns the episodes in order."""
+    `sampling.seed + 7919 k` when the step is seeded. Returns the episodes in order. `weights_hook` (native
+    engine: asynchronous RL) is the continuous batcher's: new weights between decode steps, each segment's
+    tokens recorded with their versions."""
     if max_response_length:
         sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max_response_length))
     model = getattr(getattr(engine, "weights", None), "module", None)
     limit = max_context or int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 1 << 30)
-    batcher = ContinuousBatcher(engine, max_rows=256) if isinstance(engine, NativeRolloutEngine) else None
+    batcher = (ContinuousBatcher(engine, max_rows=256, weights_hook=weights_hook)
+               if isinstance(engine, NativeRolloutEngine) else None)
     lock = asyncio.Lock()
 
     async def generate(context: list[int], params: SamplingParams):

@@ -35,7 +35,8 @@ class Segment:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str = "stop"
-    policy_version: int = 0
+    policy_version: int = 0  # the version that sampled it (partial rollouts: its first token's, the oldest)
+    token_versions: list[int] = field(default_factory=list)  # partial rollouts: each sampled id's version
 
 
 @dataclass
@@ -168,15 +169,32 @@ async def call_user(fn: Callable, *args) -> Any:
 
 def rows_from_episodes(episodes: list[Episode], first_prompts: list[list[int]]) -> list[dict]:
     """One dict per batch row: prompt_ids, response_ids, logprobs, finish_reason, episode (index into
-    `episodes`), segment, policy_version. `first_prompts[e]` fills the empty row of an episode with no segment."""
+    `episodes`), segment, policy_version, token_versions (empty unless recorded). `first_prompts[e]` fills the
+    empty row of an episode with no segment."""
     rows = []
     for e, ep in enumerate(episodes):
         if not ep.segments:
             rows.append(dict(prompt_ids=list(first_prompts[e]), response_ids=[], logprobs=[], finish_reason="stop",
-                             episode=e, segment=0, policy_version=-1))
+                             episode=e, segment=0, policy_version=-1, token_versions=[]))
             continue
         for s, seg in enumerate(ep.segments):
             rows.append(dict(prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids),
                              logprobs=list(seg.logprobs), finish_reason=seg.finish_reason, episode=e, segment=s,
-                             policy_version=seg.policy_version))
+                             policy_version=seg.policy_version, token_versions=list(seg.token_versions)))
     return rows
+
+
+def segment_of(context: list[int], out, row: int, version: int) -> Segment:
+    """Row `row` of a rollout output (`tiller.rollout.base.RolloutOutput`) sampled from `context` as a segment:
+    with per-token versions (partial rollouts) its version is its first token's, else `version`."""
+    recorded = getattr(out, "token_versions", None)  # (an engine that records none may leave the field out)
+    versions = list(recorded[row]) if recorded else []
+    return Segment(list(context), list(out.response_ids[row]), [float(x) for x in out.logprobs[row]],
+                   out.finish_reason[row], versions[0] if versions else int(version), versions)
+
+
+def renumber_episodes(episode):
+    """Episode ids [B] (a row's episode; rows that dropped episodes left gaps) -> 0..k-1 in the same order."""
+    import torch
+
+    return torch.unique(episode, return_inverse=True)[1]

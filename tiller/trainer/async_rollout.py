@@ -15,7 +15,8 @@ the batch for step s may start once version w(s) = ceil((s - F) / trigger) is pu
 the newest weights published by then. Its samples are then at most c(s) - w(s) <= MAX_AGE =
 floor((F - 1) / trigger) versions old when used (= floor(staleness_threshold) with trigger 1); a sample
 older than that (by its oldest token) is dropped and counted: a guard, since the schedule keeps every
-sample within it.
+sample within it. Agent rollouts: the producer runs whole episodes (every turn / request, on its own engine and
+OpenAI endpoint); the sample is the episode, all its segments kept or dropped together (`staleness_filter`).
 
 Threads, not processes: torch releases the GIL inside its kernels, so generation and the update overlap on
 two cores. torch's thread count is per calling thread (OpenMP / MKL keep it per thread): the producer pins its
@@ -324,18 +325,30 @@ def staleness_filter(batch, start_version: int, step: int, staleness_threshold: 
     """Drop the samples more than `max_age` versions behind the trainer at `step` (by their oldest token);
     returns (kept batch, metrics): async/staleness_mean and _max (of the samples kept, in versions),
     async/dropped_stale (samples dropped), async/partial_samples (kept samples sampled by more than one
-    version), async/policy_version (the trainer's)."""
+    version), async/policy_version (the trainer's). Agent rollouts (field `episode`): the sample is the
+    episode, over all its segments (rows): it is kept or dropped whole, its oldest token decides, and the
+    episode ids of the kept rows are renumbered 0..k-1 in order (`renumber_episodes`)."""
+    import torch
+
+    from tiller.rollout.episodes import renumber_episodes
+
     now = trainer_version(step, trigger)
     metrics = {"async/policy_version": float(now), "async/dropped_stale": 0.0, "async/partial_samples": 0.0,
                "async/staleness_mean": 0.0, "async/staleness_max": 0.0}
     if not len(batch):
         return batch, metrics
-    oldest, newest = sample_versions(batch, start_version)
+    row_oldest, row_newest = sample_versions(batch, start_version)
+    sample = renumber_episodes(batch["episode"]) if "episode" in batch else torch.arange(len(batch))
+    n = int(sample.max()) + 1
+    oldest = torch.full((n,), torch.iinfo(torch.long).max).scatter_reduce(0, sample, row_oldest, "amin")
+    newest = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, sample, row_newest, "amax")
     age = now - oldest
     keep = age <= max_age(staleness_threshold, trigger)
     metrics["async/dropped_stale"] = float((~keep).sum())
     if not bool(keep.all()):
-        batch = batch.index(keep.nonzero().squeeze(-1).tolist())
+        batch = batch.index(keep[sample].nonzero().squeeze(-1).tolist())
+        if "episode" in batch and len(batch):
+            batch["episode"] = renumber_episodes(batch["episode"])
     if bool(keep.any()):
         metrics["async/staleness_mean"] = float(age[keep].float().mean())
         metrics["async/staleness_max"] = float(age[keep].max())

@@ -71,6 +71,7 @@ from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
 from tiller.rewards.types import RewardRequest
+from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
@@ -548,7 +549,7 @@ class RLTrainer:
                   f"algorithm.filter_groups after {rounds} generation rounds (max_num_gen_batches); "
                   "training on those")
         if "episode" in batch and len(batch):  # filtered out episodes leave gaps: ids 0..k-1 again, in order
-            batch["episode"] = torch.unique(batch["episode"], return_inverse=True)[1]
+            batch["episode"] = renumber_episodes(batch["episode"])
         m["batch/num_gen_batches"] = float(rounds)
         m["batch/num_groups"] = float(n_seen)
         m["batch/num_groups_kept"] = float(len(set(batch["uid"])))

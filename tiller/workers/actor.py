@@ -88,6 +88,17 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
+def _version_tensor(per_row: list[list[int]], T: int) -> torch.Tensor:
+    """[B, T] policy versions of each row's response tokens (asynchronous RL), padded with the row's last (-1 for
+    a row without any)."""
+    versions = torch.zeros((len(per_row), T), dtype=torch.long)
+    for i, vs in enumerate(per_row):
+        vs = list(vs[:T]) or [-1]
+        versions[i, :len(vs)] = torch.tensor(vs, dtype=torch.long)
+        versions[i, len(vs):] = vs[-1]
+    return versions
+
+
 class ActorRolloutRefWorker:
     """Actor + rollout + reference in one process (see module docstring).
 
@@ -101,6 +112,7 @@ class ActorRolloutRefWorker:
 
     def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None):
         self.agent_app = agent_app
+        self._endpoints: dict[str, AgentEndpoint] = {}  # agent rollouts: the OpenAI endpoint of each engine
         self._mismatch_parts = None
         self.cfg = config
         arr = config.actor_rollout_ref
@@ -304,37 +316,73 @@ class ActorRolloutRefWorker:
         batch["response_mask"] = rmask
         batch["rollout_log_probs"] = rlogp
         batch["finish_reason"] = list(out.finish_reason)
-        if out.token_versions:  # asynchronous RL: the version that sampled each token (pads: the row's last)
-            versions = torch.zeros((B, T), dtype=torch.long)
-            for i, vs in enumerate(out.token_versions):
-                vs = vs[:T] or [-1]
-                versions[i, :len(vs)] = torch.tensor(vs, dtype=torch.long)
-                versions[i, len(vs):] = vs[-1]
-            batch["rollout_token_version"] = versions
+        if out.token_versions:  # asynchronous RL: the version that sampled each token
+            batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
         return batch
 
     # ------------------------------------------------------------------------------- agent rollouts
-    def _agent_endpoint(self, max_model_len: int, max_tokens: int):
-        """tiller's OpenAI endpoint on loopback in front of the rollout engine (started once, kept)."""
-        endpoint = getattr(self, "_endpoint", None)
+    def _agent_endpoint(self, engine, key: str, max_model_len: int, max_tokens: int):
+        """tiller's OpenAI endpoint on loopback in front of `engine` (started once per engine, kept: `key` is
+        "rollout", or "producer" for the asynchronous producer's engine)."""
+        endpoint = self._endpoints.get(key)
         if endpoint is None:
             if self.agent_app is None:
                 raise ConfigError("actor_rollout_ref.rollout.agent.path: this worker was built without an agent "
                                   "app (ActorRolloutRefWorker(agent_app=tiller.serve.app.agent_app))")
-            endpoint = AgentEndpoint(self.rollout, self.tokenizer, app=self.agent_app, max_model_len=max_model_len,
+            endpoint = AgentEndpoint(engine, self.tokenizer, app=self.agent_app, max_model_len=max_model_len,
                                      max_tokens_default=max_tokens)
             # the agent's chats render as the prompt set does (verl's agent loop reads the same key)
             endpoint.served.chat_template_kwargs = dict(self.cfg.data.apply_chat_template_kwargs)
-            self._endpoint = endpoint
+            self._endpoints[key] = endpoint
         return endpoint
+
+    def _episode_engine(self, prompts: Batch) -> tuple[object, str, int, object]:
+        """(engine, its name, policy version, weights hook) of an agent step: the rollout engine at the step
+        number, or, for the asynchronous producer (meta engine=producer), its own engine at the version its
+        weights_hook reports (the weights it loaded; raises when the trainer asked the producer to stop), the
+        hook going on to the native engine's continuous batcher (new weights between decode steps with
+        async_training.partial_rollout, each token's version recorded)."""
+        if prompts.meta.get("engine") == "producer":
+            engine, hook = self._producer_engine, prompts.meta["weights_hook"]
+            if getattr(engine, "num_threads", 0) is None:  # native: its batcher threads take the producer's count
+                engine.num_threads = torch.get_num_threads()
+            return engine, "producer", int(hook()), hook if self.rollout_cfg.name == "native" else None
+        return self.rollout, "rollout", int(prompts.meta.get("global_step", 0)), None
+
+    def _run_episodes(self, prompts: Batch, samples: list[dict], sampling, P: int, T: int) -> tuple[list, str]:
+        """One episode per sample: the agent function through the endpoint of the step's engine, or the
+        environment loop on that engine (`_episode_engine`); returns (episodes, the engine's name)."""
+        a = self.rollout_cfg.agent
+        engine, engine_name, version, hook = self._episode_engine(prompts)
+        if not a.path:
+            return run_env_episodes(engine, self.tokenizer, load_environment(a.env_path, a.env_name), samples,
+                                    sampling, max_turns=a.max_turns, max_response_length=T, policy_version=version,
+                                    max_concurrency=a.max_concurrency, max_context=a.max_context,
+                                    weights_hook=hook), engine_name
+        max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
+        endpoint = self._agent_endpoint(engine, engine_name, max_len, T)
+        endpoint.served.policy_version = version
+        # the distribution the trainer assumes: requests may not change it (logit_bias None = none allowed)
+        endpoint.served.fixed_sampling = {"temperature": sampling.temperature if sampling.do_sample else 0.0,
+                                          "top_p": sampling.top_p, "top_k": sampling.top_k,
+                                          "min_p": sampling.min_p, "logit_bias": None}
+        agent = load_agent_function(a.path, a.name)
+        if hook is not None:  # (the producer's endpoint: a native engine's continuous batcher)
+            endpoint.served.batcher.weights_hook = hook
+        try:
+            return run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
+                                      client=a.client), engine_name
+        finally:
+            if hook is not None:
+                endpoint.served.batcher.weights_hook = None
 
     def _generate_episodes(self, prompts: Batch, sampling) -> Batch:
         """Agent / environment rollouts: `n` episodes per prompt, one row per recorded segment.
 
-        Rows carry fields `episode` (index within this batch), `segment`, `policy_version`, `agent_reward`;
-        widths grow to the longest context / segment of the step (contexts are never truncated: the trained
-        logprobs must be of the context that was sampled from)."""
-        a = self.rollout_cfg.agent
+        Rows carry fields `episode` (index within this batch), `segment`, `policy_version`, `agent_reward`
+        (asynchronous RL: also `rollout_token_version[B, T]`, each segment's version on its tokens, as plain
+        rows record theirs); widths grow to the longest context / segment of the step (contexts are never
+        truncated: the trained logprobs must be of the context that was sampled from)."""
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
         fields = {k: list(prompts[k]) for k in prompts.fields}
         samples = []
@@ -346,23 +394,7 @@ class ActorRolloutRefWorker:
                                 "ground_truth": fields["ground_truth"][i],
                                 "extra_info": dict(fields["extra_info"][i] or {}), "index": i, "sample": j,
                                 "prompt_ids": list(fields["prompt_ids"][i])})
-        version = int(prompts.meta.get("global_step", 0))
-        if a.path:
-            max_len = int(getattr(self.module.config, "max_position_embeddings", 0) or (P + T) * 8)
-            endpoint = self._agent_endpoint(max_len, T)
-            endpoint.served.policy_version = version
-            # the distribution the trainer assumes: requests may not change it (logit_bias None = none allowed)
-            endpoint.served.fixed_sampling = {"temperature": sampling.temperature if sampling.do_sample else 0.0,
-                                              "top_p": sampling.top_p, "top_k": sampling.top_k,
-                                              "min_p": sampling.min_p, "logit_bias": None}
-            agent = load_agent_function(a.path, a.name)
-            episodes = run_agent_episodes(endpoint, agent, samples, max_concurrency=a.max_concurrency,
-                                          client=a.client)
-        else:
-            env_cls = load_environment(a.env_path, a.env_name)
-            episodes = run_env_episodes(self.rollout, self.tokenizer, env_cls, samples, sampling,
-                                        max_turns=a.max_turns, max_response_length=T, policy_version=version,
-                                        max_concurrency=a.max_concurrency, max_context=a.max_context)
+        episodes, engine_name = self._run_episodes(prompts, samples, sampling, P, T)
         firsts = [list(fields["prompt_ids"][k // sampling.n]) for k in range(len(samples))]
         rows = rows_from_episodes(episodes, firsts)
         P = max([P] + [len(r["prompt_ids"]) for r in rows])
@@ -396,6 +428,9 @@ class ActorRolloutRefWorker:
         batch["episode"] = torch.tensor([r["episode"] for r in rows], dtype=torch.long)
         batch["segment"] = torch.tensor([r["segment"] for r in rows], dtype=torch.long)
         batch["policy_version"] = torch.tensor([r["policy_version"] for r in rows], dtype=torch.long)
+        if engine_name == "producer":  # the staleness filter reads the tokens' versions (an empty row: none)
+            batch["rollout_token_version"] = _version_tensor(
+                [r["token_versions"] or [r["policy_version"]] for r in rows], T)
         batch["agent_reward"] = torch.tensor([episodes[r["episode"]].reward for r in rows], dtype=torch.float32)
         if any("scores" in ep.info for ep in episodes):  # OpenRLHF's scores: its dynamic-filtering signal (acc)
             acc = [float(ep.info.get("scores", ep.reward)) for ep in episodes]
@@ -403,11 +438,10 @@ class ActorRolloutRefWorker:
         return batch
 
     def shutdown_endpoint(self) -> None:
-        """Stop the agent endpoint, if one was started."""
-        endpoint = getattr(self, "_endpoint", None)
-        if endpoint is not None:
+        """Stop the agent endpoints (the rollout engine's, the producer's), if any were started."""
+        endpoints, self._endpoints = self._endpoints, {}
+        for endpoint in endpoints.values():
             endpoint.close()
-            self._endpoint = None
 
     def _generate_seeded(self, prompts: Batch, sampling):
         """Generate in `meta["seed_chunks"]` equal prompt chunks over the group (default: one per rank),
