@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tiller.errors import UserError
+from tiller.rollout.episodes import renumber_episodes
 
 
 class RolloutProducerError(RuntimeError):
@@ -329,8 +330,6 @@ def staleness_filter(batch, start_version: int, step: int, staleness_threshold: 
     episode, over all its segments (rows): it is kept or dropped whole, its oldest token decides, and the
     episode ids of the kept rows are renumbered 0..k-1 in order (`renumber_episodes`)."""
     import torch
-
-    from tiller.rollout.episodes import renumber_episodes
 
     now = trainer_version(step, trigger)
     metrics = {"async/policy_version": float(now), "async/dropped_stale": 0.0, "async/partial_samples": 0.0,
