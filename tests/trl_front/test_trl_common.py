@@ -51,7 +51,7 @@ def test_config_class_has_trl_defaults_post_init_and_a_typeerror_naming_the_clos
     args = cls(output_dir="runs/x", learning_rate=1e-6)
     assert args.learning_rate == 1e-6 and args.num_generations == 8 and args.logging_steps == 10
     assert args.bf16 is True  # TRL: bf16 = not fp16 when unset
-    assert args.run_name == "runs/x"  # transformers: run_name defaults to output_dir
+    assert args.activation_checkpointing is True  # transformers 5: gradient_checkpointing is its alias
     assert cls().output_dir == "trainer_output"
     assert cls(output_dir="o").include_for_metrics == [] and cls().include_for_metrics is not cls().include_for_metrics
     assert cls("positional").output_dir == "positional"
