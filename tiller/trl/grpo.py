@@ -143,9 +143,10 @@ GRPO_RULES: dict[str, Rule] = {
 }
 
 
-def _post_init(self: Any) -> None:
-    """GRPOConfig.__post_init__: the batch arithmetic (one process) and its checks, as TRL raises them."""
-    self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+def _post_init(self: Any, algorithm: str = "GRPO") -> None:
+    """GRPOConfig / RLOOConfig.__post_init__: the batch arithmetic (one process) and its checks, as TRL raises them."""
+    if hasattr(self, "scale_rewards"):
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
     if self.auto_find_batch_size:
         raise ConfigError("auto_find_batch_size=True: refused: set per_device_train_batch_size")
     b = self.per_device_train_batch_size
@@ -166,9 +167,9 @@ def _post_init(self: Any) -> None:
         raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
                           f"({self.num_generations}).")
     if self.num_generations < 2:
-        raise ConfigError("GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+        raise ConfigError(f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. You provided "
                           f"{self.num_generations}, which is less than the minimum required.")
-    if self.vllm_importance_sampling_cap is not None:
+    if getattr(self, "vllm_importance_sampling_cap", None) is not None:
         self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
 
@@ -207,7 +208,10 @@ class GRPOTrainer(TRLRLTrainer):
             "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": lg["scale_rewards"] == "group",
             "algorithm.norm_adv_epsilon": TRL_ADV_EPSILON, f"{actor}.policy_loss.loss_mode": loss_mode,
             f"{actor}.loss_agg_mode": agg, f"{actor}.entropy_coeff": lg.get("entropy_coef", 0.0),
+            f"{actor}.use_kl_loss": lg["beta"] > 0,
         }
+        if lg["beta"] > 0:
+            keys.update({f"{actor}.kl_loss_coef": lg["beta"], f"{actor}.kl_loss_type": "low_var_kl"})
         if agg == "seq-mean-token-sum-norm":
             keys[f"{actor}.loss_scale_factor"] = lg["max_completion_length"]
         if loss_mode == "cispo":

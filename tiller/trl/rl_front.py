@@ -110,8 +110,8 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "vllm_max_model_length": noop("tiller's vllm engine sizes its context from max prompt + completion length"),
     "vllm_tensor_parallel_size": mapped("actor_rollout_ref.rollout.tensor_model_parallel_size (with use_vllm)",
                                         _when_vllm("vllm_tensor_parallel_size", "tensor_model_parallel_size")),
-    "beta": mapped("actor.use_kl_loss = beta > 0, kl_loss_coef = beta, kl_loss_type = low_var_kl (k3); beta 0: no "
-                   "reference model", to("beta", float)),
+    "beta": mapped("GRPO: actor.use_kl_loss = beta > 0, kl_loss_coef = beta, kl_loss_type = low_var_kl (k3); beta "
+                   "0: no reference model", to("beta", float)),
     "num_iterations": mapped("actor.ppo_epochs", to("num_iterations", int)),
     "epsilon": mapped("actor.clip_ratio_low (and clip_ratio_high unless epsilon_high)", to("epsilon", float)),
     "epsilon_high": mapped("actor.clip_ratio_high (None: epsilon)", to("epsilon_high")),
@@ -288,12 +288,9 @@ class TRLRLTrainer(TRLTrainerBase):
             f"{rollout}.val_kwargs.top_k": lg["top_k"],
             f"{actor}.clip_ratio_low": lg["epsilon"],
             f"{actor}.clip_ratio_high": lg["epsilon_high"] if lg["epsilon_high"] is not None else lg["epsilon"],
-            f"{actor}.clip_ratio_c": NO_DUAL_CLIP, f"{actor}.use_kl_loss": lg["beta"] > 0,
-            "algorithm.use_kl_in_reward": False, "trainer.val_before_train": bool(lg.get("eval_on_start")),
+            f"{actor}.clip_ratio_c": NO_DUAL_CLIP, "algorithm.use_kl_in_reward": False, "trainer.val_before_train": bool(lg.get("eval_on_start")),
             "trainer.resume_mode": "disable",
         }
-        if lg["beta"] > 0:
-            keys.update({f"{actor}.kl_loss_coef": lg["beta"], f"{actor}.kl_loss_type": "low_var_kl"})
         if lg.get("rollout_name"):
             keys[f"{rollout}.name"] = lg["rollout_name"]
         for name in ("gpu_memory_utilization", "tensor_model_parallel_size"):
