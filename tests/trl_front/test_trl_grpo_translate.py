@@ -103,6 +103,23 @@ def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path)
     assert keys[f"{A}.clip_ratio_c"] == 1.5 and keys["algorithm.norm_adv_epsilon"] == 1e-4
 
 
+def test_use_vllm_colocate_maps_trls_importance_sampling(tiny_model_dir, tmp_path):
+    from tiller.config import load_config
+    from tiller.trl.common import overrides
+
+    rc = "algorithm.rollout_correction"
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "a", use_vllm=True)  # TRL's default: sequence_mask, max 3
+    assert keys["actor_rollout_ref.rollout.name"] == "vllm" and keys[f"{rc}.rollout_is"] == "sequence"
+    assert keys[f"{rc}.rollout_is_threshold"] == "1e-30_3.0"
+    load_config(overrides(keys))  # tiller's validation takes the translated keys
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "b", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+                           vllm_gpu_memory_utilization=0.5)
+    assert (keys[f"{rc}.rollout_is"], keys[f"{rc}.rollout_is_threshold"]) == ("token", "3.0")
+    assert keys["actor_rollout_ref.rollout.gpu_memory_utilization"] == 0.5
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "c", vllm_gpu_memory_utilization=0.5)  # read only with use_vllm
+    assert "actor_rollout_ref.rollout.name" not in keys and f"{rc}.rollout_is" not in keys
+
+
 def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_dir, tmp_path):
     from tiller.models.loading import load_tokenizer
 

@@ -34,6 +34,7 @@ from tiller.trl.common import (
 from tiller.trl.data import to_dataset_rows, write_rows_atomic
 from tiller.trl.rewards import ROW_KEY, SPLIT_KEY, RewardModelFunc, TRLRewards, callable_name
 
+MIN_IS_BOUND = 1e-30  # the lower IcePop bound standing for TRL's "no clip_min"
 NO_DUAL_CLIP = 1e9  # actor.clip_ratio_c so large it never binds: TRL has no dual clip unless `delta`
 DATA_DIR = "data"  # under the run dir: the prompts tiller reads (train.jsonl, eval.jsonl)
 
@@ -64,8 +65,10 @@ def _vllm_is(value: Any, args: Any) -> dict:
             raise refuse_value("vllm_importance_sampling_clip_min", lo, "tiller's truncated IS caps the weights "
                                "from above only (vllm_importance_sampling_clip_max)")
         return {"rollout_is": level, "rollout_is_threshold": str(float(hi))}
-    # *_mask: weights outside [min, max] are 0, inside they weight the loss (IcePop, verl's "lo_hi" threshold)
-    return {"rollout_is": level, "rollout_is_threshold": f"{float(lo or 0.0)}_{float(hi if hi is not None else 1e30)}"}
+    # *_mask: weights outside [min, max] are 0, inside they weight the loss (IcePop, verl's "lo_hi" threshold); no
+    # clip_min: tiller's bound must be > 0, so 1e-30 (a weight below it is 0 either way to float32 precision)
+    low = float(lo) if lo else MIN_IS_BOUND
+    return {"rollout_is": level, "rollout_is_threshold": f"{low}_{float(hi if hi is not None else 1e30)}"}
 
 
 GEN_NOOP_VLLM = "a vLLM engine setting: tiller's vllm engine takes its own defaults"
