@@ -112,8 +112,8 @@ def test_use_vllm_colocate_maps_trls_importance_sampling(tiny_model_dir, tmp_pat
     assert keys["actor_rollout_ref.rollout.name"] == "vllm" and keys[f"{rc}.rollout_is"] == "sequence"
     assert keys[f"{rc}.rollout_is_threshold"] == "1e-30_3.0"
     load_config(overrides(keys))  # tiller's validation takes the translated keys
-    keys, _, _ = translate(tiny_model_dir, tmp_path / "b", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
-                           vllm_gpu_memory_utilization=0.5)
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "b", use_vllm=True, vllm_gpu_memory_utilization=0.5,
+                           vllm_importance_sampling_mode="token_truncate")
     assert (keys[f"{rc}.rollout_is"], keys[f"{rc}.rollout_is_threshold"]) == ("token", "3.0")
     assert keys["actor_rollout_ref.rollout.gpu_memory_utilization"] == 0.5
     keys, _, _ = translate(tiny_model_dir, tmp_path / "c", vllm_gpu_memory_utilization=0.5)  # read only with use_vllm

@@ -319,6 +319,7 @@ class TRLRLTrainer(TRLTrainerBase):
         notices += more
         self.total_steps = schedule["total_training_steps"] * self.arithmetic["k"]
         self.rewards.max_steps = self.total_steps
+        self.rewards.optimizer_steps_per_step = self.arithmetic["k"]
         keys = {"actor_rollout_ref.model.path": self.model_path}
         if self.tokenizer_path:
             keys["actor_rollout_ref.model.tokenizer_path"] = self.tokenizer_path
