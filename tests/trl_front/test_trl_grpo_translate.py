@@ -74,6 +74,7 @@ def test_batch_arithmetic_on_verl_keys(tiny_model_dir, tmp_path):
     assert keys[f"{A}.optim.lr_warmup_steps"] == 2  # 8 optimizer steps = 2 generation batches
     assert trainer.total_steps == 72 and trainer.arithmetic["k"] == 4
     assert any("once per generation batch" in n for n in notices)
+    assert any(n.startswith("loss_type='dapo': TRL divides by the generation batch's tokens") for n in notices)
     # TRL's defaults written out where tiller's differ
     assert keys[f"{A}.optim.lr"] == 1e-6 and keys[f"{A}.optim.weight_decay"] == 0.0
     assert keys[f"{A}.optim.betas"] == [0.9, 0.999] and keys[f"{A}.optim.warmup_style"] == "linear"

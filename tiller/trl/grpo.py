@@ -196,6 +196,17 @@ class GRPOTrainer(TRLRLTrainer):
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                         reward_processing_classes, peft_config)
 
+    def _algorithm_notices(self) -> list[str]:
+        loss_type, args = self.logical["loss_type"], self.args
+        if loss_type == "bnpo" and args.gradient_accumulation_steps > 1:
+            return ["loss_type='bnpo': TRL divides each micro-batch's loss by its own tokens, tiller by the tokens of "
+                    "the optimizer step's whole mini-batch (equal with gradient_accumulation_steps=1)"]
+        if loss_type in ("dapo", "cispo") and args.steps_per_generation > args.gradient_accumulation_steps:
+            return [f"loss_type={loss_type!r}: TRL divides by the generation batch's tokens / (steps_per_generation / "
+                    "gradient_accumulation_steps), tiller by each mini-batch's own tokens (equal when "
+                    "steps_per_generation = gradient_accumulation_steps)"]
+        return []
+
     def _algorithm_keys(self) -> dict[str, Any]:
         lg, actor = self.logical, "actor_rollout_ref.actor"
         loss_mode, agg = LOSS_TYPES[lg["loss_type"]]

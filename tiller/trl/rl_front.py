@@ -311,6 +311,10 @@ class TRLRLTrainer(TRLTrainerBase):
     def _algorithm_keys(self) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _algorithm_notices(self) -> list[str]:
+        """Lines on where this run's normalisation differs from TRL's (none by default)."""
+        return []
+
     def translate(self) -> tuple[dict[str, Any], list[str]]:
         """(tiller RL keys, notices) of this trainer's arguments and data (the data is written under the run dir)."""
         notices = list(self.notices)
@@ -330,7 +334,7 @@ class TRLRLTrainer(TRLTrainerBase):
         keys.update(self._shared_keys())
         keys.update(self._algorithm_keys())
         keys.update(lora_rl_keys(self.lora))
-        return keys, notices
+        return keys, notices + self._algorithm_notices()
 
     def _tiller_config(self, resume: dict[str, Any]) -> Any:
         from tiller.config import load_config
