@@ -179,3 +179,22 @@ def test_field_table_in_docs_is_the_generated_one():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
     assert field_table("GRPOConfig", GRPOConfig.RULES) in doc
     assert field_table("RLOOConfig", RLOOConfig.RULES) in doc
+
+
+def test_reward_model_paths_are_named_as_trl_names_them(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(str(tiny_model_dir), [reward_len, str(tiny_model_dir)], train_dataset=rows(8),
+                          args=GRPOConfig(output_dir=str(tmp_path / "run"), reward_weights=[1.0, 0.5]))
+    assert trainer.rewards.names == ["reward_len", "qwen2"]  # a model: its dir's name
+    assert trainer.rewards.weights.tolist() == [1.0, 0.5]
+
+
+def test_in_process_rewards_refuse_the_ray_backend(tiny_model_dir, tmp_path):
+    from tiller.config import load_config
+    from tiller.trainer.rl import RLTrainer
+    from tiller.trl.common import overrides
+
+    keys, _, trainer = translate(tiny_model_dir, tmp_path)
+    cfg = load_config(overrides({**keys, "trainer.backend": "ray"}))
+    with pytest.raises(ConfigError, match="^trainer.backend=ray with an in-process reward function"):
+        RLTrainer(cfg, reward_fn=trainer.rewards)
+    assert not (tmp_path / "run" / "checkpoints").exists()
