@@ -198,3 +198,11 @@ def test_in_process_rewards_refuse_the_ray_backend(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="^trainer.backend=ray with an in-process reward function"):
         RLTrainer(cfg, reward_fn=trainer.rewards)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_python_m_tiller_trl_prints_the_table(capsys):
+    from tiller.trl.__main__ import main
+
+    assert main(["RLOOConfig"]) == 0
+    assert capsys.readouterr().out == field_table("RLOOConfig", RLOOConfig.RULES)
+    assert main(["PPOConfig"]) == 2 and "usage: python -m tiller.trl CLASS" in capsys.readouterr().err
