@@ -141,7 +141,7 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
 
 @pytest.mark.parametrize("field,value,match", [
     ("loss_type", "vespo", "^loss_type='vespo': refused"),
-    ("scale_rewards", "batch", "^scale_rewards='batch': refused"),
+    ("scale_rewards", "median", "^scale_rewards='median': refused"),
     ("top_entropy_quantile", 0.2, "^top_entropy_quantile=0.2: refused"),
     ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
     ("push_to_hub", True, "^push_to_hub=True: refused"),
@@ -206,3 +206,8 @@ def test_python_m_tiller_trl_prints_the_table(capsys):
     assert main(["RLOOConfig"]) == 0
     assert capsys.readouterr().out == field_table("RLOOConfig", RLOOConfig.RULES)
     assert main(["PPOConfig"]) == 2 and "usage: python -m tiller.trl CLASS" in capsys.readouterr().err
+
+
+def test_scale_rewards_batch_divides_by_the_batch_std(tiny_model_dir, tmp_path):
+    keys, _, _ = translate(tiny_model_dir, tmp_path, scale_rewards="batch")
+    assert keys["algorithm.norm_adv_std_scope"] == "batch" and keys["algorithm.norm_adv_by_std_in_grpo"] is True
