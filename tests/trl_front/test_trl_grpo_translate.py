@@ -211,3 +211,12 @@ def test_python_m_tiller_trl_prints_the_table(capsys):
 def test_scale_rewards_batch_divides_by_the_batch_std(tiny_model_dir, tmp_path):
     keys, _, _ = translate(tiny_model_dir, tmp_path, scale_rewards="batch")
     assert keys["algorithm.norm_adv_std_scope"] == "batch" and keys["algorithm.norm_adv_by_std_in_grpo"] is True
+
+
+def test_a_loaded_model_without_tokenizer_uses_its_source_dirs_tokenizer(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = GRPOTrainer(model, reward_len, train_dataset=rows(8), args=GRPOConfig(output_dir=str(tmp_path / "r")))
+    assert trainer.model_path == str(tmp_path / "r" / "input_model") and trainer.tokenizer_path == str(tiny_model_dir)
+    assert (tmp_path / "r" / "input_model" / "model.safetensors").exists()

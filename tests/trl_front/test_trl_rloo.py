@@ -86,6 +86,7 @@ def test_one_rloo_step_trains_with_the_reference_model(tmp_path, tiny_model_dir)
     out = trainer.train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "val-core/trl/acc/mean@4" in row  # eval_dataset validated every eval_steps, num_generations samples
+    assert trainer.state.log_history[0]["eval_reward"] == row["val-core/trl/acc/mean@4"]
     assert out.global_step == 1 and "actor/reward_kl_penalty" in row and "timing_s/ref" in row
     assert row["actor/reward_kl_penalty_coeff"] == 0.05
     assert row["rewards/chars/mean"] == pytest.approx(row["critic/score/mean"], abs=1e-6)

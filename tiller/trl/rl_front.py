@@ -362,6 +362,9 @@ class TRLRLTrainer(TRLTrainerBase):
                           ("clip_ratio/region_mean", "actor/pg_clipfrac"), ("grad_norm", "actor/grad_norm")):
             if ours in row:
                 out[trl] = row[ours]
+        for key, value in row.items():  # validation on eval_dataset: TRL's eval_reward (mean over its samples)
+            if key.startswith("val-core/trl/acc/mean@"):
+                out["eval_reward"] = value
         return out
 
 
