@@ -219,6 +219,7 @@ def test_a_loaded_model_without_tokenizer_uses_its_source_dirs_tokenizer(tiny_mo
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     trainer = GRPOTrainer(model, reward_len, train_dataset=rows(8), args=GRPOConfig(output_dir=str(tmp_path / "r")))
     assert trainer.model_path == str(tmp_path / "r" / "input_model") and trainer.tokenizer_path == str(tiny_model_dir)
+    assert trainer.processing_class.pad_token == "<|pad|>"  # loaded from the model's source dir, as TRL
     assert (tmp_path / "r" / "input_model" / "model.safetensors").exists()
 
 
