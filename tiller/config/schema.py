@@ -389,7 +389,7 @@ class OptimConfig(MegatronOptimOptions):
     min_lr_ratio: float = 0.0
     """Cosine schedule floor as a fraction of lr."""
     warmup_style: Optional[str] = "constant"
-    """Schedule after warmup: constant | cosine."""
+    """Schedule after warmup: constant | cosine | linear (to 0 at the last step: transformers' linear schedule)."""
     total_training_steps: int = -1
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
     weight_decay: float = 0.01
@@ -518,6 +518,10 @@ class ActorConfig:
     """Passes over each RL batch."""
     shuffle: bool = False
     """Shuffle samples before splitting into mini-batches."""
+    mask_truncated_responses: bool = False
+    """tiller: leave truncated responses (finish_reason length: no EOS within the budget) out of the policy loss;
+    they still count in their group's advantages and as sequences of the seq-mean modes (TRL's
+    mask_truncated_completions)."""
     grad_clip: float = 1.0
     """Max global grad norm."""
     clip_ratio: float = 0.2
@@ -1365,6 +1369,11 @@ class AlgorithmConfig:
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)."""
+    norm_adv_epsilon: float = 1e-6
+    """tiller: the epsilon of GRPO's (r - mean) / (std + epsilon) (grpo, grpo_passk, gdpo; verl's 1e-6, TRL's 1e-4)."""
+    norm_adv_std_scope: str = "group"
+    """tiller, grpo: the std dividing the advantages: group (GRPO) | batch (the whole batch's: TRL's
+    scale_rewards="batch")."""
     use_kl_in_reward: bool = False
     """Subtract beta * KL(actor || ref) from the token rewards."""
     kl_penalty: str = "kl"
