@@ -16,7 +16,9 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
 - Pairwise reward model (InstructGPT, Ouyang et al. 2022): `sigmoid`: -log sigma(s_c - s_r - margin)
   (Llama-2's margin term when `margin` is given); `logexp`: log(1 + exp(s_r - s_c + margin))
   (OpenRLHF's LogExpLoss). The two are the same function mathematically; both are computed with
-  stable softplus / logsigmoid and kept under both names for config compatibility.
+  stable softplus / logsigmoid and kept under both names for config compatibility. `center_coef` c adds
+  c (s_c + s_r)^2 per pair (Eisenstein et al. 2023, arXiv 2312.09244, "reward centering"; TRL's
+  center_rewards_coefficient: its mean over pairs is TRL's term).
 """
 
 from __future__ import annotations
@@ -96,13 +98,15 @@ def pairwise_rm_loss(
     rejected_scores: torch.Tensor,
     margin: torch.Tensor | None = None,
     kind: str = "sigmoid",
+    center_coef: float = 0.0,
 ) -> torch.Tensor:
-    """Bradley-Terry pairwise loss per pair: scores [B], margin [B] or None -> loss [B]."""
+    """Bradley-Terry pairwise loss per pair: scores [B], margin [B] or None -> loss [B] (+ c (s_c + s_r)^2)."""
     if kind not in RM_LOSS_KINDS:
         raise ConfigError(f"loss kind: unknown pairwise RM loss {kind!r}; valid: {', '.join(RM_LOSS_KINDS)}")
     diff = chosen_scores - rejected_scores
     if margin is not None:
         diff = diff - margin
-    if kind == "sigmoid":
-        return -F.logsigmoid(diff)
-    return F.softplus(-diff)
+    loss = -F.logsigmoid(diff) if kind == "sigmoid" else F.softplus(-diff)
+    if center_coef:
+        loss = loss + center_coef * (chosen_scores + rejected_scores) ** 2
+    return loss

@@ -30,7 +30,8 @@ class SFTDataConfig:
     val_files: list[str] = field(default_factory=list)
     """Validation files (eval loss and perplexity); empty = no validation."""
     format: str = "auto"
-    """auto (messages if data.messages_key is a column) | prompt_response | messages."""
+    """auto (messages if data.messages_key is a column, else text if only data.text_key is, else prompt_response) |
+    prompt_response | messages | text (plain text, loss on every token: TRL's language-modeling rows)."""
     prompt_key: str = "prompt"
     """Prompt column: a string or a list of chat messages."""
     response_key: str = "response"
@@ -41,6 +42,11 @@ class SFTDataConfig:
     """OpenRLHF's name for the response column; overrides data.response_key when set."""
     messages_key: str = "messages"
     """Chat-conversation column (list of {role, content}); loss on every assistant turn."""
+    assistant_only_loss: bool = True
+    """messages format: loss on the assistant turns only (True) or on every token of the rendered conversation
+    (False: TRL's default for a `messages` dataset)."""
+    text_key: str = "text"
+    """text format: the column of plain text; loss on every token, eos appended unless the text ends with it."""
     image_key: str = "images"
     """Image column of image + text conversations (verl's multimodal schema; a vision-language model: the
     messages' `<image>` placeholders take these images in order)."""
@@ -264,9 +270,18 @@ class JobTrainerConfig:
 
 
 @dataclass
+class SFTAlgoConfig:
+    loss: str = "nll"
+    """Token loss: nll (-log p) | dft (Dynamic Fine-Tuning, Wu et al. 2025: -p log p with p detached)."""
+
+
+@dataclass
 class RMAlgoConfig:
     loss: str = "sigmoid"
     """Pairwise loss: sigmoid (-log sigma(s_c - s_r - margin)) | logexp (OpenRLHF's name, same value)."""
+    center_rewards_coefficient: float = 0.0
+    """Weight of the centring term c * ((s_c + s_r) ** 2) averaged over pairs (Eisenstein et al. 2023, TRL's
+    center_rewards_coefficient; OpenRLHF has none): keeps the scores near 0; 0 = off."""
 
 
 @dataclass
@@ -314,6 +329,7 @@ class SFTConfig:
     model: JobModelConfig = field(default_factory=JobModelConfig)
     optim: JobOptimConfig = field(default_factory=JobOptimConfig)
     trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+    algorithm: SFTAlgoConfig = field(default_factory=SFTAlgoConfig)
 
 
 @dataclass
@@ -398,11 +414,15 @@ def validate_job(cfg: Any) -> None:
                                  template_key="model.custom_chat_template",
                                  kwargs_key="data.apply_chat_template_kwargs")
     if isinstance(cfg, SFTConfig):
-        _choice("data.format", data.format, ("auto", "prompt_response", "messages"))
+        _choice("data.format", data.format, ("auto", "prompt_response", "messages", "text"))
+        _choice("algorithm.loss", cfg.algorithm.loss, ("nll", "dft"))
         if data.pack_length is not None:
             _positive("data.pack_length", data.pack_length)
     if isinstance(cfg, RMConfig):
         _choice("algorithm.loss", cfg.algorithm.loss, ("sigmoid", "logexp"))
+        if cfg.algorithm.center_rewards_coefficient < 0:
+            raise ConfigError("algorithm.center_rewards_coefficient must be >= 0, got "
+                              f"{cfg.algorithm.center_rewards_coefficient}")
     if isinstance(cfg, DPOConfig):
         _validate_dpo(cfg)
     if isinstance(cfg, SPINConfig):
