@@ -38,3 +38,22 @@ def test_center_term_matches_trl_formula():
     trl = -torch.nn.functional.logsigmoid(sc - sr).mean() + 0.01 * torch.mean((sc + sr) ** 2)
     assert torch.allclose(per_pair.mean(), trl, atol=1e-7)
     assert torch.equal(pairwise_rm_loss(sc, sr), pairwise_rm_loss(sc, sr, center_coef=0.0))
+
+
+def test_hinge_and_robust_dpo_match_trl_formulas():
+    from tiller.algos import dpo_loss
+
+    # logps: pi_c = -1, pi_r = -2, ref_c = -1.5, ref_r = -1.5 -> h = (-1 + 2) - 0 = 1; beta = 0.5: beta h = 0.5
+    pc, pr, rc, rr = (torch.tensor([v]) for v in (-1.0, -2.0, -1.5, -1.5))
+    hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="hinge")
+    assert torch.allclose(hinge, torch.tensor([0.5]))  # relu(1 - 0.5)
+    # robust, eps = 0.1: -log sigma(0.5) = 0.474077, -log sigma(-0.5) = 0.974077
+    # (0.9 * 0.474077 - 0.1 * 0.974077) / 0.8 = (0.426669 - 0.097408) / 0.8 = 0.411577
+    robust, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="robust", label_smoothing=0.1)
+    assert torch.allclose(robust, torch.tensor([0.411577]), atol=1e-5)
+    # TRL 1.16 DPOTrainer: clean = -(1 - ls) logsigmoid(beta d), flipped = -ls logsigmoid(-beta d),
+    # loss = (clean - flipped) / (1 - 2 ls); hinge = relu(1 - beta d)
+    d = torch.tensor([1.0])
+    F = torch.nn.functional
+    trl_robust = (-(0.9) * F.logsigmoid(0.5 * d) - (-0.1 * F.logsigmoid(-0.5 * d))) / 0.8
+    assert torch.allclose(robust, trl_robust, atol=1e-7)

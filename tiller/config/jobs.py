@@ -187,6 +187,9 @@ class JobModelConfig:
     model.custom_chat_template): the data renders with it and the saved model keeps it; null = the tokenizer's own."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    disable_dropout: bool = False
+    """Set every dropout probability of the trained model to 0 (TRL's disable_dropout, its default for DPO / KTO /
+    reward models): the policy's log-probs are then those the reference and the loss assume."""
     attn_implementation: Optional[str] = None
     """transformers attention: sdpa | eager | flash_attention_2; None = transformers' default."""
     lora_rank: int = 0
@@ -287,11 +290,12 @@ class RMAlgoConfig:
 @dataclass
 class DPOAlgoConfig:
     loss: str = "dpo"
-    """dpo | ipo | cdpo (conservative DPO: dpo with label smoothing)."""
+    """dpo | ipo | cdpo (conservative DPO: dpo with label smoothing) | hinge (SLiC) | robust (robust DPO: unbiased
+    under label noise algorithm.label_smoothing)."""
     beta: float = 0.1
     """Inverse temperature beta (IPO: the regularisation tau)."""
     label_smoothing: float = 0.0
-    """cDPO: probability that a label is flipped (must be > 0 for cdpo, 0 for ipo)."""
+    """cDPO / robust: probability that a label is flipped (must be > 0 for cdpo, 0 for ipo and hinge)."""
 
 
 @dataclass
@@ -438,14 +442,14 @@ def validate_job(cfg: Any) -> None:
 
 def _validate_dpo(cfg: DPOConfig) -> None:
     algo = cfg.algorithm
-    _choice("algorithm.loss", algo.loss, ("dpo", "ipo", "cdpo"))
+    _choice("algorithm.loss", algo.loss, ("dpo", "ipo", "cdpo", "hinge", "robust"))
     _positive("algorithm.beta", algo.beta)
     if not 0 <= algo.label_smoothing < 0.5:
         raise ConfigError(f"algorithm.label_smoothing must be in [0, 0.5), got {algo.label_smoothing}")
     if algo.loss == "cdpo" and algo.label_smoothing == 0:
         raise ConfigError("algorithm.loss=cdpo needs algorithm.label_smoothing > 0 (e.g. 0.1)")
-    if algo.loss == "ipo" and algo.label_smoothing != 0:
-        raise ConfigError("algorithm.label_smoothing applies to dpo / cdpo, not ipo")
+    if algo.loss in ("ipo", "hinge") and algo.label_smoothing != 0:
+        raise ConfigError(f"algorithm.label_smoothing applies to dpo / cdpo / robust, not {algo.loss}")
     keys = (cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key)
     if (keys[0] is None) != (keys[1] is None):
         raise ConfigError("set both data.ref_chosen_logps_key and data.ref_rejected_logps_key, or neither")

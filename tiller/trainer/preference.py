@@ -5,7 +5,8 @@ Sequence log-probabilities: log pi(y | x) = sum over completion tokens of log pi
 
 DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r)):
   dpo:  -log sigma(beta h);  cdpo (Mitchell 2023): -(1-eps) log sigma(beta h) - eps log sigma(-beta h);
-  ipo (Azar et al. 2023, arXiv 2310.12036): (h - 1/(2 beta))^2 on LENGTH-AVERAGED log-probs (as TRL).
+  ipo (Azar et al. 2023, arXiv 2310.12036): (h - 1/(2 beta))^2 on LENGTH-AVERAGED log-probs (as TRL);
+  hinge (SLiC): max(0, 1 - beta h); robust (Chowdhury 2024): cDPO's terms made unbiased, divided by 1 - 2 eps.
 The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs.
 
 KTO (Ethayarajh et al. 2024, arXiv 2402.01306), r = log pi(y|x) - log ref(y|x):
@@ -88,7 +89,7 @@ class DPOJob:
     def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss: str = "dpo",
                  beta: float = 0.1, label_smoothing: float = 0.0):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
-        self.loss_type = "ipo" if loss == "ipo" else "sigmoid"
+        self.loss_type = {"dpo": "sigmoid", "cdpo": "sigmoid"}.get(loss, loss)  # ipo, hinge, robust
         self.beta, self.label_smoothing = beta, label_smoothing
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:

@@ -105,6 +105,10 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         # transformers 5 renamed it; the old name warns
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
+    if m.disable_dropout:  # TRL's disable_dropout_in_model
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if lora_enabled(m):  # fresh adapters (model.lora_rank > 0) or a saved one (model.lora_adapter_path)
         if m.enable_gradient_checkpointing:
             model.enable_input_require_grads()

@@ -35,7 +35,7 @@ _HUGE = 1 << 30  # max_length=None: no truncation (tiller's data.max_length is a
 
 def _max_length(value: Any, args: Any) -> dict:
     if value is None:
-        if args.packing:
+        if getattr(args, "packing", False):
             raise refuse_value("max_length", None, "packing needs max_length (the packed row length), as in TRL")
         return {"data.max_length": _HUGE, "data.truncation": "error"}
     if not isinstance(value, int) or value <= 0:
