@@ -140,18 +140,21 @@ class KTOJob:
     """KTO with the KL baseline from mismatched pairs of the whole step (see the module docstring)."""
 
     def __init__(self, reference: Reference, pad_id: int, micro_batch_size: int, max_length: int,
-                 beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+                 beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+                 truncation: str = "left"):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
         self.max_length = max_length
+        # data.truncation=error was checked on the data (a KL pair may still be longer: cut it at the prompt start)
+        self.truncation = "left" if truncation == "error" else truncation
         self.beta, self.w_d, self.w_u = beta, desirable_weight, undesirable_weight
         self.kl_baseline = torch.zeros(())
 
     def micro_batches(self, examples: Sequence[UnpairedExample]) -> list[dict[str, torch.Tensor]]:
         n = len(examples)
-        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, "left", "kto") for e in examples]
+        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, self.truncation, "kto") for e in examples]
         # prompt i with the completion of example i-1 (a rotation: no example meets its own completion)
         kl_seqs = [make_sequence(examples[i].prompt_ids, examples[(i - 1) % n].completion_ids, self.max_length,
-                                 "left", "kto KL pair") for i in range(n)]
+                                 self.truncation, "kto KL pair") for i in range(n)]
         out = []
         for i in range(0, n, self.micro_batch_size):
             batch = collate_padded(seqs[i:i + self.micro_batch_size], self.pad_id)
@@ -230,7 +233,7 @@ def train_kto(cfg: KTOConfig) -> dict[str, float]:
     model, tokenizer, train, val, device = _load(cfg, "unpaired")
     algo = cfg.algorithm
     job = KTOJob(build_reference(cfg, model, device), tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu,
-                 cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight)
+                 cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight, cfg.data.truncation)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 

@@ -72,6 +72,26 @@ class JobTrainer(TRLTrainerBase):
     def _data(self, private: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def tokenizer_with_eos(self, eos_token: str) -> str:
+        """eos_token: the tokenizer with that eos, saved under the run dir (it is what the trained model keeps)."""
+        import os
+
+        from tiller.models.loading import load_tokenizer
+        from tiller.trl.common import refuse_value
+
+        tokenizer = load_tokenizer(self.tokenizer_path or self.model_path)
+        if eos_token not in tokenizer.get_vocab():
+            raise refuse_value("eos_token", eos_token, "not a token of the tokenizer's vocabulary (as TRL checks)")
+        tokenizer.eos_token = eos_token
+        out = self.run_dir / "input_tokenizer_eos"
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        self.tokenizer_path = str(out)
+        return str(out)
+
     def _num_train_rows(self) -> int:
         return len(self.train_rows)
 

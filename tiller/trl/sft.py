@@ -258,32 +258,8 @@ class SFTTrainer(JobTrainer):
                 raise DataError("eval_dataset: its format differs from train_dataset's (tiller reads both alike)")
             keys["data.val_files"] = [write_data(self.run_dir, "eval", val)]
         if "_eos_token" in private:
-            keys["model.tokenizer_path"] = self._tokenizer_with_eos(private["_eos_token"])
+            keys["model.tokenizer_path"] = self.tokenizer_with_eos(private["_eos_token"])
         return keys
-
-    def _tokenizer_with_eos(self, eos_token: str) -> str:
-        """eos_token: the tokenizer with that eos, saved under the run dir (it is what the trained model keeps)."""
-        from tiller.models.loading import load_tokenizer
-
-        tokenizer = load_tokenizer(self.tokenizer_path or self.model_path)
-        if eos_token not in tokenizer.get_vocab():
-            raise refuse_value("eos_token", eos_token, "not a token of the tokenizer's vocabulary (as TRL checks)")
-        tokenizer.eos_token = eos_token
-        out = self.run_dir / "input_tokenizer_eos"
-        _save_tokenizer(tokenizer, out)
-        self.tokenizer_path = str(out)
-        return str(out)
-
-
-def _save_tokenizer(tokenizer: Any, out: Path) -> None:
-    import os
-    import shutil
-
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
 
 
 def sft_field_table() -> str:
