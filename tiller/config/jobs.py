@@ -224,7 +224,7 @@ class JobOptimConfig:
     warmup_steps_ratio: float = 0.0
     """Linear warmup as a fraction of total steps."""
     lr_scheduler: str = "cosine"
-    """After warmup: cosine | constant."""
+    """After warmup: cosine | constant | linear (to 0 at the last step, transformers' formula)."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr."""
     clip_grad: float = 1.0
@@ -400,7 +400,7 @@ def validate_job(cfg: Any) -> None:
                           f"data.micro_batch_size_per_gpu ({data.micro_batch_size_per_gpu})")
     _choice("data.truncation", data.truncation, ("error", "left", "right"))
     _positive("optim.lr", optim.lr)
-    _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant"))
+    _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant", "linear"))
     _choice("optim.dtype", optim.dtype, ("float32", "fp32", "bfloat16", "bf16"))
     if not 0 <= optim.warmup_steps_ratio < 1:
         raise ConfigError(f"optim.warmup_steps_ratio must be in [0, 1), got {optim.warmup_steps_ratio}")

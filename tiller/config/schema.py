@@ -384,7 +384,7 @@ class OptimConfig(MegatronOptimOptions):
     min_lr_ratio: float = 0.0
     """Cosine schedule floor as a fraction of lr."""
     warmup_style: Optional[str] = "constant"
-    """Schedule after warmup: constant | cosine."""
+    """Schedule after warmup: constant | cosine | linear (to 0 at the last step: transformers' linear schedule)."""
     total_training_steps: int = -1
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
     weight_decay: float = 0.01

@@ -66,6 +66,8 @@ def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: f
         return (step + 1) / warmup
     if style == "constant":
         return 1.0
+    if style == "linear":  # transformers' linear decay to 0 at `total` (TRL's default schedule)
+        return max(0.0, (total - step) / max(1, total - warmup))
     progress = min(max((step - warmup) / max(1, total - warmup), 0.0), 1.0)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -81,10 +83,18 @@ def verl_lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_rat
               else p = (s - warmup) / max(1, total - warmup),
                    max(min_lr_ratio, cos(2 pi num_cycles p) (1 - min_lr_ratio) / 2 + (1 + min_lr_ratio) / 2).
     num_cycles 0.5 is a half cosine from 1 down to min_lr_ratio at p = 1; 1.0 goes down and back up.
+    linear:   transformers' `get_linear_schedule_with_warmup` (TRL's default): step / max(1, warmup) while
+              step < warmup, then max(0, (total - step) / max(1, total - warmup)) (zero_indexed_step, num_cycles
+              and min_lr_ratio unused, as there).
 
     Worked numbers (warmup 2, total 10, min_lr_ratio 0): step 0 -> 0, step 1 -> 0.5, step 6 -> p = 0.5 ->
-    (1 + cos(pi / 2)) / 2 = 0.5; zero_indexed_step False: step 0 -> 0.5, step 5 -> p = 0.5 -> 0.5.
+    (1 + cos(pi / 2)) / 2 = 0.5; zero_indexed_step False: step 0 -> 0.5, step 5 -> p = 0.5 -> 0.5;
+    linear: step 1 -> 0.5, step 2 -> (10 - 2) / 8 = 1, step 6 -> 4 / 8 = 0.5, step 10 -> 0.
     """
+    if style == "linear":
+        if step < warmup:
+            return step / max(1.0, warmup)
+        return max(0.0, (total - step) / max(1.0, total - warmup))
     if style == "constant":
         return step / max(1.0, warmup) if step < warmup else 1.0
     s = step if zero_indexed_step else step + 1
@@ -97,7 +107,7 @@ def verl_lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_rat
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """verl's schedule (`verl_lr_lambda`): warmup of `lr_warmup_steps` steps (<= 0: `lr_warmup_steps_ratio` x total,
-    truncated, as verl), then `warmup_style` constant | cosine (`num_cycles`, `min_lr_ratio`, `zero_indexed_step`)."""
+    truncated, as verl), then `warmup_style` constant | cosine | linear (`num_cycles`, `min_lr_ratio`, `zero_indexed_step`)."""
     warmup = optim_cfg.lr_warmup_steps
     if warmup <= 0:
         warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)

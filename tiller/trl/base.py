@@ -1,0 +1,314 @@
+"""The part of every TRL front-end trainer that is not about its algorithm: the model and tokenizer given as paths or
+loaded objects, `peft_config`, constructor arguments tiller cannot honour, `train(resume_from_checkpoint=...)`,
+`state.log_history` read from the run's metrics.jsonl and `save_model()` (a Hugging Face dir, LoRA merged).
+
+A subclass sets `config_class` and implements `_tiller_config(resume: dict) -> config` (the validated tiller config
+of this run, its data written under the run dir) and `_run(config) -> metrics` (the existing trainer entry), and
+may add TRL-named metrics to each logged row (`_trl_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiller.errors import ConfigError, UserError
+
+INPUT_MODEL_DIR = "input_model"  # a loaded model / tokenizer object is saved here, then loaded by path
+INPUT_TOKENIZER_DIR = "input_tokenizer"
+
+# peft.LoraConfig fields tiller cannot honour, with their default (checked by duck typing: peft is not imported)
+_LORA_REFUSED = {"bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+                 "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None}
+
+
+@dataclass
+class TrainerState:
+    """The part of transformers' `TrainerState` a script reads after `train()`."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    log_history: list[dict] = field(default_factory=list)
+    best_model_checkpoint: str | None = None
+
+
+@dataclass
+class TrainOutput:
+    """transformers' `TrainOutput` (a named tuple there): global_step, training_loss, metrics."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+    def __iter__(self):
+        return iter((self.global_step, self.training_loss, self.metrics))
+
+
+def refuse_arguments(trainer: str, **given: Any) -> None:
+    """A `ConfigError` naming the first constructor argument tiller cannot honour that is not None / empty."""
+    for name, value in given.items():
+        empty = value is None or (isinstance(value, (tuple, list)) and all(v is None for v in value))
+        if not empty:
+            raise ConfigError(f"{trainer}({name}=...): refused: {_ARGUMENT_WHY.get(name, 'not supported by tiller')}")
+
+
+_ARGUMENT_WHY = {
+    "callbacks": "tiller's trainers run no callbacks (metrics go to trainer.state.log_history, metrics.jsonl and "
+                 "report_to's trackers)",
+    "optimizers": "tiller builds AdamW and the schedule from args (learning_rate, lr_scheduler_type, ...)",
+    "optimizer_cls_and_kwargs": "tiller builds AdamW from args (learning_rate, weight_decay, adam_beta1, ...)",
+    "compute_loss_func": "tiller's losses are set by args (loss_type, beta, ...)",
+    "compute_metrics": "tiller's validation metrics are its own",
+    "preprocess_logits_for_metrics": "tiller's validation metrics are its own",
+    "model_init": "pass the model (a path or a loaded model)",
+    "rollout_func": "tiller samples with its own rollout engine (an agent loop: `tiller rl` with "
+                    "actor_rollout_ref.rollout.agent.path)",
+    "environment_factory": "tiller's environment rollouts are `tiller rl` with actor_rollout_ref.rollout.agent."
+                           "env_path",
+    "tools": "tool calling during GRPO generation is `tiller rl` with an agent function "
+             "(actor_rollout_ref.rollout.agent.path)",
+    "data_collator": "tiller collates its own batches",
+}
+
+
+def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
+    """Logical LoRA settings of a `peft.LoraConfig` (duck typed): lora_rank, lora_alpha, target_modules,
+    lora_dropout, exclude_modules. target_modules None is peft's default for the model type (as peft resolves it)."""
+    if peft_config is None:
+        return {}
+    if type(peft_config).__name__ != "LoraConfig" or not hasattr(peft_config, "r"):
+        raise ConfigError(f"peft_config: a {type(peft_config).__name__}: tiller trains LoRA adapters only "
+                          "(peft.LoraConfig)")
+    for name, default in _LORA_REFUSED.items():
+        value = getattr(peft_config, name, default)
+        if value not in (default, None) and not (default == {} and not value):
+            raise ConfigError(f"peft_config.{name}={value!r}: refused: tiller's LoRA is plain LoRA (r, lora_alpha, "
+                              "target_modules, exclude_modules, lora_dropout)")
+    targets = peft_config.target_modules
+    if targets is None:
+        targets = _peft_default_targets(model_path)
+    elif isinstance(targets, (set, frozenset, tuple)):
+        targets = sorted(targets)
+    out = {"lora_rank": int(peft_config.r), "lora_alpha": peft_config.lora_alpha, "target_modules": targets,
+           "lora_dropout": float(peft_config.lora_dropout or 0.0)}
+    exclude = getattr(peft_config, "exclude_modules", None)
+    if exclude:
+        out["exclude_modules"] = sorted(exclude) if isinstance(exclude, (set, frozenset, tuple)) else exclude
+    return out
+
+
+def _peft_default_targets(model_path: str) -> Any:
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+    except ImportError:
+        raise ConfigError("peft_config.target_modules=None: give the module names (peft is not installed to "
+                          "resolve its default)") from None
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    targets = mapping.get(config.get("model_type"))
+    if targets is None:
+        raise ConfigError(f"peft_config.target_modules=None: peft has no default for model type "
+                          f"{config.get('model_type')!r}; give the module names")
+    return sorted(targets)
+
+
+def lora_rl_keys(lora: dict[str, Any]) -> dict[str, Any]:
+    """RL keys of the LoRA settings: the actor's LoRA has no dropout, so a non-zero one is refused."""
+    if not lora:
+        return {}
+    if lora.get("lora_dropout"):
+        raise ConfigError(f"peft_config.lora_dropout={lora['lora_dropout']}: refused: tiller's RL actor LoRA has no "
+                          "dropout (set lora_dropout=0.0)")
+    m = "actor_rollout_ref.model"
+    out = {f"{m}.lora_rank": lora["lora_rank"], f"{m}.lora_alpha": lora["lora_alpha"],
+           f"{m}.target_modules": lora["target_modules"]}
+    if "exclude_modules" in lora:
+        out[f"{m}.exclude_modules"] = lora["exclude_modules"]
+    return out
+
+
+def lora_job_keys(lora: dict[str, Any]) -> dict[str, Any]:
+    """SFT / RM / DPO / KTO keys of the LoRA settings."""
+    out = {f"model.{k}": v for k, v in lora.items()}
+    return out
+
+
+class TRLTrainerBase:
+    """What TRL's trainers share. Subclasses: `config_class`, `_tiller_config(resume)`, `_run(cfg)`."""
+
+    config_class: type = None  # type: ignore[assignment]
+    loss_key: str = "actor/pg_loss"  # the tiller metric reported as TRL's "loss" (training_loss is its mean)
+
+    def _set_up_common(self, model: Any, args: Any, processing_class: Any, peft_config: Any) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = self.config_class(output_dir=f"{Path(str(name)).name}-{self.config_class.__name__[:-6]}")
+        elif not isinstance(args, self.config_class):
+            raise ConfigError(f"args: a {type(args).__name__}; {type(self).__name__} takes "
+                              f"tiller.trl.{self.config_class.__name__}")
+        self.args = args
+        self.run_dir = Path(args.output_dir).expanduser()
+        self._model_obj = None if isinstance(model, (str, os.PathLike)) else model
+        self.model_path, self.tokenizer_path = self._model_paths(model, processing_class)
+        self.processing_class = processing_class
+        self.lora = lora_settings(peft_config, self.model_path)
+        self.state = TrainerState()
+        self._trained = False
+
+    # ------------------------------------------------------------------------------ model and tokenizer
+    def _model_paths(self, model: Any, processing_class: Any) -> tuple[str, str | None]:
+        """(model dir, tokenizer dir or None = the model's): a loaded object is saved under the run dir first."""
+        from tiller.models.checkpoint import save_pretrained_atomic
+
+        if isinstance(model, (str, os.PathLike)):
+            model_path = str(model)
+            if not Path(model_path).expanduser().is_dir():
+                raise ConfigError(f"model={model_path!r}: not a local model dir (tiller loads no hub models here)")
+        elif hasattr(model, "save_pretrained") and hasattr(model, "config"):
+            tok = processing_class if hasattr(processing_class, "save_pretrained") else None
+            model_path = str(save_pretrained_atomic(self.run_dir / INPUT_MODEL_DIR, model, tok))
+            if tok is not None:
+                return model_path, None
+        else:
+            raise ConfigError(f"model: a {type(model).__name__}: give a model dir or a loaded PreTrainedModel")
+        if processing_class is None:
+            return model_path, None
+        if isinstance(processing_class, (str, os.PathLike)):
+            return model_path, str(processing_class)
+        if not hasattr(processing_class, "save_pretrained"):
+            raise ConfigError(f"processing_class: a {type(processing_class).__name__}: give a tokenizer (or processor)")
+        out = self.run_dir / INPUT_TOKENIZER_DIR
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        processing_class.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return model_path, str(out)
+
+    @property
+    def model(self) -> Any:
+        """The trained model after `train()` (loaded from the run's newest checkpoint, LoRA merged), else the
+        model given (loaded from its dir when a path was given)."""
+        if self._trained:
+            if getattr(self, "_trained_model", None) is None:
+                self._trained_model = self._load_trained()
+            return self._trained_model
+        if self._model_obj is None:
+            from transformers import AutoModelForCausalLM
+
+            self._model_obj = AutoModelForCausalLM.from_pretrained(self.model_path)
+        return self._model_obj
+
+    def _load_trained(self) -> Any:
+        import tempfile
+
+        from transformers import AutoModelForCausalLM
+
+        with tempfile.TemporaryDirectory(prefix="tiller-trl-model-") as tmp:
+            self._export(Path(tmp) / "model")
+            return AutoModelForCausalLM.from_pretrained(Path(tmp) / "model")
+
+    # ------------------------------------------------------------------------------------------- train
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
+        """Train (the existing tiller trainer, with the translated config). resume_from_checkpoint: None / False
+        starts afresh (an earlier run's checkpoints and metrics in output_dir are replaced, as transformers
+        overwrites them); True resumes the newest checkpoint in output_dir; a path resumes that checkpoint."""
+        for name in kwargs:
+            if name != "trial" or kwargs[name] is not None:
+                raise ConfigError(f"train({name}=...): refused: tiller's train() takes resume_from_checkpoint")
+        if resume_from_checkpoint in (None, False):
+            resume = {"trainer.resume_mode": "disable", "trainer.overwrite": True}
+        elif resume_from_checkpoint is True:
+            from tiller.models.checkpoint import latest_checkpoint
+
+            if latest_checkpoint(self.run_dir / "checkpoints") is None:
+                raise UserError(f"resume_from_checkpoint=True: no valid checkpoint found in output directory "
+                                f"({self.run_dir})")
+            resume = {"trainer.resume_mode": "auto"}
+        else:
+            resume = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(resume_from_checkpoint)}
+        cfg = self._tiller_config(resume)
+        self._run(cfg)
+        self._trained, self._trained_model = True, None
+        self.state = self._read_state()
+        losses = [row["loss"] for row in self.state.log_history if isinstance(row.get("loss"), (int, float))]
+        last = dict(self.state.log_history[-1]) if self.state.log_history else {}
+        metrics = {k: v for k, v in last.items() if isinstance(v, (int, float))}
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        metrics["train_loss"] = loss
+        return TrainOutput(self.state.global_step, loss, metrics)
+
+    def _tiller_config(self, resume: dict[str, Any]) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _run(self, cfg: Any) -> dict[str, float]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _trl_metrics(self, row: dict[str, Any]) -> dict[str, Any]:
+        """TRL-named metrics of one logged row (tiller's metric names stay beside them)."""
+        return {}
+
+    def _read_state(self) -> TrainerState:
+        path = self.run_dir / "metrics.jsonl"
+        rows = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    rows.append(json.loads(line))
+        history = []
+        for row in rows:
+            entry = dict(row)
+            if self.loss_key in row:
+                entry["loss"] = row[self.loss_key]
+            entry.update(self._trl_metrics(row))
+            history.append(entry)
+        steps = [int(r["step"]) for r in rows if "step" in r]
+        step = max(steps) if steps else 0
+        max_steps = int(getattr(self, "total_steps", step) or step)
+        per_epoch = max(1, int(getattr(self, "steps_per_epoch", max_steps) or max_steps or 1))
+        for entry in history:
+            entry.setdefault("epoch", round(float(entry.get("step", 0)) / per_epoch, 4))
+        return TrainerState(global_step=step, max_steps=max_steps, epoch=step / per_epoch, log_history=history)
+
+    # -------------------------------------------------------------------------------------- save_model
+    def _export(self, out: Path) -> Path:
+        from tiller.models.checkpoint import export_hf, latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            raise UserError(f"save_model: {self.run_dir} has no checkpoint yet: call train() first")
+        return export_hf(ckpt, out)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the trained model (LoRA merged) and its tokenizer as a Hugging Face dir into output_dir (default:
+        args.output_dir, beside the run's records), each file replaced atomically."""
+        out = Path(output_dir or self.run_dir).expanduser()
+        stage = out / ".tiller-save"
+        shutil.rmtree(stage, ignore_errors=True)
+        if not self._trained:  # before training: the model given, as transformers would save it
+            from tiller.models.checkpoint import save_pretrained_atomic
+
+            save_pretrained_atomic(stage, self.model)
+            return self._move_in(stage, out)
+        self._export(stage)
+        self._move_in(stage, out)
+
+    @staticmethod
+    def _move_in(stage: Path, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        for item in sorted(stage.iterdir()):
+            target = out / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        stage.rmdir()
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
