@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiller.errors import ConfigError
+from tiller.trl.fields import FIELDS
 from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value, refused
 from tiller.trl.jobs import JobTrainer, write_data
 from tiller.trl.preference import dpo_rows
@@ -73,6 +74,7 @@ DPO_RULES = {
     "discopop_tau": noop(_ONLY_WITH.format("loss_type='discopop'")),
 }
 
+DPO_RULES = {k: v for k, v in DPO_RULES.items() if k in FIELDS["DPOConfig"]}  # shared tables: this class's fields
 DPOConfig = make_config_class("DPOConfig", DPO_RULES)
 
 

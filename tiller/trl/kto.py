@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiller.trl.fields import FIELDS
 from tiller.trl.common import field_table, make_config_class, mapped, refuse_value
 from tiller.trl.dpo import PREFERENCE_RULES, PreferenceTrainer
 from tiller.trl.preference import kto_rows
@@ -43,6 +44,7 @@ KTO_RULES = {
     "train_sampling_strategy": mapped("sequential -> data.shuffle=False (others refused)", _sampling),
 }
 
+KTO_RULES = {k: v for k, v in KTO_RULES.items() if k in FIELDS["KTOConfig"]}  # shared tables: this class's fields
 KTOConfig = make_config_class("KTOConfig", KTO_RULES)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiller.trl.fields import FIELDS
 from tiller.trl.common import field_table, make_config_class, mapped, noop
 from tiller.trl.dpo import PREFERENCE_RULES, PreferenceTrainer
 from tiller.trl.preference import reward_rows
@@ -39,6 +40,7 @@ REWARD_RULES = {
     "pad_token": noop("tiller pads with the tokenizer's pad token; the score reads the last real token"),
 }
 
+REWARD_RULES = {k: v for k, v in REWARD_RULES.items() if k in FIELDS["RewardConfig"]}  # shared tables: this class's fields
 RewardConfig = make_config_class("RewardConfig", REWARD_RULES)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tiller.errors import ConfigError, DataError
+from tiller.trl.fields import FIELDS
 from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value, refused
 from tiller.trl.jobs import JobTrainer, write_data
 
@@ -115,6 +116,7 @@ SFT_RULES = {
     "loss_type": mapped("algorithm.loss: nll | dft", _loss_type),
 }
 
+SFT_RULES = {k: v for k, v in SFT_RULES.items() if k in FIELDS["SFTConfig"]}  # shared tables: this class's fields
 SFTConfig = make_config_class("SFTConfig", SFT_RULES)
 
 
