@@ -135,7 +135,7 @@ class JobTrainer(TRLTrainerBase):
         out = {}
         for name, value in row.items():
             if name.startswith("val/"):
-                out["eval_" + name[4:].replace("/", "_")] = value
+                out["eval_" + self.trl_metric_names.get(name[4:], name[4:]).replace("/", "_")] = value
             elif name.startswith("train/") and name[6:] not in ("loss", "lr", "epoch"):
                 out[self.trl_metric_names.get(name[6:], name[6:])] = value
         if "train/lr" in row:
@@ -158,6 +158,7 @@ class JobTrainer(TRLTrainerBase):
         if not rows:
             raise ConfigError("evaluate(): the run logged no validation metrics")
         last = rows[-1]
-        out = {f"{metric_key_prefix}_{k[4:].replace('/', '_')}": v for k, v in last.items() if k.startswith("val/")}
+        out = {f"{metric_key_prefix}_{self.trl_metric_names.get(k[4:], k[4:]).replace('/', '_')}": v
+               for k, v in last.items() if k.startswith("val/")}
         out["epoch"] = last.get("epoch")
         return out
