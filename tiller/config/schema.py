@@ -1360,6 +1360,8 @@ class AlgorithmConfig:
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)."""
+    norm_adv_epsilon: float = 1e-6
+    """tiller: the epsilon of GRPO's (r - mean) / (std + epsilon) (grpo, grpo_passk, gdpo; verl's 1e-6, TRL's 1e-4)."""
     use_kl_in_reward: bool = False
     """Subtract beta * KL(actor || ref) from the token rewards."""
     kl_penalty: str = "kl"

@@ -172,12 +172,19 @@ def _clip_range(rm: Any) -> tuple[float, float] | None:
     return float(rm.clip_range[0]), float(rm.clip_range[1])
 
 
-def build_reward_manager(cfg: Any, tokenizer: Any = None) -> Callable[[list[RewardRequest]], RewardResult]:
+def build_reward_manager(cfg: Any, tokenizer: Any = None, base: Any = None) -> Callable[[list[RewardRequest]], RewardResult]:
     """The reward callable for an `RLConfig` (reads `reward_model.*`, `custom_reward_function.*`,
     `data.max_response_length`). `tokenizer` is the policy's (used by the diversity partitioner
-    to count answer tokens; optional)."""
+    to count answer tokens; optional). `base`: an in-process scorer (`score(requests) -> ScoreBatch`, e.g. the TRL
+    front end's reward functions) in place of the one the config names; a config that names another one too is
+    an error."""
     rm = cfg.reward_model
-    if rm.remote_url:
+    if base is not None:
+        named = [key for key, on in (("reward_model.remote_url", rm.remote_url), ("reward_model.enable", rm.enable),
+                                     ("custom_reward_function.path", cfg.custom_reward_function.path)) if on]
+        if named:
+            raise ConfigError(f"{named[0]} is set, and the run was given an in-process reward function: keep one")
+    elif rm.remote_url:
         base: Any = RemoteRewardClient(rm.remote_url, timeout=rm.timeout, wire_format=rm.remote_format)
     elif rm.enable:
         if not rm.model.path:

@@ -29,6 +29,8 @@ class RewardRequest:
     """Response length in tokens (for overlong shaping)."""
     group: str = ""
     """uid of the prompt: samples with the same group are the n answers to one prompt (for diversity)."""
+    response_ids: list[int] | None = None
+    """The response's token ids (no padding), as the policy sampled them (the RL driver fills them in)."""
 
 
 @dataclass

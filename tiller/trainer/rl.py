@@ -98,7 +98,13 @@ def _print_batch_line(cfg) -> None:
 class RLTrainer:
     """Runs `cfg` end to end: `RLTrainer(cfg).fit()` returns the last step's metrics."""
 
-    def __init__(self, cfg: RLConfig):
+    def __init__(self, cfg: RLConfig, reward_fn=None):
+        # reward_fn: an in-process scorer (`score(list[RewardRequest]) -> ScoreBatch`, e.g. tiller.trl's reward
+        # functions) in place of the config's reward manager; the rest of the reward pipeline applies as usual
+        self.in_process_reward = reward_fn
+        if reward_fn is not None and cfg.trainer.backend == "ray":
+            raise ConfigError("trainer.backend=ray with an in-process reward function: the reward runs in the driver "
+                              "process, but this front end drives the local backend only (trainer.backend=local)")
         self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
         acquire_run_dir(self.run_dir)  # one process a run dir: a second one refuses, naming the holder
         try:
@@ -134,7 +140,8 @@ class RLTrainer:
         # rule scoring (no custom function, reward model or remote server) needs every row's ground truth
         rm_cfg = cfg.reward_model
         self.agent = bool(arr.rollout.agent.path or arr.rollout.agent.env_path)  # episodes: the agent gives rewards
-        rules = not (cfg.custom_reward_function.path or rm_cfg.enable or rm_cfg.remote_url or self.agent)
+        rules = not (cfg.custom_reward_function.path or rm_cfg.enable or rm_cfg.remote_url or self.agent
+                     or self.in_process_reward is not None)
         if self.agent and not data.return_raw_chat:  # the agent gets the chat messages (sample["prompt"])
             from dataclasses import replace
 
@@ -216,7 +223,7 @@ class RLTrainer:
 
     # --------------------------------------------------------------------------------- set-up
     def _build_reward_fn(self):
-        return build_reward_manager(self.cfg, self.tokenizer)
+        return build_reward_manager(self.cfg, self.tokenizer, base=self.in_process_reward)
 
     def _start_workers(self) -> None:
         tr = self.cfg.trainer
@@ -323,6 +330,8 @@ class RLTrainer:
         """One RL step (see the module docstring); returns its metrics."""
         m: dict[str, float] = {}
         actor, critic = self.actor, self.critic
+        if self.in_process_reward is not None and hasattr(self.in_process_reward, "global_step"):
+            self.in_process_reward.global_step = self.global_step  # TRL's reward functions read trainer_state
         with timer("step", m):
             batch = self._take_batch(m)  # gen (+ gen_max) + reward; DAPO: rounds until enough groups pass
             if not len(batch):  # no group passed algorithm.filter_groups (within the cap): nothing to train on
@@ -604,7 +613,7 @@ class RLTrainer:
             RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
                           response=texts[i], ground_truth=batch["ground_truth"][i],
                           extra_info=_with_images(batch, i), response_length=int(lengths[i]),
-                          group=str(batch["uid"][i]))
+                          group=str(batch["uid"][i]), response_ids=responses[i, :lengths[i]].tolist())
             for i in range(len(batch))
         ]
         result = self.reward_fn(requests)
@@ -664,6 +673,8 @@ class RLTrainer:
         if self.rollout_correction:  # verl's order: after KL in reward, before the estimator
             mask = self._rollout_correction(batch, m)
         hyper = dict(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        if algo.adv_estimator in ("grpo", "grpo_passk", "gdpo"):
+            hyper["epsilon"] = algo.norm_adv_epsilon
         if baseline is not None:
             hyper["baseline_rewards"] = baseline
         if algo.adv_estimator == "gdpo":
@@ -980,10 +991,11 @@ class RLTrainer:
                 group.shutdown()
 
 
-def run(cfg: RLConfig) -> dict[str, float]:
-    """Train with `cfg`; returns the last step's metrics (workers shut down after)."""
+def run(cfg: RLConfig, reward_fn=None) -> dict[str, float]:
+    """Train with `cfg`; returns the last step's metrics (workers shut down after). `reward_fn`: an in-process
+    scorer (`score(list[RewardRequest]) -> ScoreBatch`) in place of the config's reward manager."""
     start = time.time()
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(cfg, reward_fn=reward_fn)
     try:
         metrics = trainer.fit()
     finally:

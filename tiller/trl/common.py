@@ -207,9 +207,11 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "bf16_full_eval": noop("tiller validates in the training compute dtype"),
     "fp16_full_eval": noop("tiller validates in the training compute dtype"),
     "tf32": noop("tiller leaves torch's TF32 setting as it is"),
-    "activation_checkpointing": refused("use gradient_checkpointing"),
-    "activation_checkpointing_kwargs": refused("use gradient_checkpointing"),
-    "gradient_checkpointing": mapped("model.enable_gradient_checkpointing", _checkpointing),
+    "activation_checkpointing": mapped("model.enable_gradient_checkpointing (transformers 5's name of "
+                                       "gradient_checkpointing)", _checkpointing),
+    "activation_checkpointing_kwargs": noop("tiller checkpoints every decoder layer, non-reentrant"),
+    "gradient_checkpointing": mapped("model.enable_gradient_checkpointing (TRL's GRPO / RLOO default: on)",
+                                     _checkpointing),
     "gradient_checkpointing_kwargs": noop("tiller uses transformers' non-reentrant checkpointing"),
     "torch_compile": noop("tiller runs models eagerly (its rollout engine captures CUDA graphs itself)"),
     "torch_compile_backend": noop("tiller runs models eagerly"),
@@ -322,8 +324,14 @@ def _post_init_training_args(self: Any) -> None:
         self.output_dir = "trainer_output"
     if self.eval_strategy == "steps" and not self.eval_steps:
         self.eval_steps = self.logging_steps
-    if self.run_name is None:
-        self.run_name = self.output_dir
+    # transformers 5: gradient_checkpointing* are aliases of activation_checkpointing*, used when the new name is unset
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if getattr(self, new) is None and getattr(self, old) is not None:
+            setattr(self, new, getattr(self, old))
+        setattr(self, old, getattr(self, new))
+    if self.activation_checkpointing is None:
+        self.activation_checkpointing = self.gradient_checkpointing = False
 
 
 def make_config_class(class_name: str, job_rules: dict[str, Rule],

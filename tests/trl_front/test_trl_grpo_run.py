@@ -1,0 +1,128 @@
+"""GRPO through tiller.trl end to end on a ~1M-parameter model: the example learns and logs the reward function's
+values; one step equals `tiller rl` with the translated keys; LoRA on loaded objects saves a merged model; resume;
+a raising reward function stops the run naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiller.cli import main as tiller_main
+from tiller.errors import UserError
+from tiller.trl import GRPOConfig, GRPOTrainer
+from tiller.trl.common import overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+'''
+
+
+def digits(completions, **kwargs):
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def chars(completions, **kwargs):
+    return [len(text) / 10 for text in completions]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _args(run_dir, **kw):
+    base = dict(output_dir=str(run_dir), num_generations=4, per_device_train_batch_size=8, max_completion_length=5,
+                learning_rate=1e-2, max_steps=2, bf16=False, seed=3)
+    return GRPOConfig(**{**base, **kw})
+
+
+def _rows(n=8):
+    return [{"prompt": f"Question {i}:", "weight": 1.0} for i in range(n)]
+
+
+def test_example_learns_and_logs_the_reward_functions_values(tmp_path, tiny_model_dir):
+    out = tmp_path / "ex"
+    out.mkdir()
+    os.symlink(tiny_model_dir, out / "tiny_model")  # the example's model: the same tiny-model kit build
+    example = runpy.run_path(str(ROOT / "examples" / "trl_grpo.py"))
+    result = example["main"](["--out", str(out), "--steps", "12"])
+    assert result["steps"] == 12
+    assert result["last3"] > result["first3"] + 0.3, result  # ~0.02 -> ~1.4 on the dev host
+    run = out / "run"
+    rows = {r["prompt"]: r for r in [{"prompt": f"Question {i}: count to {i % 7 + 2}.", "weight": 1.0 + (i % 2)}
+                                     for i in range(32)]}
+    history = {row["step"]: row for row in _jsonl(run / "metrics.jsonl")}
+    for step in (1, 12):  # every logged completion's reward is the function's value on it and its row's weight
+        dump = _jsonl(run / "completions" / f"{step}.jsonl")
+        assert len(dump) == 32
+        want = example["digit_reward"]([d["output"] for d in dump], [rows[d["input"]]["weight"] for d in dump])
+        assert [d["score"] for d in dump] == pytest.approx(want, abs=1e-6)
+        assert [d["digit_reward"] for d in dump] == pytest.approx(want, abs=1e-6)
+        assert history[step]["rewards/digit_reward/mean"] == pytest.approx(sum(want) / 32, abs=1e-6)
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(run)  # save_model(): a plain Hugging Face dir in output_dir
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), start.state_dict().values()))
+
+
+def test_a_grpo_step_equals_tiller_rl_with_the_translated_keys(tmp_path, tiny_model_dir):
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=digits, args=_args(tmp_path / "trl", max_steps=1),
+                          train_dataset=_rows())
+    trainer.train()
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    keys = dict(trainer.tiller_keys, **{"trainer.default_local_dir": str(tmp_path / "cli"),
+                                        "custom_reward_function.path": str(tmp_path / "reward.py")})
+    assert tiller_main(["rl", *overrides(keys)]) == 0
+    ours, cli = _jsonl(tmp_path / "trl" / "metrics.jsonl"), _jsonl(tmp_path / "cli" / "metrics.jsonl")
+    assert len(ours) == len(cli) == 1
+    for a, b in zip(ours, cli):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "critic/advantages/max",
+                    "response_length/mean", "actor/lr"):
+            assert a[key] == b[key], key
+    assert trainer.state.global_step == 1 and [r["step"] for r in trainer.state.log_history] == [1]
+    assert trainer.state.log_history[0]["rewards/digits/mean"] == pytest.approx(ours[0]["critic/score/mean"], abs=1e-6)
+
+
+def test_lora_on_loaded_objects_saves_a_merged_model_and_resume_continues(tmp_path, tiny_model_dir):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    args = _args(tmp_path / "run", max_steps=1, learning_rate=5e-2)
+    trainer = GRPOTrainer(model=model, reward_funcs=chars, args=args, train_dataset=_rows(), processing_class=tok,
+                          peft_config=lora)
+    trainer.train()
+    assert trainer.tiller_keys["actor_rollout_ref.model.lora_rank"] == 4
+    assert trainer.tiller_keys["actor_rollout_ref.model.path"] == str(tmp_path / "run" / "input_model")
+    trainer.save_model(str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # LoRA merged: a plain model
+    assert not any("lora" in name for name in merged.state_dict())
+    changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, model.state_dict()[n])]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
+    # resume: a second trainer on the same output_dir continues from the checkpoint to max_steps=2
+    again = GRPOTrainer(model=model, reward_funcs=chars, args=_args(tmp_path / "run", max_steps=2, learning_rate=5e-2),
+                        train_dataset=_rows(), processing_class=tok, peft_config=lora)
+    out = again.train(resume_from_checkpoint=True)
+    assert out.global_step == 2 and [r["step"] for r in again.state.log_history] == [1, 2]
+
+
+def test_a_raising_reward_function_stops_the_run_naming_it(tmp_path, tiny_model_dir):
+    def picky(completions, weight, **kwargs):
+        raise ValueError("no weight for this one")
+
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digits, picky], args=_args(tmp_path / "run"),
+                          train_dataset=_rows())
+    with pytest.raises(UserError, match="^reward function 'picky' raised ValueError: no weight for this one$"):
+        trainer.train()
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=digits, args=_args(tmp_path / "run", max_steps=1),
+                          train_dataset=_rows())
+    assert trainer.train().global_step == 1  # the failed run left the run dir usable

@@ -1,0 +1,162 @@
+"""tiller.trl.GRPOConfig / GRPOTrainer without training: TRL's defaults and post-init, every field classified, the
+batch arithmetic and loss types on verl's keys (worked numbers), the data written, refusals naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiller.errors import ConfigError, DataError
+from tiller.trl import GRPOConfig, GRPOTrainer
+from tiller.trl.common import TRAINING_ARGS_RULES, classify, field_table
+from tiller.trl.fields import FIELDS
+from tiller.trl.grpo import GRPO_RULES
+
+A = "actor_rollout_ref.actor"
+
+
+def reward_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def rows(n=24, conversational=False):
+    prompt = (lambda i: [{"role": "user", "content": f"q{i}"}]) if conversational else (lambda i: f"q{i} ")
+    return [{"prompt": prompt(i), "answer": str(i)} for i in range(n)]
+
+
+def translate(tiny_model_dir, tmp_path, data=None, **kw):
+    kw.setdefault("bf16", False)
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), **kw)
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=args,
+                          train_dataset=data if data is not None else rows())
+    keys, notices = trainer.translate()
+    return keys, notices, trainer
+
+
+def test_every_grpo_field_has_one_rule_and_the_defaults_are_trls():
+    assert set(GRPOConfig.RULES) == set(FIELDS["GRPOConfig"]) and len(FIELDS["GRPOConfig"]) == 191
+    assert set(GRPO_RULES) | set(TRAINING_ARGS_RULES) == set(FIELDS["GRPOConfig"])
+    args = GRPOConfig(output_dir="o")
+    # TRL's own defaults (GRPOConfig changes TrainingArguments' learning_rate, logging_steps, checkpointing, bf16)
+    assert (args.learning_rate, args.logging_steps, args.gradient_checkpointing, args.bf16) == (1e-6, 10, True, True)
+    assert (args.loss_type, args.beta, args.num_generations, args.scale_rewards) == ("dapo", 0.0, 8, "group")
+    assert (args.generation_batch_size, args.steps_per_generation) == (8, 1)  # post-init: 8 x 1 process x 1
+    logical, notices = classify(args)
+    assert notices == [] and logical["lr_scheduler"] == "linear" and logical["dtype"] == "bfloat16"
+
+
+def test_config_matches_trls_own_after_post_init():
+    trl = pytest.importorskip("trl")
+    kw = dict(output_dir="o", per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+              steps_per_generation=4, use_cpu=True, scale_rewards=False)
+    theirs, ours = trl.GRPOConfig(**kw), GRPOConfig(**kw)
+    # transformers' conversions tiller does not read: report_to "none" -> [], debug "" -> [], accelerate objects,
+    # CPU-dependent dataloader / padding / tqdm settings
+    skip = {"report_to", "debug", "accelerator_config", "dataloader_pin_memory", "pad_to_multiple_of", "disable_tqdm"}
+    diff = {k: (getattr(theirs, k), getattr(ours, k)) for k in FIELDS["GRPOConfig"]
+            if k not in skip and getattr(theirs, k) != getattr(ours, k)}
+    assert diff == {}
+    assert (ours.generation_batch_size, ours.scale_rewards) == (16, "none")
+
+
+def test_batch_arithmetic_on_verl_keys(tiny_model_dir, tmp_path):
+    # 4 completions a micro-batch, 2 per optimizer step, 4 slices a generation batch, each reused twice:
+    # generation batch 4 x 4 = 16 completions = 4 prompts x 4; mini-batch 4 x 2 / 4 = 2 prompts;
+    # k = 2 iterations x 4 slices / 2 = 4 optimizer steps a tiller step; 24 rows -> 6 generation batches an
+    # epoch = 24 optimizer steps (transformers' count), 3 epochs = 72 = 18 tiller steps
+    keys, notices, trainer = translate(tiny_model_dir, tmp_path, per_device_train_batch_size=4,
+                                       gradient_accumulation_steps=2, num_generations=4, steps_per_generation=4,
+                                       num_iterations=2, warmup_steps=8)
+    assert keys["data.train_batch_size"] == 4 and keys["actor_rollout_ref.rollout.n"] == 4
+    assert keys[f"{A}.ppo_mini_batch_size"] == 2 and keys[f"{A}.ppo_micro_batch_size_per_gpu"] == 4
+    assert keys[f"{A}.ppo_epochs"] == 2 and keys["trainer.total_training_steps"] == 18
+    assert keys[f"{A}.optim.lr_warmup_steps"] == 2  # 8 optimizer steps = 2 generation batches
+    assert trainer.total_steps == 72 and trainer.arithmetic["k"] == 4
+    assert any("once per generation batch" in n for n in notices)
+    # TRL's defaults written out where tiller's differ
+    assert keys[f"{A}.optim.lr"] == 1e-6 and keys[f"{A}.optim.weight_decay"] == 0.0
+    assert keys[f"{A}.optim.betas"] == [0.9, 0.999] and keys[f"{A}.optim.warmup_style"] == "linear"
+    assert keys[f"{A}.clip_ratio_low"] == keys[f"{A}.clip_ratio_high"] == 0.2
+    assert keys[f"{A}.clip_ratio_c"] == 1e9 and keys[f"{A}.use_kl_loss"] is False
+    assert keys["trainer.seed"] == 42 and keys["data.seed"] == 42 and keys["trainer.save_freq"] == 125
+    assert keys["actor_rollout_ref.rollout.top_k"] == -1 and keys["data.max_response_length"] == 512
+
+
+def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path):
+    expect = {"grpo": ("vanilla", "seq-mean-token-mean"), "bnpo": ("vanilla", "token-mean"),
+              "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"), "dapo": ("vanilla", "token-mean"),
+              "luspo": ("vanilla", "seq-mean-token-sum"), "cispo": ("cispo", "token-mean"),
+              "sapo": ("sapo", "seq-mean-token-mean")}
+    for i, (loss_type, (mode, agg)) in enumerate(expect.items()):
+        keys, _, _ = translate(tiny_model_dir, tmp_path / str(i), loss_type=loss_type, max_completion_length=7,
+                               epsilon_high=5.0 if loss_type == "cispo" else None)
+        assert (keys[f"{A}.policy_loss.loss_mode"], keys[f"{A}.loss_agg_mode"]) == (mode, agg), loss_type
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "dr", loss_type="dr_grpo", max_completion_length=7)
+    assert keys[f"{A}.loss_scale_factor"] == 7  # Dr.GRPO's constant: max_completion_length
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "ci", loss_type="cispo", epsilon_high=5.0)
+    assert (keys[f"{A}.clip_ratio_low"], keys[f"{A}.clip_ratio_high"]) == (1.0, 4.0)  # clamp(r, max=5)
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "gs", importance_sampling_level="sequence", beta=0.04,
+                           use_bias_correction_kl=False, scale_rewards="none", delta=1.5)
+    assert keys[f"{A}.policy_loss.loss_mode"] == "gspo" and keys[f"{A}.kl_loss_coef"] == 0.04
+    assert keys[f"{A}.kl_loss_type"] == "low_var_kl" and keys["algorithm.norm_adv_by_std_in_grpo"] is False
+    assert keys[f"{A}.clip_ratio_c"] == 1.5 and keys["algorithm.norm_adv_epsilon"] == 1e-4
+
+
+def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_dir, tmp_path):
+    from tiller.models.loading import load_tokenizer
+
+    data = rows(8, conversational=True)
+    data[3]["prompt"] = [{"role": "user", "content": "a much longer question than the others " * 3}]
+    keys, _, _ = translate(tiny_model_dir, tmp_path, data=data, chat_template_kwargs={"x": 1})
+    tok = load_tokenizer(str(tiny_model_dir))
+    longest = max(len(tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)["input_ids"]) for r in data)
+    assert keys["data.max_prompt_length"] == longest and keys["data.apply_chat_template"] is True
+    assert keys["data.apply_chat_template_kwargs"] == {"x": 1}
+    written = [json.loads(line) for line in (tmp_path / "run" / "data" / "train.jsonl").read_text().splitlines()]
+    assert [r["extra_info"] for r in written] == [{"trl_row": i, "trl_split": "train"} for i in range(8)]
+    assert written[3]["prompt"] == data[3]["prompt"]
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "s", data=rows(8))
+    assert keys["data.apply_chat_template"] is False  # standard prompts: no chat template, as TRL
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("loss_type", "vespo", "^loss_type='vespo': refused"),
+    ("scale_rewards", "batch", "^scale_rewards='batch': refused"),
+    ("top_entropy_quantile", 0.2, "^top_entropy_quantile=0.2: refused"),
+    ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
+    ("push_to_hub", True, "^push_to_hub=True: refused"),
+    ("multi_objective_aggregation", "normalize_then_sum", "^multi_objective_aggregation='normalize_then_sum'"),
+    ("steps_per_generation", 3, "^steps_per_generation=3: refused"),
+    ("delta", 1.1, "^delta=1.1: refused"),
+    ("beta", 0.1, "^use_bias_correction_kl=True: refused"),
+    ("entropy_coef", 0.01, "^entropy_coef=0.01: refused"),  # loss_type dapo but gradient_accumulation_steps=2
+])
+def test_refusals_name_the_field(tiny_model_dir, tmp_path, field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        translate(tiny_model_dir, tmp_path, gradient_accumulation_steps=2, **{field: value})
+
+
+def test_refused_arguments_and_unknown_keywords(tiny_model_dir, tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^GRPOTrainer\(callbacks=...\): refused"):
+        GRPOTrainer(str(tiny_model_dir), reward_len, args=args, train_dataset=rows(), callbacks=[object()])
+    with pytest.raises(ConfigError, match=r"^vllm_mode='server': refused"):
+        GRPOTrainer(str(tiny_model_dir), reward_len, train_dataset=rows(),
+                    args=GRPOConfig(output_dir="o", use_vllm=True, vllm_mode="server"))
+    with pytest.raises(TypeError, match="did you mean 'max_completion_length'"):
+        GRPOConfig(max_completion_lenght=8)
+    with pytest.raises(ConfigError, match="divisible by num_generations"):
+        GRPOConfig(per_device_train_batch_size=6, num_generations=4)
+    with pytest.raises(DataError, match="^train_dataset: no 'prompt' column"):
+        GRPOTrainer(str(tiny_model_dir), reward_len, args=args, train_dataset=[{"text": "x"}])
+    with pytest.raises(ConfigError, match="^train_dataset: an 'images' column"):
+        GRPOTrainer(str(tiny_model_dir), reward_len, args=args, train_dataset=[{"prompt": "x", "images": []}])
+
+
+def test_field_table_in_docs_is_the_generated_one():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    assert field_table("GRPOConfig", GRPOConfig.RULES) in doc

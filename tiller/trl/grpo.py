@@ -1,0 +1,227 @@
+"""TRL 1.16's `GRPOConfig` / `GRPOTrainer` on tiller's RL driver (`tiller.trainer.rl`).
+
+Every GRPOConfig field is mapped, a no-op or refused (`GRPO_RULES` with TrainingArguments' and the RL front end's
+shared rules; docs/trl.md prints the table). The algorithm fields on verl's keys:
+
+- advantages: TRL's (r - mean_group) / (std_group + 1e-4) = algorithm.adv_estimator=grpo with
+  algorithm.norm_adv_epsilon=1e-4 (Bessel-corrected group std in both); scale_rewards none = Dr.GRPO's mean-centring
+  (norm_adv_by_std_in_grpo=False); batch (the std of the whole batch) is refused.
+- loss_type -> the policy loss and its aggregation (TRL's normalisation per optimizer step):
+    grpo     vanilla, seq-mean-token-mean      (per sequence 1/|o_i|, mean over sequences)
+    bnpo     vanilla, token-mean               (TRL divides each micro-batch by its own tokens; tiller the
+                                                mini-batch's: equal with gradient_accumulation_steps=1)
+    dr_grpo  vanilla, seq-mean-token-sum-norm  with actor.loss_scale_factor = max_completion_length
+    dapo     vanilla, token-mean               (the generation batch's tokens / (steps_per_generation /
+                                                gradient_accumulation_steps): the mini-batch's tokens when one
+                                                optimizer step takes the whole generation batch, TRL's default)
+    luspo    vanilla, seq-mean-token-sum
+    cispo    cispo, token-mean, clip_ratio_low=1 (no lower clip), clip_ratio_high = epsilon_high - 1 (TRL clamps
+             the ratio at epsilon_high itself)
+    sapo     sapo (actor.tau_pos / tau_neg = sapo_temperature_pos / neg), seq-mean-token-mean
+    vespo    refused (no VESPO gamma weights in tiller)
+- importance_sampling_level=sequence: GSPO (policy_loss.loss_mode=gspo) with the loss type's aggregation (the
+  clip-family loss types only).
+- delta: the dual clip actor.clip_ratio_c (TRL caps the ratio at delta on the unclipped side: for A < 0 that is
+  verl's dual clip; for A > 0 the clipped term binds first when delta >= 1 + epsilon_high). None: no dual clip.
+- beta: the k3 KL loss (verl's low_var_kl, which clamps the per-token KL to [-10, 10]) with coefficient beta;
+  use_bias_correction_kl (TRL's default True: the KL term times the importance ratio) is refused with beta > 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiller.errors import ConfigError
+from tiller.trl.common import Rule, make_config_class, mapped, noop, refuse_value, refused, to
+from tiller.trl.rl_front import RL_SHARED_RULES, TRLRLTrainer, _vllm_is
+
+TRL_ADV_EPSILON = 1e-4  # TRL's (r - mean) / (std + 1e-4)
+
+LOSS_TYPES = {  # loss_type -> (policy loss_mode, loss_agg_mode)
+    "grpo": ("vanilla", "seq-mean-token-mean"), "bnpo": ("vanilla", "token-mean"),
+    "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"), "dapo": ("vanilla", "token-mean"),
+    "luspo": ("vanilla", "seq-mean-token-sum"), "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+}
+
+
+def _loss_type(value: Any, args: Any) -> dict:
+    if value not in LOSS_TYPES:
+        why = "VESPO's gamma weights are not in tiller" if value == "vespo" else f"tiller maps {', '.join(LOSS_TYPES)}"
+        raise refuse_value("loss_type", value, why)
+    return {"loss_type": value}
+
+
+def _scale_rewards(value: Any, args: Any) -> dict:
+    value = {True: "group", False: "none"}.get(value, value)
+    if value not in ("group", "none"):
+        raise refuse_value("scale_rewards", value, "tiller scales by the group's std (group) or not at all (none); "
+                           "the batch std is not available")
+    return {"scale_rewards": value}
+
+
+def _aggregation(value: Any, args: Any) -> dict:
+    if value != "sum_then_normalize":
+        raise refuse_value("multi_objective_aggregation", value, "tiller's GDPO whitens the summed advantages over "
+                           "tokens, TRL's normalize_then_sum over sequences; use sum_then_normalize")
+    return {}
+
+
+def _importance_level(value: Any, args: Any) -> dict:
+    if value not in ("token", "sequence"):
+        raise refuse_value("importance_sampling_level", value, "token | sequence")
+    return {"importance_sampling_level": value}
+
+
+def _entropy(value: Any, args: Any) -> dict:
+    if not value:
+        return {}
+    if args.loss_type not in ("dapo", "bnpo", "cispo") or args.gradient_accumulation_steps != 1:
+        raise refuse_value("entropy_coef", value, "TRL's entropy bonus is a token mean per micro-batch; tiller's "
+                           "follows the loss aggregation, the same only for loss_type dapo / bnpo / cispo with "
+                           "gradient_accumulation_steps=1")
+    return {"entropy_coef": float(value)}
+
+
+def _kl_correction(value: Any, args: Any) -> dict:
+    if value and args.beta:
+        raise refuse_value("use_bias_correction_kl", value, "tiller's KL loss is not weighted by the importance "
+                           "ratio: set use_bias_correction_kl=False with beta > 0")
+    return {}
+
+
+def _delta(value: Any, args: Any) -> dict:
+    if value is None:
+        return {}
+    high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if value < 1 + high:
+        raise refuse_value("delta", value, f"tiller's dual clip (actor.clip_ratio_c) needs delta >= 1 + epsilon_high "
+                           f"= {1 + high}")
+    return {"delta": float(value)}
+
+
+_ENTROPY_ADAPTIVE = ("TRL's adaptive entropy differs from tiller's Skywork-OR1 controller (bonus on at entropy <= "
+                     "target, not <; floor entropy_coef_min, not 0; updated per optimizer step); use entropy_coef")
+
+GRPO_RULES: dict[str, Rule] = {
+    **RL_SHARED_RULES,
+    "cast_lm_head_to_fp32": refused("tiller computes the LM head in the training dtype"),
+    "delta": mapped("actor.clip_ratio_c (dual clip; None: off)", _delta),
+    "sapo_temperature_neg": mapped("actor.tau_neg (loss_type sapo)", to("sapo_temperature_neg", float)),
+    "sapo_temperature_pos": mapped("actor.tau_pos (loss_type sapo)", to("sapo_temperature_pos", float)),
+    "vespo_k_pos": noop("only read with loss_type vespo, which is refused"),
+    "vespo_lambda_pos": noop("only read with loss_type vespo, which is refused"),
+    "vespo_k_neg": noop("only read with loss_type vespo, which is refused"),
+    "vespo_lambda_neg": noop("only read with loss_type vespo, which is refused"),
+    "importance_sampling_level": mapped("sequence: policy_loss.loss_mode=gspo (GSPO)", _importance_level),
+    "multi_objective_aggregation": mapped("sum_then_normalize (TRL's default; normalize_then_sum refused)",
+                                          _aggregation),
+    "scale_rewards": mapped("group: algorithm.adv_estimator=grpo, norm_adv_epsilon 1e-4; none: "
+                            "norm_adv_by_std_in_grpo=False; batch refused", _scale_rewards),
+    "loss_type": mapped("policy loss + loss_agg_mode (see the GRPO section)", _loss_type),
+    "top_entropy_quantile": refused("tiller trains on every token (no high-entropy token mask)"),
+    "entropy_coef": mapped("actor.entropy_coeff (loss_type dapo / bnpo / cispo with gradient_accumulation_steps=1)",
+                           _entropy),
+    "use_adaptive_entropy": refused(_ENTROPY_ADAPTIVE),
+    "entropy_coef_min": noop("only read with use_adaptive_entropy, which is refused"),
+    "entropy_coef_max": noop("only read with use_adaptive_entropy, which is refused"),
+    "entropy_coef_delta": noop("only read with use_adaptive_entropy, which is refused"),
+    "entropy_target": noop("only read with use_adaptive_entropy, which is refused"),
+    "max_tool_calling_iterations": noop("only read with tools, which are refused"),
+    "vllm_importance_sampling_correction": mapped(
+        "with use_vllm: algorithm.rollout_correction.rollout_is = token | sequence (the mode's level); *_truncate: "
+        "rollout_is_threshold = clip_max; *_mask: 'clip_min_clip_max' (IcePop)", _vllm_is),
+    "vllm_importance_sampling_mode": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
+    "vllm_importance_sampling_clip_max": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
+    "vllm_importance_sampling_clip_min": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
+    "off_policy_mask_threshold": refused("tiller has no off-policy sequence mask (OPSM)"),
+    "use_bias_correction_kl": mapped("with beta > 0: refused when True (tiller's KL loss has no ratio weight)",
+                                     _kl_correction),
+    "log_completions_hub_repo": refused("tiller does not upload; log_completions writes them under output_dir"),
+    "vllm_importance_sampling_cap": mapped("deprecated: vllm_importance_sampling_clip_max (TRL copies it there)",
+                                           lambda v, a: {}),
+}
+
+
+def _post_init(self: Any, algorithm: str = "GRPO") -> None:
+    """GRPOConfig / RLOOConfig.__post_init__: the batch arithmetic (one process) and its checks, as TRL raises them."""
+    if hasattr(self, "scale_rewards"):
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+    if self.auto_find_batch_size:
+        raise ConfigError("auto_find_batch_size=True: refused: set per_device_train_batch_size")
+    b = self.per_device_train_batch_size
+    if self.generation_batch_size is None and self.steps_per_generation is None:
+        self.steps_per_generation = self.gradient_accumulation_steps
+        self.generation_batch_size = b * self.steps_per_generation
+    elif self.generation_batch_size is not None and self.steps_per_generation is None:
+        if self.generation_batch_size % b:
+            raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global "
+                              f"batch size ({b}).")
+        self.steps_per_generation = self.generation_batch_size // b
+    elif self.generation_batch_size is None:
+        self.generation_batch_size = b * self.steps_per_generation
+    else:
+        raise ConfigError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the "
+                          "same time")
+    if self.generation_batch_size % self.num_generations:
+        raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
+                          f"({self.num_generations}).")
+    if self.num_generations < 2:
+        raise ConfigError(f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. You provided "
+                          f"{self.num_generations}, which is less than the minimum required.")
+    if getattr(self, "vllm_importance_sampling_cap", None) is not None:
+        self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+
+GRPOConfig = make_config_class("GRPOConfig", GRPO_RULES, _post_init)
+
+
+class GRPOTrainer(TRLRLTrainer):
+    """TRL's GRPOTrainer (1.16 signature) on tiller: `train()`, `save_model()`, `state.log_history`, `model`."""
+
+    config_class = GRPOConfig
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Any = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
+                 environment_factory: Any = None):
+        from tiller.trl.base import refuse_arguments
+
+        refuse_arguments("GRPOTrainer", callbacks=callbacks, optimizers=optimizers, tools=tools,
+                         rollout_func=rollout_func, environment_factory=environment_factory)
+        if quantization_config is not None:
+            raise ConfigError("GRPOTrainer(quantization_config=...): refused: tiller trains unquantized weights "
+                              "(LoRA via peft_config)")
+        self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                        reward_processing_classes, peft_config)
+
+    def _algorithm_keys(self) -> dict[str, Any]:
+        lg, actor = self.logical, "actor_rollout_ref.actor"
+        loss_mode, agg = LOSS_TYPES[lg["loss_type"]]
+        if lg["importance_sampling_level"] == "sequence":
+            if loss_mode != "vanilla":
+                raise ConfigError(f"importance_sampling_level=sequence with loss_type={lg['loss_type']}: refused: "
+                                  "tiller's GSPO is the clipped loss (loss_type grpo / bnpo / dr_grpo / dapo / luspo)")
+            loss_mode = "gspo"
+        keys: dict[str, Any] = {
+            "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": lg["scale_rewards"] == "group",
+            "algorithm.norm_adv_epsilon": TRL_ADV_EPSILON, f"{actor}.policy_loss.loss_mode": loss_mode,
+            f"{actor}.loss_agg_mode": agg, f"{actor}.entropy_coeff": lg.get("entropy_coef", 0.0),
+            f"{actor}.use_kl_loss": lg["beta"] > 0,
+        }
+        if lg["beta"] > 0:
+            keys.update({f"{actor}.kl_loss_coef": lg["beta"], f"{actor}.kl_loss_type": "low_var_kl"})
+        if agg == "seq-mean-token-sum-norm":
+            keys[f"{actor}.loss_scale_factor"] = lg["max_completion_length"]
+        if loss_mode == "cispo":
+            high = lg["epsilon_high"] if lg["epsilon_high"] is not None else lg["epsilon"]
+            keys.update({f"{actor}.clip_ratio_low": 1.0, f"{actor}.clip_ratio_high": high - 1.0})
+        if loss_mode == "sapo":
+            keys.update({f"{actor}.tau_pos": lg["sapo_temperature_pos"], f"{actor}.tau_neg": lg["sapo_temperature_neg"]})
+        if "delta" in lg:
+            keys[f"{actor}.clip_ratio_c"] = lg["delta"]
+        return keys
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "GRPO_RULES", "LOSS_TYPES"]

@@ -1,0 +1,370 @@
+"""What TRL's online RL trainers (GRPO, RLOO) share on tiller: their generation / batch / sampling fields, the
+batch arithmetic onto verl's keys, the prompt data written under the run dir, the reward functions called
+in-process and the run through `tiller.trainer.rl.run` (no training code here).
+
+TRL's batch arithmetic (one process): a generation batch of `generation_batch_size` completions =
+`generation_batch_size / num_generations` prompts x `num_generations`; it is split into `steps_per_generation`
+slices of `per_device_train_batch_size` completions, `gradient_accumulation_steps` slices per optimizer step, and
+reused `num_iterations` times. On verl's keys:
+
+    data.train_batch_size                   = generation_batch_size / num_generations      (prompts per step)
+    actor_rollout_ref.rollout.n             = num_generations
+    actor.ppo_mini_batch_size               = per_device_train_batch_size x gradient_accumulation_steps
+                                              / num_generations                            (prompts per update)
+    actor.ppo_micro_batch_size_per_gpu      = per_device_train_batch_size                  (completions)
+    actor.ppo_epochs                        = num_iterations
+
+so one tiller step is k = num_iterations x steps_per_generation / gradient_accumulation_steps of TRL's optimizer
+steps (k = 1 by default); TRL's step counts (max_steps, warmup, save / eval steps, global_step) are divided by k.
+Refused: steps_per_generation not a multiple of gradient_accumulation_steps (an optimizer step spanning
+generation batches), and a mini-batch that is not whole prompt groups.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from tiller.errors import ConfigError, DataError, UserError
+from tiller.trl.base import TRLTrainerBase, lora_rl_keys, refuse_arguments
+from tiller.trl.common import (
+    NOTICE, Rule, classify, mapped, noop, overrides, refuse_value, refused, resolve_schedule, rl_keys, to,
+)
+from tiller.trl.data import to_dataset_rows, write_rows_atomic
+from tiller.trl.rewards import ROW_KEY, SPLIT_KEY, RewardModelFunc, TRLRewards, callable_name
+
+NO_DUAL_CLIP = 1e9  # actor.clip_ratio_c so large it never binds: TRL has no dual clip unless `delta`
+DATA_DIR = "data"  # under the run dir: the prompts tiller reads (train.jsonl, eval.jsonl)
+
+
+def _when_vllm(name: str, key: str) -> Callable[[Any, Any], dict]:
+    """A vLLM field: read only with use_vllm (as TRL), then set on `key`."""
+    return lambda value, args: {key: value} if args.use_vllm else {}
+
+
+def _vllm(value: Any, args: Any) -> dict:
+    if not value:
+        return {}
+    if args.vllm_mode != "colocate":
+        raise refuse_value("vllm_mode", args.vllm_mode, "tiller runs vLLM in the trainer's process (colocate); "
+                           "a separate vLLM server (trl vllm-serve) is not used")
+    return {"rollout_name": "vllm"}
+
+
+def _vllm_is(value: Any, args: Any) -> dict:
+    """TRL's vLLM importance sampling (read only with use_vllm) on tiller's rollout correction (verl's keys)."""
+    if not (args.use_vllm and value):
+        return {}
+    mode, lo, hi = args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min, \
+        args.vllm_importance_sampling_clip_max
+    level = "token" if mode.startswith("token") else "sequence"
+    if mode.endswith("_truncate"):
+        if lo is not None:
+            raise refuse_value("vllm_importance_sampling_clip_min", lo, "tiller's truncated IS caps the weights "
+                               "from above only (vllm_importance_sampling_clip_max)")
+        return {"rollout_is": level, "rollout_is_threshold": str(float(hi))}
+    # *_mask: weights outside [min, max] are 0, inside they weight the loss (IcePop, verl's "lo_hi" threshold)
+    return {"rollout_is": level, "rollout_is_threshold": f"{float(lo or 0.0)}_{float(hi if hi is not None else 1e30)}"}
+
+
+GEN_NOOP_VLLM = "a vLLM engine setting: tiller's vllm engine takes its own defaults"
+
+# the generation / batch fields GRPOConfig and RLOOConfig share (each trainer adds its algorithm's)
+RL_SHARED_RULES: dict[str, Rule] = {
+    "router_aux_loss_coef": noop("only for MoE models with output_router_logits: tiller adds no router "
+                                 "load-balancing loss"),
+    "disable_dropout": noop("tiller's tiny and released models have no dropout in training; the actor trains in "
+                            "train mode as transformers' Trainer does"),
+    "num_generations": mapped("actor_rollout_ref.rollout.n", to("num_generations", int)),
+    "num_generations_eval": mapped("actor_rollout_ref.rollout.val_kwargs.n (None: num_generations)",
+                                   lambda v, a: {"num_generations_eval": int(v or a.num_generations)}),
+    "max_completion_length": mapped("data.max_response_length", to("max_completion_length", int)),
+    "ds3_gather_for_generation": noop("a DeepSpeed ZeRO-3 setting: tiller does not use DeepSpeed"),
+    "shuffle_dataset": mapped("data.shuffle", to("shuffle", bool)),
+    "generation_batch_size": mapped("data.train_batch_size = generation_batch_size / num_generations prompts",
+                                    to("generation_batch_size", int)),
+    "steps_per_generation": mapped("actor.ppo_mini_batch_size: generation_batch_size / steps_per_generation x "
+                                   "gradient_accumulation_steps completions", to("steps_per_generation", int)),
+    "temperature": mapped("actor_rollout_ref.rollout.temperature (and val_kwargs)", to("temperature", float)),
+    "top_p": mapped("actor_rollout_ref.rollout.top_p (and val_kwargs)", to("top_p", float)),
+    "top_k": mapped("actor_rollout_ref.rollout.top_k (TRL's 0 = off: -1)", to("top_k", lambda v: int(v or 0) or -1)),
+    "min_p": mapped("actor_rollout_ref.rollout.min_p", to("min_p", lambda v: float(v or 0.0))),
+    "generation_kwargs": refused("set the sampling fields (temperature, top_p, top_k, min_p) instead"),
+    "chat_template_kwargs": mapped("data.apply_chat_template_kwargs", to("chat_template_kwargs",
+                                                                        lambda v: dict(v or {}))),
+    "repetition_penalty": refused("tiller's rollout engine has no repetition penalty"),
+    "cache_implementation": noop("tiller's rollout engine has its own KV cache"),
+    "use_vllm": mapped("actor_rollout_ref.rollout.name=vllm (vllm_mode colocate; server refused)", _vllm),
+    "vllm_mode": mapped("colocate (server refused); read with use_vllm", lambda v, a: {}),
+    "vllm_model_impl": noop(GEN_NOOP_VLLM),
+    "vllm_enable_sleep_mode": noop("tiller's vllm engine sleeps between rollouts as verl's does"),
+    "vllm_structured_outputs_regex": refused("structured (regex) generation is not available in tiller"),
+    "vllm_server_base_url": noop("only read with vllm_mode=server, which is refused"),
+    "vllm_server_host": noop("only read with vllm_mode=server, which is refused"),
+    "vllm_server_port": noop("only read with vllm_mode=server, which is refused"),
+    "vllm_server_timeout": noop("only read with vllm_mode=server, which is refused"),
+    "vllm_group_port": noop("only read with vllm_mode=server, which is refused"),
+    "vllm_gpu_memory_utilization": mapped("actor_rollout_ref.rollout.gpu_memory_utilization (with use_vllm)",
+                                          _when_vllm("vllm_gpu_memory_utilization", "gpu_memory_utilization")),
+    "vllm_max_model_length": noop("tiller's vllm engine sizes its context from max prompt + completion length"),
+    "vllm_tensor_parallel_size": mapped("actor_rollout_ref.rollout.tensor_model_parallel_size (with use_vllm)",
+                                        _when_vllm("vllm_tensor_parallel_size", "tensor_model_parallel_size")),
+    "beta": mapped("GRPO: actor.use_kl_loss = beta > 0, kl_loss_coef = beta, kl_loss_type = low_var_kl (k3); beta "
+                   "0: no reference model", to("beta", float)),
+    "num_iterations": mapped("actor.ppo_epochs", to("num_iterations", int)),
+    "epsilon": mapped("actor.clip_ratio_low (and clip_ratio_high unless epsilon_high)", to("epsilon", float)),
+    "epsilon_high": mapped("actor.clip_ratio_high (None: epsilon)", to("epsilon_high")),
+    "reward_weights": mapped("the weights of TRL's nansum of the reward functions (None: all 1)",
+                             to("reward_weights")),
+    "mask_truncated_completions": refused("tiller trains on truncated completions (no mask for them)"),
+    "sync_ref_model": refused("tiller's reference model stays the initial policy (no TR-DPO syncing)"),
+    "ref_model_mixup_alpha": noop("only read with sync_ref_model, which is refused"),
+    "ref_model_sync_steps": noop("only read with sync_ref_model, which is refused"),
+    "log_completions": mapped("trainer.rollout_data_dir = <output_dir>/completions: every step's prompts, "
+                              "completions and rewards as <step>.jsonl", to("log_completions", bool)),
+    "log_multimodal": noop("image prompts are refused"),
+    "num_completions_to_print": noop("tiller prints no completion table (log_completions writes them all)"),
+    "log_unique_prompts": noop("tiller prints no completion table (log_completions writes them all)"),
+    "use_transformers_continuous_batching": noop("tiller's rollout engine batches continuously itself"),
+    "transformers_continuous_batching_config": noop("tiller's rollout engine batches continuously itself"),
+    "use_transformers_paged": noop("tiller's rollout engine batches continuously itself"),
+}
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+
+
+def batch_arithmetic(args: Any) -> dict[str, int]:
+    """TRL's batch sizes on verl's keys (module docstring); a `ConfigError` naming the field when they do not map.
+    Returns prompts per step, mini-batch prompts, micro-batch completions, epochs and k (TRL optimizer steps per
+    tiller step)."""
+    g, b, ga = int(args.num_generations), int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    gen, spg, iters = int(args.generation_batch_size), int(args.steps_per_generation), int(args.num_iterations)
+    if spg % ga:
+        raise ConfigError(f"steps_per_generation={spg}: refused: an optimizer step of gradient_accumulation_steps="
+                          f"{ga} slices would span generation batches; tiller updates within one (use a multiple of "
+                          f"gradient_accumulation_steps)")
+    if (b * ga) % g:
+        raise ConfigError(f"per_device_train_batch_size={b} x gradient_accumulation_steps={ga} = {b * ga} completions "
+                          f"per optimizer step: refused: tiller's mini-batches are whole groups of num_generations={g} "
+                          "(make it a multiple)")
+    return {"prompts": gen // g, "mini_prompts": b * ga // g, "micro": b, "epochs": iters, "k": iters * spg // ga}
+
+
+def trl_steps_per_epoch(n_rows: int, arithmetic: dict[str, int]) -> int:
+    """transformers' optimizer steps per epoch of TRL's RepeatSampler: (N // prompts) generation batches, k each."""
+    batches = n_rows // arithmetic["prompts"]
+    if batches == 0:
+        raise DataError(f"train_dataset has {n_rows} rows, fewer than the {arithmetic['prompts']} prompts of one "
+                        "generation batch (generation_batch_size / num_generations)")
+    return batches * arithmetic["k"]
+
+
+def to_tiller_steps(logical: dict[str, Any], k: int) -> tuple[dict[str, Any], list[str]]:
+    """TRL optimizer-step counts (after `resolve_schedule`) -> tiller steps (k TRL steps each)."""
+    if k == 1:
+        return logical, []
+    out, notices = dict(logical), []
+    total = out["total_training_steps"]
+    if total % k:
+        raise ConfigError(f"max_steps={total}: refused: with k = num_iterations x steps_per_generation / "
+                          f"gradient_accumulation_steps = {k} optimizer steps per generation batch, tiller trains "
+                          f"whole generation batches (use a multiple of {k})")
+    out["total_training_steps"] = total // k
+    for key in ("save_freq", "test_freq"):
+        if out.get(key, -1) > 0:
+            out[key] = max(1, math.ceil(out[key] / k))
+    if out.get("warmup_steps"):
+        out["warmup_steps"] = math.ceil(out["warmup_steps"] / k)
+    if out.get("lr_scheduler") != "constant" or out.get("warmup_steps"):
+        notices.append(f"lr_scheduler_type: tiller moves the learning rate once per generation batch ({k} optimizer "
+                       "steps), TRL once per optimizer step")
+    return out, notices
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+
+class TRLRLTrainer(TRLTrainerBase):
+    """GRPO / RLOO on tiller's RL driver. Subclasses set `config_class` and `_algorithm_keys(args, logical)`."""
+
+    loss_key = "actor/pg_loss"
+
+    def _set_up_rl(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
+                   processing_class: Any, reward_processing_classes: Any, peft_config: Any) -> None:
+        self._set_up_common(model, args, processing_class, peft_config)
+        self.logical, self.notices = classify(self.args)
+        self.arithmetic = batch_arithmetic(self.args)
+        self.train_rows = to_dataset_rows(train_dataset, "train_dataset")
+        self.eval_rows = None
+        if eval_dataset is not None:
+            if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "column_names"):
+                raise ConfigError("eval_dataset: a dict of datasets: tiller validates on one dataset")
+            self.eval_rows = to_dataset_rows(eval_dataset, "eval_dataset")
+        for where, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
+            for column in ("image", "images"):
+                if rows and column in rows[0]:
+                    raise ConfigError(f"{where}: an {column!r} column: image prompts are not supported by tiller's "
+                                      "TRL front end (tiller rl reads verl's image parquet, docs/vlm.md)")
+            if rows and "prompt" not in rows[0]:
+                raise DataError(f"{where}: no 'prompt' column (columns: {', '.join(sorted(rows[0]))})")
+        self.conversational = isinstance(self.train_rows[0]["prompt"], (list, tuple))
+        self.rewards = self._reward_functions(reward_funcs, reward_processing_classes)
+        self.steps_per_epoch = trl_steps_per_epoch(len(self.train_rows), self.arithmetic)
+
+    def _reward_functions(self, reward_funcs: Any, processing_classes: Any) -> TRLRewards:
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs or any(f is None for f in funcs):
+            raise ConfigError("reward_funcs: give at least one reward function or reward model")
+        procs = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs) \
+            if processing_classes is None else [processing_classes]
+        if len(procs) != len(funcs):
+            raise ConfigError(f"reward_processing_classes: {len(procs)} for {len(funcs)} reward functions")
+        kwargs = self.logical.get("chat_template_kwargs")
+        out, names = [], []
+        for func, proc in zip(funcs, procs):
+            if isinstance(func, (str, Path)):
+                func = RewardModelFunc.load(str(func), proc, bool(self.args.trust_remote_code), kwargs)
+            elif _is_module(func):
+                if proc is None:
+                    from transformers import AutoTokenizer
+
+                    proc = AutoTokenizer.from_pretrained(func.config._name_or_path)
+                func = RewardModelFunc(func, proc, kwargs)
+            elif not callable(func):
+                raise ConfigError(f"reward_funcs: a {type(func).__name__} is neither a function nor a reward model")
+            names.append(func.name if isinstance(func, RewardModelFunc) else callable_name(func))
+            out.append(func)
+        weights = self.args.reward_weights if self.args.reward_weights is not None else [1.0] * len(out)
+        return TRLRewards(out, names, list(weights), {"train": [], "eval": []}, self.conversational)
+
+    # ------------------------------------------------------------------------------------ translation
+    def _write_data(self) -> dict[str, Any]:
+        """The prompts as tiller's RL rows (data_source "trl", the row index in extra_info), written under the
+        run dir; returns the data keys (files, max prompt length, chat template)."""
+        from tiller.data.rl_dataset import render_prompt
+        from tiller.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
+                                   trust_remote_code=bool(self.args.trust_remote_code))
+        kwargs = self.logical.get("chat_template_kwargs") or {}
+        keys: dict[str, Any] = {"data.apply_chat_template": self.conversational,
+                                "data.apply_chat_template_kwargs": kwargs, "data.prompt_key": "prompt",
+                                "data.truncation": "error", "data.filter_overlong_prompts": False}
+        longest = 0
+        self.rewards.rows = {"train": self.train_rows, "eval": self.eval_rows or []}
+        for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
+            if not rows:
+                continue
+            if isinstance(rows[0]["prompt"], (list, tuple)) != self.conversational:
+                raise DataError(f"{split}_dataset: its prompts are in another format (standard / conversational) "
+                                "than train_dataset's")
+            out = []
+            for i, row in enumerate(rows):
+                text = render_prompt(row["prompt"], tokenizer, self.conversational, f"{split}_dataset row {i}",
+                                     chat_template_kwargs=kwargs)
+                longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+                out.append({"data_source": "trl", "prompt": row["prompt"], "extra_info": {ROW_KEY: i, SPLIT_KEY: split},
+                            "reward_model": {"ground_truth": None}})
+            path = write_rows_atomic(out, self.run_dir / DATA_DIR / f"{split}.jsonl")
+            keys["data.train_files" if split == "train" else "data.val_files"] = [str(path)]
+        # TRL 1.16 has no max_prompt_length: every prompt is used whole, so the longest one sets tiller's limit
+        keys["data.max_prompt_length"] = longest
+        return keys
+
+    def _shared_keys(self) -> dict[str, Any]:
+        lg, ar = self.logical, self.arithmetic
+        actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+        keys = {
+            "data.train_batch_size": ar["prompts"], "data.max_response_length": lg["max_completion_length"],
+            "data.shuffle": lg["shuffle"], f"{rollout}.n": lg["num_generations"],
+            f"{actor}.ppo_mini_batch_size": ar["mini_prompts"], f"{actor}.ppo_micro_batch_size_per_gpu": ar["micro"],
+            f"{actor}.ppo_epochs": ar["epochs"], f"{rollout}.log_prob_micro_batch_size_per_gpu": ar["micro"],
+            f"{rollout}.temperature": lg["temperature"], f"{rollout}.top_p": lg["top_p"],
+            f"{rollout}.top_k": lg["top_k"], f"{rollout}.min_p": lg["min_p"], f"{rollout}.do_sample": True,
+            f"{rollout}.val_kwargs.n": lg["num_generations_eval"], f"{rollout}.val_kwargs.do_sample": True,
+            f"{rollout}.val_kwargs.temperature": lg["temperature"], f"{rollout}.val_kwargs.top_p": lg["top_p"],
+            f"{rollout}.val_kwargs.top_k": lg["top_k"],
+            f"{actor}.clip_ratio_low": lg["epsilon"],
+            f"{actor}.clip_ratio_high": lg["epsilon_high"] if lg["epsilon_high"] is not None else lg["epsilon"],
+            f"{actor}.clip_ratio_c": NO_DUAL_CLIP, "algorithm.use_kl_in_reward": False, "trainer.val_before_train": bool(lg.get("eval_on_start")),
+            "trainer.resume_mode": "disable",
+        }
+        if lg.get("rollout_name"):
+            keys[f"{rollout}.name"] = lg["rollout_name"]
+        for name in ("gpu_memory_utilization", "tensor_model_parallel_size"):
+            if name in lg:
+                keys[f"{rollout}.{name}"] = lg[name]
+        if lg.get("rollout_is"):
+            rc = "algorithm.rollout_correction"
+            keys.update({f"{rc}.rollout_is": lg["rollout_is"], f"{rc}.rollout_is_threshold": lg["rollout_is_threshold"]})
+        if lg.get("log_completions"):
+            keys["trainer.rollout_data_dir"] = str(self.run_dir / "completions")
+        return keys
+
+    def _algorithm_keys(self) -> dict[str, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def translate(self) -> tuple[dict[str, Any], list[str]]:
+        """(tiller RL keys, notices) of this trainer's arguments and data (the data is written under the run dir)."""
+        notices = list(self.notices)
+        schedule = resolve_schedule(self.logical, self.steps_per_epoch)
+        schedule, more = to_tiller_steps(schedule, self.arithmetic["k"])
+        notices += more
+        self.total_steps = schedule["total_training_steps"] * self.arithmetic["k"]
+        self.rewards.max_steps = self.total_steps
+        keys = {"actor_rollout_ref.model.path": self.model_path}
+        if self.tokenizer_path:
+            keys["actor_rollout_ref.model.tokenizer_path"] = self.tokenizer_path
+        keys.update(rl_keys(schedule))
+        keys.update(self._write_data())
+        if not self.eval_rows or schedule.get("test_freq", -1) == -1 and not schedule.get("eval_on_start"):
+            keys.pop("data.val_files", None)  # TRL evaluates only with an eval strategy (or eval_on_start)
+        keys.update(self._shared_keys())
+        keys.update(self._algorithm_keys())
+        keys.update(lora_rl_keys(self.lora))
+        return keys, notices
+
+    def _tiller_config(self, resume: dict[str, Any]) -> Any:
+        from tiller.config import load_config
+
+        keys, notices = self.translate()
+        keys.update(resume)
+        for line in notices:
+            print(f"tiller.trl: {line}")
+        self.tiller_keys = keys
+        return load_config(overrides(keys))
+
+    def _run(self, cfg: Any) -> dict[str, float]:
+        from tiller.trainer.rl import run
+
+        return run(cfg, reward_fn=self.rewards)
+
+    def _trl_metrics(self, row: dict[str, Any]) -> dict[str, Any]:
+        k = self.arithmetic["k"]
+        out: dict[str, Any] = {"step": int(row.get("step", 0)) * k, "tiller_step": row.get("step")}
+        for trl, ours in (("learning_rate", "actor/lr"), ("entropy", "actor/entropy"), ("kl", "actor/kl_loss"),
+                          ("completions/mean_length", "response_length/mean"),
+                          ("completions/max_length", "response_length/max"),
+                          ("completions/min_length", "response_length/min"),
+                          ("completions/clipped_ratio", "response_length/clip_ratio"),
+                          ("clip_ratio/region_mean", "actor/pg_clipfrac"), ("grad_norm", "actor/grad_norm")):
+            if ours in row:
+                out[trl] = row[ours]
+        return out
+
+
+def _is_module(obj: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, torch.nn.Module)
+
+
+def refuse_trainer_arguments(trainer: str, **given: Any) -> None:
+    refuse_arguments(trainer, **given)
+
+
+__all__ = ["RL_SHARED_RULES", "TRLRLTrainer", "batch_arithmetic", "NOTICE", "UserError"]
