@@ -175,3 +175,18 @@ def test_eos_token_chat_template_path_and_dft_map_to_tiller_keys(tiny_model_dir,
     with pytest.raises(ConfigError, match="eos_token='<nope>': refused"):
         SFTTrainer(model=str(tiny_model_dir), train_dataset=[{"text": "a"}],
                    args=SFTConfig(output_dir=str(tmp_path / "e"), eos_token="<nope>")).tiller_keys()
+
+
+def test_loaded_model_and_tokenizer_objects_and_noop_notices(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = SFTTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
+                         train_dataset=[{"text": "a b"}] * 4,
+                         args=SFTConfig(output_dir=str(tmp_path / "o"), padding_free=True, dataset_num_proc=4))
+    out = capsys.readouterr().out
+    assert "tiller.trl: padding_free=True: no effect in tiller: tiller pads micro-batches" in out
+    assert "tiller.trl: dataset_num_proc=4: no effect in tiller" in out
+    keys = trainer.tiller_keys()
+    assert keys["model.partial_pretrain"] == str(tmp_path / "o" / "input_model")
+    assert AutoModelForCausalLM.from_pretrained(keys["model.partial_pretrain"]).num_parameters() == model.num_parameters()

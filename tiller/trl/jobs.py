@@ -163,29 +163,3 @@ class JobTrainer(TRLTrainerBase):
         out["epoch"] = last.get("epoch")
         return out
 
-
-JOB_CLASSES = (("SFTConfig", "tiller.trl.sft"), ("DPOConfig", "tiller.trl.dpo"), ("KTOConfig", "tiller.trl.kto"),
-               ("RewardConfig", "tiller.trl.reward"))
-
-
-def job_field_tables() -> str:
-    """The markdown tables of docs/trl.md's "SFT, DPO, KTO, reward models" section: per config class, every field
-    whose rule is not the shared TrainingArguments one (its own fields, and shared ones it overrides), with TRL's
-    default, its class and what tiller does. The TrainingArguments fields are in the shared table."""
-    import importlib
-
-    from tiller.trl.common import TRAINING_ARGS_RULES
-    from tiller.trl.fields import FIELDS
-
-    out = []
-    for class_name, module in JOB_CLASSES:
-        rules = getattr(importlib.import_module(module), class_name).RULES
-        lines = [f"#### {class_name}", "", "| field | TRL default | class | in tiller |", "|---|---|---|---|"]
-        for name, default in FIELDS[class_name].items():
-            rule = rules[name]
-            if TRAINING_ARGS_RULES.get(name) is rule:
-                continue
-            text = rule.text.replace("|", "\\|")
-            lines.append(f"| `{name}` | `{default!r}` | {rule.kind} | {text} |")
-        out.append("\n".join(lines) + "\n")
-    return "\n".join(out)
