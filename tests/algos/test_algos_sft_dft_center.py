@@ -57,3 +57,14 @@ def test_hinge_and_robust_dpo_match_trl_formulas():
     F = torch.nn.functional
     trl_robust = (-(0.9) * F.logsigmoid(0.5 * d) - (-0.1 * F.logsigmoid(-0.5 * d))) / 0.8
     assert torch.allclose(robust, trl_robust, atol=1e-7)
+
+
+def test_apo_zero_unpaired_is_kto_with_a_zero_baseline():
+    from tiller.algos import kto_loss
+
+    # r = pi - ref = [0.4, -0.6], beta 0.5, desirable [True, False]; TRL 1.16 apo_zero_unpaired:
+    # desirable 1 - sigma(0.2) = 0.450166, undesirable sigma(-0.3) = 0.425557
+    r = torch.tensor([0.4, -0.6])
+    loss, _ = kto_loss(r, torch.zeros(2), torch.tensor([True, False]), torch.zeros(()), beta=0.5)
+    assert torch.allclose(loss, torch.tensor([0.450166, 0.425557]), atol=1e-6)
+    assert torch.allclose(loss, torch.stack([1 - torch.sigmoid(0.5 * r[0]), torch.sigmoid(0.5 * r[1])]))

@@ -172,9 +172,15 @@ def test_kto_trainer_rewards_separate_and_equals_tiller_kto(tiny_model_dir, tmp_
     assert main_kto(overrides(keys)) == 0
     cli = [json.loads(x) for x in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/loss"] for r in cli] == [r["loss"] for r in h]
-    with pytest.raises(ConfigError, match="loss_type='apo_zero_unpaired': refused"):
+    apo = KTOTrainer(model=str(tiny_model_dir), train_dataset=rows, args=KTOConfig(
+        output_dir=str(tmp_path / "apo"), loss_type="apo_zero_unpaired", train_sampling_strategy="random", max_steps=1,
+        **{**FAST, "per_device_train_batch_size": 8}))
+    assert apo.tiller_keys()["algorithm.loss"] == "apo_zero_unpaired" and apo.tiller_keys()["data.shuffle"] is True
+    apo.train()
+    assert apo.state.log_history[0]["kl"] == 0.0 and apo.state.log_history[0]["loss"] == pytest.approx(0.5, abs=1e-6)
+    with pytest.raises(ConfigError, match="loss_type='bco': refused"):
         KTOTrainer(model=str(tiny_model_dir), train_dataset=rows,
-                   args=KTOConfig(output_dir=str(tmp_path / "r"), loss_type="apo_zero_unpaired")).tiller_keys()
+                   args=KTOConfig(output_dir=str(tmp_path / "r"), loss_type="bco")).tiller_keys()
     with pytest.raises(ConfigError, match="train_sampling_strategy='random': refused"):
         KTOTrainer(model=str(tiny_model_dir), train_dataset=rows,
                    args=KTOConfig(output_dir=str(tmp_path / "r"), train_sampling_strategy="random")).tiller_keys()

@@ -300,6 +300,9 @@ class DPOAlgoConfig:
 
 @dataclass
 class KTOAlgoConfig:
+    loss: str = "kto"
+    """kto | apo_zero_unpaired (APO-zero, D'Oosterlinck et al. 2024, arXiv 2408.06266, unpaired: KTO's two losses
+    with the KL baseline fixed at 0, so no mismatched pairs are run)."""
     beta: float = 0.1
     """Inverse temperature beta."""
     desirable_weight: float = 1.0
@@ -435,7 +438,8 @@ def validate_job(cfg: Any) -> None:
         _positive("algorithm.beta", cfg.algorithm.beta)
         if cfg.algorithm.desirable_weight < 0 or cfg.algorithm.undesirable_weight < 0:
             raise ConfigError("algorithm.desirable_weight and algorithm.undesirable_weight must be >= 0")
-        if cfg.data.train_batch_size < 2:
+        _choice("algorithm.loss", cfg.algorithm.loss, ("kto", "apo_zero_unpaired"))
+        if cfg.algorithm.loss == "kto" and cfg.data.train_batch_size < 2:
             raise ConfigError("KTO needs data.train_batch_size >= 2: the KL baseline pairs each prompt with "
                               "another example's completion")
 

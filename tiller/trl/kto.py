@@ -2,7 +2,8 @@
 
 Rows: `prompt` / `completion` / `label` (standard or conversational), or paired preference rows, unpaired as TRL
 does (`tiller.trl.preference.kto_rows`). The loss is TRL's `kto` (Ethayarajh et al. 2024, eq. 7; `tiller.algos.
-kto_loss`) with beta, desirable_weight and undesirable_weight; `apo_zero_unpaired` is refused. TRL's default
+kto_loss`) with beta, desirable_weight and undesirable_weight, or `apo_zero_unpaired` (the same losses with the KL
+baseline 0, TRL's formulas: desirable 1 - sigma(beta r), undesirable sigma(beta r)). TRL's default
 `train_sampling_strategy="sequential"` becomes data.shuffle=False (the rows in order, as TRL's KL pairs assume).
 KL baseline: the prompt of each example with the completion of the one before it (TRL's rotation), averaged over the
 whole optimizer step (TRL: per micro-batch; the same with gradient_accumulation_steps=1). Truncation keeps the start
@@ -20,12 +21,14 @@ from tiller.trl.preference import kto_rows
 
 
 def _loss(value: Any, args: Any) -> dict:
-    if value != "kto":
-        raise refuse_value("loss_type", value, "tiller's KTO loss is 'kto' (apo_zero_unpaired is not available)")
-    return {"data.truncation": "right" if args.max_length is not None else "error"}
+    if value not in ("kto", "apo_zero_unpaired"):
+        raise refuse_value("loss_type", value, "kto | apo_zero_unpaired")
+    return {"algorithm.loss": value, "data.truncation": "right" if args.max_length is not None else "error"}
 
 
 def _sampling(value: Any, args: Any) -> dict:
+    if value == "random" and args.loss_type == "apo_zero_unpaired":
+        return {"data.shuffle": True}  # no KL pairs: TRL allows random sampling
     if value != "sequential":
         raise refuse_value("train_sampling_strategy", value, "KTO's KL pairs are built over consecutive rows: "
                            "'sequential' (TRL requires it for the kto loss too)")
@@ -38,10 +41,12 @@ def _weight(name: str):
 
 KTO_RULES = {
     **PREFERENCE_RULES,
-    "loss_type": mapped("kto (apo_zero_unpaired refused); truncation keeps the start (data.truncation=right)", _loss),
+    "loss_type": mapped("algorithm.loss: kto | apo_zero_unpaired (KTO's losses with the KL baseline 0); truncation "
+                        "keeps the start (data.truncation=right)", _loss),
     "desirable_weight": mapped("algorithm.desirable_weight", _weight("desirable_weight")),
     "undesirable_weight": mapped("algorithm.undesirable_weight", _weight("undesirable_weight")),
-    "train_sampling_strategy": mapped("sequential -> data.shuffle=False (others refused)", _sampling),
+    "train_sampling_strategy": mapped("sequential -> data.shuffle=False; random -> data.shuffle=True with "
+                                      "apo_zero_unpaired only (kto's KL pairs need sequential, as in TRL)", _sampling),
 }
 
 KTO_RULES = {k: v for k, v in KTO_RULES.items() if k in FIELDS["KTOConfig"]}  # shared tables: this class's fields
