@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import pprint
 
 CLASSES = ("GRPOConfig", "RLOOConfig", "SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig")
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tiller.errors import ConfigError, DataError
-from tiller.trl import GRPOConfig, GRPOTrainer
+from tiller.trl import GRPOConfig, GRPOTrainer, RLOOConfig
 from tiller.trl.common import TRAINING_ARGS_RULES, classify, field_table
 from tiller.trl.fields import FIELDS
 from tiller.trl.grpo import GRPO_RULES
@@ -160,3 +160,4 @@ def test_field_table_in_docs_is_the_generated_one():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
     assert field_table("GRPOConfig", GRPOConfig.RULES) in doc
+    assert field_table("RLOOConfig", RLOOConfig.RULES) in doc

@@ -172,7 +172,8 @@ def _clip_range(rm: Any) -> tuple[float, float] | None:
     return float(rm.clip_range[0]), float(rm.clip_range[1])
 
 
-def build_reward_manager(cfg: Any, tokenizer: Any = None, base: Any = None) -> Callable[[list[RewardRequest]], RewardResult]:
+def build_reward_manager(cfg: Any, tokenizer: Any = None,
+                         base: Any = None) -> Callable[[list[RewardRequest]], RewardResult]:
     """The reward callable for an `RLConfig` (reads `reward_model.*`, `custom_reward_function.*`,
     `data.max_response_length`). `tokenizer` is the policy's (used by the diversity partitioner
     to count answer tokens; optional). `base`: an in-process scorer (`score(requests) -> ScoreBatch`, e.g. the TRL

@@ -302,7 +302,8 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "do_train": noop("only read by example scripts, not by the trainer"),
     "do_eval": noop("only read by example scripts, not by the trainer"),
     "do_predict": noop("only read by example scripts, not by the trainer"),
-    "resume_from_checkpoint": noop("only read by example scripts: pass it to trainer.train(resume_from_checkpoint=...)"),
+    "resume_from_checkpoint": noop("only read by example scripts: pass it to "
+                                   "trainer.train(resume_from_checkpoint=...)"),
     "local_rank": noop(_ONE_PROCESS),
     # ---- the three fields every TRL config adds to TrainingArguments' (TRL 1.16)
     "model_init_kwargs": mapped("from_pretrained keywords: dtype / torch_dtype (tiller keeps float32 master weights "

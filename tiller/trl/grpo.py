@@ -167,8 +167,8 @@ def _post_init(self: Any, algorithm: str = "GRPO") -> None:
         raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
                           f"({self.num_generations}).")
     if self.num_generations < 2:
-        raise ConfigError(f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. You provided "
-                          f"{self.num_generations}, which is less than the minimum required.")
+        raise ConfigError(f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. "
+                          f"You provided {self.num_generations}, which is less than the minimum required.")
     if getattr(self, "vllm_importance_sampling_cap", None) is not None:
         self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
@@ -218,7 +218,8 @@ class GRPOTrainer(TRLRLTrainer):
             high = lg["epsilon_high"] if lg["epsilon_high"] is not None else lg["epsilon"]
             keys.update({f"{actor}.clip_ratio_low": 1.0, f"{actor}.clip_ratio_high": high - 1.0})
         if loss_mode == "sapo":
-            keys.update({f"{actor}.tau_pos": lg["sapo_temperature_pos"], f"{actor}.tau_neg": lg["sapo_temperature_neg"]})
+            keys.update({f"{actor}.tau_pos": lg["sapo_temperature_pos"],
+                         f"{actor}.tau_neg": lg["sapo_temperature_neg"]})
         if "delta" in lg:
             keys[f"{actor}.clip_ratio_c"] = lg["delta"]
         return keys

@@ -288,7 +288,8 @@ class TRLRLTrainer(TRLTrainerBase):
             f"{rollout}.val_kwargs.top_k": lg["top_k"],
             f"{actor}.clip_ratio_low": lg["epsilon"],
             f"{actor}.clip_ratio_high": lg["epsilon_high"] if lg["epsilon_high"] is not None else lg["epsilon"],
-            f"{actor}.clip_ratio_c": NO_DUAL_CLIP, "algorithm.use_kl_in_reward": False, "trainer.val_before_train": bool(lg.get("eval_on_start")),
+            f"{actor}.clip_ratio_c": NO_DUAL_CLIP, "algorithm.use_kl_in_reward": False,
+            "trainer.val_before_train": bool(lg.get("eval_on_start")),
             "trainer.resume_mode": "disable",
         }
         if lg.get("rollout_name"):
@@ -298,7 +299,8 @@ class TRLRLTrainer(TRLTrainerBase):
                 keys[f"{rollout}.{name}"] = lg[name]
         if lg.get("rollout_is"):
             rc = "algorithm.rollout_correction"
-            keys.update({f"{rc}.rollout_is": lg["rollout_is"], f"{rc}.rollout_is_threshold": lg["rollout_is_threshold"]})
+            keys.update({f"{rc}.rollout_is": lg["rollout_is"],
+                         f"{rc}.rollout_is_threshold": lg["rollout_is_threshold"]})
         if lg.get("log_completions"):
             keys["trainer.rollout_data_dir"] = str(self.run_dir / "completions")
         return keys
