@@ -24,3 +24,13 @@ def test_trl_sft_dpo_example(tiny_model_dir, tmp_path):
     assert result["rm_eval_accuracy"] > 0.6 and result["rm_eval_margin"] > 0.5
     AutoModelForCausalLM.from_pretrained(tmp_path / "dpo")
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").config.num_labels == 1
+
+
+def test_docs_hold_the_generated_field_tables():
+    from tiller.trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
+    from tiller.trl.common import field_table
+
+    doc = (ROOT / "docs" / "trl.md").read_text()
+    section = doc[doc.index("## SFT, DPO, KTO, reward models"):]
+    for cls in (SFTConfig, DPOConfig, KTOConfig, RewardConfig):
+        assert f"### {cls.__name__} fields\n\n" + field_table(cls.__name__, cls.RULES) in section, cls.__name__

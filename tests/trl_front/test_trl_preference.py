@@ -101,7 +101,8 @@ def test_kto_and_reward_rows(tok):
     assert pair.margin == 0.5
     rows, keys = reward_rows([{"chosen": "good", "rejected": "bad<|im_end|>"}], tok.eos_token, "t")
     (pair,) = _targets(rows, keys, tok, "rm")
-    assert tok.decode(pair.rejected.input_ids) == "bad<|im_end|>" and tok.decode(pair.chosen.input_ids) == "good<|im_end|>"
+    assert tok.decode(pair.rejected.input_ids) == "bad<|im_end|>"
+    assert tok.decode(pair.chosen.input_ids) == "good<|im_end|>"
 
 
 def _history(trainer):
@@ -158,7 +159,8 @@ def test_kto_trainer_rewards_separate_and_equals_tiller_kto(tiny_model_dir, tmp_
 
     rows = []
     for p, c, r in PAIRS:  # unpaired, labels alternating (sequential sampling keeps this order)
-        rows += [{"prompt": p + " ", "completion": c, "label": True}, {"prompt": p + " ", "completion": r, "label": False}]
+        rows += [{"prompt": p + " ", "completion": c, "label": True},
+                 {"prompt": p + " ", "completion": r, "label": False}]
     trainer = KTOTrainer(model=str(tiny_model_dir), train_dataset=datasets.Dataset.from_list(rows), args=KTOConfig(
         output_dir=str(tmp_path / "trl"), learning_rate=5e-4, num_train_epochs=2, **{**FAST,
                                                                                     "per_device_train_batch_size": 8}))

@@ -19,7 +19,8 @@ from tiller.trl.sft import SFT_RULES, sft_rows
 
 datasets = pytest.importorskip("datasets")
 
-MEMO = [(f"What is {a} + {b}?", str(a + b)) for a, b in [(1, 2), (3, 4), (5, 1), (2, 7), (8, 1), (4, 4), (6, 3), (9, 0)]]
+SUMS = [(1, 2), (3, 4), (5, 1), (2, 7), (8, 1), (4, 4), (6, 3), (9, 0)]
+MEMO = [(f"What is {a} + {b}?", str(a + b)) for a, b in SUMS]
 FAST = dict(bf16=False, gradient_checkpointing=False, report_to="none", lr_scheduler_type="constant")
 
 
@@ -64,7 +65,8 @@ def _write(rows) -> str:
 def test_trl_formats_put_the_loss_where_trl_does(tok):
     args = SFTConfig(output_dir="o")
     # language modeling: every token after the first, eos appended
-    assert _loss_text([{"text": "The cat sat."}], args, tok) == [tok.decode(tok("The cat sat.<|im_end|>")["input_ids"][1:])]
+    ids = tok("The cat sat.<|im_end|>")["input_ids"]
+    assert _loss_text([{"text": "The cat sat."}], args, tok) == [tok.decode(ids[1:])]
     # prompt-completion: the completion + eos (completion_only_loss=None -> True); no chat template
     assert _loss_text([{"prompt": "What is 1 + 2? ", "completion": "3"}], args, tok) == ["3<|im_end|>"]
     everything = _loss_text([{"prompt": "What is 1 + 2? ", "completion": "3"}],
@@ -189,4 +191,5 @@ def test_loaded_model_and_tokenizer_objects_and_noop_notices(tiny_model_dir, tmp
     assert "tiller.trl: dataset_num_proc=4: no effect in tiller" in out
     keys = trainer.tiller_keys()
     assert keys["model.partial_pretrain"] == str(tmp_path / "o" / "input_model")
-    assert AutoModelForCausalLM.from_pretrained(keys["model.partial_pretrain"]).num_parameters() == model.num_parameters()
+    saved = AutoModelForCausalLM.from_pretrained(keys["model.partial_pretrain"])
+    assert saved.num_parameters() == model.num_parameters()

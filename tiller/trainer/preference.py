@@ -154,10 +154,11 @@ class KTOJob:
 
     def micro_batches(self, examples: Sequence[UnpairedExample]) -> list[dict[str, torch.Tensor]]:
         n = len(examples)
-        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, self.truncation, "kto") for e in examples]
+        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, self.truncation, "kto")
+                for e in examples]
         # prompt i with the completion of example i-1 (a rotation: no example meets its own completion)
-        kl_seqs = [make_sequence(examples[i].prompt_ids, examples[(i - 1) % n].completion_ids, self.max_length,
-                                 self.truncation, "kto KL pair") for i in range(n)] if self.use_kl else []
+        kl_seqs = ([make_sequence(examples[i].prompt_ids, examples[(i - 1) % n].completion_ids, self.max_length,
+                                  self.truncation, "kto KL pair") for i in range(n)] if self.use_kl else [])
         out = []
         for i in range(0, n, self.micro_batch_size):
             batch = collate_padded(seqs[i:i + self.micro_batch_size], self.pad_id)

@@ -68,7 +68,8 @@ class RMJob:
         scores = sequence_scores(model, micro)
         chosen, rejected = scores.chunk(2)
         margin = micro["margin"] if self.use_margin else None
-        loss = pairwise_rm_loss(chosen, rejected, margin, kind=self.loss_kind, center_coef=self.center_coef).sum() / normalizer
+        loss = pairwise_rm_loss(chosen, rejected, margin, kind=self.loss_kind,
+                                center_coef=self.center_coef).sum() / normalizer
         detached = (chosen.detach(), rejected.detach())
         return loss, {
             "accuracy": (detached[0] > detached[1]).float().sum() / normalizer,

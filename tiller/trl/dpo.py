@@ -74,7 +74,7 @@ DPO_RULES = {
     "discopop_tau": noop(_ONLY_WITH.format("loss_type='discopop'")),
 }
 
-DPO_RULES = {k: v for k, v in DPO_RULES.items() if k in FIELDS["DPOConfig"]}  # shared tables: this class's fields
+DPO_RULES = {k: v for k, v in DPO_RULES.items() if k in FIELDS["DPOConfig"]}  # this class's fields only
 DPOConfig = make_config_class("DPOConfig", DPO_RULES)
 
 

@@ -45,7 +45,8 @@ def eval_rows_of(eval_dataset: Any) -> list[dict] | None:
     if eval_dataset is None:
         return None
     if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "column_names"):
-        raise ConfigError(f"eval_dataset: a dict of {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}): "
+        names = ", ".join(map(str, eval_dataset))
+        raise ConfigError(f"eval_dataset: a dict of {len(eval_dataset)} datasets ({names}): "
                           "refused: tiller validates on one eval_dataset")
     return to_dataset_rows(eval_dataset, "eval_dataset")
 

@@ -49,7 +49,7 @@ KTO_RULES = {
                                       "apo_zero_unpaired only (kto's KL pairs need sequential, as in TRL)", _sampling),
 }
 
-KTO_RULES = {k: v for k, v in KTO_RULES.items() if k in FIELDS["KTOConfig"]}  # shared tables: this class's fields
+KTO_RULES = {k: v for k, v in KTO_RULES.items() if k in FIELDS["KTOConfig"]}  # this class's fields only
 KTOConfig = make_config_class("KTOConfig", KTO_RULES)
 
 

@@ -40,7 +40,7 @@ REWARD_RULES = {
     "pad_token": noop("tiller pads with the tokenizer's pad token; the score reads the last real token"),
 }
 
-REWARD_RULES = {k: v for k, v in REWARD_RULES.items() if k in FIELDS["RewardConfig"]}  # shared tables: this class's fields
+REWARD_RULES = {k: v for k, v in REWARD_RULES.items() if k in FIELDS["RewardConfig"]}  # this class's fields only
 RewardConfig = make_config_class("RewardConfig", REWARD_RULES)
 
 

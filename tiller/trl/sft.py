@@ -2,14 +2,13 @@
 
 TRL's dataset formats become rows of tiller's SFT formats (`tiller.data.sft`), written to `<output_dir>/data/`:
 
-| TRL rows                                   | tiller rows                         | loss on                              |
-|--------------------------------------------|-------------------------------------|--------------------------------------|
-| `text` (dataset_text_field) / formatting_func | text format                      | every token (+ eos appended)         |
-| `messages` (or ShareGPT `conversations`)   | messages format                     | every token; assistant_only_loss: the assistant turns |
-| `prompt` + `completion` strings            | prompt_response, no chat template   | the completion + eos (completion_only_loss, default) |
-|                                            | text = prompt + completion          | every token (completion_only_loss=False) |
-| conversational `prompt` + `completion`     | prompt_response (prompt messages)   | the completion's text + eos          |
-|                                            | messages = prompt + completion      | every token (completion_only_loss=False) |
+- `text` (dataset_text_field) or formatting_func -> text format: loss on every token (+ eos appended);
+- `messages` (or ShareGPT `conversations`) -> messages format: every token (assistant_only_loss: the assistant
+  turns);
+- `prompt` + `completion` strings -> prompt_response without a chat template: the completion + eos
+  (completion_only_loss None / True); completion_only_loss=False -> text = prompt + completion: every token;
+- conversational `prompt` + `completion` -> prompt_response with the prompt messages: the completion's text + eos;
+  completion_only_loss=False -> messages = prompt + completion: every token.
 
 Deviations (tiller's SFT, shared with `tiller sft`): a prompt and its completion are tokenized separately, so the
 completion starts on a token boundary (what the policy generates); TRL tokenizes the joined text and splits where
@@ -116,7 +115,7 @@ SFT_RULES = {
     "loss_type": mapped("algorithm.loss: nll | dft", _loss_type),
 }
 
-SFT_RULES = {k: v for k, v in SFT_RULES.items() if k in FIELDS["SFTConfig"]}  # shared tables: this class's fields
+SFT_RULES = {k: v for k, v in SFT_RULES.items() if k in FIELDS["SFTConfig"]}  # this class's fields only
 SFTConfig = make_config_class("SFTConfig", SFT_RULES)
 
 
