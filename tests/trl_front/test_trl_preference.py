@@ -214,3 +214,34 @@ def test_reward_trainer_learns_and_saves_a_scorer(tiny_model_dir, tmp_path):
     cli = [json.loads(x) for x in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/loss"] for r in cli] == [r["loss"] for r in h]
     assert torch.tensor([r["train/loss"] for r in cli]).isfinite().all()
+
+
+def test_sequences_match_trl_own_tokenization(tiny_model_dir, tok, tmp_path):
+    """DPO / KTO / reward rows against TRL's own prepared datasets: the same ids and completion tokens; the one
+    documented difference: a conversational completion ends at its end-of-turn token (TRL also trains ChatML's
+    newline after it)."""
+    trl = pytest.importorskip("trl")
+    kw = dict(output_dir=str(tmp_path / "trl"), report_to="none", bf16=False, use_cpu=True)
+    conv = _conv_pairs()[:2]
+    std = [{"prompt": p + "\n", "chosen": c, "rejected": r} for p, c, r in PAIRS[:2]]
+    newline = tok("\n")["input_ids"]
+    for rows, conversational in ((std, False), (conv, True)):
+        cut = -len(newline) if conversational else None
+        ref = trl.DPOTrainer(model=str(tiny_model_dir), processing_class=tok, args=trl.DPOConfig(**kw),
+                             train_dataset=datasets.Dataset.from_list(rows)).train_dataset[0]
+        (pair, _) = _targets(*dpo_rows(rows, tok.eos_token, "t"), tok)
+        if conversational:
+            assert ref["chosen_ids"][cut:] == newline
+        assert pair.chosen.input_ids == ref["prompt_ids"] + ref["chosen_ids"][:cut]
+        assert [x for x in pair.rejected.labels if x != IGNORE] == ref["rejected_ids"][:cut]
+        ref = trl.RewardTrainer(model=str(tiny_model_dir), processing_class=tok, args=trl.RewardConfig(**kw),
+                                train_dataset=datasets.Dataset.from_list(rows)).train_dataset[0]
+        (pair, _) = _targets(*reward_rows(rows, tok.eos_token, "t"), tok, "rm")
+        assert (pair.chosen.input_ids, pair.rejected.input_ids) == (ref["chosen_ids"], ref["rejected_ids"])
+        ref = trl.KTOTrainer(model=str(tiny_model_dir), processing_class=tok,
+                             args=trl.KTOConfig(per_device_train_batch_size=2, **kw),
+                             train_dataset=datasets.Dataset.from_list(rows)).train_dataset
+        ours = _targets(*kto_rows(rows, tok.eos_token, "t"), tok, "unpaired")
+        assert [e.prompt_ids for e in ours] == ref["prompt_ids"]
+        assert [e.completion_ids for e in ours] == [ids[:cut] for ids in ref["completion_ids"]]
+        assert [e.desirable for e in ours] == ref["label"]
