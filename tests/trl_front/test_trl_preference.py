@@ -245,3 +245,22 @@ def test_sequences_match_trl_own_tokenization(tiny_model_dir, tok, tmp_path):
         assert [e.prompt_ids for e in ours] == ref["prompt_ids"]
         assert [e.completion_ids for e in ours] == [ids[:cut] for ids in ref["completion_ids"]]
         assert [e.desirable for e in ours] == ref["label"]
+
+
+def test_dpo_with_lora_starts_at_the_base_and_saves_a_merged_model(tiny_model_dir, tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    trainer = DPOTrainer(model=str(tiny_model_dir), train_dataset=_conv_pairs(), peft_config=LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+        args=DPOConfig(output_dir=str(tmp_path / "lora"), learning_rate=1e-2, max_steps=2, **FAST))
+    trainer.train()
+    h = _history(trainer)
+    assert h[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # the reference is the base: adapters disabled
+    assert h[1]["rewards/margins"] != 0.0
+    trainer.save_model()
+    assert not (tmp_path / "lora" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base.state_dict()[n])]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)

@@ -193,3 +193,19 @@ def test_loaded_model_and_tokenizer_objects_and_noop_notices(tiny_model_dir, tmp
     assert keys["model.partial_pretrain"] == str(tmp_path / "o" / "input_model")
     saved = AutoModelForCausalLM.from_pretrained(keys["model.partial_pretrain"])
     assert saved.num_parameters() == model.num_parameters()
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tiny_model_dir, tmp_path):
+    rows = [{"prompt": p + " ", "completion": c} for p, c in MEMO]
+
+    def run(name, max_steps, resume=None):
+        args = SFTConfig(output_dir=str(tmp_path / name), learning_rate=3e-3, max_steps=max_steps, save_steps=1,
+                         per_device_train_batch_size=4, **FAST)
+        trainer = SFTTrainer(model=str(tiny_model_dir), args=args, train_dataset=rows)
+        return trainer, trainer.train(resume_from_checkpoint=resume)
+
+    straight, _ = run("straight", 4)
+    run("resumed", 2)
+    resumed, out = run("resumed", 4, resume=True)
+    assert out.global_step == 4
+    assert [r["loss"] for r in resumed.state.log_history] == [r["loss"] for r in straight.state.log_history]
