@@ -52,6 +52,10 @@ class SFTDataConfig:
     messages' `<image>` placeholders take these images in order)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (as the RL trainer does)."""
+    add_special_tokens: bool = False
+    """Tokenize text that no chat template renders (text rows, string prompts with apply_chat_template off, whole-string
+    reward sequences) with the tokenizer's special tokens, e.g. Llama's BOS, as TRL's trainers tokenize standard rows;
+    false: without them, as the RL trainer tokenizes prompts."""
     max_length: int = 512
     """Longest prompt + response in tokens."""
     truncation: str = "error"
@@ -106,6 +110,10 @@ class PreferenceDataConfig:
     """DPO: column of precomputed reference log-prob sums of rejected."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
+    add_special_tokens: bool = False
+    """Tokenize text that no chat template renders (text rows, string prompts with apply_chat_template off, whole-string
+    reward sequences) with the tokenizer's special tokens, e.g. Llama's BOS, as TRL's trainers tokenize standard rows;
+    false: without them, as the RL trainer tokenizes prompts."""
     max_length: int = 512
     """Longest prompt + response in tokens."""
     truncation: str = "error"

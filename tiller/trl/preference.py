@@ -10,6 +10,8 @@
   (per block of 1000 rows: the chosen completions labelled True, then the rejected labelled False).
 - Reward-model rows: whole sequences (prompt + completion) in tiller's prompt-less layout: a conversation rendered
   by the chat template, or a string with eos appended (TRL's tokenization of both); `margin` kept.
+Standard (string) rows are tokenized with the tokenizer's special tokens (`data.add_special_tokens`: e.g. Llama's
+BOS), as TRL's tokenizer call adds them; conversations only get what the chat template renders.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def dpo_rows(rows: list[dict], eos: str | None, where: str) -> tuple[list[dict],
                     "rejected": _strip_eos(_need(row, "rejected", at), eos, at + ": rejected")}
         out.append(item)
     return out, {"data.prompt_key": "prompt", "data.chosen_key": "chosen", "data.rejected_key": "rejected",
-                 "data.apply_chat_template": conversational}
+                 "data.apply_chat_template": conversational, "data.add_special_tokens": not conversational}
 
 
 def unpair(rows: list[dict]) -> list[dict]:
@@ -124,7 +126,7 @@ def kto_rows(rows: list[dict], eos: str | None, where: str) -> tuple[list[dict],
         out.append({"prompt": list(prompt) if conversational else prompt, "completion": completion,
                     "label": label})
     return out, {"data.prompt_key": "prompt", "data.completion_key": "completion", "data.label_key": "label",
-                 "data.apply_chat_template": conversational}
+                 "data.apply_chat_template": conversational, "data.add_special_tokens": not conversational}
 
 
 def reward_rows(rows: list[dict], eos: str | None, where: str) -> tuple[list[dict], dict[str, Any]]:
@@ -147,7 +149,7 @@ def reward_rows(rows: list[dict], eos: str | None, where: str) -> tuple[list[dic
             item["margin"] = float(_need(row, "margin", at))
         out.append(item)
     keys = {"data.prompt_key": None, "data.chosen_key": "chosen", "data.rejected_key": "rejected",
-            "data.apply_chat_template": True}
+            "data.apply_chat_template": True, "data.add_special_tokens": True}  # strings: TRL's tokenizer call
     if has_margin:
         keys["data.margin_key"] = "margin"
     return out, keys

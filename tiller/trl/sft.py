@@ -163,7 +163,7 @@ def sft_rows(rows: list[dict], args: Any, where: str,
             raise ConfigError("formatting_func with completion_only_loss=True: refused, as in TRL (a formatted text "
                               "has no completion to mask)")
         return [{"text": _text(formatting_func(row), f"{where} row {i}: formatting_func")} for i, row in
-                enumerate(rows)], {"data.format": "text", "data.text_key": "text"}
+                enumerate(rows)], {"data.format": "text", "data.text_key": "text", "data.add_special_tokens": True}
     first = rows[0]
     if "input_ids" in first:
         raise DataError(f"{where}: pre-tokenized rows (input_ids) are not read by tiller: give the text columns")
@@ -177,7 +177,7 @@ def sft_rows(rows: list[dict], args: Any, where: str,
     field = args.dataset_text_field
     if field in first:
         return ([{"text": _text(_column(row, field, where, i), f"{where} row {i}")} for i, row in enumerate(rows)],
-                {"data.format": "text", "data.text_key": "text"})
+                {"data.format": "text", "data.text_key": "text", "data.add_special_tokens": True})
     raise DataError(f"{where}: columns {sorted(first)}: TRL's SFT formats are {field!r} (dataset_text_field), "
                     "'messages', or 'prompt' + 'completion'")
 
@@ -217,6 +217,7 @@ def _prompt_completion(rows: list[dict], args: Any, where: str) -> tuple[list[di
     else:
         keys = ({"data.format": "prompt_response", "data.apply_chat_template": False} if completion_only else
                 {"data.format": "text", "data.text_key": "text"})
+        keys["data.add_special_tokens"] = True  # standard rows: TRL's tokenizer call adds them (e.g. Llama's BOS)
     if completion_only:
         keys.update({"data.prompt_key": "prompt", "data.response_key": "response"})
     return out, keys
