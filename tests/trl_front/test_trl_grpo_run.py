@@ -108,6 +108,8 @@ def test_lora_on_loaded_objects_saves_a_merged_model_and_resume_continues(tmp_pa
     assert not any("lora" in name for name in merged.state_dict())
     changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, model.state_dict()[n])]
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
+    trained = trainer.model.state_dict()  # trainer.model after train(): the trained model, LoRA merged
+    assert all(torch.equal(trained[n], p) for n, p in merged.state_dict().items())
     # resume: a second trainer on the same output_dir continues from the checkpoint to max_steps=2
     again = GRPOTrainer(model=model, reward_funcs=chars, args=_args(tmp_path / "run", max_steps=2, learning_rate=5e-2),
                         train_dataset=_rows(), processing_class=tok, peft_config=lora)

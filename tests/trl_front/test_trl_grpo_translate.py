@@ -74,6 +74,7 @@ def test_batch_arithmetic_on_verl_keys(tiny_model_dir, tmp_path):
     assert keys[f"{A}.optim.lr_warmup_steps"] == 2  # 8 optimizer steps = 2 generation batches
     assert trainer.total_steps == 72 and trainer.arithmetic["k"] == 4
     assert any("once per generation batch" in n for n in notices)
+    assert any(n.startswith("loss_type='dapo': TRL divides by the generation batch's tokens") for n in notices)
     # TRL's defaults written out where tiller's differ
     assert keys[f"{A}.optim.lr"] == 1e-6 and keys[f"{A}.optim.weight_decay"] == 0.0
     assert keys[f"{A}.optim.betas"] == [0.9, 0.999] and keys[f"{A}.optim.warmup_style"] == "linear"
@@ -103,6 +104,23 @@ def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path)
     assert keys[f"{A}.clip_ratio_c"] == 1.5 and keys["algorithm.norm_adv_epsilon"] == 1e-4
 
 
+def test_use_vllm_colocate_maps_trls_importance_sampling(tiny_model_dir, tmp_path):
+    from tiller.config import load_config
+    from tiller.trl.common import overrides
+
+    rc = "algorithm.rollout_correction"
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "a", use_vllm=True)  # TRL's default: sequence_mask, max 3
+    assert keys["actor_rollout_ref.rollout.name"] == "vllm" and keys[f"{rc}.rollout_is"] == "sequence"
+    assert keys[f"{rc}.rollout_is_threshold"] == "1e-30_3.0"
+    load_config(overrides(keys))  # tiller's validation takes the translated keys
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "b", use_vllm=True, vllm_gpu_memory_utilization=0.5,
+                           vllm_importance_sampling_mode="token_truncate")
+    assert (keys[f"{rc}.rollout_is"], keys[f"{rc}.rollout_is_threshold"]) == ("token", "3.0")
+    assert keys["actor_rollout_ref.rollout.gpu_memory_utilization"] == 0.5
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "c", vllm_gpu_memory_utilization=0.5)  # read only with use_vllm
+    assert "actor_rollout_ref.rollout.name" not in keys and f"{rc}.rollout_is" not in keys
+
+
 def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_dir, tmp_path):
     from tiller.models.loading import load_tokenizer
 
@@ -123,7 +141,7 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
 
 @pytest.mark.parametrize("field,value,match", [
     ("loss_type", "vespo", "^loss_type='vespo': refused"),
-    ("scale_rewards", "batch", "^scale_rewards='batch': refused"),
+    ("scale_rewards", "median", "^scale_rewards='median': refused"),
     ("top_entropy_quantile", 0.2, "^top_entropy_quantile=0.2: refused"),
     ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
     ("push_to_hub", True, "^push_to_hub=True: refused"),
@@ -161,3 +179,44 @@ def test_field_table_in_docs_is_the_generated_one():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
     assert field_table("GRPOConfig", GRPOConfig.RULES) in doc
     assert field_table("RLOOConfig", RLOOConfig.RULES) in doc
+
+
+def test_reward_model_paths_are_named_as_trl_names_them(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(str(tiny_model_dir), [reward_len, str(tiny_model_dir)], train_dataset=rows(8),
+                          args=GRPOConfig(output_dir=str(tmp_path / "run"), reward_weights=[1.0, 0.5]))
+    assert trainer.rewards.names == ["reward_len", "qwen2"]  # a model: its dir's name
+    assert trainer.rewards.weights.tolist() == [1.0, 0.5]
+
+
+def test_in_process_rewards_refuse_the_ray_backend(tiny_model_dir, tmp_path):
+    from tiller.config import load_config
+    from tiller.trainer.rl import RLTrainer
+    from tiller.trl.common import overrides
+
+    keys, _, trainer = translate(tiny_model_dir, tmp_path)
+    cfg = load_config(overrides({**keys, "trainer.backend": "ray"}))
+    with pytest.raises(ConfigError, match="^trainer.backend=ray with an in-process reward function"):
+        RLTrainer(cfg, reward_fn=trainer.rewards)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_python_m_tiller_trl_prints_the_table(capsys):
+    from tiller.trl.__main__ import main
+
+    assert main(["RLOOConfig"]) == 0
+    assert capsys.readouterr().out == field_table("RLOOConfig", RLOOConfig.RULES)
+    assert main(["PPOConfig"]) == 2 and "usage: python -m tiller.trl CLASS" in capsys.readouterr().err
+
+
+def test_scale_rewards_batch_divides_by_the_batch_std(tiny_model_dir, tmp_path):
+    keys, _, _ = translate(tiny_model_dir, tmp_path, scale_rewards="batch")
+    assert keys["algorithm.norm_adv_std_scope"] == "batch" and keys["algorithm.norm_adv_by_std_in_grpo"] is True
+
+
+def test_a_loaded_model_without_tokenizer_uses_its_source_dirs_tokenizer(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = GRPOTrainer(model, reward_len, train_dataset=rows(8), args=GRPOConfig(output_dir=str(tmp_path / "r")))
+    assert trainer.model_path == str(tmp_path / "r" / "input_model") and trainer.tokenizer_path == str(tiny_model_dir)
+    assert (tmp_path / "r" / "input_model" / "model.safetensors").exists()

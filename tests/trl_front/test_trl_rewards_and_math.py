@@ -110,11 +110,13 @@ def _trl_advantages(rewards: torch.Tensor, g: int, scale: str) -> torch.Tensor:
     # grpo_trainer.py, sum_then_normalize (no NaN): (r - group mean) / (group nanstd + 1e-4)
     mean = rewards.view(-1, g).mean(1).repeat_interleave(g)
     std = rewards.view(-1, g).std(1).repeat_interleave(g)  # nanstd: Bessel-corrected
+    if scale == "batch":
+        std = rewards.std().expand_as(rewards)  # nanstd(rewards).expand_as(rewards)
     adv = rewards - mean
-    return adv / (std + 1e-4) if scale == "group" else adv
+    return adv if scale == "none" else adv / (std + 1e-4)
 
 
-@pytest.mark.parametrize("scale", ["group", "none"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_grpo_advantages_equal_trls(scale):
     # worked: group [1, 0, 0, 1]: mean 0.5, std sqrt(1/3) = 0.57735 -> +-0.5 / 0.57745 = +-0.86588
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.4, 0.9, 0.9])
@@ -122,7 +124,8 @@ def test_grpo_advantages_equal_trls(scale):
     tokens = torch.zeros(8, 3)
     tokens[:, -1] = rewards
     adv, _ = get_advantage_estimator("grpo")(tokens, mask, [0, 0, 0, 0, 1, 1, 1, 1], None, epsilon=TRL_ADV_EPSILON,
-                                             norm_adv_by_std_in_grpo=scale == "group")
+                                             norm_adv_by_std_in_grpo=scale != "none",
+                                             std_scope="batch" if scale == "batch" else "group")
     assert adv[:, 0] == pytest.approx(_trl_advantages(rewards, 4, scale), abs=1e-6)
     if scale == "group":
         assert adv[0, 0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4), abs=1e-6)

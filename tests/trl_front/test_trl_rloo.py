@@ -78,11 +78,15 @@ def test_rloo_reward_advantage_and_on_policy_gradient_equal_trls():
 
 def test_one_rloo_step_trains_with_the_reference_model(tmp_path, tiny_model_dir):
     args = RLOOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
-                      max_completion_length=5, learning_rate=1e-2, max_steps=1, bf16=False)
+                      max_completion_length=5, learning_rate=1e-2, max_steps=1, bf16=False, eval_strategy="steps",
+                      eval_steps=1)
     trainer = RLOOTrainer(model=str(tiny_model_dir), reward_funcs=chars, args=args,
-                          train_dataset=[{"prompt": f"Question {i}:"} for i in range(8)])
+                          train_dataset=[{"prompt": f"Question {i}:"} for i in range(8)],
+                          eval_dataset=[{"prompt": f"Test {i}:"} for i in range(2)])
     out = trainer.train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "val-core/trl/acc/mean@4" in row  # eval_dataset validated every eval_steps, num_generations samples
+    assert trainer.state.log_history[0]["eval_reward"] == row["val-core/trl/acc/mean@4"]
     assert out.global_step == 1 and "actor/reward_kl_penalty" in row and "timing_s/ref" in row
     assert row["actor/reward_kl_penalty_coeff"] == 0.05
     assert row["rewards/chars/mean"] == pytest.approx(row["critic/score/mean"], abs=1e-6)

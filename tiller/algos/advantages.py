@@ -78,7 +78,7 @@ register_advantage_estimator = ADV_ESTIMATORS.register
 
 #: keyword names any estimator accepts (each uses its own subset).
 ADV_HYPER = (
-    "gamma", "lam", "epsilon", "norm_adv_by_std_in_grpo", "baseline_rewards", "f_norm",
+    "gamma", "lam", "epsilon", "norm_adv_by_std_in_grpo", "std_scope", "baseline_rewards", "f_norm",
     "reward_components", "gdpo_reward_keys", "gdpo_reward_weights",  # gdpo
     "old_logp", "sum_pi_squared", "rollout_is_weights", "handle_zero_tail",  # optimal token baseline
 )
@@ -161,14 +161,22 @@ def compute_grpo(
     *,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    std_scope: str = "group",
     **extra: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO group z-score (Dr.GRPO mean-centering with `norm_adv_by_std_in_grpo=False`)."""
+    """GRPO group z-score (Dr.GRPO mean-centering with `norm_adv_by_std_in_grpo=False`).
+
+    `std_scope="batch"`: (s - group mean) / (std of the whole batch + epsilon) (TRL's scale_rewards="batch", the
+    "Lite PPO" of Liu et al. 2025, arXiv 2508.08221); the std is unbiased (n - 1) as the group's."""
     reject_unknown("grpo", extra, ADV_HYPER)
     check_shapes(token_rewards, response_mask, group_index)
+    if std_scope not in ("group", "batch"):
+        raise ConfigError(f"algorithm.norm_adv_std_scope: unknown {std_scope!r}; valid: group, batch")
     with torch.no_grad():
         scores = _scores(token_rewards, response_mask)
         mean, std, _ = _group_baseline_stats(scores, group_index)
+        if std_scope == "batch":
+            std = torch.full_like(scores, scores.std().item() if scores.numel() > 1 else 0.0)
         adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
         adv = _broadcast(adv, response_mask)
     return adv, adv

@@ -1362,6 +1362,9 @@ class AlgorithmConfig:
     """GRPO: divide by the group std (False = Dr.GRPO)."""
     norm_adv_epsilon: float = 1e-6
     """tiller: the epsilon of GRPO's (r - mean) / (std + epsilon) (grpo, grpo_passk, gdpo; verl's 1e-6, TRL's 1e-4)."""
+    norm_adv_std_scope: str = "group"
+    """tiller, grpo: the std dividing the advantages: group (GRPO) | batch (the whole batch's: TRL's
+    scale_rewards="batch")."""
     use_kl_in_reward: bool = False
     """Subtract beta * KL(actor || ref) from the token rewards."""
     kl_penalty: str = "kl"

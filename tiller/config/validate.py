@@ -58,6 +58,7 @@ def validate_rl(cfg: RLConfig) -> None:
                                  kwargs_key="data.apply_chat_template_kwargs")
     _choice("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     _choice("algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
+    _choice("algorithm.norm_adv_std_scope", algo.norm_adv_std_scope, ("group", "batch"))
     _choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
     _choice("actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_ENGINES)
     _choice("actor_rollout_ref.rollout.dtype", rollout.dtype, DTYPES)

@@ -675,6 +675,8 @@ class RLTrainer:
         hyper = dict(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
         if algo.adv_estimator in ("grpo", "grpo_passk", "gdpo"):
             hyper["epsilon"] = algo.norm_adv_epsilon
+        if algo.adv_estimator == "grpo":
+            hyper["std_scope"] = algo.norm_adv_std_scope
         if baseline is not None:
             hyper["baseline_rewards"] = baseline
         if algo.adv_estimator == "gdpo":

@@ -170,10 +170,19 @@ class TRLTrainerBase:
             if not Path(model_path).expanduser().is_dir():
                 raise ConfigError(f"model={model_path!r}: not a local model dir (tiller loads no hub models here)")
         elif hasattr(model, "save_pretrained") and hasattr(model, "config"):
+            if hasattr(model, "peft_config"):
+                raise ConfigError("model: a PeftModel: pass the base model and the adapter's peft.LoraConfig as "
+                                  "peft_config (tiller attaches and merges LoRA itself)")
             tok = processing_class if hasattr(processing_class, "save_pretrained") else None
             model_path = str(save_pretrained_atomic(self.run_dir / INPUT_MODEL_DIR, model, tok))
             if tok is not None:
                 return model_path, None
+            if processing_class is None:  # as TRL: the tokenizer of the model's own name / dir
+                source = str(getattr(model.config, "_name_or_path", "") or "")
+                if not Path(source).expanduser().is_dir():
+                    raise ConfigError("processing_class: None with a loaded model whose source dir is unknown "
+                                      f"({source!r}): pass its tokenizer")
+                return model_path, source
         else:
             raise ConfigError(f"model: a {type(model).__name__}: give a model dir or a loaded PreTrainedModel")
         if processing_class is None:

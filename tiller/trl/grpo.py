@@ -5,7 +5,7 @@ shared rules; docs/trl.md prints the table). The algorithm fields on verl's keys
 
 - advantages: TRL's (r - mean_group) / (std_group + 1e-4) = algorithm.adv_estimator=grpo with
   algorithm.norm_adv_epsilon=1e-4 (Bessel-corrected group std in both); scale_rewards none = Dr.GRPO's mean-centring
-  (norm_adv_by_std_in_grpo=False); batch (the std of the whole batch) is refused.
+  (norm_adv_by_std_in_grpo=False); batch = the whole batch's std (algorithm.norm_adv_std_scope=batch).
 - loss_type -> the policy loss and its aggregation (TRL's normalisation per optimizer step):
     grpo     vanilla, seq-mean-token-mean      (per sequence 1/|o_i|, mean over sequences)
     bnpo     vanilla, token-mean               (TRL divides each micro-batch by its own tokens; tiller the
@@ -54,9 +54,8 @@ def _loss_type(value: Any, args: Any) -> dict:
 
 def _scale_rewards(value: Any, args: Any) -> dict:
     value = {True: "group", False: "none"}.get(value, value)
-    if value not in ("group", "none"):
-        raise refuse_value("scale_rewards", value, "tiller scales by the group's std (group) or not at all (none); "
-                           "the batch std is not available")
+    if value not in ("group", "batch", "none"):
+        raise refuse_value("scale_rewards", value, "group | batch | none (or True / False)")
     return {"scale_rewards": value}
 
 
@@ -116,8 +115,8 @@ GRPO_RULES: dict[str, Rule] = {
     "importance_sampling_level": mapped("sequence: policy_loss.loss_mode=gspo (GSPO)", _importance_level),
     "multi_objective_aggregation": mapped("sum_then_normalize (TRL's default; normalize_then_sum refused)",
                                           _aggregation),
-    "scale_rewards": mapped("group: algorithm.adv_estimator=grpo, norm_adv_epsilon 1e-4; none: "
-                            "norm_adv_by_std_in_grpo=False; batch refused", _scale_rewards),
+    "scale_rewards": mapped("group: algorithm.adv_estimator=grpo, norm_adv_epsilon 1e-4; batch: "
+                            "norm_adv_std_scope=batch; none: norm_adv_by_std_in_grpo=False", _scale_rewards),
     "loss_type": mapped("policy loss + loss_agg_mode (see the GRPO section)", _loss_type),
     "top_entropy_quantile": refused("tiller trains on every token (no high-entropy token mask)"),
     "entropy_coef": mapped("actor.entropy_coeff (loss_type dapo / bnpo / cispo with gradient_accumulation_steps=1)",
@@ -196,6 +195,17 @@ class GRPOTrainer(TRLRLTrainer):
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                         reward_processing_classes, peft_config)
 
+    def _algorithm_notices(self) -> list[str]:
+        loss_type, args = self.logical["loss_type"], self.args
+        if loss_type == "bnpo" and args.gradient_accumulation_steps > 1:
+            return ["loss_type='bnpo': TRL divides each micro-batch's loss by its own tokens, tiller by the tokens of "
+                    "the optimizer step's whole mini-batch (equal with gradient_accumulation_steps=1)"]
+        if loss_type in ("dapo", "cispo") and args.steps_per_generation > args.gradient_accumulation_steps:
+            return [f"loss_type={loss_type!r}: TRL divides by the generation batch's tokens / (steps_per_generation / "
+                    "gradient_accumulation_steps), tiller by each mini-batch's own tokens (equal when "
+                    "steps_per_generation = gradient_accumulation_steps)"]
+        return []
+
     def _algorithm_keys(self) -> dict[str, Any]:
         lg, actor = self.logical, "actor_rollout_ref.actor"
         loss_mode, agg = LOSS_TYPES[lg["loss_type"]]
@@ -205,7 +215,8 @@ class GRPOTrainer(TRLRLTrainer):
                                   "tiller's GSPO is the clipped loss (loss_type grpo / bnpo / dr_grpo / dapo / luspo)")
             loss_mode = "gspo"
         keys: dict[str, Any] = {
-            "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": lg["scale_rewards"] == "group",
+            "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": lg["scale_rewards"] != "none",
+            "algorithm.norm_adv_std_scope": "batch" if lg["scale_rewards"] == "batch" else "group",
             "algorithm.norm_adv_epsilon": TRL_ADV_EPSILON, f"{actor}.policy_loss.loss_mode": loss_mode,
             f"{actor}.loss_agg_mode": agg, f"{actor}.entropy_coeff": lg.get("entropy_coef", 0.0),
             f"{actor}.use_kl_loss": lg["beta"] > 0,

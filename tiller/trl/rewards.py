@@ -121,8 +121,9 @@ class TRLRewards:
                             "weight per reward function")
         self.funcs, self.names, self.weights = funcs, names, np.asarray(weights, dtype=np.float64)
         self.rows, self.conversational = rows, conversational
-        self.global_step = 0  # set by the RL driver before each step
-        self.max_steps = 0
+        self.global_step = 0  # tiller's completed steps: set by the RL driver before each step
+        self.max_steps = 0  # TRL's optimizer steps of the run
+        self.optimizer_steps_per_step = 1  # k: TRL's optimizer steps per tiller step
         self._pending_metrics: dict[str, list[float]] = {}
         self._pending_extras: dict[str, list] = {}
 
@@ -135,7 +136,7 @@ class TRLRewards:
         completion_ids = [list(req.response_ids or []) for req in requests]
         keys = [k for k in rows[0] if k not in SKIP_COLUMNS]
         kwargs: dict[str, Any] = {k: [row.get(k) for row in rows] for k in keys}
-        kwargs["trainer_state"] = TrainerStateView(self.global_step, self.max_steps)
+        kwargs["trainer_state"] = TrainerStateView(self.global_step * self.optimizer_steps_per_step, self.max_steps)
         kwargs["log_extra"] = self._log_extra
         kwargs["log_metric"] = self._log_metric
         per_func = np.full((len(requests), len(self.funcs)), np.nan, dtype=np.float64)

@@ -34,6 +34,7 @@ from tiller.trl.common import (
 from tiller.trl.data import to_dataset_rows, write_rows_atomic
 from tiller.trl.rewards import ROW_KEY, SPLIT_KEY, RewardModelFunc, TRLRewards, callable_name
 
+MIN_IS_BOUND = 1e-30  # the lower IcePop bound standing for TRL's "no clip_min"
 NO_DUAL_CLIP = 1e9  # actor.clip_ratio_c so large it never binds: TRL has no dual clip unless `delta`
 DATA_DIR = "data"  # under the run dir: the prompts tiller reads (train.jsonl, eval.jsonl)
 
@@ -64,8 +65,10 @@ def _vllm_is(value: Any, args: Any) -> dict:
             raise refuse_value("vllm_importance_sampling_clip_min", lo, "tiller's truncated IS caps the weights "
                                "from above only (vllm_importance_sampling_clip_max)")
         return {"rollout_is": level, "rollout_is_threshold": str(float(hi))}
-    # *_mask: weights outside [min, max] are 0, inside they weight the loss (IcePop, verl's "lo_hi" threshold)
-    return {"rollout_is": level, "rollout_is_threshold": f"{float(lo or 0.0)}_{float(hi if hi is not None else 1e30)}"}
+    # *_mask: weights outside [min, max] are 0, inside they weight the loss (IcePop, verl's "lo_hi" threshold); no
+    # clip_min: tiller's bound must be > 0, so 1e-30 (a weight below it is 0 either way to float32 precision)
+    low = float(lo) if lo else MIN_IS_BOUND
+    return {"rollout_is": level, "rollout_is_threshold": f"{low}_{float(hi if hi is not None else 1e30)}"}
 
 
 GEN_NOOP_VLLM = "a vLLM engine setting: tiller's vllm engine takes its own defaults"
@@ -308,6 +311,10 @@ class TRLRLTrainer(TRLTrainerBase):
     def _algorithm_keys(self) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _algorithm_notices(self) -> list[str]:
+        """Lines on where this run's normalisation differs from TRL's (none by default)."""
+        return []
+
     def translate(self) -> tuple[dict[str, Any], list[str]]:
         """(tiller RL keys, notices) of this trainer's arguments and data (the data is written under the run dir)."""
         notices = list(self.notices)
@@ -316,6 +323,7 @@ class TRLRLTrainer(TRLTrainerBase):
         notices += more
         self.total_steps = schedule["total_training_steps"] * self.arithmetic["k"]
         self.rewards.max_steps = self.total_steps
+        self.rewards.optimizer_steps_per_step = self.arithmetic["k"]
         keys = {"actor_rollout_ref.model.path": self.model_path}
         if self.tokenizer_path:
             keys["actor_rollout_ref.model.tokenizer_path"] = self.tokenizer_path
@@ -326,7 +334,7 @@ class TRLRLTrainer(TRLTrainerBase):
         keys.update(self._shared_keys())
         keys.update(self._algorithm_keys())
         keys.update(lora_rl_keys(self.lora))
-        return keys, notices
+        return keys, notices + self._algorithm_notices()
 
     def _tiller_config(self, resume: dict[str, Any]) -> Any:
         from tiller.config import load_config
@@ -354,6 +362,9 @@ class TRLRLTrainer(TRLTrainerBase):
                           ("clip_ratio/region_mean", "actor/pg_clipfrac"), ("grad_norm", "actor/grad_norm")):
             if ours in row:
                 out[trl] = row[ours]
+        for key, value in row.items():  # validation on eval_dataset: TRL's eval_reward (mean over its samples)
+            if key.startswith("val-core/trl/acc/mean@"):
+                out["eval_reward"] = value
         return out
 
 
