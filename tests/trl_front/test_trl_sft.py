@@ -161,6 +161,12 @@ def test_refusals_name_the_field_or_argument(tiny_model_dir, tmp_path):
         SFTConfig(max_len=12)
     with pytest.raises(DataError, match="train_dataset is empty"):
         SFTTrainer(model=str(tiny_model_dir), train_dataset=[], args=SFTConfig(output_dir="o"))
+    with pytest.raises(ConfigError, match=r"eval_dataset: a dict of 2 datasets \(a, b\): refused"):
+        SFTTrainer(model=str(tiny_model_dir), train_dataset=rows, eval_dataset={"a": rows, "b": rows},
+                   args=SFTConfig(output_dir="o"))
+    with pytest.raises(ConfigError, match=r"evaluate\(\): call train\(\) first"):
+        SFTTrainer(model=str(tiny_model_dir), train_dataset=rows, eval_dataset=rows,
+                   args=SFTConfig(output_dir="o")).evaluate()
 
 
 def test_eos_token_chat_template_path_and_dft_map_to_tiller_keys(tiny_model_dir, tmp_path):
