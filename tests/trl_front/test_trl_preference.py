@@ -68,10 +68,11 @@ def _targets(rows, keys, tok, kind="paired"):
     import tempfile
     from pathlib import Path
 
-    path = Path(tempfile.mkdtemp()) / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = cls(**{k.split(".", 1)[1]: v for k, v in keys.items()})
-    return load_preference_examples([str(path)], cfg, tok, kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load_preference_examples([str(path)], cfg, tok, kind)
 
 
 def test_dpo_rows_learn_the_completions_trl_learns(tok):

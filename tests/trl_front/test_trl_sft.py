@@ -13,7 +13,7 @@ from tiller.data.sft import IGNORE, load_sft_examples
 from tiller.errors import ConfigError, DataError
 from tiller.models.loading import load_tokenizer
 from tiller.trl import SFTConfig, SFTTrainer
-from tiller.trl.common import TRAINING_ARGS_RULES
+from tiller.trl.common import TRAINING_ARGS_RULES, classify
 from tiller.trl.fields import FIELDS
 from tiller.trl.sft import SFT_RULES, sft_rows
 
@@ -42,24 +42,23 @@ def test_every_sft_field_has_exactly_one_rule():
 def _loss_text(rows, args, tok) -> list[str]:
     out, keys = sft_rows(rows, args, "train_dataset")
     cfg = SFTDataConfig(**{k.split(".", 1)[1]: v for k, v in {**keys, **_data_keys(args)}.items()})
-    examples = load_sft_examples([_write(out)], cfg, tok)
+    examples = _load(out, cfg, tok)
     return [tok.decode([x for x in e.labels if x != IGNORE]) for e in examples]
 
 
 def _data_keys(args) -> dict:
-    logical, _ = __import__("tiller.trl.common", fromlist=["classify"]).classify(args)
+    logical, _ = classify(args)
     return {k: v for k, v in logical.items() if k.startswith("data.")}
 
 
-_TMP: list[Path] = []
-
-
-def _write(rows) -> str:
+def _load(rows, cfg, tok):
+    """tiller's SFT examples of `rows` written as a data file (a temporary one)."""
     import tempfile
 
-    path = Path(tempfile.mkdtemp()) / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load_sft_examples([str(path)], cfg, tok)
 
 
 def test_trl_formats_put_the_loss_where_trl_does(tok):
@@ -106,7 +105,7 @@ def test_loss_tokens_match_trl_own_tokenization(tiny_model_dir, tok, tmp_path):
         out, keys = sft_rows(rows, SFTConfig(output_dir="o", **extra), "train_dataset")
         cfg = SFTDataConfig(**{k.split(".", 1)[1]: v for k, v in {**keys, **_data_keys(SFTConfig(
             output_dir="o", **extra))}.items()})
-        (ours,) = load_sft_examples([_write(out)], cfg, tok)
+        (ours,) = _load(out, cfg, tok)
         assert ours.input_ids == ref["input_ids"], rows
         # TRL's labels are unshifted (the model shifts them): the target of position t-1 is labels[t]
         assert ours.labels[:-1] == ref["labels"][1:], rows
