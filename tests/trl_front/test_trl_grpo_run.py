@@ -128,3 +128,14 @@ def test_a_raising_reward_function_stops_the_run_naming_it(tmp_path, tiny_model_
     trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=digits, args=_args(tmp_path / "run", max_steps=1),
                           train_dataset=_rows())
     assert trainer.train().global_step == 1  # the failed run left the run dir usable
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, tiny_model_dir):
+    # 3 tokens: every completion of an untrained model is cut (no EOS), so nothing is left to train on
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=chars, train_dataset=_rows(),
+                          args=_args(tmp_path / "run", max_steps=1, max_completion_length=3,
+                                     mask_truncated_completions=True))
+    trainer.train()
+    row = _jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert row["actor/masked_truncated_frac"] == 1.0 and row["response/finish_stop_ratio"] == 0.0
+    assert row["actor/grad_norm"] == 0.0 and row["actor/pg_loss"] == 0.0

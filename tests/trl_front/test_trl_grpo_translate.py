@@ -219,4 +219,15 @@ def test_a_loaded_model_without_tokenizer_uses_its_source_dirs_tokenizer(tiny_mo
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     trainer = GRPOTrainer(model, reward_len, train_dataset=rows(8), args=GRPOConfig(output_dir=str(tmp_path / "r")))
     assert trainer.model_path == str(tmp_path / "r" / "input_model") and trainer.tokenizer_path == str(tiny_model_dir)
+    assert trainer.processing_class.pad_token == "<|pad|>"  # loaded from the model's source dir, as TRL
     assert (tmp_path / "r" / "input_model" / "model.safetensors").exists()
+
+
+def test_entropy_coef_maps_where_trls_bonus_is_tillers(tiny_model_dir, tmp_path):
+    # dapo with one micro-batch per optimizer step: TRL's per-micro-batch token mean = tiller's token-mean
+    keys, _, _ = translate(tiny_model_dir, tmp_path, entropy_coef=0.01)
+    assert keys[f"{A}.entropy_coeff"] == 0.01 and keys[f"{A}.loss_agg_mode"] == "token-mean"
+    with pytest.raises(ConfigError, match="^entropy_coef=0.01: refused"):
+        translate(tiny_model_dir, tmp_path / "g", entropy_coef=0.01, loss_type="grpo")
+    with pytest.raises(ConfigError, match="^use_adaptive_entropy=True: refused"):
+        translate(tiny_model_dir, tmp_path / "a", use_adaptive_entropy=True)

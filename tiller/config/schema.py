@@ -513,6 +513,10 @@ class ActorConfig:
     """Passes over each RL batch."""
     shuffle: bool = False
     """Shuffle samples before splitting into mini-batches."""
+    mask_truncated_responses: bool = False
+    """tiller: leave truncated responses (finish_reason length: no EOS within the budget) out of the policy loss;
+    they still count in their group's advantages and as sequences of the seq-mean modes (TRL's
+    mask_truncated_completions)."""
     grad_clip: float = 1.0
     """Max global grad norm."""
     clip_ratio: float = 0.2

@@ -365,6 +365,8 @@ class RLTrainer:
             with timer("adv", m):
                 baseline = batch["reward_baselines"] if "reward_baselines" in batch else None
                 self._compute_advantage(batch, m, baseline)
+                if self.cfg.actor_rollout_ref.actor.mask_truncated_responses:
+                    self._mask_truncated(batch, m)
                 if self.cfg.algorithm.use_pf_ppo:  # PF-PPO: the update sees samples redrawn by reward
                     batch = self._pf_ppo_resample(batch, m)
             train_batch = self._for_update(batch)
@@ -809,6 +811,17 @@ class RLTrainer:
         keep_groups = {u for u, vs in by_group.items() if max(vs) - min(vs) > 1e-8 or len(vs) == 1}
         keep = np.array([u in keep_groups for u in batch["uid"]])
         return batch.index(keep)
+
+    def _mask_truncated(self, batch: Batch, m: dict) -> None:
+        """actor.mask_truncated_responses: a truncated response's tokens leave the loss mask (`loss_mask`, which the
+        updates use in place of response_mask; the row still counts as a sequence)."""
+        if "finish_reason" not in batch:
+            raise ConfigError("actor_rollout_ref.actor.mask_truncated_responses=true: this rollout gives no "
+                              "finish reasons (agent rollouts)")
+        keep = torch.tensor([r != "length" for r in batch["finish_reason"]], dtype=batch["response_mask"].dtype)
+        base = batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
+        batch["loss_mask"] = base * keep[:, None]
+        m["actor/masked_truncated_frac"] = float(1.0 - keep.float().mean()) if len(keep) else 0.0
 
     def _for_update(self, batch: Batch) -> Batch:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""

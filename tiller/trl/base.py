@@ -201,6 +201,19 @@ class TRLTrainerBase:
         return model_path, str(out)
 
     @property
+    def processing_class(self) -> Any:
+        """The tokenizer given, or (as TRL) the one loaded from the model's dir."""
+        if self._processing_class is None or isinstance(self._processing_class, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            self._processing_class = AutoTokenizer.from_pretrained(self.tokenizer_path or self.model_path)
+        return self._processing_class
+
+    @processing_class.setter
+    def processing_class(self, value: Any) -> None:
+        self._processing_class = value
+
+    @property
     def model(self) -> Any:
         """The trained model after `train()` (loaded from the run's newest checkpoint, LoRA merged), else the
         model given (loaded from its dir when a path was given)."""

@@ -120,7 +120,8 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "epsilon_high": mapped("actor.clip_ratio_high (None: epsilon)", to("epsilon_high")),
     "reward_weights": mapped("the weights of TRL's nansum of the reward functions (None: all 1)",
                              to("reward_weights")),
-    "mask_truncated_completions": refused("tiller trains on truncated completions (no mask for them)"),
+    "mask_truncated_completions": mapped("actor.mask_truncated_responses (truncated completions leave the loss, "
+                                         "still counted as sequences)", to("mask_truncated", bool)),
     "sync_ref_model": refused("tiller's reference model stays the initial policy (no TR-DPO syncing)"),
     "ref_model_mixup_alpha": noop("only read with sync_ref_model, which is refused"),
     "ref_model_sync_steps": noop("only read with sync_ref_model, which is refused"),
@@ -292,6 +293,7 @@ class TRLRLTrainer(TRLTrainerBase):
             f"{actor}.clip_ratio_low": lg["epsilon"],
             f"{actor}.clip_ratio_high": lg["epsilon_high"] if lg["epsilon_high"] is not None else lg["epsilon"],
             f"{actor}.clip_ratio_c": NO_DUAL_CLIP, "algorithm.use_kl_in_reward": False,
+            f"{actor}.mask_truncated_responses": lg["mask_truncated"],
             "trainer.val_before_train": bool(lg.get("eval_on_start")),
             "trainer.resume_mode": "disable",
         }
