@@ -46,8 +46,8 @@ def test_dpo_worked_numbers():
     # IPO: (h - 1 / (2 beta))^2 = (2 - 5)^2 = 9
     loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, loss_type="ipo")
     assert loss.item() == pytest.approx(9.0)
-    with pytest.raises(ConfigError, match="sigmoid, ipo"):
-        dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), beta=0.1, loss_type="hinge")
+    with pytest.raises(ConfigError, match="sigmoid, ipo, hinge, robust"):
+        dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), beta=0.1, loss_type="sppo_hard")
 
 
 def test_dpo_gradient_direction_and_extremes():

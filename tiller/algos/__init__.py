@@ -29,6 +29,7 @@ from tiller.algos.policy_losses import (
 )
 from tiller.algos.pf_ppo import pf_ppo_resample, pf_ppo_weights
 from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss
+from tiller.algos.sft import SFT_LOSSES, sft_token_loss
 from tiller.algos.prime import compute_prime, prime_prm_loss, prime_token_rewards
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
 from tiller.algos.token_baseline import compute_optimal_token_baseline, compute_tir_optimal_token_baseline
@@ -36,6 +37,8 @@ from tiller.algos.utils import group_ids, masked_mean, masked_sum, masked_var, m
 from tiller.algos.value_loss import explained_variance, value_loss
 
 __all__ = [
+    "SFT_LOSSES",
+    "sft_token_loss",
     "ADV_ESTIMATORS",
     "AdaptiveEntropyController",
     "AdaptiveKLController",

@@ -6,6 +6,9 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
 - DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (pi_c - pi_r) - (ref_c - ref_r):
   `sigmoid`: -(1 - eps) log sigma(beta h) - eps log sigma(-beta h); eps = label_smoothing is
   conservative DPO (cDPO, Mitchell 2023): the label is assumed flipped with probability eps.
+  `hinge` (SLiC, Zhao et al. 2023, arXiv 2305.10425): max(0, 1 - beta h).
+  `robust` (Chowdhury et al. 2024, arXiv 2403.00409, eq. 7): the unbiased loss under label noise eps,
+  (-(1 - eps) log sigma(beta h) + eps log sigma(-beta h)) / (1 - 2 eps).
   `ipo` (Azar et al. 2023, arXiv 2310.12036): (h - 1 / (2 beta))^2. TRL feeds IPO length-averaged
   log-probs; pass those if you want TRL's behaviour (the function does not know the lengths).
   Implicit rewards: beta (pi - ref), detached.
@@ -16,7 +19,9 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
 - Pairwise reward model (InstructGPT, Ouyang et al. 2022): `sigmoid`: -log sigma(s_c - s_r - margin)
   (Llama-2's margin term when `margin` is given); `logexp`: log(1 + exp(s_r - s_c + margin))
   (OpenRLHF's LogExpLoss). The two are the same function mathematically; both are computed with
-  stable softplus / logsigmoid and kept under both names for config compatibility.
+  stable softplus / logsigmoid and kept under both names for config compatibility. `center_coef` c adds
+  c (s_c + s_r)^2 per pair (Eisenstein et al. 2023, arXiv 2312.09244, "reward centering"; TRL's
+  center_rewards_coefficient: its mean over pairs is TRL's term).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 
 from tiller.errors import ConfigError
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 RM_LOSS_KINDS = ("sigmoid", "logexp")
 
 
@@ -39,7 +44,8 @@ def dpo_loss(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO / cDPO / IPO per example: all inputs [B] -> (loss [B], chosen_rewards [B], rejected_rewards [B])."""
+    """DPO / cDPO / IPO / hinge / robust per example: all inputs [B] -> (loss [B], chosen_rewards [B],
+    rejected_rewards [B])."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ConfigError(f"loss_type: unknown DPO loss {loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}")
     if not 0.0 <= label_smoothing < 0.5:
@@ -47,6 +53,11 @@ def dpo_loss(
     h = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
     if loss_type == "sigmoid":
         loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "hinge":
+        loss = torch.relu(1 - beta * h)
+    elif loss_type == "robust":
+        eps = label_smoothing
+        loss = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
     else:
         loss = (h - 1.0 / (2.0 * beta)) ** 2
     chosen_rewards = (beta * (policy_chosen_logps - ref_chosen_logps)).detach()
@@ -96,13 +107,15 @@ def pairwise_rm_loss(
     rejected_scores: torch.Tensor,
     margin: torch.Tensor | None = None,
     kind: str = "sigmoid",
+    center_coef: float = 0.0,
 ) -> torch.Tensor:
-    """Bradley-Terry pairwise loss per pair: scores [B], margin [B] or None -> loss [B]."""
+    """Bradley-Terry pairwise loss per pair: scores [B], margin [B] or None -> loss [B] (+ c (s_c + s_r)^2)."""
     if kind not in RM_LOSS_KINDS:
         raise ConfigError(f"loss kind: unknown pairwise RM loss {kind!r}; valid: {', '.join(RM_LOSS_KINDS)}")
     diff = chosen_scores - rejected_scores
     if margin is not None:
         diff = diff - margin
-    if kind == "sigmoid":
-        return -F.logsigmoid(diff)
-    return F.softplus(-diff)
+    loss = -F.logsigmoid(diff) if kind == "sigmoid" else F.softplus(-diff)
+    if center_coef:
+        loss = loss + center_coef * (chosen_scores + rejected_scores) ** 2
+    return loss

@@ -30,7 +30,8 @@ class SFTDataConfig:
     val_files: list[str] = field(default_factory=list)
     """Validation files (eval loss and perplexity); empty = no validation."""
     format: str = "auto"
-    """auto (messages if data.messages_key is a column) | prompt_response | messages."""
+    """auto (messages if data.messages_key is a column, else text if only data.text_key is, else prompt_response) |
+    prompt_response | messages | text (plain text, loss on every token: TRL's language-modeling rows)."""
     prompt_key: str = "prompt"
     """Prompt column: a string or a list of chat messages."""
     response_key: str = "response"
@@ -41,11 +42,20 @@ class SFTDataConfig:
     """OpenRLHF's name for the response column; overrides data.response_key when set."""
     messages_key: str = "messages"
     """Chat-conversation column (list of {role, content}); loss on every assistant turn."""
+    assistant_only_loss: bool = True
+    """messages format: loss on the assistant turns only (True) or on every token of the rendered conversation
+    (False: TRL's default for a `messages` dataset)."""
+    text_key: str = "text"
+    """text format: the column of plain text; loss on every token, eos appended unless the text ends with it."""
     image_key: str = "images"
     """Image column of image + text conversations (verl's multimodal schema; a vision-language model: the
     messages' `<image>` placeholders take these images in order)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (as the RL trainer does)."""
+    add_special_tokens: bool = False
+    """Tokenize text that no chat template renders (text rows, string prompts with apply_chat_template off, whole-string
+    reward sequences) with the tokenizer's special tokens, e.g. Llama's BOS, as TRL's trainers tokenize standard rows;
+    false: without them, as the RL trainer tokenizes prompts."""
     max_length: int = 512
     """Longest prompt + response in tokens."""
     truncation: str = "error"
@@ -100,6 +110,10 @@ class PreferenceDataConfig:
     """DPO: column of precomputed reference log-prob sums of rejected."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
+    add_special_tokens: bool = False
+    """Tokenize text that no chat template renders (text rows, string prompts with apply_chat_template off, whole-string
+    reward sequences) with the tokenizer's special tokens, e.g. Llama's BOS, as TRL's trainers tokenize standard rows;
+    false: without them, as the RL trainer tokenizes prompts."""
     max_length: int = 512
     """Longest prompt + response in tokens."""
     truncation: str = "error"
@@ -181,6 +195,9 @@ class JobModelConfig:
     model.custom_chat_template): the data renders with it and the saved model keeps it; null = the tokenizer's own."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    disable_dropout: bool = False
+    """Set every dropout probability of the trained model to 0 (TRL's disable_dropout, its default for DPO / KTO /
+    reward models): the policy's log-probs are then those the reference and the loss assume."""
     attn_implementation: Optional[str] = None
     """transformers attention: sdpa | eager | flash_attention_2; None = transformers' default."""
     lora_rank: int = 0
@@ -264,23 +281,36 @@ class JobTrainerConfig:
 
 
 @dataclass
+class SFTAlgoConfig:
+    loss: str = "nll"
+    """Token loss: nll (-log p) | dft (Dynamic Fine-Tuning, Wu et al. 2025: -p log p with p detached)."""
+
+
+@dataclass
 class RMAlgoConfig:
     loss: str = "sigmoid"
     """Pairwise loss: sigmoid (-log sigma(s_c - s_r - margin)) | logexp (OpenRLHF's name, same value)."""
+    center_rewards_coefficient: float = 0.0
+    """Weight of the centring term c * ((s_c + s_r) ** 2) averaged over pairs (Eisenstein et al. 2023, TRL's
+    center_rewards_coefficient; OpenRLHF has none): keeps the scores near 0; 0 = off."""
 
 
 @dataclass
 class DPOAlgoConfig:
     loss: str = "dpo"
-    """dpo | ipo | cdpo (conservative DPO: dpo with label smoothing)."""
+    """dpo | ipo | cdpo (conservative DPO: dpo with label smoothing) | hinge (SLiC) | robust (robust DPO: unbiased
+    under label noise algorithm.label_smoothing)."""
     beta: float = 0.1
     """Inverse temperature beta (IPO: the regularisation tau)."""
     label_smoothing: float = 0.0
-    """cDPO: probability that a label is flipped (must be > 0 for cdpo, 0 for ipo)."""
+    """cDPO / robust: probability that a label is flipped (must be > 0 for cdpo, 0 for ipo and hinge)."""
 
 
 @dataclass
 class KTOAlgoConfig:
+    loss: str = "kto"
+    """kto | apo_zero_unpaired (APO-zero, D'Oosterlinck et al. 2024, arXiv 2408.06266, unpaired: KTO's two losses
+    with the KL baseline fixed at 0, so no mismatched pairs are run)."""
     beta: float = 0.1
     """Inverse temperature beta."""
     desirable_weight: float = 1.0
@@ -314,6 +344,7 @@ class SFTConfig:
     model: JobModelConfig = field(default_factory=JobModelConfig)
     optim: JobOptimConfig = field(default_factory=JobOptimConfig)
     trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
+    algorithm: SFTAlgoConfig = field(default_factory=SFTAlgoConfig)
 
 
 @dataclass
@@ -398,11 +429,15 @@ def validate_job(cfg: Any) -> None:
                                  template_key="model.custom_chat_template",
                                  kwargs_key="data.apply_chat_template_kwargs")
     if isinstance(cfg, SFTConfig):
-        _choice("data.format", data.format, ("auto", "prompt_response", "messages"))
+        _choice("data.format", data.format, ("auto", "prompt_response", "messages", "text"))
+        _choice("algorithm.loss", cfg.algorithm.loss, ("nll", "dft"))
         if data.pack_length is not None:
             _positive("data.pack_length", data.pack_length)
     if isinstance(cfg, RMConfig):
         _choice("algorithm.loss", cfg.algorithm.loss, ("sigmoid", "logexp"))
+        if cfg.algorithm.center_rewards_coefficient < 0:
+            raise ConfigError("algorithm.center_rewards_coefficient must be >= 0, got "
+                              f"{cfg.algorithm.center_rewards_coefficient}")
     if isinstance(cfg, DPOConfig):
         _validate_dpo(cfg)
     if isinstance(cfg, SPINConfig):
@@ -411,21 +446,22 @@ def validate_job(cfg: Any) -> None:
         _positive("algorithm.beta", cfg.algorithm.beta)
         if cfg.algorithm.desirable_weight < 0 or cfg.algorithm.undesirable_weight < 0:
             raise ConfigError("algorithm.desirable_weight and algorithm.undesirable_weight must be >= 0")
-        if cfg.data.train_batch_size < 2:
+        _choice("algorithm.loss", cfg.algorithm.loss, ("kto", "apo_zero_unpaired"))
+        if cfg.algorithm.loss == "kto" and cfg.data.train_batch_size < 2:
             raise ConfigError("KTO needs data.train_batch_size >= 2: the KL baseline pairs each prompt with "
                               "another example's completion")
 
 
 def _validate_dpo(cfg: DPOConfig) -> None:
     algo = cfg.algorithm
-    _choice("algorithm.loss", algo.loss, ("dpo", "ipo", "cdpo"))
+    _choice("algorithm.loss", algo.loss, ("dpo", "ipo", "cdpo", "hinge", "robust"))
     _positive("algorithm.beta", algo.beta)
     if not 0 <= algo.label_smoothing < 0.5:
         raise ConfigError(f"algorithm.label_smoothing must be in [0, 0.5), got {algo.label_smoothing}")
     if algo.loss == "cdpo" and algo.label_smoothing == 0:
         raise ConfigError("algorithm.loss=cdpo needs algorithm.label_smoothing > 0 (e.g. 0.1)")
-    if algo.loss == "ipo" and algo.label_smoothing != 0:
-        raise ConfigError("algorithm.label_smoothing applies to dpo / cdpo, not ipo")
+    if algo.loss in ("ipo", "hinge") and algo.label_smoothing != 0:
+        raise ConfigError(f"algorithm.label_smoothing applies to dpo / cdpo / robust, not {algo.loss}")
     keys = (cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key)
     if (keys[0] is None) != (keys[1] is None):
         raise ConfigError("set both data.ref_chosen_logps_key and data.ref_rejected_logps_key, or neither")

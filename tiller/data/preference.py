@@ -149,7 +149,8 @@ def encode_pair(row: dict, data_cfg, tokenizer, where: str) -> PairExample:
         for key, name in ((data_cfg.chosen_key, "data.chosen_key"), (data_cfg.rejected_key, "data.rejected_key")):
             text = completion_text(_require(row, key, name, where), key, where)
             p_ids, c_ids = encode_prompt_response(prompt, text, tokenizer, data_cfg.apply_chat_template, where,
-                                                  data_cfg.input_template)
+                                                  data_cfg.input_template,
+                                                  add_special_tokens=data_cfg.add_special_tokens)
             seqs.append(make_sequence(p_ids, c_ids, data_cfg.max_length, data_cfg.truncation, where))
     out = PairExample(seqs[0], seqs[1])
     if data_cfg.margin_key:
@@ -191,15 +192,17 @@ def encode_rm_pair(row: dict, data_cfg, tokenizer, where: str) -> PairExample:
     seqs = []
     for key, name in ((data_cfg.chosen_key, "data.chosen_key"), (data_cfg.rejected_key, "data.rejected_key")):
         value = _require(row, key, name, where)
+        templated = data_cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
         if prompt is None:  # prompt-less layout: the whole conversation (or string) is scored
             text = whole_conversation(value, key, tokenizer, data_cfg.apply_chat_template, where)
+            templated = templated and _messages(value) is not None
         else:
             if data_cfg.input_template and isinstance(prompt, str) and not (
                     data_cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)):
                 prompt = apply_template(data_cfg.input_template, prompt)
             text = render_conversation(prompt, completion_text(value, key, where), tokenizer,
                                        data_cfg.apply_chat_template)
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=data_cfg.add_special_tokens and not templated)["input_ids"])
         ids, _ = fit_length(ids, [0] * len(ids), data_cfg.max_length, data_cfg.truncation, where)
         seqs.append(SFTExample(ids, [IGNORE] * len(ids)))
     out = PairExample(seqs[0], seqs[1])
@@ -223,7 +226,7 @@ def encode_unpaired(row: dict, data_cfg, tokenizer, where: str) -> UnpairedExamp
     text = completion_text(_require(row, data_cfg.completion_key, "data.completion_key", where),
                            data_cfg.completion_key, where)
     p_ids, c_ids = encode_prompt_response(prompt, text, tokenizer, data_cfg.apply_chat_template, where,
-                                          data_cfg.input_template)
+                                          data_cfg.input_template, add_special_tokens=data_cfg.add_special_tokens)
     make_sequence(p_ids, c_ids, data_cfg.max_length, data_cfg.truncation, where)  # length check only
     desirable = _label(_require(row, data_cfg.label_key, "data.label_key", where), data_cfg.label_key, where)
     return UnpairedExample(p_ids, c_ids, desirable)

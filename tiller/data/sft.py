@@ -13,7 +13,12 @@ Two row formats (parquet or JSONL; `tiller.data.files.read_rows` reads both):
   a template without them is handled by incremental rendering: the assistant span of turn i is the
   text that `messages[:i+1]` adds to `messages[:i]` rendered with `add_generation_prompt=True`.
 
-`data.format=auto` picks messages when the messages column is present, else prompt / response.
+- plain text (`data.format=text`, `data.text_key`; TRL's language-modeling rows): the text followed by
+  eos (unless it already ends with the eos token's text), tokenized as one string; loss on EVERY token.
+
+`data.format=auto` picks messages when the messages column is present, else text when the text column is
+present and the prompt column is not, else prompt / response. `data.assistant_only_loss=False` puts the loss
+of a chat conversation on every token it renders to (TRL's default for a `messages` dataset).
 
 Length: a sequence over `data.max_length` tokens raises a `DataError` naming file and row
 (`data.truncation=error`, the default), or is cut: `right` keeps the start (the response tail is
@@ -42,7 +47,7 @@ from tiller.models.loading import VISION_FAMILIES
 from tiller.models.vision import split_placeholders
 
 IGNORE = -100
-FORMATS = ("auto", "prompt_response", "messages")
+FORMATS = ("auto", "prompt_response", "messages", "text")
 
 
 @dataclass
@@ -85,16 +90,20 @@ def _check_text(value: Any, what: str, where: str) -> str:
 
 def encode_prompt_response(prompt: Any, response: Any, tokenizer, apply_chat_template: bool,
                            where: str, input_template: str | None = None,
-                           chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+                           chat_template_kwargs: dict | None = None,
+                           add_special_tokens: bool = False) -> tuple[list[int], list[int]]:
     """(prompt_ids, response_ids) with the response followed by eos; raises `DataError` on empty text.
     A string prompt without a chat template goes through `input_template` when one is given (OpenRLHF).
-    `chat_template_kwargs`: extra template variables (`tiller sft`'s data.apply_chat_template_kwargs)."""
+    `chat_template_kwargs`: extra template variables (`tiller sft`'s data.apply_chat_template_kwargs).
+    `add_special_tokens`: a prompt no chat template rendered gets the tokenizer's special tokens
+    (data.add_special_tokens)."""
     prompt = _as_list(prompt)
     if isinstance(prompt, str):
         _check_text(prompt, "prompt", where)
     text = render_prompt(prompt, tokenizer, apply_chat_template, where, input_template, chat_template_kwargs)
     response = _check_text(_as_list(response), "response", where)
-    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    templated = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    prompt_ids = tokenizer(text, add_special_tokens=add_special_tokens and not templated)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         response_ids = response_ids + [tokenizer.eos_token_id]
@@ -156,6 +165,16 @@ def _encode_incremental(messages: list[dict], tokenizer, where: str,
     return full, mask
 
 
+def encode_text(text: Any, tokenizer, where: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of a plain-text row: the text + eos (not doubled when the text ends with it), one tokenizer call,
+    as TRL's SFTTrainer tokenizes its language-modeling rows (with the special tokens when `add_special_tokens`)."""
+    text = _check_text(_as_list(text), "text", where)
+    eos = tokenizer.eos_token
+    if eos and not text.endswith(eos):
+        text = text + eos
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
 def fit_length(ids: list[int], mask: list[int], max_length: int, truncation: str,
                where: str) -> tuple[list[int], list[int]]:
     """Apply `data.max_length` / `data.truncation` (error | left | right) to a full sequence."""
@@ -173,7 +192,12 @@ def detect_format(rows: list[dict], data_cfg, path: str) -> str:
     fmt = data_cfg.format
     if fmt != "auto":
         return fmt
-    return "messages" if rows and data_cfg.messages_key in rows[0] else "prompt_response"
+    if rows and data_cfg.messages_key in rows[0]:
+        return "messages"
+    pkey, _ = prompt_response_keys(data_cfg)
+    if rows and data_cfg.text_key in rows[0] and pkey not in rows[0]:
+        return "text"
+    return "prompt_response"
 
 
 def prompt_response_keys(data_cfg) -> tuple[str, str]:
@@ -229,13 +253,21 @@ def encode_row(row: dict, fmt: str, data_cfg, tokenizer, where: str, processor=N
         if key not in row:
             raise DataError(f"{where}: missing key {key!r} (data.messages_key); row has {sorted(row)}")
         ids, mask = encode_messages(row[key], tokenizer, where, dict(data_cfg.apply_chat_template_kwargs))
+        if not data_cfg.assistant_only_loss:
+            mask = [1] * len(ids)
+    elif fmt == "text":
+        if data_cfg.text_key not in row:
+            raise DataError(f"{where}: missing key {data_cfg.text_key!r} (data.text_key); row has {sorted(row)}")
+        ids = encode_text(row[data_cfg.text_key], tokenizer, where, data_cfg.add_special_tokens)
+        mask = [1] * len(ids)
     else:
         pkey, rkey = prompt_response_keys(data_cfg)
         for key, name in ((pkey, "data.prompt_key"), (rkey, "data.response_key")):
             if key not in row:
                 raise DataError(f"{where}: missing key {key!r} ({name}); row has {sorted(row)}")
         p_ids, r_ids = encode_prompt_response(row[pkey], row[rkey], tokenizer, data_cfg.apply_chat_template, where,
-                                              data_cfg.input_template, dict(data_cfg.apply_chat_template_kwargs))
+                                              data_cfg.input_template, dict(data_cfg.apply_chat_template_kwargs),
+                                              data_cfg.add_special_tokens)
         ids, mask = p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
     ids, mask = fit_length(ids, mask, data_cfg.max_length, data_cfg.truncation, where)
     example = SFTExample(input_ids=ids, labels=shifted_labels(ids, mask))

@@ -5,7 +5,8 @@ Sequence log-probabilities: log pi(y | x) = sum over completion tokens of log pi
 
 DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r)):
   dpo:  -log sigma(beta h);  cdpo (Mitchell 2023): -(1-eps) log sigma(beta h) - eps log sigma(-beta h);
-  ipo (Azar et al. 2023, arXiv 2310.12036): (h - 1/(2 beta))^2 on LENGTH-AVERAGED log-probs (as TRL).
+  ipo (Azar et al. 2023, arXiv 2310.12036): (h - 1/(2 beta))^2 on LENGTH-AVERAGED log-probs (as TRL);
+  hinge (SLiC): max(0, 1 - beta h); robust (Chowdhury 2024): cDPO's terms made unbiased, divided by 1 - 2 eps.
 The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs.
 
 KTO (Ethayarajh et al. 2024, arXiv 2402.01306), r = log pi(y|x) - log ref(y|x):
@@ -13,6 +14,8 @@ KTO (Ethayarajh et al. 2024, arXiv 2402.01306), r = log pi(y|x) - log ref(y|x):
   z0 = max(0, mean over the step of log pi(y'|x) - log ref(y'|x)), detached, where (x, y') are
   MISMATCHED pairs: the prompt of example i with the completion of example i-1 (TRL's KL dataset).
 The math is `tiller.algos.kto_loss`; the step loss is the mean over the step's examples.
+`algorithm.loss=apo_zero_unpaired` (APO-zero, unpaired): desirable 1 - sigma(beta r), undesirable sigma(beta r) =
+1 - sigma(-beta r): the KTO losses with z0 = 0 (no mismatched pairs are run), as TRL's KTOTrainer computes it.
 Deviation: TRL estimates z0 per device micro-batch; tiller estimates it once over the whole
 optimizer step (a no-grad pre-pass), so the update does not depend on the micro-batch size.
 
@@ -88,7 +91,7 @@ class DPOJob:
     def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss: str = "dpo",
                  beta: float = 0.1, label_smoothing: float = 0.0):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
-        self.loss_type = "ipo" if loss == "ipo" else "sigmoid"
+        self.loss_type = {"dpo": "sigmoid", "cdpo": "sigmoid"}.get(loss, loss)  # ipo, hinge, robust
         self.beta, self.label_smoothing = beta, label_smoothing
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
@@ -139,23 +142,29 @@ class KTOJob:
     """KTO with the KL baseline from mismatched pairs of the whole step (see the module docstring)."""
 
     def __init__(self, reference: Reference, pad_id: int, micro_batch_size: int, max_length: int,
-                 beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+                 beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+                 truncation: str = "left", use_kl: bool = True):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
+        self.use_kl = use_kl  # False: apo_zero_unpaired, the baseline stays 0
         self.max_length = max_length
+        # data.truncation=error was checked on the data (a KL pair may still be longer: cut it at the prompt start)
+        self.truncation = "left" if truncation == "error" else truncation
         self.beta, self.w_d, self.w_u = beta, desirable_weight, undesirable_weight
         self.kl_baseline = torch.zeros(())
 
     def micro_batches(self, examples: Sequence[UnpairedExample]) -> list[dict[str, torch.Tensor]]:
         n = len(examples)
-        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, "left", "kto") for e in examples]
+        seqs = [make_sequence(e.prompt_ids, e.completion_ids, self.max_length, self.truncation, "kto")
+                for e in examples]
         # prompt i with the completion of example i-1 (a rotation: no example meets its own completion)
-        kl_seqs = [make_sequence(examples[i].prompt_ids, examples[(i - 1) % n].completion_ids, self.max_length,
-                                 "left", "kto KL pair") for i in range(n)]
+        kl_seqs = ([make_sequence(examples[i].prompt_ids, examples[(i - 1) % n].completion_ids, self.max_length,
+                                  self.truncation, "kto KL pair") for i in range(n)] if self.use_kl else [])
         out = []
         for i in range(0, n, self.micro_batch_size):
             batch = collate_padded(seqs[i:i + self.micro_batch_size], self.pad_id)
             batch["desirable"] = torch.tensor([e.desirable for e in examples[i:i + self.micro_batch_size]])
-            batch["kl"] = collate_padded(kl_seqs[i:i + self.micro_batch_size], self.pad_id)
+            if self.use_kl:
+                batch["kl"] = collate_padded(kl_seqs[i:i + self.micro_batch_size], self.pad_id)
             out.append(batch)
         return out
 
@@ -164,7 +173,10 @@ class KTOJob:
 
     @torch.no_grad()
     def prepare_step(self, model, micro_batches) -> None:
-        """z0 = mean over the step's mismatched pairs of log pi - log ref (clamped at 0 in kto_loss)."""
+        """z0 = mean over the step's mismatched pairs of log pi - log ref (clamped at 0 in kto_loss); 0 for APO-zero."""
+        if not self.use_kl:
+            self.kl_baseline = torch.zeros(())
+            return
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for micro in micro_batches:
             policy, _ = sequence_logps(model, micro["kl"])
@@ -229,7 +241,8 @@ def train_kto(cfg: KTOConfig) -> dict[str, float]:
     model, tokenizer, train, val, device = _load(cfg, "unpaired")
     algo = cfg.algorithm
     job = KTOJob(build_reference(cfg, model, device), tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu,
-                 cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight)
+                 cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight, cfg.data.truncation,
+                 use_kl=algo.loss == "kto")
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 

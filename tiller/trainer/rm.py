@@ -12,7 +12,7 @@ averaged over the pairs of the optimizer step (`tiller.algos.pairwise_rm_loss`).
 scores and their gap. Pairs are rendered exactly as the RL reward-model scorer renders them (the
 conversation through the chat template, `tiller.data.preference.render_conversation`), so the
 exported model gives the same scores in `tiller.rewards.reward_model.RewardModelScorer`.
-Deviation: no score centring / normalisation term in the loss (OpenRLHF and TRL offer an optional one).
+`algorithm.center_rewards_coefficient` c adds c (s_chosen + s_rejected)^2 per pair (TRL's centring term).
 At export, the mean and std of the trained model's scores over the validation pairs (the training pairs when there
 is no validation set), chosen and rejected together, are written to the model's config.json as `mean` / `std`,
 as OpenRLHF's train_rm does; `reward_model.normalize` (OpenRLHF's --normalize_reward) reads them.
@@ -48,9 +48,10 @@ def sequence_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 class RMJob:
     """Pairwise reward-model loss (see the module docstring)."""
 
-    def __init__(self, pad_id: int, micro_batch_size: int, loss_kind: str = "sigmoid", use_margin: bool = False):
+    def __init__(self, pad_id: int, micro_batch_size: int, loss_kind: str = "sigmoid", use_margin: bool = False,
+                 center_coef: float = 0.0):
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
-        self.loss_kind, self.use_margin = loss_kind, use_margin
+        self.loss_kind, self.use_margin, self.center_coef = loss_kind, use_margin, center_coef
         self.stats_examples: Sequence[PairExample] = ()
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
@@ -67,7 +68,8 @@ class RMJob:
         scores = sequence_scores(model, micro)
         chosen, rejected = scores.chunk(2)
         margin = micro["margin"] if self.use_margin else None
-        loss = pairwise_rm_loss(chosen, rejected, margin, kind=self.loss_kind).sum() / normalizer
+        loss = pairwise_rm_loss(chosen, rejected, margin, kind=self.loss_kind,
+                                center_coef=self.center_coef).sum() / normalizer
         detached = (chosen.detach(), rejected.detach())
         return loss, {
             "accuracy": (detached[0] > detached[1]).float().sum() / normalizer,
@@ -109,7 +111,8 @@ def train_rm(cfg: RMConfig) -> dict[str, float]:
     val = (load_preference_examples(data.val_files, data, tokenizer, "rm", data.val_max_samples, which="val",
                                     seed=cfg.trainer.seed)
            if data.val_files else [])
-    job = RMJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, cfg.algorithm.loss, bool(data.margin_key))
+    job = RMJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, cfg.algorithm.loss, bool(data.margin_key),
+                cfg.algorithm.center_rewards_coefficient)
     job.set_stats_examples(val or train)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 

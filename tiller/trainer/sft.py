@@ -2,6 +2,7 @@
 
 Loss: the mean negative log-likelihood of the response tokens of the whole optimizer step,
     L = - sum_{i, t in response_i} log pi(y_t | y_<t) / N_tok,   N_tok = response tokens in the step,
+(`algorithm.loss=dft`: each token's term scaled by its detached probability, `tiller.algos.sft_token_loss`)
 so every response token of the step weighs the same however the step is split into micro-batches or
 packed into rows (global token-mean, `tiller.algos.aggregate_loss(..., "token-mean", global_tokens=)`).
 Validation reports the same token-mean `val/loss` over the whole validation set and
@@ -29,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from tiller.algos import aggregate_loss, logprobs_from_logits
+from tiller.algos import aggregate_loss, logprobs_from_logits, sft_token_loss
 from tiller.config import load_config
 from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
@@ -44,11 +45,12 @@ from tiller.trainer.loop import resolve_device, run_training, seed_everything
 
 
 class SFTJob:
-    """Token-mean NLL on response tokens (see the module docstring)."""
+    """Token-mean NLL (or DFT) on response tokens (see the module docstring)."""
 
-    def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None):
+    def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None,
+                 loss_kind: str = "nll"):
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
-        self.packing, self.pack_length = packing, pack_length
+        self.packing, self.pack_length, self.loss_kind = packing, pack_length, loss_kind
 
     def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
         return make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
@@ -64,12 +66,15 @@ class SFTJob:
         labels = micro["labels"]
         mask = labels != IGNORE
         logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))
-        loss = aggregate_loss(-logp, mask, "token-mean", global_tokens=normalizer)
-        return loss, {"num_tokens": mask.sum()}
+        loss = aggregate_loss(sft_token_loss(logp, self.loss_kind), mask, "token-mean", global_tokens=normalizer)
+        metrics = {"num_tokens": mask.sum()}
+        if self.loss_kind != "nll":  # the NLL stays reported (perplexity is exp of it)
+            metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
+        return loss, metrics
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         out = dict(sums)
-        out["perplexity"] = math.exp(min(sums["loss"], 50.0))
+        out["perplexity"] = math.exp(min(sums.get("nll", sums["loss"]), 50.0))
         return out
 
 
@@ -100,6 +105,10 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         # transformers 5 renamed it; the old name warns
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
+    if m.disable_dropout:  # TRL's disable_dropout_in_model
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if lora_enabled(m):  # fresh adapters (model.lora_rank > 0) or a saved one (model.lora_adapter_path)
         if m.enable_gradient_checkpointing:
             model.enable_input_require_grads()
@@ -173,7 +182,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
                         "row would need M-RoPE positions restarted per sequence, which the model's get_rope_index "
                         "does not do); set data.packing=false")
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
-                 data.pack_length or default_pack_length(train, data.max_length))
+                 data.pack_length or default_pack_length(train, data.max_length), cfg.algorithm.loss)
     return run_training(cfg, job, model, processor or tokenizer, train, val, device=device)
 
 

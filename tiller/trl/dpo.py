@@ -1,0 +1,144 @@
+"""TRL's `DPOConfig` / `DPOTrainer` on `tiller dpo` (`tiller.trainer.preference.train_dpo`).
+
+Rows: `prompt` + `chosen` + `rejected` (standard strings or conversational), or only `chosen` / `rejected` (the
+implicit prompt is extracted as TRL does): `tiller.trl.preference.dpo_rows`. Losses (TRL 1.16's formulas, in
+`tiller.algos.dpo_loss`): sigmoid -> algorithm.loss=dpo, ipo (length-averaged log-probs, as TRL), hinge, robust
+(label_smoothing = the flip probability); other loss types, lists of several and f-divergences are refused. TRL's
+sigmoid ignores label_smoothing, so a non-zero one with sigmoid is refused rather than silently dropped.
+Reference: `ref_model=None` is the starting policy (with peft_config: the base model, adapters disabled, as TRL);
+a path or a loaded model -> model.ref_path. Deviations: see `tiller.trl.sft` (tokenization at the prompt /
+completion boundary, the end of a conversational turn); a prompt that fills max_length is an error naming the row
+(TRL drops the row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiller.errors import ConfigError
+from tiller.trl.fields import FIELDS
+from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value, refused
+from tiller.trl.jobs import JobTrainer, write_data
+from tiller.trl.preference import dpo_rows
+from tiller.trl.sft import COMMON_MODEL_RULES, truncation
+
+DPO_LOSSES = {"sigmoid": "dpo", "ipo": "ipo", "hinge": "hinge", "robust": "robust"}
+
+
+def _loss(value: Any, args: Any) -> dict:
+    names = [value] if isinstance(value, str) else list(value)
+    weights = args.loss_weights
+    if len(names) != 1 or names[0] not in DPO_LOSSES:
+        raise refuse_value("loss_type", value, f"one of {', '.join(DPO_LOSSES)} (tiller's DPO losses; "
+                           "combinations are not available)")
+    if weights is not None and list(weights) != [1.0]:
+        raise refuse_value("loss_weights", weights, "a single loss has weight 1 (scale learning_rate instead)")
+    loss = DPO_LOSSES[names[0]]
+    smoothing = float(args.label_smoothing)
+    if smoothing and loss in ("dpo", "ipo", "hinge"):
+        raise refuse_value("label_smoothing", smoothing, f"TRL 1.16 reads it for robust / exo_pair / aot losses only "
+                           f"(its {names[0]} ignores it); tiller's robust DPO takes it: loss_type='robust' (or "
+                           "`tiller dpo algorithm.loss=cdpo` for conservative DPO)")
+    if loss == "robust" and not 0 <= smoothing < 0.5:
+        raise refuse_value("label_smoothing", smoothing, "robust DPO takes a flip probability in [0, 0.5)")
+    return {"algorithm.loss": loss, "algorithm.label_smoothing": smoothing}
+
+
+_ONLY_WITH = "only read with {}, which is refused"
+
+PREFERENCE_RULES = {
+    **COMMON_MODEL_RULES,
+    "disable_dropout": mapped("model.disable_dropout", lambda v, a: {"model.disable_dropout": bool(v)}),
+    "precompute_ref_log_probs": noop("the reference is frozen: its log-probs are the same computed up front or per "
+                                     "step (tiller computes them per step)"),
+    "precompute_ref_batch_size": noop("the reference is frozen: its log-probs are the same computed up front or per "
+                                      "step"),
+    "beta": mapped("algorithm.beta", lambda v, a: {"algorithm.beta": float(v)}),
+    "sync_ref_model": refused("TR-DPO's reference updates are not available: tiller's reference stays frozen"),
+    "ref_model_mixup_alpha": noop(_ONLY_WITH.format("sync_ref_model")),
+    "ref_model_sync_steps": noop(_ONLY_WITH.format("sync_ref_model")),
+}
+
+DPO_RULES = {
+    **PREFERENCE_RULES,
+    "truncation_mode": mapped("data.truncation: keep_start -> right, keep_end -> left", truncation),
+    "padding_free": noop("tiller pads micro-batches: the loss is the same"),
+    "loss_type": mapped("algorithm.loss: sigmoid -> dpo | ipo | hinge | robust (one loss; others refused)", _loss),
+    "loss_weights": mapped("None or [1.0] (read with loss_type)", lambda v, a: {}),
+    "label_smoothing": mapped("algorithm.label_smoothing with loss_type='robust' (read with loss_type)",
+                              lambda v, a: {}),
+    "ld_alpha": refused("LD-DPO's length desensitisation is not available"),
+    "f_divergence_type": refused("tiller's DPO is the reverse-KL (standard) form only"),
+    "f_alpha_divergence_coef": noop(_ONLY_WITH.format("f_divergence_type='alpha_divergence'")),
+    "use_weighting": refused("WPO weighting is not available"),
+    "discopop_tau": noop(_ONLY_WITH.format("loss_type='discopop'")),
+}
+
+DPO_RULES = {k: v for k, v in DPO_RULES.items() if k in FIELDS["DPOConfig"]}  # this class's fields only
+DPOConfig = make_config_class("DPOConfig", DPO_RULES)
+
+
+class PreferenceTrainer(JobTrainer):
+    """DPO and KTO: a reference model given as None, a path or a loaded model."""
+
+    def _set_ref(self, ref_model: Any) -> None:
+        from tiller.models.checkpoint import save_pretrained_atomic
+
+        if ref_model is None:
+            self.ref_path = None
+        elif isinstance(ref_model, str) or hasattr(ref_model, "__fspath__"):
+            self.ref_path = str(ref_model)
+        elif hasattr(ref_model, "save_pretrained"):
+            self.ref_path = str(save_pretrained_atomic(self.run_dir / "input_ref_model", ref_model))
+        else:
+            raise ConfigError(f"ref_model: a {type(ref_model).__name__}: give a model dir, a loaded PreTrainedModel "
+                              "or None (the starting policy)")
+
+    def _model_keys(self, private: dict[str, Any]) -> dict[str, Any]:
+        out = super()._model_keys(private)
+        if self.ref_path is not None:
+            out["model.ref_path"] = self.ref_path
+        return out
+
+    def _eos(self) -> str | None:
+        from tiller.models.loading import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_path or self.model_path).eos_token
+
+    def _preference_data(self, convert: Any) -> dict[str, Any]:
+        eos = self._eos()
+        rows, keys = convert(self.train_rows, eos, "train_dataset")
+        keys["data.train_files"] = [write_data(self.run_dir, "train", rows)]
+        if self.eval_rows is not None:
+            val, _ = convert(self.eval_rows, eos, "eval_dataset")
+            keys["data.val_files"] = [write_data(self.run_dir, "eval", val)]
+        return keys
+
+
+class DPOTrainer(PreferenceTrainer):
+    """TRL's DPOTrainer: `DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=...,
+    eval_dataset=None, processing_class=None, peft_config=None)`; runs `tiller dpo` (see the module docstring)."""
+
+    config_class = DPOConfig
+    trl_metric_names = {}
+
+    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
+                 quantization_config: Any = None, peft_config: Any = None):
+        from tiller.config.jobs import DPOConfig as JobConfig
+        from tiller.trainer.preference import train_dpo
+
+        type(self).job_schema, type(self).entry = JobConfig, staticmethod(train_dpo)
+        self._set_up_job(model, args, train_dataset, eval_dataset, processing_class, peft_config,
+                         data_collator=data_collator, compute_metrics=compute_metrics, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config)
+        self._set_ref(ref_model)
+
+    def _data(self, private: dict[str, Any]) -> dict[str, Any]:
+        return self._preference_data(dpo_rows)
+
+
+def dpo_field_table() -> str:
+    """The markdown table of DPOConfig's fields (docs/trl.md)."""
+    return field_table("DPOConfig", DPOConfig.RULES)
