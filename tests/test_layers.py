@@ -21,7 +21,7 @@ FLOORS = [
     ("rewards and rollout", ("rewards", "rollout", "tasks")),
     ("workers", ("distributed", "workers")),
     ("drivers and the server", ("trainer", "evaluation", "serve")),
-    ("command lines", ("openrlhf", "cli", "env_cli", "data_cli")),
+    ("command lines", ("openrlhf", "trl", "cli", "env_cli", "data_cli")),
 ]
 LAYER = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1

@@ -163,6 +163,7 @@ class TRLTrainerBase:
     # ------------------------------------------------------------------------------ model and tokenizer
     def _model_paths(self, model: Any, processing_class: Any) -> tuple[str, str | None]:
         """(model dir, tokenizer dir or None = the model's): a loaded object is saved under the run dir first."""
+        # import cost: torch / safetensors load only when a model is saved or exported
         from tiller.models.checkpoint import save_pretrained_atomic
 
         if isinstance(model, (str, os.PathLike)):
@@ -247,6 +248,7 @@ class TRLTrainerBase:
         if resume_from_checkpoint in (None, False):
             resume = {"trainer.resume_mode": "disable", "trainer.overwrite": True}
         elif resume_from_checkpoint is True:
+            # import cost: torch / safetensors load only when a model is saved or exported
             from tiller.models.checkpoint import latest_checkpoint
 
             if latest_checkpoint(self.run_dir / "checkpoints") is None:
@@ -300,6 +302,7 @@ class TRLTrainerBase:
 
     # -------------------------------------------------------------------------------------- save_model
     def _export(self, out: Path) -> Path:
+        # import cost: torch / safetensors load only when a model is saved or exported
         from tiller.models.checkpoint import export_hf, latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir / "checkpoints")
@@ -314,6 +317,7 @@ class TRLTrainerBase:
         stage = out / ".tiller-save"
         shutil.rmtree(stage, ignore_errors=True)
         if not self._trained:  # before training: the model given, as transformers would save it
+            # import cost: torch / safetensors load only when a model is saved or exported
             from tiller.models.checkpoint import save_pretrained_atomic
 
             save_pretrained_atomic(stage, self.model)

@@ -514,6 +514,7 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
 
 
 def _quote(value: Any) -> str:
+    # import cost: the config stack loads only when overrides are written
     from tiller.openrlhf.cli import quote
 
     if isinstance(value, dict):

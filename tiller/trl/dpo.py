@@ -82,6 +82,7 @@ class PreferenceTrainer(JobTrainer):
     """DPO and KTO: a reference model given as None, a path or a loaded model."""
 
     def _set_ref(self, ref_model: Any) -> None:
+        # import cost: torch / safetensors load only when a model is saved or exported
         from tiller.models.checkpoint import save_pretrained_atomic
 
         if ref_model is None:
@@ -101,6 +102,7 @@ class PreferenceTrainer(JobTrainer):
         return out
 
     def _eos(self) -> str | None:
+        # import cost: transformers loads only when a tokenizer is read
         from tiller.models.loading import load_tokenizer
 
         return load_tokenizer(self.tokenizer_path or self.model_path).eos_token
@@ -126,7 +128,9 @@ class DPOTrainer(PreferenceTrainer):
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
                  quantization_config: Any = None, peft_config: Any = None):
+        # import cost: the config stack loads only when a run starts
         from tiller.config.jobs import DPOConfig as JobConfig
+        # import cost: only the chosen job's trainer
         from tiller.trainer.preference import train_dpo
 
         type(self).job_schema, type(self).entry = JobConfig, staticmethod(train_dpo)

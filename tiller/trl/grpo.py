@@ -33,7 +33,8 @@ from typing import Any
 
 from tiller.errors import ConfigError
 from tiller.trl.common import Rule, make_config_class, mapped, noop, refuse_value, refused, to
-from tiller.trl.rl_front import RL_SHARED_RULES, TRLRLTrainer, _vllm_is
+from tiller.trl.base import refuse_arguments
+from tiller.trl.rl_front import RL_SHARED_RULES, TRLRLTrainer, vllm_is_keys
 
 TRL_ADV_EPSILON = 1e-4  # TRL's (r - mean) / (std + 1e-4)
 
@@ -129,7 +130,7 @@ GRPO_RULES: dict[str, Rule] = {
     "max_tool_calling_iterations": noop("only read with tools, which are refused"),
     "vllm_importance_sampling_correction": mapped(
         "with use_vllm: algorithm.rollout_correction.rollout_is = token | sequence (the mode's level); *_truncate: "
-        "rollout_is_threshold = clip_max; *_mask: 'clip_min_clip_max' (IcePop)", _vllm_is),
+        "rollout_is_threshold = clip_max; *_mask: 'clip_min_clip_max' (IcePop)", vllm_is_keys),
     "vllm_importance_sampling_mode": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
     "vllm_importance_sampling_clip_max": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
     "vllm_importance_sampling_clip_min": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
@@ -142,7 +143,7 @@ GRPO_RULES: dict[str, Rule] = {
 }
 
 
-def _post_init(self: Any, algorithm: str = "GRPO") -> None:
+def generation_post_init(self: Any, algorithm: str = "GRPO") -> None:
     """GRPOConfig / RLOOConfig.__post_init__: the batch arithmetic (one process) and its checks, as TRL raises them."""
     if hasattr(self, "scale_rewards"):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
@@ -172,7 +173,7 @@ def _post_init(self: Any, algorithm: str = "GRPO") -> None:
         self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
 
-GRPOConfig = make_config_class("GRPOConfig", GRPO_RULES, _post_init)
+GRPOConfig = make_config_class("GRPOConfig", GRPO_RULES, generation_post_init)
 
 
 class GRPOTrainer(TRLRLTrainer):
@@ -185,8 +186,6 @@ class GRPOTrainer(TRLRLTrainer):
                  callbacks: Any = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
                  environment_factory: Any = None):
-        from tiller.trl.base import refuse_arguments
-
         refuse_arguments("GRPOTrainer", callbacks=callbacks, optimizers=optimizers, tools=tools,
                          rollout_func=rollout_func, environment_factory=environment_factory)
         if quantization_config is not None:

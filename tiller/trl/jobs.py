@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from tiller.errors import ConfigError
 from tiller.trl.base import TRLTrainerBase, lora_job_keys, refuse_arguments
-from tiller.trl.common import classify, job_keys, overrides, resolve_schedule
+from tiller.trl.common import classify, job_keys, overrides, refuse_value, resolve_schedule
 from tiller.trl.data import to_dataset_rows, write_rows_atomic
 
 DATA_DIR = "data"  # the run's data files: <output_dir>/data/train.jsonl, eval.jsonl
@@ -77,8 +77,8 @@ class JobTrainer(TRLTrainerBase):
         """eos_token: the tokenizer with that eos, saved under the run dir (it is what the trained model keeps)."""
         import os
 
+        # import cost: transformers loads only when a tokenizer is read
         from tiller.models.loading import load_tokenizer
-        from tiller.trl.common import refuse_value
 
         tokenizer = load_tokenizer(self.tokenizer_path or self.model_path)
         if eos_token not in tokenizer.get_vocab():
@@ -116,7 +116,9 @@ class JobTrainer(TRLTrainerBase):
         return out
 
     def _tiller_config(self, resume: dict[str, Any]) -> Any:
+        # import cost: the config stack (omegaconf, hydra, torch via algos) loads only when a run starts
         from tiller.config import load_config
+        # import cost: the config stack loads only when a run starts
         from tiller.config.jobs import validate_job
 
         cfg = load_config(overrides(self.tiller_keys(resume)), schema=self.job_schema, validate=validate_job)

@@ -63,7 +63,9 @@ class KTOTrainer(PreferenceTrainer):
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
                  quantization_config: Any = None, peft_config: Any = None):
+        # import cost: the config stack loads only when a run starts
         from tiller.config.jobs import KTOConfig as JobConfig
+        # import cost: only the chosen job's trainer
         from tiller.trainer.preference import train_kto
 
         type(self).job_schema, type(self).entry = JobConfig, staticmethod(train_kto)

@@ -56,7 +56,9 @@ class RewardTrainer(PreferenceTrainer):
                  callbacks: Any = None, optimizers: Any = (None, None), optimizer_cls_and_kwargs: Any = None,
                  preprocess_logits_for_metrics: Any = None, quantization_config: Any = None,
                  peft_config: Any = None):
+        # import cost: the config stack loads only when a run starts
         from tiller.config.jobs import RMConfig as JobConfig
+        # import cost: only the chosen job's trainer
         from tiller.trainer.rm import train_rm
 
         type(self).job_schema, type(self).entry = JobConfig, staticmethod(train_rm)

@@ -53,7 +53,7 @@ def _vllm(value: Any, args: Any) -> dict:
     return {"rollout_name": "vllm"}
 
 
-def _vllm_is(value: Any, args: Any) -> dict:
+def vllm_is_keys(value: Any, args: Any) -> dict:
     """TRL's vLLM importance sampling (read only with use_vllm) on tiller's rollout correction (verl's keys)."""
     if not (args.use_vllm and value):
         return {}
@@ -247,7 +247,9 @@ class TRLRLTrainer(TRLTrainerBase):
     def _write_data(self) -> dict[str, Any]:
         """The prompts as tiller's RL rows (data_source "trl", the row index in extra_info), written under the
         run dir; returns the data keys (files, max prompt length, chat template)."""
+        # import cost: transformers / images load only when prompts are measured
         from tiller.data.rl_dataset import render_prompt
+        # import cost: transformers loads only when a tokenizer is read
         from tiller.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
@@ -339,6 +341,7 @@ class TRLRLTrainer(TRLTrainerBase):
         return keys, notices + self._algorithm_notices()
 
     def _tiller_config(self, resume: dict[str, Any]) -> Any:
+        # import cost: the config stack (omegaconf, hydra, torch via algos) loads only when a run starts
         from tiller.config import load_config
 
         keys, notices = self.translate()
@@ -349,6 +352,7 @@ class TRLRLTrainer(TRLTrainerBase):
         return load_config(overrides(keys))
 
     def _run(self, cfg: Any) -> dict[str, float]:
+        # import cost: the RL stack loads only when train() runs
         from tiller.trainer.rl import run
 
         return run(cfg, reward_fn=self.rewards)

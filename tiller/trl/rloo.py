@@ -21,7 +21,8 @@ from typing import Any
 
 from tiller.errors import ConfigError
 from tiller.trl.common import Rule, make_config_class, mapped, refuse_value, to
-from tiller.trl.grpo import _post_init as _grpo_post_init
+from tiller.trl.base import refuse_arguments
+from tiller.trl.grpo import generation_post_init
 from tiller.trl.rl_front import RL_SHARED_RULES, TRLRLTrainer
 
 
@@ -52,7 +53,7 @@ RLOO_RULES: dict[str, Rule] = {
 }
 
 
-RLOOConfig = make_config_class("RLOOConfig", RLOO_RULES, lambda self: _grpo_post_init(self, "RLOO"))
+RLOOConfig = make_config_class("RLOOConfig", RLOO_RULES, lambda self: generation_post_init(self, "RLOO"))
 
 
 class RLOOTrainer(TRLRLTrainer):
@@ -64,8 +65,6 @@ class RLOOTrainer(TRLRLTrainer):
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: tuple = (None, None), peft_config: Any = None,
                  rollout_func: Any = None):
-        from tiller.trl.base import refuse_arguments
-
         refuse_arguments("RLOOTrainer", callbacks=callbacks, optimizers=optimizers, rollout_func=rollout_func)
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                         reward_processing_classes, peft_config)

@@ -239,7 +239,9 @@ class SFTTrainer(JobTrainer):
                  optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None,
                  quantization_config: Any = None, peft_config: Any = None,
                  formatting_func: Callable[[dict], str] | None = None):
+        # import cost: the config stack loads only when a run starts
         from tiller.config.jobs import SFTConfig as JobConfig
+        # import cost: only the chosen job's trainer
         from tiller.trainer.sft import train_sft
 
         type(self).job_schema, type(self).entry = JobConfig, staticmethod(train_sft)
