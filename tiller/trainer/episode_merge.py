@@ -25,7 +25,7 @@ from tiller.protocol import Batch
 from tiller.workers.common import position_ids_from_mask
 
 PROMPT_KEYS = {"prompts": "pad"}  # [B, P], left-padded
-RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0,
+RESPONSE_KEYS = {"responses": "pad", "response_mask": 0, "rollout_log_probs": 0.0, "token_level_scores": 0.0,
                  "rollout_token_version": "last"}  # [B, T], right-padded (versions: the row's last, as the worker)
 FULL_KEYS = {"input_ids": "pad", "attention_mask": 0}  # [B, P + T]: prompt half left, response half right
 DERIVED_KEYS = ("position_ids",)  # recomputed from the merged attention_mask
@@ -86,11 +86,17 @@ def merge_episode_parts(parts: list[Batch], n_prompts: int, n: int, pad_token_id
     if not parts:
         raise ValueError("merge_episode_parts: no parts")
     per_part = -(-n_prompts // len(parts))  # prompts a rank (the padded count / world size)
-    P = max(int(p.meta["prompt_width"]) for p in parts)
-    T = max(int(p.meta["response_width"]) for p in parts)
     kept = []
     for r, part in enumerate(parts):
         part = part.index((r * per_part + part["episode"] // n < n_prompts).numpy())  # padding prompts' rows go
         part["episode"] = part["episode"] + r * per_part * n
-        kept.append(widen(part, P, T, pad_token_id))
-    return Batch.concat(kept) if len(kept) > 1 else kept[0]
+        kept.append(part)
+    return concat_episode_batches(kept, pad_token_id)
+
+
+def concat_episode_batches(batches: list[Batch], pad_token_id: int) -> Batch:
+    """Episode batches of different widths (ranks, or DAPO's generation rounds) -> one, each widened to the widest
+    (`widen`); episode ids are left as they are (the caller makes them unique)."""
+    P = max(int(b.meta["prompt_width"]) for b in batches)
+    T = max(int(b.meta["response_width"]) for b in batches)
+    return Batch.concat([widen(b, P, T, pad_token_id) for b in batches])

@@ -75,7 +75,7 @@ from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
-from tiller.trainer.episode_merge import merge_episode_parts
+from tiller.trainer.episode_merge import concat_episode_batches, merge_episode_parts
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
 from tiller.trainer.rollout_skip import RolloutSkip
@@ -550,7 +550,12 @@ class RLTrainer:
                 batch = self._filter_groups(batch)
             n_kept += len(set(batch["uid"]))
             kept.append(batch)
-        batch = Batch.concat(kept) if len(kept) > 1 else kept[0]
+        if len(kept) == 1:
+            batch = kept[0]
+        elif "episode" in kept[0]:  # agent rounds: each round's widths are its longest context / segment
+            batch = concat_episode_batches(kept, self.tokenizer.pad_token_id)
+        else:
+            batch = Batch.concat(kept)
         if n_kept > want:  # keep the first train_batch_size groups (agent rollouts: all their segments)
             first = set(list(dict.fromkeys(batch["uid"]))[:want])
             batch = batch.index(np.array([u in first for u in batch["uid"]]))
