@@ -12,7 +12,7 @@ Dispatch modes (verl's ``Dispatch.ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` / ``RANK_Z
   world size (then no padding happens and the update equals the one-process update).
 - ``dp_parts``: split as ``dp``, but the caller gets the list of rank results unmerged (rank order), for
   results whose rows per input row vary or whose widths differ by rank (agent episodes: the driver merges
-  them with `tiller.rollout.episodes.merge_episode_parts`); the padding inputs were the last ones.
+  them with `tiller.trainer.episode_merge.merge_episode_parts`); the padding inputs were the last ones.
 - ``rank0``: only rank 0 runs (it must not call collectives).
 - ``all``: every rank gets the same arguments; the caller gets the list of all rank results.
 """
