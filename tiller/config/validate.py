@@ -378,10 +378,8 @@ def _validate_agent(cfg: RLConfig) -> None:
     if algo.adv_estimator not in EPISODE_ESTIMATORS:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} does not work with agent rollouts (an "
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
-    for name, on in (("algorithm.use_kl_in_reward", algo.use_kl_in_reward),
-                     ("trainer.backend=ray", cfg.trainer.backend == "ray")):
-        if on:
-            raise ConfigError(f"{name} is not supported with agent rollouts ({key}) yet")
+    if algo.use_kl_in_reward:
+        raise ConfigError(f"algorithm.use_kl_in_reward is not supported with agent rollouts ({key}) yet")
 
 
 def _validate_new_algorithms(cfg: RLConfig) -> None:

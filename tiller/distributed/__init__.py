@@ -41,9 +41,10 @@ class LocalWorkerGroup:
         fn = getattr(self.worker, method, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"worker group {self.name!r}: {type(self.worker).__name__} has no method {method!r}")
-        if dispatch == "dp":
+        if dispatch in ("dp", "dp_parts"):
             per_rank, pad, padded_len = split_dp(args, 1)
-            return merge_dp([fn(*per_rank[0], **kwargs)], pad, padded_len)
+            result = fn(*per_rank[0], **kwargs)
+            return [result] if dispatch == "dp_parts" else merge_dp([result], pad, padded_len)
         result = fn(*args, **kwargs)
         return [result] if dispatch == "all" else result
 

@@ -10,6 +10,9 @@ Dispatch modes (verl's ``Dispatch.ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` / ``RANK_Z
   come from rank 0 (ranks agree after their all-reduce); tuples are merged element by element.
   Padding duplicates rows, so training calls should pass batches whose length is a multiple of the
   world size (then no padding happens and the update equals the one-process update).
+- ``dp_parts``: split as ``dp``, but the caller gets the list of rank results unmerged (rank order), for
+  results whose rows per input row vary or whose widths differ by rank (agent episodes: the driver merges
+  them with `tiller.trainer.episode_merge.merge_episode_parts`); the padding inputs were the last ones.
 - ``rank0``: only rank 0 runs (it must not call collectives).
 - ``all``: every rank gets the same arguments; the caller gets the list of all rank results.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from tiller.errors import ConfigError
 
-DISPATCH_MODES = ("broadcast", "dp", "rank0", "all")
+DISPATCH_MODES = ("broadcast", "dp", "dp_parts", "rank0", "all")
 
 
 def check_mode(dispatch: str) -> None:

@@ -174,11 +174,12 @@ class RayWorkerGroup:
         if not self._actors:
             raise WorkerError(f"worker group {self.name!r} is shut down (after an earlier failure?); "
                               f"cannot call {method!r}", group=self.name, rank=-1, method=method)
-        if dispatch == "dp":
+        if dispatch in ("dp", "dp_parts"):
             per_rank, pad, padded_len = split_dp(args, self.world_size)
             kw = ray.put(kwargs)
             refs = [a.execute.remote(method, ray.put(per_rank[r]), kw) for r, a in enumerate(self._actors)]
-            return merge_dp(self._gather(refs, list(range(self.world_size)), method), pad, padded_len)
+            results = self._gather(refs, list(range(self.world_size)), method)
+            return results if dispatch == "dp_parts" else merge_dp(results, pad, padded_len)
         args_ref, kw = ray.put(args), ray.put(kwargs)
         if dispatch == "rank0":
             return self._gather([self._actors[0].execute.remote(method, args_ref, kw)], [0], method)[0]

@@ -75,6 +75,7 @@ from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
+from tiller.trainer.episode_merge import concat_episode_batches, merge_episode_parts
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
 from tiller.trainer.rollout_skip import RolloutSkip
@@ -513,12 +514,21 @@ class RLTrainer:
             sampling["seed"] = sampling["seed"] + 7_919_993 * (round_ - 1)
         return self._prompt_batch(items, sampling, tag=tag, step=step, extra_meta=extra_meta)
 
+    def _generate(self, prompts: Batch) -> Batch:
+        """The actor group's samples of `prompts` (prompt chunks over the ranks, dispatch dp). Agent rollouts: each
+        rank runs its chunk's episodes and the driver merges the ranks' segment batches (episode ids offset, widths
+        padded: `tiller.trainer.episode_merge`), so everything after sees one batch, as with one process."""
+        if not self.agent:
+            return self.actor.execute("generate_sequences", prompts, dispatch="dp")
+        parts = self.actor.execute("generate_sequences", prompts, dispatch="dp_parts")
+        return merge_episode_parts(parts, len(prompts), int(prompts.meta["sampling"]["n"]),
+                                   self.tokenizer.pad_token_id)
+
     def _generate_scored(self, round_: int, m: dict, step: int, extra_meta=None) -> Batch:
         """One generation round: prompts -> n samples each (+ ReMax's greedy baseline) -> reward."""
         prompts = self._next_prompts(round_, step, extra_meta)
         with timer("gen", m):
-            batch, source = self.rollout_skip.generate(
-                step, round_, lambda: self.actor.execute("generate_sequences", prompts, dispatch="dp"))
+            batch, source = self.rollout_skip.generate(step, round_, lambda: self._generate(prompts))
         if source is not None:
             m["skip/rollout_loaded_from_step"] = float(source)
         if self.cfg.algorithm.adv_estimator == "remax":
@@ -551,7 +561,12 @@ class RLTrainer:
                 batch = self._filter_groups(batch)
             n_kept += len(set(batch["uid"]))
             kept.append(batch)
-        batch = Batch.concat(kept) if len(kept) > 1 else kept[0]
+        if len(kept) == 1:
+            batch = kept[0]
+        elif "episode" in kept[0]:  # agent rounds: each round's widths are its longest context / segment
+            batch = concat_episode_batches(kept, self.tokenizer.pad_token_id)
+        else:
+            batch = Batch.concat(kept)
         if n_kept > want:  # keep the first train_batch_size groups (agent rollouts: all their segments)
             first = set(list(dict.fromkeys(batch["uid"]))[:want])
             batch = batch.index(np.array([u in first for u in batch["uid"]]))
@@ -846,7 +861,8 @@ class RLTrainer:
         mini = a.ppo_mini_batch_size * self.n // self.world_size
         if self.agent:  # rows are segments: as many mini-batches as configured, of equal row counts
             parts = self.cfg.data.train_batch_size // a.ppo_mini_batch_size
-            mini = max(1, -(-len(out) // parts))
+            rows = -(-len(out) // self.world_size)  # a rank's share (the batch is padded to the world size below)
+            mini = max(1, -(-rows // parts))
         out.meta = {"mini_batch_size": mini,
                     "critic_mini_batch_size": critic_mini, "ppo_epochs": ppo_epochs,
                     "temperature": self.cfg.actor_rollout_ref.rollout.temperature,
@@ -904,7 +920,7 @@ class RLTrainer:
         for start in range(0, len(self.val_ds), size):
             items = self.val_ds.items[start:start + size]
             prompts = self._prompt_batch(items, sampling, tag=f"v{start}")
-            out = self.actor.execute("generate_sequences", prompts, dispatch="dp")
+            out = self._generate(prompts)
             if "episode" in out:  # agent rollouts: one row per episode (its last segment)
                 last = {int(e): i for i, e in enumerate(out["episode"].tolist())}
                 out = out.index(sorted(last.values()))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -385,6 +386,12 @@ class ActorRolloutRefWorker:
         truncated: the trained logprobs must be of the context that was sampled from)."""
         P, T = int(prompts.meta["prompt_width"]), int(prompts.meta["response_width"])
         fields = {k: list(prompts[k]) for k in prompts.fields}
+        # several ranks (dispatch dp_parts: equal chunks, rank r's from prompt r x chunk): each sample keeps its
+        # index in the step, and an environment episode its seed, as in one process (a step's episodes do not
+        # depend on the world size; `tiller.trainer.episode_merge` offsets the episode ids alike)
+        first = dist_ctx.rank() * len(prompts)
+        if first and sampling.seed is not None:
+            sampling = replace(sampling, seed=int(sampling.seed) + 7919 * first * sampling.n)
         samples = []
         for i in range(len(prompts)):
             raw = fields.get("raw_prompt", [None] * len(prompts))[i]
@@ -392,7 +399,8 @@ class ActorRolloutRefWorker:
                 samples.append({"prompt": raw if raw is not None else fields["prompt_text"][i],
                                 "prompt_text": fields["prompt_text"][i], "data_source": fields["data_source"][i],
                                 "ground_truth": fields["ground_truth"][i],
-                                "extra_info": dict(fields["extra_info"][i] or {}), "index": i, "sample": j,
+                                "extra_info": dict(fields["extra_info"][i] or {}), "index": first + i,
+                                "sample": j,
                                 "prompt_ids": list(fields["prompt_ids"][i])})
         episodes, engine_name = self._run_episodes(prompts, samples, sampling, P, T)
         firsts = [list(fields["prompt_ids"][k // sampling.n]) for k in range(len(samples))]
@@ -464,8 +472,6 @@ class ActorRolloutRefWorker:
             if sampling.seed is not None:
                 sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank() * max(per_rank, 1)
             return engine.generate(ids, sampling, **hook)
-        from dataclasses import replace
-
         size, out = len(ids) // per_rank, RolloutOutput()
         for j in range(per_rank):
             seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
