@@ -176,7 +176,7 @@ def compute_grpo(
         scores = _scores(token_rewards, response_mask)
         mean, std, _ = _group_baseline_stats(scores, group_index)
         if std_scope == "batch":
-            std = torch.full_like(scores, scores.std().item() if scores.numel() > 1 else 0.0)
+            std = (scores.std() if scores.numel() > 1 else scores.new_zeros(())).expand_as(scores)
         adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
         adv = _broadcast(adv, response_mask)
     return adv, adv

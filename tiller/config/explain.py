@@ -40,7 +40,8 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
     peak         = weights + reference + teacher + prm + critic + optimizer + runtime + max(gradients + activations,
                    critic update, KV cache + the rollout's logits of one decode step)
 It is an estimate: allocator fragmentation and framework caches vary; the test holds it within 35% of the
-measured peak RSS of short CPU runs.
+measured peak RSS of short CPU runs (less the shared libraries' file-backed pages, whose residency depends on the
+page cache, not on the run).
 """
 
 from __future__ import annotations
