@@ -1,19 +1,27 @@
-"""Generate `tiller/trl/fields.py`: every field of TRL's config classes with TRL's declared default.
+"""Generate `tiller/trl/fields.py`: every field of TRL's config classes and of the dataclasses its command-line
+scripts parse (ScriptArguments, GRPO's / RLOO's script arguments, ModelConfig, DatasetMixtureConfig) with TRL's
+declared default and its type annotation (what `tiller trl COMMAND` parses flags with, as HfArgumentParser does).
 
 Run where `trl` is installed (tiller itself never imports it):
 
     python scripts/gen_trl_fields.py > tiller/trl/fields.py
 
 `tests/trl_front/test_trl_common.py` checks that the committed module is what this prints (skipped without trl).
-Defaults that are factories are stored as their value; enums as their `.value`.
+Defaults that are factories are stored as their value; enums as their `.value`. Types are written as source text
+(`tiller.trl.cli` evaluates them): an Enum as the `Literal` of its values (HfArgumentParser gives both the same
+choices), TRL's DatasetConfig as `DatasetConfig`, any other class as `Unsupported` (not settable from a command line).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+import typing
 
 CLASSES = ("GRPOConfig", "RLOOConfig", "SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig")
+SCRIPT_CLASSES = ("ScriptArguments", "GRPOScriptArguments", "RLOOScriptArguments", "ModelConfig",
+                  "DatasetMixtureConfig")
 
 
 def _default(f: dataclasses.Field):
@@ -34,6 +42,43 @@ def _default(f: dataclasses.Field):
 
 def _init_fields(cls) -> dict:
     return {f.name: _default(f) for f in dataclasses.fields(cls) if f.init}
+
+
+def _type_text(t) -> str:
+    """Source text of a type annotation, evaluated by tiller.trl.cli with typing's names in scope."""
+    if t is type(None):
+        return "None"
+    if t is typing.Any:
+        return "Any"
+    if t in (bool, int, float, str, dict, list, tuple):
+        return t.__name__
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        return f"Union[{', '.join(_type_text(a) for a in args)}]"
+    if origin is typing.Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin in (list, dict, tuple):
+        return f"{origin.__name__}[{', '.join(_type_text(a) for a in args)}]"
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return f"Literal[{', '.join(repr(m.value) for m in t)}]"
+    if isinstance(t, type) and t.__name__ == "DatasetConfig":
+        return "DatasetConfig"
+    return "Unsupported"
+
+
+def _init_types(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: _type_text(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+
+def _script_classes() -> dict:
+    import trl
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.rloo import RLOOScriptArguments
+
+    return {"ScriptArguments": trl.ScriptArguments, "GRPOScriptArguments": GRPOScriptArguments,
+            "RLOOScriptArguments": RLOOScriptArguments, "ModelConfig": trl.ModelConfig,
+            "DatasetMixtureConfig": trl.DatasetMixtureConfig}
 
 
 def render() -> str:
@@ -69,6 +114,29 @@ def render() -> str:
         for key, value in fields.items():
             if key not in base or value != base[key] or type(value) is not type(base[key]):
                 lines.append(f"        {key!r}: {value!r},")
+        lines.append("    },")
+    lines.append("}")
+    lines += ["", "# the dataclasses TRL's command-line scripts parse besides the config class (trl/scripts/*.py)",
+              "SCRIPT_FIELDS: dict[str, dict[str, Any]] = {"]
+    scripts = _script_classes()
+    for name in SCRIPT_CLASSES:
+        lines.append(f"    {name!r}: {{")
+        lines += [f"        {k!r}: {v!r}," for k, v in _init_fields(scripts[name]).items()]
+        lines.append("    },")
+    lines.append("}")
+    base_types = _init_types(transformers.TrainingArguments)
+    lines += ["", "# type annotations as source text (HfArgumentParser's flag semantics follow from them)",
+              "TRAINING_ARGUMENT_TYPES: dict[str, str] = {",
+              *(f"    {k!r}: {v!r}," for k, v in base_types.items()), "}", "",
+              "TYPES: dict[str, dict[str, str]] = {"]
+    for name in CLASSES:
+        lines.append(f"    {name!r}: {{**TRAINING_ARGUMENT_TYPES,")
+        lines += [f"        {k!r}: {v!r}," for k, v in _init_types(getattr(trl, name)).items()
+                  if base_types.get(k) != v]
+        lines.append("    },")
+    for name in SCRIPT_CLASSES:
+        lines.append(f"    {name!r}: {{")
+        lines += [f"        {k!r}: {v!r}," for k, v in _init_types(scripts[name]).items()]
         lines.append("    },")
     lines.append("}")
     return "\n".join(lines) + "\n"
