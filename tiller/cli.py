@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tiller.serve.cli:main", "OpenAI-compatible HTTP server: tiller serve MODEL_DIR"),
     "openrlhf": ("tiller.openrlhf.cli:main", "run an OpenRLHF command line: tiller openrlhf train_sft|train_rm|"
                  "train_dpo|train_kto|train_ppo_ray [--flags] [--dry-run]"),
+    "trl": ("tiller.trl.cli:main", "run a TRL command line: tiller trl sft|dpo|kto|reward|grpo|rloo [TRL's flags] "
+            "[--config FILE.yaml]"),
     "env": ("tiller.env_cli:main", "versions, CPU / GPU, GEMM speed and the bf16 decision: paste into bug reports"),
 }
 

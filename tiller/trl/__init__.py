@@ -1,5 +1,7 @@
 """Hugging Face TRL's trainers on tiller: `from tiller.trl import GRPOConfig, GRPOTrainer` in place of
 `from trl import ...` runs a TRL script on tiller's trainers, with TRL's argument names and defaults (docs/trl.md).
+TRL's command line (`trl grpo --model_name_or_path ...`) is `tiller trl grpo ...` (`tiller.trl.cli`); TRL's built-in
+reward functions are `tiller.trl.reward_funcs`.
 
 tiller does not import `trl`. Names load on first use (each trainer's module imports torch / transformers only
 when its trainer is used)."""
@@ -16,6 +18,10 @@ _EXPORTS = {
     "DPOConfig": "tiller.trl.dpo", "DPOTrainer": "tiller.trl.dpo",
     "KTOConfig": "tiller.trl.kto", "KTOTrainer": "tiller.trl.kto",
     "RewardConfig": "tiller.trl.reward", "RewardTrainer": "tiller.trl.reward",
+    # the dataclasses TRL's command-line scripts parse (`tiller trl COMMAND`, tiller.trl.cli)
+    "ScriptArguments": "tiller.trl.script_args", "GRPOScriptArguments": "tiller.trl.script_args",
+    "RLOOScriptArguments": "tiller.trl.script_args", "ModelConfig": "tiller.trl.script_args",
+    "DatasetMixtureConfig": "tiller.trl.script_args",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tiller.errors import ConfigError
-from tiller.trl.fields import FIELDS
+from tiller.trl.fields import FIELDS, SCRIPT_FIELDS
 
 MAPPED, NOOP, REFUSED = "mapped", "noop", "refused"
 NOTICE = "notices"  # a key an `apply` may return: notice lines (a list of str) rather than a logical setting
@@ -336,13 +336,14 @@ def _post_init_training_args(self: Any) -> None:
 
 
 def make_config_class(class_name: str, job_rules: dict[str, Rule],
-                      post_init: Callable[[Any], None] | None = None) -> type:
+                      post_init: Callable[[Any], None] | None = None, script_class: bool = False) -> type:
     """A dataclass with every field of TRL's `class_name` and TRL's defaults, the rules of its fields attached
     (`cls.RULES`: TrainingArguments' rules updated by `job_rules`) and TRL's `__post_init__` reproduced where it
     changes what tiller reads (`post_init` runs after the TrainingArguments part). An unknown keyword is a
-    `TypeError` naming the closest field, as TRL's dataclass raises one."""
-    fields = FIELDS[class_name]
-    rules = {**TRAINING_ARGS_RULES, **job_rules}
+    `TypeError` naming the closest field, as TRL's dataclass raises one. `script_class`: one of the dataclasses TRL's
+    command-line scripts parse (`SCRIPT_FIELDS`: ScriptArguments, ModelConfig, ...), with `job_rules` only."""
+    fields = SCRIPT_FIELDS[class_name] if script_class else FIELDS[class_name]
+    rules = dict(job_rules) if script_class else {**TRAINING_ARGS_RULES, **job_rules}
     missing = [name for name in fields if name not in rules]
     if missing:
         raise RuntimeError(f"{class_name}: fields without a rule: {missing}")  # a tiller bug (tests check it)
@@ -355,7 +356,8 @@ def make_config_class(class_name: str, job_rules: dict[str, Rule],
         specs.append((name, Any, spec))
 
     def __post_init__(self) -> None:
-        _post_init_training_args(self)
+        if not script_class:
+            _post_init_training_args(self)
         if post_init is not None:
             post_init(self)
 
@@ -530,7 +532,7 @@ def overrides(keys: dict[str, Any]) -> list[str]:
 def field_table(class_name: str, rules: dict[str, Rule]) -> str:
     """The markdown table of every field of TRL's `class_name`: name, TRL's default, class, what tiller does."""
     lines = ["| field | TRL default | class | in tiller |", "|---|---|---|---|"]
-    for name, default in FIELDS[class_name].items():
+    for name, default in (FIELDS.get(class_name) or SCRIPT_FIELDS[class_name]).items():
         rule = rules[name]
         text = rule.text.replace("|", "\\|")
         lines.append(f"| `{name}` | `{default!r}` | {rule.kind} | {text} |".replace("`''`", "`\"\"`"))
