@@ -156,19 +156,21 @@ def test_sft_command_line_end_to_end(tiny_model_dir, tmp_path):
 
 
 def test_grpo_command_line_end_to_end(tiny_model_dir, prompts_file, tmp_path):
-    (tmp_path / "my_rewards.py").write_text(
-        "def digits(completions, solution, **kwargs):\n"
-        "    return [float(sum(ch.isdigit() for ch in c)) for c in completions]\n")
+    (tmp_path / "my_rewards.py").write_text(  # a dotted-path reward, imported from the current dir as TRL's script
+        "def chars(completions, solution, **kwargs):\n"
+        "    assert len(solution) == len(completions)\n"
+        "    return [float(len(c)) for c in completions]\n")
     out = tmp_path / "grpo-run"
     proc = _run(["-m", "tiller.trl", "grpo", "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
                  str(prompts_file), "--output_dir", str(out), "--reward_funcs", "think_format_reward",
-                 "my_rewards.digits", "--num_generations", "4", "--per_device_train_batch_size", "8",
+                 "my_rewards.chars", "--num_generations", "4", "--per_device_train_batch_size", "8",
                  "--max_completion_length", "4", "--max_steps", "2", "--bf16", "false", "--gradient_checkpointing",
                  "false", "--report_to", "none", "--seed", "0"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = _steps(out)
-    assert [row.get("step", row.get("training/global_step")) for row in steps][-1] == 2
-    names = set().union(*steps)
-    assert {"rewards/think_format_reward/mean", "rewards/digits/mean"} <= names or \
-        any("think_format_reward" in n for n in names), sorted(names)
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:  # both functions scored every completion: TRL's metric names
+        assert row["rewards/think_format_reward/mean"] == 0.0 and row["rewards/chars/mean"] > 0
+        assert row["reward"] == pytest.approx(row["rewards/chars/mean"])
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert f"Model saved to {out}." in proc.stdout
