@@ -88,8 +88,8 @@ def test_script_classes_fields_and_tables():
         assert set(cls.RULES) == set(fields), name
         table = field_table(name, cls.RULES)
         assert table.count("\n") == len(fields) + 2 and "| `" in table
-    assert SCRIPT_FIELDS["ModelConfig"]["dtype"] == "float32" and SCRIPT_FIELDS["ScriptArguments"]["dataset_test_split"] \
-        == "test"
+    assert SCRIPT_FIELDS["ModelConfig"]["dtype"] == "float32"
+    assert SCRIPT_FIELDS["ScriptArguments"]["dataset_test_split"] == "test"
     section = (ROOT / "docs" / "trl.md").read_text().split("## The `trl` command line")[1]
     for name in ("GRPOScriptArguments", "ModelConfig", "DatasetMixtureConfig"):
         assert f"### {name} fields\n\n" + field_table(name, getattr(tiller.trl, name).RULES) in section, name
@@ -145,9 +145,9 @@ def test_sft_command_line_end_to_end(tiny_model_dir, tmp_path):
     (data / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a} =", "completion": f" {2 * a}"}) + "\n"
                                               for a in range(8)))
     out = tmp_path / "sft-run"
-    proc = _run(["-m", "tiller.cli", "trl", "sft", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data),
-                 "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4", "--bf16", "false",
-                 "--report_to", "none", "--learning_rate", "1e-3"], tmp_path)
+    proc = _run(["-m", "tiller.cli", "trl", "sft", "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
+                 str(data), "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4",
+                 "--bf16", "false", "--report_to", "none", "--learning_rate", "1e-3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [row for row in _steps(out) if "train/loss" in row]
     assert len(steps) == 2 and all(row["train/loss"] > 0 for row in steps)

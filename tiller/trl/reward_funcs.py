@@ -1,6 +1,6 @@
 """TRL 1.16's built-in reward functions (`trl.rewards`) on tiller, with TRL's semantics: `from tiller.trl.reward_funcs
-import accuracy_reward` in place of `from trl.rewards import accuracy_reward`. `tiller trl grpo|rloo --reward_funcs NAME`
-uses the four names TRL's scripts know (`SCRIPT_REWARDS`).
+import accuracy_reward` in place of `from trl.rewards import accuracy_reward`. `tiller trl grpo|rloo --reward_funcs
+NAME` takes the four names TRL's scripts know (`SCRIPT_REWARDS`).
 
 Each is a plain callable taking TRL's keyword arguments (`completions`, `solution`, `completion_ids`, ...; extra
 keywords are ignored). Completions are TRL's conversational ones (`[{"role": "assistant", "content": ...}]`, the
@@ -89,7 +89,8 @@ def accuracy_reward(completions: list, solution: list[str], log_extra: Callable[
 
 
 def reasoning_accuracy_reward(completions: list, solution: list[str], reasoning_delimiters: list[str] | None = None,
-                              log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[float | None]:
+                              log_extra: Callable[[str, list], None] | None = None,
+                              **kwargs: Any) -> list[float | None]:
     r"""`accuracy_reward` of the text after the last reasoning delimiter (default `</think>`); a completion without
     one scores 0.0 (incomplete reasoning).
 
@@ -225,5 +226,6 @@ SCRIPT_REWARDS: dict[str, Callable[[], Callable]] = {
     "accuracy_reward": lambda: accuracy_reward,
     "reasoning_accuracy_reward": lambda: reasoning_accuracy_reward,
     "think_format_reward": lambda: think_format_reward,
-    "get_soft_overlong_punishment": lambda: get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+    "get_soft_overlong_punishment": lambda: get_soft_overlong_punishment(max_completion_len=1280,
+                                                                         soft_punish_cache=256),
 }
