@@ -174,3 +174,52 @@ def test_grpo_command_line_end_to_end(tiny_model_dir, prompts_file, tmp_path):
         assert row["reward"] == pytest.approx(row["rewards/chars/mean"])
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert f"Model saved to {out}." in proc.stdout
+
+
+def test_datasets_mixture_eval_split_and_lora(tmp_path, tiny_model_dir):
+    pytest.importorskip("datasets")
+    from tiller.trl.cli_data import load_splits, peft_config
+    from tiller.trl.common import classify
+    from tiller.trl.script_args import DatasetMixtureConfig, ModelConfig, ScriptArguments
+
+    data = tmp_path / "d"
+    data.mkdir()
+    for split, n in (("train", 6), ("test", 2)):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": f"{split} {i}", "x": i}) + "\n"
+                                                     for i in range(n)))
+    args = GRPOConfig(output_dir="o")  # eval_strategy "no": no eval dataset, as TRL's scripts
+    train, evaluation = load_splits(ScriptArguments(dataset_name=str(data)), DatasetMixtureConfig(), args)
+    assert (len(train), evaluation) == (6, None)
+    args = GRPOConfig(output_dir="o", eval_strategy="steps", eval_steps=1)
+    train, evaluation = load_splits(ScriptArguments(dataset_name=str(data)), DatasetMixtureConfig(), args)
+    assert (len(train), list(evaluation["prompt"])) == (6, ["test 0", "test 1"])
+    # TRL's get_dataset: fractions 2:1 of (6, 2 rows) -> total min(6 / (2/3), 2 / (1/3)) = 6 -> 4 + 2 rows; columns
+    mixture = DatasetMixtureConfig(datasets=[
+        {"path": str(data), "split": "train", "fraction": 2.0, "columns": ["prompt"]},
+        {"path": "json", "data_files": str(data / "test.jsonl"), "fraction": 1.0, "columns": ["prompt"]}],
+        test_split_size=0.5)
+    splits = [load_splits(ScriptArguments(), mixture, GRPOConfig(output_dir="o", eval_strategy="epoch", seed=s))
+              for s in (0, 0, 1)]
+    train, evaluation = splits[0]
+    assert (len(train), len(evaluation), train.column_names) == (3, 3, ["prompt"])
+    assert sorted(list(train["prompt"]) + list(evaluation["prompt"])) == sorted([f"train {i}" for i in range(4)] + ["test 0", "test 1"])
+    assert list(splits[1][0]["prompt"]) == list(train["prompt"])  # the split is seeded (TRL's is not)
+    assert list(splits[2][0]["prompt"]) != list(train["prompt"])
+    # --use_peft: TRL's get_peft_config -> tiller's LoRA settings; lora_* without it is a notice
+    model = ModelConfig(model_name_or_path=str(tiny_model_dir), use_peft=True, lora_r=4, lora_dropout=0.0,
+                        lora_target_modules=["q_proj", "v_proj"])
+    from tiller.trl.base import lora_settings
+
+    assert lora_settings(peft_config(model, "grpo"), str(tiny_model_dir)) == {
+        "lora_rank": 4, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    assert classify(ModelConfig(lora_r=4))[1] == ["lora_r=4: no effect without use_peft (as in TRL)"]
+
+
+def test_without_datasets_installed_the_error_says_pip_install(monkeypatch, tmp_path):
+    from tiller.errors import UserError
+    from tiller.trl.cli_data import load_splits
+    from tiller.trl.script_args import DatasetMixtureConfig, ScriptArguments
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    with pytest.raises(UserError, match="pip install datasets"):
+        load_splits(ScriptArguments(dataset_name=str(tmp_path)), DatasetMixtureConfig(), GRPOConfig(output_dir="o"))
