@@ -16,7 +16,7 @@ import pytest
 from tiller.cli import main as tiller_main
 from tiller.trl import GRPOConfig, ModelConfig
 from tiller.trl.cli import parse
-from tiller.trl.common import field_table
+from tiller.trl.common import classify, field_table
 from tiller.trl.fields import SCRIPT_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,20 @@ def test_a_command_line_gives_the_python_config():
     assert dataclasses.asdict(model) == dataclasses.asdict(ModelConfig(
         model_name_or_path="m", use_peft=True, lora_target_modules=["q_proj", "v_proj"]))
     assert mixture.datasets == [] and type(args).__name__ == "GRPOConfig"
+
+
+def test_an_empty_command_line_is_trls_defaults():
+    """Fields left alone keep TRL's declared defaults (no notice), though HfArgumentParser converts some (debug "" ->
+    None, include_num_input_tokens_seen "no" -> False) that TRL's post-init converts back."""
+    import tiller.trl
+    from tiller.trl.cli import COMMANDS
+
+    for command, (config, script, _) in COMMANDS.items():
+        objects = parse(command, ["--output_dir", "o"])
+        for obj, name in zip(objects, (script, config, "ModelConfig", "DatasetMixtureConfig")):
+            expected = getattr(tiller.trl, name)(**({"output_dir": "o"} if name == config else {}))
+            assert dataclasses.asdict(obj) == dataclasses.asdict(expected), (command, name)
+            assert classify(obj)[1] == [], (command, name)
 
 
 def test_config_file_gives_defaults_the_command_line_overrides(tmp_path, monkeypatch):
@@ -179,7 +193,6 @@ def test_grpo_command_line_end_to_end(tiny_model_dir, prompts_file, tmp_path):
 def test_datasets_mixture_eval_split_and_lora(tmp_path, tiny_model_dir):
     pytest.importorskip("datasets")
     from tiller.trl.cli_data import load_splits, peft_config
-    from tiller.trl.common import classify
     from tiller.trl.script_args import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
     data = tmp_path / "d"
