@@ -126,6 +126,8 @@ def prompts_file(tmp_path):
                                      "'accuracy_reward'?"),
     (["--reward_funcs", "no_such_module.score"], "--reward_funcs 'no_such_module.score': cannot import"),
     (["--dataset_streaming"], "dataset_streaming=True: refused"),
+    (["--push_to_hub"], "push_to_hub=True: refused: tiller does not upload"),
+    (["--reward_model_name_or_path", "org/rm"], "--reward_model_name_or_path 'org/rm': not a local model dir"),
     (["--dataset_train_split", "dev"], "--dataset_train_split 'dev': 'PROMPTS' has the splits train"),
 ])
 def test_bad_input_exits_2_naming_the_flag(line, message, tiny_model_dir, prompts_file, tmp_path, capsys):
@@ -236,3 +238,19 @@ def test_without_datasets_installed_the_error_says_pip_install(monkeypatch, tmp_
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     with pytest.raises(UserError, match="pip install datasets"):
         load_splits(ScriptArguments(dataset_name=str(tmp_path)), DatasetMixtureConfig(), GRPOConfig(output_dir="o"))
+
+
+def test_reward_functions_by_name_model_first(tiny_model_dir, tmp_path, monkeypatch):
+    from tiller.trl.cli_data import reward_functions
+    from tiller.trl.reward_funcs import think_format_reward
+    from tiller.trl.script_args import GRPOScriptArguments
+
+    (tmp_path / "pkg_rewards.py").write_text("def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)  # a dotted path is imported with the current dir on sys.path, as TRL's script
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "pkg_rewards", raising=False)
+    funcs = reward_functions(GRPOScriptArguments(
+        reward_model_name_or_path=str(tiny_model_dir),
+        reward_funcs=["pkg_rewards.score", "think_format_reward", "get_soft_overlong_punishment"]))
+    assert funcs[0] == str(tiny_model_dir) and funcs[1].__module__ == "pkg_rewards" and funcs[2] is think_format_reward
+    assert (funcs[3].max_completion_len, funcs[3].soft_punish_cache) == (1280, 256)
