@@ -10,18 +10,16 @@ from __future__ import annotations
 import sys
 
 import tiller.trl
+from tiller.entry import run_main
+from tiller.trl.cli import COMMANDS
+from tiller.trl.cli import main as cli_main
 from tiller.trl.common import field_table
 from tiller.trl.fields import FIELDS, SCRIPT_FIELDS
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from tiller.trl.cli import COMMANDS
-
     if argv and argv[0] in COMMANDS:
-        from tiller.entry import run_main
-        from tiller.trl.cli import main as cli_main
-
         run_main(cli_main, argv)  # exits: 0, 2 for bad input (one line), 1 for the machine
     classes = [*FIELDS, *SCRIPT_FIELDS]
     if len(argv) != 1 or argv[0] not in classes:

@@ -27,7 +27,10 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
+import tiller.trl
 from tiller.errors import ConfigError, UserError
+from tiller.trl.cli_data import load_splits, peft_config, reward_functions
+from tiller.trl.common import classify
 from tiller.trl.fields import FIELDS, SCRIPT_FIELDS, TYPES
 
 # command -> (config class, script arguments class, trainer module)
@@ -175,8 +178,6 @@ def _json_dicts(class_name: str, values: dict[str, Any]) -> None:
 def parse(command: str, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     """(script arguments, config, ModelConfig, DatasetMixtureConfig) of a TRL command line, as tiller.trl's objects
     (the config is `tiller.trl.GRPOConfig` etc.), parsed as TRL's TrlParser parses them."""
-    import tiller.trl
-
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, list(COMMANDS), n=1)
         raise UserError(f"unknown command {command!r}{f' (did you mean {close[0]}?)' if close else ''}; {USAGE}")
@@ -232,8 +233,6 @@ def main(argv: list[str]) -> int:
         return 0
     command = argv[0]
     script, args, model_args, mixture = parse(command, argv[1:])
-    from tiller.trl.common import classify
-    from tiller.trl.cli_data import load_splits, peft_config, reward_functions
 
     for obj in (script, model_args, mixture):
         for line in classify(obj)[1]:

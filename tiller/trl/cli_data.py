@@ -124,7 +124,7 @@ def reward_functions(script: Any) -> list[Any]:
     """grpo / rloo: the reward model dir (first, as TRL's script), then each --reward_funcs name: one of TRL's
     built-ins (`tiller.trl.reward_funcs.SCRIPT_REWARDS`) or `module.function` imported with the current dir on
     sys.path."""
-    from tiller.trl.reward_funcs import SCRIPT_REWARDS
+    from tiller.trl.reward_funcs import SCRIPT_REWARDS  # import cost: torch (its math-verify worker pool)
 
     out: list[Any] = []
     if script.reward_model_name_or_path:
