@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tiller.errors import ConfigError, DataError
 from tiller.trl import GRPOConfig, GRPOTrainer
@@ -112,10 +113,41 @@ def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir):
     assert type(trainer.model).__name__ == "Qwen2VLForConditionalGeneration"  # the trained VLM, loaded back
 
 
-def test_image_prompt_ids_are_trls_rendering(tmp_path, tiny_vlm_dir):
-    """The prompt ids tiller trains on (its RL data path reading the run's parquet) equal the processor applied to
-    the chat template of TRL's multimodal messages with their images (what TRL's processor call does)."""
+def test_rloo_with_an_image_eval_dataset(tmp_path, tiny_vlm_dir):
+    """RLOO takes image prompts the same way; an eval_dataset with images validates on them, its rows reaching
+    the reward function (a list of dicts: the images as given)."""
+    from tiller.trl import RLOOConfig, RLOOTrainer
+
+    seen = []
+
+    def size_reward(prompts, completions, images, **kwargs):
+        seen.append([im.size for ims in images for im in ims])
+        return [float(len(c[0]["content"])) for c in completions]
+
+    def rows(n, size):
+        return [{"prompt": [{"role": "user", "content": f"Which colours ({i})?"}],
+                 "images": [_image(i, size), _image(i + 1, size)]} for i in range(n)]
+
+    args = RLOOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=3, max_steps=1, bf16=False, eval_strategy="steps", eval_steps=1, beta=0.0)
+    trainer = RLOOTrainer(str(tiny_vlm_dir), size_reward, args=args, train_dataset=rows(4, 64),
+                          eval_dataset=rows(2, 32))
+    trainer.train()
+    assert trainer.tiller_keys["data.val_files"][0].endswith("data/eval.parquet")
+    assert trainer.tiller_keys["algorithm.adv_estimator"] == "rloo"
+    assert [(64, 64)] * 8 in seen  # a training batch: 2 prompts x 2 completions x 2 images, as given
+    assert [(32, 32)] * 8 in seen  # validation: 2 prompts x 2 completions x 2 images
+    assert math.isfinite(trainer.state.log_history[-1]["eval_reward"])
+
+
+def test_image_prompt_ids_are_trls(tmp_path, tiny_vlm_dir, trl_processor):
+    """The prompt ids and pixels tiller trains on (its RL data path reading the run's parquet) equal TRL's own
+    `GRPOTrainer._tokenize_prompts` with the real Qwen2VLProcessor on TRL's multimodal messages."""
     trl_utils = pytest.importorskip("trl.data_utils")
+    from types import SimpleNamespace
+
+    from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
+
     from tiller.data.rl_dataset import RLDataset
     from tiller.models.loading import load_tokenizer
     from tiller.models.vision import load_processor
@@ -125,17 +157,17 @@ def test_image_prompt_ids_are_trls_rendering(tmp_path, tiny_vlm_dir):
                           args=_args(tmp_path / "run"), train_dataset=dataset)
     keys, _ = trainer.translate()
     tokenizer = load_tokenizer(tiny_vlm_dir)
-    processor = load_processor(tiny_vlm_dir, tokenizer=tokenizer)
     ours = RLDataset(keys["data.train_files"], tokenizer, max_prompt_length=keys["data.max_prompt_length"],
-                     processor=processor, image_key="images")
-    for i, row in enumerate(dataset):
-        messages = trl_utils.prepare_multimodal_messages(row["prompt"], images=row["images"])
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        want = processor(text=[text], images=row["images"], return_tensors="pt")
-        assert ours[i].prompt_ids == list(want["input_ids"][0])
-        assert ours[i].prompt_ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 32  # 2 images x 16
-        assert ours[i].multi_modal_inputs["pixel_values"].equal(want["pixel_values"])
-    assert keys["data.max_prompt_length"] == max(len(item.prompt_ids) for item in ours.items)
+                     processor=load_processor(tiny_vlm_dir, tokenizer=tokenizer), image_key="images")
+    prompts = [trl_utils.prepare_multimodal_messages(row["prompt"], images=row["images"]) for row in dataset]
+    trl_self = SimpleNamespace(processing_class=trl_processor, _is_vlm=True, environment_factories=None, tools=None,
+                               chat_template=None, chat_template_kwargs={})
+    ids, images, fields = TRLGRPOTrainer._tokenize_prompts(trl_self, prompts)
+    assert [item.prompt_ids for item in ours.items] == [list(x) for x in ids]
+    assert all(x.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 32 for x in ids)  # 2 images x 16
+    assert torch.equal(torch.cat([item.multi_modal_inputs["pixel_values"] for item in ours.items]),
+                       torch.as_tensor(fields["pixel_values"]))
+    assert keys["data.max_prompt_length"] == max(len(x) for x in ids)
 
 
 def test_refusals_name_the_column_and_row(tmp_path, tiny_model_dir, tiny_vlm_dir):
