@@ -113,6 +113,28 @@ def test_grpo_step_on_image_prompts(tmp_path, tiny_vlm_dir):
     assert type(trainer.model).__name__ == "Qwen2VLForConditionalGeneration"  # the trained VLM, loaded back
 
 
+@pytest.mark.slow
+def test_grpo_on_image_prompts_learns(tmp_path, tiny_vlm_dir):
+    """12 GRPO steps on 32 image prompts (the text example's digit reward, the completions of a VLM seeing an
+    image): the mean reward rises (0.016 -> 0.795 for the first / last 3 steps on the dev host, 28-76 s)."""
+    pytest.importorskip("datasets")
+    from datasets import Dataset
+
+    def digit_reward(completions, image, **kwargs):
+        assert all(im.size == (64, 64) for im in image)
+        return [sum(ch.isdigit() for ch in c[0]["content"]) / max(len(c[0]["content"]), 1) for c in completions]
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}: count the squares."}],
+                                  "image": _image(i)} for i in range(32)])
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=8, per_device_train_batch_size=32,
+                      max_completion_length=6, learning_rate=1e-2, max_steps=12, bf16=False, seed=0)
+    trainer = GRPOTrainer(model=str(tiny_vlm_dir), reward_funcs=digit_reward, args=args, train_dataset=dataset)
+    trainer.train()
+    rewards = [row["reward"] for row in trainer.state.log_history]
+    assert len(rewards) == 12
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+
+
 def test_rloo_with_an_image_eval_dataset(tmp_path, tiny_vlm_dir):
     """RLOO takes image prompts the same way; an eval_dataset with images validates on them, its rows reaching
     the reward function (a list of dicts: the images as given)."""
