@@ -153,7 +153,7 @@ class RLDataset:
                     raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a "
                                     f"vision-language model tiller trains ({VISION_FAMILIES}); drop the column or "
                                     "change data.image_key")
-                vision = _encode_images(row[prompt_key], images, processor, where, chat_template_kwargs)
+                vision = encode_image_row(row[prompt_key], images, processor, where, chat_template_kwargs)
                 text, ids = vision.text, vision.prompt_ids
             else:
                 text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template,
@@ -213,7 +213,7 @@ def row_images(row: dict, image_key: str, where: str) -> list:
     return [to_pil(img, f"{where} {image_key}[{j}]") for j, img in enumerate(value)]
 
 
-def _encode_images(raw: Any, images: list, processor, where: str, chat_template_kwargs: dict | None = None):
+def encode_image_row(raw: Any, images: list, processor, where: str, chat_template_kwargs: dict | None = None):
     """One image prompt through the processor's chat template and image processor."""
     if isinstance(raw, np.ndarray):
         raw = raw.tolist()

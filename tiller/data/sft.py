@@ -26,6 +26,8 @@ lost), `left` keeps the end (the prompt head is lost). An example left with no l
 
 Images (vision-language models): a chat row with an `images` column (`data.image_key`) and `<image>`
 placeholders is encoded by `tiller.data.sft_vision` (pixels kept on the example); see that module.
+`data.assistant_only_loss=False` puts its loss on every token, the image tokens included (as TRL's
+`DataCollatorForVisionLanguageModeling` labels them).
 
 Each example is stored as `input_ids` and `labels` (the next-token target at every position, -100
 where no loss is taken; the last position is always -100), so packed sequences never predict across
@@ -232,6 +234,8 @@ def _encode_image_row(row: dict, fmt: str, data_cfg, tokenizer, processor, where
     kwargs = dict(data_cfg.apply_chat_template_kwargs)
     ids, mask = encode_messages(parts, tokenizer, where, kwargs)  # one <|image_pad|> per image
     ids, mask, pixels = expand_images(parts, ids, mask, images, processor, tokenizer, where, kwargs)
+    if not data_cfg.assistant_only_loss:  # every token, the image tokens too (TRL's vision collator's labels)
+        mask = [1] * len(ids)
     if len(ids) > data_cfg.max_length:
         raise DataError(f"{where}: the conversation has {len(ids)} tokens (image tokens included) > "
                         f"data.max_length={data_cfg.max_length}; image conversations are not truncated: "

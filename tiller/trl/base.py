@@ -203,11 +203,17 @@ class TRLTrainerBase:
 
     @property
     def processing_class(self) -> Any:
-        """The tokenizer given, or (as TRL) the one loaded from the model's dir."""
+        """The tokenizer given, or (as TRL) the one loaded from the model's dir (a vision-language model's: its
+        processor)."""
         if self._processing_class is None or isinstance(self._processing_class, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
-            self._processing_class = AutoTokenizer.from_pretrained(self.tokenizer_path or self.model_path)
+            from tiller.models.loading import is_vision_checkpoint
+            from tiller.models.vision import load_processor
+
+            path = self.tokenizer_path or self.model_path
+            self._processing_class = load_processor(path) if is_vision_checkpoint(path) else \
+                AutoTokenizer.from_pretrained(path)
         return self._processing_class
 
     @processing_class.setter
@@ -223,19 +229,15 @@ class TRLTrainerBase:
                 self._trained_model = self._load_trained()
             return self._trained_model
         if self._model_obj is None:
-            from transformers import AutoModelForCausalLM
-
-            self._model_obj = AutoModelForCausalLM.from_pretrained(self.model_path)
+            self._model_obj = _from_pretrained(self.model_path)
         return self._model_obj
 
     def _load_trained(self) -> Any:
         import tempfile
 
-        from transformers import AutoModelForCausalLM
-
         with tempfile.TemporaryDirectory(prefix="tiller-trl-model-") as tmp:
             self._export(Path(tmp) / "model")
-            return AutoModelForCausalLM.from_pretrained(Path(tmp) / "model")
+            return _from_pretrained(Path(tmp) / "model")
 
     # ------------------------------------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
@@ -334,6 +336,17 @@ class TRLTrainerBase:
                 shutil.rmtree(target)
             os.replace(item, target)
         stage.rmdir()
+
+
+def _from_pretrained(path: Any) -> Any:
+    """A model dir loaded as transformers loads it for TRL: a causal LM, or a vision-language model's image-text
+    class (Qwen2-VL / Qwen2.5-VL / Qwen3-VL)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tiller.models.loading import is_vision_checkpoint
+
+    auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
+    return auto.from_pretrained(path)
 
 
 def finite(value: Any) -> bool:

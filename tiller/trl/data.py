@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tiller.data.files import read_rows, write_rows
 from tiller.errors import DataError
@@ -36,6 +36,20 @@ def to_dataset_rows(dataset: Any, where: str) -> list[dict]:
     if not rows:
         raise DataError(f"{where} is empty")
     return [dict(row) for row in rows]
+
+
+def dataset_decoder(dataset: Any) -> Callable[[dict], dict] | None:
+    """For a `datasets.Dataset` with decodable columns (images, audio): the row decoder its indexing applies
+    (`features.decode_example`: an image entry `{"bytes", "path"}` -> a PIL image), else None. `to_dataset_rows`
+    keeps such rows encoded (`to_list()`), so a row is decoded only when a reward function reads it, as TRL's
+    data loader reads it."""
+    features = getattr(dataset, "features", None)
+    if not callable(getattr(features, "decode_example", None)):
+        return None
+    if not any(getattr(f, "decode", False) or getattr(getattr(f, "feature", None), "decode", False)
+               for f in features.values()):
+        return None
+    return features.decode_example
 
 
 def write_rows_atomic(rows: Sequence[dict], path: str | Path) -> Path:

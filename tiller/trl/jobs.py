@@ -28,9 +28,10 @@ DATA_DIR = "data"  # the run's data files: <output_dir>/data/train.jsonl, eval.j
 RUN_RECORDS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml")  # replaced by a fresh train()
 
 
-def write_data(run_dir: Path, name: str, rows: list[dict]) -> str:
-    """Write `rows` to `<run_dir>/data/<name>.jsonl` atomically; returns the path (a tiller data file)."""
-    return str(write_rows_atomic(rows, Path(run_dir) / DATA_DIR / f"{name}.jsonl"))
+def write_data(run_dir: Path, name: str, rows: list[dict], suffix: str = ".jsonl") -> str:
+    """Write `rows` to `<run_dir>/data/<name><suffix>` atomically (`.parquet` for rows holding image bytes);
+    returns the path (a tiller data file)."""
+    return str(write_rows_atomic(rows, Path(run_dir) / DATA_DIR / f"{name}{suffix}"))
 
 
 def split_settings(logical: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -22,6 +22,10 @@ Metrics as TRL names them: `rewards/<name>/mean` and `/std` (NaN-aware, Bessel-c
 `reward_std`, `frac_reward_zero_std` (fraction of groups whose rewards are all equal) and the `log_metric` names;
 each function's per-completion rewards are extras `<name>` (tiller logs `reward_extra/<name>/mean` and writes them
 in the generation dumps).
+
+Image prompts (an `images` / `image` column): a row is decoded as TRL's data loader yields it (a `datasets` image
+column: PIL images) only when its completions are scored, and `prompts` are TRL's multimodal messages (content
+parts; the image parts hold their images, `tiller.trl.images`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 
 from tiller.errors import DataError, UserError
 from tiller.rewards.managers import ScoreBatch
+from tiller.trl.images import multimodal_row, row_images
 
 ROW_KEY = "trl_row"  # extra_info key of the dataset row index
 SPLIT_KEY = "trl_split"  # extra_info key: "train" | "eval"
@@ -121,6 +126,9 @@ class TRLRewards:
                             "weight per reward function")
         self.funcs, self.names, self.weights = funcs, names, np.asarray(weights, dtype=np.float64)
         self.rows, self.conversational = rows, conversational
+        # image prompts (tiller.trl.images): per split, the image column and the dataset's row decoder (None: none)
+        self.image_columns: dict[str, str | None] = {}
+        self.decoders: dict[str, Callable[[dict], dict] | None] = {}
         self.global_step = 0  # tiller's completed steps: set by the RL driver before each step
         self.max_steps = 0  # TRL's optimizer steps of the run
         self.optimizer_steps_per_step = 1  # k: TRL's optimizer steps per tiller step
@@ -129,8 +137,12 @@ class TRLRewards:
 
     # --------------------------------------------------------------------------------------- one batch
     def score(self, requests: list) -> ScoreBatch:
-        rows = [self._row(req) for req in requests]
-        prompts = [row["prompt"] for row in rows]
+        cache: dict[tuple[str, int], tuple[dict, Any]] = {}  # the n completions of a prompt share its row
+        rows, prompts = [], []
+        for req in requests:
+            row, prompt = self._row(req, cache)
+            rows.append(row)
+            prompts.append(prompt)
         texts = [req.response for req in requests]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         completion_ids = [list(req.response_ids or []) for req in requests]
@@ -152,13 +164,24 @@ class TRLRewards:
                 per_func[:, i] = self._values(i, out, len(requests))
         return self._batch(per_func, requests)
 
-    def _row(self, req: Any) -> dict:
+    def _row(self, req: Any, cache: dict) -> tuple[dict, Any]:
+        """(the sample's dataset row, decoded as TRL's data loader yields it; the prompt TRL passes: with images,
+        the messages in parts whose image parts hold their images)."""
         info = req.extra_info or {}
         try:
-            return self.rows[info.get(SPLIT_KEY, "train")][int(info[ROW_KEY])]
+            split, index = info.get(SPLIT_KEY, "train"), int(info[ROW_KEY])
+            row = self.rows[split][index]
         except (KeyError, IndexError, TypeError, ValueError):
             raise DataError(f"a sample without its dataset row ({ROW_KEY} in extra_info): the TRL front end writes "
                             "the data it trains on") from None
+        if (split, index) not in cache:
+            decode, column = self.decoders.get(split), self.image_columns.get(split)
+            row = decode(row) if decode is not None else row
+            prompt = row["prompt"]
+            if column is not None:
+                prompt = multimodal_row(prompt, row_images(row, column), f"{split}_dataset row {index}")[1]
+            cache[split, index] = (row, prompt)
+        return cache[split, index]
 
     def _guarded(self, i: int, func: Callable, call: dict) -> Any:
         try:

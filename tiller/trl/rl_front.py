@@ -31,7 +31,9 @@ from tiller.trl.base import TRLTrainerBase, lora_rl_keys, refuse_arguments
 from tiller.trl.common import (
     NOTICE, Rule, classify, mapped, noop, overrides, refuse_value, refused, resolve_schedule, rl_keys, to,
 )
-from tiller.trl.data import to_dataset_rows, write_rows_atomic
+from tiller.models.loading import VISION_FAMILIES, is_vision_checkpoint
+from tiller.trl.data import dataset_decoder, to_dataset_rows, write_rows_atomic
+from tiller.trl.images import image_column, image_entry, multimodal_row, row_images
 from tiller.trl.rewards import ROW_KEY, SPLIT_KEY, RewardModelFunc, TRLRewards, callable_name
 
 MIN_IS_BOUND = 1e-30  # the lower IcePop bound standing for TRL's "no clip_min"
@@ -127,7 +129,8 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "ref_model_sync_steps": noop("only read with sync_ref_model, which is refused"),
     "log_completions": mapped("trainer.rollout_data_dir = <output_dir>/completions: every step's prompts, "
                               "completions and rewards as <step>.jsonl", to("log_completions", bool)),
-    "log_multimodal": noop("image prompts are refused"),
+    "log_multimodal": noop("tiller's completion logs (log_completions) hold the prompts' text, not their images "
+                           "(the run's images are in output_dir/data/<split>.parquet)"),
     "num_completions_to_print": noop("tiller prints no completion table (log_completions writes them all)"),
     "log_unique_prompts": noop("tiller prints no completion table (log_completions writes them all)"),
     "use_transformers_continuous_batching": noop("tiller's rollout engine batches continuously itself"),
@@ -206,15 +209,19 @@ class TRLRLTrainer(TRLTrainerBase):
             if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "column_names"):
                 raise ConfigError("eval_dataset: a dict of datasets: tiller validates on one dataset")
             self.eval_rows = to_dataset_rows(eval_dataset, "eval_dataset")
-        for where, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
-            for column in ("image", "images"):
-                if rows and column in rows[0]:
-                    raise ConfigError(f"{where}: an {column!r} column: image prompts are not supported by tiller's "
-                                      "TRL front end (tiller rl reads verl's image parquet, docs/vlm.md)")
+        self.image_columns: dict[str, str | None] = {}
+        for split, rows in (("train", self.train_rows), ("eval", self.eval_rows or [])):
             if rows and "prompt" not in rows[0]:
-                raise DataError(f"{where}: no 'prompt' column (columns: {', '.join(sorted(rows[0]))})")
+                raise DataError(f"{split}_dataset: no 'prompt' column (columns: {', '.join(sorted(rows[0]))})")
+            self.image_columns[split] = image_column(rows) if rows else None
+            if self.image_columns[split] and not is_vision_checkpoint(self.model_path):
+                raise ConfigError(f"{split}_dataset: an {self.image_columns[split]!r} column (image prompts) but "
+                                  f"model {self.model_path!r} is not a vision-language model tiller trains "
+                                  f"({VISION_FAMILIES}); drop the column or use such a model")
         self.conversational = isinstance(self.train_rows[0]["prompt"], (list, tuple))
         self.rewards = self._reward_functions(reward_funcs, reward_processing_classes)
+        self.rewards.image_columns = self.image_columns
+        self.rewards.decoders = {"train": dataset_decoder(train_dataset), "eval": dataset_decoder(eval_dataset)}
         self.steps_per_epoch = trl_steps_per_epoch(len(self.train_rows), self.arithmetic)
 
     def _reward_functions(self, reward_funcs: Any, processing_classes: Any) -> TRLRewards:
@@ -251,6 +258,7 @@ class TRLRLTrainer(TRLTrainerBase):
         from tiller.data.rl_dataset import render_prompt
         # import cost: transformers loads only when a tokenizer is read
         from tiller.models.loading import load_tokenizer
+        from tiller.models.vision import load_processor
 
         tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
                                    trust_remote_code=bool(self.args.trust_remote_code))
@@ -258,7 +266,7 @@ class TRLRLTrainer(TRLTrainerBase):
         keys: dict[str, Any] = {"data.apply_chat_template": self.conversational,
                                 "data.apply_chat_template_kwargs": kwargs, "data.prompt_key": "prompt",
                                 "data.truncation": "error", "data.filter_overlong_prompts": False}
-        longest = 0
+        longest, processor = 0, None
         self.rewards.rows = {"train": self.train_rows, "eval": self.eval_rows or []}
         for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
             if not rows:
@@ -266,18 +274,45 @@ class TRLRLTrainer(TRLTrainerBase):
             if isinstance(rows[0]["prompt"], (list, tuple)) != self.conversational:
                 raise DataError(f"{split}_dataset: its prompts are in another format (standard / conversational) "
                                 "than train_dataset's")
-            out = []
+            column, out = self.image_columns.get(split), []
+            if column is not None:
+                processor = processor or load_processor(self.model_path, tokenizer=tokenizer,
+                                                        trust_remote_code=bool(self.args.trust_remote_code))
             for i, row in enumerate(rows):
-                text = render_prompt(row["prompt"], tokenizer, self.conversational, f"{split}_dataset row {i}",
-                                     chat_template_kwargs=kwargs)
-                longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]))
-                out.append({"data_source": "trl", "prompt": row["prompt"], "extra_info": {ROW_KEY: i, SPLIT_KEY: split},
-                            "reward_model": {"ground_truth": None}})
-            path = write_rows_atomic(out, self.run_dir / DATA_DIR / f"{split}.jsonl")
+                where = f"{split}_dataset row {i}"
+                entry = {"data_source": "trl", "prompt": row["prompt"], "extra_info": {ROW_KEY: i, SPLIT_KEY: split},
+                         "reward_model": {"ground_truth": None}}
+                if column is None:
+                    text = render_prompt(row["prompt"], tokenizer, self.conversational, where,
+                                         chat_template_kwargs=kwargs)
+                    length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                else:
+                    entry["prompt"], _, images = multimodal_row(row["prompt"], row_images(row, column), where)
+                    entry["images"] = [image_entry(img, f"{where} {column}") for img in images]
+                    length = self._image_prompt_length(entry, processor, tokenizer, where)
+                longest = max(longest, length)
+                out.append(entry)
+            # image rows carry their images' bytes: parquet (verl's multimodal files); both written atomically
+            name = f"{split}.parquet" if column is not None else f"{split}.jsonl"
+            path = write_rows_atomic(out, self.run_dir / DATA_DIR / name)
             keys["data.train_files" if split == "train" else "data.val_files"] = [str(path)]
+        if processor is not None:
+            keys["data.image_key"] = "images"
         # TRL 1.16 has no max_prompt_length: every prompt is used whole, so the longest one sets tiller's limit
         keys["data.max_prompt_length"] = longest
         return keys
+
+    def _image_prompt_length(self, entry: dict, processor: Any, tokenizer: Any, where: str) -> int:
+        """Tokens of a prompt as tiller's RL data path encodes it (an image's tokens included)."""
+        # import cost: transformers / images load only when prompts are measured
+        from tiller.data.rl_dataset import encode_image_row, row_images as images_of, render_prompt
+
+        kwargs = self.logical.get("chat_template_kwargs") or {}
+        images = images_of(entry, "images", where)
+        if not images:
+            text = render_prompt(entry["prompt"], tokenizer, True, where, chat_template_kwargs=kwargs)
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(encode_image_row(entry["prompt"], images, processor, where, kwargs).prompt_ids)
 
     def _shared_keys(self) -> dict[str, Any]:
         lg, ar = self.logical, self.arithmetic

@@ -16,6 +16,12 @@ the ids diverge: the same tokens whenever the prompt ends on a token boundary (a
 always does). A conversational completion's loss covers the assistant's text and the eos token that ends its turn,
 not the template's text after it (ChatML's newline). TRL drops rows left without a loss token by truncation;
 tiller stops naming the row. With packing, a batch is per_device_train_batch_size sequences (TRL: packed rows).
+
+Images (an `images` / `image` column with a `messages` column, a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model): the
+messages as TRL's `prepare_multimodal_messages` makes them (`tiller.trl.images`), the images' bytes in parquet,
+trained by tiller's image SFT (`tiller.data.sft_vision`): the same token ids as TRL's vision collator, the loss on
+every token (image tokens included) or, with assistant_only_loss, on the assistant turns. An image conversation
+over max_length is an error (TRL cuts it). Prompt-completion and text rows with images are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from tiller.errors import ConfigError, DataError
 from tiller.trl.fields import FIELDS
 from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value, refused
 from tiller.trl.jobs import JobTrainer, write_data
+from tiller.models.loading import VISION_FAMILIES, is_vision_checkpoint
+from tiller.trl.images import image_column, image_entry, multimodal_row, row_images
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                    "tool": "tool"}
@@ -159,12 +167,17 @@ def sft_rows(rows: list[dict], args: Any, where: str,
              formatting_func: Callable[[dict], str] | None = None) -> tuple[list[dict], dict[str, Any]]:
     """TRL SFT rows -> (tiller SFT rows, data keys); the format is read from the first row, as TRL does."""
     if formatting_func is not None:
+        if image_column(rows) is not None:
+            raise ConfigError(f"formatting_func with an {image_column(rows)!r} column in {where}: refused: TRL's "
+                              "vision collator reads the 'messages' column and never calls formatting_func")
         if args.completion_only_loss:
             raise ConfigError("formatting_func with completion_only_loss=True: refused, as in TRL (a formatted text "
                               "has no completion to mask)")
         return [{"text": _text(formatting_func(row), f"{where} row {i}: formatting_func")} for i, row in
                 enumerate(rows)], {"data.format": "text", "data.text_key": "text", "data.add_special_tokens": True}
     first = rows[0]
+    if image_column(rows) is not None:
+        return _image_rows(rows, where)
     if "input_ids" in first:
         raise DataError(f"{where}: pre-tokenized rows (input_ids) are not read by tiller: give the text columns")
     if "messages" in first or "conversations" in first:
@@ -180,6 +193,25 @@ def sft_rows(rows: list[dict], args: Any, where: str,
                 {"data.format": "text", "data.text_key": "text", "data.add_special_tokens": True})
     raise DataError(f"{where}: columns {sorted(first)}: TRL's SFT formats are {field!r} (dataset_text_field), "
                     "'messages', or 'prompt' + 'completion'")
+
+
+def _image_rows(rows: list[dict], where: str) -> tuple[list[dict], dict[str, Any]]:
+    """Image conversations (TRL's vision collator): `messages` through TRL's `prepare_multimodal_messages` (the
+    images' parts in front of the first user text unless the parts are given), the images as verl's `{"bytes"}`
+    entries in the order of their parts (written as parquet); tiller's image SFT (`tiller.data.sft_vision`)."""
+    column = image_column(rows)
+    if "messages" not in rows[0]:
+        raise DataError(f"{where}: an {column!r} column with columns {sorted(rows[0])}: image SFT takes a 'messages' "
+                        "column (TRL's vision collator for prompt-completion or text rows is not mapped)")
+    out = []
+    for i, row in enumerate(rows):
+        at = f"{where} row {i}"
+        messages = _messages(_column(row, "messages", where, i))
+        if messages is None:
+            raise DataError(f"{at}: messages must be a non-empty list of {{'role', 'content'}} dicts")
+        plain, _, images = multimodal_row(messages, row_images(row, column), at)
+        out.append({"messages": plain, "images": [image_entry(img, f"{at} {column}") for img in images]})
+    return out, {"data.format": "messages", "data.messages_key": "messages", "data.image_key": "images"}
 
 
 def _column(row: dict, key: str, where: str, i: int) -> Any:
@@ -252,15 +284,22 @@ class SFTTrainer(JobTrainer):
                          optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                          quantization_config=quantization_config)
+        for where, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows)):
+            column = image_column(rows) if rows else None
+            if column is not None and not is_vision_checkpoint(self.model_path):
+                raise ConfigError(f"{where}: an {column!r} column (image conversations) but model "
+                                  f"{self.model_path!r} is not a vision-language model tiller trains "
+                                  f"({VISION_FAMILIES}); drop the column or use such a model")
 
     def _data(self, private: dict[str, Any]) -> dict[str, Any]:
         rows, keys = sft_rows(self.train_rows, self.args, "train_dataset", self.formatting_func)
-        keys["data.train_files"] = [write_data(self.run_dir, "train", rows)]
+        suffix = ".parquet" if "data.image_key" in keys else ".jsonl"  # image bytes: parquet
+        keys["data.train_files"] = [write_data(self.run_dir, "train", rows, suffix)]
         if self.eval_rows is not None:
             val, val_keys = sft_rows(self.eval_rows, self.args, "eval_dataset", self.formatting_func)
             if val_keys != {k: v for k, v in keys.items() if k != "data.train_files"}:
                 raise DataError("eval_dataset: its format differs from train_dataset's (tiller reads both alike)")
-            keys["data.val_files"] = [write_data(self.run_dir, "eval", val)]
+            keys["data.val_files"] = [write_data(self.run_dir, "eval", val, suffix)]
         if "_eos_token" in private:
             keys["model.tokenizer_path"] = self.tokenizer_with_eos(private["_eos_token"])
         return keys
