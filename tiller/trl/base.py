@@ -208,8 +208,8 @@ class TRLTrainerBase:
         if self._processing_class is None or isinstance(self._processing_class, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
-            from tiller.models.loading import is_vision_checkpoint
-            from tiller.models.vision import load_processor
+            from tiller.models.loading import is_vision_checkpoint  # import cost: torch
+            from tiller.models.vision import load_processor  # import cost: torch
 
             path = self.tokenizer_path or self.model_path
             self._processing_class = load_processor(path) if is_vision_checkpoint(path) else \
@@ -343,7 +343,7 @@ def _from_pretrained(path: Any) -> Any:
     class (Qwen2-VL / Qwen2.5-VL / Qwen3-VL)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tiller.models.loading import is_vision_checkpoint
+    from tiller.models.loading import is_vision_checkpoint  # import cost: torch
 
     auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
     return auto.from_pretrained(path)

@@ -258,7 +258,7 @@ class TRLRLTrainer(TRLTrainerBase):
         from tiller.data.rl_dataset import render_prompt
         # import cost: transformers loads only when a tokenizer is read
         from tiller.models.loading import load_tokenizer
-        from tiller.models.vision import load_processor
+        from tiller.models.vision import load_processor  # import cost: torch
 
         tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
                                    trust_remote_code=bool(self.args.trust_remote_code))
