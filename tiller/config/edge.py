@@ -884,8 +884,13 @@ def _resolve_distillation(cfg: RLConfig) -> None:
     mode = section.distillation_loss.loss_mode
     if mode.endswith("_topk"):
         raise ConfigError(f"distillation.distillation_loss.loss_mode={mode} is refused: tiller's teacher returns "
-                          "the log-probs of the sampled tokens only (no top-k distributions). Instead: k1 with "
-                          "use_policy_gradient=true, or k3 / k2")
+                          "no top-k distributions. Instead: k1 with use_policy_gradient=true, or k3 / k2, or "
+                          "tiller's full-vocabulary algorithm.distill.loss_mode=gjsd (beta=0: the forward KL over "
+                          "the whole vocabulary)")
+    if mode == "gjsd":
+        raise ConfigError("distillation.distillation_loss.loss_mode=gjsd is tiller's loss, not verl's: set it in "
+                          "tiller's layout (algorithm.distill.loss_mode=gjsd, algorithm.distill.beta, "
+                          "algorithm.distill.teacher_path)")
     rule = RULES["distillation.distillation_loss.policy_loss_mode"]
     if section.distillation_loss.policy_loss_mode not in rule.allowed:
         raise ConfigError(f"distillation.distillation_loss.policy_loss_mode="

@@ -1311,7 +1311,14 @@ class DistillConfig:
     outcome_coef: float = 1.0
     """Weight of the outcome-reward policy loss when use_outcome_reward (verl: task_loss_coef)."""
     loss_mode: str = "k1"
-    """Per-token estimator of KL(student || teacher): k1 (= kl) | abs | k2 (= mse) | k3 (= low_var_kl)."""
+    """Per-token estimator of KL(student || teacher) on the sampled tokens: k1 (= kl) | abs | k2 (= mse) | k3
+    (= low_var_kl); or gjsd (tiller's; TRL's DistillationTrainer loss): the generalized Jensen-Shannon divergence
+    over the full vocabulary at each response position (algorithm.distill.beta), supervised
+    (use_policy_gradient=false), no clamps."""
+    beta: float = 1.0
+    """gjsd only: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher) (TRL's default), in between
+    the JSD of the mixture (1 - beta) p_student + beta p_teacher. At the rollout temperature, as the student's
+    log-probs."""
     use_policy_gradient: bool = True
     """true: -estimator as a per-token advantage in the PPO clipped surrogate (Thinking Machines); false: the
     estimator backpropagated as a supervised loss (not with k1: its gradient ignores the teacher)."""

@@ -415,6 +415,11 @@ def _validate_distill(cfg: RLConfig) -> None:
     if not d.use_policy_gradient and d.loss_mode in PG_ONLY_LOSS_MODES:
         raise ConfigError(f"algorithm.distill.loss_mode={d.loss_mode} needs algorithm.distill.use_policy_gradient=true:"
                           " the gradient of k1 does not depend on the teacher (as a supervised loss use k3, k2 or abs)")
+    if d.loss_mode == "gjsd":
+        _validate_gjsd(d)
+    elif d.beta != type(d)().beta:
+        raise ConfigError(f"algorithm.distill.beta={d.beta} is read only with algorithm.distill.loss_mode=gjsd "
+                          f"(loss_mode is {d.loss_mode})")
     for name in ("coef", "outcome_coef"):
         if getattr(d, name) < 0:
             raise ConfigError(f"algorithm.distill.{name} must be >= 0, got {getattr(d, name)}")
@@ -426,6 +431,24 @@ def _validate_distill(cfg: RLConfig) -> None:
     for name in ("clip_ratio_low", "clip_ratio_high"):
         if getattr(d, name) is not None:
             _positive(f"algorithm.distill.{name}", getattr(d, name))
+
+
+def _validate_gjsd(d) -> None:
+    """loss_mode=gjsd: a supervised full-vocabulary loss; the sampled-token estimators' knobs do not apply."""
+    if not 0.0 <= d.beta <= 1.0:
+        raise ConfigError(f"algorithm.distill.beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {d.beta}")
+    if d.use_policy_gradient:
+        raise ConfigError("algorithm.distill.loss_mode=gjsd is a supervised loss over the teacher's full "
+                          "distribution: set algorithm.distill.use_policy_gradient=false")
+    default = type(d)()
+    for name in ("loss_max_clamp", "log_prob_min_clamp"):  # the defaults (or null) pass: gjsd has no clamp
+        if getattr(d, name) not in (None, getattr(default, name)):
+            raise ConfigError(f"algorithm.distill.{name} is not read by loss_mode=gjsd (no clamp on the full-"
+                              "vocabulary divergence): leave it at its default or null")
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(d, name) is not None:
+            raise ConfigError(f"algorithm.distill.{name} is the policy-gradient surrogate's clip; loss_mode=gjsd is "
+                              "supervised: leave it null")
 
 
 def _validate_prime(cfg: RLConfig) -> None:

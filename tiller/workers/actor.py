@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from tiller.algos.aggregate import aggregate_loss
-from tiller.algos.distill import distillation_loss
+from tiller.algos.utils import masked_mean
+from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
 from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, bypass_loss_mask, get_policy_loss,
@@ -503,11 +504,9 @@ class ActorRolloutRefWorker:
             close()
 
     # ------------------------------------------------------------------------------- log-probs
-    def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False,
-                      sum_pi2_out: list | None = None):
-        """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`).
-        With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline)."""
-        P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
+    def _response_logits(self, model, mb: Batch, temperature: float) -> tuple[torch.Tensor, int]:
+        """Float logits / temperature at the first t response positions [b, t, V] of `model` on `mb`, and t."""
+        P = mb["prompts"].shape[1]
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
         if self._remove_padding and mm is None:  # image rows keep the padded forward (their M-RoPE positions)
             logits, t_used = packed_response_forward(model, mb["input_ids"].to(self.device),
@@ -518,7 +517,17 @@ class ActorRolloutRefWorker:
                                               mb["attention_mask"].to(self.device), P,
                                               mb["response_mask"].to(self.device), multi_modal=mm,
                                               **self._forward_opts)
-        logits = logits.float() / temperature
+        return logits.float() / temperature, t_used
+
+    def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False,
+                      sum_pi2_out: list | None = None, logits_out: list | None = None):
+        """Response logprobs [b, T] (and entropy [b, T] or None; with a gradient only if `entropy_grad`).
+        With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline);
+        with `logits_out`, the temperature-scaled response logits [b, t, V] (t <= T, with the graph) are."""
+        T = mb["responses"].shape[1]
+        logits, t_used = self._response_logits(model, mb, temperature)
+        if logits_out is not None:
+            logits_out.append(logits)
         labels = mb["responses"][:, :t_used].to(self.device)
         logp = pad_right(logprobs_from_logits(logits, labels), T)
         entropy = None
@@ -659,6 +668,7 @@ class ActorRolloutRefWorker:
         agg = global_counts(mb, a.loss_scale_factor)
         n_tok = agg["global_tokens"]
         temperature = float(mb.meta.get("temperature", self.rollout_cfg.temperature))
+        full_vocab = self.cfg.algorithm.distill.loss_mode in FULL_VOCAB_LOSS_MODES and "teacher_log_prob" in mb
         self.optimizer.zero_grad(set_to_none=True)
         lanes, threads = lane_plan(a.update_lanes, self._lent_lanes, self._lane_threads)
         micros = split_micro_batches(mb, rows=lane_rows(len(mb), a.ppo_micro_batch_size_per_gpu, lanes),
@@ -670,8 +680,10 @@ class ActorRolloutRefWorker:
             part: dict[str, float] = {}
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
+            logits_out = [] if full_vocab else None  # gjsd: the student's logits, for the teacher's distribution
             with autocast(a.dtype, self.device):
-                logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0)
+                logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0,
+                                                   logits_out=logits_out)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
             mismatch = None
             if self._mismatch_parts is not None:
@@ -685,7 +697,11 @@ class ActorRolloutRefWorker:
             pg_loss = aggregate_loss(pg_tok, pg_mask, pg_agg_mode, **agg)
             loss = pg_loss
             if "teacher_log_prob" in micro:  # on-policy distillation (tiller.algos.distill)
-                loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
+                if full_vocab:
+                    loss = self._add_full_vocab_distillation(loss, logp, logits_out[0], micro, mask, temperature,
+                                                             agg_mode, agg, part)
+                else:
+                    loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)
             if entropy_coeff != 0.0:
                 loss = loss - entropy_coeff * aggregate_loss(entropy, mask, agg_mode, **agg)
@@ -743,6 +759,29 @@ class ActorRolloutRefWorker:
             rollout_is_weights=micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None)
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
         share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
+        sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
+        for k, v in metrics.items():
+            sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * float(v)
+        if d.use_outcome_reward:
+            return d.outcome_coef * pg_loss + d.coef * distill
+        return distill
+
+    def _add_full_vocab_distillation(self, pg_loss, logp, logits, micro, mask, temperature, agg_mode, agg, sums):
+        """loss_mode=gjsd: the teacher's logits at the same response positions (its forward here, per micro-batch,
+        so no [B, T, V] tensor is ever stored in the batch), the generalized JSD against the student's `logits`
+        [b, t, V] (`tiller.algos.distill.gjsd_loss`, chunked over positions), combined as `_add_distillation`."""
+        d = self.cfg.algorithm.distill
+        with torch.no_grad(), autocast(self.actor_cfg.dtype, self.device):  # the teacher stays in eval mode
+            teacher_logits, t_used = self._response_logits(self.teacher_module, micro, temperature)
+        if teacher_logits.shape != logits.shape:
+            raise ConfigError(f"algorithm.distill.teacher_path={d.teacher_path}: the teacher's logits "
+                              f"{tuple(teacher_logits.shape)} differ from the student's {tuple(logits.shape)} "
+                              "(loss_mode=gjsd needs the same vocabulary size)")
+        tok, metrics = gjsd_loss(logits, teacher_logits, mask[:, :t_used], beta=d.beta, temperature=1.0)
+        tok = pad_right(tok, mask.shape[1])  # logits are already divided by the temperature
+        distill = aggregate_loss(tok, mask, agg_mode, **agg)
+        share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
+        metrics["reverse_kl"] = masked_mean((logp - micro["teacher_log_prob"].to(self.device)).detach(), mask)
         sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
         for k, v in metrics.items():
             sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * float(v)
