@@ -19,7 +19,7 @@ import enum
 import types
 import typing
 
-CLASSES = ("GRPOConfig", "RLOOConfig", "SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig")
+CLASSES = ("GRPOConfig", "RLOOConfig", "SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "DistillationConfig")
 SCRIPT_CLASSES = ("ScriptArguments", "GRPOScriptArguments", "RLOOScriptArguments", "ModelConfig",
                   "DatasetMixtureConfig")
 

@@ -18,6 +18,7 @@ _EXPORTS = {
     "DPOConfig": "tiller.trl.dpo", "DPOTrainer": "tiller.trl.dpo",
     "KTOConfig": "tiller.trl.kto", "KTOTrainer": "tiller.trl.kto",
     "RewardConfig": "tiller.trl.reward", "RewardTrainer": "tiller.trl.reward",
+    "DistillationConfig": "tiller.trl.distillation", "DistillationTrainer": "tiller.trl.distillation",
     # the dataclasses TRL's command-line scripts parse (`tiller trl COMMAND`, tiller.trl.cli)
     "ScriptArguments": "tiller.trl.script_args", "GRPOScriptArguments": "tiller.trl.script_args",
     "RLOOScriptArguments": "tiller.trl.script_args", "ModelConfig": "tiller.trl.script_args",

@@ -202,7 +202,7 @@ class TRLRLTrainer(TRLTrainerBase):
                    processing_class: Any, reward_processing_classes: Any, peft_config: Any) -> None:
         self._set_up_common(model, args, processing_class, peft_config)
         self.logical, self.notices = classify(self.args)
-        self.arithmetic = batch_arithmetic(self.args)
+        self.arithmetic = self._batch_arithmetic()
         self.train_rows = to_dataset_rows(train_dataset, "train_dataset")
         self.eval_rows = None
         if eval_dataset is not None:
@@ -223,6 +223,9 @@ class TRLRLTrainer(TRLTrainerBase):
         self.rewards.image_columns = self.image_columns
         self.rewards.decoders = {"train": dataset_decoder(train_dataset), "eval": dataset_decoder(eval_dataset)}
         self.steps_per_epoch = trl_steps_per_epoch(len(self.train_rows), self.arithmetic)
+
+    def _batch_arithmetic(self) -> dict[str, int]:
+        return batch_arithmetic(self.args)
 
     def _reward_functions(self, reward_funcs: Any, processing_classes: Any) -> TRLRewards:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]

@@ -1,0 +1,130 @@
+"""TRL's DistillationTrainer on tiller (tiller.trl.distillation): every field has a rule and TRL's default; the gjsd
+loss equals TRL's `_chunked_divergence_loss` (value and gradient); one step equals `tiller rl` with the translated
+keys; the student's divergence to the teacher falls; refusals name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiller.algos.aggregate import aggregate_loss
+from tiller.algos.distill import gjsd_loss
+from tiller.cli import main as tiller_main
+from tiller.errors import ConfigError
+from tiller.trl import DistillationConfig, DistillationTrainer
+from tiller.trl.common import MAPPED, overrides
+from tiller.trl.fields import FIELDS
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0
+'''
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny student's weights, its output head sharpened x3 and every weight moved by seeded noise (sd 0.05): a
+    teacher with the student's vocabulary whose next-token distributions differ from the student's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        model.get_output_embeddings().weight.mul_(3.0)
+    out = tmp_path_factory.mktemp("teacher") / "teacher"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+def _rows(n=8):
+    return [{"prompt": f"Question {i}:"} for i in range(n)]
+
+
+def _args(run_dir, **kw):
+    base = dict(output_dir=str(run_dir), per_device_train_batch_size=8, max_completion_length=5, learning_rate=1e-2,
+                max_steps=1, bf16=False, seed=3)
+    return DistillationConfig(**{**base, **kw})
+
+
+def test_every_distillation_field_has_a_rule_and_trls_defaults():
+    assert set(DistillationConfig.RULES) >= set(FIELDS["DistillationConfig"])
+    args = DistillationConfig(output_dir="x")
+    assert (args.beta, args.temperature, args.learning_rate, args.max_completion_length) == (1.0, 1.0, 1e-6, 512)
+    assert DistillationConfig.RULES["beta"].kind == MAPPED
+    with pytest.raises(ConfigError, match=r"beta must be in \[0.0, 1.0\]"):
+        DistillationConfig(output_dir="x", beta=1.5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_gjsd_equals_trls_chunked_divergence_loss(beta):
+    # TRL projects hidden states through lm_head; with an identity head of size V the projections are the logits
+    trl_distill = pytest.importorskip("trl.trainer.distillation_trainer")
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 2, 5, 7
+    logits = (torch.randn(B, T, V, generator=g) * 2).requires_grad_()
+    teacher = torch.randn(B, T, V, generator=g) * 2
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    eye = torch.eye(V)
+    h = logits.detach().clone().requires_grad_()
+    theirs, entropy_sum, n = trl_distill._chunked_divergence_loss(h, teacher, eye, eye, mask, beta,
+                                                                  num_items_in_batch=torch.tensor(8.0),
+                                                                  temperature=1.7)
+    theirs.backward()
+    tok, metrics = gjsd_loss(logits, teacher, mask, beta=beta, temperature=1.7)
+    ours = aggregate_loss(tok, mask, "token-mean", global_tokens=8.0)
+    ours.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5)
+    torch.testing.assert_close(logits.grad, h.grad, rtol=1e-5, atol=1e-7)
+    assert float(metrics["student_entropy"]) == pytest.approx(float(entropy_sum / n), rel=1e-5)
+
+
+def test_a_distillation_step_equals_tiller_rl_with_the_translated_keys(tmp_path, tiny_model_dir, teacher_dir):
+    trainer = DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir),
+                                  args=_args(tmp_path / "trl", beta=0.5), train_dataset=_rows())
+    trainer.train()
+    keys = trainer.tiller_keys
+    assert (keys["algorithm.distill.loss_mode"], keys["algorithm.distill.beta"], keys["actor_rollout_ref.rollout.n"],
+            keys["algorithm.distill.teacher_path"]) == ("gjsd", 0.5, 1, str(teacher_dir))
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    keys = dict(keys, **{"trainer.default_local_dir": str(tmp_path / "cli"),
+                         "custom_reward_function.path": str(tmp_path / "reward.py")})
+    assert tiller_main(["rl", *overrides(keys)]) == 0
+    ours, cli = _jsonl(tmp_path / "trl" / "metrics.jsonl"), _jsonl(tmp_path / "cli" / "metrics.jsonl")
+    assert len(ours) == len(cli) == 1
+    for key in ("distillation/loss", "distillation/divergence", "distillation/student_entropy", "actor/grad_norm",
+                "response_length/mean", "actor/lr"):
+        assert ours[0][key] == cli[0][key], key
+    log = trainer.state.log_history[0]
+    assert log["loss"] == ours[0]["distillation/loss"] > 0
+    assert log["entropy"] == ours[0]["distillation/student_entropy"]
+    trainer.save_model()
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "trl")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), start.state_dict().values()))
+
+
+def test_refusals_name_the_field(tmp_path, tiny_model_dir, teacher_dir):
+    with pytest.raises(ConfigError, match="teacher_model: a teacher is required"):
+        DistillationTrainer(model=str(tiny_model_dir), args=_args(tmp_path / "a"), train_dataset=_rows())
+    with pytest.raises(ConfigError, match="teacher_model_revision"):
+        DistillationTrainer(model=str(tiny_model_dir), args=_args(tmp_path / "b", teacher_model_revision="v1",
+                                                                  teacher_model_name_or_path=str(teacher_dir)),
+                            train_dataset=_rows())
+    with pytest.raises(ConfigError, match=r"DistillationTrainer\(tools=...\): refused"):
+        DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), args=_args(tmp_path / "c"),
+                            train_dataset=_rows(), tools=[len])
+    with pytest.raises(ConfigError, match="teacher_model_init_kwargs"):
+        DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), train_dataset=_rows(),
+                            args=_args(tmp_path / "d", teacher_model_init_kwargs={"load_in_4bit": True}))
