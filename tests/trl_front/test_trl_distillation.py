@@ -128,3 +128,52 @@ def test_refusals_name_the_field(tmp_path, tiny_model_dir, teacher_dir):
     with pytest.raises(ConfigError, match="teacher_model_init_kwargs"):
         DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), train_dataset=_rows(),
                             args=_args(tmp_path / "d", teacher_model_init_kwargs={"load_in_4bit": True}))
+
+
+def _mean_reverse_kl(model_dir, teacher_dir, texts) -> float:
+    """Mean over every next-token position of `texts` of the full-vocabulary KL(student || teacher)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    student, teacher = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (model_dir, teacher_dir))
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tok(text)["input_ids"]])
+            lp = torch.log_softmax(student(ids).logits.double(), -1)
+            lq = torch.log_softmax(teacher(ids).logits.double(), -1)
+            total += float((lp.exp() * (lp - lq)).sum(-1).sum())
+            n += ids.shape[1]
+    return total / n
+
+
+def test_the_students_divergence_to_the_teacher_falls(tmp_path, tiny_model_dir, teacher_dir):
+    """8 steps of 8 on-policy completions (reverse KL, TRL's default beta=1): the full-vocabulary KL(student ||
+    teacher) at every position of unseen prompts of the training form falls by more than 20% (measured on the dev
+    host: 2.284 -> 1.528). The logged on-policy loss is noisier (its positions are new samples each step)."""
+    trainer = DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir),
+                                  args=_args(tmp_path / "run", max_steps=8, max_completion_length=8),
+                                  train_dataset=_rows(64))
+    trainer.train()
+    trainer.save_model()
+    texts = [f"Question {i}: 12 + 7 = 19" for i in range(64, 72)]  # unseen prompts
+    before = _mean_reverse_kl(tiny_model_dir, teacher_dir, texts)
+    after = _mean_reverse_kl(tmp_path / "run", teacher_dir, texts)
+    losses = [row["loss"] for row in trainer.state.log_history]
+    print(f"held-out KL(student || teacher) {before:.4f} -> {after:.4f}; loss {losses}")
+    assert len(losses) == 8
+    assert after < 0.8 * before
+
+
+def test_distillation_command_line(tmp_path, tiny_model_dir, teacher_dir, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i % 5 + 2}:"}) + "\n" for i in range(8)))
+    line = ["trl", "distillation", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(prompts),
+            "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "4", "--max_completion_length",
+            "4", "--max_steps", "1", "--bf16", "false", "--report_to", "none", "--beta", "0"]
+    assert tiller_main(line) == 2
+    assert "--teacher_model_name_or_path: required" in capsys.readouterr().err
+    assert tiller_main([*line, "--teacher_model_name_or_path", str(teacher_dir)]) == 0
+    rows = _jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1] and rows[0]["distillation/loss"] > 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -2,7 +2,7 @@
 field, TRL's default, mapped / noop / refused, what tiller does); docs/trl.md holds the same tables. The dataclasses
 TRL's scripts parse (ScriptArguments, GRPOScriptArguments, ModelConfig, DatasetMixtureConfig, ...) have theirs too.
 
-`python -m tiller.trl COMMAND [TRL's flags]` (COMMAND: sft, dpo, kto, reward, grpo, rloo) is `tiller trl COMMAND`:
+`python -m tiller.trl COMMAND [TRL's flags]` (COMMAND: sft, dpo, kto, reward, grpo, rloo, distillation) is `tiller trl COMMAND`:
 TRL's command line on tiller (`tiller.trl.cli`)."""
 
 from __future__ import annotations

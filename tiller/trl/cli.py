@@ -1,4 +1,4 @@
-"""`tiller trl COMMAND [TRL's flags]`: TRL's command line (`trl sft|dpo|kto|reward|grpo|rloo ...`, TRL 1.16's
+"""`tiller trl COMMAND [TRL's flags]`: TRL's command line (`trl sft|dpo|kto|reward|grpo|rloo|distillation ...`, TRL 1.16's
 `trl/scripts/*.py`) on tiller, with `trl` replaced by `tiller trl`.
 
 Flags are parsed as TRL parses them: transformers' `HfArgumentParser` over the four dataclasses each script takes
@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "reward": ("RewardConfig", "ScriptArguments", "tiller.trl.reward"),
     "grpo": ("GRPOConfig", "GRPOScriptArguments", "tiller.trl.grpo"),
     "rloo": ("RLOOConfig", "RLOOScriptArguments", "tiller.trl.rloo"),
+    "distillation": ("DistillationConfig", "ScriptArguments", "tiller.trl.distillation"),
 }
 USAGE = (f"usage: tiller trl COMMAND [TRL's flags] [--config FILE.yaml]   (COMMAND: {', '.join(COMMANDS)}; "
          "`tiller trl COMMAND --help` lists the flags)")
@@ -227,7 +228,7 @@ def parse(command: str, argv: list[str]) -> tuple[Any, Any, Any, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """TRL's script `main` for `argv[0]` (sft, dpo, kto, reward, grpo, rloo) on tiller's trainers."""
+    """TRL's script `main` for `argv[0]` (sft, dpo, kto, reward, grpo, rloo, distillation) on tiller's trainers."""
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -245,6 +246,8 @@ def main(argv: list[str]) -> int:
     kwargs: dict[str, Any] = {}
     if command in ("grpo", "rloo"):
         kwargs["reward_funcs"] = reward_functions(script)
+    if command == "distillation":
+        kwargs["teacher_model"] = _teacher(args, model_args)
     trainer_class = getattr(importlib.import_module(COMMANDS[command][2]), COMMANDS[command][0][:-6] + "Trainer")
     trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                             peft_config=peft_config(model_args, command), **kwargs)
@@ -253,6 +256,25 @@ def main(argv: list[str]) -> int:
     trainer.save_model(args.output_dir)
     print(f"Model saved to {args.output_dir}.")
     return 0
+
+
+def _teacher(args: Any, model_args: Any) -> str:
+    """TRL's distillation script: the teacher is --teacher_model_name_or_path (required), loaded with
+    {revision, trust_remote_code, attn_implementation, dtype} updated by --teacher_model_init_kwargs."""
+    if args.teacher_model_name_or_path is None:
+        raise UserError("--teacher_model_name_or_path: required (a teacher model is required for distillation "
+                        "training; a local Hugging Face model dir)")
+    path = args.teacher_model_name_or_path
+    if not Path(path).expanduser().is_dir():
+        raise UserError(f"--teacher_model_name_or_path {path!r}: not a local model dir (tiller downloads no hub "
+                        "models: download it first and give its dir)")
+    kwargs: dict[str, Any] = {"revision": args.teacher_model_revision,
+                              "trust_remote_code": args.trust_remote_code, "dtype": model_args.dtype}
+    if model_args.attn_implementation is not None:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    kwargs.update(args.teacher_model_init_kwargs or {})
+    args.teacher_model_init_kwargs = kwargs
+    return path
 
 
 def _model_path(name: str | None) -> str:
