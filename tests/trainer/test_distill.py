@@ -142,7 +142,18 @@ def test_a_verl_distillation_script_block_parses_unchanged():
     (["algorithm.distill.teacher_path=T", "algorithm.distill.coef=-1"], "algorithm.distill.coef"),
     (["algorithm.distill.teacher_path=T", "algorithm.distill.log_prob_min_clamp=1"],
      "algorithm.distill.log_prob_min_clamp"),
-    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_max_clamp=0"], "algorithm.distill.loss_max_clamp"),
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_max_clamp=0"], "algorithm.distill.loss_max_clamp"),    # the full-vocabulary gjsd: supervised only, beta in [0, 1], no clamps / clip ratios, not in verl's layout
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd"], "loss_mode=gjsd is a supervised loss.*use_policy_gradient=false"),
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false", "algorithm.distill.beta=1.5"],
+     r"algorithm.distill.beta must be in \[0, 1\]"),
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false", "algorithm.distill.loss_max_clamp=5"],
+     "algorithm.distill.loss_max_clamp is not read by loss_mode=gjsd"),
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false", "algorithm.distill.clip_ratio_high=0.3"],
+     "algorithm.distill.clip_ratio_high is the policy-gradient"),
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.beta=0.5"],
+     "algorithm.distill.beta=0.5 is read only with algorithm.distill.loss_mode=gjsd"),
+    (["distillation.enabled=true", "distillation.teacher_model.model_path=T",
+      "distillation.distillation_loss.loss_mode=gjsd"], "gjsd is tiller's loss, not verl's"),
 ])
 def test_bad_distillation_settings_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
