@@ -15,7 +15,7 @@ from tiller.algos.distill import gjsd_loss
 from tiller.cli import main as tiller_main
 from tiller.errors import ConfigError
 from tiller.trl import DistillationConfig, DistillationTrainer
-from tiller.trl.common import MAPPED, overrides
+from tiller.trl.common import MAPPED, field_table, overrides
 from tiller.trl.fields import FIELDS
 
 REWARD_FILE = '''
@@ -63,6 +63,20 @@ def test_every_distillation_field_has_a_rule_and_trls_defaults():
     assert DistillationConfig.RULES["beta"].kind == MAPPED
     with pytest.raises(ConfigError, match=r"beta must be in \[0.0, 1.0\]"):
         DistillationConfig(output_dir="x", beta=1.5)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    assert "### DistillationConfig fields\n\n" + field_table("DistillationConfig", DistillationConfig.RULES) in doc
+
+
+def test_config_matches_trls_own_after_post_init():
+    trl = pytest.importorskip("trl")
+    kw = dict(output_dir="o", per_device_train_batch_size=4, gradient_accumulation_steps=2, use_cpu=True, beta=0.3,
+              teacher_model_name_or_path="t")
+    theirs, ours = trl.DistillationConfig(**kw), DistillationConfig(**kw)
+    # transformers' conversions tiller does not read (as test_trl_grpo_translate's comparison)
+    skip = {"report_to", "debug", "accelerator_config", "dataloader_pin_memory", "pad_to_multiple_of", "disable_tqdm"}
+    diff = {k: (getattr(theirs, k), getattr(ours, k)) for k in FIELDS["DistillationConfig"]
+            if k not in skip and getattr(theirs, k) != getattr(ours, k)}
+    assert diff == {}
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])

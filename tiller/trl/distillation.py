@@ -75,6 +75,8 @@ _OWN = {
     "teacher_model_init_kwargs": mapped("dtype (a notice: the teacher is float32), revision main, trust_remote_code "
                                         "= the config's, attn_implementation eager / sdpa; others refused",
                                         _teacher_init_kwargs),
+    "temperature": mapped("actor_rollout_ref.rollout.temperature (and val_kwargs): the sampling and the loss "
+                          "temperature, as TRL's", to("temperature", float)),
     "beta": mapped("algorithm.distill.beta with loss_mode=gjsd (0 forward KL, 1 reverse KL, else JSD)", _beta),
     "max_tool_calling_iterations": noop("read only with tools, which tiller's DistillationTrainer refuses"),
 }
