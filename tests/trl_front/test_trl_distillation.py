@@ -139,6 +139,9 @@ def test_refusals_name_the_field(tmp_path, tiny_model_dir, teacher_dir):
     with pytest.raises(ConfigError, match=r"DistillationTrainer\(tools=...\): refused"):
         DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), args=_args(tmp_path / "c"),
                             train_dataset=_rows(), tools=[len])
+    with pytest.raises(ConfigError, match="eval_dataset: refused"):
+        DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), args=_args(tmp_path / "e"),
+                            train_dataset=_rows(), eval_dataset=_rows())
     with pytest.raises(ConfigError, match="teacher_model_init_kwargs"):
         DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), train_dataset=_rows(),
                             args=_args(tmp_path / "d", teacher_model_init_kwargs={"load_in_4bit": True}))

@@ -1298,7 +1298,8 @@ class DistillConfig:
     """On-policy distillation / GKD (`tiller.algos.distill`): the student samples as usual, a frozen teacher scores
     the student's sampled tokens, and the loss adds the per-token reverse KL (student log p - teacher log p) as a
     per-token advantage (Thinking Machines' on-policy distillation; verl's `distillation.*`, which resolves onto
-    these keys). On when teacher_path is set."""
+    these keys); or, with loss_mode=gjsd, the generalized JSD to the teacher's whole next-token distribution at each
+    response position (TRL's DistillationTrainer). On when teacher_path is set."""
 
     teacher_path: Optional[str] = None
     """A Hugging Face model dir (or hub id) with the student's tokenizer (same vocabulary): the teacher, frozen."""

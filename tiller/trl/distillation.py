@@ -18,6 +18,7 @@ TRL's trainer, field by field on tiller's keys:
   `teacher_model_name_or_path`: algorithm.distill.teacher_path (its tokenizer must equal the student's: the
   vocabulary is shared).
 - no reward: tiller's driver scores every completion; here with a constant 0 (`critic/score/mean` is 0).
+- eval_dataset is refused: TRL's eval_loss (the divergence on eval prompts) is not what tiller's validation computes.
 
 Logged under TRL's names beside tiller's: `loss` (distillation/loss), `entropy` (distillation/student_entropy, the
 student's entropy at the loss temperature), `completions/*`, `learning_rate`, `grad_norm`.
@@ -116,6 +117,10 @@ class DistillationTrainer(TRLRLTrainer):
                          quantization_config=quantization_config, tools=tools)
         if train_dataset is None:
             raise ConfigError("train_dataset: required (the prompts the student completes)")
+        if eval_dataset is not None:
+            raise ConfigError("eval_dataset: refused: TRL's distillation eval_loss (the divergence on eval prompts) "
+                              "is not computed by tiller's validation, which scores rewards; evaluate the saved "
+                              "model instead")
         self._set_up_rl(model, [_zero_reward], args, train_dataset, eval_dataset, processing_class, None,
                         peft_config)
         self.teacher_path = self._teacher_path(teacher_model)
