@@ -194,3 +194,20 @@ def test_distillation_command_line(tmp_path, tiny_model_dir, teacher_dir, capsys
     rows = _jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1] and rows[0]["distillation/loss"] > 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_micro_batches_give_the_same_update(tmp_path, tiny_model_dir, teacher_dir):
+    """8 prompts a step as one micro-batch of 8 or as 4 accumulated micro-batches of 2 (the teacher run per
+    micro-batch): the same loss and gradient norm (TRL's num_items_in_batch normalisation = tiller's global token
+    mean; measured: loss 0.357084 both, grad norm 0.232248 both)."""
+    logs = []
+    for name, b, ga in (("one", 8, 1), ("four", 2, 4)):
+        trainer = DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), train_dataset=_rows(),
+                                      args=_args(tmp_path / name, per_device_train_batch_size=b,
+                                                 gradient_accumulation_steps=ga, beta=0.5, max_completion_length=6))
+        trainer.train()
+        logs.append(_jsonl(tmp_path / name / "metrics.jsonl")[0])
+    one, four = logs
+    assert one["response_length/mean"] == four["response_length/mean"]
+    for key in ("distillation/loss", "actor/grad_norm", "distillation/student_entropy"):
+        assert four[key] == pytest.approx(one[key], rel=1e-5), key
