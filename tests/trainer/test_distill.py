@@ -189,3 +189,28 @@ def test_distillation_with_the_outcome_reward_trains_both_terms(distill_setup, t
                 "critic/score/mean", "timing_s/teacher"):
         assert key in metrics, key
     assert metrics["distillation/reverse_kl"] > 1.0  # a fresh student, two steps in
+
+
+def test_gjsd_with_the_outcome_reward_packed_equals_padded(distill_setup, tmp_path):
+    """loss_mode=gjsd next to the outcome reward (coef 0.5): both terms train; the packed (remove-padding) forward
+    gives the student's and the teacher's logits at the same positions as the padded one (the same step's loss)."""
+    from tiller.trainer.rl import run
+
+    student, teacher, data = distill_setup
+    rows = {}
+    for packed in (False, True):
+        run_dir = tmp_path / f"packed-{packed}"
+        run(_cfg(run_dir, student, teacher, data, f"algorithm.distill.teacher_path={teacher}",
+                 "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false",
+                 "algorithm.distill.beta=0.5", "algorithm.distill.coef=0.5", "trainer.total_training_steps=1",
+                 "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                 f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"))
+        rows[packed] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    padded, packed = rows[False], rows[True]
+    for key in ("distillation/loss", "distillation/divergence", "distillation/student_entropy", "actor/pg_loss",
+                "critic/score/mean"):
+        assert key in padded, key
+    assert padded["distillation/divergence"] > 0.1  # a fresh student against the warmed teacher
+    for key in ("distillation/loss", "distillation/student_entropy", "actor/grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4), key
