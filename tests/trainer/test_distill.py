@@ -127,6 +127,10 @@ def test_a_verl_distillation_script_block_parses_unchanged():
     assert "distillation.distillation_loss.log_prob_min_clamp=-10.0" in noops
 
 
+GJSD = ["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd",
+        "algorithm.distill.use_policy_gradient=false"]
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["distillation.enabled=true"], "distillation.teacher_model.model_path"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=T", "algorithm.distill.coef=2"],
@@ -142,14 +146,12 @@ def test_a_verl_distillation_script_block_parses_unchanged():
     (["algorithm.distill.teacher_path=T", "algorithm.distill.coef=-1"], "algorithm.distill.coef"),
     (["algorithm.distill.teacher_path=T", "algorithm.distill.log_prob_min_clamp=1"],
      "algorithm.distill.log_prob_min_clamp"),
-    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_max_clamp=0"], "algorithm.distill.loss_max_clamp"),    # the full-vocabulary gjsd: supervised only, beta in [0, 1], no clamps / clip ratios, not in verl's layout
-    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd"], "loss_mode=gjsd is a supervised loss.*use_policy_gradient=false"),
-    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false", "algorithm.distill.beta=1.5"],
-     r"algorithm.distill.beta must be in \[0, 1\]"),
-    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false", "algorithm.distill.loss_max_clamp=5"],
-     "algorithm.distill.loss_max_clamp is not read by loss_mode=gjsd"),
-    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false", "algorithm.distill.clip_ratio_high=0.3"],
-     "algorithm.distill.clip_ratio_high is the policy-gradient"),
+    (["algorithm.distill.teacher_path=T", "algorithm.distill.loss_max_clamp=0"], "algorithm.distill.loss_max_clamp"),
+    # the full-vocabulary gjsd: supervised only, beta in [0, 1], no clamps / clip ratios, not in verl's layout
+    ([*GJSD[:2]], "loss_mode=gjsd is a supervised loss.*use_policy_gradient=false"),
+    ([*GJSD, "algorithm.distill.beta=1.5"], r"algorithm.distill.beta must be in \[0, 1\]"),
+    ([*GJSD, "algorithm.distill.loss_max_clamp=5"], "algorithm.distill.loss_max_clamp is not read by loss_mode=gjsd"),
+    ([*GJSD, "algorithm.distill.clip_ratio_high=0.3"], "algorithm.distill.clip_ratio_high is the policy-gradient"),
     (["algorithm.distill.teacher_path=T", "algorithm.distill.beta=0.5"],
      "algorithm.distill.beta=0.5 is read only with algorithm.distill.loss_mode=gjsd"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=T",
@@ -203,7 +205,8 @@ def test_gjsd_with_the_outcome_reward_packed_equals_padded(distill_setup, tmp_pa
         run(_cfg(run_dir, student, teacher, data, f"algorithm.distill.teacher_path={teacher}",
                  "algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false",
                  "algorithm.distill.beta=0.5", "algorithm.distill.coef=0.5", "trainer.total_training_steps=1",
-                 "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                  f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"))
         rows[packed] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])

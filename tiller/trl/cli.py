@@ -1,5 +1,5 @@
-"""`tiller trl COMMAND [TRL's flags]`: TRL's command line (`trl sft|dpo|kto|reward|grpo|rloo|distillation ...`, TRL 1.16's
-`trl/scripts/*.py`) on tiller, with `trl` replaced by `tiller trl`.
+"""`tiller trl COMMAND [TRL's flags]`: TRL's command line (`trl sft|dpo|kto|reward|grpo|rloo|distillation ...`,
+TRL 1.16's `trl/scripts/*.py`) on tiller, with `trl` replaced by `tiller trl`.
 
 Flags are parsed as TRL parses them: transformers' `HfArgumentParser` over the four dataclasses each script takes
 (its script arguments, the config class, ModelConfig, DatasetMixtureConfig), with the fields' TRL types from

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from tiller.algos.aggregate import aggregate_loss
-from tiller.algos.utils import masked_mean
 from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.kl import kl_penalty
@@ -50,6 +49,7 @@ from tiller.algos.rollout_correction import (
     mismatch_metrics,
     mismatch_sums,
 )
+from tiller.algos.utils import masked_mean
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
