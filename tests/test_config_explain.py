@@ -173,5 +173,13 @@ def test_memory_estimate_counts_the_distillation_teacher_and_prime_prm(tiny_mode
     plain = memory_estimate(load_config(base), shape)
     teacher = memory_estimate(load_config([*base, f"algorithm.distill.teacher_path={tiny_model_dir}"]), shape)
     assert teacher["teacher"] == 4 * shape.params and teacher["peak"] == plain["peak"] + 4 * shape.params
+    # gjsd: the teacher's logits of a micro-batch's responses, two fp32 copies (r x T_resp x V x 4 x 2)
+    gjsd = memory_estimate(load_config([*base, f"algorithm.distill.teacher_path={tiny_model_dir}",
+                                        "algorithm.distill.loss_mode=gjsd",
+                                        "algorithm.distill.use_policy_gradient=false"]), shape)
+    cfg = load_config(base)
+    rows = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    extra = rows * cfg.data.max_response_length * shape.vocab * 4 * 2
+    assert gjsd["activations"] == teacher["activations"] + extra > teacher["activations"]
     prime = memory_estimate(load_config([*base, "algorithm.adv_estimator=prime"]), shape)
     assert prime["prm"] == 16 * shape.params and prime["peak"] == plain["peak"] + 16 * shape.params

@@ -25,7 +25,8 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
                                              step on a dummy parameter: AdamW 8 (two moments), SGD 0, with momentum 4)
     activations  per micro-batch of r rows x S tokens: r S L (8 H + 2 kv d + 4 I) b  (saved for backward;
                  b = 2 with bf16 autocast else 4) + logits r T_resp V 4 x 3 (logits, their temperature-scaled
-                 float copy, their gradient)
+                 float copy, their gradient); algorithm.distill.loss_mode=gjsd adds the teacher's r T_resp V 4 x 2
+                 (its logits and their temperature-scaled copy, held during the micro-batch's loss)
     KV cache     rollout rows per rank x S x L x 2 x kv x d x b_rollout (4 on CPU: the engine falls back to
                  fp32 without native bf16)
     teacher      4 N_teacher with algorithm.distill.teacher_path (a frozen full copy in every worker)
@@ -206,6 +207,8 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
     resp = arr.rollout.response_length or data.max_response_length
     per_token_layer = (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * b
     activations = rows * s * shape.layers * per_token_layer + rows * resp * shape.vocab * 4 * 3
+    if cfg.algorithm.distill.teacher_path and cfg.algorithm.distill.loss_mode == "gjsd":
+        activations += rows * resp * shape.vocab * 4 * 2  # the teacher's logits in the micro-batch's gjsd loss
     rollout_rows = math.ceil((data.gen_batch_size or data.train_batch_size) * arr.rollout.n / w)
     b_roll = 2 if (arr.rollout.dtype in ("bfloat16", "bf16") and cfg.trainer.device == "cuda") else 4
     kv_cache = rollout_rows * s * shape.layers * 2 * shape.kv_dim * b_roll + rollout_rows * shape.vocab * 4 * 2
