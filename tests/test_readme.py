@@ -135,6 +135,8 @@ def adapt(cmd: str, port: int) -> tuple[str, str] | None:
             return cmd, ""
         small = RL_SMALL if "train_ppo_ray" in cmd else TRAIN_SMALL
         return f"{cmd} {' '.join(small)}", "tiny sizes"
+    if cmd.startswith("tiller trl "):  # TRL's parser: the last value of a flag wins
+        return cmd + " --max_steps 2", "2 steps"
     if cmd.startswith("tiller data filter-difficulty"):
         return cmd.replace("DIR", "tiny") + " data.max_response_length=8", "tiny model, 8 tokens"
     if cmd.startswith("tiller generate"):
