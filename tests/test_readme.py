@@ -352,7 +352,10 @@ def _id(page: str, cmd: str) -> str:
     return f"{page.removeprefix('docs/').removesuffix('.md')}: {head}"
 
 
-@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[_id(p, c) for p, c in COMMANDS])
+# The README's own commands run in the fast lane; the docs pages' (mostly a feature's second end-to-end check: its own
+# tests run it too) in the slow lane, to keep CI's fast lane within its time
+@pytest.mark.parametrize("index", [pytest.param(i, marks=() if p == "README.md" else pytest.mark.slow)
+                                   for i, (p, _) in enumerate(COMMANDS)], ids=[_id(p, c) for p, c in COMMANDS])
 def test_readme_command_runs(index, workspace, artifacts):
     port = _free_port()
     page, command = COMMANDS[index]
