@@ -153,7 +153,8 @@ def test_eval_multi_turn_with_the_calculator(tiny_model_dir, prompt_file, monkey
                                      "actor_rollout_ref.rollout.multi_turn.enable=True",
                                      "data.max_prompt_length=512", "data.max_response_length=300")
     assert report["metrics"]["tiller/arithmetic"]["mean@1"] == 1.0
-    assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0}
+    assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0,
+                               "tool_reward/mean": 0.0}
     assert [r["pred"] for r in records] == ["3", "7", "10"]
     assert '"name": "calculator"' in seen[0]
 
