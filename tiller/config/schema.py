@@ -704,8 +704,9 @@ class MultiTurnConfig:
     num_repeat_rollouts: Optional[int] = None
     """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
     function_tool_path: Optional[str] = None
-    """A Python file of verl `@function_tool` functions, the loop's tools next to tool_config_path's (a name in both is
-    an error); `from verl.tools.function_tool import function_tool` works without verl installed."""
+    """A Python file of verl `@function_tool` functions, the multi-turn loop's tools next to tool_config_path's (a name
+    in both is an error; tiller eval; tiller rl refuses it); `from verl.tools.function_tool import function_tool`
+    works without verl installed."""
 
 
 @dataclass
