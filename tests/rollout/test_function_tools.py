@@ -166,6 +166,7 @@ def test_schema_inference_matches_verls_expectations(tmp_path):
 def test_explicit_schema_skips_inference_and_a_renamed_tool_keeps_its_name(tmp_path):
     tools = load_function_tools(_file(tmp_path, '''
         from tiller.rollout.function_tools import function_tool
+        from verl.tools.schemas import OpenAIFunctionToolSchema
 
         CUSTOM = {"type": "function", "function": {"name": "x", "description": "custom desc",
                   "parameters": {"type": "object", "properties": {}, "required": []}}}
@@ -179,6 +180,11 @@ def test_explicit_schema_skips_inference_and_a_renamed_tool_keeps_its_name(tmp_p
             """
             return ""
 
+        @function_tool("y", schema=OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
+            "name": "y", "description": "obj desc", "parameters": {"type": "object", "properties": {}, "required": []}}}))
+        def y() -> str:
+            return ""
+
         @function_tool("web_search")
         def search(query: str) -> str:
             """Search.
@@ -190,6 +196,7 @@ def test_explicit_schema_skips_inference_and_a_renamed_tool_keeps_its_name(tmp_p
         '''))
     assert tools["x"].schema["function"] == {"name": "x", "description": "custom desc",
                                              "parameters": {"type": "object", "properties": {}, "required": []}}
+    assert tools["y"].schema["function"]["description"] == "obj desc"
     assert tools["web_search"].schema["function"]["name"] == "web_search"
     assert tools["web_search"]({"query": "q"}) == "q"
 

@@ -65,6 +65,18 @@ class ToolResponse:
     video: Optional[list] = None
 
 
+class OpenAIFunctionToolSchema(dict):
+    """Stand-in for verl's pydantic `OpenAIFunctionToolSchema` (`schema=` of a verl file): the schema dict, cut as
+    verl's (`verl_schema`)."""
+
+    @classmethod
+    def model_validate(cls, raw: Any) -> "OpenAIFunctionToolSchema":
+        return cls(verl_schema(raw, "OpenAIFunctionToolSchema.model_validate"))
+
+    def model_dump(self, **_: Any) -> dict:
+        return json.loads(json.dumps(self))
+
+
 @dataclass
 class ToolResult:
     """One call's outcome: the text shown to the model, the tool reward and the tool's metrics."""
@@ -84,7 +96,7 @@ def _where(fn: Callable) -> str:
 def verl_schema(raw: Any, where: str) -> dict:
     """`raw` (an OpenAI function-tool schema) as verl's `OpenAIFunctionToolSchema` validates and dumps it
     (exclude_unset, exclude_none): the fields verl keeps, a ConfigError naming `where` for a missing one."""
-    if hasattr(raw, "model_dump"):  # verl's own OpenAIFunctionToolSchema object
+    if hasattr(raw, "model_dump"):  # an OpenAIFunctionToolSchema object (verl's, or the stand-in)
         raw = raw.model_dump(exclude_unset=True, exclude_none=True)
     fn = raw.get("function") if isinstance(raw, dict) else None
     if not isinstance(fn, dict) or not isinstance(raw.get("type"), str):
@@ -239,7 +251,7 @@ def verl_function_tool_imports():
     package.tools, tools.function_tool, tools.schemas = tools, function_tool_mod, schemas
     function_tool_mod.function_tool, function_tool_mod.ToolResponse = function_tool, ToolResponse
     function_tool_mod.FunctionTool = FunctionTool
-    schemas.ToolResponse = ToolResponse
+    schemas.ToolResponse, schemas.OpenAIFunctionToolSchema = ToolResponse, OpenAIFunctionToolSchema
     sys.modules.update(dict(zip(names, (package, tools, function_tool_mod, schemas))))
     try:
         yield
