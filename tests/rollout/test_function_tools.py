@@ -181,7 +181,8 @@ def test_explicit_schema_skips_inference_and_a_renamed_tool_keeps_its_name(tmp_p
             return ""
 
         @function_tool("y", schema=OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
-            "name": "y", "description": "obj desc", "parameters": {"type": "object", "properties": {}, "required": []}}}))
+            "name": "y", "description": "obj desc",
+            "parameters": {"type": "object", "properties": {}, "required": []}}}))
         def y() -> str:
             return ""
 
@@ -381,7 +382,8 @@ def test_the_length_filter_sees_the_function_tools_schemas(tmp_path, tiny_model_
              "reward_model": {"ground_truth": "17.3"}}]
     write_rows(rows, tmp_path / "p.jsonl")
     schemas = [t.schema for t in load_function_tools(_file(tmp_path, VERL_EXAMPLES)).values()]
-    plain = build_rl_dataset(DataConfig(max_prompt_length=4096), tok, [str(tmp_path / "p.jsonl")], what="data.val_files")
+    plain = build_rl_dataset(DataConfig(max_prompt_length=4096), tok, [str(tmp_path / "p.jsonl")],
+                             what="data.val_files")
     with_tools = build_rl_dataset(DataConfig(max_prompt_length=4096), tok, [str(tmp_path / "p.jsonl")],
                                   what="data.val_files", tool_schemas=schemas)
     n_plain, n_tools = len(plain.items[0].prompt_ids), len(with_tools.items[0].prompt_ids)

@@ -38,7 +38,11 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from tiller.data.rl_dataset import HERMES_SYSTEM, render_prompt_with_schemas, with_tools_system_message  # noqa: F401 (tiller.serve)
+from tiller.data.rl_dataset import (  # noqa: F401 (with_tools_system_message: tiller.serve's import)
+    HERMES_SYSTEM,
+    render_prompt_with_schemas,
+    with_tools_system_message,
+)
 from tiller.errors import ConfigError
 from tiller.rollout.base import RolloutOutput, SamplingParams, eos_token_ids
 from tiller.rollout.function_tools import load_function_tools, ToolResult
