@@ -392,3 +392,28 @@ def test_the_length_filter_sees_the_function_tools_schemas(tmp_path, tiny_model_
     assert len(build_rl_dataset(cfg, tok, [str(tmp_path / "p.jsonl")], what="data.val_files").items) == 1
     with pytest.raises(Exception, match="no prompts left .all 1 prompts are longer"):
         build_rl_dataset(cfg, tok, [str(tmp_path / "p.jsonl")], what="data.val_files", tool_schemas=schemas)
+
+
+def test_tool_env_step_reward_is_the_calls_tool_rewards(tmp_path, tiny_model_dir):
+    """On the environment interface (tiller.rollout.environments.ToolEnv) a function tool's reward is the step's
+    reward, so it adds to the episode's return (the sum of step rewards)."""
+    from tiller.models.loading import load_tokenizer
+    from tiller.rollout.environments import ToolEnv
+
+    tools = load_function_tools(_file(tmp_path, '''
+        from verl.tools.function_tool import function_tool
+
+        @function_tool
+        def check(answer: str) -> tuple:
+            """Check an answer.
+
+            Args:
+                answer: the answer.
+            """
+            return ("right", 1.0) if answer == "42" else ("wrong", -0.25)
+        '''))
+    env = ToolEnv(tools, load_tokenizer(tiny_model_dir, padding_side="left"))
+    env.reset({"prompt_text": "x"})
+    call = '<tool_call>{{"name": "check", "arguments": {{"answer": "{}"}}}}</tool_call>'
+    obs, reward, done, info = env.step(call.format("42") + call.format("7"))
+    assert "right" in obs and "wrong" in obs and reward == 0.75 and not done and info == {"tool_calls": 2}
