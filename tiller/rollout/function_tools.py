@@ -293,7 +293,7 @@ def load_function_tools(path: str | Path, key: str = KEY) -> dict[str, FunctionT
                 raise
     except ConfigError as err:
         raise ConfigError(f"{key}={path}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - the user's file failed to import
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's file failed to import (or exited)
         raise ConfigError(f"{key}={path}: cannot import it: {type(err).__name__}: {err}") from None
     found = list(_REGISTERED[first:])
     del _REGISTERED[first:]  # each load takes its own; a second load of the file makes them anew
