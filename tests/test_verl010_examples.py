@@ -204,7 +204,6 @@ def test_sapo_example_policy_loss_tau_is_named_as_a_noop(capsys):
     (["actor_rollout_ref.actor.qat.enable=True"], "quantization-aware training"),
     (["skip.async_rollout.enable=True"], "dumped rollouts of verl.s TransferQueue / asynchronous trainers"),
     (["actor_rollout_ref.rollout.nnodes=2"], "standalone rollout pool"),
-    (["actor_rollout_ref.rollout.multi_turn.function_tool_path=tools.py"], "tool_config_path"),
 ])
 def test_verl010_refusals_name_the_key_and_reason(items, phrase):
     """An engine tiller does not have stops the command line first, before keys only that engine has."""

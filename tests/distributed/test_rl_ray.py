@@ -156,6 +156,7 @@ def test_killed_worker_is_named_and_auto_resume_continues(ray_session, local_run
         torch.testing.assert_close(state[key], local_run[1][key], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # ~40-60 s; the balancing itself: tests/trainer/test_balance_batch.py (fast lane)
 def test_balance_batch_gives_each_ray_worker_equal_tokens(ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
     """trainer.balance_batch on 2 Ray workers: the update batch is reordered so each worker's half holds
     (near) equal tokens, whole GRPO groups moving together; with one mini-batch per step the update does not

@@ -153,7 +153,8 @@ def test_eval_multi_turn_with_the_calculator(tiny_model_dir, prompt_file, monkey
                                      "actor_rollout_ref.rollout.multi_turn.enable=True",
                                      "data.max_prompt_length=512", "data.max_response_length=300")
     assert report["metrics"]["tiller/arithmetic"]["mean@1"] == 1.0
-    assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0}
+    assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0,
+                               "tool_reward/mean": 0.0}
     assert [r["pred"] for r in records] == ["3", "7", "10"]
     assert '"name": "calculator"' in seen[0]
 
@@ -186,3 +187,89 @@ def _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompt_file, *overr
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.val_files=[{prompt_file}]",
                        *overrides])
     return run_eval(cfg, progress=False)
+
+
+TOOLS_PY = '''
+from verl.tools.function_tool import function_tool
+
+
+@function_tool
+def add(a: int, b: int) -> tuple:
+    """Add two integers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return str(a + b), 0.25
+'''
+
+REWARD_PY = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1 for the right number after 'so ', plus the tool rewards verl's reward managers hand over."""
+    answer = solution_str.rsplit("so ", 1)[-1].strip()
+    return float(answer == ground_truth) + sum(extra_info["tool_rewards"])
+'''
+
+
+def test_eval_multi_turn_with_verl_function_tools(tiny_model_dir, prompt_file, monkeypatch, tmp_path):
+    """verl's data.function_tool_path: a scripted policy calls the file's `add` tool (verl import, no verl installed),
+    then repeats its result; the tool's reward (0.25 a call) reaches the reward function in
+    extra_info["tool_rewards"], so every sample scores 1 + 0.25, and the prompts carry `add`'s inferred schema."""
+    import re
+
+    from tiller.models.loading import load_tokenizer
+
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    (tmp_path / "reward.py").write_text(REWARD_PY)
+    tok = load_tokenizer(tiny_model_dir, padding_side="left")
+    seen = []
+
+    def script(context, j):
+        seen.append(context)
+        if "<|im_start|>tool\n" in context:
+            return "so " + context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0] + "<|im_end|>"
+        a, b = re.findall(r"(\d+)\+(\d+)=", context)[-1]
+        return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call><|im_end|>'
+
+    report, records = _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompt_file,
+                                     "actor_rollout_ref.rollout.multi_turn.enable=True",
+                                     f"data.function_tool_path={tmp_path / 'tools.py'}",
+                                     f"custom_reward_function.path={tmp_path / 'reward.py'}",
+                                     "data.max_prompt_length=1024", "data.max_response_length=300")
+    assert [r["score"] for r in records] == [1.25, 1.25, 1.25]
+    assert report["agent"] == {"turns/mean": 2.0, "tool_calls/mean": 1.0, "tool_errors/mean": 0.0,
+                               "tool_reward/mean": 0.25}
+    assert '"name": "add"' in seen[0] and '"description": "the first number."' in seen[0]
+    assert '"name": "calculator"' not in seen[0]  # a function tool file alone: its tools only
+
+
+@pytest.mark.parametrize("command, extra, phrase", [
+    ("eval", ["actor_rollout_ref.rollout.multi_turn.tool_config_path={d}/calc.yaml",
+              "actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/calc.py"],
+     "multi_turn.function_tool_path={d}/calc.py: tool name(s) ['calculator'] are also declared in "
+     "actor_rollout_ref.rollout.multi_turn.tool_config_path={d}/calc.yaml"),
+    ("eval", ["actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/plain.py"],
+     "multi_turn.function_tool_path={d}/plain.py: no @function_tool function in the file"),
+    ("eval", ["data.function_tool_path={d}/tools.yaml"], "function_tool_path={d}/tools.yaml: not a Python file"),
+    ("rl", ["actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/calc.py"],
+     "actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/calc.py (its tools run in the multi-turn tool "
+     "loop): tiller rl does not train on the multi-turn tool loop"),
+])
+def test_function_tool_file_problems_exit_2_naming_key_and_file(tiny_model_dir, prompt_file, tmp_path, capsys,
+                                                              command, extra, phrase):
+    (tmp_path / "calc.yaml").write_text("tools:\n  - name: calculator\n")
+    (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
+    (tmp_path / "plain.py").write_text("def calculator(expression: str) -> str:\n    return expression\n")
+    (tmp_path / "calc.py").write_text(TOOLS_PY.replace("def add(a: int, b: int)", "def calculator(a: int, b: int)"))
+    data = f"data.val_files=[{prompt_file}]" if command == "eval" else f"data.train_files=[{prompt_file}]"
+    argv = [command, f"actor_rollout_ref.model.path={tiny_model_dir}", data,
+            "actor_rollout_ref.rollout.multi_turn.enable=True" if command == "eval" else "data.val_files=[]",
+            f"trainer.default_local_dir={tmp_path / 'run'}", *[e.replace("{d}", str(tmp_path)) for e in extra]]
+    if command == "eval":
+        argv += ["--out", str(tmp_path / "eval.json"), "--no-progress"]
+    code = cli(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert phrase.replace("{d}", str(tmp_path)) in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "eval.json").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~30-60 s: a bench script end to end (the batcher's own tests are in the fast lane)
 def test_bench_serve_interleaves_rounds_and_reports_medians():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--requests", "8", "--tokens", "4",
                            "--repeats", "2", "--engines", "native,hf", "--no-vllm", "--eager"],

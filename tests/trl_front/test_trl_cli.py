@@ -155,6 +155,7 @@ def _steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # ~15-30 s; the README runs `tiller trl dpo` end to end in the fast lane
 def test_sft_command_line_end_to_end(tiny_model_dir, tmp_path):
     data = tmp_path / "data"
     data.mkdir()

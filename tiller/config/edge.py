@@ -420,12 +420,6 @@ RULES.update({
         "prefill / decode disaggregation over engine replicas is not built (tiller's engine prefills and decodes in "
         "one loop)", use="leave rollout.disaggregation at its defaults (enabled=false)",
         allowed=(_default_value("actor_rollout_ref.rollout.disaggregation"),)),
-    "actor_rollout_ref.rollout.multi_turn.function_tool_path": refused(
-        "tiller's tools are declared in a tool config file (verl's tool_config_path format), not a Python file of "
-        "functions", use="actor_rollout_ref.rollout.multi_turn.tool_config_path", allowed=(None,)),
-    "data.function_tool_path": refused(
-        "tiller's tools are declared in a tool config file (verl's tool_config_path format), not a Python file of "
-        "functions", use="actor_rollout_ref.rollout.multi_turn.tool_config_path", allowed=(None,)),
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": noop(
         "only with a checkpoint_engine.backend other than naive, which is refused"),
     "data.audio_key": refused("tiller's vision-language path takes images only (no audio inputs)",
@@ -622,6 +616,7 @@ LAYOUT_ALIASES: dict[str, str] = {
 LAYOUT_ALIASES.update({  # verl 0.6 / 0.7 renames
     "data.train_max_samples": "data.max_samples",
     "data.tool_config_path": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+    "data.function_tool_path": "actor_rollout_ref.rollout.multi_turn.function_tool_path",
     "reward_manager.name": "reward_model.reward_manager",
     "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
     "critic.optim.lr_scheduler_type": "critic.optim.warmup_style",

@@ -183,7 +183,7 @@ class DataConfig:
     +data.apply_chat_template_kwargs.enable_thinking=False for Qwen3: every prompt the policy sees is rendered with
     them (prompt set and its length filter, validation, agent endpoint, tool loop, tiller eval / generate)."""
     function_tool_path: Optional[str] = None
-    """verl 0.10: data-level copy of rollout.multi_turn.function_tool_path; refused (use tool_config_path)."""
+    """verl's copy of actor_rollout_ref.rollout.multi_turn.function_tool_path (resolved onto it; both set = error)."""
     audio_key: str = "audios"
     """verl 0.10: the column of audio inputs; tiller trains text-only models."""
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -682,7 +682,8 @@ class MultiTurnConfig:
     max_assistant_turns: Optional[int] = 4
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None
-    """YAML listing the tools available to the model."""
+    """YAML listing the tools available to the model (with function_tool_path: both files' tools; neither: the
+    built-in calculator)."""
     format: str = "hermes"
     """Tool-call format: hermes (`<tool_call>{json}</tool_call>`, Qwen's), the one tiller parses."""
     max_user_turns: Optional[int] = None
@@ -703,7 +704,9 @@ class MultiTurnConfig:
     num_repeat_rollouts: Optional[int] = None
     """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
     function_tool_path: Optional[str] = None
-    """verl 0.10: a Python file of function tools; refused (tiller's tools are listed in tool_config_path)."""
+    """A Python file of verl `@function_tool` functions, the multi-turn loop's tools next to tool_config_path's (a name
+    in both is an error; tiller eval; tiller rl refuses it); `from verl.tools.function_tool import function_tool`
+    works without verl installed."""
 
 
 @dataclass

@@ -14,7 +14,8 @@ chat template (`add_generation_prompt=True`, plus `data.apply_chat_template_kwar
 template is `actor_rollout_ref.model.custom_chat_template` when set) and tokenized without extra special tokens. A prompt longer
 than `data.max_prompt_length` is dropped (`filter_overlong_prompts`) or handled by `data.truncation`:
 `error` (a `DataError` naming the file and row), `left` (keep the end), `right` (keep the start) or
-`middle` (keep both ends).
+`middle` (keep both ends). With multi-turn tools (`tool_schemas`: multi_turn.tool_config_path /
+function_tool_path) the prompt is rendered with the tools' schemas first, so the filter sees what the rollout sends.
 
 `PromptSampler` yields the prompt indices of each step: a permutation per epoch drawn from
 `numpy.random.default_rng(seed + epoch)` (no shuffle: in file order), whole batches only (drop last, as
@@ -35,6 +36,7 @@ Deviations from verl: prompts are not padded here (the rollout pads); no videos.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -67,11 +69,44 @@ class PromptItem:
     """`pixel_values [N_patches, D]` and `image_grid_thw [n_images, 3]` of an image prompt (None for text)."""
 
 
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+)
+
+
+def with_tools_system_message(messages: list[dict], schemas: list[dict]) -> list[dict]:
+    """`messages` with the tool schemas described in the system message (Qwen2.5's wording), for chat templates
+    that do not take `tools=` themselves."""
+    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in schemas))
+    out = [dict(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{system}"
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def render_prompt_with_schemas(tokenizer, messages: list[dict], schemas: Sequence[dict],
+                               chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text with the tools' OpenAI `schemas`, generation prompt on: passed as `tools=` when the chat
+    template uses them (Qwen2.5, Hermes, Llama 3.1), else as a system message (`with_tools_system_message`).
+    `chat_template_kwargs`: extra template variables (data.apply_chat_template_kwargs)."""
+    schemas = list(schemas)
+    if schemas and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+        messages, schemas = with_tools_system_message(messages, schemas), []
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
+
+
 def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str, input_template: str | None = None,
-                  chat_template_kwargs: dict | None = None) -> str:
+                  chat_template_kwargs: dict | None = None, tool_schemas: Sequence[dict] | None = None) -> str:
     """Prompt text as the policy sees it: chat messages through the template, strings as one user turn.
     Without a chat template, a string prompt goes through `input_template` (OpenRLHF's "User: {}\\nAssistant: ").
-    `chat_template_kwargs`: extra template variables (verl's data.apply_chat_template_kwargs)."""
+    `chat_template_kwargs`: extra template variables (verl's data.apply_chat_template_kwargs); `tool_schemas`: the
+    multi-turn loop's tools, rendered into the prompt (`render_prompt_with_schemas`)."""
     if isinstance(raw, np.ndarray):
         raw = raw.tolist()
     if isinstance(raw, str):
@@ -82,8 +117,7 @@ def render_prompt(raw: Any, tokenizer, apply_chat_template: bool, where: str, in
         raise DataError(f"{where}: prompt must be a string or a non-empty list of chat messages "
                         f"({{'role': ..., 'content': ...}}), got {type(raw).__name__}")
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(chat_template_kwargs or {}))
+        return render_prompt_with_schemas(tokenizer, messages, tool_schemas or (), chat_template_kwargs)
     if isinstance(raw, str):
         if input_template:
             return apply_template(input_template, raw)
@@ -119,7 +153,7 @@ class RLDataset:
                  label_key: str | None = None, default_data_source: str | None = None,
                  input_template: str | None = None, probs: Sequence[float] | None = None, split: str = "train",
                  seed: int = 42, processor=None, image_key: str = "images",
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, tool_schemas: Sequence[dict] | None = None):
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")
@@ -157,7 +191,7 @@ class RLDataset:
                 text, ids = vision.text, vision.prompt_ids
             else:
                 text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template,
-                                     chat_template_kwargs)
+                                     chat_template_kwargs, tool_schemas)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise DataError(f"{where}: prompt tokenizes to 0 tokens")
@@ -245,10 +279,13 @@ def _ground_truth(row: dict) -> Any:
 
 
 def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: int = -1,
-                     what: str = "data.train_files", require_ground_truth: bool = False, processor=None) -> RLDataset:
+                     what: str = "data.train_files", require_ground_truth: bool = False, processor=None,
+                     tool_schemas: Sequence[dict] | None = None) -> RLDataset:
     """`RLDataset` from a `tiller.config.schema.DataConfig`; says how many prompts filter_overlong_prompts dropped.
     `require_ground_truth`: a row without one is an error naming the file and row (rule scoring needs it).
-    `processor`: a vision-language model's processor (`tiller.models.vision.load_processor`): rows with images."""
+    `processor`: a vision-language model's processor (`tiller.models.vision.load_processor`): rows with images.
+    `tool_schemas`: the multi-turn loop's tools (tool_config_path, function_tool_path): every text prompt is rendered
+    with them, so the length filter and truncation see the prompt the rollout sends (as verl's dataset)."""
     ds = RLDataset(files, tokenizer, prompt_key=data_cfg.prompt_key, reward_fn_key=data_cfg.reward_fn_key,
                    max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
                    filter_overlong_prompts=data_cfg.filter_overlong_prompts,
@@ -259,7 +296,7 @@ def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: 
                    probs=data_cfg.train_probs if what == "data.train_files" else None,
                    split=data_cfg.train_split if what == "data.train_files" else data_cfg.val_split,
                    seed=data_cfg.seed, processor=processor, image_key=data_cfg.image_key,
-                   chat_template_kwargs=dict(data_cfg.apply_chat_template_kwargs))
+                   chat_template_kwargs=dict(data_cfg.apply_chat_template_kwargs), tool_schemas=tool_schemas)
     if ds.num_filtered:
         print(f"{what}: data.filter_overlong_prompts dropped {ds.num_filtered} of {ds.num_rows} prompts longer than "
               f"data.max_prompt_length={data_cfg.max_prompt_length} tokens")

@@ -13,10 +13,12 @@ A sample is correct when the scorer's `acc` (or, without one, its score) is > 0.
 answers `tiller.evaluation.answers.extract_answer` reads (or the scorer's `pred`).
 
 With `actor_rollout_ref.rollout.multi_turn.enable=True` the samples are multi-turn tool rollouts
-(`tiller.rollout.agent`, tools from `multi_turn.tool_config_path`, default the calculator): prompts are
-rendered with the tools' schemas, `rollout.response_length` / `data.max_response_length` bounds the whole
-conversation and `val_kwargs` sampling each turn; the scorer sees the full response (tool results included);
-the report adds `agent` means of turns, tool calls and tool errors.
+(`tiller.rollout.agent`, tools from `multi_turn.tool_config_path` and `multi_turn.function_tool_path`, default
+the calculator): prompts are rendered with the tools' schemas (before data.filter_overlong_prompts / truncation),
+`rollout.response_length` / `data.max_response_length` bounds the whole conversation and `val_kwargs` sampling
+each turn; the scorer sees the full response (tool results included) and the sample's tool rewards in
+`extra_info["tool_rewards"]` (as verl's reward managers); the report adds `agent` means of turns, tool calls, tool
+errors and the summed tool reward.
 
 With `--diversity` the report adds NoveltyBench's metrics per data source (`tiller.evaluation.metrics`):
 `distinct@k` (distinct equivalence classes among a prompt's first k samples) and `utility@k` (patience-discounted
@@ -55,7 +57,6 @@ from tiller.evaluation.runner import (
     policy_from_config,
     sampling_from_rollout,
     show_progress,
-    tokenize_prompt,
 )
 from tiller.rewards import build_reward_manager, RewardRequest
 from tiller.rewards.diversity import build_partitioner
@@ -81,10 +82,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int) -> list[dict]:
-    """One record per sample (prompt i's samples at rows i*n .. i*n+n-1) with score, acc and pred."""
+def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int,
+                  tool_rewards: list[list[float]] | None = None) -> list[dict]:
+    """One record per sample (prompt i's samples at rows i*n .. i*n+n-1) with score, acc and pred.
+    `tool_rewards` (multi-turn rollouts): each sample's tool-call rewards, given to the reward function as
+    `extra_info["tool_rewards"]` (verl's reward managers do the same)."""
+    def extra(i: int, j: int) -> dict:
+        info = dict(items[i].extra_info)
+        if tool_rewards is not None:
+            info["tool_rewards"] = list(tool_rewards[i * n + j])
+        return info
+
     requests = [RewardRequest(data_source=it.data_source, prompt=it.prompt_text, response=texts[i * n + j],
-                              ground_truth=it.ground_truth, extra_info=dict(it.extra_info),
+                              ground_truth=it.ground_truth, extra_info=extra(i, j),
                               response_length=lengths[i * n + j], group=str(i))
                 for i, it in enumerate(items) for j in range(n)]
     result = reward_fn(requests)
@@ -147,8 +157,9 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     partitioner = None
     if diversity:  # built before generating, so a bad partitioner key fails fast
         partitioner = build_partitioner(cfg.reward_model.diversity, policy.tokenizer)
-    items = build_rl_dataset(replace(cfg.data, return_raw_chat=True), policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
-                             what="data.val_files").items
+    schemas = [t.schema for t in agent.tools.values()] if agent is not None else None  # in the prompts: filtered
+    items = build_rl_dataset(cfg.data, policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
+                             what="data.val_files", tool_schemas=schemas).items
     rm = cfg.reward_model
     if not (cfg.custom_reward_function.path or rm.enable or rm.remote_url):  # rule scoring: types must fit
         check_ground_truths(items, "data.val_files", rm.bad_ground_truth)
@@ -165,7 +176,8 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     texts = [decode(policy.tokenizer, ids) for ids in out.response_ids]
     reward_fn = build_reward_manager(cfg, policy.tokenizer)
     try:
-        records = score_samples(reward_fn, items, texts, [len(ids) for ids in out.response_ids], sampling.n)
+        records = score_samples(reward_fn, items, texts, [len(ids) for ids in out.response_ids], sampling.n,
+                                tool_rewards=getattr(out, "tool_rewards", None))
     finally:
         if hasattr(reward_fn, "close"):
             reward_fn.close()
@@ -186,22 +198,17 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     if agent is not None:
         report["agent"] = {"turns/mean": float(np.mean(out.num_turns)),
                            "tool_calls/mean": float(np.mean(out.num_tool_calls)),
-                           "tool_errors/mean": float(np.mean(out.tool_errors))}
+                           "tool_errors/mean": float(np.mean(out.tool_errors)),
+                           "tool_reward/mean": float(np.mean([sum(r) for r in out.tool_rewards]))}
     return report, records
 
 
 def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progress: bool):
-    """Multi-turn tool rollouts for the eval prompts, re-rendered with the tools' schemas, in batches."""
+    """Multi-turn tool rollouts for the eval prompts (rendered with the tools' schemas by the dataset), in batches."""
     from tqdm.auto import tqdm
 
     d, tok = cfg.data, policy.tokenizer
-    prompts = []
-    for i, it in enumerate(items):
-        raw = it.raw_prompt.tolist() if isinstance(it.raw_prompt, np.ndarray) else it.raw_prompt
-        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else [dict(m) for m in raw]
-        text = render_prompt_with_tools(tok, messages, agent.tools, agent.chat_template_kwargs)
-        it.prompt_text = text
-        prompts.append(tokenize_prompt(text, tok, d.max_prompt_length, d.truncation, f"data.val_files prompt {i}"))
+    prompts = [it.prompt_ids for it in items]
     out = AgentRolloutOutput()
     budget = cfg.actor_rollout_ref.rollout.response_length or d.max_response_length
     for j, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="eval (tools)",
@@ -209,7 +216,7 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
         call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
         res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget)
         for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",
-                     "num_tool_calls", "tool_errors"):
+                     "num_tool_calls", "tool_errors", "tool_rewards"):
             getattr(out, name).extend(getattr(res, name))
     return out
 

@@ -38,8 +38,14 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from tiller.data.rl_dataset import (  # noqa: F401 (with_tools_system_message: tiller.serve's import)
+    HERMES_SYSTEM,
+    render_prompt_with_schemas,
+    with_tools_system_message,
+)
 from tiller.errors import ConfigError
 from tiller.rollout.base import RolloutOutput, SamplingParams, eos_token_ids
+from tiller.rollout.function_tools import load_function_tools, ToolResult
 from tiller.rollout.tools import CalculatorTool, load_tools, Tool
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -95,22 +101,32 @@ def truncate_tool_response(text: str, max_chars: int, side: str = "middle") -> s
     return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
 
 
-def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int,
-                   side: str = "middle") -> list[str]:
-    """The text result of every call (errors as `Error: ...`), each cut to `max_chars` (`truncate_tool_response`)."""
+def execute_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int,
+                       side: str = "middle") -> list[ToolResult]:
+    """Each call's result (errors as `Error: ...` text, reward 0.0), its text cut to `max_chars`
+    (`truncate_tool_response`). A tool with a `run(arguments) -> ToolResult` method (function tools) gives its
+    reward; the others' reward is 0.0 (verl: a tool without `calc_reward`)."""
     out = []
     for call in calls:
         if call.error:
-            text = f"Error: {call.error}"
+            result = ToolResult(f"Error: {call.error}")
         elif call.name not in tools:
-            text = f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or 'none'}"
+            result = ToolResult(f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or 'none'}")
         else:
+            tool = tools[call.name]
             try:
-                text = str(tools[call.name](call.arguments))
+                result = tool.run(call.arguments) if hasattr(tool, "run") else ToolResult(str(tool(call.arguments)))
             except Exception as err:  # noqa: BLE001 - a broken tool must not end the rollout
-                text = f"Error: {type(err).__name__}: {err}"
-        out.append(truncate_tool_response(text, max_chars, side))
+                result = ToolResult(f"Error: {type(err).__name__}: {err}")
+        result.text = truncate_tool_response(result.text, max_chars, side)
+        out.append(result)
     return out
+
+
+def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int,
+                   side: str = "middle") -> list[str]:
+    """The text result of every call (errors as `Error: ...`), each cut to `max_chars` (`truncate_tool_response`)."""
+    return [r.text for r in execute_tool_calls(calls, tools, max_chars, side)]
 
 
 class ToolResponseEncoder:
@@ -164,6 +180,8 @@ class AgentRolloutOutput(RolloutOutput):
     num_tool_calls: list[int] = field(default_factory=list)
     tool_errors: list[int] = field(default_factory=list)
     """Tool calls whose result was an error (malformed call, unknown tool, failing tool)."""
+    tool_rewards: list[list[float]] = field(default_factory=list)
+    """Each tool call's reward, in call order (verl's `tool_rewards`; 0.0 for tools without one)."""
 
 
 @dataclass
@@ -175,6 +193,7 @@ class _Row:
     turns: int = 0
     calls: int = 0
     errors: int = 0
+    tool_rewards: list[float] = field(default_factory=list)
     finish: str = ""
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int) -> bool:
@@ -227,9 +246,11 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
             if not calls or turn == max_assistant_turns - 1 or (max_user_turns and turn >= max_user_turns):
                 row.finish = "stop"
                 continue
-            results = run_tool_calls(calls, tools, max_tool_response_chars, truncate_side)
+            executed = execute_tool_calls(calls, tools, max_tool_response_chars, truncate_side)
+            results = [r.text for r in executed]
             row.calls += len(calls)
             row.errors += sum(r.startswith("Error:") for r in results)
+            row.tool_rewards += [r.reward for r in executed]
             ended = bool(ids) and ids[-1] in encoder.eos_ids
             if not row.add(encoder.encode(results, ended), None, budget) or len(row.ids) >= budget:
                 row.finish = "length"
@@ -239,27 +260,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         prompt_ids=[r.prompt for r in rows], response_ids=[r.ids for r in rows], logprobs=[r.logprobs for r in rows],
         finish_reason=[r.finish for r in rows], response_mask=[r.mask for r in rows],
         num_turns=[r.turns for r in rows], num_tool_calls=[r.calls for r in rows],
-        tool_errors=[r.errors for r in rows])
-
-
-HERMES_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
-)
-
-
-def with_tools_system_message(messages: list[dict], schemas: list[dict]) -> list[dict]:
-    """`messages` with the tool schemas described in the system message (Qwen2.5's wording), for chat templates
-    that do not take `tools=` themselves."""
-    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in schemas))
-    out = [dict(m) for m in messages]
-    if out and out[0]["role"] == "system":
-        out[0]["content"] = f"{out[0]['content']}\n\n{system}"
-    else:
-        out.insert(0, {"role": "system", "content": system})
-    return out
+        tool_errors=[r.errors for r in rows], tool_rewards=[r.tool_rewards for r in rows])
 
 
 def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, Tool] | Sequence[Tool],
@@ -268,10 +269,7 @@ def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, T
     uses them (Qwen2.5, Hermes, Llama 3.1), else as a system message (`with_tools_system_message`).
     `chat_template_kwargs`: extra template variables (data.apply_chat_template_kwargs)."""
     schemas = [t.schema for t in (tools.values() if isinstance(tools, dict) else tools)]
-    if schemas and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
-        messages, schemas = with_tools_system_message(messages, schemas), []
-    return tokenizer.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False,
-                                         **(chat_template_kwargs or {}))
+    return render_prompt_with_schemas(tokenizer, messages, schemas, chat_template_kwargs)
 
 
 @dataclass
@@ -296,14 +294,32 @@ class AgentLoop:
                               chat_template_kwargs=self.chat_template_kwargs)
 
 
+def load_all_tools(multi_turn: Any) -> dict[str, Tool]:
+    """The tools of `actor_rollout_ref.rollout.multi_turn`: `tool_config_path`'s, then `function_tool_path`'s
+    (verl's `load_all_tools`; a name in both is a ConfigError); neither set: the built-in calculator."""
+    key = "actor_rollout_ref.rollout.multi_turn"
+    declared = load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else {}
+    functions = load_function_tools(multi_turn.function_tool_path) if multi_turn.function_tool_path else {}
+    clash = sorted(set(declared) & set(functions))
+    if clash:
+        raise ConfigError(f"{key}.function_tool_path={multi_turn.function_tool_path}: tool name(s) {clash} are also "
+                          f"declared in {key}.tool_config_path={multi_turn.tool_config_path}; each tool name must be "
+                          "unique across the two files: rename one of them")
+    return {**declared, **functions} or {"calculator": CalculatorTool()}
+
+
 def build_agent_loop(rollout_cfg: Any, chat_template_kwargs: dict | None = None) -> AgentLoop | None:
     """`AgentLoop` from `actor_rollout_ref.rollout` when `multi_turn.enable`, else None.
     `chat_template_kwargs`: data.apply_chat_template_kwargs.
 
-    Without `tool_config_path` the built-in calculator is the only tool.
+    Tools: `load_all_tools`.
     """
     mt = rollout_cfg.multi_turn
     if not mt.enable:
+        if mt.function_tool_path:  # (a tool file nothing would call: said, not ignored)
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.function_tool_path={mt.function_tool_path}: its "
+                              "tools run in the multi-turn tool loop; set actor_rollout_ref.rollout.multi_turn."
+                              "enable=true")
         return None
     if mt.max_assistant_turns < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, "
@@ -318,7 +334,7 @@ def build_agent_loop(rollout_cfg: Any, chat_template_kwargs: dict | None = None)
                           f"{', '.join(TRUNCATE_SIDES)}")
     if mt.max_user_turns is not None and (isinstance(mt.max_user_turns, bool) or mt.max_user_turns < 0):
         raise ConfigError(f"{key}.max_user_turns must be null, 0 (no limit) or >= 1, got {mt.max_user_turns!r}")
-    tools = load_tools(mt.tool_config_path) if mt.tool_config_path else {"calculator": CalculatorTool()}
+    tools = load_all_tools(mt)
     return AgentLoop(tools=tools, max_assistant_turns=mt.max_assistant_turns,
                      max_tool_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side,
                      max_calls_per_turn=mt.max_parallel_calls, max_user_turns=mt.max_user_turns or None,

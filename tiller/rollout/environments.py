@@ -26,9 +26,9 @@ dynamic-filtering signal) is the last step's `scores`, else that sum (`episode.i
 `acc`, algorithm.filter_groups' default metric). Episodes run concurrently; with the native engine their turns share decode steps
 (`tiller.rollout.continuous.ContinuousBatcher`).
 
-`ToolEnv` re-expresses the built-in tools (calculator, python) on this interface: an action's `<tool_call>`
-blocks run and their results come back as the chat template's tool messages; no call ends the episode,
-scored by a `reward_fn(sample, final_text) -> float`.
+`ToolEnv` re-expresses the tools (built-in calculator / python, YAML and `@function_tool` ones) on this interface: an
+action's `<tool_call>` blocks run and their results come back as the chat template's tool messages, the step's reward
+the calls' tool rewards; no call ends the episode, scored by a `reward_fn(sample, final_text) -> float`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from tiller.errors import ConfigError, UserError
-from tiller.rollout.agent import parse_tool_calls, run_tool_calls, ToolResponseEncoder
+from tiller.rollout.agent import execute_tool_calls, parse_tool_calls, ToolResponseEncoder
 from tiller.rollout.base import SamplingParams
 from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, segment_of
@@ -199,7 +199,9 @@ class ToolEnv:
         if not calls:
             reward = float(self.reward_fn(self.sample, action)) if self.reward_fn else 0.0
             return "", reward, True, {}
-        results = run_tool_calls(calls, self.tools, self.max_chars)
+        results = execute_tool_calls(calls, self.tools, self.max_chars)
         # the text between the assistant turn's end and the next assistant turn (eos first: the action's ids
-        # were decoded without special tokens, so the turn's eos, if sampled, is already in the context)
-        return self.encoder.text(results), 0.0, False, {"tool_calls": len(calls)}
+        # were decoded without special tokens, so the turn's eos, if sampled, is already in the context); the
+        # step's reward: its calls' tool rewards (function tools' `(response, reward)`; 0.0 for the others)
+        return (self.encoder.text([r.text for r in results]), sum(r.reward for r in results), False,
+                {"tool_calls": len(calls)})

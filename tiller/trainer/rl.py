@@ -125,8 +125,12 @@ class RLTrainer:
         if not arr.model.path:
             raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
                               "(or run `tiller demo` for the built-in model and task)")
-        if arr.rollout.multi_turn.enable:  # read by tiller eval's tool loop; training on it is not built
-            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true: tiller rl does not train on the "
+        mt = arr.rollout.multi_turn
+        if mt.enable or mt.function_tool_path:  # read by tiller eval's tool loop; training on it is not built
+            what = ("actor_rollout_ref.rollout.multi_turn.enable=true" if mt.enable else
+                    f"actor_rollout_ref.rollout.multi_turn.function_tool_path={mt.function_tool_path} (its tools run "
+                    "in the multi-turn tool loop)")
+            raise ConfigError(f"{what}: tiller rl does not train on the "
                               "multi-turn tool loop (tiller eval runs it); for tool-using RL give an agent function "
                               "that calls its tools through tiller's OpenAI endpoint, actor_rollout_ref.rollout.agent."
                               "path (examples/agent_calculator.py), or an environment, rollout.agent.env_path")

@@ -34,8 +34,8 @@ def _verify_worker(content: str, solution: str) -> tuple[float | None, str, str]
     """Runs in the pool worker: TRL's accuracy check of one row -> (reward, gold parsed, answer parsed)."""
     import logging
 
-    from latex2sympy2_extended import NormalizationConfig
     from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify import LatexNormalizationConfig as NormalizationConfig  # latex2sympy2_extended's, re-exported
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold = parse(solution, parsing_timeout=None)
@@ -53,7 +53,7 @@ def _verify_all(contents: list[str], solution: list[str]) -> list[tuple[float | 
     if len(contents) != len(solution):
         raise ValueError(f"{len(contents)} completions but {len(solution)} solutions")
     if _POOL is None:
-        _POOL = KillablePool(1, preload=("math_verify", "latex2sympy2_extended"))
+        _POOL = KillablePool(1, preload=("math_verify",))
     outcomes = _POOL.map(("module", __name__, "_verify_worker"), [(c, str(s)) for c, s in zip(contents, solution)],
                          timeout=MATH_TIMEOUT_S)
     out = []
