@@ -101,7 +101,7 @@ def test_bad_async_values_are_config_errors(tmp_path, tiny_model_dir, rl_data, o
 
 
 # --------------------------------------------------------------------------------------- runs
-COMMON = (f"data.val_files=[]", "trainer.total_training_steps=3")
+COMMON = ("data.val_files=[]", "trainer.total_training_steps=3")
 
 
 def test_staleness_zero_is_the_synchronous_loop_exactly(tmp_path, tiny_model_dir, rl_data):

@@ -196,6 +196,7 @@ def test_distillation_command_line(tmp_path, tiny_model_dir, teacher_dir, capsys
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # ~8 s; the chunked loss's invariances: tests/algos/test_algos_gjsd.py (fast lane)
 def test_micro_batches_give_the_same_update(tmp_path, tiny_model_dir, teacher_dir):
     """8 prompts a step as one micro-batch of 8 or as 4 accumulated micro-batches of 2 (the teacher run per
     micro-batch): the same loss and gradient norm (TRL's num_items_in_batch normalisation = tiller's global token
