@@ -60,6 +60,7 @@ from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
+from tiller.rollout.agent import build_agent_loop
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
@@ -118,6 +119,8 @@ class ActorRolloutRefWorker:
         self.cfg = config
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
+        # verl's multi_turn.enable: each sample a multi-turn tool conversation (tiller.rollout.agent), as tiller eval
+        self.tool_loop = build_agent_loop(arr.rollout, config.data.apply_chat_template_kwargs)
         prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
@@ -288,7 +291,9 @@ class ActorRolloutRefWorker:
         if free_cache:  # verl's hybrid engine: KV cache and weights on the GPU only while generating
             self.rollout.wake()
         try:
-            out = self._generate_seeded(prompts, sampling)
+            out = (self._generate_seeded(prompts, sampling) if self.tool_loop is None else
+                   self.tool_loop.generate(self.rollout, self.tokenizer, [list(p) for p in prompts["prompt_ids"]],
+                                           sampling, max_response_length=sampling.max_new_tokens))
         finally:
             if free_cache:
                 self.rollout.sleep()
@@ -308,6 +313,9 @@ class ActorRolloutRefWorker:
                 rmask[i, :len(r_ids)] = 1
                 rlogp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
         attention_mask = torch.cat([pmask, rmask], dim=1)
+        if self.tool_loop is not None:  # tool-response / template tokens: context, out of the loss (verl's mask)
+            for i, mask in enumerate(out.response_mask):
+                rmask[i, :len(mask[:T])] = torch.tensor(mask[:T], dtype=torch.long)
         batch = prompts.select([k for k in prompts.fields if k != "prompt_ids"]).repeat(sampling.n)
         batch.meta = dict(prompts.meta)
         batch["prompts"], batch["responses"] = prompt_t, resp_t
@@ -317,6 +325,9 @@ class ActorRolloutRefWorker:
         batch["response_mask"] = rmask
         batch["rollout_log_probs"] = rlogp
         batch["finish_reason"] = list(out.finish_reason)
+        if self.tool_loop is not None:  # per sample: its tool calls' rewards (the scorer's extra_info) and counts
+            for name in ("tool_rewards", "num_turns", "num_tool_calls", "tool_errors"):
+                batch[name] = list(getattr(out, name))
         if out.token_versions:  # asynchronous RL: the version that sampled each token
             batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
         return batch
