@@ -1,5 +1,5 @@
 """`actor_rollout_ref.rollout.multi_turn.enable=true` in `tiller rl` trains on the tool loop
-(tests/trainer/test_multi_turn_rl.py); the combinations it does not support are refused by name before a model
+(tests/trainer/test_tool_rl.py); the combinations it does not support are refused by name before a model
 loads, and `tiller config keys` says that rl honours it."""
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     out.update(_stats("critic/advantages", batch["advantages"][mask]))
     out.update(_stats("critic/returns", batch["returns"][mask]))
     resp_len = mask.sum(-1).float()
+    if "tool_rewards" in batch:  # multi-turn tool rollouts: the whole response, tool results included (as verl)
+        resp_len = batch["attention_mask"][:, batch["prompts"].shape[1]:].sum(-1).float()
     out.update(_stats("response_length", resp_len))
     out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
     prompt_len = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()

@@ -15,6 +15,8 @@ from tests.evaluation.test_eval_cli import _scripted_eval, REWARD_PY, TOOLS_PY
 from tiller.cli import main
 from tiller.config import load_config
 from tiller.rollout import RolloutOutput
+from tiller.rollout.agent import truncate_tool_response
+from tiller.trainer.rl_metrics import data_metrics
 
 LOGPROB = -0.5  # every scripted token's sampling logprob
 
@@ -66,7 +68,8 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
     root, prompts = files
     keys = ["actor_rollout_ref.rollout.multi_turn.enable=True", f"data.function_tool_path={root / 'tools.py'}",
             f"custom_reward_function.path={root / 'reward.py'}", "data.max_prompt_length=1024",
-            "data.max_response_length=300"]
+            "data.max_response_length=300", "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=1",
+            "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right"]  # 10 -> "1...(truncated)"
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{prompts}]",
                        "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
@@ -90,7 +93,8 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
             if i % 2:  # one turn, no tool: every response token trained
                 turns = ["so 0<|im_end|>"]
             else:
-                turns = [script(f"{a}+{b}=", 0), f"so {int(a) + int(b)}<|im_end|>"]
+                result = truncate_tool_response(str(int(a) + int(b)), 1, "right")
+                turns = [script(f"{a}+{b}=", 0), f"so {result}<|im_end|>"]
             # the assistant tokens are exactly the scripted turns, id for id, at the rollout's logprobs
             assert resp[i][mask[i].bool()].tolist() == [t for x in turns for t in tok(x, add_special_tokens=False)["input_ids"]]
             assert torch.all(lps[i][mask[i].bool()] == LOGPROB)
@@ -98,7 +102,7 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
             tool = resp[i, :n][mask[i, :n] == 0]
             assert torch.all(lps[i, :n][mask[i, :n] == 0] == 0.0)
             if len(turns) == 2:
-                assert f"<|im_start|>tool\n{int(a) + int(b)}<|im_end|>" in tok.decode(tool)
+                assert f"<|im_start|>tool\n{result}<|im_end|>" in tok.decode(tool)
                 assert batch["tool_rewards"][i] == [0.25] and batch["num_turns"][i] == 2
             else:
                 assert len(tool) == 0 and batch["tool_rewards"][i] == [] and batch["num_turns"][i] == 1
@@ -107,12 +111,16 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
             assert batch["token_level_scores"][i].nonzero().flatten().tolist() in ([last], [])
             scores[batch["prompt_text"][i], i % 2] = float(batch["score"][i])
             assert batch["response_text"][i] == tok.decode(resp[i, :n], skip_special_tokens=True)
-        assert [scores[p, j] for p, j in sorted(scores)] == [1.25, 0.0] * 3
+        assert [scores[p, j] for p, j in sorted(scores)] == [1.25, 0.0, 1.25, 0.0, 0.25, 0.0]  # 1+2, 3+4, 5+5
         assert m["agent/turns/mean"] == 1.5 and m["agent/tool_calls/mean"] == 0.5
         assert m["agent/tool_reward/mean"] == 0.125
         # tool-response tokens get no advantage (nothing of them reaches the policy loss)
         trainer._compute_advantage(batch, m, None)
         assert torch.all(batch["advantages"][mask == 0] == 0) and batch["advantages"][mask == 1].abs().sum() > 0
+        # verl's response_length: the whole response, tool results included
+        full = batch["attention_mask"][:, width:].sum(-1).double()
+        assert data_metrics(batch, 300)["response_length/mean"] == pytest.approx(float(full.mean()))
+        assert float(full.mean()) > float(mask.sum(-1).double().mean())
     finally:
         trainer.shutdown()
     # tiller eval, same tools, scorer and prompts: the same response text and score for every sample
