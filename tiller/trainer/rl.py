@@ -1054,10 +1054,6 @@ def run(cfg: RLConfig, reward_fn=None) -> dict[str, float]:
 def _refuse_with_multi_turn(cfg: RLConfig) -> None:
     """multi_turn.enable: the combinations its tool rollouts do not support yet, refused by name."""
     key = "actor_rollout_ref.rollout.multi_turn.enable=true"
-    if cfg.trainer.backend == "ray":
-        raise ConfigError(f"{key} with trainer.backend=ray: multi-turn tool rollouts run on the local backend in this "
-                          "version (trainer.backend=local); for tool RL on Ray use an environment, "
-                          "actor_rollout_ref.rollout.agent.env_path")
     if async_enabled(cfg):
         raise ConfigError(f"{key} with async_training: multi-turn tool rollouts are synchronous in this version; for "
                           "asynchronous tool RL use an environment, actor_rollout_ref.rollout.agent.env_path")

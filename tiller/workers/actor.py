@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import replace
+from dataclasses import fields as dataclass_fields, replace
 
 import numpy as np
 import torch
@@ -291,9 +291,7 @@ class ActorRolloutRefWorker:
         if free_cache:  # verl's hybrid engine: KV cache and weights on the GPU only while generating
             self.rollout.wake()
         try:
-            out = (self._generate_seeded(prompts, sampling) if self.tool_loop is None else
-                   self.tool_loop.generate(self.rollout, self.tokenizer, [list(p) for p in prompts["prompt_ids"]],
-                                           sampling, max_response_length=sampling.max_new_tokens))
+            out = self._generate_seeded(prompts, sampling)
         finally:
             if free_cache:
                 self.rollout.sleep()
@@ -474,6 +472,8 @@ class ActorRolloutRefWorker:
             engine = self._producer_engine
             if prompts.meta.get("weights_hook") is not None and self.rollout_cfg.name == "native":
                 hook = {"weights_hook": prompts.meta["weights_hook"]}
+        if self.tool_loop is not None:  # multi-turn tool conversations, seeded and chunked as plain samples
+            engine = _ToolLoopEngine(self.tool_loop, engine, self.tokenizer)
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
             hook = {**hook, "multi_modal": list(prompts["multi_modal_inputs"])}
             if per_rank > 1:
@@ -483,12 +483,13 @@ class ActorRolloutRefWorker:
             if sampling.seed is not None:
                 sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank() * max(per_rank, 1)
             return engine.generate(ids, sampling, **hook)
-        size, out = len(ids) // per_rank, RolloutOutput()
+        size, out = len(ids) // per_rank, None
         for j in range(per_rank):
             seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
             part = engine.generate(ids[j * size:(j + 1) * size], replace(sampling, seed=seed), **hook)
-            for key in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "token_versions"):
-                getattr(out, key).extend(getattr(part, key))
+            out = out if out is not None else type(part)()  # (tool conversations: AgentRolloutOutput, all fields)
+            for f in dataclass_fields(part):
+                getattr(out, f.name).extend(getattr(part, f.name))
         return out
 
     def sync_rollout_weights(self) -> None:
@@ -818,3 +819,18 @@ class ActorRolloutRefWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered) actor weights on the CPU (for tests and export)."""
         return {k: v.clone() for k, v in dist_ctx.full_state_dict(self.model).items()}
+
+
+class _ToolLoopEngine:
+    """A rollout engine whose samples are multi-turn tool conversations (`tiller.rollout.agent.AgentLoop` over
+    `engine`): `generate(prompt_ids, sampling)` -> `AgentRolloutOutput`, the whole response (model and tool tokens)
+    bounded by `sampling.max_new_tokens`, as tiller eval bounds it."""
+
+    def __init__(self, loop, engine, tokenizer):
+        self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
+
+    def generate(self, prompt_ids, sampling, **options):
+        if options:  # (refused with multi_turn.enable before a model loads: images, asynchronous weight hooks)
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: {sorted(options)} not supported")
+        return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
+                                  max_response_length=sampling.max_new_tokens)
