@@ -136,13 +136,14 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
 
 
 def test_tiller_rl_trains_on_verl_multi_turn_tools(tiny_model_dir, tmp_path, capsys):
-    """verl's multi-turn keys through the CLI: 1 step on the tiny model, exit 0, tiller eval's agent metrics logged."""
+    """verl's multi-turn keys through the CLI: 1 step on the tiny model, exit 0, tiller eval's agent metrics logged
+    for training and validation."""
     from tiller.tasks import arithmetic
 
     arithmetic.write_task(tmp_path / "arith", n_train=4, n_test=2, seed=0)
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
     code = main(["rl", f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{tmp_path}/arith/train.parquet]",
-                 "data.val_files=[]", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                 f"data.val_files=[{tmp_path}/arith/test.parquet]", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
                  "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                  "data.max_prompt_length=640", "data.max_response_length=8", "trainer.total_training_steps=1",
@@ -157,3 +158,5 @@ def test_tiller_rl_trains_on_verl_multi_turn_tools(tiny_model_dir, tmp_path, cap
     for key in ("agent/turns/mean", "agent/tool_calls/mean", "agent/tool_errors/mean", "agent/tool_reward/mean"):
         assert key in last, sorted(last)
     assert 1 <= last["agent/turns/mean"] <= 2 and "actor/pg_loss" in last
+    val = [m for m in metrics if "val-agent/turns/mean" in m]  # validation runs the same loop (val_kwargs sampling)
+    assert val and 1 <= val[-1]["val-agent/turns/mean"] <= 2 and "val-agent/tool_reward/mean" in val[-1]

@@ -80,7 +80,7 @@ from tiller.trainer.episode_merge import concat_episode_batches, merge_episode_p
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
 from tiller.trainer.rollout_skip import RolloutSkip
-from tiller.trainer.rl_metrics import data_metrics, validation_metrics
+from tiller.trainer.rl_metrics import data_metrics, tool_metrics, TOOL_FIELDS, validation_metrics
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
 )
@@ -651,10 +651,7 @@ class RLTrainer:
             metrics["reward/bad_ground_truth"] = float(bad.sum())
             self.bad_ground_truth_total += int(bad.sum())
         if multi_turn:  # tiller eval's `agent` means, per sample
-            metrics.update({"agent/turns/mean": float(np.mean(batch["num_turns"])),
-                            "agent/tool_calls/mean": float(np.mean(batch["num_tool_calls"])),
-                            "agent/tool_errors/mean": float(np.mean(batch["tool_errors"])),
-                            "agent/tool_reward/mean": float(np.mean([sum(r) for r in batch["tool_rewards"]]))})
+            metrics.update(tool_metrics(*(batch[k] for k in TOOL_FIELDS)))
         batch["response_text"] = texts
         return scores, dict(result.extras), metrics
 
@@ -930,7 +927,7 @@ class RLTrainer:
                         max_new_tokens=self.response_width, do_sample=vk.do_sample,
                         stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242)
         size = self.cfg.data.val_batch_size or len(self.val_ds)
-        rows, dumped = [], []
+        rows, dumped, tools = [], [], {k: [] for k in TOOL_FIELDS}
         for start in range(0, len(self.val_ds), size):
             items = self.val_ds.items[start:start + size]
             prompts = self._prompt_batch(items, sampling, tag=f"v{start}")
@@ -939,6 +936,8 @@ class RLTrainer:
                 last = {int(e): i for i, e in enumerate(out["episode"].tolist())}
                 out = out.index(sorted(last.values()))
             scores, extras, _ = self._score(out)
+            for k in tools if "tool_rewards" in out else ():  # multi-turn tool rollouts
+                tools[k] += list(out[k])
             if self.cfg.trainer.validation_data_dir:
                 dumped += self._dump_rows(out, scores.tolist(), per_sample_extras(extras, len(out)))
             accs = np.asarray(extras.get("acc", scores), dtype=np.float64)
@@ -952,6 +951,8 @@ class RLTrainer:
         if self.cfg.trainer.validation_data_dir:
             dump_generations(self.cfg.trainer.validation_data_dir, self.global_step, dumped)
         metrics = validation_metrics(rows, vk.n)
+        if tools["tool_rewards"]:
+            metrics.update(tool_metrics(*tools.values(), prefix="val-agent"))
         self.val_history.append((self.global_step, metrics))
         return metrics
 
