@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_rl_ray import assert_same, make_cfg, RAY, rl_data, train  # noqa: F401 (fixture)
+from tests.distributed import test_rl_ray as base
 
+rl_data = base.rl_data  # (the fixture: 48 arithmetic prompts and a reward that varies within every group)
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~1-2 min: two 2-step runs of the tool loop, one on 2 Ray workers
 
 TOOL = ("actor_rollout_ref.rollout.multi_turn.enable=True", "data.max_prompt_length=640",
@@ -15,7 +16,7 @@ TOOL = ("actor_rollout_ref.rollout.multi_turn.enable=True", "data.max_prompt_len
 
 
 def test_tool_rl_two_ray_workers_equal_one_process(ray_session, tmp_path, tiny_model_dir, rl_data):
-    local = train(make_cfg(tmp_path / "local", tiny_model_dir, rl_data, *TOOL), seed_chunks=2)
-    ray_run = train(make_cfg(tmp_path / "ray", tiny_model_dir, rl_data, *TOOL, *RAY,
-                             "actor_rollout_ref.actor.strategy=fsdp"))
-    assert_same(ray_run, local, steps=2)
+    local = base.train(base.make_cfg(tmp_path / "local", tiny_model_dir, rl_data, *TOOL), seed_chunks=2)
+    ray_run = base.train(base.make_cfg(tmp_path / "ray", tiny_model_dir, rl_data, *TOOL, *base.RAY,
+                                       "actor_rollout_ref.actor.strategy=fsdp"))
+    base.assert_same(ray_run, local, steps=2)

@@ -55,7 +55,8 @@ def files(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as fh:
         for a, b in [(1, 2), (3, 4), (5, 5)]:
-            fh.write(json.dumps({"data_source": "tiller/arithmetic", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            fh.write(json.dumps({"data_source": "tiller/arithmetic",
+                                 "prompt": [{"role": "user", "content": f"{a}+{b}="}],
                                  "reward_model": {"style": "rule", "ground_truth": str(a + b)}}) + "\n")
     (tmp_path / "tools.py").write_text(TOOLS_PY)  # verl @function_tool `add`: its result and a 0.25 tool reward
     (tmp_path / "reward.py").write_text(REWARD_PY)  # 1 for the right number after "so ", + sum(tool_rewards)
@@ -72,7 +73,8 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
             "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right"]  # 10 -> "1...(truncated)"
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{prompts}]",
                        "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
                        "trainer.total_training_steps=1",
                        "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
                        f"trainer.default_local_dir={root / 'run'}", *keys])
@@ -96,7 +98,8 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
                 result = truncate_tool_response(str(int(a) + int(b)), 1, "right")
                 turns = [script(f"{a}+{b}=", 0), f"so {result}<|im_end|>"]
             # the assistant tokens are exactly the scripted turns, id for id, at the rollout's logprobs
-            assert resp[i][mask[i].bool()].tolist() == [t for x in turns for t in tok(x, add_special_tokens=False)["input_ids"]]
+            sampled = [t for x in turns for t in tok(x, add_special_tokens=False)["input_ids"]]
+            assert resp[i][mask[i].bool()].tolist() == sampled
             assert torch.all(lps[i][mask[i].bool()] == LOGPROB)
             # the rest of the response is the tool message (context): mask 0, logprob 0
             tool = resp[i, :n][mask[i, :n] == 0]
@@ -127,7 +130,8 @@ def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, mon
     texts = {(batch["prompt_text"][i], i % 2): batch["response_text"][i] for i in range(len(batch))}
     monkeypatch.setattr("tests.evaluation.test_eval_cli.ScriptedEngine", ScriptedEngine)
     report, records = _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompts, *keys,
-                                     "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                                     "actor_rollout_ref.rollout.val_kwargs.n=2",
+                                     "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
                                      "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")
     assert len(records) == 6 and report["agent"]["tool_reward/mean"] == 0.125
     for r in records:
@@ -142,8 +146,10 @@ def test_tiller_rl_trains_on_verl_multi_turn_tools(tiny_model_dir, tmp_path, cap
 
     arithmetic.write_task(tmp_path / "arith", n_train=4, n_test=2, seed=0)
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
-    code = main(["rl", f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{tmp_path}/arith/train.parquet]",
-                 f"data.val_files=[{tmp_path}/arith/test.parquet]", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+    code = main(["rl", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                 f"data.train_files=[{tmp_path}/arith/train.parquet]",
+                 f"data.val_files=[{tmp_path}/arith/test.parquet]",
+                 "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
                  "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                  "data.max_prompt_length=640", "data.max_response_length=8", "trainer.total_training_steps=1",

@@ -707,8 +707,8 @@ class MultiTurnConfig:
     """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
     function_tool_path: Optional[str] = None
     """A Python file of verl `@function_tool` functions, the multi-turn loop's tools next to tool_config_path's (a name
-    in both is an error; tiller eval and tiller rl, with multi_turn.enable); `from verl.tools.function_tool import function_tool`
-    works without verl installed."""
+    in both is an error; tiller eval and tiller rl, with multi_turn.enable); `from verl.tools.function_tool import
+    function_tool` works without verl installed."""
 
 
 @dataclass

@@ -59,7 +59,7 @@ from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_state_dict
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
-from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
+from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.rollout.agent import build_agent_loop
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
