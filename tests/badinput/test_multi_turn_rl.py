@@ -1,6 +1,6 @@
-"""`actor_rollout_ref.rollout.multi_turn.enable=true` in `tiller rl`: refused by name before a model loads (it was
-silently ignored: RL trained single-turn), while `tiller config keys` says where it is honoured and that rl refuses
-it, and verl's `data.tool_config_path` spelling or a full tool setup changes nothing about that."""
+"""`actor_rollout_ref.rollout.multi_turn.enable=true` in `tiller rl` trains on the tool loop
+(tests/trainer/test_tool_rl.py); the combinations it does not support are refused by name before a model
+loads, and `tiller config keys` says that rl honours it."""
 
 from __future__ import annotations
 
@@ -18,21 +18,30 @@ def ws(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi_turn")
     arithmetic.write_task(root / "arith", n_train=8, n_test=4, seed=0)
     (root / "tools.yaml").write_text("tools:\n  - name: calculator\n")
+    (root / "env.py").write_text("class Env:\n    def reset(self, sample):\n        return None\n")
     return root
 
 
+ON = ["actor_rollout_ref.rollout.multi_turn.enable=true",
+      "actor_rollout_ref.rollout.multi_turn.tool_config_path={ws}/tools.yaml"]
 CASES = [
-    ["actor_rollout_ref.rollout.multi_turn.enable=true"],
-    ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.tool_config_path={ws}/tools.yaml"],
-    ["actor_rollout_ref.rollout.multi_turn.enable=true", "data.tool_config_path={ws}/tools.yaml",
-     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"],
-    ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
-     "actor_rollout_ref.rollout.multi_turn.tool_config_path={ws}/tools.yaml"],
+    (ON + ["async_training.staleness_threshold=0.5"],
+     "actor_rollout_ref.rollout.multi_turn.enable=true with async_training: "),
+    (ON + ["algorithm.adv_estimator=prime"],
+     "actor_rollout_ref.rollout.multi_turn.enable=true with algorithm.adv_estimator=prime: "),
+    (ON + ["actor_rollout_ref.rollout.agent.env_path={ws}/env.py", "actor_rollout_ref.rollout.agent.env_name=Env"],
+     "actor_rollout_ref.rollout.agent.env_path={ws}/env.py and actor_rollout_ref.rollout.multi_turn.enable=true are "
+     "both on"),
+    (["data.function_tool_path={ws}/tools.py"],
+     "actor_rollout_ref.rollout.multi_turn.function_tool_path={ws}/tools.py: its tools run in the multi-turn tool "
+     "loop; set actor_rollout_ref.rollout.multi_turn.enable=true"),
+    (ON + ["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"],
+     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls must be an integer >= 1, got 0"),
 ]
 
 
-@pytest.mark.parametrize("extra", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_tiller_rl_refuses_the_multi_turn_tool_loop_by_name(capsys, ws, tiny_model_dir, extra):
+@pytest.mark.parametrize("extra,message", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_tiller_rl_refuses_what_the_tool_loop_does_not_support_by_name(capsys, ws, tiny_model_dir, extra, message):
     argv = ["rl", f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{ws}/arith/train.parquet]",
             "data.val_files=[]", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -42,8 +51,7 @@ def test_tiller_rl_refuses_the_multi_turn_tool_loop_by_name(capsys, ws, tiny_mod
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("tiller rl: error: actor_rollout_ref.rollout.multi_turn.enable=true: tiller rl does not"), err
-    assert "rollout.agent.path" in last
+    assert last.startswith("tiller rl: error: " + message.replace("{ws}", str(ws))), err
     assert not (ws / "run" / "metrics.jsonl").exists()
 
 
@@ -52,4 +60,4 @@ def test_config_keys_says_where_multi_turn_is_honoured():
     (the package scan behind it takes seconds)."""
     table = (Path(__file__).resolve().parents[2] / "docs" / "verl-keys.md").read_text()
     line = next(x for x in table.splitlines() if x.startswith("| `actor_rollout_ref.rollout.multi_turn.enable` |"))
-    assert "| honoured |" in line and "in tiller eval" in line and "tiller rl refuses it" in line, line
+    assert "| honoured |" in line and "in tiller eval and tiller rl" in line and "async_training" in line, line

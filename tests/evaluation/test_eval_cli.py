@@ -253,8 +253,8 @@ def test_eval_multi_turn_with_verl_function_tools(tiny_model_dir, prompt_file, m
      "multi_turn.function_tool_path={d}/plain.py: no @function_tool function in the file"),
     ("eval", ["data.function_tool_path={d}/tools.yaml"], "function_tool_path={d}/tools.yaml: not a Python file"),
     ("rl", ["actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/calc.py"],
-     "actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/calc.py (its tools run in the multi-turn tool "
-     "loop): tiller rl does not train on the multi-turn tool loop"),
+     "actor_rollout_ref.rollout.multi_turn.function_tool_path={d}/calc.py: its tools run in the multi-turn tool "
+     "loop; set actor_rollout_ref.rollout.multi_turn.enable=true"),
 ])
 def test_function_tool_file_problems_exit_2_naming_key_and_file(tiny_model_dir, prompt_file, tmp_path, capsys,
                                                               command, extra, phrase):

@@ -677,8 +677,10 @@ class ValKwargsConfig:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False
-    """Multi-turn tool-using rollouts, in tiller eval (tools from tool_config_path); tiller rl refuses it (train
-    tool use with an agent function, rollout.agent.path, or an environment, rollout.agent.env_path)."""
+    """Multi-turn tool-using rollouts (verl's tool agent loop; tools from tool_config_path / function_tool_path), in
+    tiller eval and tiller rl: rl trains each sample's assistant tokens, the tool responses masked out of the loss,
+    scored on the full response with extra_info["tool_rewards"] (synchronous; rl refuses it with async_training:
+    use rollout.agent.env_path there)."""
     max_assistant_turns: Optional[int] = 4
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None
@@ -705,8 +707,8 @@ class MultiTurnConfig:
     """verl (SGLang multi-turn): repeat rollouts; tiller's samples per prompt are rollout.n."""
     function_tool_path: Optional[str] = None
     """A Python file of verl `@function_tool` functions, the multi-turn loop's tools next to tool_config_path's (a name
-    in both is an error; tiller eval; tiller rl refuses it); `from verl.tools.function_tool import function_tool`
-    works without verl installed."""
+    in both is an error; tiller eval and tiller rl, with multi_turn.enable); `from verl.tools.function_tool import
+    function_tool` works without verl installed."""
 
 
 @dataclass

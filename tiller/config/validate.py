@@ -366,7 +366,8 @@ def _validate_agent(cfg: RLConfig) -> None:
     if agent.path and agent.env_path:
         raise ConfigError(f"{key}.path and {key}.env_path are both set: an agent function or an environment, not both")
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        raise ConfigError(f"{key} and actor_rollout_ref.rollout.multi_turn.enable are both on: pick one rollout")
+        which = f"{key}.path={agent.path}" if agent.path else f"{key}.env_path={agent.env_path}"
+        raise ConfigError(f"{which} and actor_rollout_ref.rollout.multi_turn.enable=true are both on: pick one rollout")
     _choice(f"{key}.client", agent.client, ("base_url", "openai"))
     if agent.max_concurrency < 0:
         raise ConfigError(f"{key}.max_concurrency must be >= 0 (0 = all samples at once), got {agent.max_concurrency}")

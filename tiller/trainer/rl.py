@@ -71,6 +71,7 @@ from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
 from tiller.rewards.types import RewardRequest
+from tiller.rollout.agent import build_agent_loop
 from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
@@ -79,7 +80,7 @@ from tiller.trainer.episode_merge import concat_episode_batches, merge_episode_p
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
 from tiller.trainer.rollout_skip import RolloutSkip
-from tiller.trainer.rl_metrics import data_metrics, validation_metrics
+from tiller.trainer.rl_metrics import data_metrics, tool_metrics, TOOL_FIELDS, validation_metrics
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
 )
@@ -125,15 +126,11 @@ class RLTrainer:
         if not arr.model.path:
             raise ConfigError("actor_rollout_ref.model.path is empty: give a Hugging Face model dir "
                               "(or run `tiller demo` for the built-in model and task)")
-        mt = arr.rollout.multi_turn
-        if mt.enable or mt.function_tool_path:  # read by tiller eval's tool loop; training on it is not built
-            what = ("actor_rollout_ref.rollout.multi_turn.enable=true" if mt.enable else
-                    f"actor_rollout_ref.rollout.multi_turn.function_tool_path={mt.function_tool_path} (its tools run "
-                    "in the multi-turn tool loop)")
-            raise ConfigError(f"{what}: tiller rl does not train on the "
-                              "multi-turn tool loop (tiller eval runs it); for tool-using RL give an agent function "
-                              "that calls its tools through tiller's OpenAI endpoint, actor_rollout_ref.rollout.agent."
-                              "path (examples/agent_calculator.py), or an environment, rollout.agent.env_path")
+        # verl's multi_turn.enable: multi-turn tool rollouts (tiller.rollout.agent, as tiller eval runs them); its
+        # settings and tools checked, and the tools' schemas rendered into the prompts, before a model loads
+        self.tool_loop = build_agent_loop(arr.rollout, data.apply_chat_template_kwargs)
+        if self.tool_loop is not None:
+            _refuse_with_multi_turn(cfg)
         torch.manual_seed(tr.seed)
         self.n = arr.rollout.n
         self.prompt_width = arr.rollout.prompt_length or data.max_prompt_length
@@ -161,13 +158,17 @@ class RLTrainer:
             self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
                                             trust_remote_code=arr.model.trust_remote_code)
             set_chat_template(self.tokenizer, arr.model.custom_chat_template, self.processor)
+            if self.tool_loop is not None:
+                raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true with a vision-language model "
+                                  f"({arr.model.path}): the multi-turn tool loop sends text prompts only")
+        schemas = [t.schema for t in self.tool_loop.tools.values()] if self.tool_loop is not None else None
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
-                                         require_ground_truth=rules, processor=self.processor)
+                                         require_ground_truth=rules, processor=self.processor, tool_schemas=schemas)
         self.val_ds = None
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
                                            what="data.val_files", require_ground_truth=rules,
-                                           processor=self.processor)
+                                           processor=self.processor, tool_schemas=schemas)
         # rule scoring: a ground truth of the wrong type for its scorer is refused here, or (count) scored 0 and counted
         self.count_bad_ground_truth = rules and rm_cfg.bad_ground_truth == "count"
         self.bad_ground_truth_total = 0
@@ -618,6 +619,9 @@ class RLTrainer:
         """Decode responses and call the reward manager: (scores[B], extras, metrics). Agent rollouts: the
         episode's reward (from the agent or environment) on each of its rows."""
         lengths = batch["response_mask"].sum(-1).tolist()
+        multi_turn = "tool_rewards" in batch
+        if multi_turn:  # (verl: the valid response ids, tool results included: the response's attended tokens)
+            lengths = batch["attention_mask"][:, batch["prompts"].shape[1]:].sum(-1).tolist()
         responses = batch["responses"]
         texts = self.tokenizer.batch_decode([responses[i, :n].tolist() for i, n in enumerate(lengths)],
                                             skip_special_tokens=True)
@@ -634,7 +638,7 @@ class RLTrainer:
         requests = [
             RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
                           response=texts[i], ground_truth=batch["ground_truth"][i],
-                          extra_info=_with_images(batch, i), response_length=int(lengths[i]),
+                          extra_info=_extra_info(batch, i), response_length=int(lengths[i]),
                           group=str(batch["uid"][i]), response_ids=responses[i, :lengths[i]].tolist())
             for i in range(len(batch))
         ]
@@ -646,6 +650,8 @@ class RLTrainer:
             scores[bad] = 0.0
             metrics["reward/bad_ground_truth"] = float(bad.sum())
             self.bad_ground_truth_total += int(bad.sum())
+        if multi_turn:  # tiller eval's `agent` means, per sample
+            metrics.update(tool_metrics(*(batch[k] for k in TOOL_FIELDS)))
         batch["response_text"] = texts
         return scores, dict(result.extras), metrics
 
@@ -654,7 +660,8 @@ class RLTrainer:
         scores, extras, metrics = self._score(batch)
         mask = batch["response_mask"]
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        last = (mask.sum(-1) - 1).clamp(min=0)
+        # the last trained token (multi-turn rows: tool-response tokens are out of the mask, possibly last)
+        last = (mask.shape[1] - 1 - mask.flip(-1).argmax(-1)) * (mask.sum(-1) > 0)
         token_scores[torch.arange(len(batch)), last] = torch.from_numpy(scores) * (mask.sum(-1) > 0).float()
         batch["token_level_scores"] = token_scores
         batch["score"] = torch.from_numpy(scores)
@@ -920,7 +927,7 @@ class RLTrainer:
                         max_new_tokens=self.response_width, do_sample=vk.do_sample,
                         stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242)
         size = self.cfg.data.val_batch_size or len(self.val_ds)
-        rows, dumped = [], []
+        rows, dumped, tools = [], [], {k: [] for k in TOOL_FIELDS}
         for start in range(0, len(self.val_ds), size):
             items = self.val_ds.items[start:start + size]
             prompts = self._prompt_batch(items, sampling, tag=f"v{start}")
@@ -929,6 +936,8 @@ class RLTrainer:
                 last = {int(e): i for i, e in enumerate(out["episode"].tolist())}
                 out = out.index(sorted(last.values()))
             scores, extras, _ = self._score(out)
+            for k in tools if "tool_rewards" in out else ():  # multi-turn tool rollouts
+                tools[k] += list(out[k])
             if self.cfg.trainer.validation_data_dir:
                 dumped += self._dump_rows(out, scores.tolist(), per_sample_extras(extras, len(out)))
             accs = np.asarray(extras.get("acc", scores), dtype=np.float64)
@@ -942,6 +951,8 @@ class RLTrainer:
         if self.cfg.trainer.validation_data_dir:
             dump_generations(self.cfg.trainer.validation_data_dir, self.global_step, dumped)
         metrics = validation_metrics(rows, vk.n)
+        if tools["tool_rewards"]:
+            metrics.update(tool_metrics(*tools.values(), prefix="val-agent"))
         self.val_history.append((self.global_step, metrics))
         return metrics
 
@@ -1041,10 +1052,24 @@ def run(cfg: RLConfig, reward_fn=None) -> dict[str, float]:
     return metrics
 
 
-def _with_images(batch: Batch, i: int) -> dict:
+def _refuse_with_multi_turn(cfg: RLConfig) -> None:
+    """multi_turn.enable: the combinations its tool rollouts do not support yet, refused by name."""
+    key = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    if async_enabled(cfg):
+        raise ConfigError(f"{key} with async_training: multi-turn tool rollouts are synchronous in this version; for "
+                          "asynchronous tool RL use an environment, actor_rollout_ref.rollout.agent.env_path")
+    if cfg.algorithm.adv_estimator == "prime":
+        raise ConfigError(f"{key} with algorithm.adv_estimator=prime: PRIME's implicit PRM scores contiguous "
+                          "responses; tool-response tokens inside a response are not supported")
+
+
+def _extra_info(batch: Batch, i: int) -> dict:
     """Row i's extra_info for the reward function; an image prompt's PIL images under "images" (verl passes a
-    row's images to custom reward functions the same way; rule scorers ignore the key)."""
+    row's images to custom reward functions the same way; rule scorers ignore the key); a multi-turn sample's tool
+    calls' rewards under "tool_rewards" (verl's reward managers, and tiller eval's `score_samples`)."""
     extra = dict(batch["extra_info"][i] or {})
     if "images" in batch and batch["images"][i] is not None:
         extra.setdefault("images", list(batch["images"][i]))
+    if "tool_rewards" in batch:
+        extra["tool_rewards"] = list(batch["tool_rewards"][i])
     return extra

@@ -35,6 +35,8 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     out.update(_stats("critic/advantages", batch["advantages"][mask]))
     out.update(_stats("critic/returns", batch["returns"][mask]))
     resp_len = mask.sum(-1).float()
+    if "tool_rewards" in batch:  # multi-turn tool rollouts: the whole response, tool results included (as verl)
+        resp_len = batch["attention_mask"][:, batch["prompts"].shape[1]:].sum(-1).float()
     out.update(_stats("response_length", resp_len))
     out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
     prompt_len = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()
@@ -63,3 +65,15 @@ def validation_metrics(rows: list[tuple], n: int) -> dict[str, float]:
                 maj.append(next(a for _, a, p in samples if p == top))
             out[f"val-core/{ds}/acc/maj@{n}"] = float(np.mean(maj))
     return out
+
+
+TOOL_FIELDS = ("num_turns", "num_tool_calls", "tool_errors", "tool_rewards")
+"""The per-sample fields of multi-turn tool rollouts (actor_rollout_ref.rollout.multi_turn.enable)."""
+
+
+def tool_metrics(num_turns, num_tool_calls, tool_errors, tool_rewards, prefix: str = "agent") -> dict[str, float]:
+    """tiller eval's `agent` means over samples (assistant turns, tool calls, failed calls, summed tool rewards)."""
+    return {f"{prefix}/turns/mean": float(np.mean(num_turns)),
+            f"{prefix}/tool_calls/mean": float(np.mean(num_tool_calls)),
+            f"{prefix}/tool_errors/mean": float(np.mean(tool_errors)),
+            f"{prefix}/tool_reward/mean": float(np.mean([sum(r) for r in tool_rewards]))}

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import replace
+from dataclasses import fields as dataclass_fields, replace
 
 import numpy as np
 import torch
@@ -60,7 +60,8 @@ from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_state_dict
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
-from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
+from tiller.rollout import build_rollout_engine, SamplingParams
+from tiller.rollout.agent import build_agent_loop
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
@@ -119,6 +120,8 @@ class ActorRolloutRefWorker:
         self.cfg = config
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
+        # verl's multi_turn.enable: each sample a multi-turn tool conversation (tiller.rollout.agent), as tiller eval
+        self.tool_loop = build_agent_loop(arr.rollout, config.data.apply_chat_template_kwargs)
         prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
@@ -309,6 +312,9 @@ class ActorRolloutRefWorker:
                 rmask[i, :len(r_ids)] = 1
                 rlogp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
         attention_mask = torch.cat([pmask, rmask], dim=1)
+        if self.tool_loop is not None:  # tool-response / template tokens: context, out of the loss (verl's mask)
+            for i, mask in enumerate(out.response_mask):
+                rmask[i, :len(mask[:T])] = torch.tensor(mask[:T], dtype=torch.long)
         batch = prompts.select([k for k in prompts.fields if k != "prompt_ids"]).repeat(sampling.n)
         batch.meta = dict(prompts.meta)
         batch["prompts"], batch["responses"] = prompt_t, resp_t
@@ -318,6 +324,9 @@ class ActorRolloutRefWorker:
         batch["response_mask"] = rmask
         batch["rollout_log_probs"] = rlogp
         batch["finish_reason"] = list(out.finish_reason)
+        if self.tool_loop is not None:  # per sample: its tool calls' rewards (the scorer's extra_info) and counts
+            for name in ("tool_rewards", "num_turns", "num_tool_calls", "tool_errors"):
+                batch[name] = list(getattr(out, name))
         if out.token_versions:  # asynchronous RL: the version that sampled each token
             batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
         return batch
@@ -464,6 +473,8 @@ class ActorRolloutRefWorker:
             engine = self._producer_engine
             if prompts.meta.get("weights_hook") is not None and self.rollout_cfg.name == "native":
                 hook = {"weights_hook": prompts.meta["weights_hook"]}
+        if self.tool_loop is not None:  # multi-turn tool conversations, seeded and chunked as plain samples
+            engine = _ToolLoopEngine(self.tool_loop, engine, self.tokenizer)
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
             hook = {**hook, "multi_modal": list(prompts["multi_modal_inputs"])}
             if per_rank > 1:
@@ -473,12 +484,13 @@ class ActorRolloutRefWorker:
             if sampling.seed is not None:
                 sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank() * max(per_rank, 1)
             return engine.generate(ids, sampling, **hook)
-        size, out = len(ids) // per_rank, RolloutOutput()
+        size, out = len(ids) // per_rank, None
         for j in range(per_rank):
             seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
             part = engine.generate(ids[j * size:(j + 1) * size], replace(sampling, seed=seed), **hook)
-            for key in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "token_versions"):
-                getattr(out, key).extend(getattr(part, key))
+            out = out if out is not None else type(part)()  # (tool conversations: AgentRolloutOutput, all fields)
+            for f in dataclass_fields(part):
+                getattr(out, f.name).extend(getattr(part, f.name))
         return out
 
     def sync_rollout_weights(self) -> None:
@@ -846,3 +858,18 @@ class ActorRolloutRefWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered) actor weights on the CPU (for tests and export)."""
         return {k: v.clone() for k, v in dist_ctx.full_state_dict(self.model).items()}
+
+
+class _ToolLoopEngine:
+    """A rollout engine whose samples are multi-turn tool conversations (`tiller.rollout.agent.AgentLoop` over
+    `engine`): `generate(prompt_ids, sampling)` -> `AgentRolloutOutput`, the whole response (model and tool tokens)
+    bounded by `sampling.max_new_tokens`, as tiller eval bounds it."""
+
+    def __init__(self, loop, engine, tokenizer):
+        self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
+
+    def generate(self, prompt_ids, sampling, **options):
+        if options:  # (refused with multi_turn.enable before a model loads: images, asynchronous weight hooks)
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: {sorted(options)} not supported")
+        return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
+                                  max_response_length=sampling.max_new_tokens)

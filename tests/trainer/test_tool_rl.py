@@ -1,0 +1,168 @@
+"""`tiller rl` with verl's `actor_rollout_ref.rollout.multi_turn.enable=True`: each sample is a multi-turn tool
+conversation (tiller.rollout.agent, the loop tiller eval runs); its tool-response tokens are context (response_mask
+0, no logprob, no advantage), its assistant tokens carry the rollout's logprobs, and it is scored on the full
+response with extra_info["tool_rewards"], exactly as `tiller eval` scores the same sample."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.evaluation.test_eval_cli import _scripted_eval, REWARD_PY, TOOLS_PY
+from tiller.cli import main
+from tiller.config import load_config
+from tiller.rollout import RolloutOutput
+from tiller.rollout.agent import truncate_tool_response
+from tiller.trainer.rl_metrics import data_metrics
+
+LOGPROB = -0.5  # every scripted token's sampling logprob
+
+
+class ScriptedEngine:
+    """Answers row k of a call with `script(context, k)`, every token at logprob LOGPROB."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+
+    def generate(self, prompt_ids, sampling):
+        out = RolloutOutput()
+        for k, p in enumerate(prompt_ids):
+            for _ in range(sampling.n):
+                ids = self.tokenizer(self.script(self.tokenizer.decode(p), k), add_special_tokens=False)["input_ids"]
+                out.prompt_ids.append(p)
+                out.response_ids.append(ids)
+                out.logprobs.append([LOGPROB] * len(ids))
+                out.finish_reason.append("stop")
+        return out
+
+
+def script(context: str, k: int) -> str:
+    """Ask the `add` tool, then repeat its result; the odd rows of the first turn (a prompt's second sample: rows
+    are prompt-major, in eval and rl alike) answer 0 at once (no tool call: 1 turn, scored 0)."""
+    if "<|im_start|>tool\n" in context:
+        return "so " + context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0] + "<|im_end|>"
+    a, b = re.findall(r"(\d+)\+(\d+)=", context)[-1]
+    if k % 2:
+        return "so 0<|im_end|>"
+    return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call><|im_end|>'
+
+
+@pytest.fixture()
+def files(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as fh:
+        for a, b in [(1, 2), (3, 4), (5, 5)]:
+            fh.write(json.dumps({"data_source": "tiller/arithmetic",
+                                 "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                                 "reward_model": {"style": "rule", "ground_truth": str(a + b)}}) + "\n")
+    (tmp_path / "tools.py").write_text(TOOLS_PY)  # verl @function_tool `add`: its result and a 0.25 tool reward
+    (tmp_path / "reward.py").write_text(REWARD_PY)  # 1 for the right number after "so ", + sum(tool_rewards)
+    return tmp_path, prompts
+
+
+def test_tool_rollouts_train_masked_and_score_as_eval(tiny_model_dir, files, monkeypatch):
+    from tiller.trainer.rl import RLTrainer
+
+    root, prompts = files
+    keys = ["actor_rollout_ref.rollout.multi_turn.enable=True", f"data.function_tool_path={root / 'tools.py'}",
+            f"custom_reward_function.path={root / 'reward.py'}", "data.max_prompt_length=1024",
+            "data.max_response_length=300", "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=1",
+            "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right"]  # 10 -> "1...(truncated)"
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{prompts}]",
+                       "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
+                       "trainer.total_training_steps=1",
+                       "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
+                       f"trainer.default_local_dir={root / 'run'}", *keys])
+    trainer = RLTrainer(cfg)
+    try:
+        tok = trainer.tokenizer
+        trainer.actor.worker.rollout = ScriptedEngine(tok, script)
+        trainer.global_step = 1
+        m: dict = {}
+        batch = trainer._collect_batch(m, 1)
+        assert '"name": "add"' in tok.decode(batch["prompts"][0])  # the tools' schemas are in the prompts
+        mask, resp, lps = batch["response_mask"], batch["responses"], batch["rollout_log_probs"]
+        width = batch["prompts"].shape[1]
+        scores = {}
+        for i in range(len(batch)):
+            a, b = re.findall(r"(\d+)\+(\d+)=", batch["prompt_text"][i])[-1]
+            n = int(batch["attention_mask"][i, width:].sum())
+            if i % 2:  # one turn, no tool: every response token trained
+                turns = ["so 0<|im_end|>"]
+            else:
+                result = truncate_tool_response(str(int(a) + int(b)), 1, "right")
+                turns = [script(f"{a}+{b}=", 0), f"so {result}<|im_end|>"]
+            # the assistant tokens are exactly the scripted turns, id for id, at the rollout's logprobs
+            sampled = [t for x in turns for t in tok(x, add_special_tokens=False)["input_ids"]]
+            assert resp[i][mask[i].bool()].tolist() == sampled
+            assert torch.all(lps[i][mask[i].bool()] == LOGPROB)
+            # the rest of the response is the tool message (context): mask 0, logprob 0
+            tool = resp[i, :n][mask[i, :n] == 0]
+            assert torch.all(lps[i, :n][mask[i, :n] == 0] == 0.0)
+            if len(turns) == 2:
+                assert f"<|im_start|>tool\n{result}<|im_end|>" in tok.decode(tool)
+                assert batch["tool_rewards"][i] == [0.25] and batch["num_turns"][i] == 2
+            else:
+                assert len(tool) == 0 and batch["tool_rewards"][i] == [] and batch["num_turns"][i] == 1
+            # the reward sits on the last trained token (the final answer's end)
+            last = int(mask[i].nonzero().max())
+            assert batch["token_level_scores"][i].nonzero().flatten().tolist() in ([last], [])
+            scores[batch["prompt_text"][i], i % 2] = float(batch["score"][i])
+            assert batch["response_text"][i] == tok.decode(resp[i, :n], skip_special_tokens=True)
+        assert [scores[p, j] for p, j in sorted(scores)] == [1.25, 0.0, 1.25, 0.0, 0.25, 0.0]  # 1+2, 3+4, 5+5
+        assert m["agent/turns/mean"] == 1.5 and m["agent/tool_calls/mean"] == 0.5
+        assert m["agent/tool_reward/mean"] == 0.125
+        # tool-response tokens get no advantage (nothing of them reaches the policy loss)
+        trainer._compute_advantage(batch, m, None)
+        assert torch.all(batch["advantages"][mask == 0] == 0) and batch["advantages"][mask == 1].abs().sum() > 0
+        # verl's response_length: the whole response, tool results included
+        full = batch["attention_mask"][:, width:].sum(-1).double()
+        assert data_metrics(batch, 300)["response_length/mean"] == pytest.approx(float(full.mean()))
+        assert float(full.mean()) > float(mask.sum(-1).double().mean())
+    finally:
+        trainer.shutdown()
+    # tiller eval, same tools, scorer and prompts: the same response text and score for every sample
+    texts = {(batch["prompt_text"][i], i % 2): batch["response_text"][i] for i in range(len(batch))}
+    monkeypatch.setattr("tests.evaluation.test_eval_cli.ScriptedEngine", ScriptedEngine)
+    report, records = _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompts, *keys,
+                                     "actor_rollout_ref.rollout.val_kwargs.n=2",
+                                     "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                                     "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")
+    assert len(records) == 6 and report["agent"]["tool_reward/mean"] == 0.125
+    for r in records:
+        key = (r["prompt"], r["sample_index"])
+        assert (r["score"], r["response"]) == (scores[key], texts[key])
+
+
+def test_tiller_rl_trains_on_verl_multi_turn_tools(tiny_model_dir, tmp_path, capsys):
+    """verl's multi-turn keys through the CLI: 1 step on the tiny model, exit 0, tiller eval's agent metrics logged
+    for training and validation."""
+    from tiller.tasks import arithmetic
+
+    arithmetic.write_task(tmp_path / "arith", n_train=4, n_test=2, seed=0)
+    (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
+    code = main(["rl", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                 f"data.train_files=[{tmp_path}/arith/train.parquet]",
+                 f"data.val_files=[{tmp_path}/arith/test.parquet]",
+                 "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                 "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                 "data.max_prompt_length=640", "data.max_response_length=8", "trainer.total_training_steps=1",
+                 "trainer.logger=[jsonl]", f"trainer.default_local_dir={tmp_path}/run",
+                 "actor_rollout_ref.rollout.multi_turn.enable=True",
+                 "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                 f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path}/tools.yaml",
+                 "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"])
+    assert code == 0, capsys.readouterr().err
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = metrics[-1]
+    for key in ("agent/turns/mean", "agent/tool_calls/mean", "agent/tool_errors/mean", "agent/tool_reward/mean"):
+        assert key in last, sorted(last)
+    assert 1 <= last["agent/turns/mean"] <= 2 and "actor/pg_loss" in last
+    val = [m for m in metrics if "val-agent/turns/mean" in m]  # validation runs the same loop (val_kwargs sampling)
+    assert val and 1 <= val[-1]["val-agent/turns/mean"] <= 2 and "val-agent/tool_reward/mean" in val[-1]
