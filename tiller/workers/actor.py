@@ -770,13 +770,7 @@ class ActorRolloutRefWorker:
             clip_ratio_c=3.0,  # verl: DistillationLossConfig has no clip_ratio_c, its vanilla loss falls back to 3.0
             rollout_is_weights=micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None)
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
-        share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
-        sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
-        for k, v in metrics.items():
-            sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * float(v)
-        if d.use_outcome_reward:
-            return d.outcome_coef * pg_loss + d.coef * distill
-        return distill
+        return self._distill_total(pg_loss, distill, metrics, mask, agg, sums)
 
     def _add_full_vocab_distillation(self, pg_loss, logp, logits, micro, mask, temperature, agg_mode, agg, sums):
         """loss_mode=gjsd: the teacher's logits at the same response positions (its forward here, per micro-batch,
@@ -792,8 +786,14 @@ class ActorRolloutRefWorker:
         tok, metrics = gjsd_loss(logits, teacher_logits, mask[:, :t_used], beta=d.beta, temperature=1.0)
         tok = pad_right(tok, mask.shape[1])  # logits are already divided by the temperature
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
-        share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
         metrics["reverse_kl"] = masked_mean((logp - micro["teacher_log_prob"].to(self.device)).detach(), mask)
+        return self._distill_total(pg_loss, distill, metrics, mask, agg, sums)
+
+    def _distill_total(self, pg_loss, distill, metrics, mask, agg, sums):
+        """The micro-batch's distillation metrics into `sums` (token-weighted), and its loss: the distillation
+        loss alone, or beside the outcome reward's policy loss (verl's use_task_rewards)."""
+        d = self.cfg.algorithm.distill
+        share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
         sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
         for k, v in metrics.items():
             sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * float(v)
