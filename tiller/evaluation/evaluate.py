@@ -61,7 +61,7 @@ from tiller.evaluation.runner import (
 from tiller.rewards import build_reward_manager, RewardRequest
 from tiller.rewards.diversity import build_partitioner
 from tiller.rewards.registry import check_ground_truths
-from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, render_prompt_with_tools
+from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, tool_means
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,10 +196,7 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
         report["diversity"] = {"partitioner": cfg.reward_model.diversity.partitioner, "patience": patience,
                                "quality": "reward score", "classifier_path": cfg.reward_model.diversity.classifier_path}
     if agent is not None:
-        report["agent"] = {"turns/mean": float(np.mean(out.num_turns)),
-                           "tool_calls/mean": float(np.mean(out.num_tool_calls)),
-                           "tool_errors/mean": float(np.mean(out.tool_errors)),
-                           "tool_reward/mean": float(np.mean([sum(r) for r in out.tool_rewards]))}
+        report["agent"] = tool_means(out.num_turns, out.num_tool_calls, out.tool_errors, out.tool_rewards)
     return report, records
 
 

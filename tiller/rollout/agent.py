@@ -38,6 +38,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+import numpy as np
+
 from tiller.data.rl_dataset import (  # noqa: F401 (with_tools_system_message: tiller.serve's import)
     HERMES_SYSTEM,
     render_prompt_with_schemas,
@@ -182,6 +184,14 @@ class AgentRolloutOutput(RolloutOutput):
     """Tool calls whose result was an error (malformed call, unknown tool, failing tool)."""
     tool_rewards: list[list[float]] = field(default_factory=list)
     """Each tool call's reward, in call order (verl's `tool_rewards`; 0.0 for tools without one)."""
+
+
+def tool_means(num_turns, num_tool_calls, tool_errors, tool_rewards) -> dict[str, float]:
+    """Means over samples of `AgentRolloutOutput`'s per-sample fields (assistant turns, tool calls, failed calls,
+    summed tool rewards): tiller eval's `agent` report, and tiller rl's `agent/*` / `val-agent/*` metrics."""
+    values = {"turns": num_turns, "tool_calls": num_tool_calls, "tool_errors": tool_errors,
+              "tool_reward": [sum(r) for r in tool_rewards]}
+    return {f"{name}/mean": float(np.mean(v)) for name, v in values.items()}
 
 
 @dataclass

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tiller.protocol import Batch
+from tiller.rollout.agent import tool_means
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
@@ -72,8 +73,6 @@ TOOL_FIELDS = ("num_turns", "num_tool_calls", "tool_errors", "tool_rewards")
 
 
 def tool_metrics(num_turns, num_tool_calls, tool_errors, tool_rewards, prefix: str = "agent") -> dict[str, float]:
-    """tiller eval's `agent` means over samples (assistant turns, tool calls, failed calls, summed tool rewards)."""
-    return {f"{prefix}/turns/mean": float(np.mean(num_turns)),
-            f"{prefix}/tool_calls/mean": float(np.mean(num_tool_calls)),
-            f"{prefix}/tool_errors/mean": float(np.mean(tool_errors)),
-            f"{prefix}/tool_reward/mean": float(np.mean([sum(r) for r in tool_rewards]))}
+    """tiller eval's `agent` means over samples (`tiller.rollout.agent.tool_means`), under `prefix`."""
+    means = tool_means(num_turns, num_tool_calls, tool_errors, tool_rewards)
+    return {f"{prefix}/{name}": value for name, value in means.items()}
