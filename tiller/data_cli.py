@@ -1,6 +1,6 @@
 """`tiller data <dataset> --out DIR`: write a public dataset as verl-schema parquet files.
 
-    tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N]
+    tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N] [--tool]
         (without --src: openai/gsm8k through `datasets`, from the hub or its local cache)
     tiller data geo3k --src DIR --out data/geo3k [--max-rows N]
         (DIR: a local copy of hiyouga/geometry3k, data/{train,test}-*.parquet; verl's multimodal schema out)
@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
     g.add_argument("--src", default=None, help="dir with GSM8K train.jsonl and test.jsonl (default: load "
                                                "openai/gsm8k with the `datasets` package, hub or local cache)")
     g.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
+    g.add_argument("--tool", action="store_true", help="verl's multi-turn tool layout (gsm8k_multiturn_w_tool.py: "
+                   "the calc_gsm8k_reward tool, its per-row tools_kwargs) and tool_config.yaml beside the parquet")
     v = sub.add_parser("geo3k", help="Geometry3K (a local hiyouga/geometry3k copy) -> train/test parquet with images "
                                      "(verl's geo3k.py format)")
     v.add_argument("--src", required=True, help="dir of the dataset (data/train-*.parquet, data/test-*.parquet)")
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
     elif args.dataset == "geo3k":
         paths = geo3k.convert(args.src, args.out, max_rows=args.max_rows)
     elif args.dataset == "gsm8k":
-        paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows)
+        paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows, tool=args.tool)
     else:
         paths = arithmetic.write_task(args.out, n_train=args.train, n_test=args.test, seed=args.seed)
     for split, path in paths.items():

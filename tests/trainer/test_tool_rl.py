@@ -166,3 +166,56 @@ def test_tiller_rl_trains_on_verl_multi_turn_tools(tiny_model_dir, tmp_path, cap
     assert 1 <= last["agent/turns/mean"] <= 2 and "actor/pg_loss" in last
     val = [m for m in metrics if "val-agent/turns/mean" in m]  # validation runs the same loop (val_kwargs sampling)
     assert val and 1 <= val[-1]["val-agent/turns/mean"] <= 2 and "val-agent/tool_reward/mean" in val[-1]
+
+
+def test_verls_gsm8k_multi_turn_example_trains_with_each_rows_ground_truth(tiny_model_dir, tmp_path):
+    """verl's gsm8k multi-turn example as `tiller data gsm8k --tool` writes it (its parquet with per-row
+    tools_kwargs, its tool config naming verl.tools.gsm8k_tool.Gsm8kTool): every sample's tool instance is created
+    with its own row's ground truth, through the actor's chunked, seeded generation; verl's tool rewards reach
+    extra_info and the gsm8k rule scores the final answer."""
+    from tiller.data_cli import main as data_main
+    from tiller.trainer.rl import RLTrainer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in ("train", "test"):
+        with open(src / f"{split}.jsonl", "w") as fh:
+            for a, b in [(1, 2), (30, 4), (5, 50), (7, 7)]:
+                fh.write(json.dumps({"question": f"What is {a} plus {b}?", "answer": f"{a}+{b}\n#### {a + b}"}) + "\n")
+    assert data_main(["gsm8k", "--src", str(src), "--out", str(tmp_path / "gsm8k_tool"), "--tool"]) == 0
+
+    def gsm8k_script(context: str, k: int) -> str:
+        a, b = map(int, re.findall(r"What is (\d+) plus (\d+)\?", context)[-1])
+        if "<|im_start|>tool\n" in context:
+            return f"#### {a + b}<|im_end|>"
+        answer = a + b + (k % 2)  # a prompt's second sample submits a wrong answer first
+        return f'<tool_call>{{"name": "calc_gsm8k_reward", "arguments": {{"answer": "{answer}"}}}}</tool_call><|im_end|>'
+
+    data = tmp_path / "gsm8k_tool"
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{data}/train.parquet]",
+                       "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.max_prompt_length=2048",
+                       "data.max_response_length=300", "trainer.total_training_steps=1", "data.shuffle=False",
+                       "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
+                       f"trainer.default_local_dir={tmp_path / 'run'}",
+                       "actor_rollout_ref.rollout.multi_turn.enable=True",
+                       f"actor_rollout_ref.rollout.multi_turn.tool_config_path={data}/tool_config.yaml"])
+    trainer = RLTrainer(cfg)
+    try:
+        tok = trainer.tokenizer
+        trainer.actor.worker.rollout = ScriptedEngine(tok, gsm8k_script)
+        trainer.rollout_seed_chunks = 2  # two seeded chunks of 2 prompts: each chunk gets its own rows' tools_kwargs
+        trainer.global_step = 1
+        batch = trainer._collect_batch({}, 1)
+        assert '"name": "calc_gsm8k_reward"' in tok.decode(batch["prompts"][0])
+        for i in range(len(batch)):
+            a, b = map(int, re.findall(r"What is (\d+) plus (\d+)\?", batch["prompt_text"][i])[-1])
+            text = batch["response_text"][i]
+            if i % 2 == 0:  # right first: scored 1.0 against this row's ground truth, no penalty
+                assert f"Current parsed answer='{a + b}' reward=1.0" in text and batch["tool_rewards"][i] == [0.0]
+            else:
+                assert f"Current parsed answer='{a + b + 1}' reward=0.0" in text
+                assert batch["tool_rewards"][i] == [-0.05]
+            assert text.endswith(f"#### {a + b}") and float(batch["score"][i]) == 1.0
+    finally:
+        trainer.shutdown()

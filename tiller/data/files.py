@@ -83,6 +83,18 @@ def read_parquet(path: str | Path) -> list[dict]:
         raise DataError(f"{p}: not a readable parquet file ({type(err).__name__}: {str(err)[:200]})") from None
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` via a temp file and `os.replace`."""
+    import os
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, p)
+    return p
+
+
 def write_rows(rows: Sequence[dict], path: str | Path) -> Path:
     """Write rows to `.parquet` or `.jsonl` atomically (temp file then rename)."""
     import os

@@ -139,6 +139,29 @@ def _fit_length(ids: list[int], max_len: int, truncation: str, where: str) -> li
                     "set data.truncation=left|right|middle or data.filter_overlong_prompts=True")
 
 
+def _check_tools_kwargs(extra_info: Any, tool_schemas: Sequence[dict], where: str) -> None:
+    """A multi-turn row's `extra_info.tools_kwargs` (verl's per-sample tool arguments, {tool name: {"create_kwargs":
+    {...}}}): a mapping naming loaded tools, present when the row sets `need_tools_kwargs` (verl warns; here a row
+    whose tools would be created without their arguments is an error)."""
+    info = extra_info if isinstance(extra_info, dict) else {}
+    kwargs = info.get("tools_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise DataError(f"{where}: extra_info.tools_kwargs must be a mapping {{tool name: {{'create_kwargs': "
+                        f"{{...}}}}}}, got {type(kwargs).__name__}")
+    given = {name: value for name, value in (kwargs or {}).items() if value is not None}  # (parquet structs: None)
+    if info.get("need_tools_kwargs") and not given:
+        raise DataError(f"{where}: extra_info.need_tools_kwargs is true but extra_info.tools_kwargs is empty")
+    names = {s.get("function", {}).get("name") for s in tool_schemas}
+    for name, value in given.items():
+        if name not in names:
+            raise DataError(f"{where}: extra_info.tools_kwargs names tool {name!r}, which is not among the loaded "
+                            f"tools ({', '.join(sorted(map(str, names)))}: multi_turn.tool_config_path / "
+                            "function_tool_path)")
+        if not isinstance(value, dict) or not isinstance(value.get("create_kwargs") or {}, dict):
+            raise DataError(f"{where}: extra_info.tools_kwargs.{name} must be a mapping with a 'create_kwargs' "
+                            f"mapping, got {value!r:.200}")
+
+
 class RLDataset:
     """Tokenized prompts from one or more files (see the module docstring for the schema).
 
@@ -180,6 +203,8 @@ class RLDataset:
             if row.get("videos") is not None and len(row["videos"]):
                 raise DataError(f"{where}: the row has videos; tiller's vision-language path takes images only "
                                 "(sample frames into the images column)")
+            if tool_schemas is not None:
+                _check_tools_kwargs(row.get("extra_info"), tool_schemas, where)
             images = row_images(row, image_key, where)
             vision = None
             if images:

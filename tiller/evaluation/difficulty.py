@@ -43,11 +43,11 @@ import numpy as np
 
 from tiller.config import load_config
 from tiller.config.args import add_config_args
+from tiller.data.files import atomic_write_text
 from tiller.data.rl_dataset import build_rl_dataset, read_rows
 from tiller.errors import ConfigError, DataError
 from tiller.evaluation.evaluate import score_samples
 from tiller.evaluation.runner import (
-    atomic_write_text,
     decode,
     generate_batched,
     policy_from_config,

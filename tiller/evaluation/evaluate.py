@@ -46,12 +46,12 @@ import numpy as np
 
 from tiller.config import load_config
 from tiller.config.args import add_config_args
+from tiller.data.files import atomic_write_text
 from tiller.data.rl_dataset import build_rl_dataset, write_rows
 from tiller.errors import ConfigError
 from tiller.evaluation.answers import extract_answer
 from tiller.evaluation.metrics import evaluation_metrics
 from tiller.evaluation.runner import (
-    atomic_write_text,
     decode,
     generate_batched,
     policy_from_config,
@@ -61,7 +61,7 @@ from tiller.evaluation.runner import (
 from tiller.rewards import build_reward_manager, RewardRequest
 from tiller.rewards.diversity import build_partitioner
 from tiller.rewards.registry import check_ground_truths
-from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, tool_means
+from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, tool_means, tools_kwargs_of
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -211,7 +211,8 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
     for j, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="eval (tools)",
                                       disable=not show_progress(progress))):
         call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
-        res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget)
+        res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget,
+                             tools_kwargs=[tools_kwargs_of(it.extra_info) for it in items[start:start + batch_size]])
         for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",
                      "num_tool_calls", "tool_errors", "tool_rewards"):
             getattr(out, name).extend(getattr(res, name))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 from tiller.data.rl_dataset import read_rows, render_prompt
@@ -172,15 +171,3 @@ def policy_from_config(cfg) -> Policy:
 def decode(tokenizer, ids: Sequence[int]) -> str:
     """Response text without special tokens (what scorers and users see)."""
     return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` via a temp file and `os.replace`."""
-    import os
-
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, p)
-    return p

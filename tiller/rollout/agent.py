@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+from uuid import uuid4
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -49,6 +50,7 @@ from tiller.errors import ConfigError
 from tiller.rollout.base import RolloutOutput, SamplingParams, eos_token_ids
 from tiller.rollout.function_tools import load_function_tools, ToolResult
 from tiller.rollout.tools import CalculatorTool, load_tools, Tool
+from tiller.rollout.verl_tools import AgentData, TOOL_LOOP
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -104,25 +106,48 @@ def truncate_tool_response(text: str, max_chars: int, side: str = "middle") -> s
 
 
 def execute_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int,
-                       side: str = "middle") -> list[ToolResult]:
+                       side: str = "middle", tools_kwargs: dict | None = None) -> list[ToolResult]:
     """Each call's result (errors as `Error: ...` text, reward 0.0), its text cut to `max_chars`
-    (`truncate_tool_response`). A tool with a `run(arguments) -> ToolResult` method (function tools) gives its
-    reward; the others' reward is 0.0 (verl: a tool without `calc_reward`)."""
-    out = []
-    for call in calls:
-        if call.error:
-            result = ToolResult(f"Error: {call.error}")
-        elif call.name not in tools:
-            result = ToolResult(f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or 'none'}")
-        else:
-            tool = tools[call.name]
-            try:
-                result = tool.run(call.arguments) if hasattr(tool, "run") else ToolResult(str(tool(call.arguments)))
-            except Exception as err:  # noqa: BLE001 - a broken tool must not end the rollout
-                result = ToolResult(f"Error: {type(err).__name__}: {err}")
-        result.text = truncate_tool_response(result.text, max_chars, side)
-        out.append(result)
-    return out
+    (`truncate_tool_response`). A tool with a `run(arguments) -> ToolResult` method (function tools, verl `BaseTool`
+    classes) gives its reward; the others' reward is 0.0 (verl: a tool without a reward). `tools_kwargs`: the
+    sample's `extra_info.tools_kwargs` (verl `BaseTool` classes' `create_kwargs`)."""
+    return execute_turn([calls], tools, max_chars, side, [tools_kwargs])[0]
+
+
+def execute_turn(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], max_chars: int, side: str = "middle",
+                 tools_kwargs: Sequence[dict | None] | None = None,
+                 agent_data: Sequence[AgentData | None] | None = None) -> list[list[ToolResult]]:
+    """`execute_tool_calls` for one turn of many samples (`calls[i]`: sample i's calls). The async tools' calls (verl
+    `BaseTool` classes, `async def` function tools) of every sample run concurrently on the process's tool event loop
+    (`tiller.rollout.verl_tools.TOOL_LOOP`; verl runs every sample's calls concurrently too); the others run in
+    order, in this thread."""
+    out: list[list[ToolResult | None]] = [[None] * len(c) for c in calls]
+    slots, coros = [], []
+    for i, sample_calls in enumerate(calls):
+        kwargs = tools_kwargs[i] if tools_kwargs is not None else None
+        data = agent_data[i] if agent_data is not None else None
+        for j, call in enumerate(sample_calls):
+            if call.error:
+                out[i][j] = ToolResult(f"Error: {call.error}")
+            elif call.name not in tools:
+                out[i][j] = ToolResult(f"Error: unknown tool {call.name!r}; available: "
+                                       f"{', '.join(sorted(tools)) or 'none'}")
+            elif getattr(tools[call.name], "is_async", False) and hasattr(tools[call.name], "acall"):
+                slots.append((i, j))
+                coros.append(tools[call.name].acall(call.arguments, kwargs, data))
+            else:
+                tool = tools[call.name]
+                try:
+                    out[i][j] = (tool.run(call.arguments) if hasattr(tool, "run")
+                                 else ToolResult(str(tool(call.arguments))))
+                except Exception as err:  # noqa: BLE001 - a broken tool must not end the rollout
+                    out[i][j] = ToolResult(f"Error: {type(err).__name__}: {err}")
+    for (i, j), result in zip(slots, TOOL_LOOP.gather(coros)):
+        out[i][j] = result if isinstance(result, ToolResult) else ToolResult(f"Error: {type(result).__name__}: {result}")
+    for sample in out:
+        for result in sample:
+            result.text = truncate_tool_response(result.text, max_chars, side)
+    return out  # type: ignore[return-value]
 
 
 def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], max_chars: int,
@@ -186,6 +211,18 @@ class AgentRolloutOutput(RolloutOutput):
     """Each tool call's reward, in call order (verl's `tool_rewards`; 0.0 for tools without one)."""
 
 
+def tools_kwargs_of(extra_info: Any) -> dict:
+    """A sample's `extra_info.tools_kwargs` ({tool name: {"create_kwargs": {...}, ...}}, verl's RLHFDataset field;
+    {} when absent). A parquet struct column gives every row every tool's key, None where a row has none."""
+    kwargs = (extra_info or {}).get("tools_kwargs") if isinstance(extra_info, dict) else None
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"extra_info.tools_kwargs must be a mapping of tool name to {{'create_kwargs': {{...}}}}, "
+                          f"got {type(kwargs).__name__}: {kwargs!r:.200}")
+    return {name: value for name, value in kwargs.items() if value is not None}
+
+
 def tool_means(num_turns, num_tool_calls, tool_errors, tool_rewards) -> dict[str, float]:
     """Means over samples of `AgentRolloutOutput`'s per-sample fields (assistant turns, tool calls, failed calls,
     summed tool rewards): tiller eval's `agent` report, and tiller rl's `agent/*` / `val-agent/*` metrics."""
@@ -205,6 +242,7 @@ class _Row:
     errors: int = 0
     tool_rewards: list[float] = field(default_factory=list)
     finish: str = ""
+    agent_data: AgentData | None = None
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int) -> bool:
         """Append tokens (logprobs None = tool tokens); False when the budget cut them."""
@@ -220,7 +258,8 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
                    tools: dict[str, Tool] | Sequence[Tool], *, max_assistant_turns: int = 4,
                    max_response_length: int | None = None, max_tool_response_chars: int = 256,
                    truncate_side: str = "middle", max_calls_per_turn: int = 1, max_user_turns: int | None = None,
-                   chat_template_kwargs: dict | None = None) -> AgentRolloutOutput:
+                   chat_template_kwargs: dict | None = None,
+                   tools_kwargs: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
@@ -231,13 +270,20 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     (max_tool_response_length, tool_response_truncate_side); after `max_user_turns` tool turns (None or 0: no limit)
     the next assistant turn is the last.
     `chat_template_kwargs`: extra template variables of the tool turns' rendering (data.apply_chat_template_kwargs).
+    `tools_kwargs`: per prompt, its `extra_info.tools_kwargs` (verl `BaseTool` classes' `create_kwargs`).
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
+    if tools_kwargs is not None and len(tools_kwargs) != len(prompt_ids):
+        raise ValueError(f"tools_kwargs has {len(tools_kwargs)} entries for {len(prompt_ids)} prompts")
     if max_assistant_turns < 1:
         raise ValueError(f"max_assistant_turns must be >= 1, got {max_assistant_turns}")
     budget = max_response_length or sampling.max_new_tokens
     encoder = ToolResponseEncoder(tokenizer, chat_template_kwargs)
     rows = [_Row(list(p)) for p in prompt_ids for _ in range(sampling.n)]
+    row_kwargs = [dict((tools_kwargs[i] if tools_kwargs is not None else None) or {})
+                  for i in range(len(prompt_ids)) for _ in range(sampling.n)]
+    for row, kwargs in zip(rows, row_kwargs):
+        row.agent_data = AgentData(uuid4().hex, kwargs, tool_rewards=row.tool_rewards)
     for turn in range(max_assistant_turns):
         live = [r for r in rows if not r.finish]
         if not live:
@@ -246,6 +292,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         call = replace(sampling, n=1, max_new_tokens=step,
                        seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn)
         out = engine.generate([r.prompt + r.ids for r in live], call)
+        calling = []  # (row, its calls, whether the turn ended with an eos)
         for row, ids, lps, reason in zip(live, out.response_ids, out.logprobs, out.finish_reason):
             row.turns += 1
             if not row.add(ids, lps, budget) or reason == "length":
@@ -256,13 +303,16 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
             if not calls or turn == max_assistant_turns - 1 or (max_user_turns and turn >= max_user_turns):
                 row.finish = "stop"
                 continue
-            executed = execute_tool_calls(calls, tools, max_tool_response_chars, truncate_side)
-            results = [r.text for r in executed]
+            calling.append((row, calls, bool(ids) and ids[-1] in encoder.eos_ids))
+        executed = execute_turn([c for _, c, _ in calling], tools, max_tool_response_chars, truncate_side,
+                                [row.agent_data.tools_kwargs for row, _, _ in calling],
+                                [row.agent_data for row, _, _ in calling])
+        for (row, calls, ended), results in zip(calling, executed):
+            texts = [r.text for r in results]
             row.calls += len(calls)
-            row.errors += sum(r.startswith("Error:") for r in results)
-            row.tool_rewards += [r.reward for r in executed]
-            ended = bool(ids) and ids[-1] in encoder.eos_ids
-            if not row.add(encoder.encode(results, ended), None, budget) or len(row.ids) >= budget:
+            row.errors += sum(t.startswith("Error:") for t in texts)
+            row.tool_rewards += [r.reward for r in results]
+            if not row.add(encoder.encode(texts, ended), None, budget) or len(row.ids) >= budget:
                 row.finish = "length"
     for r in rows:
         r.finish = r.finish or "stop"
@@ -296,8 +346,9 @@ class AgentLoop:
     """Extra chat-template variables (data.apply_chat_template_kwargs) of the tool turns."""
 
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 max_response_length: int | None = None) -> AgentRolloutOutput:
-        return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools,
+                 max_response_length: int | None = None,
+                 tools_kwargs: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
+        return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools, tools_kwargs=tools_kwargs,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
                               max_tool_response_chars=self.max_tool_response_chars, truncate_side=self.truncate_side,
                               max_calls_per_turn=self.max_calls_per_turn, max_user_turns=self.max_user_turns,

@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from tiller.errors import ConfigError, UserError
-from tiller.rollout.agent import execute_tool_calls, parse_tool_calls, ToolResponseEncoder
+from tiller.rollout.agent import execute_tool_calls, parse_tool_calls, ToolResponseEncoder, tools_kwargs_of
 from tiller.rollout.base import SamplingParams
 from tiller.rollout.continuous import ContinuousBatcher
 from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, segment_of
@@ -199,7 +199,8 @@ class ToolEnv:
         if not calls:
             reward = float(self.reward_fn(self.sample, action)) if self.reward_fn else 0.0
             return "", reward, True, {}
-        results = execute_tool_calls(calls, self.tools, self.max_chars)
+        results = execute_tool_calls(calls, self.tools, self.max_chars,
+                                     tools_kwargs=tools_kwargs_of(self.sample.get("extra_info")))
         # the text between the assistant turn's end and the next assistant turn (eos first: the action's ids
         # were decoded without special tokens, so the turn's eos, if sampled, is already in the context); the
         # step's reward: its calls' tool rewards (function tools' `(response, reward)`; 0.0 for the others)

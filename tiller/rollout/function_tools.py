@@ -31,59 +31,27 @@ As verl (`verl/tools/function_tool.py`):
 Tool rewards, as verl's reward managers: every call of an episode appends its reward (0.0 for tools without one
 and for failed calls) to the episode's `tool_rewards`, handed to the reward function in `extra_info["tool_rewards"]`.
 
-While tiller imports the file, `verl.tools.function_tool` and `verl.tools.schemas` are tiller's stand-ins when
-verl is not installed (removed again afterwards); with verl installed the file uses verl's own decorator and tiller
-reads verl's registry.
+While tiller imports the file, `verl.tools.function_tool`, `verl.tools.schemas` and the other modules of
+`verl_tool_imports` are tiller's stand-ins when verl is not installed (removed again afterwards); with verl
+installed the file uses verl's own decorator and tiller reads verl's registry.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import importlib.util
 import inspect
 import json
 import sys
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tiller.errors import ConfigError
+from tiller.rollout import verl_tools
+from tiller.rollout.verl_tools import ToolResponse, ToolResult
 
 KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
-
-
-@dataclass
-class ToolResponse:
-    """verl's `verl.tools.schemas.ToolResponse` (text; tiller's tool loop is text-only, so images / videos are an
-    error when returned)."""
-
-    text: Optional[str] = None
-    image: Optional[list] = None
-    video: Optional[list] = None
-
-
-class OpenAIFunctionToolSchema(dict):
-    """Stand-in for verl's pydantic `OpenAIFunctionToolSchema` (`schema=` of a verl file): the schema dict, cut as
-    verl's (`verl_schema`)."""
-
-    @classmethod
-    def model_validate(cls, raw: Any) -> "OpenAIFunctionToolSchema":
-        return cls(verl_schema(raw, "OpenAIFunctionToolSchema.model_validate"))
-
-    def model_dump(self, **_: Any) -> dict:
-        return json.loads(json.dumps(self))
-
-
-@dataclass
-class ToolResult:
-    """One call's outcome: the text shown to the model, the tool reward and the tool's metrics."""
-
-    text: str
-    reward: float = 0.0
-    metrics: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------- schema
@@ -167,9 +135,7 @@ def function_tool(name: Optional[str | Callable] = None, *, schema: Optional[dic
 # ------------------------------------------------------------------------------------------ calls
 def _text(value: Any) -> str:
     if isinstance(value, ToolResponse) or _is_verl_tool_response(value):
-        if getattr(value, "image", None) or getattr(value, "video", None):
-            raise TypeError("the tool returned images / videos; tiller's tool loop takes text only")
-        return value.text or ""
+        return verl_tools.response_text(value)
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
@@ -199,16 +165,6 @@ def normalize_return(value: Any) -> ToolResult:
     return ToolResult(_text(value))
 
 
-def _run_coroutine(coro) -> Any:
-    """Await `coro` from synchronous code (a thread of its own when this thread already runs an event loop)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 class FunctionTool:
     """A `@function_tool` function as a tiller tool (`tiller.rollout.tools.Tool`, plus `run` with its reward)."""
 
@@ -218,9 +174,14 @@ class FunctionTool:
 
     def run(self, arguments: dict) -> ToolResult:
         value = self.fn(**arguments)
-        if self.is_async or inspect.isawaitable(value):
-            value = _run_coroutine(value)
+        if inspect.isawaitable(value):  # (async functions: awaited on the process's tool event loop)
+            value = verl_tools.TOOL_LOOP.run(value)
         return normalize_return(value)
+
+    async def acall(self, arguments: dict, tools_kwargs: dict | None = None, agent_data: Any = None) -> ToolResult:
+        """`run` awaited (the agent loop gathers the async tools' calls; function tools take no tools_kwargs)."""
+        value = self.fn(**arguments)
+        return normalize_return(await value if inspect.isawaitable(value) else value)
 
     def __call__(self, arguments: dict) -> str:
         return self.run(arguments).text
@@ -237,22 +198,40 @@ def _verl_installed() -> bool:
         return False
 
 
+def _stand_ins() -> dict[str, types.ModuleType]:
+    """verl's tool-facing modules as tiller's stand-ins, by name (see `verl_tool_imports`)."""
+    from tiller.rewards import registry  # import cost: the scorer registry, only while a verl tool file imports
+    from tiller.rewards.scorers import gsm8k  # import cost: as above
+
+    modules = {n: types.ModuleType(n) for n in ("verl", "verl.tools", "verl.tools.function_tool", "verl.utils",
+                                                  "verl.utils.reward_score")}
+    modules.update(verl_tools.stand_in_modules())
+    modules["verl.utils.reward_score.gsm8k"] = gsm8k
+    for name, module in modules.items():
+        if name in ("verl", "verl.tools", "verl.utils", "verl.utils.reward_score"):
+            module.__path__ = []
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
+    function_tool_mod = modules["verl.tools.function_tool"]
+    function_tool_mod.function_tool, function_tool_mod.ToolResponse = function_tool, ToolResponse
+    function_tool_mod.FunctionTool = FunctionTool
+    modules["verl.utils.reward_score"].default_compute_score = registry.default_compute_score
+    return modules
+
+
 @contextlib.contextmanager
-def verl_function_tool_imports():
-    """While importing a function-tool file: `verl.tools.function_tool` / `verl.tools.schemas` are this module's
-    stand-ins unless verl is installed (a real verl is never shadowed), removed again afterwards."""
+def verl_tool_imports():
+    """While importing a tool file (`@function_tool` functions, verl `BaseTool` classes): verl's
+    `verl.tools.function_tool`, `verl.tools.schemas`, `verl.tools.base_tool`, `verl.utils.rollout_trace` and
+    `verl.utils.reward_score` (`default_compute_score`, `gsm8k`) are tiller's stand-ins unless verl is installed (a
+    real verl is never shadowed), removed again afterwards."""
     if _verl_installed() or "verl" in sys.modules:
         yield
         return
-    names = ("verl", "verl.tools", "verl.tools.function_tool", "verl.tools.schemas")
-    saved = {n: sys.modules.get(n) for n in names}
-    package, tools, function_tool_mod, schemas = (types.ModuleType(n) for n in names)
-    package.__path__, tools.__path__ = [], []
-    package.tools, tools.function_tool, tools.schemas = tools, function_tool_mod, schemas
-    function_tool_mod.function_tool, function_tool_mod.ToolResponse = function_tool, ToolResponse
-    function_tool_mod.FunctionTool = FunctionTool
-    schemas.ToolResponse, schemas.OpenAIFunctionToolSchema = ToolResponse, OpenAIFunctionToolSchema
-    sys.modules.update(dict(zip(names, (package, tools, function_tool_mod, schemas))))
+    modules = _stand_ins()
+    saved = {n: sys.modules.get(n) for n in modules}
+    sys.modules.update(modules)
     try:
         yield
     finally:
@@ -282,7 +261,7 @@ def load_function_tools(path: str | Path, key: str = KEY) -> dict[str, FunctionT
     first = len(_REGISTERED)
     verl_before = dict(_verl_registry() or {})
     try:
-        with verl_function_tool_imports():
+        with verl_tool_imports():
             spec = importlib.util.spec_from_file_location(module_name, p)
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module  # (verl's loader too: the file's own imports can find it)

@@ -12,6 +12,7 @@ Built-ins:
   group, rlimits, no network); returns stdout (and stderr on failure).
 - `class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool` (verl's retool recipe): `{"code": ...}` run on a
   SandboxFusion server (`SandboxFusionTool`, config `sandbox_fusion_url`, ...).
+- `class_name: verl.tools.gsm8k_tool.Gsm8kTool` (verl's gsm8k multi-turn example): `tiller.rollout.verl_tools`.
 
 The YAML (`actor_rollout_ref.rollout.multi_turn.tool_config_path`; verl's layout with `class_name`,
 `config`, `tool_schema`, plus two shorter forms):
@@ -25,9 +26,9 @@ The YAML (`actor_rollout_ref.rollout.multi_turn.tool_config_path`; verl's layout
       - class_name: my_pkg.tools.Search           # Search(config=dict, tool_schema=dict), then called with arguments
         config: {...}
         tool_schema: {...}
-
-Deviation from verl: tools are synchronous callables (verl's `BaseTool` is async with create/execute/release
-per trajectory); verl's per-tool reward (`calc_reward`) is not used.
+      - class_name: my_pkg.tools.MyVerlTool       # a subclass of verl's BaseTool: run as verl runs it (create /
+        config: {type: native}                    #   execute / release per call, the sample's tools_kwargs),
+        tool_schema: {...}                        #   `tiller.rollout.verl_tools`
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from tiller.errors import ConfigError, UserError
 from tiller.rewards import sandbox_fusion
 from tiller.rewards.sandbox import run_program, SandboxLimits
+from tiller.rollout.function_tools import verl_tool_imports
+from tiller.rollout.verl_tools import build_verl_tool, Gsm8kTool, is_verl_base_tool
 
 
 @runtime_checkable
@@ -243,7 +246,8 @@ class FunctionTool:
 
 BUILTIN_TOOLS: dict[str, type] = {"calculator": CalculatorTool, "python": PythonTool}
 # verl's tool classes tiller carries its own version of (a verl tool config names them as they are)
-VERL_TOOL_CLASSES: dict[str, type] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
+VERL_TOOL_CLASSES: dict[str, type] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool,
+                                      "verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool}
 
 
 def _import(ref: str, where: str) -> Any:
@@ -265,9 +269,20 @@ def build_tool(entry: dict, where: str) -> Tool:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid: name, config, tool_schema, function, "
                           "class_name")
     config, schema = dict(entry.get("config") or {}), entry.get("tool_schema")
+    verl_config = dict(config)  # (a verl BaseTool gets its config as verl gives it, `type` included)
     config.pop("type", None)  # verl's `config: {type: native}`
     if "class_name" in entry:
-        cls = VERL_TOOL_CLASSES.get(str(entry["class_name"])) or _import(str(entry["class_name"]), where)
+        ref = str(entry["class_name"])
+        with verl_tool_imports():  # (a module written for verl imports verl.tools.base_tool / schemas)
+            cls = VERL_TOOL_CLASSES.get(ref) or _import(ref, where)
+        if is_verl_base_tool(cls):
+            if verl_config.get("type", "native") != "native":
+                raise ConfigError(f"{where}: config.type={verl_config['type']!r}: verl's only tool type is 'native'")
+            try:
+                tool = build_verl_tool(cls, verl_config, schema)
+            except Exception as err:  # noqa: BLE001 - a bad schema (pydantic) or the user's constructor failing
+                raise ConfigError(f"{where}: cannot build {ref}: {type(err).__name__}: {err}") from None
+            return tool
         try:
             tool = cls(config=config, tool_schema=schema)
         except ConfigError as err:

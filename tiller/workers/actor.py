@@ -61,7 +61,7 @@ from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, SamplingParams
-from tiller.rollout.agent import build_agent_loop
+from tiller.rollout.agent import build_agent_loop, tools_kwargs_of
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
@@ -473,8 +473,11 @@ class ActorRolloutRefWorker:
             engine = self._producer_engine
             if prompts.meta.get("weights_hook") is not None and self.rollout_cfg.name == "native":
                 hook = {"weights_hook": prompts.meta["weights_hook"]}
+        prompt_options = {}  # per-prompt options, cut with the chunks
         if self.tool_loop is not None:  # multi-turn tool conversations, seeded and chunked as plain samples
             engine = _ToolLoopEngine(self.tool_loop, engine, self.tokenizer)
+            if "extra_info" in prompts:  # (verl BaseTool classes' create_kwargs)
+                prompt_options["tools_kwargs"] = [tools_kwargs_of(e) for e in prompts["extra_info"]]
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
             hook = {**hook, "multi_modal": list(prompts["multi_modal_inputs"])}
             if per_rank > 1:
@@ -483,11 +486,12 @@ class ActorRolloutRefWorker:
         if sampling.seed is None or per_rank <= 1 or rest or len(ids) % per_rank:
             if sampling.seed is not None:
                 sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank() * max(per_rank, 1)
-            return engine.generate(ids, sampling, **hook)
+            return engine.generate(ids, sampling, **hook, **prompt_options)
         size, out = len(ids) // per_rank, None
         for j in range(per_rank):
             seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
-            part = engine.generate(ids[j * size:(j + 1) * size], replace(sampling, seed=seed), **hook)
+            part = engine.generate(ids[j * size:(j + 1) * size], replace(sampling, seed=seed), **hook,
+                                   **{k: v[j * size:(j + 1) * size] for k, v in prompt_options.items()})
             out = out if out is not None else type(part)()  # (tool conversations: AgentRolloutOutput, all fields)
             for f in dataclass_fields(part):
                 getattr(out, f.name).extend(getattr(part, f.name))
@@ -868,8 +872,8 @@ class _ToolLoopEngine:
     def __init__(self, loop, engine, tokenizer):
         self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
 
-    def generate(self, prompt_ids, sampling, **options):
+    def generate(self, prompt_ids, sampling, tools_kwargs=None, **options):
         if options:  # (refused with multi_turn.enable before a model loads: images, asynchronous weight hooks)
             raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: {sorted(options)} not supported")
         return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
-                                  max_response_length=sampling.max_new_tokens)
+                                  max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs)

@@ -1,0 +1,307 @@
+"""verl's tool classes: `BaseTool` subclasses (create / execute / release) as tools of tiller's multi-turn loop.
+
+A tool config entry `class_name: my_pkg.tools.MyTool` whose class subclasses verl's `BaseTool` runs as verl's tool
+agent loop runs it (`verl/experimental/agent_loop/tool_agent_loop.py`, verl-project/verl 1dda039b), verl not
+installed:
+
+    from verl.tools.base_tool import BaseTool                  # tiller's stand-ins while the module imports
+    from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+    class MyTool(BaseTool):
+        async def create(self, instance_id=None, **kwargs):      # kwargs["create_kwargs"]: the sample's
+            ...                                                  #   extra_info.tools_kwargs[<tool name>].create_kwargs
+        async def execute(self, instance_id, parameters, **kwargs):
+            return ToolResponse(text="..."), reward, {}
+        async def release(self, instance_id, **kwargs): ...
+
+As verl's loop:
+- the class is built as `MyTool(config=<the entry's config, `type` included>, tool_schema=OpenAIFunctionToolSchema
+  | None)` (pydantic models with verl's fields: `self.tool_schema.function.name` works);
+- every call is one instance: `create(create_kwargs=tools_kwargs[name].get("create_kwargs", {}))`, then
+  `execute(instance_id, arguments, agent_data=...)`, then `release(instance_id)` (also after a failure);
+  `calc_reward` is not called (verl's loop does not either); the sample's `tools_kwargs` come from its
+  `extra_info.tools_kwargs` (verl's RLHFDataset; its gsm8k multi-turn preprocessing writes them);
+- `execute`'s reward goes to the sample's `tool_rewards` (the reward function's `extra_info["tool_rewards"]`); its
+  metrics are dropped; a raised error comes back to the model as `Error: ...` text with reward 0.0;
+- the calls of one turn run concurrently, across all the samples of the batch (verl's loop runs every sample's
+  calls concurrently too), on one event loop that lives as long as the process (a tool may keep an HTTP session).
+
+`agent_data` (verl's `AgentData`) is a small object with the sample's `request_id`, `tools_kwargs`, `extra_info`,
+the `tool_rewards` so far and a `metrics` dict; it has no `messages` (tiller's loop works on token ids).
+
+`verl.tools.gsm8k_tool.Gsm8kTool` (verl <= 0.7's gsm8k multi-turn example, removed from verl in 2026-05) is
+tiller's `Gsm8kTool`: same schema, state, scoring (gsm8k `flexible`) and -0.05 penalty for an answer that does not
+improve the score, and it takes verl's `create_kwargs` (`ground_truth`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+from uuid import uuid4
+
+from pydantic import BaseModel, Field, model_validator
+
+
+@dataclass
+class ToolResult:
+    """One call's outcome: the text shown to the model, the tool reward and the tool's metrics."""
+
+    text: str
+    reward: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ verl.tools.schemas
+class OpenAIFunctionPropertySchema(BaseModel):
+    """One parameter (verl's model: type, description, enum)."""
+
+    type: str | list[str]
+    description: str | None = None
+    enum: list[Any] | None = None
+
+
+class OpenAIFunctionParametersSchema(BaseModel):
+    type: str
+    properties: dict[str, OpenAIFunctionPropertySchema]
+    required: list[str] = Field(default_factory=list)
+
+
+class OpenAIFunctionSchema(BaseModel):
+    name: str
+    description: str
+    parameters: OpenAIFunctionParametersSchema = Field(
+        default_factory=lambda: OpenAIFunctionParametersSchema(type="object", properties={}, required=[]))
+    strict: bool = False
+
+
+class OpenAIFunctionToolSchema(BaseModel):
+    """A tool's OpenAI function schema (verl's `verl.tools.schemas.OpenAIFunctionToolSchema`)."""
+
+    type: str
+    function: OpenAIFunctionSchema
+
+
+class ToolResponse(BaseModel):
+    """A tool's response (verl's `verl.tools.schemas.ToolResponse`; tiller's tool loop takes its text)."""
+
+    text: str | None = None
+    image: list[Any] | None = None
+    video: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists(cls, values):
+        for name in ("image", "video"):
+            if isinstance(values, dict) and name in values and not isinstance(values[name], list):
+                raise ValueError(f"{name} must be a list, got {type(values[name]).__name__}; wrap one in a list")
+        return values
+
+    def is_empty(self) -> bool:
+        return not self.text and not self.image and not self.video
+
+    def is_text_only(self) -> bool:
+        return bool(self.text) and not self.image and not self.video
+
+
+# ---------------------------------------------------------------------------- verl.tools.base_tool
+class BaseTool:
+    """verl's `verl.tools.base_tool.BaseTool`: subclass it and override the async methods."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        self.config = config
+        self.tool_schema = tool_schema or self.get_openai_tool_schema()
+        if self.tool_schema is None:
+            raise ValueError(f"{type(self).__name__}: no tool schema (give `tool_schema` in the tool config)")
+        self.name = self.tool_schema.function.name
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema | None:
+        return getattr(self, "tool_schema", None)
+
+    async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
+        return (instance_id if instance_id is not None else str(uuid4())), ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        return ToolResponse(text="Updated the tool state."), 0.0, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        return None
+
+
+def rollout_trace_op(fn: Callable) -> Callable:
+    """verl's `verl.utils.rollout_trace.rollout_trace_op` (tracing to weave / mlflow): here the function itself."""
+    return fn
+
+
+def is_verl_base_tool(cls: Any) -> bool:
+    """Whether `cls` subclasses verl's `BaseTool` (tiller's stand-in, or verl's own where verl is installed)."""
+    return isinstance(cls, type) and any(
+        base.__name__ == "BaseTool" and base.__module__ in ("verl.tools.base_tool", __name__) for base in cls.__mro__)
+
+
+# ------------------------------------------------------------------------------- the event loop
+class _ToolEventLoop:
+    """One asyncio loop in a daemon thread per process: every async tool call of a run is awaited there (a tool's
+    HTTP session or lock stays bound to one loop, as in verl's agent-loop worker)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = -1
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid() or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="tiller-tools", daemon=True).start()
+                self._loop, self._pid = loop, os.getpid()
+            return self._loop
+
+    def run(self, coro: Awaitable) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop()).result()
+
+    def gather(self, coros: list[Awaitable]) -> list[Any]:
+        """Each coroutine's result (or the exception it raised), run concurrently."""
+        async def _all():
+            return await asyncio.gather(*coros, return_exceptions=True)
+        return self.run(_all()) if coros else []
+
+
+TOOL_LOOP = _ToolEventLoop()
+
+
+# --------------------------------------------------------------------------------- the adapter
+@dataclass
+class AgentData:
+    """What a verl tool's `execute(..., agent_data=...)` can read of its sample (see the module docstring)."""
+
+    request_id: str
+    tools_kwargs: dict = field(default_factory=dict)
+    extra_info: dict = field(default_factory=dict)
+    tool_rewards: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+def response_text(value: Any) -> str:
+    """The text of a tool's `ToolResponse` (verl's or tiller's); images / videos are an error (text-only loop)."""
+    if getattr(value, "image", None) or getattr(value, "video", None):
+        raise TypeError("the tool returned images / videos; tiller's tool loop takes text only")
+    return getattr(value, "text", None) or ""
+
+
+class VerlTool:
+    """A verl `BaseTool` instance as a tiller tool: `name`, `schema` (the dict the chat template renders),
+    `acall(arguments, tools_kwargs, agent_data)` (create / execute / release, see the module docstring) and the
+    synchronous `run` / `__call__` of every tiller tool."""
+
+    is_async = True
+
+    def __init__(self, tool: Any):
+        self.tool, self.name = tool, str(tool.name)
+        schema = tool.tool_schema
+        self.schema = schema.model_dump(exclude_unset=True, exclude_none=True) if hasattr(
+            schema, "model_dump") else dict(schema)
+
+    async def acall(self, arguments: dict, tools_kwargs: dict | None = None,
+                    agent_data: AgentData | None = None) -> ToolResult:
+        kwargs = (tools_kwargs or {}).get(self.name) or {}
+        instance_id = None
+        try:
+            instance_id, _ = await self.tool.create(create_kwargs=kwargs.get("create_kwargs") or {})
+            response, reward, metrics = await self.tool.execute(
+                instance_id, arguments, agent_data=agent_data or AgentData(uuid4().hex, dict(tools_kwargs or {})))
+        finally:
+            if instance_id:
+                await self.tool.release(instance_id)
+        return ToolResult(response_text(response), 0.0 if reward is None else float(reward), dict(metrics or {}))
+
+    def run(self, arguments: dict, tools_kwargs: dict | None = None, agent_data: AgentData | None = None) -> ToolResult:
+        return TOOL_LOOP.run(self.acall(arguments, tools_kwargs, agent_data))
+
+    def __call__(self, arguments: dict) -> str:
+        return self.run(arguments).text
+
+    def __repr__(self) -> str:
+        return f"VerlTool({type(self.tool).__name__}, {self.name!r})"
+
+
+def build_verl_tool(cls: type, config: dict, tool_schema: dict | None) -> VerlTool:
+    """`cls(config=..., tool_schema=OpenAIFunctionToolSchema | None)` as verl's `initialize_tools_from_config`
+    builds it (the schema validated by the schema model of `cls`'s own verl, real or stand-in)."""
+    schema_model = _schema_model_for(cls)
+    schema = schema_model.model_validate(tool_schema) if tool_schema is not None else None
+    return VerlTool(cls(config=config, tool_schema=schema))
+
+
+def _schema_model_for(cls: type) -> type:
+    for base in cls.__mro__:
+        if base.__name__ == "BaseTool" and base.__module__ == "verl.tools.base_tool":
+            import importlib  # import cost: only when verl itself is installed and the class is its BaseTool's
+            return importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
+    return OpenAIFunctionToolSchema
+
+
+# ---------------------------------------------------------------------------------- built-ins
+class Gsm8kTool(BaseTool):
+    """verl's `verl.tools.gsm8k_tool.Gsm8kTool`: the model submits `answer`; the reply states the parsed answer and
+    its gsm8k score (flexible), the tool reward is 0.0 when the score improved on the instance's last, else -0.05."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate({
+            "type": "function", "function": {
+                "name": "calc_gsm8k_reward", "description": "A tool for calculating the reward of gsm8k",
+                "parameters": {"type": "object", "properties": {
+                    "answer": {"type": "string", "description": "The answer to the question"}},
+                    "required": ["answer"]}}}))
+        self._instances: dict[str, dict] = {}
+
+    async def create(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None,
+                     **kwargs) -> tuple[str, ToolResponse]:
+        instance_id = instance_id if instance_id is not None else str(uuid4())
+        if ground_truth is None:
+            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        answer = parameters.get("answer", "")
+        answer = answer if isinstance(answer, str) else str(answer)
+        state = self._instances[instance_id]
+        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        reward = await self.calc_reward(instance_id)
+        tool_reward = 0.0 if reward > state["reward"] else -0.05  # (verl: a penalty for a non-improved answer)
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        from tiller.rewards.scorers import gsm8k  # import cost: the rewards package, only when the tool scores
+
+        state = self._instances[instance_id]
+        return gsm8k.compute_score(state["response"], state["ground_truth"], method="flexible", format_score=0.0,
+                                   score=1.0)
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
+
+
+def stand_in_modules() -> dict[str, types.ModuleType]:
+    """The modules `verl.tools.base_tool`, `verl.tools.schemas`, `verl.utils.rollout_trace` (tiller's stand-ins)
+    by name, for the import shim of `tiller.rollout.function_tools.verl_tool_imports`."""
+    base_tool, schemas, trace = (types.ModuleType(n) for n in (
+        "verl.tools.base_tool", "verl.tools.schemas", "verl.utils.rollout_trace"))
+    base_tool.BaseTool, base_tool.OpenAIFunctionToolSchema, base_tool.ToolResponse = (
+        BaseTool, OpenAIFunctionToolSchema, ToolResponse)
+    base_tool.rollout_trace_op = rollout_trace_op
+    for model in (OpenAIFunctionPropertySchema, OpenAIFunctionParametersSchema, OpenAIFunctionSchema,
+                  OpenAIFunctionToolSchema, ToolResponse):
+        setattr(schemas, model.__name__, model)
+    trace.rollout_trace_op = rollout_trace_op
+    return {"verl.tools.base_tool": base_tool, "verl.tools.schemas": schemas, "verl.utils.rollout_trace": trace}
+
