@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("tiller.models.checkpoint:export_main", "export a checkpoint as a Hugging Face model dir"),
     "report": ("tiller.tracking.report:main", "plots and a summary table for a run directory"),
     "serve-rm": ("tiller.rewards.server:main", "serve a reward model over HTTP"),
+    "retrieval-server": ("tiller.serve.retrieval:main", "Search-R1's retrieval API over a local corpus (search-agent "
+                         "RL: verl's SearchTool)"),
     "generate": ("tiller.evaluation.generate:main", "sample n responses per prompt from a prompt file"),
     "eval": ("tiller.evaluation.evaluate:main", "evaluate a model: mean@n, pass@k, maj@k per data source"),
     "serve": ("tiller.serve.cli:main", "OpenAI-compatible HTTP server: tiller serve MODEL_DIR"),

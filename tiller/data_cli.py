@@ -2,6 +2,8 @@
 
     tiller data gsm8k --out data/gsm8k [--src DIR_WITH_train.jsonl_AND_test.jsonl] [--max-rows N] [--tool]
         (without --src: openai/gsm8k through `datasets`, from the hub or its local cache)
+    tiller data search-r1 --src DIR --out data/search_r1 [--retrieval-url URL] [--max-rows N]
+        (DIR: a local copy of PeterJinGo/nq_hotpotqa_train; verl's search-tool layout and tool_config.yaml out)
     tiller data geo3k --src DIR --out data/geo3k [--max-rows N]
         (DIR: a local copy of hiyouga/geometry3k, data/{train,test}-*.parquet; verl's multimodal schema out)
     tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from tiller.data.preprocess import geo3k, gsm8k, reasoning_gym
+from tiller.data.preprocess import geo3k, gsm8k, reasoning_gym, search_r1
 from tiller.tasks import arithmetic
 
 
@@ -34,6 +36,13 @@ def main(argv: list[str]) -> int:
     g.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
     g.add_argument("--tool", action="store_true", help="verl's multi-turn tool layout (gsm8k_multiturn_w_tool.py: "
                    "the calc_gsm8k_reward tool, its per-row tools_kwargs) and tool_config.yaml beside the parquet")
+    q = sub.add_parser("search-r1", help="Search-R1 QA (a local PeterJinGo/nq_hotpotqa_train copy) -> verl's search-"
+                                         "tool parquet (preprocess_search_r1_dataset.py) + tool_config.yaml")
+    q.add_argument("--src", required=True, help="dir with train.parquet and test.parquet (or .jsonl)")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
+    q.add_argument("--retrieval-url", default=search_r1.DEFAULT_URL,
+                   help="the retrieval server's /retrieve URL in tool_config.yaml (tiller retrieval-server)")
     v = sub.add_parser("geo3k", help="Geometry3K (a local hiyouga/geometry3k copy) -> train/test parquet with images "
                                      "(verl's geo3k.py format)")
     v.add_argument("--src", required=True, help="dir of the dataset (data/train-*.parquet, data/test-*.parquet)")
@@ -58,6 +67,8 @@ def main(argv: list[str]) -> int:
     if args.dataset == "reasoning-gym":
         paths = reasoning_gym.convert(args.task, args.out, n_train=args.train, n_test=args.test, seed=args.seed,
                                       fmt=args.format)
+    elif args.dataset == "search-r1":
+        paths = search_r1.convert(args.src, args.out, max_rows=args.max_rows, retrieval_url=args.retrieval_url)
     elif args.dataset == "geo3k":
         paths = geo3k.convert(args.src, args.out, max_rows=args.max_rows)
     elif args.dataset == "gsm8k":

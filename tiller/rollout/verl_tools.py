@@ -31,12 +31,15 @@ the `tool_rewards` so far and a `metrics` dict; it has no `messages` (tiller's l
 
 `verl.tools.gsm8k_tool.Gsm8kTool` (verl <= 0.7's gsm8k multi-turn example, removed from verl in 2026-05) is
 tiller's `Gsm8kTool`: same schema, state, scoring (gsm8k `flexible`) and -0.05 penalty for an answer that does not
-improve the score, and it takes verl's `create_kwargs` (`ground_truth`).
+improve the score, and it takes verl's `create_kwargs` (`ground_truth`). `verl.tools.search_tool.SearchTool` (its
+Search-R1-like example, removed with it) is tiller's `SearchTool`, against any server with Search-R1's retrieval
+API (`tiller retrieval-server`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import types
@@ -289,6 +292,89 @@ class Gsm8kTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._instances.pop(instance_id, None)
+
+
+class SearchTool(BaseTool):
+    """verl's `verl.tools.search_tool.SearchTool` (its Search-R1-like example; removed from verl in 2026-05): the
+    model's `query_list` goes to a retrieval server (`config.retrieval_service_url`, Search-R1's `/retrieve` API:
+    POST {"queries", "topk", "return_scores": true} -> {"result": [[{"document": {"contents": "title\\ntext"},
+    "score"}, ...], ...]}, e.g. `tiller retrieval-server`), and the reply is verl's text: JSON {"result": "Doc 1
+    (Title: ...)\\n...\\n---\\n..."}, one block of `topk` passages per query. Tool reward 0.0, as verl.
+
+    config as verl's: `retrieval_service_url` (required), `topk` (3), `timeout` (30 s), `num_workers` (120) and
+    `rate_limit` (120, with `enable_global_rate_limit`: true): at most that many requests in flight (per process
+    here; verl's limit is one Ray actor for the cluster). Retries as verl: up to `max_retries` attempts (10; a tiller
+    key) on a 5xx reply, a connection error or a timeout, waiting 1, 2, ... s; another error ends at once. A failed
+    search is the reply `{"result": "Search error: ..."}`, not an exception (as verl)."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        super().__init__(config, tool_schema)
+        self.url = config.get("retrieval_service_url")
+        if not self.url:
+            raise ValueError("config.retrieval_service_url is not set (the retrieval server's /retrieve URL)")
+        self.topk, self.timeout = int(config.get("topk", 3)), float(config.get("timeout", 30))
+        self.max_retries = int(config.get("max_retries", 10))
+        limit = int(config.get("num_workers", 120))
+        if config.get("enable_global_rate_limit", True):
+            limit = min(limit, int(config.get("rate_limit", 120)))
+        if self.topk < 1 or self.max_retries < 1 or limit < 1:
+            raise ValueError(f"topk, max_retries, num_workers and rate_limit must be >= 1 (topk={self.topk}, "
+                             f"max_retries={self.max_retries}, concurrency {limit})")
+        self.limit = limit
+        self._client = self._semaphore = None  # made on the tool event loop, on first use
+
+    async def _post(self, queries: list[str]) -> tuple[dict | None, str | None]:
+        import httpx  # import cost: the HTTP client, only when a search runs
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout)
+            self._semaphore = asyncio.Semaphore(self.limit)
+        payload = {"queries": queries, "topk": self.topk, "return_scores": True}
+        error = None
+        for attempt in range(self.max_retries):
+            retry = True
+            try:
+                async with self._semaphore:
+                    response = await self._client.post(self.url, json=payload)
+                if response.status_code in (500, 502, 503, 504):
+                    error = f"Server Error ({response.status_code}) on attempt {attempt + 1}/{self.max_retries}"
+                else:
+                    response.raise_for_status()
+                    return response.json(), None
+            except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError) as err:
+                error = f"{type(err).__name__}: {err}"
+            except (httpx.HTTPError, ValueError) as err:  # another HTTP status, a body that is not JSON
+                error, retry = f"{type(err).__name__}: {err}", False
+            if not retry:
+                break
+            if attempt < self.max_retries - 1:
+                await asyncio.sleep(attempt + 1)
+        return None, f"API Call Failed: {error}"
+
+    @staticmethod
+    def passages(results: list) -> str:
+        """verl's `_passages2string`: `Doc i (Title: <first line>)\\n<the rest>` per passage."""
+        blocks = []
+        for i, item in enumerate(results):
+            lines = item["document"]["contents"].split("\n")
+            blocks.append(f"Doc {i + 1} (Title: {lines[0]})\n" + "\n".join(lines[1:]) + "\n\n")
+        return "".join(blocks).strip()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        queries = parameters.get("query_list")
+        if not queries or not isinstance(queries, list):
+            message = "Error: 'query_list' is missing, empty, or not a list in parameters."
+            return ToolResponse(text=json.dumps({"result": message})), 0.0, {}
+        response, error = await self._post([str(q) for q in queries])
+        if error:
+            text = f"Search error: {error}"
+        else:
+            try:
+                results = response.get("result", [])
+                text = "\n---\n".join(self.passages(r) for r in results) if results else "No search results found."
+            except (AttributeError, KeyError, TypeError) as err:
+                text = f"Error processing search results: {err}"
+        return ToolResponse(text=json.dumps({"result": text}, ensure_ascii=False)), 0.0, {}
 
 
 def stand_in_modules() -> dict[str, types.ModuleType]:
