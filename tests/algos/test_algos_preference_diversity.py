@@ -43,11 +43,16 @@ def test_dpo_worked_numbers():
     # cDPO eps 0.1: 0.9 * softplus(-0.2) + 0.1 * softplus(0.2) = 0.538325 + 0.079814 = 0.618139
     loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, label_smoothing=0.1)
     assert loss.item() == pytest.approx(0.618139, abs=1e-6)
-    # IPO: (h - 1 / (2 beta))^2 = (2 - 5)^2 = 9
-    loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, loss_type="ipo")
+    # IPO: (h - 1 / (2 beta))^2 = (2 - 5)^2 = 9 (length 1); lengths 2 and 4: h' = 1/2 - (-1)/4 = 0.75 -> 18.0625
+    one = torch.ones(1)
+    loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, loss_type="ipo", chosen_lengths=one,
+                          rejected_lengths=one)
     assert loss.item() == pytest.approx(9.0)
-    with pytest.raises(ConfigError, match="sigmoid, ipo, hinge, robust"):
-        dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), beta=0.1, loss_type="sppo_hard")
+    loss, _, _ = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.1, loss_type="ipo", chosen_lengths=2 * one,
+                          rejected_lengths=4 * one)
+    assert loss.item() == pytest.approx((0.75 - 5) ** 2)
+    with pytest.raises(ConfigError, match="sigmoid, hinge, ipo, exo_pair"):
+        dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), beta=0.1, loss_type="sppo")
 
 
 def test_dpo_gradient_direction_and_extremes():
@@ -157,3 +162,38 @@ def test_group_ids_forms():
     assert g == 2 and Counter(ids.tolist()) == Counter({1: 2, 0: 1})
     with pytest.raises(DataError, match="1-D"):
         group_ids(np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("loss_type,kw,want", [
+    # r_c = pi_c - ref_c = 1, r_r = -1, d = r_c - r_r = 2, beta 0.5 (TRL 1.16's formulas, by hand)
+    ("nca_pair", {}, softplus(-0.5) + 0.5 * softplus(0.5) + 0.5 * softplus(-0.5)),  # 1.198154
+    ("bco_pair", {}, 2 * softplus(-0.5)),  # -log s(beta r_c) - log s(-beta r_r) = 0.948154
+    ("sppo_hard", {}, 0.0),  # (r_c - 1/(2 beta))^2 + (r_r + 1/(2 beta))^2 = 0 + 0
+    ("apo_zero", {}, 1 - 1 / (1 + math.exp(-0.5)) + 1 / (1 + math.exp(0.5))),  # 0.755081
+    ("apo_down", {}, 1 / (1 + math.exp(-0.5)) + 1 - 1 / (1 + math.exp(-1.0))),  # 0.891401
+    ("discopop", {"discopop_tau": 0.05}, 0.367879),  # sigma(1 / 0.05) ~ 1: exp(-beta d) = e^-1
+    ("exo_pair", {"label_smoothing": 1e-3}, 1.276310),  # KL(sigma(+-1) || (0.999, 0.001))
+    ("sigmoid", {"f_divergence": "forward_kl"}, 0.269078),  # s = 1 - 1/t: d = (1 - e^-1) - (1 - e) = 2.350402
+    ("hinge", {"f_divergence": "js_divergence"}, 0.5),  # s = log 2 + log s(r): d = 1.0, relu(1 - 0.5)
+    ("sigmoid_norm", {}, softplus(-0.375)),  # lengths 2 and 4: d' = 1/2 + 1/4 = 0.75
+])
+def test_trls_other_dpo_losses_worked_numbers(loss_type, kw, want):
+    lengths = dict(chosen_lengths=torch.tensor([2.0]), rejected_lengths=torch.tensor([4.0]))
+    loss, cr, rr = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5, loss_type=loss_type, **lengths, **kw)
+    assert loss.item() == pytest.approx(want, abs=2e-6)
+    assert (cr.item(), rr.item()) == pytest.approx((0.5, -0.5))
+
+
+def test_aot_sorts_the_batch_and_f_divergences_are_limited_to_trls_losses():
+    pc, pr, rc, rr = t(-1.0, -4.0), t(-3.0, -1.0), t(-2.0, -2.0), t(-2.0, -2.0)
+    # one pair: aot is sigmoid-with-eps on its own margin
+    one, _, _ = dpo_loss(pc[:1], pr[:1], rc[:1], rr[:1], beta=0.5, loss_type="aot", label_smoothing=0.1)
+    sig, _, _ = dpo_loss(pc[:1], pr[:1], rc[:1], rr[:1], beta=0.5, label_smoothing=0.1)
+    assert one.item() == pytest.approx(sig.item())
+    # two pairs: the sorted policy margins (-3, 2) against the sorted reference margins (0, 0), not pairwise
+    two, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="aot")
+    assert two.tolist() == pytest.approx([softplus(1.5), softplus(-1.0)])
+    with pytest.raises(ConfigError, match="applies to sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop"):
+        dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="bco_pair", f_divergence="js_divergence")
+    with pytest.raises(ConfigError, match="exo_pair' needs label_smoothing > 0"):
+        dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="exo_pair")

@@ -61,6 +61,47 @@ def test_dpo_job_equals_hand_computed_loss(tmp_path, tok_model, loss, eps):
     assert got == pytest.approx(want / 3, rel=1e-5)
 
 
+def test_weighted_losses_with_sft_and_ld_dpo_equal_hand_computation(tmp_path, tok_model, tiny_model_dir):
+    """MPO-style [sigmoid, bco_pair, sft] weighted, on LD-DPO log-probs (tokens past the pair's shorter completion
+    weighted by ld_alpha), against a reference model (not precomputed sums: LD-DPO needs its per-token log-probs)."""
+    tok, model = tok_model
+    ref = load_causal_lm(tiny_model_dir).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.9)
+    cfg = DPOConfig()
+    pairs = load_preference_examples([write_jsonl(tmp_path / "p.jsonl", ROWS)], cfg.data, tok, "paired")
+    beta, alpha, weights = 0.5, 0.3, (0.8, 0.2, 1.0)
+    job = DPOJob(Reference(model=ref), tok.pad_token_id, micro_batch_size=3, loss=["sigmoid", "bco_pair", "sft"],
+                 beta=beta, loss_weights=list(weights), ld_alpha=alpha)
+    (micro,) = job.micro_batches(pairs)
+    got = job.loss(model, micro, 3.0)[0].item()
+
+    def token_logps(m, prompt, completion):
+        p_text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+        p_ids = tok(p_text, add_special_tokens=False)["input_ids"]
+        c_ids = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            logp = torch.log_softmax(m(torch.tensor([p_ids + c_ids])).logits[0].double(), -1)
+        return [logp[len(p_ids) + j - 1, t].item() for j, t in enumerate(c_ids)]
+
+    want, nll, n_tokens = 0.0, 0.0, 0
+    for r in ROWS:
+        lp = {(who, k): token_logps(m, r["prompt"], r[k]) for who, m in (("pi", model), ("ref", ref))
+              for k in ("chosen", "rejected")}
+        shared = min(len(lp["pi", "chosen"]), len(lp["pi", "rejected"]))
+        ld = {key: sum(v[:shared]) + alpha * sum(v[shared:]) for key, v in lp.items()}
+        r_c, r_r = ld["pi", "chosen"] - ld["ref", "chosen"], ld["pi", "rejected"] - ld["ref", "rejected"]
+        sigmoid = -math.log(_sig(beta * (r_c - r_r)))
+        bco = -math.log(_sig(beta * r_c)) - math.log(_sig(-beta * r_r))
+        want += weights[0] * sigmoid + weights[1] * bco
+        nll -= sum(lp["pi", "chosen"])
+        n_tokens += len(lp["pi", "chosen"])
+    want = want / 3 + weights[2] * nll / n_tokens  # sft: the micro-batch's chosen-token mean NLL
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_kto_job_equals_hand_computed_loss(tmp_path, tok_model):
     tok, model = tok_model
     from tiller.models.tiny import build_model
@@ -151,3 +192,15 @@ def test_dpo_config_errors():
         load_config(base + ["algorithm.loss=ipoo"], schema=DPOConfig, validate=validate_job)
     with pytest.raises(ConfigError, match="both data.ref_chosen_logps_key"):
         load_config(base + ["data.ref_chosen_logps_key=rc"], schema=DPOConfig, validate=validate_job)
+    for keys, needle in [(["algorithm.loss=[sigmoid,bco_pair]", "algorithm.loss_weights=[1.0]"],
+                          r"loss_weights=\[1.0\]: one weight >= 0 per loss"),
+                         (["algorithm.loss=[sigmoid,sppo]"], "did you mean 'sppo_hard'"),
+                         (["algorithm.loss=exo_pair"], "exo_pair needs algorithm.label_smoothing > 0"),
+                         (["algorithm.loss=bco_pair", "algorithm.f_divergence=js_divergence"],
+                          "f_divergence=js_divergence: only for"),
+                         (["algorithm.loss=aot", "algorithm.use_weighting=true"], "use_weighting .WPO. with aot"),
+                         (["algorithm.ld_alpha=0.5", "data.ref_chosen_logps_key=rc", "data.ref_rejected_logps_key=rr"],
+                          "ld_alpha needs the reference's per-token log-probs"),
+                         (["algorithm.loss=hinge", "algorithm.label_smoothing=0.1"], "label_smoothing applies to")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(base + keys, schema=DPOConfig, validate=validate_job)

@@ -144,11 +144,15 @@ def test_dpo_keys_reference_lora_and_refusals(tiny_model_dir, tmp_path):
     assert make(ref=ref).tiller_keys()["model.ref_path"] == str(tmp_path / "k" / "input_ref_model")
     lora = make(peft=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).tiller_keys()
     assert (lora["model.lora_rank"], lora["model.lora_alpha"]) == (4, 8) and "model.ref_path" not in lora
-    for kw, needle in [(dict(loss_type=["sigmoid", "sft"]), "loss_type=\\['sigmoid', 'sft'\\]: refused"),
+    keys = make(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], f_divergence_type="js_divergence",
+                use_weighting=True, ld_alpha=0.5, discopop_tau=0.1).tiller_keys()
+    assert keys["algorithm.loss"] == ["sigmoid", "bco_pair", "sft"] and keys["algorithm.loss_weights"] == [0.8, 0.2, 1.0]
+    assert (keys["algorithm.f_divergence"], keys["algorithm.use_weighting"], keys["algorithm.ld_alpha"],
+            keys["algorithm.discopop_tau"]) == ("js_divergence", True, 0.5, 0.1)
+    for kw, needle in [(dict(loss_type=["sigmoid", "sppo"]), "loss_type=\\['sigmoid', 'sppo'\\]: refused"),
+                       (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "loss_weights=\\[1.0\\]: refused"),
                        (dict(label_smoothing=0.1), "label_smoothing=0.1: refused: TRL 1.16 reads it for robust"),
-                       (dict(f_divergence_type="js_divergence"), "f_divergence_type='js_divergence': refused"),
-                       (dict(sync_ref_model=True), "sync_ref_model=True: refused"),
-                       (dict(use_weighting=True), "use_weighting=True: refused")]:
+                       (dict(sync_ref_model=True), "sync_ref_model=True: refused")]:
         with pytest.raises(ConfigError, match=needle):
             make(**kw).tiller_keys()
     with pytest.raises(ConfigError, match="ref_model: a int"):

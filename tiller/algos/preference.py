@@ -9,8 +9,9 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
   `hinge` (SLiC, Zhao et al. 2023, arXiv 2305.10425): max(0, 1 - beta h).
   `robust` (Chowdhury et al. 2024, arXiv 2403.00409, eq. 7): the unbiased loss under label noise eps,
   (-(1 - eps) log sigma(beta h) + eps log sigma(-beta h)) / (1 - 2 eps).
-  `ipo` (Azar et al. 2023, arXiv 2310.12036): (h - 1 / (2 beta))^2. TRL feeds IPO length-averaged
-  log-probs; pass those if you want TRL's behaviour (the function does not know the lengths).
+  `ipo` (Azar et al. 2023, arXiv 2310.12036): (h' - 1 / (2 beta))^2 on h' of length-averaged log-ratios (as TRL:
+  give the completion lengths). `dpo_loss` has TRL 1.16's other pair losses too (EXO, NCA, BCO-pair, SPPO-hard,
+  AOT, APO, DiscoPOP, sigmoid_norm) and its f-divergences.
   Implicit rewards: beta (pi - ref), detached.
 - KTO (Ethayarajh et al. 2024, arXiv 2402.01306), with z = clamp(kl_baseline, min=0) detached and
   r = pi - ref: desirable: w_d (1 - sigma(beta (r - z))), undesirable: w_u (1 - sigma(beta (z - r))).
@@ -26,13 +27,39 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from tiller.errors import ConfigError
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# the losses TRL 1.16 lets take an f-divergence (the reparameterised log Z cancels only in chosen - rejected; its
+# "sft" also, which is no dpo_loss here)
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop")
 RM_LOSS_KINDS = ("sigmoid", "logexp")
+
+
+def f_divergence_scores(logratios: torch.Tensor, kind: str = "reverse_kl", alpha: float = 0.5) -> torch.Tensor:
+    """f-DPO (Wang et al. 2023, arXiv 2309.16240): the score f'(pi / ref) that replaces log(pi / ref), as TRL 1.16:
+    reverse_kl: log t; forward_kl: 1 - 1/t; js_divergence: log 2 + log sigma(log t); alpha_divergence:
+    (t^(alpha-1) - 1) / (alpha - 1) (log t at alpha = 1; the exponent clamped at 80, 11 in fp16)."""
+    if kind == "reverse_kl":
+        return logratios
+    if kind == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if kind == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if kind == "alpha_divergence":
+        if abs(alpha - 1.0) < 1e-6:
+            return logratios
+        t = (alpha - 1.0) * logratios
+        clamp_max = 11.0 if t.dtype == torch.float16 else 80.0
+        return (torch.exp(torch.clamp(t.float(), max=clamp_max)) - 1.0).to(t.dtype) / (alpha - 1.0)
+    raise ConfigError(f"f_divergence: unknown {kind!r}; valid: {', '.join(F_DIVERGENCES)}")
 
 
 def dpo_loss(
@@ -43,25 +70,83 @@ def dpo_loss(
     beta: float,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
+    *,
+    f_divergence: str = "reverse_kl",
+    f_alpha: float = 0.5,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    discopop_tau: float = 0.05,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO / cDPO / IPO / hinge / robust per example: all inputs [B] -> (loss [B], chosen_rewards [B],
-    rejected_rewards [B])."""
+    """One DPO-family loss per example: all inputs [B] -> (loss [B], chosen_rewards [B], rejected_rewards [B]).
+
+    The formulas are TRL 1.16's (`DPOTrainer._compute_loss`), with r_c = log pi(y_c) - log ref(y_c), r_r likewise,
+    s = f'(exp r) (`f_divergence_scores`; reverse_kl: s = r) and d = s_c - s_r:
+    sigmoid: -(1-eps) log sigma(beta d) - eps log sigma(-beta d) (eps > 0: cDPO; TRL's sigmoid has eps = 0);
+    hinge: relu(1 - beta d); ipo: (d' - 1/(2 beta))^2 and sigmoid_norm: -log sigma(beta d') with d' the
+    length-averaged scores (`chosen_lengths` / `rejected_lengths`: completion tokens); robust: (-(1-eps) log
+    sigma(beta d) + eps log sigma(-beta d)) / (1 - 2 eps); exo_pair (EXO, eps > 0): KL of sigma(+-beta d) to
+    (1-eps, eps); nca_pair: -log sigma(beta r_c) - (log sigma(-beta r_c) + log sigma(-beta r_r)) / 2; bco_pair:
+    -log sigma(beta r_c) - log sigma(-beta r_r); sppo_hard: (r_c - 1/(2 beta))^2 + (r_r + 1/(2 beta))^2; aot /
+    aot_unpaired: sigmoid-with-eps on the batch's sorted log-ratio margins (pi_c - pi_r minus ref_c - ref_r, each
+    sorted; unpaired: sorted r_c minus sorted r_r), so a row's loss depends on its batch; apo_zero:
+    1 - sigma(beta r_c) + sigma(beta r_r); apo_down: sigma(beta r_c) + 1 - sigma(beta (r_c - r_r)); discopop:
+    log-sigmoid and exp(-beta d) blended by sigma(beta d / tau). Only the losses TRL allows take an f-divergence
+    (`F_DIVERGENCE_LOSSES`). Rewards: beta r, detached.
+    """
     if loss_type not in DPO_LOSS_TYPES:
         raise ConfigError(f"loss_type: unknown DPO loss {loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ConfigError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    h = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    if f_divergence != "reverse_kl" and loss_type not in F_DIVERGENCE_LOSSES:
+        raise ConfigError(f"f_divergence={f_divergence!r} applies to {', '.join(F_DIVERGENCE_LOSSES)} only, not "
+                          f"{loss_type!r}")
+    eps = label_smoothing
+    r_c = policy_chosen_logps - ref_chosen_logps
+    r_r = policy_rejected_logps - ref_rejected_logps
+    s_c, s_r = f_divergence_scores(r_c, f_divergence, f_alpha), f_divergence_scores(r_r, f_divergence, f_alpha)
+    d = s_c - s_r
+    if loss_type in ("ipo", "sigmoid_norm"):
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"loss_type={loss_type!r} needs chosen_lengths and rejected_lengths")
+        d = s_c / chosen_lengths.clamp(min=1) - s_r / rejected_lengths.clamp(min=1)
     if loss_type == "sigmoid":
-        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+        loss = -(1 - eps) * F.logsigmoid(beta * d) - eps * F.logsigmoid(-beta * d)
     elif loss_type == "hinge":
-        loss = torch.relu(1 - beta * h)
+        loss = torch.relu(1 - beta * d)
+    elif loss_type == "ipo":
+        loss = (d - 1.0 / (2.0 * beta)) ** 2
+    elif loss_type == "sigmoid_norm":
+        loss = -F.logsigmoid(beta * d)
     elif loss_type == "robust":
-        eps = label_smoothing
-        loss = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
-    else:
-        loss = (h - 1.0 / (2.0 * beta)) ** 2
-    chosen_rewards = (beta * (policy_chosen_logps - ref_chosen_logps)).detach()
-    rejected_rewards = (beta * (policy_rejected_logps - ref_rejected_logps)).detach()
+        loss = (-(1 - eps) * F.logsigmoid(beta * d) + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
+    elif loss_type == "exo_pair":
+        if eps <= 0:
+            raise ConfigError("loss_type='exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+        loss = (torch.sigmoid(beta * d) * (F.logsigmoid(beta * d) - math.log1p(-eps))
+                + torch.sigmoid(-beta * d) * (F.logsigmoid(-beta * d) - math.log(eps)))
+    elif loss_type == "nca_pair":
+        loss = -F.logsigmoid(beta * r_c) - 0.5 * F.logsigmoid(-beta * r_c) - 0.5 * F.logsigmoid(-beta * r_r)
+    elif loss_type == "bco_pair":
+        loss = -F.logsigmoid(beta * r_c) - F.logsigmoid(-beta * r_r)
+    elif loss_type == "sppo_hard":
+        loss = (r_c - 0.5 / beta) ** 2 + (r_r + 0.5 / beta) ** 2
+    elif loss_type in ("aot", "aot_unpaired"):
+        if loss_type == "aot":
+            delta = (torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0).values
+                     - torch.sort(ref_chosen_logps - ref_rejected_logps, dim=0).values)
+        else:
+            delta = torch.sort(r_c, dim=0).values - torch.sort(r_r, dim=0).values
+        loss = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
+    elif loss_type == "apo_zero":
+        loss = 1 - torch.sigmoid(beta * r_c) + torch.sigmoid(beta * r_r)
+    elif loss_type == "apo_down":
+        loss = torch.sigmoid(beta * r_c) + 1 - torch.sigmoid(beta * (r_c - r_r))
+    else:  # discopop
+        logits = beta * d
+        mix = torch.sigmoid(logits / discopop_tau)
+        loss = -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
+    chosen_rewards = (beta * r_c).detach()
+    rejected_rewards = (beta * r_r).detach()
     return loss, chosen_rewards, rejected_rewards
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tiller.algos.preference import DPO_LOSS_TYPES, F_DIVERGENCE_LOSSES, F_DIVERGENCES
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.errors import ConfigError
@@ -297,13 +298,36 @@ class RMAlgoConfig:
 
 @dataclass
 class DPOAlgoConfig:
-    loss: str = "dpo"
+    loss: Any = "dpo"
     """dpo | ipo | cdpo (conservative DPO: dpo with label smoothing) | hinge (SLiC) | robust (robust DPO: unbiased
-    under label noise algorithm.label_smoothing)."""
+    under label noise algorithm.label_smoothing), or one of TRL 1.16's other DPO losses: exo_pair, nca_pair,
+    bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm, sft (the chosen completions'
+    NLL), and TRL's `sigmoid` (dpo without label smoothing, as TRL's); a list of them is their weighted sum
+    (algorithm.loss_weights; TRL's MPO: [sigmoid, bco_pair, sft])."""
+    loss_weights: Optional[list] = None
+    """One weight per loss of a list (default 1.0 each)."""
     beta: float = 0.1
     """Inverse temperature beta (IPO: the regularisation tau)."""
     label_smoothing: float = 0.0
-    """cDPO / robust: probability that a label is flipped (must be > 0 for cdpo, 0 for ipo and hinge)."""
+    """cDPO / robust / exo_pair / aot: probability that a label is flipped (must be > 0 for cdpo and exo_pair)."""
+    f_divergence: str = "reverse_kl"
+    """f-DPO's divergence (TRL's f_divergence_type): reverse_kl (standard) | forward_kl | js_divergence |
+    alpha_divergence; only for dpo / cdpo / sigmoid_norm / hinge / ipo / exo_pair / robust / discopop / sft."""
+    f_alpha_divergence_coef: float = 0.5
+    """alpha of alpha_divergence."""
+    discopop_tau: float = 0.05
+    """DiscoPOP's temperature of the logistic / exponential blend."""
+    ld_alpha: Optional[float] = None
+    """LD-DPO (Liu et al. 2024): the log-probs of tokens past the shorter completion of a pair weighted by ld_alpha
+    in [0, 1] (null: off)."""
+    use_weighting: bool = False
+    """WPO (Zhou et al. 2024): each pair's loss weighted by the product of its completions' length-normalised,
+    distribution-aligned probabilities (detached), as TRL's use_weighting."""
+
+
+def dpo_loss_names(loss: Any) -> list[str]:
+    """algorithm.loss of `tiller dpo` as a list of names (a name, a list, or OmegaConf's ListConfig)."""
+    return [loss] if isinstance(loss, str) else [str(n) for n in loss]
 
 
 @dataclass
@@ -454,14 +478,41 @@ def validate_job(cfg: Any) -> None:
 
 def _validate_dpo(cfg: DPOConfig) -> None:
     algo = cfg.algorithm
-    _choice("algorithm.loss", algo.loss, ("dpo", "ipo", "cdpo", "hinge", "robust"))
+    names = dpo_loss_names(algo.loss)
+    valid = ("dpo", "cdpo", *DPO_LOSS_TYPES, "sft")
+    for name in names:
+        _choice("algorithm.loss", name, valid)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"algorithm.loss={names}: a loss named twice")
+    if algo.loss_weights is not None and (len(algo.loss_weights) != len(names)
+                                          or any(float(w) < 0 for w in algo.loss_weights)):
+        raise ConfigError(f"algorithm.loss_weights={list(algo.loss_weights)}: one weight >= 0 per loss of "
+                          f"algorithm.loss={names}")
     _positive("algorithm.beta", algo.beta)
     if not 0 <= algo.label_smoothing < 0.5:
         raise ConfigError(f"algorithm.label_smoothing must be in [0, 0.5), got {algo.label_smoothing}")
-    if algo.loss == "cdpo" and algo.label_smoothing == 0:
+    if "cdpo" in names and algo.label_smoothing == 0:
         raise ConfigError("algorithm.loss=cdpo needs algorithm.label_smoothing > 0 (e.g. 0.1)")
-    if algo.loss in ("ipo", "hinge") and algo.label_smoothing != 0:
-        raise ConfigError(f"algorithm.label_smoothing applies to dpo / cdpo / robust, not {algo.loss}")
+    if "exo_pair" in names and algo.label_smoothing == 0:
+        raise ConfigError("algorithm.loss=exo_pair needs algorithm.label_smoothing > 0 (the EXO paper uses 1e-3)")
+    smoothed = {"dpo", "cdpo", "robust", "exo_pair", "aot", "aot_unpaired"}
+    if algo.label_smoothing != 0 and not set(names) & smoothed:
+        raise ConfigError(f"algorithm.label_smoothing applies to {', '.join(sorted(smoothed))}, not {names}")
+    _choice("algorithm.f_divergence", algo.f_divergence, F_DIVERGENCES)
+    allowed = {"dpo", "cdpo", "sft", *F_DIVERGENCE_LOSSES}
+    if algo.f_divergence != "reverse_kl" and not set(names) <= allowed:
+        raise ConfigError(f"algorithm.f_divergence={algo.f_divergence}: only for {', '.join(sorted(allowed))} (the "
+                          f"reparameterised log Z cancels only in their chosen - rejected difference), not {names}")
+    _positive("algorithm.discopop_tau", algo.discopop_tau)
+    if algo.ld_alpha is not None and not 0 <= algo.ld_alpha <= 1:
+        raise ConfigError(f"algorithm.ld_alpha must be in [0, 1] or null, got {algo.ld_alpha}")
+    if algo.use_weighting and set(names) & {"aot", "aot_unpaired"}:
+        raise ConfigError("algorithm.use_weighting (WPO) with aot / aot_unpaired: those losses sort the pairs, so "
+                          "per-pair weights would not line up")
+    precomputed = cfg.data.ref_chosen_logps_key is not None
+    if precomputed and algo.ld_alpha is not None:
+        raise ConfigError("algorithm.ld_alpha needs the reference's per-token log-probs: not with "
+                          "data.ref_chosen_logps_key (precomputed sums)")
     keys = (cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key)
     if (keys[0] is None) != (keys[1] is None):
         raise ConfigError("set both data.ref_chosen_logps_key and data.ref_rejected_logps_key, or neither")

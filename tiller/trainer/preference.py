@@ -6,8 +6,13 @@ Sequence log-probabilities: log pi(y | x) = sum over completion tokens of log pi
 DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r)):
   dpo:  -log sigma(beta h);  cdpo (Mitchell 2023): -(1-eps) log sigma(beta h) - eps log sigma(-beta h);
   ipo (Azar et al. 2023, arXiv 2310.12036): (h - 1/(2 beta))^2 on LENGTH-AVERAGED log-probs (as TRL);
-  hinge (SLiC): max(0, 1 - beta h); robust (Chowdhury 2024): cDPO's terms made unbiased, divided by 1 - 2 eps.
-The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs.
+  hinge (SLiC): max(0, 1 - beta h); robust (Chowdhury 2024): cDPO's terms made unbiased, divided by 1 - 2 eps;
+  TRL 1.16's others by its names (exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
+  discopop, sigmoid_norm, and sft: the chosen completions' token-mean NLL over the micro-batch, as TRL), a list of
+  them weighted (algorithm.loss_weights; e.g. MPO), f-DPO's divergences (algorithm.f_divergence), LD-DPO
+  (algorithm.ld_alpha) and WPO weighting (algorithm.use_weighting). aot / aot_unpaired sort the micro-batch's pairs
+  and sft averages over its tokens: as TRL per device batch, those depend on data.micro_batch_size_per_gpu.
+The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs (a weighted sum of the losses).
 
 KTO (Ethayarajh et al. 2024, arXiv 2402.01306), r = log pi(y|x) - log ref(y|x):
   desirable: w_D (1 - sigma(beta (r - z0))), undesirable: w_U (1 - sigma(beta (z0 - r))),
@@ -36,7 +41,7 @@ from typing import Sequence
 import torch
 
 from tiller.algos import dpo_loss, kto_loss, logprobs_from_logits
-from tiller.config.jobs import DPOConfig, KTOConfig
+from tiller.config.jobs import dpo_loss_names, DPOConfig, KTOConfig
 from tiller.data.packing import collate_padded, forward_logits
 from tiller.data.preference import PairExample, UnpairedExample, load_preference_examples, make_sequence
 from tiller.data.sft import IGNORE
@@ -47,13 +52,21 @@ from tiller.trainer.loop import resolve_device, run_training
 from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
 
-def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of completion-token log-probs [R], completion-token count [R]) of a padded batch."""
-    logits = forward_logits(model, batch)
+def token_logps(model, batch: dict[str, torch.Tensor], log_sum_sq: bool = False):
+    """(completion-token log-probs [R, T] (0 elsewhere), completion mask [R, T], and with `log_sum_sq` the per-position
+    log sum_v p_v^2 [R, T] (WPO's alignment term; else None)) of a padded batch."""
+    logits = forward_logits(model, batch).float()
     labels = batch["labels"]
     mask = labels != IGNORE
-    logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))
-    return torch.where(mask, logp, torch.zeros_like(logp)).sum(-1), mask.sum(-1)
+    logp = logprobs_from_logits(logits, labels.clamp(min=0))
+    sq = torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1) if log_sum_sq else None
+    return torch.where(mask, logp, torch.zeros_like(logp)), mask, sq
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of completion-token log-probs [R], completion-token count [R]) of a padded batch."""
+    logp, mask, _ = token_logps(model, batch)
+    return logp.sum(-1), mask.sum(-1)
 
 
 class Reference:
@@ -63,11 +76,15 @@ class Reference:
         self.model, self.policy = model, policy
 
     @torch.no_grad()
-    def logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logps(self, batch: dict[str, torch.Tensor]):
         if self.model is not None:
-            return sequence_logps(self.model, batch)
+            return token_logps(self.model, batch)
         with self.policy.disable_adapter():
-            return sequence_logps(self.policy, batch)
+            return token_logps(self.policy, batch)
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logp, mask, _ = self.token_logps(batch)
+        return logp.sum(-1), mask.sum(-1)
 
 
 def build_reference(cfg, policy: torch.nn.Module, device: torch.device) -> Reference:
@@ -86,13 +103,18 @@ def build_reference(cfg, policy: torch.nn.Module, device: torch.device) -> Refer
 
 
 class DPOJob:
-    """DPO / IPO / cDPO (see the module docstring)."""
+    """DPO and TRL's other pair losses (see the module docstring)."""
 
-    def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss: str = "dpo",
-                 beta: float = 0.1, label_smoothing: float = 0.0):
+    def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss="dpo",
+                 beta: float = 0.1, label_smoothing: float = 0.0, loss_weights=None, f_divergence: str = "reverse_kl",
+                 f_alpha: float = 0.5, discopop_tau: float = 0.05, ld_alpha: float | None = None,
+                 use_weighting: bool = False):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
-        self.loss_type = {"dpo": "sigmoid", "cdpo": "sigmoid"}.get(loss, loss)  # ipo, hinge, robust
+        self.losses = dpo_loss_names(loss)  # (dpo / cdpo: sigmoid with label smoothing; TRL's sigmoid: without)
+        self.weights = [float(w) for w in loss_weights] if loss_weights is not None else [1.0] * len(self.losses)
         self.beta, self.label_smoothing = beta, label_smoothing
+        self.f_divergence, self.f_alpha, self.discopop_tau = f_divergence, f_alpha, discopop_tau
+        self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
         out = []
@@ -111,21 +133,46 @@ class DPOJob:
     def prepare_step(self, model, micro_batches) -> None:
         return None
 
+    def _sums(self, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per-row log-prob sums; with LD-DPO, tokens past the shorter completion of the pair weighted by ld_alpha."""
+        if self.ld_alpha is None:
+            return logp.sum(-1)
+        pos = mask.long().cumsum(-1)
+        shared = torch.minimum(*mask.sum(-1).chunk(2)).repeat(2).unsqueeze(1)
+        return (logp * (pos <= shared)).sum(-1) + self.ld_alpha * (logp * (pos > shared)).sum(-1)
+
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        logps, counts = sequence_logps(model, micro)
+        tok, mask, log_sq = token_logps(model, micro, log_sum_sq=self.use_weighting)
+        logps, counts = self._sums(tok, mask), mask.sum(-1)
         if "ref_logps" in micro:
             ref_logps = micro["ref_logps"]
         elif self.reference is None:
             raise ValueError("DPO needs a reference model or precomputed reference log-probs")
         else:
-            ref_logps, _ = self.reference.logps(micro)
-        if self.loss_type == "ipo":  # IPO on length-averaged log-probs, as TRL
-            logps, ref_logps = logps / counts.clamp(min=1), ref_logps / counts.clamp(min=1)
+            ref_tok, _, _ = self.reference.token_logps(micro)
+            ref_logps = self._sums(ref_tok, mask)
         pc, pr = logps.chunk(2)
         rc, rr = ref_logps.chunk(2)
-        losses, chosen_r, rejected_r = dpo_loss(pc, pr, rc, rr, self.beta, self.loss_type, self.label_smoothing)
+        lc, lr = counts.chunk(2)
+        weight = None
+        if self.use_weighting:  # WPO: exp(mean over the completion of log p - log sum_v p_v^2), detached, c x r
+            with torch.no_grad():
+                aligned = (((tok - log_sq) * mask).sum(-1) / counts.clamp(min=1)).exp()
+                weight = aligned.chunk(2)[0] * aligned.chunk(2)[1]
+        total = 0.0
+        for name, w in zip(self.losses, self.weights):
+            if name == "sft":  # the chosen completions' token-mean NLL over the micro-batch, as TRL
+                chosen_tok, chosen_mask = tok.chunk(2)[0], mask.chunk(2)[0]
+                per = -chosen_tok[chosen_mask].mean() * torch.ones_like(pc)
+            else:
+                eps = 0.0 if name == "sigmoid" else self.label_smoothing
+                per, _, _ = dpo_loss(pc, pr, rc, rr, self.beta, "sigmoid" if name in ("dpo", "cdpo") else name, eps,
+                                     f_divergence=self.f_divergence, f_alpha=self.f_alpha, chosen_lengths=lc,
+                                     rejected_lengths=lr, discopop_tau=self.discopop_tau)
+            total = total + w * (per * weight if weight is not None else per).sum()
+        chosen_r, rejected_r = (self.beta * (pc - rc)).detach(), (self.beta * (pr - rr)).detach()
         n = normalizer
-        return losses.sum() / n, {
+        return total / n, {
             "rewards/chosen": chosen_r.sum() / n,
             "rewards/rejected": rejected_r.sum() / n,
             "rewards/accuracies": (chosen_r > rejected_r).float().sum() / n,
@@ -232,7 +279,8 @@ def train_dpo(cfg: DPOConfig) -> dict[str, float]:
     reference = None if precomputed else build_reference(cfg, model, device)
     algo = cfg.algorithm
     job = DPOJob(reference, tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu, algo.loss, algo.beta,
-                 algo.label_smoothing)
+                 algo.label_smoothing, algo.loss_weights, algo.f_divergence, algo.f_alpha_divergence_coef,
+                 algo.discopop_tau, algo.ld_alpha, algo.use_weighting)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 

@@ -2,9 +2,11 @@
 
 Rows: `prompt` + `chosen` + `rejected` (standard strings or conversational), or only `chosen` / `rejected` (the
 implicit prompt is extracted as TRL does): `tiller.trl.preference.dpo_rows`. Losses (TRL 1.16's formulas, in
-`tiller.algos.dpo_loss`): sigmoid -> algorithm.loss=dpo, ipo (length-averaged log-probs, as TRL), hinge, robust
-(label_smoothing = the flip probability); other loss types, lists of several and f-divergences are refused. TRL's
-sigmoid ignores label_smoothing, so a non-zero one with sigmoid is refused rather than silently dropped.
+`tiller.algos.dpo_loss`): all of TRL 1.16's loss types (sigmoid -> algorithm.loss=dpo; ipo and sigmoid_norm on
+length-averaged scores; exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop,
+sft), lists of them with loss_weights (MPO), f-divergences, LD-DPO (ld_alpha) and WPO (use_weighting). TRL reads
+label_smoothing for robust / exo_pair / aot only, so a non-zero one without any of them is refused rather than
+silently dropped.
 Reference: `ref_model=None` is the starting policy (with peft_config: the base model, adapters disabled, as TRL);
 a path or a loaded model -> model.ref_path. Deviations: see `tiller.trl.sft` (tokenization at the prompt /
 completion boundary, the end of a conversational turn); a prompt that fills max_length is an error naming the row
@@ -22,26 +24,28 @@ from tiller.trl.jobs import JobTrainer, write_data
 from tiller.trl.preference import dpo_rows
 from tiller.trl.sft import COMMON_MODEL_RULES, truncation
 
-DPO_LOSSES = {"sigmoid": "dpo", "ipo": "ipo", "hinge": "hinge", "robust": "robust"}
+TRL_DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the losses TRL 1.16 reads label_smoothing for
 
 
 def _loss(value: Any, args: Any) -> dict:
     names = [value] if isinstance(value, str) else list(value)
+    unknown = [n for n in names if n not in TRL_DPO_LOSSES]
+    if unknown or not names:
+        raise refuse_value("loss_type", value, f"TRL 1.16's DPO losses are {', '.join(TRL_DPO_LOSSES)}")
     weights = args.loss_weights
-    if len(names) != 1 or names[0] not in DPO_LOSSES:
-        raise refuse_value("loss_type", value, f"one of {', '.join(DPO_LOSSES)} (tiller's DPO losses; "
-                           "combinations are not available)")
-    if weights is not None and list(weights) != [1.0]:
-        raise refuse_value("loss_weights", weights, "a single loss has weight 1 (scale learning_rate instead)")
-    loss = DPO_LOSSES[names[0]]
+    if weights is not None and len(weights) != len(names):
+        raise refuse_value("loss_weights", weights, f"one weight per loss of loss_type={names}")
     smoothing = float(args.label_smoothing)
-    if smoothing and loss in ("dpo", "ipo", "hinge"):
-        raise refuse_value("label_smoothing", smoothing, f"TRL 1.16 reads it for robust / exo_pair / aot losses only "
-                           f"(its {names[0]} ignores it); tiller's robust DPO takes it: loss_type='robust' (or "
-                           "`tiller dpo algorithm.loss=cdpo` for conservative DPO)")
-    if loss == "robust" and not 0 <= smoothing < 0.5:
-        raise refuse_value("label_smoothing", smoothing, "robust DPO takes a flip probability in [0, 0.5)")
-    return {"algorithm.loss": loss, "algorithm.label_smoothing": smoothing}
+    if smoothing and not set(names) & set(SMOOTHED):
+        raise refuse_value("label_smoothing", smoothing, f"TRL 1.16 reads it for {', '.join(SMOOTHED)} only (its "
+                           f"{', '.join(names)} ignores it); for conservative DPO use `tiller dpo algorithm.loss=cdpo`")
+    keys: dict[str, Any] = {"algorithm.loss": ("dpo" if names == ["sigmoid"] else names[0]) if len(names) == 1
+                            else names, "algorithm.label_smoothing": smoothing}
+    if weights is not None:
+        keys["algorithm.loss_weights"] = [float(w) for w in weights]
+    return keys
 
 
 _ONLY_WITH = "only read with {}, which is refused"
@@ -63,15 +67,18 @@ DPO_RULES = {
     **PREFERENCE_RULES,
     "truncation_mode": mapped("data.truncation: keep_start -> right, keep_end -> left", truncation),
     "padding_free": noop("tiller pads micro-batches: the loss is the same"),
-    "loss_type": mapped("algorithm.loss: sigmoid -> dpo | ipo | hinge | robust (one loss; others refused)", _loss),
-    "loss_weights": mapped("None or [1.0] (read with loss_type)", lambda v, a: {}),
-    "label_smoothing": mapped("algorithm.label_smoothing with loss_type='robust' (read with loss_type)",
-                              lambda v, a: {}),
-    "ld_alpha": refused("LD-DPO's length desensitisation is not available"),
-    "f_divergence_type": refused("tiller's DPO is the reverse-KL (standard) form only"),
-    "f_alpha_divergence_coef": noop(_ONLY_WITH.format("f_divergence_type='alpha_divergence'")),
-    "use_weighting": refused("WPO weighting is not available"),
-    "discopop_tau": noop(_ONLY_WITH.format("loss_type='discopop'")),
+    "loss_type": mapped("algorithm.loss: TRL 1.16's names (sigmoid alone -> dpo; a list -> their weighted sum)",
+                        _loss),
+    "loss_weights": mapped("algorithm.loss_weights (read with loss_type)", lambda v, a: {}),
+    "label_smoothing": mapped("algorithm.label_smoothing, for robust / exo_pair / aot / aot_unpaired (read with "
+                              "loss_type)", lambda v, a: {}),
+    "ld_alpha": mapped("algorithm.ld_alpha (LD-DPO)",
+                       lambda v, a: {} if v is None else {"algorithm.ld_alpha": float(v)}),
+    "f_divergence_type": mapped("algorithm.f_divergence", lambda v, a: {"algorithm.f_divergence": str(v)}),
+    "f_alpha_divergence_coef": mapped("algorithm.f_alpha_divergence_coef",
+                                      lambda v, a: {"algorithm.f_alpha_divergence_coef": float(v)}),
+    "use_weighting": mapped("algorithm.use_weighting (WPO)", lambda v, a: {"algorithm.use_weighting": bool(v)}),
+    "discopop_tau": mapped("algorithm.discopop_tau", lambda v, a: {"algorithm.discopop_tau": float(v)}),
 }
 
 DPO_RULES = {k: v for k, v in DPO_RULES.items() if k in FIELDS["DPOConfig"]}  # this class's fields only
