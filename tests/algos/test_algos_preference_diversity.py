@@ -197,3 +197,22 @@ def test_aot_sorts_the_batch_and_f_divergences_are_limited_to_trls_losses():
         dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="bco_pair", f_divergence="js_divergence")
     with pytest.raises(ConfigError, match="exo_pair' needs label_smoothing > 0"):
         dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="exo_pair")
+
+
+def test_token_masks_worked_numbers():
+    from tiller.algos.token_masks import high_entropy_mask, off_policy_sequence_mask
+
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.7, 0.2, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])  # the 9.0s are padding: never counted or kept
+    # valid entropies sorted: 0.1 0.2 0.3 0.5 0.7 0.9; the 0.5 quantile (top half) interpolates to 0.4
+    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    # top 0.2: the 0.8 quantile sits at position 0.8 * 5 = 4.0 of the 6 sorted values: 0.7; tokens >= 0.7
+    assert high_entropy_mask(entropy, mask, 0.2).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+    assert high_entropy_mask(entropy, torch.zeros_like(mask), 0.5).sum() == 0
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    behaviour = torch.tensor([[-0.5, -0.5], [-0.5, float("nan")], [-0.9, -0.9]])  # mean KL 0.5, 0.25 (NaN -> 0), 0.1
+    adv = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    keep = off_policy_sequence_mask(adv, logp, behaviour, torch.ones(3, 2), threshold=0.2)
+    assert keep.squeeze(-1).tolist() == [0.0, 0.0, 1.0]
+    keep = off_policy_sequence_mask(-adv, logp, behaviour, torch.ones(3, 2), threshold=0.2)  # positive: all kept
+    assert keep.squeeze(-1).tolist() == [1.0, 1.0, 1.0]

@@ -156,3 +156,71 @@ def test_grpo_step_equals_plain_torch_reference(tiny_model_dir, data_dir, tmp_pa
         torch.testing.assert_close(after[name], w, atol=1e-6, rtol=0, msg=lambda msg: f"weight {name}: {msg}")
     assert any(not torch.equal(after[k], v) for k, v in AutoModelForCausalLM.from_pretrained(
         tiny_model_dir).state_dict().items())  # the step changed the model
+
+
+def test_entropy_and_off_policy_masks_equal_the_reference(tiny_model_dir, data_dir, tmp_path):
+    """actor.top_entropy_quantile (the policy gradient on each micro-batch's high-entropy half of the tokens) and
+    actor.off_policy_mask_threshold (OPSM against the rollout's log-probs, which the test shifts by +0.5 on every
+    other row so that some negative-advantage rows are far off-policy): the gradients of the reference's masked
+    surrogate, TRL's definitions (torch.quantile over the micro-batch's valid tokens, >= kept; mean KL > threshold
+    with a negative advantage dropped)."""
+    from tiller.trainer.rl import RLTrainer
+
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{data_dir / 'train.parquet'}]",
+        f"custom_reward_function.path={data_dir / 'reward.py'}", "data.apply_chat_template=false",
+        "data.train_batch_size=4", "data.max_prompt_length=8", "data.max_response_length=5",
+        "algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={N}", f"actor_rollout_ref.rollout.temperature={TEMP}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        f"actor_rollout_ref.actor.optim.lr={LR}", "actor_rollout_ref.actor.grad_clip=0.5",
+        f"actor_rollout_ref.actor.optim.eps={EPS}", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.actor.top_entropy_quantile=0.5", "actor_rollout_ref.actor.off_policy_mask_threshold=0.1",
+        "actor_rollout_ref.actor.shuffle=false", "actor_rollout_ref.rollout.dtype=float32",
+        "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "trainer.resume_mode=disable", f"trainer.default_local_dir={tmp_path}",
+    ])
+    trainer = RLTrainer(cfg)
+    trainer.global_step = 1
+    calls, tiller_grads = _spy(trainer)
+    execute = trainer.actor.execute
+
+    def shift_behaviour(method, *args, **kw):  # rows 0, 2, 4, ...: the rollout log-probs 0.5 above the policy's
+        if method == "update_actor":
+            batch = args[0]
+            batch["rollout_log_probs"][::2] += 0.5 * batch["response_mask"][::2]
+        return execute(method, *args, **kw)
+
+    trainer.actor.execute = shift_behaviour
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    metrics = trainer.train_step()
+    trainer.shutdown()
+
+    upd = calls["update_actor"][0][0][0]
+    p, r, a, m = upd["prompts"], upd["responses"], upd["attention_mask"], upd["response_mask"].float()
+    adv, behaviour = upd["advantages"], upd["rollout_log_probs"]
+    ids = torch.cat([p, r], 1)
+    logits = ref(input_ids=ids, attention_mask=a, position_ids=(a.cumsum(-1) - 1).clamp(min=0)).logits.float() / TEMP
+    logits = logits[:, p.shape[1] - 1:-1]
+    logp = logits.log_softmax(-1).gather(-1, r.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).detach()
+    keep_tok = torch.zeros_like(m)
+    for s in (slice(i, i + 2) for i in range(0, len(m), 2)):  # per micro-batch of 2 rows: its top half by entropy
+        threshold = torch.quantile(entropy[s][m[s].bool()], 0.5)
+        keep_tok[s] = ((entropy[s] * m[s] >= threshold) & m[s].bool()).float()
+    mean_kl = ((behaviour - logp.detach()) * m).sum(-1) / m.sum(-1)
+    keep_row = ((adv.sum(-1) / m.sum(-1) >= 0) | (mean_kl <= 0.1)).float()
+    assert 0 < keep_tok.sum() < m.sum() and 0 < keep_row.sum() < len(keep_row), (keep_tok, keep_row, adv)
+    ratio = torch.exp(logp - logp.detach())  # on-policy: old = the weights that sampled
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
+    surrogate = torch.where(adv < 0, torch.minimum(surrogate, -adv * 3.0), surrogate)
+    loss = (surrogate * keep_tok * keep_row[:, None] * m).sum() / m.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    for name, param in ref.named_parameters():
+        scale = float(param.grad.abs().max()) + 1e-12
+        torch.testing.assert_close(tiller_grads[0][name] / scale, param.grad / scale, atol=5e-6, rtol=0,
+                                   msg=lambda msg: f"grad of {name}: {msg}")
+    assert metrics["actor/pg_loss"] == pytest.approx(float(loss), abs=1e-6)
+    assert metrics["actor/entropy_mask_frac"] == pytest.approx(float(keep_tok.sum() / m.sum()), abs=1e-6)
+    assert metrics["actor/opsm_dropped_frac"] == pytest.approx(float(((1 - keep_row[:, None]) * m).sum() / m.sum()),
+                                                               abs=1e-6)

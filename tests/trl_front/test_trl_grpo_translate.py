@@ -142,7 +142,6 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
 @pytest.mark.parametrize("field,value,match", [
     ("loss_type", "vespo", "^loss_type='vespo': refused"),
     ("scale_rewards", "median", "^scale_rewards='median': refused"),
-    ("top_entropy_quantile", 0.2, "^top_entropy_quantile=0.2: refused"),
     ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
     ("push_to_hub", True, "^push_to_hub=True: refused"),
     ("multi_objective_aggregation", "normalize_then_sum", "^multi_objective_aggregation='normalize_then_sum'"),
@@ -154,6 +153,15 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
 def test_refusals_name_the_field(tiny_model_dir, tmp_path, field, value, match):
     with pytest.raises(ConfigError, match=match):
         translate(tiny_model_dir, tmp_path, gradient_accumulation_steps=2, **{field: value})
+
+
+def test_token_masks_map_to_actor_keys(tiny_model_dir, tmp_path):
+    keys, _, _ = translate(tiny_model_dir, tmp_path, top_entropy_quantile=0.2, off_policy_mask_threshold=0.5)
+    assert keys["actor_rollout_ref.actor.top_entropy_quantile"] == 0.2
+    assert keys["actor_rollout_ref.actor.off_policy_mask_threshold"] == 0.5
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "d")
+    assert "actor_rollout_ref.actor.top_entropy_quantile" not in keys  # TRL's defaults: the masks off
+    assert "actor_rollout_ref.actor.off_policy_mask_threshold" not in keys
 
 
 def test_refused_arguments_and_unknown_keywords(tiny_model_dir, tmp_path):

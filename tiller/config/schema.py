@@ -522,6 +522,14 @@ class ActorConfig:
     """tiller: leave truncated responses (finish_reason length: no EOS within the budget) out of the policy loss;
     they still count in their group's advantages and as sequences of the seq-mean modes (TRL's
     mask_truncated_completions)."""
+    top_entropy_quantile: float = 1.0
+    """tiller (TRL's top_entropy_quantile; Wang et al. 2025, "Beyond the 80/20 Rule"): the policy gradient (and the
+    entropy bonus) only on the micro-batch's top share of response tokens by entropy, e.g. 0.2 for the "forking"
+    tokens; the loss keeps its denominator. 1.0: every token."""
+    off_policy_mask_threshold: Optional[float] = None
+    """tiller (TRL's off_policy_mask_threshold; DeepSeek-V3.2's off-policy sequence mask): a response with a negative
+    advantage whose mean log pi_rollout - log pi over its tokens exceeds this leaves the policy gradient (the
+    rollout's logprobs; without them the old ones). null: off."""
     grad_clip: float = 1.0
     """Max global grad norm."""
     clip_ratio: float = 0.2

@@ -124,6 +124,12 @@ def validate_rl(cfg: RLConfig) -> None:
         )
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
+    if not 0.0 < actor.top_entropy_quantile <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.top_entropy_quantile must be in (0, 1], got "
+                          f"{actor.top_entropy_quantile} (the share of tokens kept; 1.0 keeps them all)")
+    if actor.off_policy_mask_threshold is not None and actor.off_policy_mask_threshold < 0:
+        raise ConfigError(f"actor_rollout_ref.actor.off_policy_mask_threshold must be >= 0 or null, got "
+                          f"{actor.off_policy_mask_threshold}")
     _validate_pf_ppo(algo)
     _validate_skip(cfg)
     for key in ("rollout_data_dir", "validation_data_dir"):  # <dir>/<step>.jsonl: a file there would fail mid-run

@@ -23,6 +23,9 @@ shared rules; docs/trl.md prints the table). The algorithm fields on verl's keys
   clip-family loss types only).
 - delta: the dual clip actor.clip_ratio_c (TRL caps the ratio at delta on the unclipped side: for A < 0 that is
   verl's dual clip; for A > 0 the clipped term binds first when delta >= 1 + epsilon_high). None: no dual clip.
+- top_entropy_quantile / off_policy_mask_threshold: actor.top_entropy_quantile (the policy gradient on the
+  micro-batch's top share of tokens by entropy) / actor.off_policy_mask_threshold (OPSM: negative-advantage responses
+  far off-policy leave the gradient; the KL is against the rollout's logprobs, TRL's vLLM case).
 - beta: the k3 KL loss (verl's low_var_kl, which clamps the per-token KL to [-10, 10]) with coefficient beta;
   use_bias_correction_kl (TRL's default True: the KL term times the importance ratio) is refused with beta > 0.
 """
@@ -119,7 +122,9 @@ GRPO_RULES: dict[str, Rule] = {
     "scale_rewards": mapped("group: algorithm.adv_estimator=grpo, norm_adv_epsilon 1e-4; batch: "
                             "norm_adv_std_scope=batch; none: norm_adv_by_std_in_grpo=False", _scale_rewards),
     "loss_type": mapped("policy loss + loss_agg_mode (see the GRPO section)", _loss_type),
-    "top_entropy_quantile": refused("tiller trains on every token (no high-entropy token mask)"),
+    "top_entropy_quantile": mapped("actor.top_entropy_quantile (the micro-batch's high-entropy tokens; with "
+                                   "entropy_coef the bonus sums over them with tiller's denominator)",
+                                   to("top_entropy_quantile", float)),
     "entropy_coef": mapped("actor.entropy_coeff (loss_type dapo / bnpo / cispo with gradient_accumulation_steps=1)",
                            _entropy),
     "use_adaptive_entropy": refused(_ENTROPY_ADAPTIVE),
@@ -134,7 +139,8 @@ GRPO_RULES: dict[str, Rule] = {
     "vllm_importance_sampling_mode": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
     "vllm_importance_sampling_clip_max": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
     "vllm_importance_sampling_clip_min": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
-    "off_policy_mask_threshold": refused("tiller has no off-policy sequence mask (OPSM)"),
+    "off_policy_mask_threshold": mapped("actor.off_policy_mask_threshold (OPSM; the KL against the rollout's "
+                                        "logprobs)", to("off_policy_mask_threshold")),
     "use_bias_correction_kl": mapped("with beta > 0: refused when True (tiller's KL loss has no ratio weight)",
                                      _kl_correction),
     "log_completions_hub_repo": refused("tiller does not upload; log_completions writes them under output_dir"),
@@ -232,6 +238,10 @@ class GRPOTrainer(TRLRLTrainer):
                          f"{actor}.tau_neg": lg["sapo_temperature_neg"]})
         if "delta" in lg:
             keys[f"{actor}.clip_ratio_c"] = lg["delta"]
+        if lg.get("top_entropy_quantile", 1.0) < 1.0:
+            keys[f"{actor}.top_entropy_quantile"] = lg["top_entropy_quantile"]
+        if lg.get("off_policy_mask_threshold") is not None:
+            keys[f"{actor}.off_policy_mask_threshold"] = float(lg["off_policy_mask_threshold"])
         return keys
 
 

@@ -40,6 +40,7 @@ import torch
 from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
+from tiller.algos.token_masks import high_entropy_mask, off_policy_sequence_mask
 from tiller.algos.kl import kl_penalty
 from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, bypass_loss_mask, get_policy_loss,
                                         rollout_is_weights_for)
@@ -706,6 +707,16 @@ class ActorRolloutRefWorker:
                 mismatch = mismatch_sums(logp.detach().cpu(), micro["rollout_log_probs"], micro["response_mask"])
             adv = micro["advantages"].to(self.device)
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
+            bonus_mask = mask
+            if a.top_entropy_quantile < 1.0:  # only the high-entropy ("forking") tokens learn (TRL's 80/20 option)
+                bonus_mask = mask * high_entropy_mask(entropy, mask, a.top_entropy_quantile)
+                pg_tok = pg_tok * bonus_mask
+                part["entropy_mask_frac"] = float(bonus_mask.sum()) / max(n_tok, 1.0)
+            if a.off_policy_mask_threshold is not None:  # OPSM: far-off-policy negative samples leave the gradient
+                behaviour = micro["rollout_log_probs"].to(self.device) if "rollout_log_probs" in micro else old
+                keep = off_policy_sequence_mask(adv, logp, behaviour, mask, a.off_policy_mask_threshold)
+                pg_tok = pg_tok * keep
+                part["opsm_dropped_frac"] = float(((1 - keep) * mask).sum()) / max(n_tok, 1.0)
             if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
                 pg_tok = pg_tok * rollout_is_weights_for(loss_mode, micro["rollout_is_weights"].to(self.device,
                                                                                                    pg_tok.dtype), mask)
@@ -719,8 +730,8 @@ class ActorRolloutRefWorker:
                 else:
                     loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)
-            if entropy_coeff != 0.0:
-                loss = loss - entropy_coeff * aggregate_loss(entropy, mask, agg_mode, **agg)
+            if entropy_coeff != 0.0:  # (with top_entropy_quantile: over the kept tokens, as TRL)
+                loss = loss - entropy_coeff * aggregate_loss(entropy, bonus_mask, agg_mode, **agg)
             if a.use_kl_loss:
                 kl = kl_penalty(logp, micro["ref_log_prob"].to(self.device), a.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
