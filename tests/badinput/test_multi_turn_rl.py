@@ -25,8 +25,6 @@ def ws(tmp_path_factory):
 ON = ["actor_rollout_ref.rollout.multi_turn.enable=true",
       "actor_rollout_ref.rollout.multi_turn.tool_config_path={ws}/tools.yaml"]
 CASES = [
-    (ON + ["async_training.staleness_threshold=0.5"],
-     "actor_rollout_ref.rollout.multi_turn.enable=true with async_training: "),
     (ON + ["algorithm.adv_estimator=prime"],
      "actor_rollout_ref.rollout.multi_turn.enable=true with algorithm.adv_estimator=prime: "),
     (ON + ["actor_rollout_ref.rollout.agent.env_path={ws}/env.py", "actor_rollout_ref.rollout.agent.env_name=Env"],

@@ -219,3 +219,81 @@ def test_verls_gsm8k_multi_turn_example_trains_with_each_rows_ground_truth(tiny_
             assert text.endswith(f"#### {a + b}") and float(batch["score"][i]) == 1.0
     finally:
         trainer.shutdown()
+
+
+class HookedScriptedEngine(ScriptedEngine):
+    """ScriptedEngine that calls the weights hook once per sampled token (as the native engine does between decode
+    steps) and records each token's version."""
+
+    def generate(self, prompt_ids, sampling, weights_hook=None):
+        out = super().generate(prompt_ids, sampling)
+        out.token_versions = [[weights_hook() for _ in ids] for ids in out.response_ids]
+        return out
+
+
+def test_tool_loop_records_each_tokens_policy_version(tiny_model_dir):
+    """Asynchronous RL's producer: every turn's engine call gets the weights hook; model tokens carry the version
+    they were sampled with, a tool message's tokens the version of the turn before it."""
+    from tiller.models.loading import load_tokenizer
+    from tiller.rollout import SamplingParams
+    from tiller.rollout.agent import run_agent_loop
+    from tiller.rollout.function_tools import FunctionTool, infer_schema
+
+    tok = load_tokenizer(tiny_model_dir, padding_side="left")
+
+    def add(a: int, b: int) -> str:
+        """Add two numbers.
+
+        Args:
+            a: first
+            b: second
+        """
+        return str(a + b)
+
+    calls = {"n": 0}
+
+    def hook():  # version 0 for the first 5 tokens, then 1
+        calls["n"] += 1
+        return int(calls["n"] > 5)
+
+    tools = {"add": FunctionTool(add, "add", infer_schema(add, "add"))}
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    out = run_agent_loop(HookedScriptedEngine(tok, script), tok, [prompt], SamplingParams(max_new_tokens=100),
+                         tools, max_response_length=400, weights_hook=hook)
+    versions, mask = out.token_versions[0], out.response_mask[0]
+    assert len(versions) == len(mask) == len(out.response_ids[0]) and out.num_turns == [2]
+    first = mask.index(0)  # the tool message: between the two turns
+    second = first + mask[first:].index(1)
+    assert versions[:5] == [0] * 5 and set(versions[5:first]) == {1}  # the switch inside the first turn
+    assert versions[first:second] == [versions[first - 1]] * (second - first)  # tool tokens: the turn before
+    assert set(versions[second:]) == {1}
+    plain = run_agent_loop(ScriptedEngine(tok, script), tok, [prompt], SamplingParams(max_new_tokens=100), tools,
+                           max_response_length=400)
+    assert plain.token_versions == [] and plain.response_ids == out.response_ids
+
+
+def test_async_multi_turn_run_trains_within_the_staleness_bound(tiny_model_dir, tmp_path):
+    """verl's multi-turn tool rollouts under async_training (its fully-async retool recipe's combination): the
+    producer thread runs the conversations on its own engine with the newest weights, partial rollouts record each
+    token's version, every step trains within the staleness bound and logs the tool metrics."""
+    from tiller.tasks import arithmetic
+
+    arithmetic.write_task(tmp_path / "arith", n_train=8, n_test=2, seed=0)
+    (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
+    code = main(["rl", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                 f"data.train_files=[{tmp_path}/arith/train.parquet]", "data.val_files=[]",
+                 "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=640",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                 "data.max_response_length=8", "trainer.total_training_steps=3", "trainer.logger=[jsonl]",
+                 f"trainer.default_local_dir={tmp_path}/run", "actor_rollout_ref.rollout.multi_turn.enable=True",
+                 f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path}/tools.yaml",
+                 "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+                 "async_training.staleness_threshold=1", "async_training.partial_rollout=true"])
+    assert code == 0
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/pg_loss" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert "async/policy_version" in m and m["async/staleness_max"] <= 1 and 1 <= m["agent/turns/mean"] <= 2

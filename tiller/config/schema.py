@@ -687,8 +687,8 @@ class MultiTurnConfig:
     enable: bool = False
     """Multi-turn tool-using rollouts (verl's tool agent loop; tools from tool_config_path / function_tool_path), in
     tiller eval and tiller rl: rl trains each sample's assistant tokens, the tool responses masked out of the loss,
-    scored on the full response with extra_info["tool_rewards"] (synchronous; rl refuses it with async_training:
-    use rollout.agent.env_path there)."""
+    scored on the full response with extra_info["tool_rewards"]; with async_training the producer runs the
+    conversations (each token's policy version recorded; partial_rollout: new weights between decode steps)."""
     max_assistant_turns: Optional[int] = 4
     """Most assistant turns per conversation."""
     tool_config_path: Optional[str] = None

@@ -26,7 +26,7 @@ turn (e.g. `\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n`). Wh
 eos (a stop string like `</tool_call>` cut it), the eos is inserted first (masked). Templates that
 reject the `tool` role get the result as a `user` message wrapped in `<tool_response>...</tool_response>`.
 
-Deviations from verl's agent loop: synchronous (one batched call per turn, not per-request async);
+Deviations from verl's agent loop: one batched engine call per turn (not per-request async);
 no interaction agents; the total response length `max_response_length` (default
 `sampling.max_new_tokens`) bounds model + tool tokens together, as verl's `response_length` does.
 """
@@ -243,14 +243,21 @@ class _Row:
     tool_rewards: list[float] = field(default_factory=list)
     finish: str = ""
     agent_data: AgentData | None = None
+    versions: list[int] = field(default_factory=list)
 
-    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int) -> bool:
-        """Append tokens (logprobs None = tool tokens); False when the budget cut them."""
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int,
+            versions: Sequence[int] | None = None) -> bool:
+        """Append tokens (logprobs None = tool tokens); False when the budget cut them. `versions` (asynchronous
+        RL): the policy version of each model token; tool tokens take the version of the token before them."""
         room = budget - len(self.ids)
         kept = list(ids)[:room]
         self.ids += kept
         self.mask += [1 if logprobs is not None else 0] * len(kept)
         self.logprobs += list(logprobs)[:room] if logprobs is not None else [0.0] * len(kept)
+        if versions is not None:
+            self.versions += list(versions)[:room]
+        elif self.versions:
+            self.versions += [self.versions[-1]] * len(kept)
         return len(kept) == len(ids)
 
 
@@ -259,7 +266,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
                    max_response_length: int | None = None, max_tool_response_chars: int = 256,
                    truncate_side: str = "middle", max_calls_per_turn: int = 1, max_user_turns: int | None = None,
                    chat_template_kwargs: dict | None = None,
-                   tools_kwargs: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
+                   tools_kwargs: Sequence[dict | None] | None = None, weights_hook=None) -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
@@ -271,6 +278,8 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     the next assistant turn is the last.
     `chat_template_kwargs`: extra template variables of the tool turns' rendering (data.apply_chat_template_kwargs).
     `tools_kwargs`: per prompt, its `extra_info.tools_kwargs` (verl `BaseTool` classes' `create_kwargs`).
+    `weights_hook` (asynchronous RL): given to every turn's `engine.generate`; the output's `token_versions` then
+    hold each response token's policy version (a tool message's tokens: the version of the turn before it).
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
     if tools_kwargs is not None and len(tools_kwargs) != len(prompt_ids):
@@ -291,11 +300,13 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         step = min(sampling.max_new_tokens, max(budget - len(r.ids) for r in live))
         call = replace(sampling, n=1, max_new_tokens=step,
                        seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn)
-        out = engine.generate([r.prompt + r.ids for r in live], call)
+        hook = {"weights_hook": weights_hook} if weights_hook is not None else {}
+        out = engine.generate([r.prompt + r.ids for r in live], call, **hook)
+        versions = out.token_versions if weights_hook is not None else []
         calling = []  # (row, its calls, whether the turn ended with an eos)
-        for row, ids, lps, reason in zip(live, out.response_ids, out.logprobs, out.finish_reason):
+        for k, (row, ids, lps, reason) in enumerate(zip(live, out.response_ids, out.logprobs, out.finish_reason)):
             row.turns += 1
-            if not row.add(ids, lps, budget) or reason == "length":
+            if not row.add(ids, lps, budget, versions[k] if versions else None) or reason == "length":
                 row.finish = "length"
                 continue
             calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))[:max_calls_per_turn]
@@ -320,7 +331,8 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         prompt_ids=[r.prompt for r in rows], response_ids=[r.ids for r in rows], logprobs=[r.logprobs for r in rows],
         finish_reason=[r.finish for r in rows], response_mask=[r.mask for r in rows],
         num_turns=[r.turns for r in rows], num_tool_calls=[r.calls for r in rows],
-        tool_errors=[r.errors for r in rows], tool_rewards=[r.tool_rewards for r in rows])
+        tool_errors=[r.errors for r in rows], tool_rewards=[r.tool_rewards for r in rows],
+        token_versions=[r.versions for r in rows] if weights_hook is not None else [])
 
 
 def render_prompt_with_tools(tokenizer, messages: list[dict], tools: dict[str, Tool] | Sequence[Tool],
@@ -346,9 +358,10 @@ class AgentLoop:
     """Extra chat-template variables (data.apply_chat_template_kwargs) of the tool turns."""
 
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 max_response_length: int | None = None,
-                 tools_kwargs: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
+                 max_response_length: int | None = None, tools_kwargs: Sequence[dict | None] | None = None,
+                 weights_hook=None) -> AgentRolloutOutput:
         return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools, tools_kwargs=tools_kwargs,
+                              weights_hook=weights_hook,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
                               max_tool_response_chars=self.max_tool_response_chars, truncate_side=self.truncate_side,
                               max_calls_per_turn=self.max_calls_per_turn, max_user_turns=self.max_user_turns,

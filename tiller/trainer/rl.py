@@ -1055,9 +1055,6 @@ def run(cfg: RLConfig, reward_fn=None) -> dict[str, float]:
 def _refuse_with_multi_turn(cfg: RLConfig) -> None:
     """multi_turn.enable: the combinations its tool rollouts do not support yet, refused by name."""
     key = "actor_rollout_ref.rollout.multi_turn.enable=true"
-    if async_enabled(cfg):
-        raise ConfigError(f"{key} with async_training: multi-turn tool rollouts are synchronous in this version; for "
-                          "asynchronous tool RL use an environment, actor_rollout_ref.rollout.agent.env_path")
     if cfg.algorithm.adv_estimator == "prime":
         raise ConfigError(f"{key} with algorithm.adv_estimator=prime: PRIME's implicit PRM scores contiguous "
                           "responses; tool-response tokens inside a response are not supported")
