@@ -4,7 +4,7 @@
         (without --src: openai/gsm8k through `datasets`, from the hub or its local cache)
     tiller data search-r1 --src DIR --out data/search_r1 [--retrieval-url URL] [--max-rows N]
         (DIR: a local copy of PeterJinGo/nq_hotpotqa_train; verl's search-tool layout and tool_config.yaml out)
-    tiller data geo3k --src DIR --out data/geo3k [--max-rows N]
+    tiller data geo3k --src DIR --out data/geo3k [--max-rows N] [--tool]
         (DIR: a local copy of hiyouga/geometry3k, data/{train,test}-*.parquet; verl's multimodal schema out)
     tiller data arithmetic --out data/arith [--train N --test N --seed S]   (the demo task)
     tiller data reasoning-gym --task letter_counting --out data/lc [--train N --test N --format jsonl]
@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
     v.add_argument("--src", required=True, help="dir of the dataset (data/train-*.parquet, data/test-*.parquet)")
     v.add_argument("--out", required=True, help="output directory")
     v.add_argument("--max-rows", type=int, default=-1, help="keep only the first N rows of each split")
+    v.add_argument("--tool", action="store_true", help="verl's multi-turn tool layout (geo3k_multiturn_w_tool.py: "
+                   "the calc_geo3k_reward tool, its per-row tools_kwargs) and tool_config.yaml beside the parquet")
     a = sub.add_parser("arithmetic", help="the built-in demo task (tiller/arithmetic) -> train/test parquet")
     a.add_argument("--out", required=True)
     a.add_argument("--train", type=int, default=2000)
@@ -70,7 +72,7 @@ def main(argv: list[str]) -> int:
     elif args.dataset == "search-r1":
         paths = search_r1.convert(args.src, args.out, max_rows=args.max_rows, retrieval_url=args.retrieval_url)
     elif args.dataset == "geo3k":
-        paths = geo3k.convert(args.src, args.out, max_rows=args.max_rows)
+        paths = geo3k.convert(args.src, args.out, max_rows=args.max_rows, tool=args.tool)
     elif args.dataset == "gsm8k":
         paths = gsm8k.convert(args.src, args.out, max_rows=args.max_rows, tool=args.tool)
     else:

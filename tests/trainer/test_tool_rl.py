@@ -297,3 +297,55 @@ def test_async_multi_turn_run_trains_within_the_staleness_bound(tiny_model_dir, 
     assert len(steps) == 3
     for m in steps:
         assert "async/policy_version" in m and m["async/staleness_max"] <= 1 and 1 <= m["agent/turns/mean"] <= 2
+
+
+class TeacherForcedEngine:
+    """Scripted turns (`script(context, k)`) whose logprobs are the real model's, teacher-forced on the context."""
+
+    def __init__(self, model, tokenizer, script):
+        self.model, self.tokenizer, self.script = model, tokenizer, script
+
+    def update_weights(self, *args):  # (the module is the actor's own)
+        pass
+
+    def generate(self, prompt_ids, sampling):
+        out = RolloutOutput()
+        for k, ids in enumerate(prompt_ids):
+            new = self.tokenizer(self.script(self.tokenizer.decode(ids), k), add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([list(ids) + new])).logits[0].float()
+            logp = torch.log_softmax(logits / sampling.temperature, -1)
+            out.prompt_ids.append(list(ids))
+            out.response_ids.append(new)
+            out.logprobs.append([float(logp[len(ids) + j - 1, t]) for j, t in enumerate(new)])
+            out.finish_reason.append("stop")
+        return out
+
+
+def test_the_actor_scores_every_turn_of_a_conversation(tiny_model_dir, files):
+    """The actor's forward covers the whole conversation, the turns after a tool message included: its probabilities
+    equal a teacher-forced forward of the real model on every model token (training/rollout_probs_diff_max at float32
+    rounding). (The forward used to be trimmed to the number of trained tokens, which a tool message in the middle
+    makes shorter than the columns: the last turn's tokens got log-probability 0 and no gradient.)"""
+    from tiller.trainer.rl import RLTrainer
+
+    root, prompts = files
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{prompts}]",
+                       "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.max_prompt_length=1024",
+                       "data.max_response_length=300", "trainer.total_training_steps=1", "trainer.logger=[jsonl]",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
+                       "trainer.val_before_train=false", "trainer.resume_mode=disable",
+                       f"trainer.default_local_dir={root / 'run'}", "actor_rollout_ref.rollout.multi_turn.enable=True",
+                       f"data.function_tool_path={root / 'tools.py'}", f"custom_reward_function.path={root / 'reward.py'}",
+                       "actor_rollout_ref.rollout.dtype=float32"])
+    trainer = RLTrainer(cfg)
+    try:
+        worker = trainer.actor.worker
+        worker.rollout = TeacherForcedEngine(worker.module, trainer.tokenizer, script)
+        trainer.global_step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.shutdown()
+    assert metrics["agent/turns/mean"] == 1.5  # half the samples: tool call, tool message, answer
+    assert metrics["training/rollout_probs_diff_max"] < 1e-4

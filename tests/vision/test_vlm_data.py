@@ -96,3 +96,34 @@ def test_geo3k_converter_writes_verls_schema(tmp_path, processor):
     write_rows([{"images": [{"bytes": b"zz"}], "problem": "<image>", "answer": "1"}], bad / "train-0.parquet")
     with pytest.raises(DataError, match=r"train-0.parquet row 0 images\[0\]: unreadable image"):
         geo3k.convert(tmp_path / "bad", tmp_path / "out2")
+
+
+def test_geo3k_tool_layout_renders_the_schema_into_image_prompts(tmp_path, processor):
+    """`tiller data geo3k --tool`: verl's geo3k_multiturn_w_tool.py rows (system message, per-row tools_kwargs) and
+    its tool config; the image prompts carry the tool's schema (as text prompts do), and verl's Geo3kTool grades
+    the answer against the row's ground truth from create_kwargs."""
+    from tiller.data.preprocess.geo3k import TOOL_SYSTEM
+    from tiller.rollout.agent import execute_tool_calls, parse_tool_calls, tools_kwargs_of
+    from tiller.rollout.tools import load_tools
+
+    src = tmp_path / "geometry3k" / "data"
+    for split in ("train", "test"):
+        rows = [{"images": [{"bytes": _png(), "path": None}], "problem": f"<image>Find x. ({split} {i})",
+                 "answer": str(i + 1)} for i in range(2)]
+        write_rows(rows, src / f"{split}-00000-of-00001.parquet")
+    paths = geo3k.convert(tmp_path / "geometry3k", tmp_path / "out", tool=True)
+    rows = read_rows(paths["train"])
+    assert rows[1]["prompt"][0] == {"role": "system", "content": TOOL_SYSTEM}
+    assert rows[1]["extra_info"]["tools_kwargs"] == {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "2"}}}
+    tools = load_tools(paths["tool_config"])
+    schema = tools["calc_geo3k_reward"].schema
+    ds = RLDataset([paths["train"]], processor.tokenizer, processor=processor, max_prompt_length=2048,
+                   tool_schemas=[schema])
+    assert '"name": "calc_geo3k_reward"' in ds[1].prompt_text and ds[1].multi_modal_inputs is not None
+    plain = RLDataset([paths["train"]], processor.tokenizer, processor=processor, max_prompt_length=2048)
+    assert "calc_geo3k_reward\"" not in plain[1].prompt_text  # (the system message names it; the schema is extra)
+    calls = parse_tool_calls('<tool_call>{"name": "calc_geo3k_reward", "arguments": {"answer": "2"}}</tool_call>'
+                             '<tool_call>{"name": "calc_geo3k_reward", "arguments": {"answer": "3"}}</tool_call>')
+    right, wrong = execute_tool_calls(calls, tools, 1000, tools_kwargs=tools_kwargs_of(ds[1].extra_info))
+    assert (right.text, right.reward) == ("Current parsed answer='2' reward=1.0", 0.0)
+    assert (wrong.text, wrong.reward) == ("Current parsed answer='3' reward=0.0", -0.05)

@@ -212,7 +212,8 @@ class RLDataset:
                     raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a "
                                     f"vision-language model tiller trains ({VISION_FAMILIES}); drop the column or "
                                     "change data.image_key")
-                vision = encode_image_row(row[prompt_key], images, processor, where, chat_template_kwargs)
+                vision = encode_image_row(row[prompt_key], images, processor, where, chat_template_kwargs,
+                                          tool_schemas)
                 text, ids = vision.text, vision.prompt_ids
             else:
                 text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template,
@@ -272,16 +273,23 @@ def row_images(row: dict, image_key: str, where: str) -> list:
     return [to_pil(img, f"{where} {image_key}[{j}]") for j, img in enumerate(value)]
 
 
-def encode_image_row(raw: Any, images: list, processor, where: str, chat_template_kwargs: dict | None = None):
-    """One image prompt through the processor's chat template and image processor."""
+def encode_image_row(raw: Any, images: list, processor, where: str, chat_template_kwargs: dict | None = None,
+                     tool_schemas: Sequence[dict] | None = None):
+    """One image prompt through the processor's chat template and image processor; `tool_schemas` (the multi-turn
+    loop's tools) rendered as for text prompts (`render_prompt_with_schemas`)."""
     if isinstance(raw, np.ndarray):
         raw = raw.tolist()
     messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "content" in m for m in messages):
         raise DataError(f"{where}: prompt must be a string or a list of chat messages, got {type(raw).__name__}")
-    messages = split_placeholders([dict(m) for m in messages], len(images), where)
+    messages = [dict(m) for m in messages]
+    schemas = list(tool_schemas or ())
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None) or ""
+    if schemas and "tools" not in template:
+        messages, schemas = with_tools_system_message(messages, schemas), []
+    messages = split_placeholders(messages, len(images), where)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **(chat_template_kwargs or {}))
+                                         **({"tools": schemas} if schemas else {}), **(chat_template_kwargs or {}))
     return encode_image_prompt(processor, text, images, where)
 
 

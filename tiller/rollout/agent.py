@@ -244,6 +244,7 @@ class _Row:
     finish: str = ""
     agent_data: AgentData | None = None
     versions: list[int] = field(default_factory=list)
+    multi_modal: dict | None = None
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int,
             versions: Sequence[int] | None = None) -> bool:
@@ -266,7 +267,8 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
                    max_response_length: int | None = None, max_tool_response_chars: int = 256,
                    truncate_side: str = "middle", max_calls_per_turn: int = 1, max_user_turns: int | None = None,
                    chat_template_kwargs: dict | None = None,
-                   tools_kwargs: Sequence[dict | None] | None = None, weights_hook=None) -> AgentRolloutOutput:
+                   tools_kwargs: Sequence[dict | None] | None = None, weights_hook=None,
+                   multi_modal: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
@@ -280,10 +282,14 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     `tools_kwargs`: per prompt, its `extra_info.tools_kwargs` (verl `BaseTool` classes' `create_kwargs`).
     `weights_hook` (asynchronous RL): given to every turn's `engine.generate`; the output's `token_versions` then
     hold each response token's policy version (a tool message's tokens: the version of the turn before it).
+    `multi_modal`: per prompt, a vision-language model's image inputs (None for a text prompt), sent with every turn
+    of that prompt's conversations (the image tokens stay in the prompt part of the context).
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
-    if tools_kwargs is not None and len(tools_kwargs) != len(prompt_ids):
-        raise ValueError(f"tools_kwargs has {len(tools_kwargs)} entries for {len(prompt_ids)} prompts")
+    for name, per_prompt in (("tools_kwargs", tools_kwargs), ("multi_modal", multi_modal)):
+        if per_prompt is not None and len(per_prompt) != len(prompt_ids):
+            raise ValueError(f"{name} has {len(per_prompt)} entries for {len(prompt_ids)} prompts")
+    images = multi_modal is not None and any(m is not None for m in multi_modal)
     if max_assistant_turns < 1:
         raise ValueError(f"max_assistant_turns must be >= 1, got {max_assistant_turns}")
     budget = max_response_length or sampling.max_new_tokens
@@ -291,8 +297,9 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     rows = [_Row(list(p)) for p in prompt_ids for _ in range(sampling.n)]
     row_kwargs = [dict((tools_kwargs[i] if tools_kwargs is not None else None) or {})
                   for i in range(len(prompt_ids)) for _ in range(sampling.n)]
-    for row, kwargs in zip(rows, row_kwargs):
+    for k, (row, kwargs) in enumerate(zip(rows, row_kwargs)):
         row.agent_data = AgentData(uuid4().hex, kwargs, tool_rewards=row.tool_rewards)
+        row.multi_modal = multi_modal[k // sampling.n] if images else None
     for turn in range(max_assistant_turns):
         live = [r for r in rows if not r.finish]
         if not live:
@@ -300,8 +307,10 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         step = min(sampling.max_new_tokens, max(budget - len(r.ids) for r in live))
         call = replace(sampling, n=1, max_new_tokens=step,
                        seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn)
-        hook = {"weights_hook": weights_hook} if weights_hook is not None else {}
-        out = engine.generate([r.prompt + r.ids for r in live], call, **hook)
+        options = {"weights_hook": weights_hook} if weights_hook is not None else {}
+        if images:
+            options["multi_modal"] = [r.multi_modal for r in live]
+        out = engine.generate([r.prompt + r.ids for r in live], call, **options)
         versions = out.token_versions if weights_hook is not None else []
         calling = []  # (row, its calls, whether the turn ended with an eos)
         for k, (row, ids, lps, reason) in enumerate(zip(live, out.response_ids, out.logprobs, out.finish_reason)):
@@ -359,9 +368,9 @@ class AgentLoop:
 
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                  max_response_length: int | None = None, tools_kwargs: Sequence[dict | None] | None = None,
-                 weights_hook=None) -> AgentRolloutOutput:
+                 weights_hook=None, multi_modal: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
         return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools, tools_kwargs=tools_kwargs,
-                              weights_hook=weights_hook,
+                              weights_hook=weights_hook, multi_modal=multi_modal,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
                               max_tool_response_chars=self.max_tool_response_chars, truncate_side=self.truncate_side,
                               max_calls_per_turn=self.max_calls_per_turn, max_user_turns=self.max_user_turns,

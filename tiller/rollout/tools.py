@@ -12,8 +12,8 @@ Built-ins:
   group, rlimits, no network); returns stdout (and stderr on failure).
 - `class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool` (verl's retool recipe): `{"code": ...}` run on a
   SandboxFusion server (`SandboxFusionTool`, config `sandbox_fusion_url`, ...).
-- `class_name: verl.tools.gsm8k_tool.Gsm8kTool` (verl's gsm8k multi-turn example) and
-  `verl.tools.search_tool.SearchTool` (its Search-R1-like example): `tiller.rollout.verl_tools`.
+- `class_name: verl.tools.gsm8k_tool.Gsm8kTool` / `verl.tools.geo3k_tool.Geo3kTool` (verl's gsm8k and geo3k
+  multi-turn examples) and `verl.tools.search_tool.SearchTool` (its Search-R1-like example): `tiller.rollout.verl_tools`.
 
 The YAML (`actor_rollout_ref.rollout.multi_turn.tool_config_path`; verl's layout with `class_name`,
 `config`, `tool_schema`, plus two shorter forms):
@@ -46,7 +46,7 @@ from tiller.errors import ConfigError, UserError
 from tiller.rewards import sandbox_fusion
 from tiller.rewards.sandbox import run_program, SandboxLimits
 from tiller.rollout.function_tools import verl_tool_imports
-from tiller.rollout.verl_tools import build_verl_tool, Gsm8kTool, is_verl_base_tool, SearchTool
+from tiller.rollout.verl_tools import build_verl_tool, Geo3kTool, Gsm8kTool, is_verl_base_tool, SearchTool
 
 
 @runtime_checkable
@@ -249,6 +249,7 @@ BUILTIN_TOOLS: dict[str, type] = {"calculator": CalculatorTool, "python": Python
 # verl's tool classes tiller carries its own version of (a verl tool config names them as they are)
 VERL_TOOL_CLASSES: dict[str, type] = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool,
                                       "verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool,
+                                      "verl.tools.geo3k_tool.Geo3kTool": Geo3kTool,
                                       "verl.tools.search_tool.SearchTool": SearchTool}
 
 

@@ -31,7 +31,8 @@ the `tool_rewards` so far and a `metrics` dict; it has no `messages` (tiller's l
 
 `verl.tools.gsm8k_tool.Gsm8kTool` (verl <= 0.7's gsm8k multi-turn example, removed from verl in 2026-05) is
 tiller's `Gsm8kTool`: same schema, state, scoring (gsm8k `flexible`) and -0.05 penalty for an answer that does not
-improve the score, and it takes verl's `create_kwargs` (`ground_truth`). `verl.tools.search_tool.SearchTool` (its
+improve the score, and it takes verl's `create_kwargs` (`ground_truth`); `verl.tools.geo3k_tool.Geo3kTool` likewise
+(`Geo3kTool`: the answer graded by math-verify). `verl.tools.search_tool.SearchTool` (its
 Search-R1-like example, removed with it) is tiller's `SearchTool`, against any server with Search-R1's retrieval
 API (`tiller retrieval-server`).
 """
@@ -292,6 +293,38 @@ class Gsm8kTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._instances.pop(instance_id, None)
+
+
+class Geo3kTool(Gsm8kTool):
+    """verl's `verl.tools.geo3k_tool.Geo3kTool` (its geo3k multi-turn example): the model submits `answer`, graded
+    as verl's geo3k scorer with use_boxed=False (the answer text itself against the ground truth; math-verify here,
+    mathruler in verl); reply and -0.05 penalty as `Gsm8kTool`. verl's version reads `ground_truth` only as a
+    keyword of `create`, so under verl's current loop (which passes `create_kwargs`) it grades against None; this one
+    reads `create_kwargs` too."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
+        super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate({
+            "type": "function", "function": {
+                "name": "calc_geo3k_reward", "description": "A tool for calculating the reward of geo3k",
+                "parameters": {"type": "object", "properties": {
+                    "answer": {"type": "string", "description": "The answer to the question, enclosed in \\boxed{}"}},
+                    "required": ["answer"]}}}))
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        answer = parameters.get("answer", "")
+        answer = answer if isinstance(answer, str) else str(answer)
+        state = self._instances[instance_id]
+        state["response"] = answer
+        reward = await self.calc_reward(instance_id)
+        tool_reward = 0.0 if reward > state["reward"] else -0.05
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        from tiller.rewards.scorers import math as math_scorer  # import cost: math-verify, only when the tool scores
+
+        state = self._instances[instance_id]
+        return math_scorer.answer_score(state["response"], str(state["ground_truth"]))
 
 
 class SearchTool(BaseTool):

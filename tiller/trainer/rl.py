@@ -158,9 +158,6 @@ class RLTrainer:
             self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
                                             trust_remote_code=arr.model.trust_remote_code)
             set_chat_template(self.tokenizer, arr.model.custom_chat_template, self.processor)
-            if self.tool_loop is not None:
-                raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true with a vision-language model "
-                                  f"({arr.model.path}): the multi-turn tool loop sends text prompts only")
         schemas = [t.schema for t in self.tool_loop.tools.values()] if self.tool_loop is not None else None
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
                                          require_ground_truth=rules, processor=self.processor, tool_schemas=schemas)

@@ -883,9 +883,7 @@ class _ToolLoopEngine:
     def __init__(self, loop, engine, tokenizer):
         self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
 
-    def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, **options):
-        if options:  # (refused with multi_turn.enable before a model loads: images)
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: {sorted(options)} not supported")
+    def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, multi_modal=None):
         return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
                                   max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs,
-                                  weights_hook=weights_hook)
+                                  weights_hook=weights_hook, multi_modal=multi_modal)

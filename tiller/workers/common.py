@@ -133,11 +133,25 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] each row's response columns up to its last trained token: the last index of `response_mask` that is set,
+    plus 1 (0 for a row with none). A multi-turn row's mask has holes (tool messages are not trained), so its sum
+    is shorter than the columns its last turn needs.
+
+    >>> response_lengths(torch.tensor([[1, 1, 0, 0], [1, 0, 0, 1], [0, 0, 0, 0]])).tolist()
+    [2, 4, 0]
+    """
+    if response_mask.numel() == 0:
+        return torch.zeros(response_mask.shape[0], dtype=torch.long)
+    columns = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return ((response_mask != 0).long() * columns).max(-1).values
+
+
 def trim_bounds(attention_mask: torch.Tensor, prompt_width: int, response_mask: torch.Tensor) -> tuple[int, int]:
     """(first column any row uses, prompt_width + longest response) for one micro-batch."""
     used = attention_mask[:, :prompt_width].bool().any(0)
     first = int(used.nonzero()[0]) if used.any() else prompt_width - 1
-    t_max = int(response_mask.sum(-1).max()) if response_mask.numel() else 0
+    t_max = int(response_lengths(response_mask).max()) if response_mask.numel() else 0
     return min(first, prompt_width - 1), prompt_width + max(t_max, 1)
 
 
@@ -151,7 +165,7 @@ def split_long_responses(response_mask: torch.Tensor, min_saving: float = 0.2):
     b = response_mask.shape[0]
     if b < 8:
         return None
-    lengths = response_mask.sum(-1)
+    lengths = response_lengths(response_mask)
     t_max = int(lengths.max())
     best, width = 0, None
     for s in lengths.unique().tolist():

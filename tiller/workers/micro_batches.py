@@ -32,7 +32,7 @@ from tiller.data.seqlen import token_budget_micro_batches
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.protocol import Batch
-from tiller.workers.common import image_keys
+from tiller.workers.common import image_keys, response_lengths
 
 
 @dataclass
@@ -66,7 +66,7 @@ def token_budget_indices(batch: Batch, max_tokens: int, key: str = "") -> list[t
     """Rows of each token-budget micro-batch of `batch` (see the module docstring)."""
     P = batch["prompts"].shape[1]
     prompt_lens = batch["attention_mask"][:, :P].sum(-1).tolist()
-    response_lens = batch["response_mask"].sum(-1).clamp(min=1).tolist()
+    response_lens = response_lengths(batch["response_mask"]).clamp(min=1).tolist()
     try:
         parts = token_budget_micro_batches(prompt_lens, response_lens, prompt_units(batch).tolist(), max_tokens)
     except ValueError as err:

@@ -8,12 +8,17 @@ out (or `DIR/train*.parquet`, `DIR/test*.parquet`), each row `images` (a list of
 `ability` math, `reward_model.ground_truth` the answer, `extra_info` {split, index, answer, question}.
 Every image is opened once while converting, so a broken one is an error naming the file and row here rather
 than in the middle of a training run.
+
+`tool=True` (`tiller data geo3k --tool`): verl's multi-turn layout (`geo3k_multiturn_w_tool.py`): a system message
+asking for the `calc_geo3k_reward` tool, `extra_info.tools_kwargs` handing the answer to it, and `tool_config.yaml`
+beside the parquet files (verl's `geo3k_tool_config.yaml`: `verl.tools.geo3k_tool.Geo3kTool`, which tiller carries).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from tiller.data.files import atomic_write_text
 from tiller.data.rl_dataset import read_rows, write_rows
 from tiller.errors import DataError
 from tiller.models.vision import to_pil
@@ -22,10 +27,31 @@ DATA_SOURCE = "hiyouga/geometry3k"
 INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final "
                r"answer. The reasoning process MUST BE enclosed within <think> </think> tags. "
                r"The final answer MUST BE put in \boxed{}.")
+TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+               "Reasoning step by step before any tool call. "
+               "You should use the `calc_geo3k_reward` tool after step by step solving the question, "
+               "before generate final answer at least once and refine your answer if necessary. ")
+TOOL_CONFIG = """tools:
+  - class_name: "verl.tools.geo3k_tool.Geo3kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_geo3k_reward"
+        description: "A tool for calculating the reward of geo3k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the geo3k problem, must be a digits"
+          required: ["answer"]
+"""
 
 
-def convert_rows(rows: list[dict], split: str, where: str = "geo3k") -> list[dict]:
-    """geometry3k rows -> verl rows."""
+def convert_rows(rows: list[dict], split: str, where: str = "geo3k", tool: bool = False) -> list[dict]:
+    """geometry3k rows -> verl rows (`tool`: verl's multi-turn tool layout)."""
     out = []
     for i, row in enumerate(rows):
         missing = [k for k in ("images", "problem", "answer") if k not in row]
@@ -34,13 +60,15 @@ def convert_rows(rows: list[dict], split: str, where: str = "geo3k") -> list[dic
         images = list(row["images"] or [])
         for j, img in enumerate(images):
             to_pil(img, f"{where} row {i} images[{j}]")
+        prompt = [{"role": "user", "content": f"{row['problem']} {INSTRUCTION}"}]
+        extra = {"split": split, "index": i, "answer": row["answer"], "question": row["problem"]}
+        if tool:
+            prompt.insert(0, {"role": "system", "content": TOOL_SYSTEM})
+            extra.update(need_tools_kwargs=True,
+                         tools_kwargs={"calc_geo3k_reward": {"create_kwargs": {"ground_truth": row["answer"]}}})
         out.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{row['problem']} {INSTRUCTION}"}],
-            "images": [_entry(img) for img in images],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": row["answer"]},
-            "extra_info": {"split": split, "index": i, "answer": row["answer"], "question": row["problem"]},
+            "data_source": DATA_SOURCE, "prompt": prompt, "images": [_entry(img) for img in images],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": row["answer"]}, "extra_info": extra,
         })
     return out
 
@@ -66,8 +94,9 @@ def split_files(src: Path, split: str) -> list[Path]:
     return found
 
 
-def convert(src: str | Path, out_dir: str | Path, max_rows: int = -1) -> dict[str, Path]:
-    """`src` (a local hiyouga/geometry3k copy) -> `out_dir/{train,test}.parquet`; returns the paths."""
+def convert(src: str | Path, out_dir: str | Path, max_rows: int = -1, tool: bool = False) -> dict[str, Path]:
+    """`src` (a local hiyouga/geometry3k copy) -> `out_dir/{train,test}.parquet` (`tool`: verl's multi-turn tool
+    layout and `out_dir/tool_config.yaml`); returns the paths."""
     src, out_dir = Path(src).expanduser(), Path(out_dir).expanduser()
     if not src.is_dir():
         raise DataError(f"geo3k source dir not found: {src}")
@@ -75,7 +104,7 @@ def convert(src: str | Path, out_dir: str | Path, max_rows: int = -1) -> dict[st
     for split in ("train", "test"):
         rows = []
         for path in split_files(src, split):
-            rows += convert_rows(read_rows(path), split, where=str(path))
+            rows += convert_rows(read_rows(path), split, where=str(path), tool=tool)
             if 0 < max_rows <= len(rows):
                 break
         if max_rows > 0:
@@ -83,4 +112,6 @@ def convert(src: str | Path, out_dir: str | Path, max_rows: int = -1) -> dict[st
         for i, row in enumerate(rows):
             row["extra_info"]["index"] = i
         written[split] = write_rows(rows, out_dir / f"{split}.parquet")
+    if tool:
+        written["tool_config"] = atomic_write_text(out_dir / "tool_config.yaml", TOOL_CONFIG)
     return written

@@ -105,6 +105,12 @@ def compute_score(solution_str: str, ground_truth: str, timeout_s: float = DEFAU
     return 1.0 if is_equiv(_strip_boxed(ground_truth), boxed, timeout_s) else 0.0
 
 
+def answer_score(answer: str, ground_truth: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 when `answer` itself (no `\\boxed{}` needed) equals `ground_truth`, else 0.0 (verl's geo3k scorer with
+    use_boxed=False: what its Geo3kTool grades)."""
+    return 1.0 if answer.strip() and is_equiv(_strip_boxed(ground_truth), answer, timeout_s) else 0.0
+
+
 # ---- verl math_dapo (minerva normalisation, Lewkowycz et al. 2022, appendix D) ----------------------
 
 _SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
