@@ -2,6 +2,7 @@
 calculator tool, on a tiny model, on a CPU.
 
     python examples/agent_calculator.py [--out runs/agent_calc] [--steps 40] [key=value ...]
+    python examples/agent_calculator.py --rollout multi-turn     # the same task on verl's multi-turn tool loop
 
 The task: `"What is 41*82?"` (`--digits 2`). A ~2M-parameter model cannot learn to multiply in a short warm-up; with the calculator it
 only has to call it with the right expression and copy the result. The agent (`run` below) is plain OpenAI
@@ -19,6 +20,10 @@ Steps:
    with an agent that sends no tools.
 3. GRPO through the endpoint (`tiller.trainer.rl.run`): held-out greedy success `val-core/calc/acc/mean@1`
    (the agent's reward) every `--test-freq` steps.
+
+`--rollout multi-turn` trains step 3 on verl's keys instead of the agent: `actor_rollout_ref.rollout.multi_turn.enable=True`
+with `calc` as a verl `@function_tool` file (`tools.py` in `--out`) and a reward function that reads the response's
+last line (the answer after the tool message); held-out success is `tiller rl`'s validation of the same loop.
 
 Prints one JSON line: no-tool baseline, success after warm-up (RL step 0), the curve, and the final success.
 Measured (shared 2-core AVX2 CPU, 1 thread, `--warmup-target 0.1`): no-tool baseline 0.000; held-out success
@@ -179,6 +184,28 @@ def warm_up(model, tok, rows: list[dict], tools: bool, eval_fn, *, target: float
     return step, success
 
 
+# --rollout multi-turn: the calculator as a verl function tool, and the reward on the response's last line
+TOOLS_PY = '''from verl.tools.function_tool import function_tool
+
+
+@function_tool
+def calc(x: str) -> str:
+    """evaluate an arithmetic expression
+
+    Args:
+        x: the expression
+    """
+    from tiller.rollout.tools import CalculatorTool
+
+    return CalculatorTool()({"expression": x})
+'''
+
+REWARD_PY = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    lines = solution_str.strip().splitlines()
+    return float(bool(lines) and lines[-1].strip() == str(ground_truth))
+'''
+
+
 def held_out_success(model, tok, rows: list[dict], agent) -> float:
     """Greedy success of `agent` over `rows` through tiller's endpoint in front of `model`."""
     from tiller.rollout.native import NativeRolloutEngine
@@ -216,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-test", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rollout", choices=("agent", "multi-turn"), default="agent",
+                   help="GRPO through the OpenAI endpoint and this file's agent, or verl's multi-turn tool loop")
     args, overrides = p.parse_known_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -257,19 +286,32 @@ def main(argv: list[str] | None = None) -> dict:
         "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={args.steps}",
         f"trainer.test_freq={args.test_freq}", "trainer.val_before_train=true", "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable", f"trainer.default_local_dir={out / 'rl'}", f"trainer.seed={args.seed}",
-        f"actor_rollout_ref.rollout.agent.path={Path(__file__).resolve()}",
-        "actor_rollout_ref.rollout.agent.client=openai", *overrides])
+        *rollout_keys(args.rollout, out), *overrides])
     rl_run(cfg)
     curve = []
     for line in (out / "rl" / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if "val-core/calc/acc/mean@1" in rec:
-            curve.append((rec.get("step", rec.get("training/global_step", 0)), rec["val-core/calc/acc/mean@1"]))
-    result = {"no_tool_baseline": no_tool, "warmup_steps": steps, "warmup_success": warm,
+        key = next((k for k in ("val-core/calc/acc/mean@1", "val-core/calc/reward/mean@1") if k in rec), None)
+        if key is not None:
+            curve.append((rec.get("step", rec.get("training/global_step", 0)), rec[key]))
+    result = {"rollout": args.rollout, "no_tool_baseline": no_tool, "warmup_steps": steps, "warmup_success": warm,
               "curve": curve, "final_success": curve[-1][1] if curve else None,
               "wall_s": round(time.time() - start, 1), "threads": args.threads}
     print(json.dumps(result), flush=True)
     return result
+
+
+def rollout_keys(rollout: str, out: Path) -> list[str]:
+    """The GRPO run's rollout keys: this file's agent through the endpoint, or verl's multi-turn tool loop."""
+    if rollout == "agent":
+        return [f"actor_rollout_ref.rollout.agent.path={Path(__file__).resolve()}",
+                "actor_rollout_ref.rollout.agent.client=openai"]
+    (out / "tools.py").write_text(TOOLS_PY)
+    (out / "reward.py").write_text(REWARD_PY)
+    return ["actor_rollout_ref.rollout.multi_turn.enable=True",
+            f"actor_rollout_ref.rollout.multi_turn.function_tool_path={out / 'tools.py'}",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+            f"custom_reward_function.path={out / 'reward.py'}"]
 
 
 if __name__ == "__main__":
