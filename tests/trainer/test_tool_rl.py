@@ -300,20 +300,30 @@ def test_async_multi_turn_run_trains_within_the_staleness_bound(tiny_model_dir, 
 
 
 class TeacherForcedEngine:
-    """Scripted turns (`script(context, k)`) whose logprobs are the real model's, teacher-forced on the context."""
+    """Scripted turns (`script(context, k)`) whose logprobs are the real model's, teacher-forced on the context (a
+    vision-language model's with the image inputs each turn receives); `turns`: the rows of each call."""
 
     def __init__(self, model, tokenizer, script):
-        self.model, self.tokenizer, self.script = model, tokenizer, script
+        self.model, self.tokenizer, self.script, self.turns = model, tokenizer, script, []
 
     def update_weights(self, *args):  # (the module is the actor's own)
         pass
 
-    def generate(self, prompt_ids, sampling):
+    def generate(self, prompt_ids, sampling, multi_modal=None):
+        from tiller.models.vision import image_token_id
+
+        self.turns.append(len(prompt_ids))
         out = RolloutOutput()
         for k, ids in enumerate(prompt_ids):
             new = self.tokenizer(self.script(self.tokenizer.decode(ids), k), add_special_tokens=False)["input_ids"]
+            full = torch.tensor([list(ids) + new])
+            pixels = {}
+            if multi_modal is not None:
+                mm = multi_modal[k]
+                pixels = {"pixel_values": mm["pixel_values"], "image_grid_thw": mm["image_grid_thw"],
+                          "mm_token_type_ids": (full == image_token_id(self.model)).int()}
             with torch.no_grad():
-                logits = self.model(input_ids=torch.tensor([list(ids) + new])).logits[0].float()
+                logits = self.model(input_ids=full, **pixels).logits[0].float()
             logp = torch.log_softmax(logits / sampling.temperature, -1)
             out.prompt_ids.append(list(ids))
             out.response_ids.append(new)

@@ -188,8 +188,7 @@ def test_multi_turn_tool_rollouts_on_image_prompts(tmp_path, tiny_vlm_dir, shape
     whole conversation (image, model turns, tool message) with the rollout's probabilities: a policy that calls the
     calculator, then answers, is teacher-forced through the real VLM, and training/rollout_probs_diff_max stays at
     float32 rounding."""
-    from tiller.models.vision import image_token_id
-    from tiller.rollout import RolloutOutput
+    from tests.trainer.test_tool_rl import TeacherForcedEngine
     from tiller.trainer.rl import RLTrainer
 
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
@@ -200,40 +199,14 @@ def test_multi_turn_tool_rollouts_on_image_prompts(tmp_path, tiny_vlm_dir, shape
     trainer = RLTrainer(cfg)
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call><|im_end|>'
 
-    class TeacherForced:
-        """Scripted turns whose logprobs are the real VLM's, computed with the image inputs each turn receives."""
-
-        def __init__(self, model, tok):
-            self.model, self.tok, self.turns = model, tok, []
-
-        def update_weights(self, *args):  # (the module is the actor's own)
-            pass
-
-        def generate(self, prompt_ids, sampling, multi_modal=None):
-            assert multi_modal is not None and len(multi_modal) == len(prompt_ids)
-            self.turns.append(len(prompt_ids))
-            out = RolloutOutput()
-            for ids, mm in zip(prompt_ids, multi_modal):
-                context = self.tok.decode(ids)
-                text = "so 3<|im_end|>" if "<tool_response>" in context or "<|im_start|>tool" in context else call
-                new = self.tok(text, add_special_tokens=False)["input_ids"]
-                full = torch.tensor([list(ids) + new])
-                with torch.no_grad():
-                    logits = self.model(input_ids=full, pixel_values=mm["pixel_values"],
-                                        image_grid_thw=mm["image_grid_thw"],
-                                        mm_token_type_ids=(full == image_token_id(self.model)).int()).logits[0].float()
-                logp = torch.log_softmax(logits / sampling.temperature, -1)
-                out.prompt_ids.append(list(ids))
-                out.response_ids.append(new)
-                out.logprobs.append([float(logp[len(ids) + j - 1, t]) for j, t in enumerate(new)])
-                out.finish_reason.append("stop")
-            return out
+    def script(context: str, k: int) -> str:  # the calculator, then an answer
+        return "so 3<|im_end|>" if "<tool_response>" in context or "<|im_start|>tool" in context else call
 
     try:
         tok = trainer.tokenizer
         assert '"name": "calculator"' in tok.decode(trainer.train_ds.items[0].prompt_ids)  # the schema is in the prompt
         worker = trainer.actor.worker
-        engine = TeacherForced(worker.module, tok)
+        engine = TeacherForcedEngine(worker.module, tok, script)
         worker.rollout = engine
         trainer.global_step = 1
         metrics = trainer.train_step()

@@ -253,17 +253,20 @@ def _schema_model_for(cls: type) -> type:
 
 
 # ---------------------------------------------------------------------------------- built-ins
+def answer_schema(name: str, task: str, answer: str) -> OpenAIFunctionToolSchema:
+    """The default schema of verl's reward tools: one string argument `answer`."""
+    return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
+        "name": name, "description": f"A tool for calculating the reward of {task}",
+        "parameters": {"type": "object", "properties": {"answer": {"type": "string", "description": answer}},
+                       "required": ["answer"]}}})
+
+
 class Gsm8kTool(BaseTool):
     """verl's `verl.tools.gsm8k_tool.Gsm8kTool`: the model submits `answer`; the reply states the parsed answer and
     its gsm8k score (flexible), the tool reward is 0.0 when the score improved on the instance's last, else -0.05."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
-        super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate({
-            "type": "function", "function": {
-                "name": "calc_gsm8k_reward", "description": "A tool for calculating the reward of gsm8k",
-                "parameters": {"type": "object", "properties": {
-                    "answer": {"type": "string", "description": "The answer to the question"}},
-                    "required": ["answer"]}}}))
+        super().__init__(config, tool_schema or answer_schema("calc_gsm8k_reward", "gsm8k", "The answer to the question"))
         self._instances: dict[str, dict] = {}
 
     async def create(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None,
@@ -303,12 +306,8 @@ class Geo3kTool(Gsm8kTool):
     reads `create_kwargs` too."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None):
-        super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate({
-            "type": "function", "function": {
-                "name": "calc_geo3k_reward", "description": "A tool for calculating the reward of geo3k",
-                "parameters": {"type": "object", "properties": {
-                    "answer": {"type": "string", "description": "The answer to the question, enclosed in \\boxed{}"}},
-                    "required": ["answer"]}}}))
+        super().__init__(config, tool_schema or answer_schema(
+            "calc_geo3k_reward", "geo3k", "The answer to the question, enclosed in \\boxed{}"))
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
         answer = parameters.get("answer", "")
