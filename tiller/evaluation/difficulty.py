@@ -46,7 +46,7 @@ from tiller.config.args import add_config_args
 from tiller.data.files import atomic_write_text
 from tiller.data.rl_dataset import build_rl_dataset, read_rows
 from tiller.errors import ConfigError, DataError
-from tiller.evaluation.evaluate import score_samples
+from tiller.evaluation.evaluate import image_inputs, score_samples
 from tiller.evaluation.runner import (
     decode,
     generate_batched,
@@ -172,7 +172,8 @@ def filter_difficulty(cfg, data: str, out: str, *, k: int, band: tuple[float, fl
     policy = policy_from_config(cfg)
     rm = cfg.reward_model
     rules = not (cfg.custom_reward_function.path or rm.enable or rm.remote_url)
-    ds = build_rl_dataset(cfg.data, policy.tokenizer, [str(src)], what="--data", require_ground_truth=rules)
+    ds = build_rl_dataset(cfg.data, policy.tokenizer, [str(src)], what="--data", require_ground_truth=rules,
+                          processor=policy.processor)
     if rules:
         check_ground_truths(ds.items, "--data", rm.bad_ground_truth)
     items = ds.items
@@ -180,7 +181,7 @@ def filter_difficulty(cfg, data: str, out: str, *, k: int, band: tuple[float, fl
     sampling = replace(sampling_from_rollout(r, r.response_length or cfg.data.max_response_length, cfg.trainer.seed),
                        n=k)
     gen = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling, batch_size=batch_size,
-                           progress=progress, desc="filter-difficulty")
+                           progress=progress, desc="filter-difficulty", multi_modal=image_inputs(items))
     texts = [decode(policy.tokenizer, ids) for ids in gen.response_ids]
     reward_fn = build_reward_manager(cfg, policy.tokenizer)
     try:

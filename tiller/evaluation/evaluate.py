@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def image_inputs(items) -> list[dict | None] | None:
+    """Per prompt item its image inputs for the engine (None for a text prompt); None when no item has images."""
+    inputs = [getattr(it, "multi_modal_inputs", None) for it in items]
+    return inputs if any(m is not None for m in inputs) else None
+
+
 def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int,
                   tool_rewards: list[list[float]] | None = None) -> list[dict]:
     """One record per sample (prompt i's samples at rows i*n .. i*n+n-1) with score, acc and pred.
@@ -89,6 +95,8 @@ def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int
     `extra_info["tool_rewards"]` (verl's reward managers do the same)."""
     def extra(i: int, j: int) -> dict:
         info = dict(items[i].extra_info)
+        if getattr(items[i], "images", None):  # an image prompt's images, as tiller rl hands them (PIL)
+            info.setdefault("images", list(items[i].images))
         if tool_rewards is not None:
             info["tool_rewards"] = list(tool_rewards[i * n + j])
         return info
@@ -159,7 +167,7 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
         partitioner = build_partitioner(cfg.reward_model.diversity, policy.tokenizer)
     schemas = [t.schema for t in agent.tools.values()] if agent is not None else None  # in the prompts: filtered
     items = build_rl_dataset(cfg.data, policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
-                             what="data.val_files", tool_schemas=schemas).items
+                             what="data.val_files", tool_schemas=schemas, processor=policy.processor).items
     rm = cfg.reward_model
     if not (cfg.custom_reward_function.path or rm.enable or rm.remote_url):  # rule scoring: types must fit
         check_ground_truths(items, "data.val_files", rm.bad_ground_truth)
@@ -169,7 +177,7 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     size = batch_size or cfg.data.val_batch_size or 64
     if agent is None:
         out = generate_batched(policy.engine, [it.prompt_ids for it in items], sampling, batch_size=size,
-                               progress=progress, desc="eval")
+                               progress=progress, desc="eval", multi_modal=image_inputs(items))
     else:
         out = _agent_generate(agent, policy, items, sampling, cfg, size, progress)
     gen_s = time.time() - start
@@ -211,8 +219,10 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
     for j, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="eval (tools)",
                                       disable=not show_progress(progress))):
         call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
+        images = image_inputs(items[start:start + batch_size])
         res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget,
-                             tools_kwargs=[tools_kwargs_of(it.extra_info) for it in items[start:start + batch_size]])
+                             tools_kwargs=[tools_kwargs_of(it.extra_info) for it in items[start:start + batch_size]],
+                             multi_modal=images)
         for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",
                      "num_tool_calls", "tool_errors", "tool_rewards"):
             getattr(out, name).extend(getattr(res, name))

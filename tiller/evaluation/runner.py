@@ -17,7 +17,8 @@ from tiller.data.rl_dataset import read_rows, render_prompt
 from tiller.errors import ConfigError, DataError
 from tiller.models.chat_template import set_chat_template
 from tiller.models.checkpoint import model_dir_for
-from tiller.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tiller.models.loading import is_vision_checkpoint, load_causal_lm, load_tokenizer, resolve_dtype
+from tiller.models.vision import load_processor
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.base import effective_dtype
 
@@ -30,6 +31,8 @@ class Policy:
     tokenizer: Any
     model_path: str
     model: Any = None
+    processor: Any = None
+    """A vision-language model's processor (its image prompts go through it); None for a text model."""
 
 
 def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat16", seed: int = 0,
@@ -57,8 +60,12 @@ def load_policy(model_path: str, *, engine: str = "native", dtype: str = "bfloat
     model = load_causal_lm(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, device=device)
     model.eval()
     model.requires_grad_(False)
+    processor = None
+    if is_vision_checkpoint(model_path):
+        processor = load_processor(model_path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+        set_chat_template(tokenizer, chat_template, processor)
     return Policy(build_rollout_engine(engine, model, tokenizer, dtype=None, seed=seed, **opts),
-                  tokenizer, model_path, model)
+                  tokenizer, model_path, model, processor)
 
 
 def show_progress(wanted: bool) -> bool:
@@ -117,10 +124,12 @@ def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prom
 
 
 def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingParams, *, batch_size: int = 64,
-                     progress: bool = True, desc: str = "generate") -> RolloutOutput:
+                     progress: bool = True, desc: str = "generate",
+                     multi_modal: Sequence[dict | None] | None = None) -> RolloutOutput:
     """`engine.generate` over `batch_size` prompts at a time, concatenated (n samples per prompt contiguous).
 
     With `sampling.seed` set, batch `j` uses seed `seed + j`, so a run is reproducible for a given batch size.
+    `multi_modal`: per prompt a vision-language model's image inputs (`PromptItem.multi_modal_inputs`) or None.
     """
     from dataclasses import replace
 
@@ -134,7 +143,9 @@ def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingPara
         for j, start in enumerate(range(0, len(prompt_ids), batch_size)):
             chunk = prompt_ids[start:start + batch_size]
             call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
-            res = engine.generate(chunk, call)
+            images = multi_modal[start:start + batch_size] if multi_modal is not None else None
+            res = engine.generate(chunk, call, **({"multi_modal": list(images)} if images is not None and any(
+                m is not None for m in images) else {}))
             out.prompt_ids += res.prompt_ids
             out.response_ids += res.response_ids
             out.logprobs += res.logprobs
