@@ -79,7 +79,7 @@ def test_kwargs_change_the_prompt_ids_and_what_the_length_filter_drops(thinking_
     assert all(it.prompt_text.endswith("<think>\n\n</think>\n\n") for it in ds.items)
 
     # tiller generate / eval render the same way
-    _, ids = load_prompt_rows(files, tok, max_prompt_length=1000, chat_template_kwargs={"enable_thinking": False})
+    _, ids, _ = load_prompt_rows(files, tok, max_prompt_length=1000, chat_template_kwargs={"enable_thinking": False})
     assert ids == no_think
 
 

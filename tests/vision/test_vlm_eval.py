@@ -56,3 +56,23 @@ def test_filter_difficulty_takes_image_prompts(tmp_path, tiny_vlm_dir, shapes_da
                  str(shapes_data / "test.parquet"), "--k", "2", "--keep", "0:1", "--out", str(tmp_path / "kept.parquet"),
                  "data.max_response_length=4", "data.max_prompt_length=512", "actor_rollout_ref.rollout.dtype=float32"])
     assert code == 0 and (tmp_path / "kept.parquet").is_file()
+
+
+def test_generate_writes_image_rows_to_parquet_and_refuses_jsonl_before_generating(tmp_path, tiny_vlm_dir,
+                                                                                    tiny_model_dir, shapes_data,
+                                                                                    capsys):
+    from tiller.data.rl_dataset import read_rows
+
+    base = ["generate", "--data", str(shapes_data / "test.parquet"), "data.max_response_length=4",
+            "data.max_prompt_length=512", "actor_rollout_ref.rollout.dtype=float32", "--no-progress"]
+    assert main(base + ["--model", str(tiny_vlm_dir), "--out", str(tmp_path / "gens.parquet")]) == 0
+    rows = read_rows(tmp_path / "gens.parquet")
+    assert len(rows) == 6 and all(len(r["responses"]) == 1 for r in rows) and rows[0]["images"]
+    capsys.readouterr()
+    assert main(base + ["--model", str(tiny_vlm_dir), "--out", str(tmp_path / "gens.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "gens.jsonl: row 0 field 'images' cannot be written as JSON" in err and "write a .parquet" in err
+    assert not (tmp_path / "gens.jsonl").exists()
+    assert main(base + ["--model", str(tiny_model_dir), "--out", str(tmp_path / "text.parquet")]) == 2
+    assert "row 0: the row has images (column 'images') but the model is not a vision-language" in \
+        capsys.readouterr().err

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from tiller.errors import DataError
 
@@ -108,8 +108,31 @@ def write_rows(rows: Sequence[dict], path: str | Path) -> Path:
 
         pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
     else:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                for i, r in enumerate(rows):
+                    fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+        except TypeError:  # bytes (an image column), or another object JSON has no form for
+            tmp.unlink(missing_ok=True)
+            check_jsonl_rows([r], p, first=i)
+            raise
     os.replace(tmp, p)
     return p
+
+
+def check_jsonl_rows(rows: Sequence[dict], path: str | Path, first: int = 0) -> None:
+    """A DataError naming `path`, the row and its fields when a row holds a value JSON cannot write (an image
+    column's bytes): such rows go to a .parquet file."""
+    for i, row in enumerate(rows, first):
+        bad = [k for k, v in row.items() if not _json_ok(v)]
+        if bad:
+            raise DataError(f"{path}: row {i} field {', '.join(map(repr, bad))} cannot be written as JSON (binary "
+                            "data, e.g. an image column's bytes); write a .parquet file instead")
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False

@@ -5,7 +5,8 @@
         actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.temperature=0.7 data.max_response_length=256
 
 Input: `.parquet` / `.jsonl` rows with a `data.prompt_key` column (default `prompt`) holding a string or a
-list of chat messages (verl's schema works as is; `data_source` is not needed). Without `--data`,
+list of chat messages (verl's schema works as is; `data_source` is not needed); with a vision-language model, rows
+with images (`data.image_key`, verl's image parquet) are generated with their pixels. Without `--data`,
 `data.val_files` (then `data.train_files`) are read. Sampling comes from `actor_rollout_ref.rollout.*`
 (n, temperature, top_p, top_k, min_p, do_sample, stop, ignore_eos, name = engine, dtype); the response length
 from `rollout.response_length` or `data.max_response_length`; the seed from `trainer.seed` (batch j uses
@@ -22,6 +23,7 @@ import time
 
 from tiller.config import load_config
 from tiller.config.args import add_config_args
+from tiller.data.files import check_jsonl_rows
 from tiller.data.rl_dataset import write_rows
 from tiller.errors import ConfigError
 from tiller.evaluation.runner import (
@@ -55,16 +57,19 @@ def main(argv: list[str]) -> int:
     files = args.data or list(cfg.data.val_files) or list(cfg.data.train_files)
     policy = policy_from_config(cfg)
     d = cfg.data
-    rows, prompt_ids = load_prompt_rows(files, policy.tokenizer, prompt_key=d.prompt_key,
-                                        max_prompt_length=cfg.actor_rollout_ref.rollout.prompt_length
-                                        or d.max_prompt_length, truncation=d.truncation,
-                                        apply_chat_template=d.apply_chat_template, max_samples=d.max_samples,
-                                        chat_template_kwargs=dict(d.apply_chat_template_kwargs))
+    rows, prompt_ids, images = load_prompt_rows(files, policy.tokenizer, prompt_key=d.prompt_key,
+                                                max_prompt_length=cfg.actor_rollout_ref.rollout.prompt_length
+                                                or d.max_prompt_length, truncation=d.truncation,
+                                                apply_chat_template=d.apply_chat_template, max_samples=d.max_samples,
+                                                chat_template_kwargs=dict(d.apply_chat_template_kwargs),
+                                                processor=policy.processor, image_key=d.image_key)
+    if args.out.endswith(".jsonl"):  # (before any generating)
+        check_jsonl_rows(rows, args.out)
     r = cfg.actor_rollout_ref.rollout
     sampling = sampling_from_rollout(r, r.response_length or d.max_response_length, cfg.trainer.seed)
     start = time.time()
     out = generate_batched(policy.engine, prompt_ids, sampling, batch_size=args.batch_size,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, multi_modal=images)
     wall = time.time() - start
     n = sampling.n
     for i, row in enumerate(rows):

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from tiller.data.rl_dataset import read_rows, render_prompt
+from tiller.data.rl_dataset import encode_image_row, read_rows, render_prompt, row_images
 from tiller.errors import ConfigError, DataError
 from tiller.models.chat_template import set_chat_template
 from tiller.models.checkpoint import model_dir_for
@@ -94,15 +94,18 @@ def tokenize_prompt(text: str, tokenizer, max_len: int, truncation: str, where: 
 
 def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 1024,
                      truncation: str = "error", apply_chat_template: bool = True,
-                     max_samples: int = -1, chat_template_kwargs: dict | None = None
-                     ) -> tuple[list[dict], list[list[int]]]:
-    """Rows of prompt files (verl schema, or any file with a `prompt_key` column of text or chat messages)
-    and the token ids of each rendered prompt. Each row gets `prompt_text` (the rendered prompt).
-    `chat_template_kwargs`: extra template variables (data.apply_chat_template_kwargs)."""
+                     max_samples: int = -1, chat_template_kwargs: dict | None = None, processor=None,
+                     image_key: str = "images") -> tuple[list[dict], list[list[int]], list[dict | None]]:
+    """Rows of prompt files (verl schema, or any file with a `prompt_key` column of text or chat messages),
+    the token ids of each rendered prompt and each row's image inputs (None for a text row). Each row gets
+    `prompt_text` (the rendered prompt). `chat_template_kwargs`: extra template variables
+    (data.apply_chat_template_kwargs). Rows with images (`image_key`) need a vision-language model's `processor`
+    (as `tiller.data.rl_dataset.RLDataset` reads them; an image prompt is never truncated)."""
     if not files:
         raise ConfigError("no prompt files: pass --data FILE (or data.val_files=[...])")
     rows_out: list[dict] = []
     ids_out: list[list[int]] = []
+    images_out: list[dict | None] = []
     for path in files:
         rows = read_rows(path)
         if not rows:
@@ -114,13 +117,27 @@ def load_prompt_rows(files: Sequence[str], tokenizer, *, prompt_key: str = "prom
             where = f"{path} row {i}"
             if row.get(prompt_key) is None:
                 raise DataError(f"{where}: empty {prompt_key!r}")
-            text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where,
-                                 chat_template_kwargs=chat_template_kwargs)
-            ids_out.append(tokenize_prompt(text, tokenizer, max_prompt_length, truncation, where))
+            images = row_images(row, image_key, where)
+            if images:
+                if processor is None:
+                    raise DataError(f"{where}: the row has images (column {image_key!r}) but the model is not a "
+                                    "vision-language model tiller runs; drop the column or change data.image_key")
+                vision = encode_image_row(row[prompt_key], images, processor, where, chat_template_kwargs)
+                if len(vision.prompt_ids) > max_prompt_length:
+                    raise DataError(f"{where}: image prompt has {len(vision.prompt_ids)} tokens > "
+                                    f"data.max_prompt_length={max_prompt_length} (image prompts are not truncated)")
+                text, ids = vision.text, list(vision.prompt_ids)
+                images_out.append({"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw})
+            else:
+                text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where,
+                                     chat_template_kwargs=chat_template_kwargs)
+                ids = tokenize_prompt(text, tokenizer, max_prompt_length, truncation, where)
+                images_out.append(None)
+            ids_out.append(ids)
             rows_out.append({**row, "prompt_text": text})
             if 0 < max_samples <= len(rows_out):
-                return rows_out, ids_out
-    return rows_out, ids_out
+                return rows_out, ids_out, images_out
+    return rows_out, ids_out, images_out
 
 
 def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingParams, *, batch_size: int = 64,
