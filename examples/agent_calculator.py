@@ -308,7 +308,7 @@ def rollout_keys(rollout: str, out: Path) -> list[str]:
                 "actor_rollout_ref.rollout.agent.client=openai"]
     (out / "tools.py").write_text(TOOLS_PY)
     (out / "reward.py").write_text(REWARD_PY)
-    return ["actor_rollout_ref.rollout.multi_turn.enable=True",
+    return ["actor_rollout_ref.rollout.multi_turn.enable=True", "data.max_response_length=128",  # (all turns)
             f"actor_rollout_ref.rollout.multi_turn.function_tool_path={out / 'tools.py'}",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
             f"custom_reward_function.path={out / 'reward.py'}"]

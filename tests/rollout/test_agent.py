@@ -351,3 +351,38 @@ def test_render_prompt_with_tools_keeps_the_template(tok):
     # the tiny ChatML template ignores `tools=`, so the schemas go into a system message
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "calculator"' in text
     assert json.dumps(CalculatorTool().schema)  # schemas are JSON-serialisable for templates
+
+
+def test_tool_messages_follow_the_templates_layout_of_tool_call_turns(tok):
+    """A template may lay out a tool-call turn differently from a text turn (examples/agent_calculator.py's: no
+    newline after it); the tool message after a parsed call is the template's own rendering of the conversation
+    with that turn as `tool_calls`, so a model trained on rendered transcripts sees the same text."""
+    import copy
+
+    from examples.agent_calculator import CHAT_TEMPLATE
+    from tiller.rollout.function_tools import FunctionTool, infer_schema
+
+    t = copy.deepcopy(tok)
+    t.chat_template = CHAT_TEMPLATE
+
+    def calc(x: str) -> str:
+        """evaluate
+
+        Args:
+            x: the expression
+        """
+        return "42"
+
+    tools = {"calc": FunctionTool(calc, "calc", infer_schema(calc, "calc"))}
+    call = '<tool_call>{"name": "calc", "arguments": {"x": "6*7"}}</tool_call><|im_end|>'
+    user = [{"role": "user", "content": "What is 6*7?"}]
+    prompt = t(t.apply_chat_template(user, tools=[tools["calc"].schema], add_generation_prompt=True, tokenize=False),
+               add_special_tokens=False)["input_ids"]
+    out = run_agent_loop(ScriptedEngine(t, lambda c, r: "42<|im_end|>" if "<|im_start|>tool" in c else call), t,
+                         [prompt], SamplingParams(max_new_tokens=60), tools, max_response_length=200)
+    rendered = t.apply_chat_template(user + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calc", "arguments": {"x": "6*7"}}}]},
+        {"role": "tool", "content": "42"}], tools=[tools["calc"].schema], add_generation_prompt=True, tokenize=False)
+    assert "</tool_call><|im_end|><|im_start|>tool" in rendered  # (the template's layout: no newline)
+    assert t.decode(prompt + out.response_ids[0]) == rendered + "42<|im_end|>"

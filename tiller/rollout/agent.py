@@ -170,14 +170,21 @@ class ToolResponseEncoder:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
                                                   **self.chat_template_kwargs)
 
-    def text(self, results: Sequence[str]) -> str:
-        """The text between an assistant turn's eos and the next assistant turn's first token."""
+    def text(self, results: Sequence[str], calls: Sequence[ToolCall] | None = None) -> str:
+        """The text between an assistant turn's eos and the next assistant turn's first token. With the turn's
+        parsed `calls`, the assistant turn is rendered as a tool-call message (`tool_calls`), so a template that
+        lays out tool-call turns differently from text turns (e.g. no newline after them) gives its own text."""
+        if calls and not any(c.error for c in calls):
+            message = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+            try:
+                found = self._after_eos(message, results)
+            except Exception:  # noqa: BLE001 - a template that rejects tool_calls: the text-turn rendering below
+                found = None
+            if found is not None:
+                return found
         base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "ASSISTANT_TURN"}]
-        try:
-            full = self._render(base + [{"role": "tool", "content": r} for r in results], True)
-        except Exception:  # noqa: BLE001 - templates without a tool role raise from jinja
-            wrapped = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
-            full = self._render(base + [{"role": "user", "content": wrapped}], True)
+        full = self._render_results(base, results)
         prefix = self._render(base, False)
         marker = "ASSISTANT_TURN" + self.eos_text
         end = prefix.rfind(marker)
@@ -186,8 +193,29 @@ class ToolResponseEncoder:
         common = len(prefix) if full.startswith(prefix) else 0
         return full[common:]
 
-    def encode(self, results: Sequence[str], turn_ended_with_eos: bool) -> list[int]:
-        text = self.text(results)
+    def _render_results(self, base: list[dict], results: Sequence[str]) -> str:
+        try:
+            return self._render(base + [{"role": "tool", "content": r} for r in results], True)
+        except Exception:  # noqa: BLE001 - templates without a tool role raise from jinja
+            wrapped = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+            return self._render(base + [{"role": "user", "content": wrapped}], True)
+
+    def _after_eos(self, message: dict, results: Sequence[str]) -> str | None:
+        """The text after `message`'s eos in the rendering of [user, message, tool results...], or None when the
+        rendering of [user, message] does not end its turn with the eos."""
+        base = [{"role": "user", "content": "USER_TURN"}, message]
+        prefix = self._render(base, False)
+        end = prefix.rfind(self.eos_text) if self.eos_text else -1
+        turn = prefix[prefix.find("USER_TURN") + len("USER_TURN"):end] if end >= 0 else ""
+        if not turn or not all(c["function"]["name"] in turn for c in message["tool_calls"]):
+            return None  # (a template that drops tool_calls, or ends the turn without the eos)
+        full = self._render_results(base, results)
+        cut = end + len(self.eos_text)
+        return full[cut:] if full.startswith(prefix[:cut]) else None
+
+    def encode(self, results: Sequence[str], turn_ended_with_eos: bool,
+               calls: Sequence[ToolCall] | None = None) -> list[int]:
+        text = self.text(results, calls)
         if not turn_ended_with_eos:
             text = self.eos_text + text
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -332,7 +360,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
             row.calls += len(calls)
             row.errors += sum(t.startswith("Error:") for t in texts)
             row.tool_rewards += [r.reward for r in results]
-            if not row.add(encoder.encode(texts, ended), None, budget) or len(row.ids) >= budget:
+            if not row.add(encoder.encode(texts, ended, calls), None, budget) or len(row.ids) >= budget:
                 row.finish = "length"
     for r in rows:
         r.finish = r.finish or "stop"
