@@ -63,9 +63,9 @@ def test_noop_keys_are_the_ones_the_user_set(capsys):
 def test_refused_values_say_why_and_what_to_use():
     with pytest.raises(ConfigError, match=r"hybrid_engine=False is refused: .*one worker.*Instead: leave it True"):
         load_config(["actor_rollout_ref.hybrid_engine=False"])
-    with pytest.raises(ConfigError, match=r"multi_turn.format='gpt-oss' is refused: .*Hermes"):
-        load_config(["actor_rollout_ref.rollout.multi_turn.format=gpt-oss"])
-    assert load_config(["actor_rollout_ref.rollout.multi_turn.format=hermes"])
+    with pytest.raises(ConfigError, match=r"multi_turn.format='gpt_oss': one of hermes, qwen3_coder, glm, seed"):
+        load_config(["actor_rollout_ref.rollout.multi_turn.format=gpt_oss"])
+    assert load_config(["actor_rollout_ref.rollout.multi_turn.format=qwen3_coder"])
 
 
 @pytest.mark.parametrize("old,new,world,value,expected", [

@@ -116,9 +116,6 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.hybrid_engine": refused(
         "tiller runs actor, rollout and reference in one worker (verl's hybrid engine); the split layout is "
         "not built", use="leave it True", allowed=(True,)),
-    "actor_rollout_ref.rollout.multi_turn.format": refused(
-        "tiller's agent loop parses Hermes / Qwen tool calls (<tool_call>{json}</tool_call>) only",
-        use="format=hermes with a model whose chat template emits <tool_call> blocks", allowed=("hermes",)),
     "critic.model.use_remove_padding": noop(_PADDING),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),

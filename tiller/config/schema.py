@@ -695,7 +695,8 @@ class MultiTurnConfig:
     """YAML listing the tools available to the model (with function_tool_path: both files' tools; neither: the
     built-in calculator)."""
     format: str = "hermes"
-    """Tool-call format: hermes (`<tool_call>{json}</tool_call>`, Qwen's), the one tiller parses."""
+    """Tool-call format, verl's parsers: hermes (`<tool_call>{json}</tool_call>`, Qwen2.5 / Qwen3), qwen3_coder
+    (Qwen3-Coder / Qwen3.5 XML), glm (GLM-4.5), seed (Seed-OSS), minimax (MiniMax-M2), gpt-oss (harmony)."""
     max_user_turns: Optional[int] = None
     """Most tool turns: after this many, the next assistant turn ends the conversation (null or 0: no limit)."""
     max_parallel_calls: int = 1

@@ -27,6 +27,8 @@ from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
+# verl's tool parsers (actor_rollout_ref.rollout.multi_turn.format; tiller.rollout.tool_parsers)
+TOOL_CALL_FORMATS = ("hermes", "qwen3_coder", "glm", "seed", "minimax", "gpt-oss")
 PARTITIONERS = ("exact", "ngram", "embedding", "llm", "classifier")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 #: the built-in names (tests iterate them); validation reads the live registries
@@ -122,6 +124,10 @@ def validate_rl(cfg: RLConfig) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of one prompt, so it needs "
             f"actor_rollout_ref.rollout.n >= 2 (got {rollout.n})"
         )
+    if rollout.multi_turn.format not in TOOL_CALL_FORMATS:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.format={rollout.multi_turn.format!r}: one of "
+                          f"{', '.join(TOOL_CALL_FORMATS)} (verl's tool parsers: how the model's chat template writes "
+                          "tool calls)")
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
     if not 0.0 < actor.top_entropy_quantile <= 1.0:

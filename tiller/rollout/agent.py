@@ -49,6 +49,7 @@ from tiller.data.rl_dataset import (  # noqa: F401 (with_tools_system_message: t
 from tiller.errors import ConfigError
 from tiller.rollout.base import RolloutOutput, SamplingParams, eos_token_ids
 from tiller.rollout.function_tools import load_function_tools, ToolResult
+from tiller.rollout import tool_parsers
 from tiller.rollout.tools import CalculatorTool, load_tools, Tool
 from tiller.rollout.verl_tools import AgentData, TOOL_LOOP
 
@@ -81,6 +82,16 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             calls.append(ToolCall("", {}, error=f"invalid tool call {body[:200]!r}: {err}"))
     return calls
+
+
+def turn_calls(tokenizer, ids: Sequence[int], tool_format: str = "hermes",
+               schemas: Sequence[dict] = ()) -> list[ToolCall]:
+    """The tool calls of one sampled turn in `tool_format` (`tiller.rollout.tool_parsers`)."""
+    if tool_format == "hermes":
+        return parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+    keep = tool_format in tool_parsers.KEEP_SPECIAL_TOKENS
+    text = tokenizer.decode(ids, skip_special_tokens=not keep)
+    return [ToolCall(c.name, c.arguments, c.error) for c in tool_parsers.PARSERS[tool_format](text, schemas)]
 
 
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -296,7 +307,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
                    truncate_side: str = "middle", max_calls_per_turn: int = 1, max_user_turns: int | None = None,
                    chat_template_kwargs: dict | None = None,
                    tools_kwargs: Sequence[dict | None] | None = None, weights_hook=None,
-                   multi_modal: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
+                   multi_modal: Sequence[dict | None] | None = None, tool_format: str = "hermes") -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
@@ -312,6 +323,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     hold each response token's policy version (a tool message's tokens: the version of the turn before it).
     `multi_modal`: per prompt, a vision-language model's image inputs (None for a text prompt), sent with every turn
     of that prompt's conversations (the image tokens stay in the prompt part of the context).
+    `tool_format`: how the model writes its calls (multi_turn.format, `tiller.rollout.tool_parsers`).
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
     for name, per_prompt in (("tools_kwargs", tools_kwargs), ("multi_modal", multi_modal)):
@@ -322,6 +334,10 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
         raise ValueError(f"max_assistant_turns must be >= 1, got {max_assistant_turns}")
     budget = max_response_length or sampling.max_new_tokens
     encoder = ToolResponseEncoder(tokenizer, chat_template_kwargs)
+    if tool_format != "hermes" and tool_format not in tool_parsers.PARSERS:
+        raise ValueError(f"tool_format={tool_format!r}: one of {', '.join(tool_parsers.FORMATS)}")
+    schemas = [t.schema for t in tools.values()]
+    extra_stops = tuple(tool_parsers.stop_token_ids(tool_format, tokenizer))
     rows = [_Row(list(p)) for p in prompt_ids for _ in range(sampling.n)]
     row_kwargs = [dict((tools_kwargs[i] if tools_kwargs is not None else None) or {})
                   for i in range(len(prompt_ids)) for _ in range(sampling.n)]
@@ -334,7 +350,8 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
             break
         step = min(sampling.max_new_tokens, max(budget - len(r.ids) for r in live))
         call = replace(sampling, n=1, max_new_tokens=step,
-                       seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn)
+                       seed=None if sampling.seed is None else sampling.seed + 1_000_003 * turn,
+                       stop_token_ids=tuple(sampling.stop_token_ids) + extra_stops)
         options = {"weights_hook": weights_hook} if weights_hook is not None else {}
         if images:
             options["multi_modal"] = [r.multi_modal for r in live]
@@ -346,7 +363,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
             if not row.add(ids, lps, budget, versions[k] if versions else None) or reason == "length":
                 row.finish = "length"
                 continue
-            calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))[:max_calls_per_turn]
+            calls = turn_calls(tokenizer, ids, tool_format, schemas)[:max_calls_per_turn]
             # (verl: at max_user_turns tool turns, the turn just generated ends the conversation)
             if not calls or turn == max_assistant_turns - 1 or (max_user_turns and turn >= max_user_turns):
                 row.finish = "stop"
@@ -393,12 +410,14 @@ class AgentLoop:
     max_user_turns: int | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra chat-template variables (data.apply_chat_template_kwargs) of the tool turns."""
+    tool_format: str = "hermes"
+    """How the model writes its calls (multi_turn.format)."""
 
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                  max_response_length: int | None = None, tools_kwargs: Sequence[dict | None] | None = None,
                  weights_hook=None, multi_modal: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
         return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools, tools_kwargs=tools_kwargs,
-                              weights_hook=weights_hook, multi_modal=multi_modal,
+                              weights_hook=weights_hook, multi_modal=multi_modal, tool_format=self.tool_format,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
                               max_tool_response_chars=self.max_tool_response_chars, truncate_side=self.truncate_side,
                               max_calls_per_turn=self.max_calls_per_turn, max_user_turns=self.max_user_turns,
@@ -446,7 +465,7 @@ def build_agent_loop(rollout_cfg: Any, chat_template_kwargs: dict | None = None)
     if mt.max_user_turns is not None and (isinstance(mt.max_user_turns, bool) or mt.max_user_turns < 0):
         raise ConfigError(f"{key}.max_user_turns must be null, 0 (no limit) or >= 1, got {mt.max_user_turns!r}")
     tools = load_all_tools(mt)
-    return AgentLoop(tools=tools, max_assistant_turns=mt.max_assistant_turns,
+    return AgentLoop(tools=tools, tool_format=mt.format, max_assistant_turns=mt.max_assistant_turns,
                      max_tool_response_chars=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side,
                      max_calls_per_turn=mt.max_parallel_calls, max_user_turns=mt.max_user_turns or None,
                      chat_template_kwargs=dict(chat_template_kwargs or {}))
