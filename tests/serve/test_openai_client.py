@@ -211,6 +211,38 @@ def test_tool_calls_parsed_for_the_client(client, live, monkeypatch):
     scripted.close()
 
 
+def test_qwen35_xml_tool_calls_with_tool_call_parser(client, live, monkeypatch):
+    """`tiller serve --tool-call-parser qwen3_coder` (vLLM's flag): Qwen3-Coder / Qwen3.5's XML calls become
+    `tool_calls` with the schema's types, the text before them the content."""
+    from tiller.rollout import RolloutOutput
+    from tiller.serve.batcher import MicroBatcher
+    from tiller.serve.cli import _parser
+
+    _, served = live
+    text = ("Let me compute.\n<tool_call>\n<function=calculator>\n<parameter=expression>\n6*7\n</parameter>\n"
+            "<parameter=digits>\n3\n</parameter>\n</function>\n</tool_call>")
+
+    class Scripted:
+        def generate(self, prompt_ids, sampling):
+            ids = served.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return RolloutOutput([prompt_ids[0]], [ids], [[0.0] * len(ids)], ["stop"])
+
+    scripted = MicroBatcher(Scripted(), max_wait_s=0.0)
+    monkeypatch.setattr(served, "batcher", scripted)
+    monkeypatch.setattr(served, "tool_call_parser", _parser().parse_args(
+        ["DIR", "--tool-call-parser", "qwen3_coder"]).tool_call_parser)
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}, "digits": {"type": "integer"}}}}}]
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "6*7?"}], tools=tools,
+                                          max_tokens=8)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me compute."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "6*7",
+                                                                                         "digits": 3}
+    scripted.close()
+
+
 # ------------------------------------------------------------------------------------ response_format
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "enum": ["x", "y"]}},
           "required": ["a", "b"], "additionalProperties": False}

@@ -128,6 +128,10 @@ def validate_rl(cfg: RLConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.format={rollout.multi_turn.format!r}: one of "
                           f"{', '.join(TOOL_CALL_FORMATS)} (verl's tool parsers: how the model's chat template writes "
                           "tool calls)")
+    if rollout.agent.path and rollout.multi_turn.format == "gpt-oss":
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.format=gpt-oss with rollout.agent.path: the agent "
+                          "endpoint parses hermes, qwen3_coder, glm, seed and minimax tool calls (gpt-oss's harmony "
+                          "chats are not served)")
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
     if not 0.0 < actor.top_entropy_quantile <= 1.0:

@@ -183,7 +183,12 @@ def parse_gpt_oss(text: str, schemas: Sequence[dict] = ()) -> list[ParsedCall]:
 PARSERS: dict[str, Callable[[str, Sequence[dict]], list[ParsedCall]]] = {
     "qwen3_coder": parse_qwen3_coder, "glm": parse_glm, "seed": parse_seed, "minimax": parse_minimax,
     "gpt-oss": parse_gpt_oss}
-KEEP_SPECIAL_TOKENS = ("glm", "seed", "minimax", "gpt-oss")  # (verl decodes their turns with special tokens)
+KEEP_SPECIAL_TOKENS = ("glm", "seed", "minimax", "gpt-oss")
+# where a format's calls start (an OpenAI server's content is the text before it); `tiller serve --tool-call-parser`
+# and the agent endpoint take these formats (gpt-oss's harmony chats are not served)
+CALL_STARTS = {"qwen3_coder": "<tool_call>", "glm": "<tool_call>", "seed": "<seed:tool_call>",
+               "minimax": "<minimax:tool_call>"}
+SERVE_FORMATS = ("hermes", *CALL_STARTS)  # (verl decodes their turns with special tokens)
 STOP_TOKENS = {"glm": ("<|observation|>",)}
 
 

@@ -62,6 +62,7 @@ from tiller.rollout.native import NativeRolloutEngine
 from tiller.serve.batcher import MicroBatcher, QueueFull
 from tiller.serve.images import message_content
 from tiller.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields
+from tiller.rollout.tool_parsers import KEEP_SPECIAL_TOKENS
 from tiller.serve.tool_calls import extract_tool_calls, prepare_messages
 
 
@@ -79,6 +80,7 @@ class ServedModel:
     policy_version = 0
     fixed_sampling: dict = {}
     chat_template_kwargs: dict = {}  # extra template variables of every chat (an RL run's apply_chat_template_kwargs)
+    tool_call_parser: str = "hermes"  # how the model writes tool calls (tiller serve --tool-call-parser)
 
     def __init__(self, engine, tokenizer, *, name: str, max_model_len: int, max_tokens_default: int = 512,
                  max_batch_prompts: int = 64, max_wait_s: float = 0.005, max_n: int = 64,
@@ -315,7 +317,10 @@ async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> di
         message: dict[str, Any] = {"role": "assistant", "content": text}
         reason = out.finish_reason[i]
         if req.tools and req.tool_choice != "none":
-            content, calls = extract_tool_calls(text)
+            parse_text = text
+            if served.tool_call_parser in KEEP_SPECIAL_TOKENS:  # (their tags may be special tokens)
+                parse_text = served.tokenizer.decode(out.response_ids[i], skip_special_tokens=False)
+            content, calls = extract_tool_calls(parse_text, served.tool_call_parser, req.tools)
             if req.parallel_tool_calls is False:
                 calls = calls[:1]
             if calls:

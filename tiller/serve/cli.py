@@ -22,6 +22,7 @@ from tiller.models.vision import load_processor
 from tiller.rollout.base import SamplingParams
 from tiller.rollout.graphed_decode import native_decode_options
 from tiller.serve.app import create_app, ServedModel
+from tiller.serve.tool_calls import SERVE_PARSERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-tokens", type=int, default=1 << 20,
                    help="largest prompts x n x max_tokens of one request")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--tool-call-parser", default="hermes", choices=SERVE_PARSERS,
+                   help="how the model writes tool calls (vLLM's flag): hermes (Qwen2.5 / Qwen3, default), "
+                        "qwen3_coder (Qwen3-Coder / Qwen3.5), glm (GLM-4.5), seed (Seed-OSS), minimax (MiniMax-M2)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -93,6 +97,7 @@ def build_served_model(args: argparse.Namespace):
                          max_request_tokens=args.max_request_tokens, max_queue=args.max_queue,
                          prompt_cache_mb=64.0 if args.prompt_cache_mb is None else args.prompt_cache_mb,
                          processor=_processor(policy, args.trust_remote_code))
+    served.tool_call_parser = args.tool_call_parser
     if args.compile:
         warm_up(served)
     return served

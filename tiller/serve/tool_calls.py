@@ -8,7 +8,9 @@ expects), or, for templates that do not render `tool_calls`, written into the co
 `tool` messages keep their role.
 Out: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the completion become
 `message.tool_calls` (arguments as a JSON string, ids `call_<hex>`), the remaining text the `content`
-(None when empty), and `finish_reason` "tool_calls". Malformed blocks stay in the content.
+(None when empty), and `finish_reason` "tool_calls". Malformed blocks stay in the content. `--tool-call-parser`
+(vLLM's flag) reads Qwen3-Coder / Qwen3.5's XML calls (`qwen3_coder`), GLM-4.5's, Seed-OSS's or MiniMax-M2's
+instead (`tiller.rollout.tool_parsers`; their tags read with the special tokens kept).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import uuid
 from typing import Any
 
+from tiller.rollout import tool_parsers
 from tiller.rollout.agent import TOOL_CALL, parse_tool_calls, with_tools_system_message
 from tiller.serve.protocol import RequestError
 
@@ -64,8 +67,22 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, template: s
     return with_tools_system_message(out, tools), None
 
 
-def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content without the well-formed tool-call blocks or None, OpenAI `tool_calls`)."""
+SERVE_PARSERS = tool_parsers.SERVE_FORMATS
+
+
+def extract_tool_calls(text: str, parser: str = "hermes",
+                       tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
+    """(content without the well-formed tool-call blocks or None, OpenAI `tool_calls`). `parser`: the format the
+    model writes calls in (`tiller serve --tool-call-parser`, vLLM's flag; `tiller.rollout.tool_parsers`): for
+    the non-Hermes formats the content is the text before the first call, as verl's and vLLM's parsers cut it."""
+    if parser != "hermes":
+        found = [c for c in tool_parsers.PARSERS[parser](text, tools or []) if not c.error]
+        if not found:
+            return text, []
+        start = text.find(tool_parsers.CALL_STARTS[parser])
+        content = text[:start].strip() if start >= 0 else ""
+        return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in found]
     calls = parse_tool_calls(text)
     if not calls or all(c.error for c in calls):
         return text, []

@@ -345,6 +345,8 @@ class ActorRolloutRefWorker:
                                      max_tokens_default=max_tokens)
             # the agent's chats render as the prompt set does (verl's agent loop reads the same key)
             endpoint.served.chat_template_kwargs = dict(self.cfg.data.apply_chat_template_kwargs)
+            # the format the model writes tool calls in (gpt-oss, not served, is refused with agent.path)
+            endpoint.served.tool_call_parser = self.rollout_cfg.multi_turn.format
             self._endpoints[key] = endpoint
         return endpoint
 
