@@ -75,7 +75,7 @@ def _file(tmp_path, body: str, name: str = "my_tools.py") -> str:
 def _mt(**kw) -> SimpleNamespace:
     base = dict(enable=True, tool_config_path=None, function_tool_path=None, max_assistant_turns=4,
                 max_parallel_calls=1, max_tool_response_length=256, tool_response_truncate_side="middle",
-                max_user_turns=None)
+                max_user_turns=None, format="hermes")
     return SimpleNamespace(**{**base, **kw})
 
 
