@@ -332,7 +332,8 @@ class TeacherForcedEngine:
         return out
 
 
-def test_the_actor_scores_every_turn_of_a_conversation(tiny_model_dir, files):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_actor_scores_every_turn_of_a_conversation(tiny_model_dir, files, packed):
     """The actor's forward covers the whole conversation, the turns after a tool message included: its probabilities
     equal a teacher-forced forward of the real model on every model token (training/rollout_probs_diff_max at float32
     rounding). (The forward used to be trimmed to the number of trained tokens, which a tool message in the middle
@@ -348,7 +349,8 @@ def test_the_actor_scores_every_turn_of_a_conversation(tiny_model_dir, files):
                        "trainer.val_before_train=false", "trainer.resume_mode=disable",
                        f"trainer.default_local_dir={root / 'run'}", "actor_rollout_ref.rollout.multi_turn.enable=True",
                        f"data.function_tool_path={root / 'tools.py'}", f"custom_reward_function.path={root / 'reward.py'}",
-                       "actor_rollout_ref.rollout.dtype=float32"])
+                       "actor_rollout_ref.rollout.dtype=float32",
+                       f"actor_rollout_ref.model.use_remove_padding={packed}"])  # (packed: rows in one sequence)
     trainer = RLTrainer(cfg)
     try:
         worker = trainer.actor.worker
