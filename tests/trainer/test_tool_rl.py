@@ -361,3 +361,41 @@ def test_the_actor_scores_every_turn_of_a_conversation(tiny_model_dir, files, pa
         trainer.shutdown()
     assert metrics["agent/turns/mean"] == 1.5  # half the samples: tool call, tool message, answer
     assert metrics["training/rollout_probs_diff_max"] < 1e-4
+
+
+def test_the_critic_values_every_turn_of_a_conversation(tiny_model_dir, files):
+    """PPO's critic on multi-turn rows: a value for every trained token, the turn after the tool message included,
+    equal to a plain forward of the critic over the whole conversation."""
+    from tiller.trainer.rl import RLTrainer
+
+    root, prompts = files
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{prompts}]",
+                       f"critic.model.path={tiny_model_dir}", "algorithm.adv_estimator=gae",
+                       "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=1024",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.max_response_length=300",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6", "critic.ppo_micro_batch_size_per_gpu=6",
+                       "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+                       "trainer.resume_mode=disable", f"trainer.default_local_dir={root / 'run'}",
+                       "actor_rollout_ref.rollout.multi_turn.enable=True", f"data.function_tool_path={root / 'tools.py'}",
+                       f"custom_reward_function.path={root / 'reward.py'}"])
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.actor.worker.rollout = ScriptedEngine(trainer.tokenizer, script)
+        trainer.global_step = 1
+        batch = trainer._collect_batch({}, 1)
+        values = trainer.critic.execute("compute_values", batch)["values"]
+        critic = trainer.critic.worker.model
+        mask = batch["response_mask"].bool()
+        width = batch["prompts"].shape[1]
+        for i in range(len(batch)):
+            keep = batch["attention_mask"][i].bool()
+            ids = batch["input_ids"][i][keep][None]
+            with torch.no_grad():
+                head = critic(input_ids=ids).logits[0, :, 0].float()
+            start = int(batch["attention_mask"][i, :width].sum())  # the first response column of the unpadded row
+            want = head[start - 1:start - 1 + mask.shape[1]]
+            n = int(mask[i].nonzero().max()) + 1
+            torch.testing.assert_close(values[i, :n][mask[i, :n]], want[:n][mask[i, :n]], atol=1e-4, rtol=0)
+        assert 2 in list(batch["num_turns"])  # (conversations with a tool message in the middle)
+    finally:
+        trainer.shutdown()
