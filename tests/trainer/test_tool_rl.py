@@ -399,3 +399,47 @@ def test_the_critic_values_every_turn_of_a_conversation(tiny_model_dir, files):
         assert 2 in list(batch["num_turns"])  # (conversations with a tool message in the middle)
     finally:
         trainer.shutdown()
+
+
+def test_verls_agent_name_column_picks_each_rows_loop(tiny_model_dir, tmp_path):
+    """verl's per-row `agent_name`: tool_agent rows run the tool loop (their prompt carries the tools), a
+    single_turn_agent row one turn without tools (no schema in its prompt, its calls not run); an unknown loop
+    name, or tool_agent without multi_turn.enable, is an error naming the row."""
+    from tiller.errors import DataError
+    from tiller.trainer.rl import RLTrainer
+
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as fh:
+        for k, (a, b) in enumerate([(1, 2), (3, 4)]):
+            fh.write(json.dumps({"data_source": "tiller/arithmetic", "agent_name": ["tool_agent",
+                                                                                    "single_turn_agent"][k],
+                                 "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                                 "reward_model": {"style": "rule", "ground_truth": str(a + b)}}) + "\n")
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    keys = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files=[{prompts}]",
+            "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "data.max_prompt_length=1024", "data.max_response_length=300", "trainer.total_training_steps=1",
+            "trainer.logger=[jsonl]", "trainer.val_before_train=false", "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={tmp_path / 'run'}", "data.shuffle=False"]
+    trainer = RLTrainer(load_config([*keys, "actor_rollout_ref.rollout.multi_turn.enable=True",
+                                     f"data.function_tool_path={tmp_path / 'tools.py'}"]))
+    try:
+        trainer.actor.worker.rollout = ScriptedEngine(trainer.tokenizer, lambda context, k: script(context, 0))
+        trainer.global_step = 1
+        batch = trainer._collect_batch({}, 1)
+    finally:
+        trainer.shutdown()
+    for i in range(len(batch)):
+        tool_row = "1+2=" in batch["prompt_text"][i]
+        assert ('"name": "add"' in batch["prompt_text"][i]) == tool_row
+        assert batch["num_turns"][i] == (2 if tool_row else 1)
+        assert batch["num_tool_calls"][i] == (1 if tool_row else 0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(prompts.read_text().replace("single_turn_agent", "my_agent"))
+    with pytest.raises(DataError, match=r"bad.jsonl row 1: agent_name='my_agent': tiller runs verl's tool_agent"):
+        RLTrainer(load_config([*keys[:1], f"data.train_files=[{bad}]", *keys[2:],
+                               "actor_rollout_ref.rollout.multi_turn.enable=True",
+                               f"data.function_tool_path={tmp_path / 'tools.py'}"]))
+    with pytest.raises(DataError, match=r"prompts.jsonl row 0: agent_name='tool_agent' needs the multi-turn tool"):
+        RLTrainer(load_config(keys))

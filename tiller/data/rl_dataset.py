@@ -67,6 +67,8 @@ class PromptItem:
     """PIL images of an image prompt (None for text)."""
     multi_modal_inputs: dict | None = None
     """`pixel_values [N_patches, D]` and `image_grid_thw [n_images, 3]` of an image prompt (None for text)."""
+    agent_name: str | None = None
+    """verl's per-row agent loop (`agent_name` column): tool_agent or single_turn_agent (None: the run's default)."""
 
 
 HERMES_SYSTEM = (
@@ -139,6 +141,24 @@ def _fit_length(ids: list[int], max_len: int, truncation: str, where: str) -> li
                     "set data.truncation=left|right|middle or data.filter_overlong_prompts=True")
 
 
+AGENT_NAMES = ("tool_agent", "single_turn_agent")
+
+
+def _agent_name(row: dict, where: str, multi_turn: bool) -> str | None:
+    """verl's `agent_name` column: which agent loop runs the row (tool_agent: the multi-turn tool loop,
+    single_turn_agent: one turn without tools); None when the row has none."""
+    name = row.get("agent_name")
+    if name is None:
+        return None
+    if name not in AGENT_NAMES:
+        raise DataError(f"{where}: agent_name={name!r}: tiller runs verl's {' and '.join(AGENT_NAMES)} loops (a "
+                        "custom agent loop class is not loaded)")
+    if name == "tool_agent" and not multi_turn:
+        raise DataError(f"{where}: agent_name='tool_agent' needs the multi-turn tool loop: set "
+                        "actor_rollout_ref.rollout.multi_turn.enable=true (and its tools)")
+    return name
+
+
 def _check_tools_kwargs(extra_info: Any, tool_schemas: Sequence[dict], where: str) -> None:
     """A multi-turn row's `extra_info.tools_kwargs` (verl's per-sample tool arguments, {tool name: {"create_kwargs":
     {...}}}): a mapping naming loaded tools, present when the row sets `need_tools_kwargs` (verl warns; here a row
@@ -203,7 +223,9 @@ class RLDataset:
             if row.get("videos") is not None and len(row["videos"]):
                 raise DataError(f"{where}: the row has videos; tiller's vision-language path takes images only "
                                 "(sample frames into the images column)")
-            if tool_schemas is not None:
+            agent_name = _agent_name(row, where, tool_schemas is not None)
+            row_schemas = None if agent_name == "single_turn_agent" else tool_schemas  # (verl: no tools rendered)
+            if tool_schemas is not None and agent_name != "single_turn_agent":
                 _check_tools_kwargs(row.get("extra_info"), tool_schemas, where)
             images = row_images(row, image_key, where)
             vision = None
@@ -213,11 +235,11 @@ class RLDataset:
                                     f"vision-language model tiller trains ({VISION_FAMILIES}); drop the column or "
                                     "change data.image_key")
                 vision = encode_image_row(row[prompt_key], images, processor, where, chat_template_kwargs,
-                                          tool_schemas)
+                                          row_schemas)
                 text, ids = vision.text, vision.prompt_ids
             else:
                 text = render_prompt(row[prompt_key], tokenizer, apply_chat_template, where, input_template,
-                                     chat_template_kwargs, tool_schemas)
+                                     chat_template_kwargs, row_schemas)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise DataError(f"{where}: prompt tokenizes to 0 tokens")
@@ -240,6 +262,7 @@ class RLDataset:
                 images=images or None,
                 multi_modal_inputs=None if vision is None else {"pixel_values": vision.pixel_values,
                                                                 "image_grid_thw": vision.image_grid_thw},
+                agent_name=agent_name,
             ))
             if require_ground_truth and self.items[-1].ground_truth is None:
                 raise DataError(f"{where}: no ground truth (reward_model.ground_truth, or a top-level "

@@ -222,7 +222,8 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
         images = image_inputs(items[start:start + batch_size])
         res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget,
                              tools_kwargs=[tools_kwargs_of(it.extra_info) for it in items[start:start + batch_size]],
-                             multi_modal=images)
+                             multi_modal=images, single_turn=[getattr(it, "agent_name", None) == "single_turn_agent"
+                                                              for it in items[start:start + batch_size]])
         for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",
                      "num_tool_calls", "tool_errors", "tool_rewards"):
             getattr(out, name).extend(getattr(res, name))

@@ -284,6 +284,7 @@ class _Row:
     agent_data: AgentData | None = None
     versions: list[int] = field(default_factory=list)
     multi_modal: dict | None = None
+    single_turn: bool = False
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, budget: int,
             versions: Sequence[int] | None = None) -> bool:
@@ -307,7 +308,8 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
                    truncate_side: str = "middle", max_calls_per_turn: int = 1, max_user_turns: int | None = None,
                    chat_template_kwargs: dict | None = None,
                    tools_kwargs: Sequence[dict | None] | None = None, weights_hook=None,
-                   multi_modal: Sequence[dict | None] | None = None, tool_format: str = "hermes") -> AgentRolloutOutput:
+                   multi_modal: Sequence[dict | None] | None = None, tool_format: str = "hermes",
+                   single_turn: Sequence[bool] | None = None) -> AgentRolloutOutput:
     """Roll out `sampling.n` multi-turn conversations per prompt (see the module docstring).
 
     prompt_ids: the rendered prompts (with tool schemas in them when the template supports `tools=`; see
@@ -324,9 +326,11 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     `multi_modal`: per prompt, a vision-language model's image inputs (None for a text prompt), sent with every turn
     of that prompt's conversations (the image tokens stay in the prompt part of the context).
     `tool_format`: how the model writes its calls (multi_turn.format, `tiller.rollout.tool_parsers`).
+    `single_turn`: per prompt, True for verl's single_turn_agent rows: one turn, no tool runs.
     """
     tools = dict(tools) if isinstance(tools, dict) else {t.name: t for t in tools}
-    for name, per_prompt in (("tools_kwargs", tools_kwargs), ("multi_modal", multi_modal)):
+    for name, per_prompt in (("tools_kwargs", tools_kwargs), ("multi_modal", multi_modal),
+                             ("single_turn", single_turn)):
         if per_prompt is not None and len(per_prompt) != len(prompt_ids):
             raise ValueError(f"{name} has {len(per_prompt)} entries for {len(prompt_ids)} prompts")
     images = multi_modal is not None and any(m is not None for m in multi_modal)
@@ -344,6 +348,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
     for k, (row, kwargs) in enumerate(zip(rows, row_kwargs)):
         row.agent_data = AgentData(uuid4().hex, kwargs, tool_rewards=row.tool_rewards)
         row.multi_modal = multi_modal[k // sampling.n] if images else None
+        row.single_turn = bool(single_turn[k // sampling.n]) if single_turn is not None else False
     for turn in range(max_assistant_turns):
         live = [r for r in rows if not r.finish]
         if not live:
@@ -363,7 +368,7 @@ def run_agent_loop(engine, tokenizer, prompt_ids: list[list[int]], sampling: Sam
             if not row.add(ids, lps, budget, versions[k] if versions else None) or reason == "length":
                 row.finish = "length"
                 continue
-            calls = turn_calls(tokenizer, ids, tool_format, schemas)[:max_calls_per_turn]
+            calls = [] if row.single_turn else turn_calls(tokenizer, ids, tool_format, schemas)[:max_calls_per_turn]
             # (verl: at max_user_turns tool turns, the turn just generated ends the conversation)
             if not calls or turn == max_assistant_turns - 1 or (max_user_turns and turn >= max_user_turns):
                 row.finish = "stop"
@@ -415,9 +420,11 @@ class AgentLoop:
 
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                  max_response_length: int | None = None, tools_kwargs: Sequence[dict | None] | None = None,
-                 weights_hook=None, multi_modal: Sequence[dict | None] | None = None) -> AgentRolloutOutput:
+                 weights_hook=None, multi_modal: Sequence[dict | None] | None = None,
+                 single_turn: Sequence[bool] | None = None) -> AgentRolloutOutput:
         return run_agent_loop(engine, tokenizer, prompt_ids, sampling, self.tools, tools_kwargs=tools_kwargs,
                               weights_hook=weights_hook, multi_modal=multi_modal, tool_format=self.tool_format,
+                              single_turn=single_turn,
                               max_assistant_turns=self.max_assistant_turns, max_response_length=max_response_length,
                               max_tool_response_chars=self.max_tool_response_chars, truncate_side=self.truncate_side,
                               max_calls_per_turn=self.max_calls_per_turn, max_user_turns=self.max_user_turns,

@@ -481,6 +481,8 @@ class RLTrainer:
         }
         if self.agent:
             fields["raw_prompt"] = [it.raw_prompt for it in items]
+        if any(it.agent_name is not None for it in items):  # verl's per-row agent loop
+            fields["agent_name"] = [it.agent_name for it in items]
         if any(it.multi_modal_inputs is not None for it in items):  # image prompts: pixels ride on each sample
             fields["multi_modal_inputs"] = [it.multi_modal_inputs for it in items]
             fields["images"] = [it.images for it in items]

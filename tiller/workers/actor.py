@@ -481,6 +481,8 @@ class ActorRolloutRefWorker:
             engine = _ToolLoopEngine(self.tool_loop, engine, self.tokenizer)
             if "extra_info" in prompts:  # (verl BaseTool classes' create_kwargs)
                 prompt_options["tools_kwargs"] = [tools_kwargs_of(e) for e in prompts["extra_info"]]
+            if "agent_name" in prompts:  # verl's single_turn_agent rows: one turn, no tools
+                prompt_options["single_turn"] = [name == "single_turn_agent" for name in prompts["agent_name"]]
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
             hook = {**hook, "multi_modal": list(prompts["multi_modal_inputs"])}
             if per_rank > 1:
@@ -885,7 +887,8 @@ class _ToolLoopEngine:
     def __init__(self, loop, engine, tokenizer):
         self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
 
-    def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, multi_modal=None):
+    def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, multi_modal=None,
+                 single_turn=None):
         return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
                                   max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs,
-                                  weights_hook=weights_hook, multi_modal=multi_modal)
+                                  weights_hook=weights_hook, multi_modal=multi_modal, single_turn=single_turn)
