@@ -24,8 +24,9 @@ Steps:
 `--rollout multi-turn` trains step 3 on verl's keys instead of the agent: `actor_rollout_ref.rollout.multi_turn.enable=True`
 with `calc` as a verl `@function_tool` file (`tools.py` in `--out`) and a reward function that reads the response's
 last line (the answer after the tool message); held-out success is `tiller rl`'s validation of the same loop.
-Measured (2-core AVX-512 BF16 CPU, 1 thread, seed 0): warm-up 165 steps to 0.375, then 0.453 / 0.609 / 0.688 /
-0.781 after 10 / 20 / 30 / 40 GRPO steps; 6.3 min in all.
+Measured (2-core AVX-512 BF16 CPU, 1 thread): seed 0, warm-up 165 steps to 0.375, then 0.453 / 0.609 / 0.688 /
+0.781 after 10 / 20 / 30 / 40 GRPO steps (6.3 min in all); seed 1, 250 steps to 0.516, then 0.563 / 0.734 / 0.797 /
+0.766 (5.2 min).
 
 Prints one JSON line: no-tool baseline, success after warm-up (RL step 0), the curve, and the final success.
 Measured (shared 2-core AVX2 CPU, 1 thread, `--warmup-target 0.1`): no-tool baseline 0.000; held-out success
