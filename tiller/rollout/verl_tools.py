@@ -281,11 +281,16 @@ class Gsm8kTool(BaseTool):
         answer = parameters.get("answer", "")
         answer = answer if isinstance(answer, str) else str(answer)
         state = self._instances[instance_id]
-        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        state["response"] = self.graded(answer)
         reward = await self.calc_reward(instance_id)
         tool_reward = 0.0 if reward > state["reward"] else -0.05  # (verl: a penalty for a non-improved answer)
         state["reward"] = reward
         return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+    @staticmethod
+    def graded(answer: str) -> str:
+        """The text the scorer reads: gsm8k's `#### <answer>` line."""
+        return answer if answer.startswith("#### ") else "#### " + answer
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
         from tiller.rewards.scorers import gsm8k  # import cost: the rewards package, only when the tool scores
@@ -309,15 +314,10 @@ class Geo3kTool(Gsm8kTool):
         super().__init__(config, tool_schema or answer_schema(
             "calc_geo3k_reward", "geo3k", "The answer to the question, enclosed in \\boxed{}"))
 
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
-        answer = parameters.get("answer", "")
-        answer = answer if isinstance(answer, str) else str(answer)
-        state = self._instances[instance_id]
-        state["response"] = answer
-        reward = await self.calc_reward(instance_id)
-        tool_reward = 0.0 if reward > state["reward"] else -0.05
-        state["reward"] = reward
-        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+    @staticmethod
+    def graded(answer: str) -> str:
+        """The text the scorer reads: the answer itself (verl's use_boxed=False)."""
+        return answer
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
         from tiller.rewards.scorers import math as math_scorer  # import cost: math-verify, only when the tool scores

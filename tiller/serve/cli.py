@@ -17,8 +17,6 @@ from pathlib import Path
 from tiller.errors import UserError
 from tiller.evaluation.runner import load_policy
 from tiller.httpguard import Guard, resolve_api_key
-from tiller.models.loading import is_vision_checkpoint
-from tiller.models.vision import load_processor
 from tiller.rollout.base import SamplingParams
 from tiller.rollout.graphed_decode import native_decode_options
 from tiller.serve.app import create_app, ServedModel
@@ -96,18 +94,11 @@ def build_served_model(args: argparse.Namespace):
                          max_prompts_per_request=args.max_prompts_per_request,
                          max_request_tokens=args.max_request_tokens, max_queue=args.max_queue,
                          prompt_cache_mb=64.0 if args.prompt_cache_mb is None else args.prompt_cache_mb,
-                         processor=_processor(policy, args.trust_remote_code))
+                         processor=policy.processor)
     served.tool_call_parser = args.tool_call_parser
     if args.compile:
         warm_up(served)
     return served
-
-
-def _processor(policy, trust_remote_code: bool):
-    """A vision-language model's processor (chat image_url parts go through it), None for a text model."""
-    if not is_vision_checkpoint(policy.model_path):
-        return None
-    return load_processor(policy.model_path, tokenizer=policy.tokenizer, trust_remote_code=trust_remote_code)
 
 
 def warm_up(served) -> None:
