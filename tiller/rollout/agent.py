@@ -248,6 +248,11 @@ class AgentRolloutOutput(RolloutOutput):
     """Tool calls whose result was an error (malformed call, unknown tool, failing tool)."""
     tool_rewards: list[list[float]] = field(default_factory=list)
     """Each tool call's reward, in call order (verl's `tool_rewards`; 0.0 for tools without one)."""
+    messages: list[list[dict]] = field(default_factory=list)
+    """Each sample's completion as chat messages (assistant turns and tool messages; TRL's tool loop fills it)."""
+    states: list = field(default_factory=list)
+    """Per sample, an object of the loop that made it handed on to an in-process reward function (TRL's tool loop:
+    the completion's prompt and environment); empty for verl's loop."""
 
 
 def tools_kwargs_of(extra_info: Any) -> dict:

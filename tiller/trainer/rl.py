@@ -101,13 +101,18 @@ def _print_batch_line(cfg) -> None:
 class RLTrainer:
     """Runs `cfg` end to end: `RLTrainer(cfg).fit()` returns the last step's metrics."""
 
-    def __init__(self, cfg: RLConfig, reward_fn=None):
+    def __init__(self, cfg: RLConfig, reward_fn=None, tool_loop=None):
         # reward_fn: an in-process scorer (`score(list[RewardRequest]) -> ScoreBatch`, e.g. tiller.trl's reward
-        # functions) in place of the config's reward manager; the rest of the reward pipeline applies as usual
+        # functions) in place of the config's reward manager; the rest of the reward pipeline applies as usual.
+        # tool_loop: an in-process multi-turn loop (tiller.trl's tools / environments) in place of multi_turn's
         self.in_process_reward = reward_fn
+        self.given_tool_loop = tool_loop
         if reward_fn is not None and cfg.trainer.backend == "ray":
             raise ConfigError("trainer.backend=ray with an in-process reward function: the reward runs in the driver "
                               "process, but this front end drives the local backend only (trainer.backend=local)")
+        if tool_loop is not None and (cfg.trainer.backend == "ray" or cfg.actor_rollout_ref.rollout.multi_turn.enable):
+            raise ConfigError("an in-process tool loop (a TRL script's tools) runs with trainer.backend=local and "
+                              "without actor_rollout_ref.rollout.multi_turn.enable")
         self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
         acquire_run_dir(self.run_dir)  # one process a run dir: a second one refuses, naming the holder
         try:
@@ -128,7 +133,7 @@ class RLTrainer:
                               "(or run `tiller demo` for the built-in model and task)")
         # verl's multi_turn.enable: multi-turn tool rollouts (tiller.rollout.agent, as tiller eval runs them); its
         # settings and tools checked, and the tools' schemas rendered into the prompts, before a model loads
-        self.tool_loop = build_agent_loop(arr.rollout, data.apply_chat_template_kwargs)
+        self.tool_loop = self.given_tool_loop or build_agent_loop(arr.rollout, data.apply_chat_template_kwargs)
         if self.tool_loop is not None:
             _refuse_with_multi_turn(cfg)
         torch.manual_seed(tr.seed)
@@ -248,7 +253,8 @@ class RLTrainer:
             from tiller.serve.app import agent_app
         self.actor = create_worker_group(
             ActorRolloutRefWorker, dict(config=self.cfg, total_training_steps=self.total_steps,
-                                        need_ref=self.need_ref, agent_app=agent_app),
+                                        need_ref=self.need_ref, agent_app=agent_app,
+                                        **({"tool_loop": self.given_tool_loop} if self.given_tool_loop else {})),
             name="actor_rollout_ref", **opts)
         self.critic = None
         if self.use_critic:
@@ -638,7 +644,9 @@ class RLTrainer:
             RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
                           response=texts[i], ground_truth=batch["ground_truth"][i],
                           extra_info=_extra_info(batch, i), response_length=int(lengths[i]),
-                          group=str(batch["uid"][i]), response_ids=responses[i, :lengths[i]].tolist())
+                          group=str(batch["uid"][i]), response_ids=responses[i, :lengths[i]].tolist(),
+                          messages=batch["completion_messages"][i] if "completion_messages" in batch else None,
+                          state=batch["agent_state"][i] if "agent_state" in batch else None)
             for i in range(len(batch))
         ]
         result = self.reward_fn(requests)
@@ -1037,11 +1045,12 @@ class RLTrainer:
                 group.shutdown()
 
 
-def run(cfg: RLConfig, reward_fn=None) -> dict[str, float]:
+def run(cfg: RLConfig, reward_fn=None, tool_loop=None) -> dict[str, float]:
     """Train with `cfg`; returns the last step's metrics (workers shut down after). `reward_fn`: an in-process
-    scorer (`score(list[RewardRequest]) -> ScoreBatch`) in place of the config's reward manager."""
+    scorer (`score(list[RewardRequest]) -> ScoreBatch`) in place of the config's reward manager; `tool_loop`: an
+    in-process multi-turn loop (`tiller.trl.tool_loop.TRLToolLoop`) in place of multi_turn's."""
     start = time.time()
-    trainer = RLTrainer(cfg, reward_fn=reward_fn)
+    trainer = RLTrainer(cfg, reward_fn=reward_fn, tool_loop=tool_loop)
     try:
         metrics = trainer.fit()
     finally:

@@ -69,10 +69,8 @@ _ARGUMENT_WHY = {
     "model_init": "pass the model (a path or a loaded model)",
     "rollout_func": "tiller samples with its own rollout engine (an agent loop: `tiller rl` with "
                     "actor_rollout_ref.rollout.agent.path)",
-    "environment_factory": "tiller's environment rollouts are `tiller rl` with actor_rollout_ref.rollout.agent."
-                           "env_path",
-    "tools": "tool calling during GRPO generation is `tiller rl` with an agent function "
-             "(actor_rollout_ref.rollout.agent.path)",
+    "environment_factory": "environments run in tiller's GRPOTrainer (TRL's tool loop), not in this trainer",
+    "tools": "tools run in tiller's GRPOTrainer (TRL's tool loop), not in this trainer",
     "data_collator": "tiller collates its own batches",
 }
 

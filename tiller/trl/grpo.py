@@ -132,7 +132,9 @@ GRPO_RULES: dict[str, Rule] = {
     "entropy_coef_max": noop("only read with use_adaptive_entropy, which is refused"),
     "entropy_coef_delta": noop("only read with use_adaptive_entropy, which is refused"),
     "entropy_target": noop("only read with use_adaptive_entropy, which is refused"),
-    "max_tool_calling_iterations": noop("only read with tools, which are refused"),
+    "max_tool_calling_iterations": mapped("with tools / environment_factory: the tool rounds of a completion (TRL's "
+                                          "tool loop, tiller.trl.tool_loop; None: until no call or the budget)",
+                                          to("max_tool_calling_iterations")),
     "vllm_importance_sampling_correction": mapped(
         "with use_vllm: algorithm.rollout_correction.rollout_is = token | sequence (the mode's level); *_truncate: "
         "rollout_is_threshold = clip_max; *_mask: 'clip_min_clip_max' (IcePop)", vllm_is_keys),
@@ -192,13 +194,12 @@ class GRPOTrainer(TRLRLTrainer):
                  callbacks: Any = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
                  environment_factory: Any = None):
-        refuse_arguments("GRPOTrainer", callbacks=callbacks, optimizers=optimizers, tools=tools,
-                         rollout_func=rollout_func, environment_factory=environment_factory)
+        refuse_arguments("GRPOTrainer", callbacks=callbacks, optimizers=optimizers, rollout_func=rollout_func)
         if quantization_config is not None:
             raise ConfigError("GRPOTrainer(quantization_config=...): refused: tiller trains unquantized weights "
                               "(LoRA via peft_config)")
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                        reward_processing_classes, peft_config)
+                        reward_processing_classes, peft_config, tools=tools, environment_factory=environment_factory)
 
     def _algorithm_notices(self) -> list[str]:
         loss_type, args = self.logical["loss_type"], self.args

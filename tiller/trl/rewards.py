@@ -8,7 +8,9 @@ reward function once per batch,
 with `kwargs` = every other column of the dataset rows as a list (the row reaches here by its index, carried in
 `extra_info`, so columns of any type never round-trip through a file), plus `trainer_state` (`global_step`),
 `log_extra(column, values)` and `log_metric(name, value)`, as TRL passes them. Completions are strings (standard
-prompts) or `[{"role": "assistant", "content": text}]` (conversational prompts). An async reward function is
+prompts) or `[{"role": "assistant", "content": text}]` (conversational prompts); with tools, each completion's
+messages (assistant turns as parsed, tool messages) and, with environments, `environments` (each completion's
+instance) and the prompts with their reset observations (`tiller.trl.tool_loop`). An async reward function is
 awaited (all async ones of a batch together, as TRL gathers them). A reward model (a model dir or a loaded
 sequence-classification model) scores `prompt + completion` (conversational: the chat template of the messages),
 right padded, logits[:, 0], as TRL's.
@@ -132,6 +134,7 @@ class TRLRewards:
         self.global_step = 0  # tiller's completed steps: set by the RL driver before each step
         self.max_steps = 0  # TRL's optimizer steps of the run
         self.optimizer_steps_per_step = 1  # k: TRL's optimizer steps per tiller step
+        self.environments = False  # environment_factory given: reward functions get `environments`
         self._pending_metrics: dict[str, list[float]] = {}
         self._pending_extras: dict[str, list] = {}
 
@@ -145,12 +148,18 @@ class TRLRewards:
             prompts.append(prompt)
         texts = [req.response for req in requests]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        if any(req.messages is not None for req in requests):  # tool conversations: their messages (TRL's loop)
+            completions = [list(req.messages or []) for req in requests]
+            prompts = [req.state.prompt if getattr(req.state, "prompt", None) is not None else p
+                       for req, p in zip(requests, prompts)]
         completion_ids = [list(req.response_ids or []) for req in requests]
         keys = [k for k in rows[0] if k not in SKIP_COLUMNS]
         kwargs: dict[str, Any] = {k: [row.get(k) for row in rows] for k in keys}
         kwargs["trainer_state"] = TrainerStateView(self.global_step * self.optimizer_steps_per_step, self.max_steps)
         kwargs["log_extra"] = self._log_extra
         kwargs["log_metric"] = self._log_metric
+        if self.environments:  # TRL: each completion's environment instance
+            kwargs["environments"] = [getattr(req.state, "environment", None) for req in requests]
         per_func = np.full((len(requests), len(self.funcs)), np.nan, dtype=np.float64)
         call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         pending = []

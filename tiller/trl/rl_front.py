@@ -35,10 +35,13 @@ from tiller.models.loading import VISION_FAMILIES, is_vision_checkpoint
 from tiller.trl.data import dataset_decoder, to_dataset_rows, write_rows_atomic
 from tiller.trl.images import image_column, image_entry, multimodal_row, row_images
 from tiller.trl.rewards import ROW_KEY, SPLIT_KEY, RewardModelFunc, TRLRewards, callable_name
+from tiller.trl.tool_loop import EnvironmentPool, TRLToolLoop, environment_rewards, prepare_tokenizer, tool_of
 
 MIN_IS_BOUND = 1e-30  # the lower IcePop bound standing for TRL's "no clip_min"
 NO_DUAL_CLIP = 1e9  # actor.clip_ratio_c so large it never binds: TRL has no dual clip unless `delta`
 DATA_DIR = "data"  # under the run dir: the prompts tiller reads (train.jsonl, eval.jsonl)
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of an environment row without one
+ENV_PROMPT_ROOM = 2048  # tokens a reset() observation may add to a prompt (within the model's context)
 
 
 def _when_vllm(name: str, key: str) -> Callable[[Any, Any], dict]:
@@ -199,9 +202,12 @@ class TRLRLTrainer(TRLTrainerBase):
     loss_key = "actor/pg_loss"
 
     def _set_up_rl(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
-                   processing_class: Any, reward_processing_classes: Any, peft_config: Any) -> None:
+                   processing_class: Any, reward_processing_classes: Any, peft_config: Any, tools: Any = None,
+                   environment_factory: Any = None) -> None:
         self._set_up_common(model, args, processing_class, peft_config)
         self.logical, self.notices = classify(self.args)
+        self.tools, self.environments = _tool_setup(tools, environment_factory)
+        self.tool_loop = None
         self.arithmetic = self._batch_arithmetic()
         self.train_rows = to_dataset_rows(train_dataset, "train_dataset")
         self.eval_rows = None
@@ -211,14 +217,20 @@ class TRLRLTrainer(TRLTrainerBase):
             self.eval_rows = to_dataset_rows(eval_dataset, "eval_dataset")
         self.image_columns: dict[str, str | None] = {}
         for split, rows in (("train", self.train_rows), ("eval", self.eval_rows or [])):
-            if rows and "prompt" not in rows[0]:
+            if rows and "prompt" not in rows[0] and self.environments is None:
                 raise DataError(f"{split}_dataset: no 'prompt' column (columns: {', '.join(sorted(rows[0]))})")
             self.image_columns[split] = image_column(rows) if rows else None
             if self.image_columns[split] and not is_vision_checkpoint(self.model_path):
                 raise ConfigError(f"{split}_dataset: an {self.image_columns[split]!r} column (image prompts) but "
                                   f"model {self.model_path!r} is not a vision-language model tiller trains "
                                   f"({VISION_FAMILIES}); drop the column or use such a model")
-        self.conversational = isinstance(self.train_rows[0]["prompt"], (list, tuple))
+        self.conversational = isinstance(self.train_rows[0].get("prompt", EMPTY_PROMPT), (list, tuple))
+        if self.uses_tools and not self.conversational:
+            raise DataError("train_dataset: tools / environment_factory need conversational prompts (lists of "
+                            "{'role', 'content'} messages): the tool calls are parsed from chat turns")
+        if self.uses_tools and any(self.image_columns.values()):
+            raise ConfigError("tools / environment_factory with image prompts: not supported by tiller's TRL front "
+                              "end in this version")
         self.rewards = self._reward_functions(reward_funcs, reward_processing_classes)
         self.rewards.image_columns = self.image_columns
         self.rewards.decoders = {"train": dataset_decoder(train_dataset), "eval": dataset_decoder(eval_dataset)}
@@ -227,10 +239,18 @@ class TRLRLTrainer(TRLTrainerBase):
     def _batch_arithmetic(self) -> dict[str, int]:
         return batch_arithmetic(self.args)
 
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) or self.environments is not None
+
     def _reward_functions(self, reward_funcs: Any, processing_classes: Any) -> TRLRewards:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not funcs or any(f is None for f in funcs):
-            raise ConfigError("reward_funcs: give at least one reward function or reward model")
+        env_rewards = environment_rewards(self.environments) if self.environments is not None else []
+        if reward_funcs is None and env_rewards:
+            funcs = []  # the environments own the reward (TRL: reward_funcs optional then)
+        elif not funcs or any(f is None for f in funcs):
+            raise ConfigError("reward_funcs: give at least one reward function or reward model (or an "
+                              "environment_factory whose environment defines get_reward)")
         procs = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs) \
             if processing_classes is None else [processing_classes]
         if len(procs) != len(funcs):
@@ -250,8 +270,17 @@ class TRLRLTrainer(TRLTrainerBase):
                 raise ConfigError(f"reward_funcs: a {type(func).__name__} is neither a function nor a reward model")
             names.append(func.name if isinstance(func, RewardModelFunc) else callable_name(func))
             out.append(func)
-        weights = self.args.reward_weights if self.args.reward_weights is not None else [1.0] * len(out)
-        return TRLRewards(out, names, list(weights), {"train": [], "eval": []}, self.conversational)
+        weights = list(self.args.reward_weights) if self.args.reward_weights is not None else [1.0] * len(out)
+        if len(weights) != len(out):
+            raise ConfigError(f"reward_weights has {len(weights)} weights for {len(out)} reward functions: give one "
+                              "weight per reward function")
+        for name, func in env_rewards:  # TRL: each environment class with get_reward, weight 1, after the others
+            out.append(func)
+            names.append(name)
+            weights.append(1.0)
+        rewards = TRLRewards(out, names, weights, {"train": [], "eval": []}, self.conversational)
+        rewards.environments = self.environments is not None
+        return rewards
 
     # ------------------------------------------------------------------------------------ translation
     def _write_data(self) -> dict[str, Any]:
@@ -266,6 +295,14 @@ class TRLRLTrainer(TRLTrainerBase):
         tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
                                    trust_remote_code=bool(self.args.trust_remote_code))
         kwargs = self.logical.get("chat_template_kwargs") or {}
+        schemas = None
+        if self.uses_tools:  # (TRL renders every prompt with the tools' schemas; templates set up as TRL's)
+            self.tool_template = prepare_tokenizer(tokenizer, self.tokenizer_path or self.model_path)
+            self.tool_tokenizer = tokenizer
+            if self.tool_template is not None:
+                tokenizer.chat_template = self.tool_template
+            union = self.environments.union() if self.environments is not None else self.tools
+            schemas = [t.schema for t in union]
         keys: dict[str, Any] = {"data.apply_chat_template": self.conversational,
                                 "data.apply_chat_template_kwargs": kwargs, "data.prompt_key": "prompt",
                                 "data.truncation": "error", "data.filter_overlong_prompts": False}
@@ -283,11 +320,12 @@ class TRLRLTrainer(TRLTrainerBase):
                                                         trust_remote_code=bool(self.args.trust_remote_code))
             for i, row in enumerate(rows):
                 where = f"{split}_dataset row {i}"
-                entry = {"data_source": "trl", "prompt": row["prompt"], "extra_info": {ROW_KEY: i, SPLIT_KEY: split},
+                prompt = row.get("prompt", EMPTY_PROMPT)  # (environment rows may leave it to reset())
+                entry = {"data_source": "trl", "prompt": prompt, "extra_info": {ROW_KEY: i, SPLIT_KEY: split},
                          "reward_model": {"ground_truth": None}}
                 if column is None:
-                    text = render_prompt(row["prompt"], tokenizer, self.conversational, where,
-                                         chat_template_kwargs=kwargs)
+                    text = render_prompt(prompt, tokenizer, self.conversational, where, chat_template_kwargs=kwargs,
+                                         tool_schemas=schemas)
                     length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 else:
                     entry["prompt"], _, images = multimodal_row(row["prompt"], row_images(row, column), where)
@@ -303,6 +341,28 @@ class TRLRLTrainer(TRLTrainerBase):
             keys["data.image_key"] = "images"
         # TRL 1.16 has no max_prompt_length: every prompt is used whole, so the longest one sets tiller's limit
         keys["data.max_prompt_length"] = longest
+        if self.uses_tools:
+            keys.update(self._tool_loop_keys(tokenizer, longest))
+        return keys
+
+    def _tool_loop_keys(self, tokenizer: Any, longest: int) -> dict[str, Any]:
+        """Build `self.tool_loop` (TRL's tools / environments); the keys it needs (the batch's prompt width with
+        room for reset observations, the template TRL renders with)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=bool(self.args.trust_remote_code))
+        max_model_len = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        width = longest
+        if self.environments is not None:  # reset() may append an observation to a prompt: room for it
+            width = max(longest, min(max_model_len - int(self.logical["max_completion_length"]),
+                                     longest + ENV_PROMPT_ROOM))
+        self.tool_loop = TRLToolLoop(self.tools, self.environments, self.rewards.rows, self.rewards.decoders,
+                                     self.logical.get("max_tool_calling_iterations"), self.tool_template,
+                                     self.logical.get("chat_template_kwargs"), max_model_len, width,
+                                     tokenizer=self.tool_tokenizer)
+        keys: dict[str, Any] = {"actor_rollout_ref.rollout.prompt_length": width}
+        if self.tool_template is not None:
+            keys["actor_rollout_ref.model.custom_chat_template"] = self.tool_template
         return keys
 
     def _image_prompt_length(self, entry: dict, processor: Any, tokenizer: Any, where: str) -> int:
@@ -393,7 +453,7 @@ class TRLRLTrainer(TRLTrainerBase):
         # import cost: the RL stack loads only when train() runs
         from tiller.trainer.rl import run
 
-        return run(cfg, reward_fn=self.rewards)
+        return run(cfg, reward_fn=self.rewards, tool_loop=self.tool_loop)
 
     def _trl_metrics(self, row: dict[str, Any]) -> dict[str, Any]:
         k = self.arithmetic["k"]
@@ -403,13 +463,30 @@ class TRLRLTrainer(TRLTrainerBase):
                           ("completions/max_length", "response_length/max"),
                           ("completions/min_length", "response_length/min"),
                           ("completions/clipped_ratio", "response_length/clip_ratio"),
-                          ("clip_ratio/region_mean", "actor/pg_clipfrac"), ("grad_norm", "actor/grad_norm")):
+                          ("clip_ratio/region_mean", "actor/pg_clipfrac"), ("grad_norm", "actor/grad_norm"),
+                          ("tools/call_frequency", "agent/tool_calls/mean")):
             if ours in row:
                 out[trl] = row[ours]
+        if "agent/tool_calls/mean" in row:  # TRL: failed calls / calls (0 without calls)
+            calls = row["agent/tool_calls/mean"]
+            out["tools/failure_frequency"] = row.get("agent/tool_errors/mean", 0.0) / calls if calls else 0.0
         for key, value in row.items():  # validation on eval_dataset: TRL's eval_reward (mean over its samples)
             if key.startswith("val-core/trl/acc/mean@"):
                 out["eval_reward"] = value
         return out
+
+
+def _tool_setup(tools: Any, environment_factory: Any) -> tuple[list, Any]:
+    """(TRLTool per tool, EnvironmentPool or None) of GRPOTrainer's tools / environment_factory."""
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ConfigError(f"tools: a {type(tools).__name__}; give a list of functions")
+    standalone = [tool_of(fn, f"tools[{i}]") for i, fn in enumerate(tools or [])]
+    names = [t.name for t in standalone]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tools: two functions share a name ({sorted(n for n in names if names.count(n) > 1)[0]!r}):"
+                          " a call names its tool by function name")
+    pool = EnvironmentPool(environment_factory, standalone) if environment_factory is not None else None
+    return standalone, pool
 
 
 def _is_module(obj: Any) -> bool:

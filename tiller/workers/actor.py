@@ -112,9 +112,11 @@ class ActorRolloutRefWorker:
         need_ref: load a reference policy (KL loss or KL in reward).
         agent_app: for agent rollouts (`rollout.agent.path`), the OpenAI app factory the agent endpoint serves
             (`tiller.rollout.agent_endpoint.AppFactory`; the trainer hands it `tiller.serve.app.agent_app`).
+        tool_loop: a multi-turn loop object in place of verl's `multi_turn` one (`.tools`, `.generate(engine,
+            tokenizer, prompt_ids, sampling, ...)` -> `AgentRolloutOutput`; TRL's `tiller.trl.tool_loop`).
     """
 
-    def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None):
+    def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None, tool_loop=None):
         self.agent_app = agent_app
         self._endpoints: dict[str, AgentEndpoint] = {}  # agent rollouts: the OpenAI endpoint of each engine
         self._mismatch_parts = None
@@ -122,7 +124,9 @@ class ActorRolloutRefWorker:
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
         # verl's multi_turn.enable: each sample a multi-turn tool conversation (tiller.rollout.agent), as tiller eval
-        self.tool_loop = build_agent_loop(arr.rollout, config.data.apply_chat_template_kwargs)
+        # (or a front end's own loop, e.g. TRL's tools: `tool_loop`, in-process only)
+        self.tool_loop = tool_loop if tool_loop is not None else \
+            build_agent_loop(arr.rollout, config.data.apply_chat_template_kwargs)
         prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
@@ -328,6 +332,9 @@ class ActorRolloutRefWorker:
         if self.tool_loop is not None:  # per sample: its tool calls' rewards (the scorer's extra_info) and counts
             for name in ("tool_rewards", "num_turns", "num_tool_calls", "tool_errors"):
                 batch[name] = list(getattr(out, name))
+            if out.messages:  # (TRL's loop: each completion's messages and episode, for its reward functions)
+                batch["completion_messages"] = list(out.messages)
+                batch["agent_state"] = list(out.states)
         if out.token_versions:  # asynchronous RL: the version that sampled each token
             batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
         return batch
@@ -483,6 +490,8 @@ class ActorRolloutRefWorker:
                 prompt_options["tools_kwargs"] = [tools_kwargs_of(e) for e in prompts["extra_info"]]
             if "agent_name" in prompts:  # verl's single_turn_agent rows: one turn, no tools
                 prompt_options["single_turn"] = [name == "single_turn_agent" for name in prompts["agent_name"]]
+            if getattr(self.tool_loop, "wants_extra_info", False):  # (TRL's loop: each prompt's dataset row)
+                prompt_options["extra_info"] = list(prompts["extra_info"])
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
             hook = {**hook, "multi_modal": list(prompts["multi_modal_inputs"])}
             if per_rank > 1:
@@ -888,7 +897,9 @@ class _ToolLoopEngine:
         self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
 
     def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, multi_modal=None,
-                 single_turn=None):
+                 single_turn=None, extra_info=None):
+        more = {"extra_info": extra_info} if extra_info is not None else {}
         return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
                                   max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs,
-                                  weights_hook=weights_hook, multi_modal=multi_modal, single_turn=single_turn)
+                                  weights_hook=weights_hook, multi_modal=multi_modal, single_turn=single_turn,
+                                  **more)
