@@ -3,6 +3,7 @@ calculator tool, on a tiny model, on a CPU.
 
     python examples/agent_calculator.py [--out runs/agent_calc] [--steps 40] [key=value ...]
     python examples/agent_calculator.py --rollout multi-turn     # the same task on verl's multi-turn tool loop
+    python examples/agent_calculator.py --rollout trl            # ... as a TRL script: GRPOTrainer(tools=[calc])
 
 The task: `"What is 41*82?"` (`--digits 2`). A ~2M-parameter model cannot learn to multiply in a short warm-up; with the calculator it
 only has to call it with the right expression and copy the result. The agent (`run` below) is plain OpenAI
@@ -27,6 +28,12 @@ last line (the answer after the tool message); held-out success is `tiller rl`'s
 Measured (2-core AVX-512 BF16 CPU, 1 thread): seed 0, warm-up 165 steps to 0.375, then 0.453 / 0.609 / 0.688 /
 0.781 after 10 / 20 / 30 / 40 GRPO steps (6.3 min in all); seed 1, 250 steps to 0.516, then 0.563 / 0.734 / 0.797 /
 0.766 (5.2 min).
+
+`--rollout trl` trains step 3 as a TRL script would (`from tiller.trl import GRPOConfig, GRPOTrainer`, the same
+batch sizes and learning rate): `GRPOTrainer(tools=[calc], reward_funcs=correct)`, `calc` a plain Python function,
+`correct` reading the last assistant message of each completion's messages; the tokenizer carries a
+`response_template` for the compact template (transformers' response parsing reads the calls). Held-out greedy
+success is measured through the endpoint with the agent (`run`) before and after.
 
 Prints one JSON line: no-tool baseline, success after warm-up (RL step 0), the curve, and the final success.
 Measured (shared 2-core AVX2 CPU, 1 thread, `--warmup-target 0.1`): no-tool baseline 0.000; held-out success
@@ -209,6 +216,45 @@ REWARD_PY = '''def compute_score(data_source, solution_str, ground_truth, extra_
 '''
 
 
+# --rollout trl: the calculator as a TRL tool (its name, type hints and docstring are its schema), the reward on the
+# last assistant message, and transformers' response template of the compact layout (how tool calls are parsed)
+def calc(x: str) -> str:
+    """evaluate an arithmetic expression
+
+    Args:
+        x: the expression
+    """
+    return calculator({"x": x})
+
+
+def correct(completions, answer, **kwargs) -> list[float]:
+    return [float(bool(c) and c[-1]["role"] == "assistant" and c[-1]["content"].strip() == a)
+            for c, a in zip(completions, answer)]
+
+
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+    "fields": {"tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                              "content": "json", "transform": {"type": "function", "function": "{content}"}},
+               "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}},
+}
+
+
+def train_trl(warm_dir: Path, out: Path, train: list[dict], args) -> list:
+    """GRPO as a TRL script (tiller.trl), the calculator as `tools=[calc]`; returns [(step, reward)]."""
+    from tiller.trl import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": r["prompt"], "answer": r["reward_model"]["ground_truth"]} for r in train]
+    config = GRPOConfig(output_dir=str(out / "rl"), num_generations=8, per_device_train_batch_size=32,
+                        gradient_accumulation_steps=4, max_completion_length=128, learning_rate=3e-4,
+                        lr_scheduler_type="constant", max_steps=args.steps, max_tool_calling_iterations=1,
+                        bf16=False, seed=args.seed, logging_steps=1)
+    trainer = GRPOTrainer(model=str(warm_dir), reward_funcs=correct, args=config, train_dataset=rows, tools=[calc])
+    trainer.train()
+    trainer.save_model()
+    return [(row["step"], row["reward"]) for row in trainer.state.log_history if "reward" in row]
+
+
 def held_out_success(model, tok, rows: list[dict], agent) -> float:
     """Greedy success of `agent` over `rows` through tiller's endpoint in front of `model`."""
     from tiller.rollout.native import NativeRolloutEngine
@@ -246,8 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-test", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rollout", choices=("agent", "multi-turn"), default="agent",
-                   help="GRPO through the OpenAI endpoint and this file's agent, or verl's multi-turn tool loop")
+    p.add_argument("--rollout", choices=("agent", "multi-turn", "trl"), default="agent",
+                   help="GRPO through the OpenAI endpoint and this file's agent, verl's multi-turn tool loop, or a "
+                        "TRL script's tools")
     args, overrides = p.parse_known_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -274,8 +321,18 @@ def main(argv: list[str] | None = None) -> dict:
     no_tool = held_out_success(plain, tok, test, run_without_tools)
     warm_dir = out / "warm"
     tool.save_pretrained(warm_dir)
+    tok.response_template = RESPONSE_TEMPLATE  # (read by --rollout trl's response parsing; saved with the tokenizer)
     tok.save_pretrained(warm_dir)
     print(f"warm-up: {steps} steps, tool success {warm:.3f}; no-tool baseline {no_tool:.3f}", file=sys.stderr)
+    if args.rollout == "trl":
+        rewards = train_trl(warm_dir, out, train, args)
+        trained = AutoModelForCausalLM.from_pretrained(out / "rl", dtype=torch.float32)
+        final = held_out_success(trained, tok, test, run)
+        result = {"rollout": "trl", "no_tool_baseline": no_tool, "warmup_steps": steps, "warmup_success": warm,
+                  "train_reward": rewards, "final_success": final, "wall_s": round(time.time() - start, 1),
+                  "threads": args.threads}
+        print(json.dumps(result), flush=True)
+        return result
 
     from tiller.config import load_config
     from tiller.trainer.rl import run as rl_run

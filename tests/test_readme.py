@@ -12,6 +12,7 @@ command that is neither run nor skipped fails the test, so a new README command 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -271,7 +272,9 @@ def artifacts(base, tmp_path_factory):
 @pytest.fixture
 def workspace(artifacts, request):
     """A scratch dir of the test's own: the template, plus what its command reads (made by other commands)."""
-    return artifacts.scratch(re.sub(r"[^\w]+", "_", request.node.name)[:80])
+    # (cut names can collide: two commands that differ after 70 characters; the full name's hash tells them apart)
+    name = request.node.name
+    return artifacts.scratch(re.sub(r"[^\w]+", "_", name)[:70] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8])
 
 
 def _env(ws: Path) -> dict:
