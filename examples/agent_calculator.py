@@ -33,7 +33,8 @@ Measured (2-core AVX-512 BF16 CPU, 1 thread): seed 0, warm-up 165 steps to 0.375
 batch sizes and learning rate): `GRPOTrainer(tools=[calc], reward_funcs=correct)`, `calc` a plain Python function,
 `correct` reading the last assistant message of each completion's messages; the tokenizer carries a
 `response_template` for the compact template (transformers' response parsing reads the calls). Held-out greedy
-success is measured through the endpoint with the agent (`run`) before and after.
+success is measured through the endpoint with the agent (`run`) before and after. Measured (2-core AVX-512 BF16 CPU,
+1 thread, 40 steps): seed 0 0.375 -> 0.609, seed 1 0.516 -> 0.828.
 
 Prints one JSON line: no-tool baseline, success after warm-up (RL step 0), the curve, and the final success.
 Measured (shared 2-core AVX2 CPU, 1 thread, `--warmup-target 0.1`): no-tool baseline 0.000; held-out success
