@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,6 +63,48 @@ def tool_model_dir(tmp_path_factory, tiny_model_dir):
     tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     tok.save_pretrained(out)
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+CALLER_TURNS = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>', "Done.<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def caller_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny Qwen2 with the calculator example's compact tool template (and its response template), taught (~130
+    supervised steps, a few seconds) to answer any question by calling add(2, 3), then "Done." after the tool's
+    reply, laid out as the tool loop lays it out: a real policy that calls tools."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    example = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "agent_calculator.py"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template, tok.response_template = example["CHAT_TEMPLATE"], example["RESPONSE_TEMPLATE"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    loop = TRLToolLoop([tool_of(add, "tools")], None, {}, {}, None, None, {}, 4096, 4096, tokenizer=tok)
+    suffix = loop.suffix_ids(tok, [{"role": "tool", "name": "add", "content": "5"}])
+    first, second = (tok(t, add_special_tokens=False)["input_ids"] for t in CALLER_TURNS)
+    seqs = []
+    for i in range(4):
+        prompt = tok.apply_chat_template([{"role": "user", "content": f"What is {i}+{i}?"}], tools=[add],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        seqs.append((prompt + first + suffix + second, [0] * len(prompt) + [1] * len(first) + [0] * len(suffix)
+                     + [1] * len(second)))
+    width = max(len(x) for x, _ in seqs)
+    ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in seqs])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in seqs], dtype=torch.float)[:, 1:]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(400):
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.003:
+            break
+    assert loss.item() < 0.01, loss.item()
+    out = tmp_path_factory.mktemp("caller") / "qwen2_caller"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
     return out
 
 
@@ -360,3 +403,27 @@ def test_tokenizer_set_up_as_trl(tool_model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # trl not installed
     with pytest.raises(ConfigError, match="no response_template .* install trl"):
         prepare_tokenizer(AutoTokenizer.from_pretrained(tool_model_dir), "m")
+
+
+def test_a_policy_that_calls_tools_trains_on_the_real_engine(tmp_path, caller_model_dir):
+    """The native engine samples the calls, the tool runs, the engine continues after the tool tokens; the actor's
+    log-probabilities of every model token equal the engine's (tool tokens in between, out of the loss)."""
+    seen = []
+
+    def done(completions, **kw):
+        seen.extend(completions)
+        return [float(c[-1]["content"] == "Done.") for c in completions]
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}]} for i in range(4)]
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=120, learning_rate=1e-4, max_steps=2, bf16=False, seed=2)
+    trainer = GRPOTrainer(model=str(caller_model_dir), reward_funcs=done, args=args, train_dataset=rows, tools=[add])
+    trainer.train()
+    called = [c for c in seen if len(c) == 3]
+    assert len(seen) == 16 and len(called) >= 12, [[(m["role"], m["content"][:40]) for m in c] for c in seen if len(c) != 3]
+    for c in called:
+        assert c[0]["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+        assert c[1] == {"role": "tool", "name": "add", "content": "5"}
+    for row in trainer.state.log_history:
+        assert row["tools/call_frequency"] >= 0.75 and row["tools/failure_frequency"] == 0.0, row
+        assert row["training/rollout_probs_diff_max"] < 1e-4, row["training/rollout_probs_diff_max"]
