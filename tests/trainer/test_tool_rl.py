@@ -437,7 +437,7 @@ def test_verls_agent_name_column_picks_each_rows_loop(tiny_model_dir, tmp_path):
         assert batch["num_tool_calls"][i] == (1 if tool_row else 0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(prompts.read_text().replace("single_turn_agent", "my_agent"))
-    with pytest.raises(DataError, match=r"bad.jsonl row 1: agent_name='my_agent': tiller runs verl's tool_agent"):
+    with pytest.raises(DataError, match=r"bad.jsonl row 1: agent_name='my_agent': not one of the run's agent loops"):
         RLTrainer(load_config([*keys[:1], f"data.train_files=[{bad}]", *keys[2:],
                                "actor_rollout_ref.rollout.multi_turn.enable=True",
                                f"data.function_tool_path={tmp_path / 'tools.py'}"]))

@@ -420,7 +420,8 @@ def test_a_policy_that_calls_tools_trains_on_the_real_engine(tmp_path, caller_mo
     trainer = GRPOTrainer(model=str(caller_model_dir), reward_funcs=done, args=args, train_dataset=rows, tools=[add])
     trainer.train()
     called = [c for c in seen if len(c) == 3]
-    assert len(seen) == 16 and len(called) >= 12, [[(m["role"], m["content"][:40]) for m in c] for c in seen if len(c) != 3]
+    others = [[(m["role"], m["content"][:40]) for m in c] for c in seen if len(c) != 3]
+    assert len(seen) == 16 and len(called) >= 12, others
     for c in called:
         assert c[0]["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
         assert c[1] == {"role": "tool", "name": "add", "content": "5"}

@@ -286,13 +286,12 @@ RULES.update({
     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": noop("samples per prompt are rollout.n"),
     "actor_rollout_ref.rollout.agent.num_workers": noop(
         "tiller's episodes run in one event loop of the driver (agent.max_concurrency bounds them)"),
-    "actor_rollout_ref.rollout.agent.default_agent_loop": refused(
-        "tiller picks its loop from the config: multi_turn.enable (tools), agent.path (an agent function) or "
-        "agent.env_path (an environment)", use="single_turn_agent or tool_agent, and the keys above",
-        allowed=("single_turn_agent", "tool_agent")),
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": refused(
-        "verl's registry of custom agent loops is not built", use="actor_rollout_ref.rollout.agent.path (an async "
-        "agent function) or agent.env_path (an environment class)", allowed=(None,)),
+    "actor_rollout_ref.rollout.agent.default_agent_loop": Rule(
+        HONOURED, "the loop of rows without agent_name: single_turn_agent, tool_agent (multi_turn.enable) or a loop "
+        "of agent_loop_config_path"),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": Rule(
+        HONOURED, "verl's custom agent loops (AgentLoopBase subclasses, per-row agent_name) on tiller's engine "
+        "(tiller.rollout.verl_agent_loop, docs/agents.md)"),
     "actor_rollout_ref.rollout.agent.custom_async_server": refused(
         "a custom async rollout server class is not built", use="rollout.name=native|hf|vllm",
         allowed=({"path": None, "name": None},)),

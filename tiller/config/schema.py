@@ -745,10 +745,11 @@ class AgentConfig:
     num_workers: int = 8
     """verl: agent-loop worker processes; tiller's episodes run in one event loop (bounded by max_concurrency)."""
     default_agent_loop: str = "single_turn_agent"
-    """verl: the registered agent loop used by default; tiller picks the loop from agent.path / env_path /
-    multi_turn.enable, so only verl's two built-ins are accepted."""
+    """verl: the agent loop of rows without an `agent_name` column: single_turn_agent, tool_agent (multi_turn.enable)
+    or a custom loop of agent_loop_config_path."""
     agent_loop_config_path: Optional[str] = None
-    """verl: a YAML of custom agent loops; refused (tiller's agents are agent.path or agent.env_path)."""
+    """verl: a YAML list of custom agent loops (`- name: ...` / `_target_: pkg.module.Class` or `file.py:Class`, plus
+    constructor keywords): `AgentLoopBase` subclasses run per sample on tiller's engine (tiller.rollout.verl_agent_loop)."""
     custom_async_server: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": None})
     """verl: a custom async rollout server class {path, name}; refused unless both are null."""
 

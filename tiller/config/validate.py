@@ -377,6 +377,16 @@ def _validate_agent(cfg: RLConfig) -> None:
     """actor_rollout_ref.rollout.agent: an agent (OpenAI endpoint) or an environment rollout."""
     agent, algo = cfg.actor_rollout_ref.rollout.agent, cfg.algorithm
     key = "actor_rollout_ref.rollout.agent"
+    if agent.agent_loop_config_path:  # verl's custom agent loops (tiller.rollout.verl_agent_loop)
+        if agent.path or agent.env_path:
+            raise ConfigError(f"{key}.agent_loop_config_path and {key}.{'path' if agent.path else 'env_path'} are "
+                              "both set: verl agent loops or an agent function / environment, not both")
+        if cfg.async_training.staleness_threshold:
+            raise ConfigError(f"{key}.agent_loop_config_path with async_training: verl agent loops run in "
+                              "synchronous RL in this version")
+    elif agent.default_agent_loop not in ("single_turn_agent", "tool_agent"):
+        raise ConfigError(f"{key}.default_agent_loop={agent.default_agent_loop!r}: a custom loop needs {key}."
+                          "agent_loop_config_path (its YAML); without it: single_turn_agent or tool_agent")
     if not (agent.path or agent.env_path):
         return
     if agent.path and agent.env_path:

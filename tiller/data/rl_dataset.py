@@ -144,15 +144,19 @@ def _fit_length(ids: list[int], max_len: int, truncation: str, where: str) -> li
 AGENT_NAMES = ("tool_agent", "single_turn_agent")
 
 
-def _agent_name(row: dict, where: str, multi_turn: bool) -> str | None:
+def _agent_name(row: dict, where: str, multi_turn: bool, custom: Sequence[str] = ()) -> str | None:
     """verl's `agent_name` column: which agent loop runs the row (tool_agent: the multi-turn tool loop,
-    single_turn_agent: one turn without tools); None when the row has none."""
+    single_turn_agent: one turn without tools, or a custom loop of agent_loop_config_path); None when the row has
+    none."""
     name = row.get("agent_name")
     if name is None:
         return None
+    if name in custom:
+        return name
     if name not in AGENT_NAMES:
-        raise DataError(f"{where}: agent_name={name!r}: tiller runs verl's {' and '.join(AGENT_NAMES)} loops (a "
-                        "custom agent loop class is not loaded)")
+        known = ", ".join(list(AGENT_NAMES) + sorted(custom))
+        raise DataError(f"{where}: agent_name={name!r}: not one of the run's agent loops ({known}; custom loops "
+                        "come from actor_rollout_ref.rollout.agent.agent_loop_config_path)")
     if name == "tool_agent" and not multi_turn:
         raise DataError(f"{where}: agent_name='tool_agent' needs the multi-turn tool loop: set "
                         "actor_rollout_ref.rollout.multi_turn.enable=true (and its tools)")
@@ -196,7 +200,8 @@ class RLDataset:
                  label_key: str | None = None, default_data_source: str | None = None,
                  input_template: str | None = None, probs: Sequence[float] | None = None, split: str = "train",
                  seed: int = 42, processor=None, image_key: str = "images",
-                 chat_template_kwargs: dict | None = None, tool_schemas: Sequence[dict] | None = None):
+                 chat_template_kwargs: dict | None = None, tool_schemas: Sequence[dict] | None = None,
+                 agent_names: Sequence[str] = ()):
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")
@@ -223,7 +228,7 @@ class RLDataset:
             if row.get("videos") is not None and len(row["videos"]):
                 raise DataError(f"{where}: the row has videos; tiller's vision-language path takes images only "
                                 "(sample frames into the images column)")
-            agent_name = _agent_name(row, where, tool_schemas is not None)
+            agent_name = _agent_name(row, where, tool_schemas is not None, agent_names)
             row_schemas = None if agent_name == "single_turn_agent" else tool_schemas  # (verl: no tools rendered)
             if tool_schemas is not None and agent_name != "single_turn_agent":
                 _check_tools_kwargs(row.get("extra_info"), tool_schemas, where)
@@ -336,7 +341,7 @@ def _ground_truth(row: dict) -> Any:
 
 def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: int = -1,
                      what: str = "data.train_files", require_ground_truth: bool = False, processor=None,
-                     tool_schemas: Sequence[dict] | None = None) -> RLDataset:
+                     tool_schemas: Sequence[dict] | None = None, agent_names: Sequence[str] = ()) -> RLDataset:
     """`RLDataset` from a `tiller.config.schema.DataConfig`; says how many prompts filter_overlong_prompts dropped.
     `require_ground_truth`: a row without one is an error naming the file and row (rule scoring needs it).
     `processor`: a vision-language model's processor (`tiller.models.vision.load_processor`): rows with images.
@@ -352,7 +357,8 @@ def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: 
                    probs=data_cfg.train_probs if what == "data.train_files" else None,
                    split=data_cfg.train_split if what == "data.train_files" else data_cfg.val_split,
                    seed=data_cfg.seed, processor=processor, image_key=data_cfg.image_key,
-                   chat_template_kwargs=dict(data_cfg.apply_chat_template_kwargs), tool_schemas=tool_schemas)
+                   chat_template_kwargs=dict(data_cfg.apply_chat_template_kwargs), tool_schemas=tool_schemas,
+                   agent_names=agent_names)
     if ds.num_filtered:
         print(f"{what}: data.filter_overlong_prompts dropped {ds.num_filtered} of {ds.num_rows} prompts longer than "
               f"data.max_prompt_length={data_cfg.max_prompt_length} tokens")

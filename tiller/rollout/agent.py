@@ -452,7 +452,8 @@ def load_all_tools(multi_turn: Any) -> dict[str, Tool]:
 
 def build_agent_loop(rollout_cfg: Any, chat_template_kwargs: dict | None = None) -> AgentLoop | None:
     """`AgentLoop` from `actor_rollout_ref.rollout` when `multi_turn.enable`, else None.
-    `chat_template_kwargs`: data.apply_chat_template_kwargs.
+    `chat_template_kwargs`: data.apply_chat_template_kwargs. (With verl's custom agent loops the RL rollout's loop is
+    `tiller.rollout.verl_agent_loop.build_rollout_loop`'s.)
 
     Tools: `load_all_tools`.
     """

@@ -221,15 +221,21 @@ def _stand_ins() -> dict[str, types.ModuleType]:
 
 
 @contextlib.contextmanager
-def verl_tool_imports():
+def verl_tool_imports(extra: dict[str, types.ModuleType] | None = None):
     """While importing a tool file (`@function_tool` functions, verl `BaseTool` classes): verl's
     `verl.tools.function_tool`, `verl.tools.schemas`, `verl.tools.base_tool`, `verl.utils.rollout_trace` and
     `verl.utils.reward_score` (`default_compute_score`, `gsm8k`) are tiller's stand-ins unless verl is installed (a
-    real verl is never shadowed), removed again afterwards."""
+    real verl is never shadowed), removed again afterwards. `extra`: more stand-in modules by name (an agent loop
+    file's: `tiller.rollout.verl_agent_loop.stand_in_modules`)."""
     if _verl_installed() or "verl" in sys.modules:
         yield
         return
     modules = _stand_ins()
+    for name, module in (extra or {}).items():
+        modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent in modules:
+            setattr(modules[parent], child, module)
     saved = {n: sys.modules.get(n) for n in modules}
     sys.modules.update(modules)
     try:

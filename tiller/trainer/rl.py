@@ -71,7 +71,7 @@ from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
 from tiller.rewards.types import RewardRequest
-from tiller.rollout.agent import build_agent_loop
+from tiller.rollout.verl_agent_loop import build_rollout_loop
 from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
@@ -133,7 +133,9 @@ class RLTrainer:
                               "(or run `tiller demo` for the built-in model and task)")
         # verl's multi_turn.enable: multi-turn tool rollouts (tiller.rollout.agent, as tiller eval runs them); its
         # settings and tools checked, and the tools' schemas rendered into the prompts, before a model loads
-        self.tool_loop = self.given_tool_loop or build_agent_loop(arr.rollout, data.apply_chat_template_kwargs)
+        self.tool_loop = self.given_tool_loop or build_rollout_loop(arr.rollout, data.apply_chat_template_kwargs,
+                                                                    config=cfg)
+        self.custom_loops = bool(arr.rollout.agent.agent_loop_config_path)  # verl's agent loops read raw_prompt
         if self.tool_loop is not None:
             _refuse_with_multi_turn(cfg)
         torch.manual_seed(tr.seed)
@@ -150,7 +152,7 @@ class RLTrainer:
         self.agent = bool(arr.rollout.agent.path or arr.rollout.agent.env_path)  # episodes: the agent gives rewards
         rules = not (cfg.custom_reward_function.path or rm_cfg.enable or rm_cfg.remote_url or self.agent
                      or self.in_process_reward is not None)
-        if self.agent and not data.return_raw_chat:  # the agent gets the chat messages (sample["prompt"])
+        if (self.agent or self.custom_loops) and not data.return_raw_chat:  # the agent gets the chat messages
             from dataclasses import replace
 
             data = replace(data, return_raw_chat=True)
@@ -163,14 +165,17 @@ class RLTrainer:
             self.processor = load_processor(arr.model.path, tokenizer=self.tokenizer,
                                             trust_remote_code=arr.model.trust_remote_code)
             set_chat_template(self.tokenizer, arr.model.custom_chat_template, self.processor)
-        schemas = [t.schema for t in self.tool_loop.tools.values()] if self.tool_loop is not None else None
+        schemas = [t.schema for t in self.tool_loop.tools.values()] \
+            if self.tool_loop is not None and self.tool_loop.tools is not None else None
+        names = self.tool_loop.agent_names() if hasattr(self.tool_loop, "agent_names") else ()
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
-                                         require_ground_truth=rules, processor=self.processor, tool_schemas=schemas)
+                                         require_ground_truth=rules, processor=self.processor, tool_schemas=schemas,
+                                         agent_names=names)
         self.val_ds = None
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
                                            what="data.val_files", require_ground_truth=rules,
-                                           processor=self.processor, tool_schemas=schemas)
+                                           processor=self.processor, tool_schemas=schemas, agent_names=names)
         # rule scoring: a ground truth of the wrong type for its scorer is refused here, or (count) scored 0 and counted
         self.count_bad_ground_truth = rules and rm_cfg.bad_ground_truth == "count"
         self.bad_ground_truth_total = 0
@@ -485,7 +490,7 @@ class RLTrainer:
             "extra_info": [it.extra_info for it in items],
             "uid": [f"{tag}-{j}" for j in range(len(items))],
         }
-        if self.agent:
+        if self.agent or self.custom_loops:
             fields["raw_prompt"] = [it.raw_prompt for it in items]
         if any(it.agent_name is not None for it in items):  # verl's per-row agent loop
             fields["agent_name"] = [it.agent_name for it in items]
@@ -652,6 +657,12 @@ class RLTrainer:
         result = self.reward_fn(requests)
         scores = np.asarray(result.scores, dtype=np.float32)
         metrics = dict(result.metrics)
+        given = [getattr(s, "reward_score", None) for s in batch["agent_state"]] if "agent_state" in batch else []
+        if any(g is not None for g in given):  # verl agent loops that score their own trajectories (reward_score)
+            for i, g in enumerate(given):
+                if g is not None:
+                    scores[i] = float(g)
+            metrics["agent/reward_score_given"] = float(sum(g is not None for g in given))
         if self.count_bad_ground_truth:  # reward_model.bad_ground_truth=count: such samples score 0, counted
             bad = np.array([ground_truth_problem(r.data_source, r.ground_truth) is not None for r in requests], bool)
             scores[bad] = 0.0

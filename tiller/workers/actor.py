@@ -62,7 +62,8 @@ from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, SamplingParams
-from tiller.rollout.agent import build_agent_loop, tools_kwargs_of
+from tiller.rollout.agent import tools_kwargs_of
+from tiller.rollout.verl_agent_loop import build_rollout_loop
 from tiller.rollout.agent_endpoint import AgentEndpoint, run_agent_episodes
 from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
@@ -126,7 +127,7 @@ class ActorRolloutRefWorker:
         # verl's multi_turn.enable: each sample a multi-turn tool conversation (tiller.rollout.agent), as tiller eval
         # (or a front end's own loop, e.g. TRL's tools: `tool_loop`, in-process only)
         self.tool_loop = tool_loop if tool_loop is not None else \
-            build_agent_loop(arr.rollout, config.data.apply_chat_template_kwargs)
+            build_rollout_loop(arr.rollout, config.data.apply_chat_template_kwargs, config=config)
         prepare_process(config.trainer)
         # fresh heads / LoRA weights initialise the same in-process and in every Ray rank
         torch.manual_seed(config.trainer.seed)
@@ -332,8 +333,9 @@ class ActorRolloutRefWorker:
         if self.tool_loop is not None:  # per sample: its tool calls' rewards (the scorer's extra_info) and counts
             for name in ("tool_rewards", "num_turns", "num_tool_calls", "tool_errors"):
                 batch[name] = list(getattr(out, name))
-            if out.messages:  # (TRL's loop: each completion's messages and episode, for its reward functions)
+            if out.messages:  # (TRL's loop: each completion's messages, for its reward functions)
                 batch["completion_messages"] = list(out.messages)
+            if out.states:  # (TRL's episodes, verl agent loops' reward_score: for the reward side)
                 batch["agent_state"] = list(out.states)
         if out.token_versions:  # asynchronous RL: the version that sampled each token
             batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
@@ -492,6 +494,9 @@ class ActorRolloutRefWorker:
                 prompt_options["single_turn"] = [name == "single_turn_agent" for name in prompts["agent_name"]]
             if getattr(self.tool_loop, "wants_extra_info", False):  # (TRL's loop: each prompt's dataset row)
                 prompt_options["extra_info"] = list(prompts["extra_info"])
+            if getattr(self.tool_loop, "wants_rows", False):  # (verl's agent loops: each row's fields)
+                names = [k for k in prompts.fields if k not in ("prompt_ids", "multi_modal_inputs", "images")]
+                prompt_options["rows"] = [{k: prompts[k][i] for k in names} for i in range(len(prompts))]
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
             hook = {**hook, "multi_modal": list(prompts["multi_modal_inputs"])}
             if per_rank > 1:
@@ -897,8 +902,8 @@ class _ToolLoopEngine:
         self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
 
     def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, multi_modal=None,
-                 single_turn=None, extra_info=None):
-        more = {"extra_info": extra_info} if extra_info is not None else {}
+                 single_turn=None, extra_info=None, rows=None):
+        more = {k: v for k, v in (("extra_info", extra_info), ("rows", rows)) if v is not None}
         return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
                                   max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs,
                                   weights_hook=weights_hook, multi_modal=multi_modal, single_turn=single_turn,
