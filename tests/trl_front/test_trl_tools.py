@@ -428,3 +428,57 @@ def test_a_policy_that_calls_tools_trains_on_the_real_engine(tmp_path, caller_mo
     for row in trainer.state.log_history:
         assert row["tools/call_frequency"] >= 0.75 and row["tools/failure_frequency"] == 0.0, row
         assert row["training/rollout_probs_diff_max"] < 1e-4, row["training/rollout_probs_diff_max"]
+
+
+class Echo:
+    """A second environment: its tool echoes; it owns no reward."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def echo(self, text: str) -> str:
+        """Echo a text.
+
+        Args:
+            text: The text.
+        """
+        return text
+
+
+def test_a_dict_of_environments_renders_each_rows_own_tools(tool_model_dir):
+    """environment_factory={name: factory} with an `environment` column: each completion gets an instance of its
+    row's environment, its prompt lists only that environment's tools (and the standalone ones), as TRL renders it."""
+    from tiller.trl.tool_loop import EnvironmentPool, environment_rewards
+
+    tok = _tokenizer(tool_model_dir)
+    pool = EnvironmentPool({"counter": Counter, "echo": Echo}, [tool_of(add, "tools")])
+    assert [name for name, _ in environment_rewards(pool)] == ["Counter"]  # only Counter owns a reward
+    rows = [{"prompt": [{"role": "user", "content": "Go."}], "environment": "counter", "start": 3},
+            {"prompt": [{"role": "user", "content": "Go."}], "environment": "echo", "start": 0}]
+    loop = TRLToolLoop([tool_of(add, "tools")], pool, {"train": rows}, {}, None, None, {}, 4096, 4096, tokenizer=tok)
+    assert sorted(loop.tools) == ["add", "echo", "increment"]  # the union: what the data's prompts are sized with
+
+    class Answer:
+        def generate(self, prompt_ids, sampling, **_):
+            out = RolloutOutput()
+            for p in prompt_ids:
+                ids = tok("ok<|im_end|>", add_special_tokens=False)["input_ids"]
+                out.prompt_ids.append(list(p))
+                out.response_ids.append(ids)
+                out.logprobs.append([LOGPROB] * len(ids))
+                out.finish_reason.append("stop")
+            return out
+
+    info = [{"trl_row": 0, "trl_split": "train"}, {"trl_row": 1, "trl_split": "train"}]
+    out = loop.generate(Answer(), tok, [[1], [1]], SamplingParams(n=2, max_new_tokens=16), extra_info=info)
+    prompts = [tok.decode(p) for p in out.prompt_ids]
+    for k, text in enumerate(prompts):
+        counter = k < 2
+        assert ('"name": "increment"' in text) == counter and ('"name": "echo"' in text) == (not counter)
+        assert '"name": "add"' in text
+        assert text.count("Go. Start at 3.") == (1 if counter else 0)  # Counter.reset's observation; Echo has none
+    assert [type(s.environment).__name__ for s in out.states] == ["Counter", "Counter", "Echo", "Echo"]
+    assert len({id(s.environment) for s in out.states}) == 4  # one instance per completion
+    rows.append({"prompt": [{"role": "user", "content": "Go."}], "environment": "chess"})
+    with pytest.raises(DataError, match="environment='chess', which is not among"):
+        loop.generate(Answer(), tok, [[1]], SamplingParams(n=1, max_new_tokens=4), extra_info=[{"trl_row": 2}])
