@@ -4,6 +4,7 @@ calculator tool, on a tiny model, on a CPU.
     python examples/agent_calculator.py [--out runs/agent_calc] [--steps 40] [key=value ...]
     python examples/agent_calculator.py --rollout multi-turn     # the same task on verl's multi-turn tool loop
     python examples/agent_calculator.py --rollout trl            # ... as a TRL script: GRPOTrainer(tools=[calc])
+    python examples/agent_calculator.py --rollout verl-loop      # ... as a verl custom agent loop (AgentLoopBase)
 
 The task: `"What is 41*82?"` (`--digits 2`). A ~2M-parameter model cannot learn to multiply in a short warm-up; with the calculator it
 only has to call it with the right expression and copy the result. The agent (`run` below) is plain OpenAI
@@ -35,6 +36,12 @@ batch sizes and learning rate): `GRPOTrainer(tools=[calc], reward_funcs=correct)
 `response_template` for the compact template (transformers' response parsing reads the calls). Held-out greedy
 success is measured through the endpoint with the agent (`run`) before and after. Measured (2-core AVX-512 BF16 CPU,
 1 thread, 40 steps): seed 0 0.375 -> 0.609, seed 1 0.516 -> 0.828.
+
+`--rollout verl-loop` trains step 3 with a verl custom agent loop (`AGENT_LOOP_PY`, written to `--out` as
+`calc_loop.py`: an `AgentLoopBase` subclass that generates through `server_manager.generate`, runs `calc` on the
+call it parses, merges the tool message with verl's Continuous Token helpers and generates the answer), registered
+by `agent_loop_config_path` and picked by `default_agent_loop`; reward and held-out success as `--rollout
+multi-turn`.
 
 Prints one JSON line: no-tool baseline, success after warm-up (RL step 0), the curve, and the final success.
 Measured (shared 2-core AVX2 CPU, 1 thread, `--warmup-target 0.1`): no-tool baseline 0.000; held-out success
@@ -256,6 +263,55 @@ def train_trl(warm_dir: Path, out: Path, train: list[dict], args) -> list:
     return [(row["step"], row["reward"]) for row in trainer.state.log_history if "reward" in row]
 
 
+# --rollout verl-loop: verl's tool agent loop in miniature, written against verl's API (run by tiller's stand-ins)
+AGENT_LOOP_PY = '''import json
+import re
+from uuid import uuid4
+
+from verl.experimental.agent_loop import AgentLoopBase, AgentLoopOutput
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate an arithmetic expression",
+                                           "parameters": {"type": "object", "properties": {"x": {"type": "string"}},
+                                                          "required": ["x"]}}}]
+
+
+class CalcAgentLoop(AgentLoopBase):
+    """One turn; if it calls calc, the result as a tool message and one more turn (the answer)."""
+
+    async def run(self, sampling_params, **kwargs):
+        from tiller.rollout.tools import CalculatorTool
+
+        messages = list(kwargs["raw_prompt"])
+        prompt_ids = await self.ct_build_initial_tokens(messages, tools=TOOLS)
+        out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=prompt_ids,
+                                                 sampling_params=sampling_params)
+        merged, mask, logprobs = await self.ct_merge_assistant_token(prompt_ids, out.token_ids, [], [],
+                                                                     assistant_logprobs=out.log_probs)
+        turns, match = 2, CALL.search(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+        if match:
+            try:
+                x = str(json.loads(match.group(1))["arguments"]["x"])
+                result = CalculatorTool()({"expression": x})
+            except (ValueError, KeyError, TypeError) as err:
+                x, result = "", f"Error: {err}"
+            call = {"type": "function", "function": {"name": "calc", "arguments": {"x": x}}}
+            previous = messages + [{"role": "assistant", "content": "", "tool_calls": [call]}]
+            updated = previous + [{"role": "tool", "name": "calc", "content": result}]
+            merged, mask, logprobs = await self.ct_merge_non_assistant_msg(previous, updated, merged.token_ids, mask,
+                                                                           logprobs, tools=TOOLS)
+            out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=merged.token_ids,
+                                                     sampling_params=sampling_params)
+            merged, mask, logprobs = await self.ct_merge_assistant_token(merged.token_ids, out.token_ids, mask,
+                                                                         logprobs, assistant_logprobs=out.log_probs)
+            turns = 4
+        limit = self.rollout_config.response_length
+        response = merged.token_ids[len(prompt_ids):]
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response[:limit], response_mask=mask[:limit],
+                               response_logprobs=logprobs[:limit], num_turns=turns, metrics={})
+'''
+
+
 def held_out_success(model, tok, rows: list[dict], agent) -> float:
     """Greedy success of `agent` over `rows` through tiller's endpoint in front of `model`."""
     from tiller.rollout.native import NativeRolloutEngine
@@ -293,9 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-test", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rollout", choices=("agent", "multi-turn", "trl"), default="agent",
-                   help="GRPO through the OpenAI endpoint and this file's agent, verl's multi-turn tool loop, or a "
-                        "TRL script's tools")
+    p.add_argument("--rollout", choices=("agent", "multi-turn", "trl", "verl-loop"), default="agent",
+                   help="GRPO through the OpenAI endpoint and this file's agent, verl's multi-turn tool loop, a "
+                        "TRL script's tools, or a verl custom agent loop")
     args, overrides = p.parse_known_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -367,8 +423,15 @@ def rollout_keys(rollout: str, out: Path) -> list[str]:
     if rollout == "agent":
         return [f"actor_rollout_ref.rollout.agent.path={Path(__file__).resolve()}",
                 "actor_rollout_ref.rollout.agent.client=openai"]
-    (out / "tools.py").write_text(TOOLS_PY)
     (out / "reward.py").write_text(REWARD_PY)
+    if rollout == "verl-loop":
+        (out / "calc_loop.py").write_text(AGENT_LOOP_PY)
+        target = f"{out.resolve() / 'calc_loop.py'}:CalcAgentLoop"
+        (out / "loops.yaml").write_text(f"- name: calc_agent\n  _target_: {target}\n")
+        return [f"actor_rollout_ref.rollout.agent.agent_loop_config_path={out / 'loops.yaml'}",
+                "actor_rollout_ref.rollout.agent.default_agent_loop=calc_agent", "data.max_response_length=128",
+                f"custom_reward_function.path={out / 'reward.py'}"]
+    (out / "tools.py").write_text(TOOLS_PY)
     return ["actor_rollout_ref.rollout.multi_turn.enable=True", "data.max_response_length=128",  # (all turns)
             f"actor_rollout_ref.rollout.multi_turn.function_tool_path={out / 'tools.py'}",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
