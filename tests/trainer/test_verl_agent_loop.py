@@ -197,3 +197,24 @@ def test_bad_loops_are_named(tiny_model_dir, files, capsys):
             trainer._collect_batch({}, 1)
     finally:
         trainer.shutdown()
+
+
+def test_tiller_eval_runs_the_custom_loops(tiny_model_dir, files, monkeypatch):
+    """`tiller eval` with agent_loop_config_path: the same loops, the same scores as the training step's."""
+    from tests.evaluation.test_eval_cli import _scripted_eval
+    from tiller.models.loading import load_tokenizer
+
+    root, prompts = files
+    monkeypatch.setattr("tests.evaluation.test_eval_cli.ScriptedEngine", ScriptedEngine)
+    tok = load_tokenizer(tiny_model_dir, padding_side="left")
+    report, records = _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompts,
+                                     f"custom_reward_function.path={root / 'reward.py'}",
+                                     f"actor_rollout_ref.rollout.agent.agent_loop_config_path={root / 'loops.yaml'}",
+                                     "data.max_response_length=48")
+    assert [r["score"] for r in records] == [1.5, 11.0, 1.0]
+    assert records[0]["response"].endswith("yes 3") and report["agent"]["turns/mean"] == pytest.approx(3.0)
+    with pytest.raises(ConfigError, match="tiller eval runs single-turn prompts"):
+        _scripted_eval(monkeypatch, tok, script, tiny_model_dir, prompts,
+                       f"actor_rollout_ref.rollout.agent.env_path={root / 'my_loops.py'}",
+                       "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.rollout.n=2")

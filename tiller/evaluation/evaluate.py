@@ -61,7 +61,8 @@ from tiller.evaluation.runner import (
 from tiller.rewards import build_reward_manager, RewardRequest
 from tiller.rewards.diversity import build_partitioner
 from tiller.rewards.registry import check_ground_truths
-from tiller.rollout.agent import AgentRolloutOutput, build_agent_loop, tool_means, tools_kwargs_of
+from tiller.rollout.agent import AgentRolloutOutput, tool_means, tools_kwargs_of
+from tiller.rollout.verl_agent_loop import build_rollout_loop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,10 +90,12 @@ def image_inputs(items) -> list[dict | None] | None:
 
 
 def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int,
-                  tool_rewards: list[list[float]] | None = None) -> list[dict]:
+                  tool_rewards: list[list[float]] | None = None,
+                  given_scores: list[float | None] | None = None) -> list[dict]:
     """One record per sample (prompt i's samples at rows i*n .. i*n+n-1) with score, acc and pred.
     `tool_rewards` (multi-turn rollouts): each sample's tool-call rewards, given to the reward function as
-    `extra_info["tool_rewards"]` (verl's reward managers do the same)."""
+    `extra_info["tool_rewards"]` (verl's reward managers do the same). `given_scores`: per sample, a score its agent
+    loop computed (verl's `reward_score`; None: the reward function's), as tiller rl uses it."""
     def extra(i: int, j: int) -> dict:
         info = dict(items[i].extra_info)
         if getattr(items[i], "images", None):  # an image prompt's images, as tiller rl hands them (PIL)
@@ -108,6 +111,9 @@ def score_samples(reward_fn, items, texts: list[str], lengths: list[int], n: int
     result = reward_fn(requests)
     scores = np.asarray(result.scores, dtype=np.float64)
     accs = np.asarray(result.extras.get("acc", scores), dtype=np.float64)
+    for b, given in enumerate(given_scores or []):
+        if given is not None:
+            scores[b] = accs[b] = float(given)
     preds = result.extras.get("pred")
     records = []
     for b, req in enumerate(requests):
@@ -160,14 +166,24 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     if not 0.0 < patience <= 1.0:
         raise ConfigError(f"--patience={patience}: utility@k's patience lies in (0, 1]")
     r = cfg.actor_rollout_ref.rollout
-    agent = build_agent_loop(r, cfg.data.apply_chat_template_kwargs)  # (its settings checked before the model loads)
+    if r.agent.path or r.agent.env_path:
+        raise ConfigError("tiller eval runs single-turn prompts, verl's multi-turn tool loop (multi_turn.enable) and "
+                          "verl agent loops (agent.agent_loop_config_path); an agent function or environment "
+                          "(actor_rollout_ref.rollout.agent.path / env_path) is evaluated by tiller rl's validation "
+                          "(trainer.val_only=true)")
+    # (its settings checked before the model loads; verl's custom agent loops read each row's chat messages)
+    agent = build_rollout_loop(r, cfg.data.apply_chat_template_kwargs, config=cfg)
+    if r.agent.agent_loop_config_path and not cfg.data.return_raw_chat:
+        cfg = replace(cfg, data=replace(cfg.data, return_raw_chat=True))
     policy = policy_from_config(cfg)
     partitioner = None
     if diversity:  # built before generating, so a bad partitioner key fails fast
         partitioner = build_partitioner(cfg.reward_model.diversity, policy.tokenizer)
-    schemas = [t.schema for t in agent.tools.values()] if agent is not None else None  # in the prompts: filtered
+    # the tools' schemas in the prompts (filtered by length with them)
+    schemas = [t.schema for t in agent.tools.values()] if agent is not None and agent.tools is not None else None
     items = build_rl_dataset(cfg.data, policy.tokenizer, cfg.data.val_files, max_samples=cfg.data.val_max_samples,
-                             what="data.val_files", tool_schemas=schemas, processor=policy.processor).items
+                             what="data.val_files", tool_schemas=schemas, processor=policy.processor,
+                             agent_names=agent.agent_names() if hasattr(agent, "agent_names") else ()).items
     rm = cfg.reward_model
     if not (cfg.custom_reward_function.path or rm.enable or rm.remote_url):  # rule scoring: types must fit
         check_ground_truths(items, "data.val_files", rm.bad_ground_truth)
@@ -185,7 +201,8 @@ def run_eval(cfg, *, batch_size: int | None = None, progress: bool = True, diver
     reward_fn = build_reward_manager(cfg, policy.tokenizer)
     try:
         records = score_samples(reward_fn, items, texts, [len(ids) for ids in out.response_ids], sampling.n,
-                                tool_rewards=getattr(out, "tool_rewards", None))
+                                tool_rewards=getattr(out, "tool_rewards", None),
+                                given_scores=[getattr(s, "reward_score", None) for s in getattr(out, "states", [])])
     finally:
         if hasattr(reward_fn, "close"):
             reward_fn.close()
@@ -220,13 +237,20 @@ def _agent_generate(agent, policy, items, sampling, cfg, batch_size: int, progre
                                       disable=not show_progress(progress))):
         call = replace(sampling, seed=None if sampling.seed is None else sampling.seed + j)
         images = image_inputs(items[start:start + batch_size])
+        chunk = items[start:start + batch_size]
+        more = {}
+        if getattr(agent, "wants_rows", False):  # verl agent loops: each row's fields, as tiller rl hands them
+            more["rows"] = [{"raw_prompt": it.raw_prompt, "data_source": it.data_source,
+                             "ground_truth": it.ground_truth, "extra_info": it.extra_info,
+                             "agent_name": it.agent_name, "uid": f"eval-{start + i}"} for i, it in enumerate(chunk)]
+        else:
+            more["single_turn"] = [getattr(it, "agent_name", None) == "single_turn_agent" for it in chunk]
         res = agent.generate(policy.engine, tok, prompts[start:start + batch_size], call, max_response_length=budget,
-                             tools_kwargs=[tools_kwargs_of(it.extra_info) for it in items[start:start + batch_size]],
-                             multi_modal=images, single_turn=[getattr(it, "agent_name", None) == "single_turn_agent"
-                                                              for it in items[start:start + batch_size]])
+                             tools_kwargs=[tools_kwargs_of(it.extra_info) for it in chunk], multi_modal=images, **more)
         for name in ("prompt_ids", "response_ids", "logprobs", "finish_reason", "response_mask", "num_turns",
                      "num_tool_calls", "tool_errors", "tool_rewards"):
             getattr(out, name).extend(getattr(res, name))
+        out.states.extend(res.states or [None] * len(res.response_ids))
     return out
 
 
