@@ -405,9 +405,9 @@ def test_tokenizer_set_up_as_trl(tool_model_dir, monkeypatch):
         prepare_tokenizer(AutoTokenizer.from_pretrained(tool_model_dir), "m")
 
 
-def test_a_policy_that_calls_tools_trains_on_the_real_engine(tmp_path, caller_model_dir):
-    """The native engine samples the calls, the tool runs, the engine continues after the tool tokens; the actor's
-    log-probabilities of every model token equal the engine's (tool tokens in between, out of the loss)."""
+def train_caller(out_dir, model_dir, **args) -> tuple:
+    """Two GRPO steps of the taught caller with tools=[add] (`args`: more GRPOConfig fields); (trainer, every
+    completion the reward function saw)."""
     seen = []
 
     def done(completions, **kw):
@@ -415,10 +415,17 @@ def test_a_policy_that_calls_tools_trains_on_the_real_engine(tmp_path, caller_mo
         return [float(c[-1]["content"] == "Done.") for c in completions]
 
     rows = [{"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}]} for i in range(4)]
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
-                      max_completion_length=120, learning_rate=1e-4, max_steps=2, bf16=False, seed=2)
-    trainer = GRPOTrainer(model=str(caller_model_dir), reward_funcs=done, args=args, train_dataset=rows, tools=[add])
+    config = GRPOConfig(output_dir=str(out_dir), num_generations=4, per_device_train_batch_size=8,
+                        max_completion_length=120, learning_rate=1e-4, max_steps=2, bf16=False, seed=2, **args)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=done, args=config, train_dataset=rows, tools=[add])
     trainer.train()
+    return trainer, seen
+
+
+def test_a_policy_that_calls_tools_trains_on_the_real_engine(tmp_path, caller_model_dir):
+    """The native engine samples the calls, the tool runs, the engine continues after the tool tokens; the actor's
+    log-probabilities of every model token equal the engine's (tool tokens in between, out of the loss)."""
+    trainer, seen = train_caller(tmp_path / "run", caller_model_dir)
     called = [c for c in seen if len(c) == 3]
     others = [[(m["role"], m["content"][:40]) for m in c] for c in seen if len(c) != 3]
     assert len(seen) == 16 and len(called) >= 12, others

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from tests.trl_front.test_trl_tools import add, caller_model_dir  # noqa: E402,F401 (the fixture: a tool-calling policy)
+from tests.trl_front.test_trl_tools import caller_model_dir, train_caller  # noqa: E402,F401 (a tool-calling policy)
 
 
 def digits(completions, **kwargs):
@@ -48,20 +48,8 @@ def test_trl_tools_on_vllm_colocate(tmp_path, caller_model_dir):  # noqa: F811
     """GRPOTrainer(tools=...) with use_vllm=True: every turn of TRL's tool loop is a vLLM call (the policy, taught to
     call `add`, calls it; vLLM continues after the tool tokens); the model tokens' logprobs are vLLM's and agree with
     the actor's."""
-    from tiller.trl import GRPOConfig, GRPOTrainer
-
-    seen = []
-
-    def done(completions, **kw):
-        seen.extend(completions)
-        return [float(c[-1]["content"] == "Done.") for c in completions]
-
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}]} for i in range(4)]
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
-                      max_completion_length=120, learning_rate=1e-4, max_steps=2, bf16=False, seed=2,
-                      use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1)
-    trainer = GRPOTrainer(model=str(caller_model_dir), reward_funcs=done, args=args, train_dataset=rows, tools=[add])
-    trainer.train()
+    trainer, seen = train_caller(tmp_path / "run", caller_model_dir, use_vllm=True, vllm_mode="colocate",
+                                 vllm_gpu_memory_utilization=0.1)
     assert trainer.tiller_keys["actor_rollout_ref.rollout.name"] == "vllm"
     called = [c for c in seen if len(c) == 3]
     assert len(seen) == 16 and len(called) >= 12, seen

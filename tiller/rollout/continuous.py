@@ -813,3 +813,29 @@ class _Closed(Exception):
 
 class RequestAbandoned(Exception):
     """The result of an abandoned request (set on its future; nobody waits for it)."""
+
+
+class EpisodeGenerator:
+    """One sequence at a time for many concurrent episodes on one event loop (`await generate(ids, params)`): the
+    native engine's requests share decode steps through a `ContinuousBatcher` (`weights_hook`: asynchronous RL's);
+    other engines take one call at a time, off the event loop. `close()` stops the batcher."""
+
+    def __init__(self, engine, weights_hook=None):
+        import asyncio
+
+        self.engine = engine
+        self.batcher = (ContinuousBatcher(engine, max_rows=256, weights_hook=weights_hook)
+                        if isinstance(engine, NativeRolloutEngine) else None)
+        self.lock = asyncio.Lock()
+
+    async def generate(self, ids: list[int], params):
+        import asyncio
+
+        if self.batcher is not None:
+            return await asyncio.wrap_future(self.batcher.submit([ids], params))
+        async with self.lock:
+            return await asyncio.to_thread(self.engine.generate, [ids], params)
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()

@@ -41,9 +41,8 @@ from typing import Any, Callable
 from tiller.errors import ConfigError, UserError
 from tiller.rollout.agent import execute_tool_calls, parse_tool_calls, ToolResponseEncoder, tools_kwargs_of
 from tiller.rollout.base import SamplingParams
-from tiller.rollout.continuous import ContinuousBatcher
+from tiller.rollout.continuous import EpisodeGenerator
 from tiller.rollout.episodes import call_user, describe, Episode, failure, finite_reward, load_callable, segment_of
-from tiller.rollout.native import NativeRolloutEngine
 from tiller.rollout.openrlhf_agent import instance_class, is_openrlhf_executor, openrlhf_agent_imports
 
 
@@ -141,15 +140,8 @@ def run_env_episodes(engine, tokenizer, env_factory, samples: list[dict], sampli
         sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max_response_length))
     model = getattr(getattr(engine, "weights", None), "module", None)
     limit = max_context or int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 1 << 30)
-    batcher = (ContinuousBatcher(engine, max_rows=256, weights_hook=weights_hook)
-               if isinstance(engine, NativeRolloutEngine) else None)
-    lock = asyncio.Lock()
-
-    async def generate(context: list[int], params: SamplingParams):
-        if batcher is not None:
-            return await asyncio.wrap_future(batcher.submit([context], params))
-        async with lock:  # other engines: one call at a time, off the event loop
-            return await asyncio.to_thread(engine.generate, [context], params)
+    episodes = EpisodeGenerator(engine, weights_hook)  # (the native engine's turns share decode steps)
+    generate = episodes.generate
 
     async def one(k: int, sample: dict, gate: asyncio.Semaphore) -> Episode:
         async with gate:
@@ -172,8 +164,7 @@ def run_env_episodes(engine, tokenizer, env_factory, samples: list[dict], sampli
     try:
         return asyncio.run(main())
     finally:
-        if batcher is not None:
-            batcher.close()
+        episodes.close()
 
 
 class ToolEnv:

@@ -53,9 +53,8 @@ from pydantic import BaseModel, ConfigDict
 from tiller.errors import ConfigError, DataError, UserError
 from tiller.rollout.agent import AgentLoop, AgentRolloutOutput, build_agent_loop
 from tiller.rollout.base import SamplingParams, eos_token_ids
-from tiller.rollout.continuous import ContinuousBatcher
+from tiller.rollout.continuous import EpisodeGenerator
 from tiller.rollout.function_tools import verl_tool_imports
-from tiller.rollout.native import NativeRolloutEngine
 
 KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 BUILTIN = ("single_turn_agent", "tool_agent")  # tiller's own loops under verl's names
@@ -471,16 +470,8 @@ class VerlAgentLoops:
         rollout = self.config.actor_rollout_ref.rollout
         prompt_length = int(rollout.prompt_length)
         max_model_len = self._max_model_len(engine)
-        batcher = (ContinuousBatcher(engine, max_rows=256, weights_hook=weights_hook)
-                   if isinstance(engine, NativeRolloutEngine) else None)
-        lock = asyncio.Lock()
-
-        async def generate(ids: list[int], params: SamplingParams):
-            if batcher is not None:
-                return await asyncio.wrap_future(batcher.submit([ids], params))
-            async with lock:  # other engines: one call at a time, off the event loop
-                return await asyncio.to_thread(engine.generate, [ids], params)
-
+        episodes = EpisodeGenerator(engine, weights_hook)  # (the native engine's requests share decode steps)
+        generate = episodes.generate
         params = verl_sampling_params(sampling)
 
         async def one(k: int) -> AgentLoopOutput:
@@ -514,8 +505,7 @@ class VerlAgentLoops:
         try:
             outputs = asyncio.run(main())
         finally:
-            if batcher is not None:
-                batcher.close()
+            episodes.close()
         eos = (set(eos_token_ids(None, tokenizer)) | {tokenizer.pad_token_id}) - {None}
         out = AgentRolloutOutput()
         for k, o in enumerate(outputs):
