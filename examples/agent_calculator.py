@@ -41,7 +41,8 @@ success is measured through the endpoint with the agent (`run`) before and after
 `calc_loop.py`: an `AgentLoopBase` subclass that generates through `server_manager.generate`, runs `calc` on the
 call it parses, merges the tool message with verl's Continuous Token helpers and generates the answer), registered
 by `agent_loop_config_path` and picked by `default_agent_loop`; reward and held-out success as `--rollout
-multi-turn`.
+multi-turn`. Measured (2-core AVX-512 BF16 CPU, 1 thread): seed 0 0.375 -> 0.609 / 0.734 / 0.734 / 0.609 after 10 / 20
+/ 30 / 40 steps, seed 1 0.516 -> 0.672 / 0.266 / 0.797 / 0.844.
 
 Prints one JSON line: no-tool baseline, success after warm-up (RL step 0), the curve, and the final success.
 Measured (shared 2-core AVX2 CPU, 1 thread, `--warmup-target 0.1`): no-tool baseline 0.000; held-out success
