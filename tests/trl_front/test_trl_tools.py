@@ -489,3 +489,24 @@ def test_a_dict_of_environments_renders_each_rows_own_tools(tool_model_dir):
     rows.append({"prompt": [{"role": "user", "content": "Go."}], "environment": "chess"})
     with pytest.raises(DataError, match="environment='chess', which is not among"):
         loop.generate(Answer(), tok, [[1]], SamplingParams(n=1, max_new_tokens=4), extra_info=[{"trl_row": 2}])
+
+
+def test_the_environment_owns_the_reward_and_eval_runs_the_loop(tmp_path, tool_model_dir, monkeypatch):
+    """reward_funcs=None with an environment that defines get_reward (TRL: then the only reward source), and an
+    eval_dataset validated through the same tool loop (its rows reset their own instances)."""
+    from tiller.trl.tool_loop import TRLToolLoop
+
+    original = TRLToolLoop.generate
+    monkeypatch.setattr(TRLToolLoop, "generate", lambda self, engine, tok, *a, **kw: original(
+        self, CounterPolicy(tok), tok, *a, **kw))
+    rows = [{"prompt": [{"role": "user", "content": "Reach ten."}], "start": s} for s in (3, 4, 6, 7)]
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=160, learning_rate=1e-3, max_steps=1, bf16=False, seed=1,
+                      eval_strategy="steps", eval_steps=1, num_generations_eval=2)
+    trainer = GRPOTrainer(model=str(tool_model_dir), reward_funcs=None, args=args, train_dataset=rows,
+                          eval_dataset=rows[:2], environment_factory=Counter)
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "reward" in r)
+    assert row["rewards/Counter/mean"] == 0.5 and row["reward"] == 0.5  # even samples reach 10, odd ones do not
+    evals = [r["eval_reward"] for r in trainer.state.log_history if "eval_reward" in r]
+    assert evals and all(v == 0.5 for v in evals), evals  # validation ran the loop: one of each row's two reached 10
