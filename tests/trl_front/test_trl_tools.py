@@ -380,10 +380,9 @@ def test_refusals_name_the_argument(tmp_path, tiny_model_dir, tool_model_dir):
                     environment_factory=NoReset)
     with pytest.raises(ConfigError, match="reward_funcs: give at least one"):
         GRPOTrainer(model=str(tool_model_dir), reward_funcs=None, args=args, train_dataset=rows, tools=[add])
-    # the tiny model's own template renders no tool calls: refused when the run starts, naming the model
-    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward, args=args, train_dataset=rows, tools=[add])
+    # the tiny model's own template renders no tool calls: refused at construction (as TRL's), naming the model
     with pytest.raises(ConfigError, match="its chat template does not support tool calling"):
-        trainer.train()
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward, args=args, train_dataset=rows, tools=[add])
 
 
 def test_tokenizer_set_up_as_trl(tool_model_dir, monkeypatch):

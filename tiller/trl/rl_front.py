@@ -232,12 +232,24 @@ class TRLRLTrainer(TRLTrainerBase):
             raise ConfigError("tools / environment_factory with image prompts: not supported by tiller's TRL front "
                               "end in this version")
         self.rewards = self._reward_functions(reward_funcs, reward_processing_classes)
+        if self.uses_tools:
+            self._set_up_tools()
         self.rewards.image_columns = self.image_columns
         self.rewards.decoders = {"train": dataset_decoder(train_dataset), "eval": dataset_decoder(eval_dataset)}
         self.steps_per_epoch = trl_steps_per_epoch(len(self.train_rows), self.arithmetic)
 
     def _batch_arithmetic(self) -> dict[str, int]:
         return batch_arithmetic(self.args)
+
+    def _set_up_tools(self) -> None:
+        """The tokenizer set up for tool calling as TRL's constructor does (response template, training template):
+        a template that cannot render or parse tool calls is refused here, before any work."""
+        # import cost: transformers loads only when a tokenizer is read
+        from tiller.models.loading import load_tokenizer
+
+        self.tool_tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
+                                             trust_remote_code=bool(self.args.trust_remote_code))
+        self.tool_template = prepare_tokenizer(self.tool_tokenizer, self.tokenizer_path or self.model_path)
 
     @property
     def uses_tools(self) -> bool:
@@ -297,8 +309,7 @@ class TRLRLTrainer(TRLTrainerBase):
         kwargs = self.logical.get("chat_template_kwargs") or {}
         schemas = None
         if self.uses_tools:  # (TRL renders every prompt with the tools' schemas; templates set up as TRL's)
-            self.tool_template = prepare_tokenizer(tokenizer, self.tokenizer_path or self.model_path)
-            self.tool_tokenizer = tokenizer
+            tokenizer = self.tool_tokenizer  # (set up as TRL's at construction: `_set_up_tools`)
             if self.tool_template is not None:
                 tokenizer.chat_template = self.tool_template
             union = self.environments.union() if self.environments is not None else self.tools
