@@ -218,3 +218,19 @@ def test_tiller_eval_runs_the_custom_loops(tiny_model_dir, files, monkeypatch):
                        f"actor_rollout_ref.rollout.agent.env_path={root / 'my_loops.py'}",
                        "algorithm.adv_estimator=grpo",
                        "actor_rollout_ref.rollout.n=2")
+
+
+def test_custom_loops_run_asynchronously(tiny_model_dir, files, capsys):
+    """async_training.staleness_threshold=1: the producer runs the loops on its own engine copy, one step ahead."""
+    root, prompts = files
+    keys = _keys(root, prompts, tiny_model_dir) + ["actor_rollout_ref.rollout.agent.default_agent_loop=two_turn",
+                                                    "data.max_response_length=24", "trainer.total_training_steps=3",
+                                                    "async_training.staleness_threshold=1"]
+    code = main(["rl", *keys])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "actor/pg_loss" in r]
+    assert len(trained) == 3 and max(r["async/staleness_max"] for r in trained) == 1, trained[-1]
+    assert all(1 <= r["agent/turns/mean"] <= 4 for r in trained)
+    with pytest.raises(ConfigError, match="partial_rollout=true: a verl agent loop's trajectory"):
+        load_config(keys + ["async_training.partial_rollout=true"])

@@ -381,9 +381,10 @@ def _validate_agent(cfg: RLConfig) -> None:
         if agent.path or agent.env_path:
             raise ConfigError(f"{key}.agent_loop_config_path and {key}.{'path' if agent.path else 'env_path'} are "
                               "both set: verl agent loops or an agent function / environment, not both")
-        if cfg.async_training.staleness_threshold:
-            raise ConfigError(f"{key}.agent_loop_config_path with async_training: verl agent loops run in "
-                              "synchronous RL in this version")
+        if cfg.async_training.staleness_threshold and cfg.async_training.partial_rollout:
+            raise ConfigError(f"{key}.agent_loop_config_path with async_training.partial_rollout=true: a verl agent "
+                              "loop's trajectory does not record which policy version sampled each token; use "
+                              "partial_rollout=false (whole trajectories, each from one version)")
     elif agent.default_agent_loop not in ("single_turn_agent", "tool_agent"):
         raise ConfigError(f"{key}.default_agent_loop={agent.default_agent_loop!r}: a custom loop needs {key}."
                           "agent_loop_config_path (its YAML); without it: single_turn_agent or tool_agent")

@@ -31,7 +31,9 @@ with the generation prompt, left-cut to `rollout.prompt_length` as verl warns an
 messages as the template renders them after the last end-of-turn token, plus the next generation prompt; mask 0,
 log-prob 0), `process_multi_modal_info` ({} for text). While the loop's module imports, `verl.experimental.
 agent_loop`, `verl.workers.rollout.replica`, `verl.utils.profiler` and the tool modules are tiller's stand-ins
-unless verl is installed. Not supported: image / video / audio inputs, `routed_experts`, teacher log-probs.
+unless verl is installed. Asynchronous RL runs them in the producer (whole trajectories, each token recorded with the
+version the call started with; partial rollouts are refused). Not supported: image / video / audio inputs,
+`routed_experts`, teacher log-probs.
 """
 
 from __future__ import annotations
@@ -470,6 +472,8 @@ class VerlAgentLoops:
         rollout = self.config.actor_rollout_ref.rollout
         prompt_length = int(rollout.prompt_length)
         max_model_len = self._max_model_len(engine)
+        # asynchronous RL (whole trajectories: partial_rollout is refused): the version every token is sampled with
+        version = weights_hook() if weights_hook is not None else None
         episodes = EpisodeGenerator(engine, weights_hook)  # (the native engine's requests share decode steps)
         generate = episodes.generate
         params = verl_sampling_params(sampling)
@@ -530,6 +534,8 @@ class VerlAgentLoops:
             out.tool_errors.append(0)
             out.tool_rewards.append([float(x) for x in (o.extra_fields or {}).get("tool_rewards") or []])
             out.states.append(VerlLoopResult(o.reward_score, dict(o.extra_fields or {})))
+            if version is not None:
+                out.token_versions.append([version] * len(ids))
         return out
 
 
