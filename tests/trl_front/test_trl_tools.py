@@ -475,8 +475,8 @@ def test_a_dict_of_environments_renders_each_rows_own_tools(tool_model_dir):
                 out.finish_reason.append("stop")
             return out
 
-    info = [{"trl_row": 0, "trl_split": "train"}, {"trl_row": 1, "trl_split": "train"}]
-    out = loop.generate(Answer(), tok, [[1], [1]], SamplingParams(n=2, max_new_tokens=16), extra_info=info)
+    info = [{"extra_info": {"trl_row": 0, "trl_split": "train"}}, {"extra_info": {"trl_row": 1, "trl_split": "train"}}]
+    out = loop.generate(Answer(), tok, [[1], [1]], SamplingParams(n=2, max_new_tokens=16), rows=info)
     prompts = [tok.decode(p) for p in out.prompt_ids]
     for k, text in enumerate(prompts):
         counter = k < 2
@@ -487,7 +487,8 @@ def test_a_dict_of_environments_renders_each_rows_own_tools(tool_model_dir):
     assert len({id(s.environment) for s in out.states}) == 4  # one instance per completion
     rows.append({"prompt": [{"role": "user", "content": "Go."}], "environment": "chess"})
     with pytest.raises(DataError, match="environment='chess', which is not among"):
-        loop.generate(Answer(), tok, [[1]], SamplingParams(n=1, max_new_tokens=4), extra_info=[{"trl_row": 2}])
+        loop.generate(Answer(), tok, [[1]], SamplingParams(n=1, max_new_tokens=4),
+                      rows=[{"extra_info": {"trl_row": 2}}])
 
 
 def test_the_environment_owns_the_reward_and_eval_runs_the_loop(tmp_path, tool_model_dir, monkeypatch):

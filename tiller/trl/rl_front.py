@@ -250,6 +250,8 @@ class TRLRLTrainer(TRLTrainerBase):
         self.tool_tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
                                              trust_remote_code=bool(self.args.trust_remote_code))
         self.tool_template = prepare_tokenizer(self.tool_tokenizer, self.tokenizer_path or self.model_path)
+        if self.tool_template is not None:  # (the prompts are measured with the template TRL renders them with)
+            self.tool_tokenizer.chat_template = self.tool_template
 
     @property
     def uses_tools(self) -> bool:
@@ -304,16 +306,15 @@ class TRLRLTrainer(TRLTrainerBase):
         from tiller.models.loading import load_tokenizer
         from tiller.models.vision import load_processor  # import cost: torch
 
-        tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
-                                   trust_remote_code=bool(self.args.trust_remote_code))
         kwargs = self.logical.get("chat_template_kwargs") or {}
         schemas = None
-        if self.uses_tools:  # (TRL renders every prompt with the tools' schemas; templates set up as TRL's)
-            tokenizer = self.tool_tokenizer  # (set up as TRL's at construction: `_set_up_tools`)
-            if self.tool_template is not None:
-                tokenizer.chat_template = self.tool_template
+        if self.uses_tools:  # TRL renders every prompt with the tools' schemas (the tokenizer of `_set_up_tools`)
+            tokenizer = self.tool_tokenizer
             union = self.environments.union() if self.environments is not None else self.tools
             schemas = [t.schema for t in union]
+        else:
+            tokenizer = load_tokenizer(self.tokenizer_path or self.model_path,
+                                       trust_remote_code=bool(self.args.trust_remote_code))
         keys: dict[str, Any] = {"data.apply_chat_template": self.conversational,
                                 "data.apply_chat_template_kwargs": kwargs, "data.prompt_key": "prompt",
                                 "data.truncation": "error", "data.filter_overlong_prompts": False}

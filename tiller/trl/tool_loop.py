@@ -284,7 +284,7 @@ class TRLToolLoop:
     """The RL driver's tool loop for TRL's tools / environments (module docstring). `rows`: {split: dataset rows}
     (the TRL front end's, read by the `extra_info` row index); `decoders`: {split: row decoder or None}."""
 
-    wants_extra_info = True  # generate() is given each prompt's extra_info (its dataset row)
+    wants_rows = True  # generate() is given each prompt's fields (its extra_info: the dataset row's index)
 
     def __init__(self, tools: list[TRLTool], environments: EnvironmentPool | None, rows: dict[str, list[dict]],
                  decoders: dict[str, Any], max_iterations: int | None, chat_template: str | None,
@@ -406,12 +406,13 @@ class TRLToolLoop:
     # ------------------------------------------------------------------------------------ the loop
     def generate(self, engine, tokenizer, prompt_ids: list[list[int]], sampling: SamplingParams,
                  max_response_length: int | None = None, tools_kwargs=None, weights_hook=None, multi_modal=None,
-                 single_turn=None, extra_info: Sequence[Any] | None = None) -> AgentRolloutOutput:
+                 single_turn=None, rows: Sequence[dict] | None = None) -> AgentRolloutOutput:
         if multi_modal is not None and any(m is not None for m in multi_modal):
             raise ConfigError("tools / environment_factory with image prompts: not supported by tiller's TRL front "
                               "end in this version")
         tokenizer = self.tokenizer or tokenizer
         budget = int(max_response_length or sampling.max_new_tokens)
+        extra_info = [r.get("extra_info") for r in rows] if rows is not None else None
         samples = self._samples(tokenizer, prompt_ids, sampling.n, extra_info)
         hook = {"weights_hook": weights_hook} if weights_hook is not None else {}
         eos_ids = (set(eos_token_ids(None, tokenizer)) | {tokenizer.pad_token_id}) - {None}

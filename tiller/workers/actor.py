@@ -492,9 +492,7 @@ class ActorRolloutRefWorker:
                 prompt_options["tools_kwargs"] = [tools_kwargs_of(e) for e in prompts["extra_info"]]
             if "agent_name" in prompts:  # verl's single_turn_agent rows: one turn, no tools
                 prompt_options["single_turn"] = [name == "single_turn_agent" for name in prompts["agent_name"]]
-            if getattr(self.tool_loop, "wants_extra_info", False):  # (TRL's loop: each prompt's dataset row)
-                prompt_options["extra_info"] = list(prompts["extra_info"])
-            if getattr(self.tool_loop, "wants_rows", False):  # (verl's agent loops: each row's fields)
+            if getattr(self.tool_loop, "wants_rows", False):  # (verl's agent loops, TRL's loop: each row's fields)
                 names = [k for k in prompts.fields if k not in ("prompt_ids", "multi_modal_inputs", "images")]
                 prompt_options["rows"] = [{k: prompts[k][i] for k in names} for i in range(len(prompts))]
         if "multi_modal_inputs" in prompts:  # image prompts: their pixels go with them
@@ -902,8 +900,8 @@ class _ToolLoopEngine:
         self.loop, self.engine, self.tokenizer = loop, engine, tokenizer
 
     def generate(self, prompt_ids, sampling, tools_kwargs=None, weights_hook=None, multi_modal=None,
-                 single_turn=None, extra_info=None, rows=None):
-        more = {k: v for k, v in (("extra_info", extra_info), ("rows", rows)) if v is not None}
+                 single_turn=None, rows=None):
+        more = {"rows": rows} if rows is not None else {}
         return self.loop.generate(self.engine, self.tokenizer, [list(p) for p in prompt_ids], sampling,
                                   max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs,
                                   weights_hook=weights_hook, multi_modal=multi_modal, single_turn=single_turn,
