@@ -61,7 +61,7 @@ def _grad(name, logp, old, adv, mask, mode, rows, counts):
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("name", sorted(["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov",
-                                         "dppo_tv", "dppo_kl", "dro", "bypass_mode"]))
+                                         "dppo_tv", "dppo_kl", "dro", "vespo", "bypass_mode"]))
 def test_micro_batch_gradients_sum_to_mini_batch_gradient(name, mode):
     logp, old, adv, mask = _batch(0)
     counts = dict(global_tokens=mask.sum(), global_seqs=mask.shape[0], max_len=mask.shape[1])
@@ -100,4 +100,4 @@ def test_value_loss_micro_batch_invariance(mode):
 
 
 def test_all_policy_losses_covered():
-    assert len(POLICY_LOSSES.names()) == 12
+    assert len(POLICY_LOSSES.names()) == 13

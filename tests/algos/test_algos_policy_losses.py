@@ -24,7 +24,7 @@ def grad_of(name, logp, old, adv, mask, mode="token-mean", **hyper):
 
 def test_registry():
     assert POLICY_LOSSES.names() == sorted(["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov",
-                                            "dppo_tv", "dppo_kl", "dro", "bypass_mode"])
+                                            "dppo_tv", "dppo_kl", "dro", "vespo", "bypass_mode"])
     with pytest.raises(ConfigError, match="did you mean 'vanilla'"):
         get_policy_loss("vanila")
     m = torch.ones(1, 1)

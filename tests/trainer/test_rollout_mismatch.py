@@ -71,6 +71,22 @@ def test_geo_mean_weights_each_row_by_the_geometric_mean_of_its_is_weights(tiny_
                                       "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean")
 
 
+def test_vespo_takes_the_is_weights_into_its_sequence_weight(tiny_model_dir):
+    # vespo (TRL's loss_type): on-policy its ratio is 1, so the rollout IS weights make the row's sequence weight
+    # W = prod_t w_t and each token's loss -phi(W) A logp, phi(W) = exp(lam + k log W - lam W) with (k, lam) = (2, 3)
+    # for A >= 0 and (3, 2) for A < 0 - not w_t x the loss, as the other losses take them
+    batch = _batch()
+    mask = batch["response_mask"].float()
+    weights = 0.7 + 0.6 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
+    log_w = (torch.log(weights) * mask).sum(-1, keepdim=True)
+    pos = batch["advantages"] >= 0
+    k, lam = torch.where(pos, 2.0, 3.0), torch.where(pos, 3.0, 2.0)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    assert (phi - weights).abs().max() > 0.1  # the two readings differ
+    _assert_weights_act_as_scaled_advantages(tiny_model_dir, batch, weights, phi,
+                                             "actor_rollout_ref.actor.policy_loss.loss_mode=vespo")
+
+
 def test_forced_aggregation_is_the_policy_terms_only(tiny_model_dir):
     # verl forces seq-mean-token-mean on gspo's policy loss, but aggregates the KL loss (and entropy, distillation)
     # with the config's loss_agg_mode. Zero advantages: gspo's and vanilla's policy terms have no gradient, so both

@@ -88,7 +88,7 @@ def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path)
     expect = {"grpo": ("vanilla", "seq-mean-token-mean"), "bnpo": ("vanilla", "token-mean"),
               "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"), "dapo": ("vanilla", "token-mean"),
               "luspo": ("vanilla", "seq-mean-token-sum"), "cispo": ("cispo", "token-mean"),
-              "sapo": ("sapo", "seq-mean-token-mean")}
+              "sapo": ("sapo", "seq-mean-token-mean"), "vespo": ("vespo", "token-mean")}
     for i, (loss_type, (mode, agg)) in enumerate(expect.items()):
         keys, _, _ = translate(tiny_model_dir, tmp_path / str(i), loss_type=loss_type, max_completion_length=7,
                                epsilon_high=5.0 if loss_type == "cispo" else None)
@@ -102,6 +102,13 @@ def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path)
     assert keys[f"{A}.policy_loss.loss_mode"] == "gspo" and keys[f"{A}.kl_loss_coef"] == 0.04
     assert keys[f"{A}.kl_loss_type"] == "low_var_kl" and keys["algorithm.norm_adv_by_std_in_grpo"] is False
     assert keys[f"{A}.clip_ratio_c"] == 1.5 and keys["algorithm.norm_adv_epsilon"] == 1e-4
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "ve", loss_type="vespo", vespo_k_neg=4.0, use_vllm=True,
+                           vllm_importance_sampling_mode="token_mask")
+    assert [keys[f"{A}.policy_loss.vespo_{k}"] for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")] == \
+        [2.0, 3.0, 4.0, 2.0]
+    assert keys["algorithm.rollout_correction.rollout_is"] == "token"  # TRL's ratio, into the sequence weight
+    with pytest.raises(ConfigError, match="VESPO loss requires `vllm_importance_sampling_mode` to be either"):
+        translate(tiny_model_dir, tmp_path / "vs", loss_type="vespo", use_vllm=True)  # TRL's default sequence_mask
 
 
 def test_use_vllm_colocate_maps_trls_importance_sampling(tiny_model_dir, tmp_path):
@@ -140,7 +147,7 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("loss_type", "vespo", "^loss_type='vespo': refused"),
+    ("loss_type", "gmpo", "^loss_type='gmpo': refused"),
     ("scale_rewards", "median", "^scale_rewards='median': refused"),
     ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
     ("push_to_hub", True, "^push_to_hub=True: refused"),

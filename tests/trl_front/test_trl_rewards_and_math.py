@@ -143,12 +143,14 @@ def _trl_loss(loss_type, logp, old, adv, mask, eps_low, eps_high, max_len, tau=(
     elif loss_type == "sapo":
         temperatures = torch.where(adv > 0, tau[0], tau[1])
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * adv
+    elif loss_type == "vespo":  # TRL's own Gamma weights (its defaults k 2 / 3, lambda 3 / 2)
+        per_token_loss = -_trl_gamma_weights(adv, logp - old, mask, None) * adv * logp
     else:
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
     if loss_type in ("grpo", "sapo"):
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type in ("bnpo", "dapo", "cispo"):  # dapo / cispo: num_items_in_batch = the batch's tokens
+    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):  # dapo / cispo: num_items_in_batch = the batch's tokens
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
@@ -174,7 +176,7 @@ def test_each_loss_type_equals_trls_value_and_gradient(loss_type, level):
     mode, agg = LOSS_TYPES[loss_type]
     hyper = {"vanilla": dict(clip_ratio_low=eps_low, clip_ratio_high=eps_high, clip_ratio_c=1e9),
              "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=eps_high - 1.0),  # the translation's values
-             "sapo": dict(tau_pos=1.0, tau_neg=1.05)}[mode]
+             "sapo": dict(tau_pos=1.0, tau_neg=1.05), "vespo": {}}[mode]
     if level == "sequence":
         mode, hyper = "gspo", dict(clip_ratio_low=eps_low, clip_ratio_high=eps_high)
     per_token, _ = get_policy_loss(mode)(ours_logp, old, adv[:, None].expand(b, t), mask, **hyper)
@@ -183,6 +185,47 @@ def test_each_loss_type_equals_trls_value_and_gradient(loss_type, level):
     want.backward()
     got.backward()
     assert torch.allclose(ours_logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-7), loss_type
+
+
+def _trl_gamma_weights(*args, **kwargs):
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    return GRPOTrainer.get_gamma_weights(*args, **kwargs)
+
+
+def test_vespo_weights_and_rollout_is_ratio_equal_trls():
+    # worked: phi(w) = exp(lam + k log w - lam w) is 1 at w = 1; a row whose log ratios sum to log 2 with A > 0
+    # (k 2, lam 3): e^3 * 4 * e^-6 = 0.19915; with A < 0 (k 3, lam 2): e^2 * 8 * e^-4 = 1.08268
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    old = torch.full((3, 3), -1.0)
+    logp = old + torch.tensor([[0.5 * math.log(2), 0.5 * math.log(2), 7.0], [math.log(2), 0.0, 0.0], [0.0, 0, 0]])
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    per_token, metrics = get_policy_loss("vespo")(logp.clone().requires_grad_(True), old, adv[:, None].expand(3, 3),
+                                                  mask)
+    phi = [math.exp(3 - 3 * 2) * 4, math.exp(2 - 2 * 2) * 8, 1.0]
+    assert (per_token / (-adv[:, None] * logp))[mask.bool()].tolist() == pytest.approx(
+        [phi[0], phi[0], phi[1], phi[1], phi[1], phi[2]], rel=1e-5)
+    assert float(metrics["vespo_phi_mean"]) == pytest.approx(sum(phi) / 3, rel=1e-5)
+    assert per_token[0, 2] == 0  # outside the mask: no loss (its log ratio, 7, is not in the row's w either)
+    # with rollout IS ratios (TRL: vLLM's token-level ratio, folded into the sequence weight; 0 = masked token)
+    gen = torch.Generator().manual_seed(1)
+    b, t = 5, 4
+    mask = (torch.rand(b, t, generator=gen) > 0.2).float()
+    mask[:, 0] = 1
+    old = -torch.rand(b, t, generator=gen) * 2
+    logp = old + 0.4 * torch.randn(b, t, generator=gen)
+    adv = torch.randn(b, 1, generator=gen)
+    ratio = torch.exp(0.3 * torch.randn(b, t, generator=gen)).clamp(max=2.0) * mask + (1 - mask)
+    ratio[2, 0] = 0.0  # token_mask mode's rejected token
+    want = _trl_gamma_weights(adv, logp - old, mask, ratio, 2.5, 1.5, 3.5, 2.5)
+    hyper = dict(vespo_k_pos=2.5, vespo_lambda_pos=1.5, vespo_k_neg=3.5, vespo_lambda_neg=2.5)
+    ours_logp, trl_logp = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    per_token, _ = get_policy_loss("vespo")(ours_logp, old, adv.expand(b, t), mask, rollout_is_weights=ratio, **hyper)
+    got_phi = (per_token / (-adv * logp)).detach()
+    assert torch.allclose(got_phi[mask.bool()], want.expand(b, t)[mask.bool()], rtol=1e-5, atol=1e-12)
+    aggregate_loss(per_token, mask, "token-mean").backward()
+    ((-want * adv * trl_logp * mask).sum() / mask.sum()).backward()
+    assert torch.allclose(ours_logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-9)
 
 
 def test_k3_kl_equals_trls_within_verls_clamp():

@@ -51,6 +51,12 @@ Losses (log-ratio rho = logp - old_logp, r = exp(rho), A = advantage, eps_lo / e
   pg_clipfrac_lower = fraction of valid tokens whose ratio exceeds c.
 - dro: Direct Reward Optimisation with a quadratic log-ratio penalty:
   loss = -(A logp - dro_beta / 2 (logp - old_logp)^2); grad = -(A - dro_beta rho) grad logp.
+- vespo: VESPO (arXiv 2602.10693; TRL's loss_type="vespo"): no clip; a smooth Gamma weight of the *sequence*
+  importance ratio w = exp(sum_t clamp(rho_t, -20, 20)) (a sum, not GSPO's mean; log w clamped to [log 1e-8, 20]),
+  phi(w) = exp(lam + k log w - lam w) (= 1 at w = 1; k, lam = vespo_k_pos, vespo_lambda_pos for A >= 0, else the
+  _neg pair), detached, on -A logp: grad = -phi A grad logp. Rollout-correction IS weights, when the batch has them,
+  enter w (log w += sum_t clamp(log w_t, log 1e-8, 20)) instead of multiplying the loss, as TRL folds its vLLM
+  ratio in. The loss value contains logp (like cispo, only its gradient is meaningful); metric vespo_phi_mean.
 - bypass_mode: verl's loss for `algorithm.rollout_correction.bypass_mode=True`, where old_logp IS the rollout
   engine's logprobs (no recompute). The rollout correction of `tiller.algos.rollout_correction` is computed
   inside the loss from the *current* policy: weights w and rejection mask from sg(p) / p_rollout. Then
@@ -69,6 +75,7 @@ clip_cov / kl_cov are per call (per micro-batch), as in verl and the paper's cod
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -85,7 +92,8 @@ register_policy_loss = POLICY_LOSSES.register
 POLICY_HYPER = (
     "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb",
     "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg", "sapo_tau_pos", "sapo_tau_neg",
-    "dro_beta", "loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+    "dro_beta", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "rollout_is_weights",
+    "loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
     "rollout_rs_threshold", "loss_mode", "generator",
 )
 
@@ -94,6 +102,10 @@ POLICY_HYPER = (
 FORCED_LOSS_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 LOG_RATIO_CLAMP = 20.0
+
+#: losses that take the rollout-correction IS weights inside (keyword `rollout_is_weights`) instead of having their
+#: per-token loss multiplied by them.
+IS_WEIGHTS_INSIDE = frozenset({"vespo"})
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -370,6 +382,38 @@ def dro_loss(
     log_ratio = logp - old_logp
     loss = -(advantages * logp - 0.5 * dro_beta * log_ratio**2)
     return _zero_outside(loss, response_mask), _metrics(response_mask, log_ratio)
+
+
+VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's (the VESPO reference code's) floor of log w
+
+
+@register_policy_loss("vespo")
+def vespo_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    *, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0, rollout_is_weights: torch.Tensor | None = None, **extra: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """VESPO: a detached Gamma weight of the sequence ratio on -A logp (see module doc; defaults are TRL's)."""
+    reject_unknown("vespo", extra, POLICY_HYPER)
+    valid = response_mask.bool()
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    with torch.no_grad():
+        log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        seq = torch.where(valid, log_ratio, zero).sum(-1, keepdim=True)
+        if rollout_is_weights is not None:
+            log_is = torch.clamp(torch.log(rollout_is_weights.to(logp.dtype)), VESPO_LOG_FLOOR, LOG_RATIO_CLAMP)
+            seq = seq + torch.where(valid, log_is, zero).sum(-1, keepdim=True)
+        log_w = torch.clamp(seq, VESPO_LOG_FLOOR, LOG_RATIO_CLAMP)
+        nonneg = advantages >= 0
+        k = torch.where(nonneg, vespo_k_pos, vespo_k_neg).to(logp.dtype)
+        lam = torch.where(nonneg, vespo_lambda_pos, vespo_lambda_neg).to(logp.dtype).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    loss = -phi * advantages * logp
+    metrics = _metrics(response_mask, log_ratio)
+    rows = valid.any(-1)
+    seq_phi = torch.where(valid, phi, zero).sum(-1) / response_mask.to(logp.dtype).sum(-1).clamp(min=1)
+    metrics["vespo_phi_mean"] = (seq_phi[rows].sum() / rows.sum().clamp(min=1)).detach()
+    return _zero_outside(loss, response_mask), metrics
 
 
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")

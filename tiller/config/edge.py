@@ -471,6 +471,9 @@ RULES.update({
     "trainer.v1.sampler.custom_sampler": refused("custom replay-buffer samplers are not built", use="leave path null",
                                                  allowed=({"path": None, "name": None},)),
     "trainer.v1.sampler.sampler_kwargs": noop("only with trainer.v1.sampler.custom_sampler, which is refused"),
+    **{f"actor_rollout_ref.actor.policy_loss.vespo_{_k}": noop(
+        "read by the vespo policy loss only", lambda cfg: cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vespo",
+        "actor.policy_loss.loss_mode=vespo") for _k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
     "actor_rollout_ref.actor.policy_loss.tau_pos": noop("verl's SAPO reads actor.tau_pos (its sapo example sets "
                                                         "this key with +, with no effect in verl either)"),
     "actor_rollout_ref.actor.policy_loss.tau_neg": noop("verl's SAPO reads actor.tau_neg (its sapo example sets "

@@ -440,7 +440,7 @@ class OptimConfig(MegatronOptimOptions):
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """Policy loss: vanilla | gspo | gpg | cispo | sapo | geo_mean | clip_cov | kl_cov | dppo_tv | dppo_kl | dro
+    """Policy loss: vanilla | gspo | gpg | cispo | sapo | geo_mean | clip_cov | kl_cov | dppo_tv | dppo_kl | dro | vespo
     (bypass_mode is chosen by algorithm.rollout_correction.bypass_mode)."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of tokens clipped by covariance."""
@@ -464,6 +464,15 @@ class PolicyLossConfig:
     dro_beta: Optional[float] = None
     """dro: weight of the quadratic log-ratio penalty beta/2 (logp - old_logp)^2 (> 0); required with loss_mode=dro
     (verl 0.10's default is null, and verl stops on a null beta too)."""
+    vespo_k_pos: float = 2.0
+    """tiller (TRL's loss_type=vespo, VESPO arXiv 2602.10693): vespo's power k of the sequence ratio's Gamma weight
+    phi(w) = exp(lam + k log w - lam w) for responses with advantage >= 0 (how hard w < 1 is down-weighted)."""
+    vespo_lambda_pos: float = 3.0
+    """tiller (TRL's): vespo's decay lam for advantage >= 0 (how hard w > 1 is down-weighted)."""
+    vespo_k_neg: float = 3.0
+    """tiller (TRL's): vespo's k for advantage < 0."""
+    vespo_lambda_neg: float = 2.0
+    """tiller (TRL's): vespo's lam for advantage < 0."""
 
 
 @dataclass

@@ -18,7 +18,8 @@ shared rules; docs/trl.md prints the table). The algorithm fields on verl's keys
     cispo    cispo, token-mean, clip_ratio_low=1 (no lower clip), clip_ratio_high = epsilon_high - 1 (TRL clamps
              the ratio at epsilon_high itself)
     sapo     sapo (actor.tau_pos / tau_neg = sapo_temperature_pos / neg), seq-mean-token-mean
-    vespo    refused (no VESPO gamma weights in tiller)
+    vespo    vespo (the vespo_* fields), token-mean; with use_vllm TRL's token-level IS ratio enters the sequence
+             weight (tiller's rollout-correction weights go inside the vespo loss), sequence_* modes refused as TRL
 - importance_sampling_level=sequence: GSPO (policy_loss.loss_mode=gspo) with the loss type's aggregation (the
   clip-family loss types only).
 - delta: the dual clip actor.clip_ratio_c (TRL caps the ratio at delta on the unclipped side: for A < 0 that is
@@ -45,14 +46,13 @@ LOSS_TYPES = {  # loss_type -> (policy loss_mode, loss_agg_mode)
     "grpo": ("vanilla", "seq-mean-token-mean"), "bnpo": ("vanilla", "token-mean"),
     "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"), "dapo": ("vanilla", "token-mean"),
     "luspo": ("vanilla", "seq-mean-token-sum"), "cispo": ("cispo", "token-mean"),
-    "sapo": ("sapo", "seq-mean-token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"), "vespo": ("vespo", "token-mean"),
 }
 
 
 def _loss_type(value: Any, args: Any) -> dict:
     if value not in LOSS_TYPES:
-        why = "VESPO's gamma weights are not in tiller" if value == "vespo" else f"tiller maps {', '.join(LOSS_TYPES)}"
-        raise refuse_value("loss_type", value, why)
+        raise refuse_value("loss_type", value, f"tiller maps {', '.join(LOSS_TYPES)}")
     return {"loss_type": value}
 
 
@@ -112,10 +112,8 @@ GRPO_RULES: dict[str, Rule] = {
     "delta": mapped("actor.clip_ratio_c (dual clip; None: off)", _delta),
     "sapo_temperature_neg": mapped("actor.tau_neg (loss_type sapo)", to("sapo_temperature_neg", float)),
     "sapo_temperature_pos": mapped("actor.tau_pos (loss_type sapo)", to("sapo_temperature_pos", float)),
-    "vespo_k_pos": noop("only read with loss_type vespo, which is refused"),
-    "vespo_lambda_pos": noop("only read with loss_type vespo, which is refused"),
-    "vespo_k_neg": noop("only read with loss_type vespo, which is refused"),
-    "vespo_lambda_neg": noop("only read with loss_type vespo, which is refused"),
+    **{f"vespo_{k}": mapped(f"actor.policy_loss.vespo_{k} (loss_type vespo)", to(f"vespo_{k}", float))
+       for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
     "importance_sampling_level": mapped("sequence: policy_loss.loss_mode=gspo (GSPO)", _importance_level),
     "multi_objective_aggregation": mapped("sum_then_normalize (TRL's default; normalize_then_sum refused)",
                                           _aggregation),
@@ -237,6 +235,9 @@ class GRPOTrainer(TRLRLTrainer):
         if loss_mode == "sapo":
             keys.update({f"{actor}.tau_pos": lg["sapo_temperature_pos"],
                          f"{actor}.tau_neg": lg["sapo_temperature_neg"]})
+        if loss_mode == "vespo":
+            keys.update({f"{actor}.policy_loss.vespo_{k}": lg[f"vespo_{k}"]
+                         for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")})
         if "delta" in lg:
             keys[f"{actor}.clip_ratio_c"] = lg["delta"]
         if lg.get("top_entropy_quantile", 1.0) < 1.0:

@@ -65,6 +65,9 @@ def vllm_is_keys(value: Any, args: Any) -> dict:
     mode, lo, hi = args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min, \
         args.vllm_importance_sampling_clip_max
     level = "token" if mode.startswith("token") else "sequence"
+    if getattr(args, "loss_type", None) == "vespo" and level != "token":
+        raise ConfigError(f"VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or "
+                          f"'token_mask'. Got: {mode}.")
     if mode.endswith("_truncate"):
         if lo is not None:
             raise refuse_value("vllm_importance_sampling_clip_min", lo, "tiller's truncated IS caps the weights "

@@ -42,7 +42,7 @@ from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.token_masks import high_entropy_mask, off_policy_sequence_mask
 from tiller.algos.kl import kl_penalty
-from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, bypass_loss_mask, get_policy_loss,
+from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, IS_WEIGHTS_INSIDE, bypass_loss_mask, get_policy_loss,
                                         rollout_is_weights_for)
 from tiller.algos.rollout_correction import (
     MISMATCH_SUM_KEYS,
@@ -687,6 +687,10 @@ class ActorRolloutRefWorker:
                      clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
                      kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
                      tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=a.policy_loss.dro_beta)
+        if loss_mode == "vespo":
+            pl = a.policy_loss
+            hyper.update(vespo_k_pos=pl.vespo_k_pos, vespo_lambda_pos=pl.vespo_lambda_pos,
+                         vespo_k_neg=pl.vespo_k_neg, vespo_lambda_neg=pl.vespo_lambda_neg)
         rc = self.cfg.algorithm.rollout_correction
         if rc.bypass_mode:  # verl's apply_bypass_mode: old logprobs = rollout logprobs, correction inside the loss
             loss_mode = "bypass_mode"
@@ -722,7 +726,11 @@ class ActorRolloutRefWorker:
             if self._mismatch_parts is not None:
                 mismatch = mismatch_sums(logp.detach().cpu(), micro["rollout_log_probs"], micro["response_mask"])
             adv = micro["advantages"].to(self.device)
-            pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper)
+            is_weights = micro["rollout_is_weights"].to(self.device, logp.dtype) if "rollout_is_weights" in micro \
+                else None
+            inside = {"rollout_is_weights": is_weights} if loss_mode in IS_WEIGHTS_INSIDE and is_weights is not None \
+                else {}
+            pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper, **inside)
             bonus_mask = mask
             if a.top_entropy_quantile < 1.0:  # only the high-entropy ("forking") tokens learn (TRL's 80/20 option)
                 bonus_mask = mask * high_entropy_mask(entropy, mask, a.top_entropy_quantile)
@@ -733,9 +741,8 @@ class ActorRolloutRefWorker:
                 keep = off_policy_sequence_mask(adv, logp, behaviour, mask, a.off_policy_mask_threshold)
                 pg_tok = pg_tok * keep
                 part["opsm_dropped_frac"] = float(((1 - keep) * mask).sum()) / max(n_tok, 1.0)
-            if "rollout_is_weights" in micro:  # TIS: constant per-token weights on the policy gradient
-                pg_tok = pg_tok * rollout_is_weights_for(loss_mode, micro["rollout_is_weights"].to(self.device,
-                                                                                                   pg_tok.dtype), mask)
+            if is_weights is not None and not inside:  # TIS: constant per-token weights on the policy gradient
+                pg_tok = pg_tok * rollout_is_weights_for(loss_mode, is_weights.to(pg_tok.dtype), mask)
             pg_mask = bypass_loss_mask(logp, old, mask, **hyper) if loss_mode == "bypass_mode" else mask  # verl's
             pg_loss = aggregate_loss(pg_tok, pg_mask, pg_agg_mode, **agg)
             loss = pg_loss
@@ -758,7 +765,8 @@ class ActorRolloutRefWorker:
             part["pg_loss"] = float(pg_loss.detach())
             part["entropy"] = float(ent.detach())
             for k, v in pg_metrics.items():
-                if k not in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # bypass mode's correction metrics
+                if loss_mode == "bypass_mode" and k not in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # its
+                    # correction's metrics (vespo's vespo_phi_mean stays actor/)
                     k = f"rollout_corr/{k}"
                 part[k] = w * float(v)
             return part, mismatch
