@@ -139,3 +139,29 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, tiny_m
     row = _jsonl(tmp_path / "run" / "metrics.jsonl")[0]
     assert row["actor/masked_truncated_frac"] == 1.0 and row["response/finish_stop_ratio"] == 0.0
     assert row["actor/grad_norm"] == 0.0 and row["actor/pg_loss"] == 0.0
+
+
+def test_normalize_then_sum_with_none_rewards_trains_on_trls_advantages(tmp_path, tiny_model_dir):
+    # two functions, the second None for every other completion (it does not apply there): GDPO over sequences; the
+    # logged advantages' extremes are those of TRL's normalize_then_sum over the dumped per-function rewards
+    from tests.trl_front.test_trl_rewards_and_math import _trl_normalize_then_sum
+
+    def sparse(completions, **kwargs):
+        return [None if i % 2 else len(c) / 10 + (i % 3) for i, c in enumerate(completions)]
+
+    args = _args(tmp_path / "run", max_steps=1, multi_objective_aggregation="normalize_then_sum",
+                 reward_weights=[1.0, 2.0], log_completions=True, loss_type="vespo")
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[chars, sparse], args=args, train_dataset=_rows())
+    trainer.train()
+    dumped = _jsonl(tmp_path / "run" / "completions" / "1.jsonl")
+    by_prompt: dict[str, list] = {}
+    for row in dumped:
+        by_prompt.setdefault(row["input"], []).append([row["chars"], row["sparse"] if row["sparse"] is not None
+                                                       else float("nan")])
+    per_func = torch.tensor([v for rows in by_prompt.values() for v in rows], dtype=torch.float32)
+    assert per_func.shape == (8, 2) and torch.isnan(per_func[:, 1]).sum() == 4
+    want = _trl_normalize_then_sum(per_func, torch.tensor([1.0, 2.0]), 4)
+    row = _jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert row["critic/advantages/max"] == pytest.approx(float(want.max()), abs=1e-5)
+    assert row["critic/advantages/min"] == pytest.approx(float(want.min()), abs=1e-5)
+    assert row["actor/grad_norm"] > 0 and row["actor/vespo_phi_mean"] == pytest.approx(1.0)  # on-policy: w = 1

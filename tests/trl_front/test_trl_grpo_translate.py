@@ -111,6 +111,24 @@ def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path)
         translate(tiny_model_dir, tmp_path / "vs", loss_type="vespo", use_vllm=True)  # TRL's default sequence_mask
 
 
+def test_normalize_then_sum_maps_to_gdpo_over_sequences(tiny_model_dir, tmp_path):
+    def reward_short(completions, **kwargs):
+        return [float(len(c) < 3) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), bf16=False, multi_objective_aggregation="normalize_then_sum",
+                      reward_weights=[1.0, 0.5])
+    keys, _ = GRPOTrainer(str(tiny_model_dir), [reward_len, reward_short], args=args, train_dataset=rows()).translate()
+    assert (keys["algorithm.adv_estimator"], keys["algorithm.gdpo_reward_keys"], keys["algorithm.gdpo_reward_weights"],
+            keys["algorithm.gdpo_normalization"], keys["algorithm.norm_adv_epsilon"]) == \
+        ("gdpo", ["reward_len", "reward_short"], [1.0, 0.5], "sequence", 1e-4)
+    with pytest.raises(ConfigError, match="^scale_rewards='none': refused: TRL's normalize_then_sum ignores"):
+        translate(tiny_model_dir, tmp_path / "n", multi_objective_aggregation="normalize_then_sum",
+                  scale_rewards="none")
+    args = GRPOConfig(output_dir=str(tmp_path / "d"), bf16=False, multi_objective_aggregation="normalize_then_sum")
+    with pytest.raises(ConfigError, match="names .'reward_len', 'reward_len'. repeat"):
+        GRPOTrainer(str(tiny_model_dir), [reward_len, reward_len], args=args, train_dataset=rows()).translate()
+
+
 def test_use_vllm_colocate_maps_trls_importance_sampling(tiny_model_dir, tmp_path):
     from tiller.config import load_config
     from tiller.trl.common import overrides
@@ -151,7 +169,7 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
     ("scale_rewards", "median", "^scale_rewards='median': refused"),
     ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
     ("push_to_hub", True, "^push_to_hub=True: refused"),
-    ("multi_objective_aggregation", "normalize_then_sum", "^multi_objective_aggregation='normalize_then_sum'"),
+    ("multi_objective_aggregation", "max", "^multi_objective_aggregation='max': refused"),
     ("steps_per_generation", 3, "^steps_per_generation=3: refused"),
     ("delta", 1.1, "^delta=1.1: refused"),
     ("beta", 0.1, "^use_bias_correction_kl=True: refused"),

@@ -131,6 +131,54 @@ def test_grpo_advantages_equal_trls(scale):
         assert adv[0, 0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4), abs=1e-6)
 
 
+def _trl_normalize_then_sum(per_func: torch.Tensor, weights: torch.Tensor, g: int) -> torch.Tensor:
+    """grpo_trainer.py, multi_objective_aggregation == "normalize_then_sum" (with TRL's own nanstd)."""
+    from trl.trainer.utils import nanstd
+
+    grouped = per_func.view(-1, g, per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, per_func.shape[1])
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    adv = (rewards - torch.nanmean(rewards)) / (nanstd(rewards) + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def test_normalize_then_sum_is_gdpo_normalised_over_sequences_as_trl():
+    # three functions, groups of 4; None (NaN) where a function does not apply: function c on all of group 1, one
+    # completion of function b in group 0 (its stats over the other 3), three of function b in group 2 (one left:
+    # no std, so it contributes 0 - TRL's nanstd is NaN there and nansum skips it)
+    gen = torch.Generator().manual_seed(0)
+    per_func = torch.rand(12, 3, generator=gen) * torch.tensor([1.0, 5.0, 0.2])
+    per_func[4:8, 2] = float("nan")
+    per_func[1, 1] = float("nan")
+    per_func[8:11, 1] = float("nan")
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    want = _trl_normalize_then_sum(per_func, weights, 4)
+    mask = torch.ones(12, 3)
+    mask[3, 1:] = 0
+    adv, _ = get_advantage_estimator("gdpo")(torch.zeros(12, 3), mask, [i // 4 for i in range(12)], None,
+                                             reward_components={k: per_func[:, i].numpy() for i, k in enumerate("abc")},
+                                             gdpo_reward_keys=list("abc"), gdpo_reward_weights=weights.tolist(),
+                                             gdpo_normalization="sequence", epsilon=TRL_ADV_EPSILON)
+    assert adv[:, 0] == pytest.approx(want, abs=1e-6)
+    assert adv[3, 1:].tolist() == [0.0, 0.0]  # the response's own mask
+    # worked: no NaN, two functions where one is constant in its group - it adds nothing; the other one's z-scores
+    # [+-0.86588] (group [1, 0, 0, 1]) then normalised over the 4 samples (std 1.0000 x 0.86588 / 0.57735 ...)
+    comps = {"a": np.array([1.0, 0.0, 0.0, 1.0]), "b": np.array([3.0, 3.0, 3.0, 3.0])}
+    adv, _ = get_advantage_estimator("gdpo")(torch.zeros(4, 1), torch.ones(4, 1), [0] * 4, None,
+                                             reward_components=comps, gdpo_reward_keys=["a", "b"],
+                                             gdpo_normalization="sequence", epsilon=TRL_ADV_EPSILON)
+    z = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    s = z * 2 / math.sqrt(3)  # Bessel std of [z, -z, -z, z]
+    assert adv[:, 0].tolist() == pytest.approx([z / (s + 1e-4), -z / (s + 1e-4)] * 1 + [-z / (s + 1e-4),
+                                                                                          z / (s + 1e-4)], abs=1e-6)
+    with pytest.raises(DataError, match="reward channel 'a' has NaN scores"):
+        get_advantage_estimator("gdpo")(torch.zeros(4, 1), torch.ones(4, 1), [0] * 4, None,
+                                        reward_components={"a": np.array([1.0, np.nan, 0.0, 1.0])},
+                                        gdpo_reward_keys=["a"])
+
+
 def _trl_loss(loss_type, logp, old, adv, mask, eps_low, eps_high, max_len, tau=(1.0, 1.05), level="token"):
     """TRL 1.16 `_compute_loss` (one micro-batch, gradient_accumulation_steps = steps_per_generation = 1)."""
     log_ratio = logp - old

@@ -46,6 +46,10 @@ Estimators (paper, and verl `verl/trainer/ppo/core_algos.py`):
       A_i = whiten( sum_k w_k (c_ik - mean_g c_k) / (std_g c_k + epsilon) )
   `reward_components` maps each name of `gdpo_reward_keys` to its scores [B]; `gdpo_reward_weights`
   defaults to all 1. Without components (a direct call) the single channel is the summed token reward.
+  `gdpo_normalization="sequence"` is TRL's `multi_objective_aggregation="normalize_then_sum"` instead: the sum is
+  normalised over the batch's samples, (S_i - mean S) / (std S + epsilon) (Bessel std), and a NaN score (TRL's
+  None: the function does not apply to that sample) contributes 0, its group's statistics taken over the
+  group's other scores (nanmean / nanstd; a group with one scored member contributes 0 there).
 - optimal_token_baseline / tir_optimal_token_baseline: see `tiller.algos.token_baseline`.
 
 Deviations from verl: outputs are exactly 0 outside `response_mask` (verl leaves values there for
@@ -79,7 +83,7 @@ register_advantage_estimator = ADV_ESTIMATORS.register
 #: keyword names any estimator accepts (each uses its own subset).
 ADV_HYPER = (
     "gamma", "lam", "epsilon", "norm_adv_by_std_in_grpo", "std_scope", "baseline_rewards", "f_norm",
-    "reward_components", "gdpo_reward_keys", "gdpo_reward_weights",  # gdpo
+    "reward_components", "gdpo_reward_keys", "gdpo_reward_weights", "gdpo_normalization",  # gdpo
     "old_logp", "sum_pi_squared", "rollout_is_weights", "handle_zero_tail",  # optimal token baseline
 )
 
@@ -413,11 +417,13 @@ def compute_gdpo(
     reward_components: dict[str, Any] | None = None,
     gdpo_reward_keys: list[str] | None = None,
     gdpo_reward_weights: list[float] | None = None,
+    gdpo_normalization: str = "token",
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
     **extra: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GDPO: each reward channel z-scored in its group, weighted sum, whitened over the batch.
+    """GDPO: each reward channel z-scored in its group, weighted sum, whitened over the batch (tokens: verl's;
+    sequence: TRL's normalize_then_sum, NaN scores skipped).
 
     Args:
         reward_components: name -> per-sample scores [B] (list, array or tensor), from the reward pipeline.
@@ -443,12 +449,39 @@ def compute_gdpo(
     if len(weights) != len(channels):
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(channels)} "
                           "algorithm.gdpo_reward_keys: give one weight per key")
+    if gdpo_normalization not in ("token", "sequence"):
+        raise ConfigError(f"algorithm.gdpo_normalization must be token or sequence, got {gdpo_normalization!r}")
     with torch.no_grad():
         total = torch.zeros_like(channels[0])
-        for w, c in zip(weights, channels):
+        for name, w, c in zip(keys or ["score"], weights, channels):
             if c.shape != total.shape:
                 raise DataError(f"gdpo: a reward channel has {tuple(c.shape)} scores for {total.shape[0]} samples")
+            if torch.isnan(c).any():
+                if gdpo_normalization != "sequence":
+                    raise DataError(f"gdpo: reward channel {name!r} has NaN scores (only "
+                                    "algorithm.gdpo_normalization=sequence, TRL's normalize_then_sum, skips them)")
+                total = total + w * _nan_group_z(c, group_index, epsilon, norm_adv_by_std_in_grpo)
+                continue
             mean, std, _ = _group_baseline_stats(c, group_index)
             total = total + w * ((c - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else c - mean)
-        adv = masked_whiten(_broadcast(total, response_mask), response_mask)
+        if gdpo_normalization == "sequence":  # TRL: (S - nanmean S) / (nanstd S + 1e-4) over the samples
+            std = total.std() if total.numel() > 1 else torch.zeros((), dtype=total.dtype)
+            adv = _broadcast((total - total.mean()) / (std + epsilon), response_mask)
+        else:
+            adv = masked_whiten(_broadcast(total, response_mask), response_mask)
     return adv, adv
+
+
+def _nan_group_z(c: torch.Tensor, group_index: Any, epsilon: float, scale: bool) -> torch.Tensor:
+    """(c - nanmean_g c) / (nanstd_g c + epsilon) per sample (Bessel std over the group's non-NaN scores); 0 for a
+    NaN score and for a group with fewer than two scores (TRL's nanstd is NaN there, and nansum skips it)."""
+    ids, g = group_ids(group_index, device=c.device)
+    scored = ~torch.isnan(c)
+    c0 = torch.where(scored, c, torch.zeros_like(c))
+    f = scored.to(c.dtype)
+    n = torch.zeros(g, dtype=c.dtype, device=c.device).index_add_(0, ids, f)
+    mean = torch.zeros(g, dtype=c.dtype, device=c.device).index_add_(0, ids, c0) / n.clamp(min=1)
+    sq = torch.zeros(g, dtype=c.dtype, device=c.device).index_add_(0, ids, f * (c0 - mean[ids]) ** 2)
+    std = torch.sqrt(sq / (n - 1).clamp(min=1))
+    z = (c0 - mean[ids]) / (std[ids] + epsilon) if scale else c0 - mean[ids]
+    return torch.where(scored & (n[ids] > 1), z, torch.zeros_like(z))

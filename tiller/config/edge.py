@@ -471,6 +471,8 @@ RULES.update({
     "trainer.v1.sampler.custom_sampler": refused("custom replay-buffer samplers are not built", use="leave path null",
                                                  allowed=({"path": None, "name": None},)),
     "trainer.v1.sampler.sampler_kwargs": noop("only with trainer.v1.sampler.custom_sampler, which is refused"),
+    "algorithm.gdpo_normalization": noop("read by the gdpo estimator only",
+                                         lambda cfg: cfg.algorithm.adv_estimator == "gdpo", "algorithm.adv_estimator=gdpo"),
     **{f"actor_rollout_ref.actor.policy_loss.vespo_{_k}": noop(
         "read by the vespo policy loss only", lambda cfg: cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vespo",
         "actor.policy_loss.loss_mode=vespo") for _k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},

@@ -1395,6 +1395,10 @@ class AlgorithmConfig:
     """gdpo: the named scores of the reward function's dict return, each normalised per group separately."""
     gdpo_reward_weights: Optional[list[float]] = None
     """gdpo: one weight per gdpo_reward_keys entry; None = all 1."""
+    gdpo_normalization: str = "token"
+    """tiller: gdpo's batch normalisation of the weighted sum: token (verl: whitened over the batch's valid tokens; a
+    sample missing a named score is an error) | sequence (TRL's multi_objective_aggregation=normalize_then_sum: (S -
+    mean S) / (std S + norm_adv_epsilon) over the samples, and a NaN score - TRL's None - contributes 0)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0

@@ -416,6 +416,7 @@ def _validate_new_algorithms(cfg: RLConfig) -> None:
     if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
         raise ConfigError("algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys=[name, ...]: the named scores "
                           "your reward function returns in its dict, each normalised per group separately")
+    _choice("algorithm.gdpo_normalization", algo.gdpo_normalization, ("token", "sequence"))
     if algo.gdpo_reward_weights is not None and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
                           f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys: give one weight per key")

@@ -690,15 +690,17 @@ class RLTrainer:
             arr = np.asarray(v)
             if arr.dtype.kind in "fiub" and arr.shape == (len(batch),):
                 m[f"reward_extra/{k}/mean"] = float(arr.astype(np.float64).mean())
+        nan_ok = self.cfg.algorithm.gdpo_normalization == "sequence"  # TRL's None scores: NaN, skipped
         for k in self.cfg.algorithm.gdpo_reward_keys:  # gdpo's reward channels travel with their rows
-            batch[f"reward_channel/{k}"] = self._reward_channel(extras, k, len(batch))
+            batch[f"reward_channel/{k}"] = self._reward_channel(extras, k, len(batch), nan_ok)
         m.update(metrics)
 
     @staticmethod
-    def _reward_channel(extras: dict, key: str, n: int) -> torch.Tensor:
-        """One named score of every sample (algorithm.gdpo_reward_keys): DataError if a sample lacks it."""
+    def _reward_channel(extras: dict, key: str, n: int, nan_ok: bool = False) -> torch.Tensor:
+        """One named score of every sample (algorithm.gdpo_reward_keys): DataError if a sample lacks it (unless
+        `nan_ok` and the key is there: TRL's None scores)."""
         values = np.asarray(extras.get(key, np.full(n, np.nan)), dtype=np.float64)
-        if values.shape != (n,) or np.isnan(values).any():
+        if values.shape != (n,) or key not in extras or (np.isnan(values).any() and not nan_ok):
             raise DataError(f"algorithm.gdpo_reward_keys: {key!r} is missing from the reward of "
                             f"{int(np.isnan(values).sum()) if values.shape == (n,) else n} of {n} samples; the "
                             f"reward function must return a dict with {key!r} for every sample (named scores "
@@ -728,6 +730,7 @@ class RLTrainer:
             hyper["baseline_rewards"] = baseline
         if algo.adv_estimator == "gdpo":
             hyper.update(gdpo_reward_keys=list(algo.gdpo_reward_keys), gdpo_reward_weights=algo.gdpo_reward_weights,
+                         gdpo_normalization=algo.gdpo_normalization,
                          reward_components={k: batch[f"reward_channel/{k}"] for k in algo.gdpo_reward_keys})
         if algo.adv_estimator == "prime":
             hyper.update(self._prime_hyper(batch, mask, m))

@@ -64,10 +64,13 @@ def _scale_rewards(value: Any, args: Any) -> dict:
 
 
 def _aggregation(value: Any, args: Any) -> dict:
-    if value != "sum_then_normalize":
-        raise refuse_value("multi_objective_aggregation", value, "tiller's GDPO whitens the summed advantages over "
-                           "tokens, TRL's normalize_then_sum over sequences; use sum_then_normalize")
-    return {}
+    if value not in ("sum_then_normalize", "normalize_then_sum"):
+        raise refuse_value("multi_objective_aggregation", value, "sum_then_normalize | normalize_then_sum")
+    if value == "normalize_then_sum" and args.scale_rewards not in ("group", True):
+        raise refuse_value("scale_rewards", args.scale_rewards, "TRL's normalize_then_sum ignores scale_rewards (it "
+                           "divides each function's rewards by their group std, then the sum by the batch's std); "
+                           "leave scale_rewards at 'group'")
+    return {"multi_objective_aggregation": value}
 
 
 def _importance_level(value: Any, args: Any) -> dict:
@@ -115,7 +118,9 @@ GRPO_RULES: dict[str, Rule] = {
     **{f"vespo_{k}": mapped(f"actor.policy_loss.vespo_{k} (loss_type vespo)", to(f"vespo_{k}", float))
        for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
     "importance_sampling_level": mapped("sequence: policy_loss.loss_mode=gspo (GSPO)", _importance_level),
-    "multi_objective_aggregation": mapped("sum_then_normalize (TRL's default; normalize_then_sum refused)",
+    "multi_objective_aggregation": mapped("sum_then_normalize: algorithm.adv_estimator=grpo; normalize_then_sum: "
+                                          "gdpo, each reward function a channel (gdpo_reward_keys, its weight in "
+                                          "gdpo_reward_weights), algorithm.gdpo_normalization=sequence",
                                           _aggregation),
     "scale_rewards": mapped("group: algorithm.adv_estimator=grpo, norm_adv_epsilon 1e-4; batch: "
                             "norm_adv_std_scope=batch; none: norm_adv_by_std_in_grpo=False", _scale_rewards),
@@ -225,6 +230,15 @@ class GRPOTrainer(TRLRLTrainer):
             f"{actor}.loss_agg_mode": agg, f"{actor}.entropy_coeff": lg.get("entropy_coef", 0.0),
             f"{actor}.use_kl_loss": lg["beta"] > 0,
         }
+        if lg.get("multi_objective_aggregation") == "normalize_then_sum":  # GDPO: each function z-scored apart
+            names = list(self.rewards.names)
+            if len(set(names)) < len(names):
+                raise ConfigError(f"multi_objective_aggregation='normalize_then_sum': the reward functions' names "
+                                  f"{names} repeat; tiller keeps each function's rewards under its name (rename one)")
+            keys.update({"algorithm.adv_estimator": "gdpo", "algorithm.gdpo_reward_keys": names,
+                         "algorithm.gdpo_reward_weights": [float(w) for w in self.rewards.weights],
+                         "algorithm.gdpo_normalization": "sequence", "algorithm.norm_adv_by_std_in_grpo": True})
+            del keys["algorithm.norm_adv_std_scope"]
         if lg["beta"] > 0:
             keys.update({f"{actor}.kl_loss_coef": lg["beta"], f"{actor}.kl_loss_type": "low_var_kl"})
         if agg == "seq-mean-token-sum-norm":
