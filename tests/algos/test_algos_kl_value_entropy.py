@@ -163,3 +163,33 @@ def test_adaptive_entropy_controller():
     assert c.update(0.3) == pytest.approx(0.003)  # ...and c decreases
     assert c.update(0.3) == 0.0 and c.update(0.3) == 0.0  # clipped at 0
     assert c.update(0.2) == 0.0  # at target: no move
+
+
+
+def _trl_adaptive_entropy(coef, entropies, target, delta, lo, hi):
+    """TRL 1.16 grpo_trainer.py's controller, one optimizer step per entry: the coefficient applied (gated by the
+    previous step's entropy, inf at first) and the coefficient after the step's update."""
+    applied, after, last = [], [], float("inf")
+    for h in entropies:
+        applied.append(coef if last <= target else 0.0)
+        coef = min(coef + delta, hi) if h <= target else max(coef - delta, lo)
+        after.append(coef)
+        last = h
+    return applied, after
+
+
+def test_inclusive_controller_with_a_floor_is_trls():
+    # equality with the target raises (TRL, the paper's text) instead of holding; the floor is min_coeff
+    entropies = [0.1, 0.2, 0.2, 0.3, 0.3, 0.3, 0.3, 0.2, 0.05]
+    c = AdaptiveEntropyController(init_coeff=0.004, target_entropy=0.2, delta=0.003, max_coeff=0.009, min_coeff=0.002,
+                                  inclusive=True)
+    last, applied, after = float("inf"), [], []
+    for h in entropies:  # tiller's trainer: effective_coeff(previous entropy), then update(this step's)
+        applied.append(c.effective_coeff(last))
+        after.append(c.update(h))
+        last = h
+    want_applied, want_after = _trl_adaptive_entropy(0.004, entropies, 0.2, 0.003, 0.002, 0.009)
+    assert applied == pytest.approx(want_applied) and after == pytest.approx(want_after)
+    assert after == pytest.approx([0.007, 0.009, 0.009, 0.006, 0.003, 0.002, 0.002, 0.005, 0.008])  # worked
+    with pytest.raises(ConfigError, match=r"min_coeff \(0.5\) must be <= max_coeff"):
+        AdaptiveEntropyController(0.0, 0.2, 0.1, 0.1, min_coeff=0.5)

@@ -165,3 +165,15 @@ def test_normalize_then_sum_with_none_rewards_trains_on_trls_advantages(tmp_path
     assert row["critic/advantages/max"] == pytest.approx(float(want.max()), abs=1e-5)
     assert row["critic/advantages/min"] == pytest.approx(float(want.min()), abs=1e-5)
     assert row["actor/grad_norm"] > 0 and row["actor/vespo_phi_mean"] == pytest.approx(1.0)  # on-policy: w = 1
+
+
+def test_adaptive_entropy_follows_trls_controller(tmp_path, tiny_model_dir):
+    # a target above the untrained model's entropy (~6 nats): the coefficient rises each step to its cap; the bonus
+    # applies from the second step on (the first is gated by TRL's initial inf entropy)
+    args = _args(tmp_path / "run", max_steps=3, use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.02,
+                 entropy_coef_max=0.04, entropy_target=50.0)
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=chars, args=args, train_dataset=_rows())
+    trainer.train()
+    history = trainer.state.log_history
+    assert [r["entropy_coef"] for r in history] == pytest.approx([0.03, 0.04, 0.04])
+    assert [r["actor/entropy_coeff"] for r in history] == pytest.approx([0.0, 0.03, 0.04])

@@ -257,10 +257,22 @@ def test_a_loaded_model_without_tokenizer_uses_its_source_dirs_tokenizer(tiny_mo
 
 
 def test_entropy_coef_maps_where_trls_bonus_is_tillers(tiny_model_dir, tmp_path):
-    # dapo with one micro-batch per optimizer step: TRL's per-micro-batch token mean = tiller's token-mean
-    keys, _, _ = translate(tiny_model_dir, tmp_path, entropy_coef=0.01)
-    assert keys[f"{A}.entropy_coeff"] == 0.01 and keys[f"{A}.loss_agg_mode"] == "token-mean"
+    # one micro-batch per optimizer step: TRL's per-micro-batch token mean = tiller's token-mean bonus, for any loss
+    keys, _, _ = translate(tiny_model_dir, tmp_path, entropy_coef=0.01, loss_type="grpo")
+    assert keys[f"{A}.entropy_coeff"] == 0.01 and keys[f"{A}.entropy_agg_mode"] == "token-mean"
+    assert keys[f"{A}.loss_agg_mode"] == "seq-mean-token-mean"  # the policy term keeps the loss type's
     with pytest.raises(ConfigError, match="^entropy_coef=0.01: refused"):
-        translate(tiny_model_dir, tmp_path / "g", entropy_coef=0.01, loss_type="grpo")
-    with pytest.raises(ConfigError, match="^use_adaptive_entropy=True: refused"):
-        translate(tiny_model_dir, tmp_path / "a", use_adaptive_entropy=True)
+        translate(tiny_model_dir, tmp_path / "g", entropy_coef=0.01, gradient_accumulation_steps=2)
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "a", use_adaptive_entropy=True, entropy_coef=0.02,
+                           entropy_coef_min=0.01, entropy_target=1.5)
+    ae = f"{A}.adaptive_entropy"
+    assert {k: keys[f"{ae}.{k}"] for k in ("enable", "init_coeff", "target_entropy", "delta", "max_coeff",
+                                            "min_coeff", "inclusive")} == \
+        dict(enable=True, init_coeff=0.02, target_entropy=1.5, delta=0.005, max_coeff=1.0, min_coeff=0.01,
+             inclusive=True)
+    assert keys[f"{A}.entropy_coeff"] == 0.0 and keys[f"{A}.entropy_agg_mode"] == "token-mean"
+    with pytest.raises(ConfigError, match="^use_adaptive_entropy=True: refused: TRL updates the coefficient every "
+                                          "optimizer step"):
+        translate(tiny_model_dir, tmp_path / "b", use_adaptive_entropy=True, steps_per_generation=2)
+    with pytest.raises(ConfigError, match="^entropy_coef=0.5: refused: the adaptive controller's start"):
+        translate(tiny_model_dir, tmp_path / "c", use_adaptive_entropy=True, entropy_coef=0.5, entropy_coef_max=0.1)

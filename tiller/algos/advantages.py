@@ -49,7 +49,9 @@ Estimators (paper, and verl `verl/trainer/ppo/core_algos.py`):
   `gdpo_normalization="sequence"` is TRL's `multi_objective_aggregation="normalize_then_sum"` instead: the sum is
   normalised over the batch's samples, (S_i - mean S) / (std S + epsilon) (Bessel std), and a NaN score (TRL's
   None: the function does not apply to that sample) contributes 0, its group's statistics taken over the
-  group's other scores (nanmean / nanstd; a group with one scored member contributes 0 there).
+  group's other scores (nanmean / nanstd; a group with one scored member contributes 0 there, as does a group of
+  one sample, where TRL's std is 0). With "token" a NaN score makes NaN advantages (the trainer refuses a sample
+  missing a named score before).
 - optimal_token_baseline / tir_optimal_token_baseline: see `tiller.algos.token_baseline`.
 
 Deviations from verl: outputs are exactly 0 outside `response_mask` (verl leaves values there for
@@ -453,13 +455,10 @@ def compute_gdpo(
         raise ConfigError(f"algorithm.gdpo_normalization must be token or sequence, got {gdpo_normalization!r}")
     with torch.no_grad():
         total = torch.zeros_like(channels[0])
-        for name, w, c in zip(keys or ["score"], weights, channels):
+        for w, c in zip(weights, channels):
             if c.shape != total.shape:
                 raise DataError(f"gdpo: a reward channel has {tuple(c.shape)} scores for {total.shape[0]} samples")
-            if torch.isnan(c).any():
-                if gdpo_normalization != "sequence":
-                    raise DataError(f"gdpo: reward channel {name!r} has NaN scores (only "
-                                    "algorithm.gdpo_normalization=sequence, TRL's normalize_then_sum, skips them)")
+            if gdpo_normalization == "sequence":  # TRL's nanmean / nanstd (no host sync to look for NaN first)
                 total = total + w * _nan_group_z(c, group_index, epsilon, norm_adv_by_std_in_grpo)
                 continue
             mean, std, _ = _group_baseline_stats(c, group_index)

@@ -18,6 +18,8 @@ observed entropy H_k: c_{k+1} = clip(c_k + delta * sign(H* - H_k), 0, c_max). Th
 actually used is `c_k * 1[H_k < H*]` (`effective_coeff`): the term only applies while entropy is
 below target, so it never pushes entropy up once it is high enough. At H_k == H* the coefficient
 does not move (sign 0); the paper's text uses <= for the raise, which differs only at equality.
+`inclusive=True` is TRL's controller: the bonus applies at H_k <= H*, and the coefficient rises there and falls
+otherwise (never holds); `min_coeff` (TRL's entropy_coef_min) replaces the floor 0.
 """
 
 from __future__ import annotations
@@ -130,20 +132,33 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int = 256) -> t
 class AdaptiveEntropyController:
     """Skywork-OR1 adaptive entropy coefficient (see module doc). Holds Python floats."""
 
-    def __init__(self, init_coeff: float, target_entropy: float, delta: float, max_coeff: float) -> None:
+    def __init__(self, init_coeff: float, target_entropy: float, delta: float, max_coeff: float,
+                 min_coeff: float = 0.0, inclusive: bool = False) -> None:
         if max_coeff < 0 or delta < 0:
             raise ConfigError(f"adaptive_entropy: delta ({delta}) and max_coeff ({max_coeff}) must be >= 0")
-        self.value = min(max(float(init_coeff), 0.0), float(max_coeff))
+        if min_coeff > max_coeff:
+            raise ConfigError(f"adaptive_entropy: min_coeff ({min_coeff}) must be <= max_coeff ({max_coeff})")
+        self.min_coeff = float(min_coeff)
+        self.value = min(max(float(init_coeff), self.min_coeff), float(max_coeff))
         self.target = float(target_entropy)
         self.delta = float(delta)
         self.max_coeff = float(max_coeff)
+        self.inclusive = bool(inclusive)
+
+    def _below(self, entropy: float) -> bool:
+        return entropy <= self.target if self.inclusive else entropy < self.target
 
     def effective_coeff(self, current_entropy: float) -> float:
-        """The coefficient to use this step: value while entropy < target, else 0."""
-        return self.value if current_entropy < self.target else 0.0
+        """The coefficient to use this step: value while entropy < target (<= when inclusive), else 0."""
+        return self.value if self._below(current_entropy) else 0.0
 
     def update(self, current_entropy: float) -> float:
-        """c <- clip(c + delta * sign(target - entropy), 0, max_coeff); returns the new c."""
-        step = self.delta * (0.0 if current_entropy == self.target else math.copysign(1.0, self.target - current_entropy))
-        self.value = min(max(self.value + step, 0.0), self.max_coeff)
+        """c <- clip(c + delta * sign(target - entropy), min_coeff, max_coeff) (inclusive: +delta at entropy <=
+        target, else -delta); returns the new c."""
+        if self.inclusive:
+            step = self.delta if current_entropy <= self.target else -self.delta
+        else:
+            step = self.delta * (0.0 if current_entropy == self.target
+                                 else math.copysign(1.0, self.target - current_entropy))
+        self.value = min(max(self.value + step, self.min_coeff), self.max_coeff)
         return self.value

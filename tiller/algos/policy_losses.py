@@ -412,7 +412,7 @@ def vespo_loss(
     metrics = _metrics(response_mask, log_ratio)
     rows = valid.any(-1)
     seq_phi = torch.where(valid, phi, zero).sum(-1) / response_mask.to(logp.dtype).sum(-1).clamp(min=1)
-    metrics["vespo_phi_mean"] = (seq_phi[rows].sum() / rows.sum().clamp(min=1)).detach()
+    metrics["vespo_phi_mean"] = (torch.where(rows, seq_phi, zero).sum() / rows.sum().clamp(min=1)).detach()
     return _zero_outside(loss, response_mask), metrics
 
 

@@ -487,6 +487,12 @@ class AdaptiveEntropyConfig:
     """Upper clip of the coefficient."""
     init_coeff: float = 0.0
     """Starting coefficient."""
+    min_coeff: float = 0.0
+    """tiller: lower clip of the coefficient (TRL's entropy_coef_min; Skywork-OR1's is 0)."""
+    inclusive: bool = False
+    """tiller: compare with <= (TRL's controller, the Skywork paper's text): at entropy <= target the bonus applies
+    and the coefficient rises, above it falls. False: the bonus applies below target only, the coefficient rises
+    below it, falls above it and holds at it exactly."""
 
 
 @dataclass
@@ -558,6 +564,9 @@ class ActorConfig:
     modes divide by the mini-batch's rows, a row rejected whole included, as verl 0.10's trainer)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
+    entropy_agg_mode: Optional[str] = None
+    """tiller: how the entropy bonus is aggregated (the loss_agg_mode values); null = loss_agg_mode (verl's). TRL's
+    bonus is a token mean whatever its loss type (token-mean)."""
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
     """Skywork-OR1 adaptive entropy control."""
     use_kl_loss: bool = False

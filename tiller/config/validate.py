@@ -49,6 +49,8 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, tuple(_LOSS_REGISTRY.names()))
     _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
+    if actor.entropy_agg_mode is not None:
+        _choice("actor_rollout_ref.actor.entropy_agg_mode", actor.entropy_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
     _validate_distill(cfg)
     _validate_prime(cfg)

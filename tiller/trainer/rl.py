@@ -220,7 +220,8 @@ class RLTrainer:
         self.entropy_ctrl = None
         ae = arr.actor.adaptive_entropy
         if ae.enable:
-            self.entropy_ctrl = AdaptiveEntropyController(ae.init_coeff, ae.target_entropy, ae.delta, ae.max_coeff)
+            self.entropy_ctrl = AdaptiveEntropyController(ae.init_coeff, ae.target_entropy, ae.delta, ae.max_coeff,
+                                                          ae.min_coeff, ae.inclusive)
         self._last_entropy = float("inf")
         self.reward_fn = self._build_reward_fn()
         self._start_workers()
@@ -903,11 +904,12 @@ class RLTrainer:
         return self._pad_to_world(out)
 
     def _update_entropy_ctrl(self, m: dict) -> None:
+        if self.entropy_ctrl is not None:  # the coefficient this step's update applied
+            m["actor/entropy_coeff"] = self.entropy_ctrl.effective_coeff(self._last_entropy)
         if "actor/entropy" in m:
             self._last_entropy = m["actor/entropy"]
         if self.entropy_ctrl is not None:
-            m["actor/entropy_coeff"] = self.entropy_ctrl.effective_coeff(self._last_entropy)
-            self.entropy_ctrl.update(self._last_entropy)
+            m["actor/adaptive_entropy_coeff"] = self.entropy_ctrl.update(self._last_entropy)  # the next step's
 
     # -------------------------------------------------------------------------------- metrics
     def _data_metrics(self, batch: Batch, m: dict) -> dict[str, float]:

@@ -82,11 +82,30 @@ def _importance_level(value: Any, args: Any) -> dict:
 def _entropy(value: Any, args: Any) -> dict:
     if not value:
         return {}
-    if args.loss_type not in ("dapo", "bnpo", "cispo") or args.gradient_accumulation_steps != 1:
-        raise refuse_value("entropy_coef", value, "TRL's entropy bonus is a token mean per micro-batch; tiller's "
-                           "follows the loss aggregation, the same only for loss_type dapo / bnpo / cispo with "
-                           "gradient_accumulation_steps=1")
+    if args.gradient_accumulation_steps != 1:
+        raise refuse_value("entropy_coef", value, "TRL's entropy bonus is a token mean per micro-batch (divided by "
+                           "the accumulation steps), tiller's (actor.entropy_agg_mode=token-mean) the optimizer "
+                           "step's: the same with gradient_accumulation_steps=1")
     return {"entropy_coef": float(value)}
+
+
+def _adaptive_entropy(value: Any, args: Any) -> dict:
+    if not value:
+        return {}
+    if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1 or args.num_iterations != 1:
+        raise refuse_value("use_adaptive_entropy", value, "TRL updates the coefficient every optimizer step, tiller "
+                           "every RL step: the same with one optimizer step per generation (gradient_accumulation_"
+                           "steps=1, steps_per_generation=1, num_iterations=1)")
+    if args.top_entropy_quantile < 1.0:
+        raise refuse_value("use_adaptive_entropy", value, "TRL's controller then measures the entropy of the "
+                           "top_entropy_quantile tokens, tiller's of all completion tokens")
+    if not args.entropy_coef_min <= args.entropy_coef <= args.entropy_coef_max:
+        raise refuse_value("entropy_coef", args.entropy_coef, f"the adaptive controller's start must lie in "
+                           f"[entropy_coef_min, entropy_coef_max] = [{args.entropy_coef_min}, {args.entropy_coef_max}]")
+    return {"adaptive_entropy": {"enable": True, "init_coeff": float(args.entropy_coef),
+                                 "target_entropy": float(args.entropy_target), "delta": float(args.entropy_coef_delta),
+                                 "max_coeff": float(args.entropy_coef_max), "min_coeff": float(args.entropy_coef_min),
+                                 "inclusive": True}}
 
 
 def _kl_correction(value: Any, args: Any) -> dict:
@@ -105,9 +124,6 @@ def _delta(value: Any, args: Any) -> dict:
                            f"= {1 + high}")
     return {"delta": float(value)}
 
-
-_ENTROPY_ADAPTIVE = ("TRL's adaptive entropy differs from tiller's Skywork-OR1 controller (bonus on at entropy <= "
-                     "target, not <; floor entropy_coef_min, not 0; updated per optimizer step); use entropy_coef")
 
 GRPO_RULES: dict[str, Rule] = {
     **RL_SHARED_RULES,
@@ -128,13 +144,15 @@ GRPO_RULES: dict[str, Rule] = {
     "top_entropy_quantile": mapped("actor.top_entropy_quantile (the micro-batch's high-entropy tokens; with "
                                    "entropy_coef the bonus sums over them with tiller's denominator)",
                                    to("top_entropy_quantile", float)),
-    "entropy_coef": mapped("actor.entropy_coeff (loss_type dapo / bnpo / cispo with gradient_accumulation_steps=1)",
-                           _entropy),
-    "use_adaptive_entropy": refused(_ENTROPY_ADAPTIVE),
-    "entropy_coef_min": noop("only read with use_adaptive_entropy, which is refused"),
-    "entropy_coef_max": noop("only read with use_adaptive_entropy, which is refused"),
-    "entropy_coef_delta": noop("only read with use_adaptive_entropy, which is refused"),
-    "entropy_target": noop("only read with use_adaptive_entropy, which is refused"),
+    "entropy_coef": mapped("actor.entropy_coeff, entropy_agg_mode=token-mean (gradient_accumulation_steps=1); with "
+                           "use_adaptive_entropy: adaptive_entropy.init_coeff", _entropy),
+    "use_adaptive_entropy": mapped("actor.adaptive_entropy (enable, inclusive: TRL's <=; one optimizer step per "
+                                   "generation)", _adaptive_entropy),
+    "entropy_coef_min": mapped("actor.adaptive_entropy.min_coeff (read with use_adaptive_entropy)", lambda v, a: {}),
+    "entropy_coef_max": mapped("actor.adaptive_entropy.max_coeff (read with use_adaptive_entropy)", lambda v, a: {}),
+    "entropy_coef_delta": mapped("actor.adaptive_entropy.delta (read with use_adaptive_entropy)", lambda v, a: {}),
+    "entropy_target": mapped("actor.adaptive_entropy.target_entropy (read with use_adaptive_entropy)",
+                             lambda v, a: {}),
     "max_tool_calling_iterations": mapped("with tools / environment_factory: the tool rounds of a completion (TRL's "
                                           "tool loop, tiller.trl.tool_loop; None: until no call or the budget)",
                                           to("max_tool_calling_iterations")),
@@ -230,6 +248,11 @@ class GRPOTrainer(TRLRLTrainer):
             f"{actor}.loss_agg_mode": agg, f"{actor}.entropy_coeff": lg.get("entropy_coef", 0.0),
             f"{actor}.use_kl_loss": lg["beta"] > 0,
         }
+        if lg.get("entropy_coef") or lg.get("adaptive_entropy"):
+            keys[f"{actor}.entropy_agg_mode"] = "token-mean"  # TRL's bonus: a token mean, whatever the loss type
+        if lg.get("adaptive_entropy"):
+            keys[f"{actor}.entropy_coeff"] = 0.0  # (the controller's coefficient replaces it)
+            keys.update({f"{actor}.adaptive_entropy.{k}": v for k, v in lg["adaptive_entropy"].items()})
         if lg.get("multi_objective_aggregation") == "normalize_then_sum":  # GDPO: each function z-scored apart
             names = list(self.rewards.names)
             if len(set(names)) < len(names):

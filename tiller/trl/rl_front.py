@@ -479,7 +479,8 @@ class TRLRLTrainer(TRLTrainerBase):
                           ("completions/min_length", "response_length/min"),
                           ("completions/clipped_ratio", "response_length/clip_ratio"),
                           ("clip_ratio/region_mean", "actor/pg_clipfrac"), ("grad_norm", "actor/grad_norm"),
-                          ("tools/call_frequency", "agent/tool_calls/mean")):
+                          ("tools/call_frequency", "agent/tool_calls/mean"),
+                          ("entropy_coef", "actor/adaptive_entropy_coeff")):
             if ours in row:
                 out[trl] = row[ours]
         if "agent/tool_calls/mean" in row:  # TRL: failed calls / calls (0 without calls)

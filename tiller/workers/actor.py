@@ -754,7 +754,7 @@ class ActorRolloutRefWorker:
                     loss = self._add_distillation(loss, logp, old, micro, mask, agg_mode, agg, part)
             ent = aggregate_loss(entropy, mask, "token-mean", global_tokens=n_tok)
             if entropy_coeff != 0.0:  # (with top_entropy_quantile: over the kept tokens, as TRL)
-                loss = loss - entropy_coeff * aggregate_loss(entropy, bonus_mask, agg_mode, **agg)
+                loss = loss - entropy_coeff * aggregate_loss(entropy, bonus_mask, a.entropy_agg_mode or agg_mode, **agg)
             if a.use_kl_loss:
                 kl = kl_penalty(logp, micro["ref_log_prob"].to(self.device), a.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
