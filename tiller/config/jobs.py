@@ -217,6 +217,10 @@ class JobModelConfig:
     trainable onto partial_pretrain (verl's model.lora_adapter_path); rank, alpha, targets and dropout come from its
     adapter_config.json (the lora_* keys left at their defaults, or set to the same values). LoRA is on with it even
     at lora_rank=0."""
+    neftune_noise_alpha: Optional[float] = None
+    """NEFTune (Jain et al. 2023; TRL's / transformers' neftune_noise_alpha): while training, uniform noise of
+    magnitude alpha / sqrt(L d) added to the input embeddings (L the row length, d the hidden size); validation is
+    noise-free. None = off; 5 is the paper's usual value."""
     freeze_vision_tower: bool = False
     """Freeze a vision-language model's vision tower (patch embedding, blocks and merger), as the RL actor's
     actor.freeze_vision_tower; an error on a text-only model."""
@@ -441,6 +445,8 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"optim.warmup_steps_ratio must be in [0, 1), got {optim.warmup_steps_ratio}")
     if model.lora_rank < 0:
         raise ConfigError(f"model.lora_rank must be >= 0, got {model.lora_rank}")
+    if model.neftune_noise_alpha is not None:
+        _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
     for name in tr.logger:
         _choice("trainer.logger", name, LOGGERS)
     _choice("trainer.resume_mode", tr.resume_mode, ("auto", "disable", "resume_path"))

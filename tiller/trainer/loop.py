@@ -37,6 +37,7 @@ from tiller.config import to_dict
 from tiller.errors import ConfigError, UserError
 from tiller.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained_atomic
 from tiller.models.lora import merge_lora
+from tiller.models.neftune import neftune
 from tiller.tracking import Tracker
 from tiller.trainer.data_parallel import DataParallel
 from tiller.workers.common import autocast, lr_lambda
@@ -168,6 +169,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     """Train `model` with `job` as configured by `cfg` (any of the job configs); returns the last metrics."""
     tr, optim_cfg, data = cfg.trainer, cfg.optim, cfg.data
     device = device or resolve_device(tr.device)
+    noise = neftune(model, getattr(cfg.model, "neftune_noise_alpha", None))  # on the unwrapped model's embeddings
     par = DataParallel.setup(cfg, model, device)  # one process: identities; torchrun: DDP / FSDP2
     model = par.model
     run_dir = Path(tr.default_local_dir)
@@ -189,25 +191,26 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     last: dict[str, float] = {}
     model.train()
     try:
-        for step in range(start, total):
-            t0 = time.perf_counter()
-            idx = batch_indices(step, len(train_examples), batch_size, tr.seed, data.shuffle)
-            metrics = _train_step(job, model, [train_examples[i] for i in idx], optimizer, params,
-                                  optim_cfg, device, par)
-            scheduler.step()
-            metrics["train/lr"] = scheduler.get_last_lr()[0]
-            metrics["train/epoch"] = step // steps_per_epoch(len(train_examples), batch_size)
-            metrics["timing_s/step"] = time.perf_counter() - t0
-            done = step + 1
-            if val_examples and ((tr.test_freq > 0 and done % tr.test_freq == 0) or done == total):
-                val = evaluate(job, model, val_examples, batch_size, device, optim_cfg.dtype, par)
-                metrics.update({f"val/{k}": v for k, v in val.items()})
-            tracker.log(metrics, step=done)
-            last = metrics
-            if (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total:
-                par.save(functools.partial(save_checkpoint, ckpt_root, done), optimizer=optimizer,
-                         scheduler=scheduler, extra_state={"total_steps": total}, tokenizer=tokenizer,
-                         keep=tr.max_ckpt_to_keep)
+        with noise:  # NEFTune while training (off again for the export below)
+            for step in range(start, total):
+                t0 = time.perf_counter()
+                idx = batch_indices(step, len(train_examples), batch_size, tr.seed, data.shuffle)
+                metrics = _train_step(job, model, [train_examples[i] for i in idx], optimizer, params,
+                                      optim_cfg, device, par)
+                scheduler.step()
+                metrics["train/lr"] = scheduler.get_last_lr()[0]
+                metrics["train/epoch"] = step // steps_per_epoch(len(train_examples), batch_size)
+                metrics["timing_s/step"] = time.perf_counter() - t0
+                done = step + 1
+                if val_examples and ((tr.test_freq > 0 and done % tr.test_freq == 0) or done == total):
+                    val = evaluate(job, model, val_examples, batch_size, device, optim_cfg.dtype, par)
+                    metrics.update({f"val/{k}": v for k, v in val.items()})
+                tracker.log(metrics, step=done)
+                last = metrics
+                if (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total:
+                    par.save(functools.partial(save_checkpoint, ckpt_root, done), optimizer=optimizer,
+                             scheduler=scheduler, extra_state={"total_steps": total}, tokenizer=tokenizer,
+                             keep=tr.max_ckpt_to_keep)
     finally:
         tracker.close()
     if tr.export_hf:

@@ -48,6 +48,7 @@ from tiller.data.sft import IGNORE
 from tiller.distributed.context import all_reduce_sum
 from tiller.models.loading import load_causal_lm
 from tiller.models.lora import is_lora, load_lora_adapter, merge_lora
+from tiller.models.neftune import without_neftune
 from tiller.trainer.loop import resolve_device, run_training
 from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
@@ -79,7 +80,7 @@ class Reference:
     def token_logps(self, batch: dict[str, torch.Tensor]):
         if self.model is not None:
             return token_logps(self.model, batch)
-        with self.policy.disable_adapter():
+        with self.policy.disable_adapter(), without_neftune(self.policy):  # the reference sees clean embeddings
             return token_logps(self.policy, batch)
 
     def logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,6 +83,9 @@ GEN_NOOP_VLLM = "a vLLM engine setting: tiller's vllm engine takes its own defau
 
 # the generation / batch fields GRPOConfig and RLOOConfig share (each trainer adds its algorithm's)
 RL_SHARED_RULES: dict[str, Rule] = {
+    "neftune_noise_alpha": refused("NEFTune noise in the policy's training forward would perturb the log-probs its "
+                                   "ratio and KL compare with the rollout's (TRL would add it there); tiller's SFT / "
+                                   "DPO / KTO / reward trainers take it"),
     "router_aux_loss_coef": noop("only for MoE models with output_router_logits: tiller adds no router "
                                  "load-balancing loss"),
     "disable_dropout": noop("tiller's tiny and released models have no dropout in training; the actor trains in "
