@@ -124,3 +124,33 @@ def test_spin_from_adapter_starts_there_then_trains_fresh_adapters_of_its_shape(
     # about lr = 1e-5), not the saved adapter applied a second time
     assert largest_b[0] > 0.1 and largest_b[1] < 1e-3, largest_b
     assert config["base_model_name_or_path"] == str(run / "iter_0" / "hf_model")
+
+
+def test_rslora_scales_by_alpha_over_sqrt_rank_into_the_export(tiny_model_dir, sft_file, tmp_path):
+    # model.use_rslora (peft's, TRL's): rank 4, alpha 8 -> scale 8 / sqrt(4) = 4 (plain LoRA: 2); the adapter config
+    # says so, the exported model is W + 4 B A, and continuing from that adapter keeps it (a contradicting key stops)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tiller.errors import ConfigError
+    from tiller.models.loading import load_causal_lm
+    from tiller.models.lora import attach_lora
+    from tiller.trainer.sft import train_sft
+
+    run = tmp_path / "rs"
+    train_sft(load_config(job_overrides(tiny_model_dir, sft_file, run, **{
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 1e-2, "model.lora_rank": 4,
+        "model.lora_alpha": 8, "model.target_modules": "[q_proj,v_proj]", "model.use_rslora": True,
+        "trainer.total_training_steps": 2}), schema=SFTConfig, validate=validate_job))
+    ckpt = run / "checkpoints" / "global_step_2" / "model"
+    assert json.loads((ckpt / "adapter_config.json").read_text())["use_rslora"] is True
+    trained = load_file(str(ckpt / "adapter_model.safetensors"))
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
+    assert assert_base_plus_adapter(exported, tiny_model_dir, trained, 8 / math.sqrt(4)) == len(trained) // 2
+    cfg = load_config(job_overrides(tiny_model_dir, sft_file, tmp_path / "x", **{"model.lora_adapter_path": ckpt}),
+                      schema=SFTConfig, validate=validate_job)
+    peft_model = attach_lora(load_causal_lm(tiny_model_dir), cfg.model, "model")
+    assert peft_model.peft_config["default"].use_rslora is True  # the adapter's own setting
+    with pytest.raises(ConfigError, match="use_rslora"):
+        load_config(job_overrides(tiny_model_dir, sft_file, tmp_path / "y", **{"model.use_rslora": True}),
+                    schema=SFTConfig, validate=validate_job)

@@ -205,6 +205,8 @@ class JobModelConfig:
     """LoRA rank (0 = full fine-tuning)."""
     lora_alpha: int = 16
     """LoRA alpha (scale = alpha / rank)."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (peft's / TRL's use_rslora): scale = alpha / sqrt(rank)."""
     lora_dropout: float = 0.0
     """LoRA dropout."""
     target_modules: Any = "all-linear"
@@ -447,6 +449,8 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"model.lora_rank must be >= 0, got {model.lora_rank}")
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
+    if model.use_rslora and not (model.lora_rank > 0 or model.lora_adapter_path):
+        raise ConfigError("model.use_rslora=True needs LoRA (model.lora_rank > 0 or model.lora_adapter_path)")
     for name in tr.logger:
         _choice("trainer.logger", name, LOGGERS)
     _choice("trainer.resume_mode", tr.resume_mode, ("auto", "disable", "resume_path"))

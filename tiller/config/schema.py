@@ -349,6 +349,9 @@ class ModelConfig:
     """LoRA rank for the actor (0 = full fine-tuning)."""
     lora_alpha: int = 16
     """LoRA alpha."""
+    use_rslora: bool = False
+    """tiller (peft's / TRL's use_rslora): rank-stabilised LoRA, the adapter scaled by lora_alpha / sqrt(rank)
+    instead of lora_alpha / rank."""
     target_modules: Any = "all-linear"
     """LoRA target modules: a list of module names or 'all-linear'."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -991,6 +994,8 @@ class CriticModelConfig:
     verl's FSDP critic, and the optimizer holds the adapters and the head only."""
     lora_alpha: int = 16
     """LoRA alpha of the critic (scale = alpha / rank)."""
+    use_rslora: bool = False
+    """tiller (peft's use_rslora): the critic's adapters scaled by lora_alpha / sqrt(rank)."""
     target_modules: Any = "all-linear"
     """LoRA targets of the critic: a list of module names or 'all-linear' (every linear layer of the body; the value
     head is never adapted, it trains in full)."""

@@ -34,7 +34,7 @@ REWARD_SCRIPT_RULES: dict[str, Rule] = {
 }
 
 _QUANT = "only read with load_in_4bit, which is refused"
-_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora")
 
 
 def _use_peft(value: Any, args: Any) -> dict:
@@ -61,7 +61,7 @@ MODEL_RULES: dict[str, Rule] = {
     "lora_target_parameters": refused("tiller's LoRA adapts modules (lora_target_modules), not parameters"),
     "lora_modules_to_save": refused("tiller's LoRA trains the adapters only"),
     "lora_task_type": noop("tiller picks the head by the command (a sequence-classification head for `reward`)"),
-    "use_rslora": refused("tiller's LoRA scales by lora_alpha / r (plain LoRA)"),
+    "use_rslora": mapped("rank-stabilised LoRA, scale lora_alpha / sqrt(r) (with use_peft: model.use_rslora)", _READ),
     "use_dora": refused("tiller's LoRA is plain LoRA (no DoRA)"),
     "load_in_8bit": refused("quantized (bitsandbytes) training is not available in tiller"),
     "load_in_4bit": refused("quantized (bitsandbytes) training is not available in tiller"),
