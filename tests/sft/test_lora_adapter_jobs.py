@@ -154,3 +154,27 @@ def test_rslora_scales_by_alpha_over_sqrt_rank_into_the_export(tiny_model_dir, s
     with pytest.raises(ConfigError, match="use_rslora"):
         load_config(job_overrides(tiny_model_dir, sft_file, tmp_path / "y", **{"model.use_rslora": True}),
                     schema=SFTConfig, validate=validate_job)
+
+
+def test_dora_trains_and_exports_peft_merge(tiny_model_dir, sft_file, tmp_path):
+    # model.use_dora: the checkpoint's adapter is a DoRA adapter (magnitude vectors), and hf_model is peft's own merge
+    # of it into the base
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tiller.trainer.sft import train_sft
+
+    run = tmp_path / "dora"
+    train_sft(load_config(job_overrides(tiny_model_dir, sft_file, run, **{
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 1e-2, "model.lora_rank": 4,
+        "model.lora_alpha": 8, "model.target_modules": "[q_proj,v_proj]", "model.use_dora": True,
+        "trainer.total_training_steps": 2}), schema=SFTConfig, validate=validate_job))
+    ckpt = run / "checkpoints" / "global_step_2" / "model"
+    assert json.loads((ckpt / "adapter_config.json").read_text())["use_dora"] is True
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ckpt)
+    assert any("lora_magnitude_vector" in k for k in peft_model.state_dict())
+    want = peft_model.merge_and_unload().state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert all(torch.allclose(exported[k], want[k], atol=1e-6) for k in want)
+    assert any(not torch.allclose(exported[k], base[k], atol=1e-4) for k in base)  # it trained

@@ -285,14 +285,15 @@ def test_lora_actor_with_kl_and_resume_path(tmp_path, tiny_model_dir, rl_data):
     assert (tmp_path / "run" / "checkpoints" / "global_step_3" / "state.pt").exists()
 
 
-def test_rslora_actor_saves_its_scaling_and_rolls_out_with_it(tmp_path, tiny_model_dir, rl_data):
-    # actor_rollout_ref.model.use_rslora: peft scales the adapters by alpha / sqrt(r); the rollout engine's weights
-    # carry the same scaling (its logprobs equal the actor's on step 2, after an update moved the adapters)
+@pytest.mark.parametrize("flag", ["use_rslora", "use_dora"])
+def test_rslora_and_dora_actors_save_their_adapters_and_roll_out_with_them(tmp_path, tiny_model_dir, rl_data, flag):
+    # actor_rollout_ref.model.use_rslora (adapters scaled by alpha / sqrt(r)) / use_dora (peft's DoRA): the rollout
+    # engine's weights are the same adapted model (its logprobs equal the actor's on step 2, after an update)
     cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "actor_rollout_ref.model.lora_rank=4",
-                   "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.use_rslora=true",
+                   "actor_rollout_ref.model.lora_alpha=8", f"actor_rollout_ref.model.{flag}=true",
                    "actor_rollout_ref.actor.optim.lr=1e-2", "data.val_files=[]", "actor_rollout_ref.rollout.dtype=float32",
                    "actor_rollout_ref.actor.dtype=float32")
     metrics, changed, _ = _train(cfg)
     assert changed and metrics["training/rollout_probs_diff_max"] < 1e-4
     configs = list((tmp_path / "run" / "checkpoints" / "global_step_2").rglob("adapter_config.json"))
-    assert configs and all(json.loads(c.read_text())["use_rslora"] is True for c in configs)
+    assert configs and all(json.loads(c.read_text())[flag] is True for c in configs)

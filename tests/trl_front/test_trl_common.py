@@ -150,11 +150,12 @@ def test_peft_lora_config_becomes_lora_settings(tiny_model_dir):
     assert keys["actor_rollout_ref.model.lora_rank"] == 4
     # target_modules None: peft's default for the model type (qwen2: q_proj, v_proj)
     assert lora_settings(peft.LoraConfig(r=2), tiny_model_dir)["target_modules"] == ["q_proj", "v_proj"]
-    with pytest.raises(ConfigError, match="^peft_config.use_dora=True: refused"):
-        lora_settings(peft.LoraConfig(r=2, use_dora=True), tiny_model_dir)
-    rs = lora_settings(peft.LoraConfig(r=2, use_rslora=True), tiny_model_dir)
+    with pytest.raises(ConfigError, match="^peft_config.bias='all': refused"):
+        lora_settings(peft.LoraConfig(r=2, bias="all"), tiny_model_dir)
+    rs = lora_settings(peft.LoraConfig(r=2, use_rslora=True, use_dora=True), tiny_model_dir)
     assert rs["use_rslora"] is True and common.lora_rl_keys(rs)["actor_rollout_ref.model.use_rslora"] is True
-    assert common.lora_job_keys(rs)["model.use_rslora"] is True
+    assert common.lora_job_keys(rs)["model.use_rslora"] is True and rs["use_dora"] is True
+    assert common.lora_rl_keys(rs)["actor_rollout_ref.model.use_dora"] is True
 
 
 def test_field_table_lists_every_field_once():

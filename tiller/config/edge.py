@@ -471,12 +471,13 @@ RULES.update({
     "trainer.v1.sampler.custom_sampler": refused("custom replay-buffer samplers are not built", use="leave path null",
                                                  allowed=({"path": None, "name": None},)),
     "trainer.v1.sampler.sampler_kwargs": noop("only with trainer.v1.sampler.custom_sampler, which is refused"),
-    "actor_rollout_ref.model.use_rslora": noop(
+    **{f"actor_rollout_ref.model.{_flag}": noop(
         "read only with LoRA", lambda cfg: cfg.actor_rollout_ref.model.lora_rank > 0
-        or bool(cfg.actor_rollout_ref.model.lora_adapter_path), "actor_rollout_ref.model.lora_rank > 0"),
-    "critic.model.use_rslora": noop(
+        or bool(cfg.actor_rollout_ref.model.lora_adapter_path), "actor_rollout_ref.model.lora_rank > 0")
+       for _flag in ("use_rslora", "use_dora")},
+    **{f"critic.model.{_flag}": noop(
         "read only with LoRA", lambda cfg: cfg.critic.model.lora_rank > 0 or bool(cfg.critic.model.lora_adapter_path),
-        "critic.model.lora_rank > 0"),
+        "critic.model.lora_rank > 0") for _flag in ("use_rslora", "use_dora")},
     "algorithm.gdpo_normalization": noop("read by the gdpo estimator only",
                                          lambda cfg: cfg.algorithm.adv_estimator == "gdpo", "algorithm.adv_estimator=gdpo"),
     **{f"actor_rollout_ref.actor.policy_loss.vespo_{_k}": noop(

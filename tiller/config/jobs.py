@@ -207,6 +207,9 @@ class JobModelConfig:
     """LoRA alpha (scale = alpha / rank)."""
     use_rslora: bool = False
     """Rank-stabilised LoRA (peft's / TRL's use_rslora): scale = alpha / sqrt(rank)."""
+    use_dora: bool = False
+    """DoRA (peft's / TRL's use_dora; Liu et al. 2024, arXiv 2402.09353): each adapted weight's direction and a
+    learned magnitude per output feature; merged into the export as peft merges it."""
     lora_dropout: float = 0.0
     """LoRA dropout."""
     target_modules: Any = "all-linear"
@@ -449,8 +452,9 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"model.lora_rank must be >= 0, got {model.lora_rank}")
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
-    if model.use_rslora and not (model.lora_rank > 0 or model.lora_adapter_path):
-        raise ConfigError("model.use_rslora=True needs LoRA (model.lora_rank > 0 or model.lora_adapter_path)")
+    for flag in ("use_rslora", "use_dora"):
+        if getattr(model, flag) and not (model.lora_rank > 0 or model.lora_adapter_path):
+            raise ConfigError(f"model.{flag}=True needs LoRA (model.lora_rank > 0 or model.lora_adapter_path)")
     for name in tr.logger:
         _choice("trainer.logger", name, LOGGERS)
     _choice("trainer.resume_mode", tr.resume_mode, ("auto", "disable", "resume_path"))

@@ -352,6 +352,9 @@ class ModelConfig:
     use_rslora: bool = False
     """tiller (peft's / TRL's use_rslora): rank-stabilised LoRA, the adapter scaled by lora_alpha / sqrt(rank)
     instead of lora_alpha / rank."""
+    use_dora: bool = False
+    """tiller (peft's / TRL's use_dora): DoRA adapters (a learned magnitude per output feature besides the low-rank
+    direction update), merged as peft merges them for the rollout and the export."""
     target_modules: Any = "all-linear"
     """LoRA target modules: a list of module names or 'all-linear'."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -996,6 +999,8 @@ class CriticModelConfig:
     """LoRA alpha of the critic (scale = alpha / rank)."""
     use_rslora: bool = False
     """tiller (peft's use_rslora): the critic's adapters scaled by lora_alpha / sqrt(rank)."""
+    use_dora: bool = False
+    """tiller (peft's use_dora): DoRA adapters on the critic's body."""
     target_modules: Any = "all-linear"
     """LoRA targets of the critic: a list of module names or 'all-linear' (every linear layer of the body; the value
     head is never adapted, it trains in full)."""

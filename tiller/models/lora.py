@@ -53,7 +53,7 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: Any = "all-linear",
                dropout: float = 0.0, modules_to_save: Sequence[str] | None = None, exclude_modules: Any = None,
-               key: str = "model", use_rslora: bool = False):
+               key: str = "model", use_rslora: bool = False, use_dora: bool = False):
     """Wrap `model` with LoRA adapters of rank `rank`; only adapter (and `modules_to_save`) weights train.
 
     target_modules: "all-linear" (every linear layer but the output head) or module-name suffixes
@@ -61,6 +61,7 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     exclude_modules: module-name suffixes (a list) or a regex (a string, full match) that get no adapter.
     `key` is the config section named in errors (`model`, `actor_rollout_ref.model`). `use_rslora`: the adapter
     scaled by alpha / sqrt(rank) (rank-stabilised LoRA, Kalajdzievski 2023, arXiv 2312.03732) instead of alpha / rank.
+    `use_dora`: DoRA (Liu et al. 2024, arXiv 2402.09353), peft's weight-decomposed adapters.
     """
     from peft import LoraConfig, TaskType, get_peft_model
 
@@ -84,6 +85,7 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
         exclude_modules=exclude_modules, task_type=getattr(TaskType, task),
         modules_to_save=list(modules_to_save) if modules_to_save else None, use_rslora=bool(use_rslora),
+        use_dora=bool(use_dora),
     )
     try:
         return get_peft_model(model, config)
@@ -142,7 +144,9 @@ def _first_line(err: BaseException) -> str:
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
 LORA_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
-                 "lora_dropout": 0.0, "use_rslora": False}
+                 "lora_dropout": 0.0, "use_rslora": False, "use_dora": False}
+LORA_FLAGS = ("use_rslora", "use_dora")
+"""peft's boolean LoraConfig options a section may set (tiller keys of the same names)."""
 """The LoRA keys' defaults (verl's, the same in every tiller section that has them): a key at its default takes the
 adapter's value."""
 
@@ -150,6 +154,12 @@ adapter's value."""
 def lora_enabled(section: Any) -> bool:
     """LoRA is on for a model config section (`model.lora_rank > 0` or a saved adapter), as in verl."""
     return section.lora_rank > 0 or bool(section.lora_adapter_path)
+
+
+def _flags(section: Any) -> dict[str, bool]:
+    """A config section's peft flags (LORA_FLAGS; False where the section has no such key)."""
+    return {"use_rslora": bool(getattr(section, "use_rslora", False)),
+            "use_dora": bool(getattr(section, "use_dora", False))}
 
 
 def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: bool = True):
@@ -162,7 +172,7 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
     if section.lora_adapter_path:
         user = {"lora_rank": section.lora_rank, "lora_alpha": section.lora_alpha,
                 "target_modules": section.target_modules, "exclude_modules": section.exclude_modules,
-                "use_rslora": bool(getattr(section, "use_rslora", False))}
+                **_flags(section)}
         if hasattr(section, "lora_dropout"):  # the offline jobs' sections (the RL actor's adapters have no dropout)
             user["lora_dropout"] = dropout
         peft_model = load_lora_adapter(model, section.lora_adapter_path, f"{key}.lora_adapter_path", user, key)
@@ -176,7 +186,7 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
     if section.lora_rank > 0:
         return apply_lora(model, section.lora_rank, section.lora_alpha, section.target_modules, dropout,
                           exclude_modules=section.exclude_modules, key=key,
-                          use_rslora=bool(getattr(section, "use_rslora", False)))
+                          **_flags(section))
     return model
 
 
@@ -211,7 +221,7 @@ def adapter_settings(path: str | Path, key: str) -> dict[str, Any]:
     return {"lora_rank": int(config["r"]), "lora_alpha": config.get("lora_alpha", config["r"]),
             "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
             "exclude_modules": config.get("exclude_modules"), "lora_dropout": float(config.get("lora_dropout") or 0),
-            "use_rslora": bool(config.get("use_rslora", False))}
+            **{flag: bool(config.get(flag, False)) for flag in LORA_FLAGS}}
 
 
 def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
@@ -221,13 +231,14 @@ def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.
     out = []
     theirs = {"lora_rank": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha"),
               "target_modules": adapter.get("target_modules"), "exclude_modules": adapter.get("exclude_modules"),
-              "lora_dropout": adapter.get("lora_dropout", 0.0), "use_rslora": bool(adapter.get("use_rslora", False))}
+              "lora_dropout": adapter.get("lora_dropout", 0.0),
+              **{flag: bool(adapter.get(flag, False)) for flag in LORA_FLAGS}}
     for name, value in user.items():
         if value == LORA_DEFAULTS[name] or (name == "exclude_modules" and not value):
             continue
         if name in ("target_modules", "exclude_modules"):
             same = _module_set(value, model) == _module_set(theirs[name], model)
-        elif name == "use_rslora":
+        elif name in LORA_FLAGS:
             same = bool(value) == theirs[name]
         else:
             same = theirs[name] is not None and float(value) == float(theirs[name])

@@ -23,7 +23,7 @@ INPUT_MODEL_DIR = "input_model"  # a loaded model / tokenizer object is saved he
 INPUT_TOKENIZER_DIR = "input_tokenizer"
 
 # peft.LoraConfig fields tiller cannot honour, with their default (checked by duck typing: peft is not imported)
-_LORA_REFUSED = {"bias": "none", "use_dora": False, "modules_to_save": None,
+_LORA_REFUSED = {"bias": "none", "modules_to_save": None,
                  "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None}
 
 
@@ -77,7 +77,7 @@ _ARGUMENT_WHY = {
 
 def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
     """Logical LoRA settings of a `peft.LoraConfig` (duck typed): lora_rank, lora_alpha, target_modules,
-    lora_dropout, exclude_modules, use_rslora. target_modules None is peft's default for the model type (as peft resolves it)."""
+    lora_dropout, exclude_modules, use_rslora, use_dora. target_modules None is peft's default for the model type (as peft resolves it)."""
     if peft_config is None:
         return {}
     if type(peft_config).__name__ != "LoraConfig" or not hasattr(peft_config, "r"):
@@ -87,7 +87,7 @@ def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
         value = getattr(peft_config, name, default)
         if value not in (default, None) and not (default == {} and not value):
             raise ConfigError(f"peft_config.{name}={value!r}: refused: tiller's LoRA is plain LoRA (r, lora_alpha, "
-                              "target_modules, exclude_modules, lora_dropout, use_rslora)")
+                              "target_modules, exclude_modules, lora_dropout, use_rslora, use_dora)")
     targets = peft_config.target_modules
     if targets is None:
         targets = _peft_default_targets(model_path)
@@ -95,8 +95,9 @@ def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
         targets = sorted(targets)
     out = {"lora_rank": int(peft_config.r), "lora_alpha": peft_config.lora_alpha, "target_modules": targets,
            "lora_dropout": float(peft_config.lora_dropout or 0.0)}
-    if getattr(peft_config, "use_rslora", False):  # peft: True, or a bool-like
-        out["use_rslora"] = True
+    for flag in ("use_rslora", "use_dora"):
+        if getattr(peft_config, flag, False):  # peft: True (use_rslora also takes a bool-like)
+            out[flag] = True
     exclude = getattr(peft_config, "exclude_modules", None)
     if exclude:
         out["exclude_modules"] = sorted(exclude) if isinstance(exclude, (set, frozenset, tuple)) else exclude
@@ -129,8 +130,9 @@ def lora_rl_keys(lora: dict[str, Any]) -> dict[str, Any]:
            f"{m}.target_modules": lora["target_modules"]}
     if "exclude_modules" in lora:
         out[f"{m}.exclude_modules"] = lora["exclude_modules"]
-    if lora.get("use_rslora"):
-        out[f"{m}.use_rslora"] = True
+    for flag in ("use_rslora", "use_dora"):
+        if lora.get(flag):
+            out[f"{m}.{flag}"] = True
     return out
 
 

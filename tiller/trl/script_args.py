@@ -34,7 +34,7 @@ REWARD_SCRIPT_RULES: dict[str, Rule] = {
 }
 
 _QUANT = "only read with load_in_4bit, which is refused"
-_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora")
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora", "use_dora")
 
 
 def _use_peft(value: Any, args: Any) -> dict:
@@ -62,7 +62,7 @@ MODEL_RULES: dict[str, Rule] = {
     "lora_modules_to_save": refused("tiller's LoRA trains the adapters only"),
     "lora_task_type": noop("tiller picks the head by the command (a sequence-classification head for `reward`)"),
     "use_rslora": mapped("rank-stabilised LoRA, scale lora_alpha / sqrt(r) (with use_peft: model.use_rslora)", _READ),
-    "use_dora": refused("tiller's LoRA is plain LoRA (no DoRA)"),
+    "use_dora": mapped("DoRA adapters (with use_peft: model.use_dora)", _READ),
     "load_in_8bit": refused("quantized (bitsandbytes) training is not available in tiller"),
     "load_in_4bit": refused("quantized (bitsandbytes) training is not available in tiller"),
     "bnb_4bit_quant_type": noop(_QUANT),
