@@ -702,8 +702,8 @@ class ContinuousBatcher:
             if job.future.abandoned and not job.future.done():
                 for r in job.rows:
                     r.done = True
+                self.stats["abandoned"] += 1  # (counted before the future settles: its callback frees the queue)
                 job.future.set_exception(RequestAbandoned("the request was abandoned (its client left)"))
-                self.stats["abandoned"] += 1
 
     def _retire(self) -> None:
         """Drop finished rows; the last live rows move into the freed slots (live rows stay in front)."""
