@@ -177,3 +177,21 @@ def test_adaptive_entropy_follows_trls_controller(tmp_path, tiny_model_dir):
     history = trainer.state.log_history
     assert [r["entropy_coef"] for r in history] == pytest.approx([0.03, 0.04, 0.04])
     assert [r["actor/entropy_coeff"] for r in history] == pytest.approx([0.0, 0.03, 0.04])
+
+
+def test_sync_ref_model_moves_the_reference_as_trls_callback(tmp_path, tiny_model_dir):
+    # beta > 0 (a reference) and sync every optimizer step with alpha 1: the reference is the policy after each
+    # step, so step 2's KL is measured against the step-1 policy, and the checkpoint keeps the moved reference
+    from transformers import AutoModelForCausalLM
+
+    args = _args(tmp_path / "run", max_steps=2, beta=0.04, use_bias_correction_kl=False, sync_ref_model=True,
+                 ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, learning_rate=5e-2)
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=chars, args=args, train_dataset=_rows())
+    trainer.train()
+    assert trainer.tiller_keys["actor_rollout_ref.ref.ref_model_sync_steps"] == 1
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
+    ref = AutoModelForCausalLM.from_pretrained(ckpt / "ref").state_dict()
+    policy = AutoModelForCausalLM.from_pretrained(ckpt / "model").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert all(torch.equal(ref[k], policy[k]) for k in policy)
+    assert any(not torch.equal(policy[k], start[k]) for k in start)

@@ -173,6 +173,7 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
     ("steps_per_generation", 3, "^steps_per_generation=3: refused"),
     ("delta", 1.1, "^delta=1.1: refused"),
     ("neftune_noise_alpha", 5.0, "^neftune_noise_alpha=5.0: refused: NEFTune noise in the policy's training"),
+    ("sync_ref_model", True, "^sync_ref_model=True: refused: with beta=0.0 no reference model is used"),
     ("beta", 0.1, "^use_bias_correction_kl=True: refused"),
     ("entropy_coef", 0.01, "^entropy_coef=0.01: refused"),  # loss_type dapo but gradient_accumulation_steps=2
 ])

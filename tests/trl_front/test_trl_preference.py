@@ -152,11 +152,14 @@ def test_dpo_keys_reference_lora_and_refusals(tiny_model_dir, tmp_path):
     for kw, needle in [(dict(loss_type=["sigmoid", "sppo"]), "loss_type=\\['sigmoid', 'sppo'\\]: refused"),
                        (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "loss_weights=\\[1.0\\]: refused"),
                        (dict(label_smoothing=0.1), "label_smoothing=0.1: refused: TRL 1.16 reads it for robust"),
-                       (dict(sync_ref_model=True), "sync_ref_model=True: refused")]:
+                       (dict(sync_ref_model=True, precompute_ref_log_probs=True),
+                        "precompute_ref_log_probs=True: refused: with sync_ref_model")]:
         with pytest.raises(ConfigError, match=needle):
             make(**kw).tiller_keys()
     with pytest.raises(ConfigError, match="ref_model: a int"):
         make(ref=3)
+    keys = make(sync_ref_model=True, ref_model_sync_steps=3, ref_model_mixup_alpha=0.5).tiller_keys()
+    assert (keys["algorithm.ref_model_sync_steps"], keys["algorithm.ref_model_mixup_alpha"]) == (3, 0.5)
 
 
 def test_kto_trainer_rewards_separate_and_equals_tiller_kto(tiny_model_dir, tmp_path):

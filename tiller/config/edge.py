@@ -478,6 +478,14 @@ RULES.update({
     **{f"critic.model.{_flag}": noop(
         "read only with LoRA", lambda cfg: cfg.critic.model.lora_rank > 0 or bool(cfg.critic.model.lora_adapter_path),
         "critic.model.lora_rank > 0") for _flag in ("use_rslora", "use_dora")},
+    "actor_rollout_ref.ref.ref_model_sync_steps": noop(
+        "read only with a reference (a KL)", lambda cfg: cfg.actor_rollout_ref.actor.use_kl_loss
+        or cfg.algorithm.use_kl_in_reward, "actor.use_kl_loss or algorithm.use_kl_in_reward"),
+    "actor_rollout_ref.ref.ref_model_mixup_alpha": noop(
+        "read only with ref.ref_model_sync_steps and a KL", lambda cfg: bool(
+            cfg.actor_rollout_ref.ref.ref_model_sync_steps) and (cfg.actor_rollout_ref.actor.use_kl_loss
+                                                                 or cfg.algorithm.use_kl_in_reward),
+        "ref.ref_model_sync_steps with a KL"),
     "algorithm.gdpo_normalization": noop("read by the gdpo estimator only",
                                          lambda cfg: cfg.algorithm.adv_estimator == "gdpo", "algorithm.adv_estimator=gdpo"),
     **{f"actor_rollout_ref.actor.policy_loss.vespo_{_k}": noop(

@@ -332,6 +332,12 @@ class DPOAlgoConfig:
     use_weighting: bool = False
     """WPO (Zhou et al. 2024): each pair's loss weighted by the product of its completions' length-normalised,
     distribution-aligned probabilities (detached), as TRL's use_weighting."""
+    ref_model_sync_steps: Optional[int] = None
+    """TR-DPO (TRL's sync_ref_model / ref_model_sync_steps): every N optimizer steps the reference model becomes
+    ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = a frozen reference. Needs a reference model of
+    its own (not LoRA's adapter-disabled policy, not precomputed log-probs) and one process; checkpoints carry it."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha (TRL's default 0.6), read with ref_model_sync_steps."""
 
 
 def dpo_loss_names(loss: Any) -> list[str]:
@@ -348,6 +354,12 @@ class KTOAlgoConfig:
     """Inverse temperature beta."""
     desirable_weight: float = 1.0
     """lambda_D: weight of desirable examples."""
+    ref_model_sync_steps: Optional[int] = None
+    """TR-DPO (TRL's sync_ref_model / ref_model_sync_steps): every N optimizer steps the reference model becomes
+    ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = a frozen reference. Needs a reference model of
+    its own (not LoRA's adapter-disabled policy, not precomputed log-probs) and one process; checkpoints carry it."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha (TRL's default 0.6), read with ref_model_sync_steps."""
     undesirable_weight: float = 1.0
     """lambda_U: weight of undesirable examples."""
 
@@ -476,6 +488,8 @@ def validate_job(cfg: Any) -> None:
         if cfg.algorithm.center_rewards_coefficient < 0:
             raise ConfigError("algorithm.center_rewards_coefficient must be >= 0, got "
                               f"{cfg.algorithm.center_rewards_coefficient}")
+    if isinstance(cfg, (DPOConfig, KTOConfig)):
+        _validate_ref_sync(cfg)
     if isinstance(cfg, DPOConfig):
         _validate_dpo(cfg)
     if isinstance(cfg, SPINConfig):
@@ -488,6 +502,23 @@ def validate_job(cfg: Any) -> None:
         if cfg.algorithm.loss == "kto" and cfg.data.train_batch_size < 2:
             raise ConfigError("KTO needs data.train_batch_size >= 2: the KL baseline pairs each prompt with "
                               "another example's completion")
+
+
+def _validate_ref_sync(cfg: Any) -> None:
+    """TR-DPO's reference updates need a reference model of their own."""
+    algo, model = cfg.algorithm, cfg.model
+    if algo.ref_model_sync_steps is None:
+        return
+    if algo.ref_model_sync_steps < 1 or not 0 < algo.ref_model_mixup_alpha <= 1:
+        raise ConfigError(f"algorithm.ref_model_sync_steps must be >= 1 and algorithm.ref_model_mixup_alpha in (0, 1], "
+                          f"got {algo.ref_model_sync_steps} and {algo.ref_model_mixup_alpha}")
+    if model.lora_rank > 0 or model.lora_adapter_path:
+        raise ConfigError("algorithm.ref_model_sync_steps: refused with LoRA (the reference is the policy with its "
+                          "adapters off, or a full model the adapters cannot be mixed into; TRL refuses PEFT too); "
+                          "train in full, or leave the reference frozen")
+    if getattr(cfg.data, "ref_chosen_logps_key", None):
+        raise ConfigError("algorithm.ref_model_sync_steps: refused with precomputed reference log-probs "
+                          "(data.ref_chosen_logps_key): there is no reference model to update")
 
 
 def _validate_dpo(cfg: DPOConfig) -> None:

@@ -663,6 +663,13 @@ class RefConfig:
     """Token-budget micro-batches for the reference forward; None = actor.use_dynamic_bsz."""
     log_prob_max_token_len_per_gpu: Optional[int] = None
     """Padded tokens per reference micro-batch with dynamic batches; None = actor.ppo_max_token_len_per_gpu."""
+    ref_model_sync_steps: Optional[int] = None
+    """tiller (TRL's sync_ref_model / ref_model_sync_steps, TR-DPO): every N actor optimizer steps the reference
+    becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = verl's frozen reference. Read with a KL
+    (actor.use_kl_loss or algorithm.use_kl_in_reward); refused with LoRA (the reference is the adapter-free
+    policy); checkpoints carry the moving reference."""
+    ref_model_mixup_alpha: float = 0.6
+    """tiller (TRL's): the mixing weight alpha of ref_model_sync_steps."""
     ulysses_sequence_parallel_size: int = 1
     """verl's Ulysses sequence parallelism for the reference (as actor.ulysses_sequence_parallel_size)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

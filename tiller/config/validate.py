@@ -52,6 +52,7 @@ def validate_rl(cfg: RLConfig) -> None:
     if actor.entropy_agg_mode is not None:
         _choice("actor_rollout_ref.actor.entropy_agg_mode", actor.entropy_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
+    _validate_ref_sync(cfg)
     _validate_distill(cfg)
     _validate_prime(cfg)
     _validate_agent(cfg)
@@ -410,6 +411,19 @@ def _validate_agent(cfg: RLConfig) -> None:
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
     if algo.use_kl_in_reward:
         raise ConfigError(f"algorithm.use_kl_in_reward is not supported with agent rollouts ({key}) yet")
+
+
+def _validate_ref_sync(cfg: RLConfig) -> None:
+    """TR-DPO's reference updates (actor_rollout_ref.ref.ref_model_sync_steps)."""
+    ref, model = cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.model
+    if ref.ref_model_sync_steps is None:
+        return
+    if ref.ref_model_sync_steps < 1 or not 0 < ref.ref_model_mixup_alpha <= 1:
+        raise ConfigError(f"actor_rollout_ref.ref.ref_model_sync_steps must be >= 1 and ref_model_mixup_alpha in "
+                          f"(0, 1], got {ref.ref_model_sync_steps} and {ref.ref_model_mixup_alpha}")
+    if model.lora_rank > 0 or model.lora_adapter_path:
+        raise ConfigError("actor_rollout_ref.ref.ref_model_sync_steps: refused with a LoRA actor (its reference is "
+                          "the policy with the adapters off: nothing of its own to update; TRL refuses PEFT too)")
 
 
 def _validate_new_algorithms(cfg: RLConfig) -> None:

@@ -152,14 +152,15 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
 # ------------------------------------------------------------------------------------------- loop
 
 
-def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler) -> int:
+def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler, models: dict | None = None) -> int:
     mode = cfg.trainer.resume_mode
     if mode == "disable":
         return 0
     path = cfg.trainer.resume_from_path if mode == "resume_path" else latest_checkpoint(ckpt_root)
     if path is None:
         return 0
-    state = par.load(load_checkpoint, path, optimizer=optimizer, scheduler=scheduler)
+    load = functools.partial(load_checkpoint, extra_models=models) if models else load_checkpoint
+    state = par.load(load, path, optimizer=optimizer, scheduler=scheduler)
     print(f"resumed from {path} at step {state['step']}")
     return int(state["step"])
 
@@ -184,7 +185,11 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     warmup = int(optim_cfg.warmup_steps_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_lambda, warmup=warmup, total=total, style=optim_cfg.lr_scheduler, min_lr_ratio=optim_cfg.min_lr_ratio))
-    start = _resume(cfg, ckpt_root, par, optimizer, scheduler)
+    models = job.checkpoint_models() if hasattr(job, "checkpoint_models") else {}  # e.g. a moving reference
+    if models and par.world > 1:
+        raise ConfigError("algorithm.ref_model_sync_steps: the reference's updates run in one process (not under "
+                          "torchrun with several ranks)")
+    start = _resume(cfg, ckpt_root, par, optimizer, scheduler, models)
     tracker = (Tracker(run_dir, loggers=tuple(tr.logger), project=tr.project_name, experiment=tr.experiment_name,
                        config=to_dict(cfg), total_steps=total, resume_from_step=start or None)
                if par.rank == 0 else _NoTracker())
@@ -198,6 +203,8 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                 metrics = _train_step(job, model, [train_examples[i] for i in idx], optimizer, params,
                                       optim_cfg, device, par)
                 scheduler.step()
+                if hasattr(job, "after_optimizer_step"):  # (TR-DPO: the reference follows the policy)
+                    job.after_optimizer_step(model, step + 1)
                 metrics["train/lr"] = scheduler.get_last_lr()[0]
                 metrics["train/epoch"] = step // steps_per_epoch(len(train_examples), batch_size)
                 metrics["timing_s/step"] = time.perf_counter() - t0
@@ -208,7 +215,8 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                 tracker.log(metrics, step=done)
                 last = metrics
                 if (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total:
-                    par.save(functools.partial(save_checkpoint, ckpt_root, done), optimizer=optimizer,
+                    par.save(functools.partial(save_checkpoint, ckpt_root, done, extra_models=models or None),
+                             optimizer=optimizer,
                              scheduler=scheduler, extra_state={"total_steps": total}, tokenizer=tokenizer,
                              keep=tr.max_ckpt_to_keep)
     finally:

@@ -49,6 +49,7 @@ from tiller.distributed.context import all_reduce_sum
 from tiller.models.loading import load_causal_lm
 from tiller.models.lora import is_lora, load_lora_adapter, merge_lora
 from tiller.models.neftune import without_neftune
+from tiller.models.ref_sync import RefSync
 from tiller.trainer.loop import resolve_device, run_training
 from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
 
@@ -71,10 +72,18 @@ def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
 
 
 class Reference:
-    """Frozen reference log-probs: a separate model, or the LoRA policy with adapters disabled."""
+    """Frozen reference log-probs: a separate model, or the LoRA policy with adapters disabled. With TR-DPO's
+    updates (`sync`, a `RefSync`) the separate model moves toward the policy every N optimizer steps."""
 
-    def __init__(self, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None):
-        self.model, self.policy = model, policy
+    def __init__(self, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None,
+                 sync: RefSync | None = None):
+        self.model, self.policy, self.sync = model, policy, sync
+
+    def after_optimizer_step(self, policy: torch.nn.Module, step: int) -> None:
+        """TR-DPO: after optimizer step `step` (1-based), mix the policy in when it is the N-th."""
+        if self.sync is not None:
+            self.sync.optimizer_steps = step - 1
+            self.sync.after_optimizer_step(self.model, policy)
 
     @torch.no_grad()
     def token_logps(self, batch: dict[str, torch.Tensor]):
@@ -100,10 +109,28 @@ def build_reference(cfg, policy: torch.nn.Module, device: torch.device) -> Refer
         ref = merge_lora(load_lora_adapter(ref, m.lora_adapter_path, "model.lora_adapter_path"))
     ref = ref.to(device).eval()
     ref.requires_grad_(False)
-    return Reference(model=ref)
+    algo = cfg.algorithm
+    sync = (RefSync(algo.ref_model_sync_steps, algo.ref_model_mixup_alpha, "algorithm.ref_model_sync_steps")
+            if getattr(algo, "ref_model_sync_steps", None) else None)
+    return Reference(model=ref, sync=sync)
 
 
-class DPOJob:
+class _ReferenceJob:
+    """What the loop asks of a job whose reference may follow the policy (TR-DPO): the hook after each optimizer
+    step, and the reference model to keep in checkpoints while it moves."""
+
+    reference: Reference | None
+
+    def after_optimizer_step(self, model: torch.nn.Module, step: int) -> None:
+        if self.reference is not None:
+            self.reference.after_optimizer_step(model, step)
+
+    def checkpoint_models(self) -> dict[str, torch.nn.Module]:
+        moving = self.reference is not None and self.reference.sync is not None
+        return {"ref": self.reference.model} if moving else {}
+
+
+class DPOJob(_ReferenceJob):
     """DPO and TRL's other pair losses (see the module docstring)."""
 
     def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss="dpo",
@@ -186,7 +213,7 @@ class DPOJob:
         return dict(sums)
 
 
-class KTOJob:
+class KTOJob(_ReferenceJob):
     """KTO with the KL baseline from mismatched pairs of the whole step (see the module docstring)."""
 
     def __init__(self, reference: Reference, pad_id: int, micro_batch_size: int, max_length: int,

@@ -48,7 +48,15 @@ def _loss(value: Any, args: Any) -> dict:
     return keys
 
 
-_ONLY_WITH = "only read with {}, which is refused"
+def _sync_ref(value: Any, args: Any) -> dict:
+    if not value:
+        return {}
+    if args.precompute_ref_log_probs:
+        raise refuse_value("precompute_ref_log_probs", True, "with sync_ref_model the reference changes during "
+                           "training, so its log-probs cannot be computed up front (TRL raises too)")
+    return {"algorithm.ref_model_sync_steps": int(args.ref_model_sync_steps),
+            "algorithm.ref_model_mixup_alpha": float(args.ref_model_mixup_alpha)}
+
 
 PREFERENCE_RULES = {
     **COMMON_MODEL_RULES,
@@ -58,9 +66,10 @@ PREFERENCE_RULES = {
     "precompute_ref_batch_size": noop("the reference is frozen: its log-probs are the same computed up front or per "
                                       "step"),
     "beta": mapped("algorithm.beta", lambda v, a: {"algorithm.beta": float(v)}),
-    "sync_ref_model": refused("TR-DPO's reference updates are not available: tiller's reference stays frozen"),
-    "ref_model_mixup_alpha": noop(_ONLY_WITH.format("sync_ref_model")),
-    "ref_model_sync_steps": noop(_ONLY_WITH.format("sync_ref_model")),
+    "sync_ref_model": mapped("algorithm.ref_model_sync_steps / ref_model_mixup_alpha (TR-DPO: the reference follows "
+                             "the policy every N optimizer steps)", _sync_ref),
+    "ref_model_mixup_alpha": mapped("algorithm.ref_model_mixup_alpha (read with sync_ref_model)", lambda v, a: {}),
+    "ref_model_sync_steps": mapped("algorithm.ref_model_sync_steps (read with sync_ref_model)", lambda v, a: {}),
 }
 
 DPO_RULES = {

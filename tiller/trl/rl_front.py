@@ -79,6 +79,16 @@ def vllm_is_keys(value: Any, args: Any) -> dict:
     return {"rollout_is": level, "rollout_is_threshold": f"{low}_{float(hi if hi is not None else 1e30)}"}
 
 
+def _sync_ref(value: Any, args: Any) -> dict:
+    if not value:
+        return {}
+    if not args.beta:
+        raise refuse_value("sync_ref_model", value, "with beta=0.0 no reference model is used, so there is nothing to "
+                           "synchronize (TRL raises too); set beta > 0")
+    return {"ref_sync": {"ref_model_sync_steps": int(args.ref_model_sync_steps),
+                         "ref_model_mixup_alpha": float(args.ref_model_mixup_alpha)}}
+
+
 GEN_NOOP_VLLM = "a vLLM engine setting: tiller's vllm engine takes its own defaults"
 
 # the generation / batch fields GRPOConfig and RLOOConfig share (each trainer adds its algorithm's)
@@ -133,9 +143,10 @@ RL_SHARED_RULES: dict[str, Rule] = {
                              to("reward_weights")),
     "mask_truncated_completions": mapped("actor.mask_truncated_responses (truncated completions leave the loss, "
                                          "still counted as sequences)", to("mask_truncated", bool)),
-    "sync_ref_model": refused("tiller's reference model stays the initial policy (no TR-DPO syncing)"),
-    "ref_model_mixup_alpha": noop("only read with sync_ref_model, which is refused"),
-    "ref_model_sync_steps": noop("only read with sync_ref_model, which is refused"),
+    "sync_ref_model": mapped("actor_rollout_ref.ref.ref_model_sync_steps / ref_model_mixup_alpha (TR-DPO: the "
+                             "reference follows the policy, counted in optimizer steps as TRL's)", _sync_ref),
+    "ref_model_mixup_alpha": mapped("ref.ref_model_mixup_alpha (read with sync_ref_model)", lambda v, a: {}),
+    "ref_model_sync_steps": mapped("ref.ref_model_sync_steps (read with sync_ref_model)", lambda v, a: {}),
     "log_completions": mapped("trainer.rollout_data_dir = <output_dir>/completions: every step's prompts, "
                               "completions and rewards as <step>.jsonl", to("log_completions", bool)),
     "log_multimodal": noop("tiller's completion logs (log_completions) hold the prompts' text, not their images "
@@ -426,6 +437,8 @@ class TRLRLTrainer(TRLTrainerBase):
                          f"{rc}.rollout_is_threshold": lg["rollout_is_threshold"]})
         if lg.get("log_completions"):
             keys["trainer.rollout_data_dir"] = str(self.run_dir / "completions")
+        for name, value in (lg.get("ref_sync") or {}).items():
+            keys[f"actor_rollout_ref.ref.{name}"] = value
         return keys
 
     def _algorithm_keys(self) -> dict[str, Any]:  # pragma: no cover - abstract

@@ -59,6 +59,7 @@ from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_state_dict
+from tiller.models.ref_sync import RefSync
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
 from tiller.rollout import build_rollout_engine, SamplingParams
@@ -151,6 +152,11 @@ class ActorRolloutRefWorker:
         self.ref_module = None
         if need_ref and not self.lora:
             self.ref_module = copy.deepcopy(module).requires_grad_(False).eval()
+        ref_cfg = arr.ref
+        self._ref_sync = None  # TR-DPO: the reference follows the policy every N optimizer steps
+        if self.ref_module is not None and ref_cfg.ref_model_sync_steps:
+            self._ref_sync = RefSync(ref_cfg.ref_model_sync_steps, ref_cfg.ref_model_mixup_alpha,
+                                     "actor_rollout_ref.ref.ref_model_sync_steps")
         self.teacher_module = None  # on-policy distillation: a frozen teacher, scored like the reference
         teacher_path = config.algorithm.distill.teacher_path
         if teacher_path:
@@ -789,6 +795,8 @@ class ActorRolloutRefWorker:
         else:
             sums["grad_norm_nonfinite"] = 1.0
         self.optimizer.zero_grad(set_to_none=True)
+        if self._ref_sync is not None:  # (TRL's SyncRefModelCallback, after every optimizer step)
+            self._ref_sync.after_optimizer_step(self.ref_module, dist_ctx.unwrap_model(self.module))
         if dist_ctx.is_distributed():  # the sums above are this rank's share of global means
             keys = sorted(k for k in sums if k != "grad_norm_nonfinite")
             total = dist_ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
@@ -861,14 +869,26 @@ class ActorRolloutRefWorker:
             model = self.rollout_module
         if dist_ctx.rank() == 0:
             path = save_checkpoint(ckpt_root, step, model=model, optimizer=optimizer, scheduler=self.scheduler,
-                                   extra_state=extra_state, tokenizer=self._files_saver(), keep=keep,
-                                   **self._prm_state())
+                                   extra_state={**extra_state, **self._ref_sync_state()},
+                                   tokenizer=self._files_saver(), keep=keep, **self._prm_state())
         dist_ctx.barrier()
         return str(path)
 
     def _prm_state(self) -> dict:
-        """PRIME: the implicit PRM and its optimizer travel with the actor's checkpoint (`prm/`, `prm_optimizer.pt`)."""
-        return {} if self.prm is None else self.prm.checkpoint_parts()
+        """PRIME: the implicit PRM and its optimizer travel with the actor's checkpoint (`prm/`, `prm_optimizer.pt`);
+        a reference that follows the policy (ref.ref_model_sync_steps) travels as `ref/`."""
+        parts = {} if self.prm is None else self.prm.checkpoint_parts()
+        if self._ref_sync is not None:
+            parts["extra_models"] = {**parts.get("extra_models", {}), "ref": self.ref_module}
+        return parts
+
+    def _ref_sync_state(self) -> dict:
+        return {} if self._ref_sync is None else {"ref_sync_optimizer_steps": self._ref_sync.optimizer_steps}
+
+    def _restore_ref_sync(self, state: dict) -> dict:
+        if self._ref_sync is not None:
+            self._ref_sync.optimizer_steps = int(state.get("ref_sync_optimizer_steps", 0))
+        return state
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore model, optimizer and schedule; returns the driver's extra_state (with `step`)."""
@@ -876,7 +896,7 @@ class ActorRolloutRefWorker:
             state = load_checkpoint(path, model=dist_ctx.unwrap_model(self.module), optimizer=self.optimizer,
                                     scheduler=self.scheduler, **self._prm_state())
             self.sync_rollout_weights()
-            return state
+            return self._restore_ref_sync(state)
         # FSDP2: read the full weights into the unsharded copy, then scatter them into the shards
         state = load_checkpoint(path, model=self.rollout_module, scheduler=self.scheduler,
                                 optimizer=dist_ctx.FullOptimizerState(self.model, self.optimizer), **self._prm_state())
@@ -885,7 +905,7 @@ class ActorRolloutRefWorker:
             self.sync_rollout_weights()
         else:
             self.rollout.update_weights()
-        return state
+        return self._restore_ref_sync(state)
 
     def _refresh_copy(self, state: dict[str, torch.Tensor]) -> None:
         """Load full weights into the unsharded copy (through the in-process engine, which shares it)."""
