@@ -195,3 +195,15 @@ def test_sync_ref_model_moves_the_reference_as_trls_callback(tmp_path, tiny_mode
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert all(torch.equal(ref[k], policy[k]) for k in policy)
     assert any(not torch.equal(policy[k], start[k]) for k in start)
+
+
+def test_generation_kwargs_stop_ends_completions_at_the_string(tmp_path, tiny_model_dir):
+    # generation_kwargs={"stop": [...]} (vLLM's SamplingParams keyword): a completion ends with the token that
+    # completes the stop string, never runs past it
+    args = _args(tmp_path / "run", max_steps=1, max_completion_length=24, log_completions=True,
+                 generation_kwargs={"stop": ["e"]})
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=chars, args=args, train_dataset=_rows()).train()
+    outputs = [row["output"] for row in _jsonl(tmp_path / "run" / "completions" / "1.jsonl")]
+    stopped = [o for o in outputs if "e" in o]
+    assert stopped, outputs  # the untrained model writes an "e" in some completions within 24 tokens
+    assert all(len(o) - o.index("e") <= 8 for o in stopped), stopped  # the "e" sits in the last token

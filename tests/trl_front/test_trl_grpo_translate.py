@@ -182,6 +182,20 @@ def test_refusals_name_the_field(tiny_model_dir, tmp_path, field, value, match):
         translate(tiny_model_dir, tmp_path, gradient_accumulation_steps=2, **{field: value})
 
 
+def test_generation_kwargs_stop_strings_map_and_the_rest_is_checked(tiny_model_dir, tmp_path):
+    keys, _, _ = translate(tiny_model_dir, tmp_path, generation_kwargs={
+        "stop": ["</answer>", "\n\n"], "repetition_penalty": 1.0, "temperature": 1.0, "top_k": -1, "n": 1})
+    assert keys["actor_rollout_ref.rollout.stop"] == ["</answer>", "\n\n"]
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "h", generation_kwargs={"stop_strings": "END", "do_sample": True})
+    assert keys["actor_rollout_ref.rollout.stop"] == ["END"]
+    for kwargs, needle in [({"temperature": 0.7}, "generation_kwargs\\['temperature'\\]=0.7: refused: set "
+                                                  "temperature=0.7 in the config instead"),
+                           ({"repetition_penalty": 1.1}, "generation_kwargs\\['repetition_penalty'\\]=1.1: refused"),
+                           ({"eos_token_id": 3}, "generation_kwargs\\['eos_token_id'\\]=3: refused")]:
+        with pytest.raises(ConfigError, match=needle):
+            translate(tiny_model_dir, tmp_path / "x", generation_kwargs=kwargs)
+
+
 def test_token_masks_map_to_actor_keys(tiny_model_dir, tmp_path):
     keys, _, _ = translate(tiny_model_dir, tmp_path, top_entropy_quantile=0.2, off_policy_mask_threshold=0.5)
     assert keys["actor_rollout_ref.actor.top_entropy_quantile"] == 0.2

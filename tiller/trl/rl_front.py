@@ -79,6 +79,38 @@ def vllm_is_keys(value: Any, args: Any) -> dict:
     return {"rollout_is": level, "rollout_is_threshold": f"{low}_{float(hi if hi is not None else 1e30)}"}
 
 
+GEN_NEUTRAL = {"repetition_penalty": 1.0, "do_sample": True, "n": 1, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "skip_special_tokens": True}  # generation_kwargs values that change nothing
+GEN_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _generation_kwargs(value: Any, args: Any) -> dict:
+    """TRL's generation_kwargs (vLLM SamplingParams or transformers GenerationConfig keywords, applied over the
+    sampling fields): stop strings map; a sampling field's keyword must equal the field (TRL would sample at the
+    keyword's value but compute the loss's log-probs at the field's)."""
+    if not value:
+        return {}
+    if not isinstance(value, dict):
+        raise refuse_value("generation_kwargs", value, "a dict of generation keywords")
+    stop: list[str] = []
+    for key, v in value.items():
+        if key in ("stop", "stop_strings"):
+            stop += [v] if isinstance(v, str) else [str(s) for s in v]
+        elif key in GEN_FIELDS:
+            field = getattr(args, key)
+            if key == "top_k":
+                same = (int(v or 0) if v is not None else 0) <= 0 and (field or 0) <= 0 or v == field
+            else:
+                same = v == field or (key == "min_p" and not v and not field)
+            if not same:
+                raise refuse_value(f"generation_kwargs[{key!r}]", v, f"set {key}={v!r} in the config instead (TRL "
+                                   f"would sample at {v!r} but compute the loss's log-probs at {key}={field!r})")
+        elif key not in GEN_NEUTRAL or v != GEN_NEUTRAL[key]:
+            raise refuse_value(f"generation_kwargs[{key!r}]", v, "tiller maps stop / stop_strings (and the sampling "
+                               f"fields at their values; neutral {', '.join(f'{k}={n!r}' for k, n in GEN_NEUTRAL.items())})")
+    return {"stop": stop} if stop else {}
+
+
 def _sync_ref(value: Any, args: Any) -> dict:
     if not value:
         return {}
@@ -114,7 +146,9 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "top_p": mapped("actor_rollout_ref.rollout.top_p (and val_kwargs)", to("top_p", float)),
     "top_k": mapped("actor_rollout_ref.rollout.top_k (TRL's 0 = off: -1)", to("top_k", lambda v: int(v or 0) or -1)),
     "min_p": mapped("actor_rollout_ref.rollout.min_p", to("min_p", lambda v: float(v or 0.0))),
-    "generation_kwargs": refused("set the sampling fields (temperature, top_p, top_k, min_p) instead"),
+    "generation_kwargs": mapped("stop / stop_strings: actor_rollout_ref.rollout.stop; TRL's own sampling fields at "
+                                "their GRPOConfig values and neutral settings accepted; anything else refused",
+                                _generation_kwargs),
     "chat_template_kwargs": mapped("data.apply_chat_template_kwargs", to("chat_template_kwargs",
                                                                         lambda v: dict(v or {}))),
     "repetition_penalty": refused("tiller's rollout engine has no repetition penalty"),
@@ -437,6 +471,8 @@ class TRLRLTrainer(TRLTrainerBase):
                          f"{rc}.rollout_is_threshold": lg["rollout_is_threshold"]})
         if lg.get("log_completions"):
             keys["trainer.rollout_data_dir"] = str(self.run_dir / "completions")
+        if lg.get("stop"):
+            keys[f"{rollout}.stop"] = list(lg["stop"])
         for name, value in (lg.get("ref_sync") or {}).items():
             keys[f"actor_rollout_ref.ref.{name}"] = value
         return keys
