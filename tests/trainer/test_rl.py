@@ -19,6 +19,7 @@ from tiller.config import load_config
 from tiller.config.validate import ADV_ESTIMATORS, POLICY_LOSSES
 from tiller.data.rl_dataset import write_rows
 from tiller.errors import ConfigError
+from tiller.protocol import Batch
 from tiller.tasks import arithmetic
 
 # A reward an untrained model can earn: the fraction of digits in its response (varies within a group).
@@ -297,3 +298,30 @@ def test_rslora_and_dora_actors_save_their_adapters_and_roll_out_with_them(tmp_p
     assert changed and metrics["training/rollout_probs_diff_max"] < 1e-4
     configs = list((tmp_path / "run" / "checkpoints" / "global_step_2").rglob("adapter_config.json"))
     assert configs and all(json.loads(c.read_text())[flag] is True for c in configs)
+
+
+@pytest.mark.parametrize("coef", [0.5, -0.5])
+def test_stop_properly_penalty_scales_or_replaces_truncated_rewards(tmp_path, tiny_model_dir, rl_data, coef):
+    # OpenRLHF's ProRL penalty (reward_model.stop_properly_penalty_coef): ignore_eos truncates every response, so
+    # each reward is coef x its score (coef in [0, 1]) or coef itself (negative); the score stays the function's
+    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, f"reward_model.stop_properly_penalty_coef={coef}",
+                   "actor_rollout_ref.rollout.ignore_eos=true", "trainer.total_training_steps=1", "data.val_files=[]")
+    metrics, _, _ = _train(cfg)
+    assert metrics["reward/stop_properly_penalized_frac"] == 1.0
+    if coef > 0:
+        assert metrics["critic/rewards/mean"] == pytest.approx(coef * metrics["critic/score/mean"], abs=1e-6)
+    else:
+        assert metrics["critic/rewards/mean"] == metrics["critic/rewards/max"] == coef
+        assert metrics["critic/advantages/max"] == metrics["critic/advantages/min"] == 0.0  # every group equal
+
+
+def test_stop_properly_penalty_leaves_stopped_responses_alone():
+    from tiller.trainer.rl import RLTrainer
+
+    batch = Batch({"response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])})
+    batch["finish_reason"] = ["stop", "length"]
+    scores = torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 3.0]])
+    m: dict = {}
+    out = RLTrainer._stop_properly_penalty(batch, scores, -0.25, m)
+    assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -0.25]] and m["reward/stop_properly_penalized_frac"] == 0.5
+    assert RLTrainer._stop_properly_penalty(batch, scores, 0.0, {}).tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 0.0]]

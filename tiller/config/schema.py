@@ -1228,6 +1228,10 @@ class RewardModelConfig:
     --normalize_reward; tiller rm writes them)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO overlong reward shaping."""
+    stop_properly_penalty_coef: Optional[float] = None
+    """tiller (OpenRLHF's --reward.stop_properly_penalty_coef, ProRL): the reward of a truncated response (finish
+    reason length) is scaled by the coefficient in [0, 1], or replaced by it when negative (e.g. -0.5); applied to
+    the reward the advantages see (after the score filter_groups reads); null = off."""
     diversity: DiversityConfig = field(default_factory=DiversityConfig)
     """DARLING diversity-aware reward."""
     strategy: str = "fsdp"

@@ -53,6 +53,7 @@ def validate_rl(cfg: RLConfig) -> None:
         _choice("actor_rollout_ref.actor.entropy_agg_mode", actor.entropy_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
     _validate_ref_sync(cfg)
+    _validate_stop_penalty(cfg)
     _validate_distill(cfg)
     _validate_prime(cfg)
     _validate_agent(cfg)
@@ -411,6 +412,16 @@ def _validate_agent(cfg: RLConfig) -> None:
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
     if algo.use_kl_in_reward:
         raise ConfigError(f"algorithm.use_kl_in_reward is not supported with agent rollouts ({key}) yet")
+
+
+def _validate_stop_penalty(cfg: RLConfig) -> None:
+    coef = cfg.reward_model.stop_properly_penalty_coef
+    if coef is not None and coef > 1:
+        raise ConfigError(f"reward_model.stop_properly_penalty_coef must be in [0, 1] (a scale) or negative (the "
+                          f"truncated responses' reward), got {coef}")
+    if coef is not None and (cfg.actor_rollout_ref.rollout.agent.env_path or cfg.actor_rollout_ref.rollout.agent.path):
+        raise ConfigError("reward_model.stop_properly_penalty_coef: agent rollouts give no finish reasons (an "
+                          "episode's turns end by the environment); leave it null there")
 
 
 def _validate_ref_sync(cfg: RLConfig) -> None:

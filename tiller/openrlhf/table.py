@@ -288,7 +288,8 @@ TABLE: tuple[Flag, ...] = (
        "reward.overlong_buffer_len"),
     _f("overlong_penalty_factor", MAPPED, "reward_model.overlong_buffer.penalty_factor",
        "reward.overlong_penalty_factor"),
-    _f("reward.stop_properly_penalty_coef", REFUSED, "no penalty for truncated samples in tiller"),
+    _f("reward.stop_properly_penalty_coef", MAPPED, "reward_model.stop_properly_penalty_coef (ProRL: truncated "
+       "samples' reward scaled by coef in [0, 1], or set to coef when negative)"),
     _f("dynamic_filtering", MAPPED, "algorithm.filter_groups.enable=True, metric=acc (OpenRLHF's scores; drop "
        "groups whose scores are all equal)", "algo.dynamic_filtering_enable"),
     _f("dynamic_filtering_reward_range", MAPPED, "(0, 1) only: the same groups as tiller's equal-score filter for "

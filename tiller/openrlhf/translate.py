@@ -454,6 +454,9 @@ def _models(a: Args, o: dict, notices: list[str]) -> None:
         o["reward_model.overlong_buffer.enable"] = True
         o["reward_model.overlong_buffer.len"] = int(buffer)
         o["reward_model.overlong_buffer.penalty_factor"] = factor
+    stop_coef = a("reward.stop_properly_penalty_coef")
+    if stop_coef is not None:
+        o["reward_model.stop_properly_penalty_coef"] = float(stop_coef)
 
 
 def _algorithm(a: Args, o: dict, notices: list[str]) -> None:

@@ -713,6 +713,9 @@ class RLTrainer:
         algo = self.cfg.algorithm
         mask = batch["response_mask"]
         rewards = batch["token_level_scores"]
+        coef = self.cfg.reward_model.stop_properly_penalty_coef
+        if coef is not None:  # OpenRLHF's ProRL truncation penalty, before KL shaping and the estimator
+            rewards = self._stop_properly_penalty(batch, rewards, float(coef), m)
         if algo.use_kl_in_reward:
             rewards, km = apply_kl_in_reward(rewards, batch["old_log_probs"], batch["ref_log_prob"], mask,
                                              self.kl_ctrl.value, kind=algo.kl_penalty)
@@ -860,6 +863,24 @@ class RLTrainer:
         keep_groups = {u for u, vs in by_group.items() if max(vs) - min(vs) > 1e-8 or len(vs) == 1}
         keep = np.array([u in keep_groups for u in batch["uid"]])
         return batch.index(keep)
+
+    @staticmethod
+    def _stop_properly_penalty(batch: Batch, rewards: torch.Tensor, coef: float, m: dict) -> torch.Tensor:
+        """reward_model.stop_properly_penalty_coef: a truncated row's token rewards scaled by coef (>= 0) or its
+        reward set to coef on its last response token (< 0), as OpenRLHF's apply_stop_properly_penalty."""
+        if "finish_reason" not in batch:
+            raise ConfigError("reward_model.stop_properly_penalty_coef: this rollout gives no finish reasons")
+        cut = torch.tensor([r == "length" for r in batch["finish_reason"]], dtype=torch.bool)
+        m["reward/stop_properly_penalized_frac"] = float(cut.float().mean()) if len(cut) else 0.0
+        if not bool(cut.any()):
+            return rewards
+        if coef >= 0:
+            return torch.where(cut[:, None], rewards * coef, rewards)
+        mask = batch["response_mask"]
+        last = (mask.shape[1] - 1 - mask.flip(-1).argmax(-1))
+        fixed = torch.zeros_like(rewards)
+        fixed[torch.arange(len(rewards)), last] = coef
+        return torch.where(cut[:, None], fixed, rewards)
 
     def _mask_truncated(self, batch: Batch, m: dict) -> None:
         """actor.mask_truncated_responses: a truncated response's tokens leave the loss mask (`loss_mask`, which the
