@@ -285,7 +285,7 @@ def test_openrlhf_example_scripts_dry_run(capsys, tmp_path, monkeypatch, name, e
 
 def test_example_counts():
     kinds = [e[1] for e in examples()]
-    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 27
+    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 30
     assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 18  # dotted ones
     fsdp = [e for e in examples() if e[0].startswith("automodel@")]  # OpenRLHF's FSDP2 backend branch
     assert len(fsdp) == 9 and all(any(t.startswith("--fsdp.") for t in e[2]) for e in fsdp)

@@ -222,6 +222,10 @@ class JobModelConfig:
     trainable onto partial_pretrain (verl's model.lora_adapter_path); rank, alpha, targets and dropout come from its
     adapter_config.json (the lora_* keys left at their defaults, or set to the same values). LoRA is on with it even
     at lora_rank=0."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture-of-experts model (its config has output_router_logits: Mixtral, Qwen2-MoE, Qwen3-MoE, ...): its router
+    load-balancing loss (transformers' load_balancing_loss_func) added with this weight, each micro-batch's by its
+    share of the step (OpenRLHF's --aux_loss_coef, TRL's router_aux_loss_coef); SFT / DPO / KTO. 0 = off."""
     neftune_noise_alpha: Optional[float] = None
     """NEFTune (Jain et al. 2023; TRL's / transformers' neftune_noise_alpha): while training, uniform noise of
     magnitude alpha / sqrt(L d) added to the input embeddings (L the row length, d the hidden size); validation is
@@ -462,6 +466,10 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"optim.warmup_steps_ratio must be in [0, 1), got {optim.warmup_steps_ratio}")
     if model.lora_rank < 0:
         raise ConfigError(f"model.lora_rank must be >= 0, got {model.lora_rank}")
+    if model.router_aux_loss_coef < 0:
+        raise ConfigError(f"model.router_aux_loss_coef must be >= 0, got {model.router_aux_loss_coef}")
+    if model.router_aux_loss_coef and isinstance(cfg, (RMConfig, SPINConfig)):
+        raise ConfigError("model.router_aux_loss_coef: the router loss is added in SFT, DPO and KTO (not here)")
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
     for flag in ("use_rslora", "use_dora"):

@@ -107,11 +107,19 @@ def make_micro_batches(examples: Sequence[SFTExample], micro_batch_size: int, pa
 def forward_logits(model, batch: dict) -> torch.Tensor:
     """Logits [R, L, V] of a padded (`attention_mask`) or packed (`position_ids`) micro-batch. Padded rows with
     images (`multi_modal`) take their pixels and the model's M-RoPE positions (`tiller.models.vision`)."""
+    return forward_output(model, batch).logits
+
+
+def forward_output(model, batch: dict, router_aux: bool = False):
+    """The model's output for a micro-batch (as `forward_logits`); `router_aux`: a mixture-of-experts model also
+    returns its router load-balancing loss (`output_router_logits=True`: `.aux_loss`, transformers'
+    load_balancing_loss_func over the batch's tokens)."""
+    extra = {"output_router_logits": True} if router_aux else {}
     if batch.get("multi_modal") is not None:
         vision, positions = vision_inputs(model, batch["input_ids"], batch["attention_mask"], batch["multi_modal"])
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
-                     use_cache=False, **vision).logits
+                     use_cache=False, **vision, **extra)
     if "position_ids" in batch:
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
-                     use_cache=False).logits
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+                     use_cache=False, **extra)
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **extra)

@@ -162,8 +162,10 @@ TABLE: tuple[Flag, ...] = (
        "critic.muon.no_nesterov"),
     _f("muon.weight_decay", REFUSED, "Muon is not available (AdamW only)", "actor.muon.weight_decay",
        "critic.muon.weight_decay"),
-    _f("aux_loss_coef", REFUSED, "no MoE router load-balancing loss in tiller", "model.aux_loss_coef",
-       "actor.aux_loss_coef"),
+    _f("aux_loss_coef", MAPPED, "model.router_aux_loss_coef (a mixture-of-experts model's router load-balancing loss)",
+       "model.aux_loss_coef", "actor.aux_loss_coef",
+       R=(REFUSED, "no router loss in tiller's reward-model job"),
+       P=(REFUSED, "no router loss in tiller's RL actor update (its SFT / DPO / KTO jobs take one)")),
     # ------------------------------------------------------------------ precision, memory, kernels
     _f("bf16", MAPPED, "optim.dtype / actor.dtype / critic.dtype = bfloat16 (else float32)"),
     _f("ds.param_dtype", MAPPED, "optim.dtype / actor.dtype / critic.dtype: bf16 -> bfloat16, fp32 -> float32 "

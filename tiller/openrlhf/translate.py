@@ -185,6 +185,8 @@ def _offline(a: Args, job: str, notices: list[str]) -> tuple[dict, dict]:
     _schedule(a, o, "optim", offline=True)
     o["model.enable_gradient_checkpointing"] = bool(a("gradient_checkpointing"))
     _lora(a, o, "model", dropout_key="model.lora_dropout")
+    if a("aux_loss_coef"):  # (train_rm refuses it by its table entry)
+        o["model.router_aux_loss_coef"] = float(a("aux_loss_coef"))
     _tracking(a, o, env, "trainer.max_ckpt_to_keep")
     stage = a("zero_stage", 3)  # OpenRLHF's FSDP2 backend (--fsdp.*) has no ZeRO stage: it shards like stage 3
     if stage not in (0, 1, 2, 3):

@@ -42,7 +42,7 @@ import torch
 
 from tiller.algos import dpo_loss, kto_loss, logprobs_from_logits
 from tiller.config.jobs import dpo_loss_names, DPOConfig, KTOConfig
-from tiller.data.packing import collate_padded, forward_logits
+from tiller.data.packing import collate_padded, forward_logits, forward_output
 from tiller.data.preference import PairExample, UnpairedExample, load_preference_examples, make_sequence
 from tiller.data.sft import IGNORE
 from tiller.distributed.context import all_reduce_sum
@@ -51,13 +51,18 @@ from tiller.models.lora import is_lora, load_lora_adapter, merge_lora
 from tiller.models.neftune import without_neftune
 from tiller.models.ref_sync import RefSync
 from tiller.trainer.loop import resolve_device, run_training
-from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
+from tiller.trainer.sft import add_router_aux, build_model_and_tokenizer, parse_job_args, setup
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], log_sum_sq: bool = False):
     """(completion-token log-probs [R, T] (0 elsewhere), completion mask [R, T], and with `log_sum_sq` the per-position
     log sum_v p_v^2 [R, T] (WPO's alignment term; else None)) of a padded batch."""
-    logits = forward_logits(model, batch).float()
+    return logps_of(forward_logits(model, batch), batch, log_sum_sq)
+
+
+def logps_of(logits: torch.Tensor, batch: dict[str, torch.Tensor], log_sum_sq: bool = False):
+    """`token_logps` of logits already computed for `batch`."""
+    logits = logits.float()
     labels = batch["labels"]
     mask = labels != IGNORE
     logp = logprobs_from_logits(logits, labels.clamp(min=0))
@@ -136,8 +141,9 @@ class DPOJob(_ReferenceJob):
     def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss="dpo",
                  beta: float = 0.1, label_smoothing: float = 0.0, loss_weights=None, f_divergence: str = "reverse_kl",
                  f_alpha: float = 0.5, discopop_tau: float = 0.05, ld_alpha: float | None = None,
-                 use_weighting: bool = False):
+                 use_weighting: bool = False, router_aux_coef: float = 0.0):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
+        self.router_aux_coef = router_aux_coef
         self.losses = dpo_loss_names(loss)  # (dpo / cdpo: sigmoid with label smoothing; TRL's sigmoid: without)
         self.weights = [float(w) for w in loss_weights] if loss_weights is not None else [1.0] * len(self.losses)
         self.beta, self.label_smoothing = beta, label_smoothing
@@ -170,7 +176,8 @@ class DPOJob(_ReferenceJob):
         return (logp * (pos <= shared)).sum(-1) + self.ld_alpha * (logp * (pos > shared)).sum(-1)
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        tok, mask, log_sq = token_logps(model, micro, log_sum_sq=self.use_weighting)
+        out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
+        tok, mask, log_sq = logps_of(out.logits, micro, log_sum_sq=self.use_weighting)
         logps, counts = self._sums(tok, mask), mask.sum(-1)
         if "ref_logps" in micro:
             ref_logps = micro["ref_logps"]
@@ -200,7 +207,7 @@ class DPOJob(_ReferenceJob):
             total = total + w * (per * weight if weight is not None else per).sum()
         chosen_r, rejected_r = (self.beta * (pc - rc)).detach(), (self.beta * (pr - rr)).detach()
         n = normalizer
-        return total / n, {
+        metrics = {
             "rewards/chosen": chosen_r.sum() / n,
             "rewards/rejected": rejected_r.sum() / n,
             "rewards/accuracies": (chosen_r > rejected_r).float().sum() / n,
@@ -208,6 +215,10 @@ class DPOJob(_ReferenceJob):
             "logps/chosen": pc.detach().sum() / n,
             "logps/rejected": pr.detach().sum() / n,
         }
+        loss = total / n
+        if self.router_aux_coef:  # the MoE router's balance over the pairs' forward, by its share of the step
+            loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, pc.shape[0] / n)
+        return loss, metrics
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         return dict(sums)
@@ -218,8 +229,9 @@ class KTOJob(_ReferenceJob):
 
     def __init__(self, reference: Reference, pad_id: int, micro_batch_size: int, max_length: int,
                  beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
-                 truncation: str = "left", use_kl: bool = True):
+                 truncation: str = "left", use_kl: bool = True, router_aux_coef: float = 0.0):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
+        self.router_aux_coef = router_aux_coef
         self.use_kl = use_kl  # False: apo_zero_unpaired, the baseline stays 0
         self.max_length = max_length
         # data.truncation=error was checked on the data (a KL pair may still be longer: cut it at the prompt start)
@@ -265,19 +277,27 @@ class KTOJob(_ReferenceJob):
         self.kl_baseline = (summed[0] / summed[1].clamp(min=1)).float()
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        logps, _ = sequence_logps(model, micro)
+        out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
+        tok, _, _ = logps_of(out.logits, micro)
+        logps = tok.sum(-1)
         ref_logps, _ = self.reference.logps(micro)
         kl = self.kl_baseline.to(logps.device)
         losses, m = kto_loss(logps, ref_logps, micro["desirable"].to(logps.device), kl, self.beta, self.w_d, self.w_u)
         share = logps.shape[0] / normalizer
-        return losses.sum() / normalizer, {
+        metrics = {
             "kl": m["kl"] * share,
             "rewards_chosen_sum": m["rewards_chosen_sum"], "rewards_rejected_sum": m["rewards_rejected_sum"],
             "num_chosen": m["num_chosen"].float(), "num_rejected": m["num_rejected"].float(),
         }
+        loss = losses.sum() / normalizer
+        if self.router_aux_coef:
+            loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, share)
+        return loss, metrics
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         out = {"loss": sums["loss"], "kl": sums["kl"]}
+        if "aux_loss" in sums:
+            out["aux_loss"] = sums["aux_loss"]
         if sums["num_chosen"]:
             out["rewards/chosen"] = sums["rewards_chosen_sum"] / sums["num_chosen"]
         if sums["num_rejected"]:
@@ -308,7 +328,7 @@ def train_dpo(cfg: DPOConfig) -> dict[str, float]:
     algo = cfg.algorithm
     job = DPOJob(reference, tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu, algo.loss, algo.beta,
                  algo.label_smoothing, algo.loss_weights, algo.f_divergence, algo.f_alpha_divergence_coef,
-                 algo.discopop_tau, algo.ld_alpha, algo.use_weighting)
+                 algo.discopop_tau, algo.ld_alpha, algo.use_weighting, cfg.model.router_aux_loss_coef)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 
@@ -318,7 +338,7 @@ def train_kto(cfg: KTOConfig) -> dict[str, float]:
     algo = cfg.algorithm
     job = KTOJob(build_reference(cfg, model, device), tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu,
                  cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight, cfg.data.truncation,
-                 use_kl=algo.loss == "kto")
+                 use_kl=algo.loss == "kto", router_aux_coef=cfg.model.router_aux_loss_coef)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 

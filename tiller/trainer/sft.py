@@ -34,7 +34,7 @@ from tiller.algos import aggregate_loss, logprobs_from_logits, sft_token_loss
 from tiller.config import load_config
 from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
-from tiller.data.packing import forward_logits, make_micro_batches
+from tiller.data.packing import forward_output, make_micro_batches
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import ConfigError, UserError
 from tiller.models.chat_template import set_chat_template
@@ -48,9 +48,10 @@ class SFTJob:
     """Token-mean NLL (or DFT) on response tokens (see the module docstring)."""
 
     def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None,
-                 loss_kind: str = "nll"):
+                 loss_kind: str = "nll", router_aux_coef: float = 0.0):
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
         self.packing, self.pack_length, self.loss_kind = packing, pack_length, loss_kind
+        self.router_aux_coef = router_aux_coef
 
     def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
         return make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
@@ -62,12 +63,14 @@ class SFTJob:
         return None
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        logits = forward_logits(model, micro)
+        out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
         labels = micro["labels"]
         mask = labels != IGNORE
-        logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))
+        logp = logprobs_from_logits(out.logits.float(), labels.clamp(min=0))
         loss = aggregate_loss(sft_token_loss(logp, self.loss_kind), mask, "token-mean", global_tokens=normalizer)
         metrics = {"num_tokens": mask.sum()}
+        if self.router_aux_coef:  # the MoE router's balance, this micro-batch's by its share of the step's tokens
+            loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, mask.sum() / normalizer)
         if self.loss_kind != "nll":  # the NLL stays reported (perplexity is exp of it)
             metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
         return loss, metrics
@@ -76,6 +79,16 @@ class SFTJob:
         out = dict(sums)
         out["perplexity"] = math.exp(min(sums.get("nll", sums["loss"]), 50.0))
         return out
+
+
+def add_router_aux(loss: torch.Tensor, output, coef: float, share) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss + coef x share x the model output's router load-balancing loss; returns (loss, share x aux detached)."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        raise ConfigError("model.router_aux_loss_coef: the model returned no router loss (aux_loss) for "
+                          "output_router_logits=True")
+    aux = aux.to(loss.dtype) * share
+    return loss + coef * aux, aux.detach()
 
 
 def default_pack_length(examples: Sequence[SFTExample], max_length: int) -> int:
@@ -105,6 +118,9 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
         # transformers 5 renamed it; the old name warns
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
+    if m.router_aux_loss_coef and not hasattr(model.config, "output_router_logits"):
+        raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef}: {m.partial_pretrain} "
+                          f"({type(model).__name__}) is not a mixture-of-experts model (no router to balance)")
     if m.disable_dropout:  # TRL's disable_dropout_in_model
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -182,7 +198,8 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
                         "row would need M-RoPE positions restarted per sequence, which the model's get_rope_index "
                         "does not do); set data.packing=false")
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
-                 data.pack_length or default_pack_length(train, data.max_length), cfg.algorithm.loss)
+                 data.pack_length or default_pack_length(train, data.max_length), cfg.algorithm.loss,
+                 cfg.model.router_aux_loss_coef)
     return run_training(cfg, job, model, processor or tokenizer, train, val, device=device)
 
 

@@ -14,6 +14,7 @@ and reward models, examples for KTO), as transformers' Trainer counts them in on
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -32,6 +33,16 @@ def write_data(run_dir: Path, name: str, rows: list[dict], suffix: str = ".jsonl
     """Write `rows` to `<run_dir>/data/<name><suffix>` atomically (`.parquet` for rows holding image bytes);
     returns the path (a tiller data file)."""
     return str(write_rows_atomic(rows, Path(run_dir) / DATA_DIR / f"{name}{suffix}"))
+
+
+def moe_router_coef(model_path: str) -> float:
+    """A mixture-of-experts model's config router_aux_loss_coef (its text config's, for a VLM); 0 for a dense model."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0.0
+    config = config.get("text_config", config) if "output_router_logits" not in config else config
+    return float(config.get("router_aux_loss_coef", 0.0) or 0.0) if "output_router_logits" in config else 0.0
 
 
 def split_settings(logical: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -99,6 +110,11 @@ class JobTrainer(TRLTrainerBase):
 
     def _model_keys(self, private: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"model.partial_pretrain": self.model_path}
+        coef = private.get("_router_aux")
+        if coef is None and "_router_aux" in private:  # TRL: a mixture-of-experts model's own coefficient
+            coef = moe_router_coef(self.model_path)
+        if coef:
+            out["model.router_aux_loss_coef"] = float(coef)
         if self.tokenizer_path:
             out["model.tokenizer_path"] = self.tokenizer_path
         out.update(lora_job_keys(self.lora))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiller.trl.fields import FIELDS
-from tiller.trl.common import field_table, make_config_class, mapped, noop
+from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value
 from tiller.trl.dpo import PREFERENCE_RULES, PreferenceTrainer
 from tiller.trl.preference import reward_rows
 from tiller.trl.sft import COMMON_MODEL_RULES, SFT_RULES
@@ -30,6 +30,10 @@ def _no_truncation(value: Any, args: Any) -> dict:
     return out
 
 
+def _refuse_router(value: Any) -> dict:
+    raise refuse_value("router_aux_loss_coef", value, "tiller's reward-model job adds no router load-balancing loss")
+
+
 REWARD_RULES = {
     **COMMON_MODEL_RULES,
     "chat_template_path": SFT_RULES["chat_template_path"],
@@ -37,6 +41,8 @@ REWARD_RULES = {
     "disable_dropout": PREFERENCE_RULES["disable_dropout"],
     "max_length": mapped("data.max_length; a longer pair is an error naming the row (TRL drops it)", _no_truncation),
     "center_rewards_coefficient": mapped("algorithm.center_rewards_coefficient (None: 0)", _center),
+    "router_aux_loss_coef": mapped("None or 0 (tiller's reward-model job adds no router loss; others refused)",
+                                   lambda v, a: {} if not v else _refuse_router(v)),
     "pad_token": noop("tiller pads with the tokenizer's pad token; the score reads the last real token"),
 }
 

@@ -96,7 +96,9 @@ COMMON_MODEL_RULES = {
     "dataset_num_proc": noop("tiller tokenizes the rows once, in this process"),
     "activation_offloading": noop("tiller keeps activations on the device (gradient_checkpointing saves memory)"),
     "pad_token": noop("tiller pads with the tokenizer's pad token and masks padding out of the loss"),
-    "router_aux_loss_coef": refused("tiller's jobs add no mixture-of-experts router loss"),
+    "router_aux_loss_coef": mapped("model.router_aux_loss_coef (None: a mixture-of-experts model's config "
+                                   "router_aux_loss_coef, as TRL; a dense model: off)",
+                                   lambda v, a: {"_router_aux": v}),
     "max_length": mapped("data.max_length (None: no truncation)", _max_length),
 }
 
