@@ -312,15 +312,6 @@ RULES.update({
         "tiller loads the reward model's config as saved", use="edit the RM's config.json", allowed=({},)),
     "reward_model.model.use_shm": noop("tiller loads the model from its path (no /dev/shm copy)"),
     "reward_model.model.use_fused_kernels": noop("no fused kernels in tiller"),
-    "reward_model.reward_loop_source": refused(
-        "tiller's reward managers are built in (reward_model.reward_manager)", use="register",
-        allowed=("register",)),
-    "reward_model.reward_loop_module_path": refused(
-        "custom reward-loop classes are not built", use="a reward function: custom_reward_function.path",
-        allowed=(None,)),
-    "reward_model.reward_loop_class_name": refused(
-        "custom reward-loop classes are not built", use="a reward function: custom_reward_function.path",
-        allowed=(None,)),
     "reward_model.launch_reward_fn_async": noop(
         "tiller scores rewards in the driver (reward_manager=parallel runs them in processes)"),
     "reward_model.use_reward_loop": noop("tiller has one reward path"),
@@ -330,11 +321,6 @@ RULES.update({
         "the engine of a generative reward model in verl's reward loop; tiller's reward model is a sequence "
         "classifier (reward_model.model.path) or reward_model.remote_url"),
     # top-level reward_manager section (verl 0.7)
-    "reward_manager.source": refused("tiller's reward managers are built in", use="register with "
-                                     "reward_manager.name (= reward_model.reward_manager)", allowed=("register",)),
-    "reward_manager.module": refused(
-        "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
-        allowed=({"path": None, "name": "custom_reward_manager"},)),
     # algorithm
     # data
     "data.use_shm": noop("tiller reads the data files where they are (no /dev/shm copy)"),
@@ -435,11 +421,6 @@ RULES.update({
     "critic.model.use_fused_kernels": noop("no fused kernels in tiller"),
     "critic.model.fused_kernel_options": noop("no fused kernels in tiller (critic.model.use_fused_kernels)"),
     # reward (verl 0.10 layout)
-    "reward.reward_manager.source": refused("tiller's reward managers are built in", use="register with "
-                                            "reward.reward_manager.name", allowed=("register",)),
-    "reward.reward_manager.module": refused(
-        "custom reward-manager classes are not built", use="a reward function: custom_reward_function.path",
-        allowed=({"path": None, "name": "custom_reward_manager"},)),
     "reward.reward_model.rollout": noop(_SERVER),
     "reward.sandbox_fusion": Rule(HONOURED, "verl 0.10's place of reward_model.sandbox_fusion (resolved onto it at "
                                             "load time; setting both is an error). " + _SANDBOX_FUSION),

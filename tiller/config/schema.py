@@ -1243,11 +1243,12 @@ class RewardModelConfig:
     nnodes: Optional[int] = 0
     """verl: nodes of the RM's own pool (enable_resource_pool)."""
     reward_loop_source: Optional[str] = "register"
-    """verl: where the reward-loop class comes from (register | importlib); tiller's reward managers are built in."""
+    """verl 0.9: where the reward manager class comes from (register | importlib: reward_loop_module_path's file,
+    reward_loop_class_name; as reward.reward_manager.source)."""
     reward_loop_module_path: Optional[str] = None
-    """verl: module of a custom reward loop; refused (write a reward function: custom_reward_function.path)."""
+    """verl 0.9: the custom reward manager's .py file (with reward_loop_source=importlib)."""
     reward_loop_class_name: Optional[str] = None
-    """verl: class of a custom reward loop; refused (as reward_loop_module_path)."""
+    """verl 0.9: the custom reward manager's class name."""
     launch_reward_fn_async: bool = False
     """verl: score rewards in a Ray task overlapping the old-logprob forward; tiller scores them in the driver (the
     parallel reward manager runs them in processes)."""
@@ -1610,9 +1611,11 @@ class NewRewardManagerConfig:
     name: Optional[str] = None
     """= reward_model.reward_manager (naive | batch | parallel | prime | dapo | openrlhf)."""
     source: str = "register"
-    """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
+    """verl: register (a built-in manager by name) | importlib (a class of the user's: module.path names its file,
+    reward.reward_manager.name the class; tiller.rewards.verl_manager runs it)."""
     module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})
-    """verl: a custom reward-manager class {path, name}; refused unless path is null."""
+    """verl: {path: the custom reward manager's .py file, name: unused (verl loads the class by
+    reward_manager.name)}."""
 
 
 @dataclass
@@ -1761,10 +1764,10 @@ class RewardManagerSectionConfig:
     name: Optional[str] = None
     """= reward_model.reward_manager (resolved onto it at load time; both set = error)."""
     source: str = "register"
-    """verl: register (a built-in manager by name) | importlib (module.path); tiller's managers are built in."""
+    """verl 0.7: register (a built-in manager by name) | importlib (a class of the user's, as reward.reward_manager's
+    source)."""
     module: dict[str, Any] = field(default_factory=lambda: {"path": None, "name": "custom_reward_manager"})
-    """verl: a custom reward-manager class {path, name}; refused unless path is null (write a reward function:
-    custom_reward_function.path)."""
+    """verl 0.7: {path: the custom reward manager's .py file, name: unused (the class is reward_manager.name)}."""
 
 
 @dataclass

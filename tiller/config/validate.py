@@ -73,7 +73,8 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("actor_rollout_ref.actor.optim.warmup_style", actor.optim.warmup_style, ("constant", "cosine", "linear"))
     _choice("critic.optim.warmup_style", cfg.critic.optim.warmup_style, ("constant", "cosine", "linear"))
     _choice("data.truncation", data.truncation, ("error", "left", "right", "middle"))
-    _choice("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS)
+    if not _custom_reward_manager(cfg):  # (a custom verl reward manager: reward_manager names its class)
+        _choice("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS)
     _choice("reward_model.diversity.partitioner", cfg.reward_model.diversity.partitioner, PARTITIONERS)
     _choice("reward_model.diversity.fusion", cfg.reward_model.diversity.fusion, ("multiplicative", "additive"))
     _choice("algorithm.filter_groups.metric", algo.filter_groups.metric,
@@ -412,6 +413,12 @@ def _validate_agent(cfg: RLConfig) -> None:
                           f"episode's segments share one advantage); use one of {', '.join(EPISODE_ESTIMATORS)}")
     if algo.use_kl_in_reward:
         raise ConfigError(f"algorithm.use_kl_in_reward is not supported with agent rollouts ({key}) yet")
+
+
+def _custom_reward_manager(cfg: RLConfig) -> bool:
+    """A custom verl reward manager is named (tiller.rewards.verl_manager.reward_manager_spec reads and checks it)."""
+    return "importlib" in (cfg.reward.reward_manager.source, cfg.reward_manager.source,
+                           cfg.reward_model.reward_loop_source)
 
 
 def _validate_stop_penalty(cfg: RLConfig) -> None:

@@ -14,6 +14,7 @@ The result is a `RewardResult`: final scores [B], per-sample extras, batch metri
 from __future__ import annotations
 
 import atexit
+import functools
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -33,10 +34,13 @@ from tiller.rewards.managers import (
     ScoreBatch,
     load_function_ref,
 )
+from tiller.rewards.registry import default_compute_score
+from tiller.models.loading import load_tokenizer
 from tiller.rewards.openrlhf_api import OpenRLHFRewardManager
 from tiller.rewards.remote import RemoteRewardClient
 from tiller.rewards.reward_model import RewardModelScorer
 from tiller.rewards.types import RewardRequest, RewardResult
+from tiller.rewards.verl_manager import bound_compute_score, build_verl_manager, reward_manager_spec
 
 
 class RewardPipeline:
@@ -102,6 +106,21 @@ def overlong_buffer(cfg: Any) -> tuple[dict | None, str]:
 
 PRIME_TIMEOUT_S = 300.0
 """verl's PrimeRewardManager bounds each sample's scoring by 300 s (a constant there, not reward_model.timeout)."""
+
+
+def _verl_manager(cfg: Any, tokenizer: Any) -> Any:
+    """A custom verl reward manager (`tiller.rewards.verl_manager`) with verl's compute_score: the custom reward
+    function (its reward_kwargs bound) or the default scorer (with SandboxFusion's keywords when configured)."""
+    custom = cfg.custom_reward_function
+    if custom.path:
+        compute_score = bound_compute_score(resolve_ref(load_function_ref(custom.path, custom.name)),
+                                            dict(custom.reward_kwargs or {}))
+    else:
+        sandbox = _sandbox_fusion_kwargs(cfg)
+        compute_score = functools.partial(default_compute_score, **sandbox) if sandbox else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path)
+    return build_verl_manager(cfg, reward_manager_spec(cfg), tokenizer, compute_score)
 
 
 def _rule_manager(cfg: Any) -> Any:
@@ -194,6 +213,8 @@ def build_reward_manager(cfg: Any, tokenizer: Any = None,
                                  max_length=rm.max_length, trust_remote_code=rm.model.trust_remote_code,
                                  max_tokens=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
                                  normalize=rm.normalize)
+    elif reward_manager_spec(cfg) is not None:  # a verl reward-manager class of the user's
+        base = _verl_manager(cfg, tokenizer)
     else:
         base = _rule_manager(cfg)
     diversity = None

@@ -31,6 +31,8 @@ class RewardRequest:
     """uid of the prompt: samples with the same group are the n answers to one prompt (for diversity)."""
     response_ids: list[int] | None = None
     """The response's token ids (no padding), as the policy sampled them (the RL driver fills them in)."""
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids (no padding), as the policy saw them (the RL driver fills them in)."""
     messages: list[dict] | None = None
     """A multi-turn sample's completion as chat messages, when its tool loop records them (TRL's)."""
     state: Any = None

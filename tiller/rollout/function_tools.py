@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 from tiller.errors import ConfigError
 from tiller.rollout import verl_tools
 from tiller.rollout.verl_tools import ToolResponse, ToolResult
+from tiller.verl_stand_ins import installed, verl_installed
 
 KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
 
@@ -191,13 +192,6 @@ class FunctionTool:
 
 
 # ---------------------------------------------------------------------------------------- loading
-def _verl_installed() -> bool:
-    try:
-        return importlib.util.find_spec("verl") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _stand_ins() -> dict[str, types.ModuleType]:
     """verl's tool-facing modules as tiller's stand-ins, by name (see `verl_tool_imports`)."""
     from tiller.rewards import registry  # import cost: the scorer registry, only while a verl tool file imports
@@ -227,25 +221,11 @@ def verl_tool_imports(extra: dict[str, types.ModuleType] | None = None):
     `verl.utils.reward_score` (`default_compute_score`, `gsm8k`) are tiller's stand-ins unless verl is installed (a
     real verl is never shadowed), removed again afterwards. `extra`: more stand-in modules by name (an agent loop
     file's: `tiller.rollout.verl_agent_loop.stand_in_modules`)."""
-    if _verl_installed() or "verl" in sys.modules:
+    if verl_installed() or "verl" in sys.modules:
         yield
         return
-    modules = _stand_ins()
-    for name, module in (extra or {}).items():
-        modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent in modules:
-            setattr(modules[parent], child, module)
-    saved = {n: sys.modules.get(n) for n in modules}
-    sys.modules.update(modules)
-    try:
+    with installed({**_stand_ins(), **(extra or {})}):
         yield
-    finally:
-        for n, module in saved.items():
-            if module is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = module
 
 
 def _verl_registry() -> dict | None:

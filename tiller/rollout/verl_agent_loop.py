@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from tiller.config.verl_view import verl_config
 from tiller.errors import ConfigError, DataError, UserError
 from tiller.rollout.agent import AgentLoop, AgentRolloutOutput, build_agent_loop
 from tiller.rollout.base import SamplingParams, eos_token_ids
@@ -393,18 +394,6 @@ class _Server:
         out = await self._generate(ids, call)
         return TokenOutput(token_ids=list(out.response_ids[0]), log_probs=list(out.logprobs[0]),
                            stop_reason="completed")
-
-
-def verl_config(cfg: Any) -> Any:
-    """The run's config as verl's loops read it (`self.config`: an OmegaConf with attribute access), the rollout's
-    prompt_length / response_length resolved from data.max_prompt_length / max_response_length as verl's are."""
-    from omegaconf import OmegaConf
-
-    conf = OmegaConf.structured(cfg)
-    rollout, data = conf.actor_rollout_ref.rollout, conf.data
-    rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
-    rollout.response_length = rollout.response_length or data.max_response_length
-    return conf
 
 
 def verl_sampling_params(sampling: SamplingParams) -> dict[str, Any]:

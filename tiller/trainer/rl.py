@@ -646,11 +646,14 @@ class RLTrainer:
             return scores, extras, {"agent/segments_per_episode/mean": len(batch) / max(1, n_episodes),
                                 "agent/reward/mean": float(per_episode[:n_episodes].mean()) if n_episodes else 0.0,
                                 "agent/episodes_without_segment": float((batch["response_mask"].sum(-1) == 0).sum())}
+        prompts = batch["prompts"]
+        prompt_attn = batch["attention_mask"][:, :prompts.shape[1]].bool()
         requests = [
             RewardRequest(data_source=str(batch["data_source"][i]), prompt=str(batch["prompt_text"][i]),
                           response=texts[i], ground_truth=batch["ground_truth"][i],
                           extra_info=_extra_info(batch, i), response_length=int(lengths[i]),
                           group=str(batch["uid"][i]), response_ids=responses[i, :lengths[i]].tolist(),
+                          prompt_ids=prompts[i][prompt_attn[i]].tolist(),
                           messages=batch["completion_messages"][i] if "completion_messages" in batch else None,
                           state=batch["agent_state"][i] if "agent_state" in batch else None)
             for i in range(len(batch))
