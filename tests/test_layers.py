@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "tiller"
 
 # ground to top; keep in step with docs/internals.md
 FLOORS = [
-    ("ground", ("errors", "protocol", "hostinfo", "entry", "httpguard", "cache", "verl_stand_ins", "__init__")),
+    ("ground", ("errors", "protocol", "hostinfo", "entry", "httpguard", "cache", "stand_ins", "__init__")),
     ("math, config and data", ("algos", "config", "data", "models", "tracking")),
     ("rewards and rollout", ("rewards", "rollout", "tasks")),
     ("workers", ("distributed", "workers")),

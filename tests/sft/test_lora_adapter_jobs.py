@@ -126,6 +126,17 @@ def test_spin_from_adapter_starts_there_then_trains_fresh_adapters_of_its_shape(
     assert config["base_model_name_or_path"] == str(run / "iter_0" / "hf_model")
 
 
+def _two_lora_steps(model_dir, sft_file, run, flag: str):
+    """Two SFT steps with rank-4, alpha-8 adapters on q_proj / v_proj and `flag` on; the step-2 adapter dir."""
+    from tiller.trainer.sft import train_sft
+
+    train_sft(load_config(job_overrides(model_dir, sft_file, run, **{
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 1e-2, "model.lora_rank": 4,
+        "model.lora_alpha": 8, "model.target_modules": "[q_proj,v_proj]", flag: True,
+        "trainer.total_training_steps": 2}), schema=SFTConfig, validate=validate_job))
+    return run / "checkpoints" / "global_step_2" / "model"
+
+
 def test_rslora_scales_by_alpha_over_sqrt_rank_into_the_export(tiny_model_dir, sft_file, tmp_path):
     # model.use_rslora (peft's, TRL's): rank 4, alpha 8 -> scale 8 / sqrt(4) = 4 (plain LoRA: 2); the adapter config
     # says so, the exported model is W + 4 B A, and continuing from that adapter keeps it (a contradicting key stops)
@@ -135,14 +146,9 @@ def test_rslora_scales_by_alpha_over_sqrt_rank_into_the_export(tiny_model_dir, s
     from tiller.errors import ConfigError
     from tiller.models.loading import load_causal_lm
     from tiller.models.lora import attach_lora
-    from tiller.trainer.sft import train_sft
 
     run = tmp_path / "rs"
-    train_sft(load_config(job_overrides(tiny_model_dir, sft_file, run, **{
-        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 1e-2, "model.lora_rank": 4,
-        "model.lora_alpha": 8, "model.target_modules": "[q_proj,v_proj]", "model.use_rslora": True,
-        "trainer.total_training_steps": 2}), schema=SFTConfig, validate=validate_job))
-    ckpt = run / "checkpoints" / "global_step_2" / "model"
+    ckpt = _two_lora_steps(tiny_model_dir, sft_file, run, "model.use_rslora")
     assert json.loads((ckpt / "adapter_config.json").read_text())["use_rslora"] is True
     trained = load_file(str(ckpt / "adapter_model.safetensors"))
     exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
@@ -162,14 +168,8 @@ def test_dora_trains_and_exports_peft_merge(tiny_model_dir, sft_file, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tiller.trainer.sft import train_sft
-
     run = tmp_path / "dora"
-    train_sft(load_config(job_overrides(tiny_model_dir, sft_file, run, **{
-        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 1e-2, "model.lora_rank": 4,
-        "model.lora_alpha": 8, "model.target_modules": "[q_proj,v_proj]", "model.use_dora": True,
-        "trainer.total_training_steps": 2}), schema=SFTConfig, validate=validate_job))
-    ckpt = run / "checkpoints" / "global_step_2" / "model"
+    ckpt = _two_lora_steps(tiny_model_dir, sft_file, run, "model.use_dora")
     assert json.loads((ckpt / "adapter_config.json").read_text())["use_dora"] is True
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ckpt)
     assert any("lora_magnitude_vector" in k for k in peft_model.state_dict())

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from tiller.algos.preference import DPO_LOSS_TYPES, F_DIVERGENCE_LOSSES, F_DIVERGENCES
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
+from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
 from tiller.tracking.tracker import LOGGERS
@@ -515,15 +516,11 @@ def validate_job(cfg: Any) -> None:
 def _validate_ref_sync(cfg: Any) -> None:
     """TR-DPO's reference updates need a reference model of their own."""
     algo, model = cfg.algorithm, cfg.model
-    if algo.ref_model_sync_steps is None:
+    if not check_ref_sync(algo.ref_model_sync_steps, algo.ref_model_mixup_alpha, "algorithm.",
+                          model.lora_rank > 0 or bool(model.lora_adapter_path),
+                          "the reference is the policy with its adapters off, or a full model the adapters cannot be "
+                          "mixed into"):
         return
-    if algo.ref_model_sync_steps < 1 or not 0 < algo.ref_model_mixup_alpha <= 1:
-        raise ConfigError(f"algorithm.ref_model_sync_steps must be >= 1 and algorithm.ref_model_mixup_alpha in (0, 1], "
-                          f"got {algo.ref_model_sync_steps} and {algo.ref_model_mixup_alpha}")
-    if model.lora_rank > 0 or model.lora_adapter_path:
-        raise ConfigError("algorithm.ref_model_sync_steps: refused with LoRA (the reference is the policy with its "
-                          "adapters off, or a full model the adapters cannot be mixed into; TRL refuses PEFT too); "
-                          "train in full, or leave the reference frozen")
     if getattr(cfg.data, "ref_chosen_logps_key", None):
         raise ConfigError("algorithm.ref_model_sync_steps: refused with precomputed reference log-probs "
                           "(data.ref_chosen_logps_key): there is no reference model to update")

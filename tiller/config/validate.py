@@ -21,6 +21,7 @@ from tiller.config.edge import apply_edge
 from tiller.config.schema import REWARD_MANAGERS, RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
+from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
 from tiller.models.optimizer import check_optimizer
@@ -434,14 +435,9 @@ def _validate_stop_penalty(cfg: RLConfig) -> None:
 def _validate_ref_sync(cfg: RLConfig) -> None:
     """TR-DPO's reference updates (actor_rollout_ref.ref.ref_model_sync_steps)."""
     ref, model = cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.model
-    if ref.ref_model_sync_steps is None:
-        return
-    if ref.ref_model_sync_steps < 1 or not 0 < ref.ref_model_mixup_alpha <= 1:
-        raise ConfigError(f"actor_rollout_ref.ref.ref_model_sync_steps must be >= 1 and ref_model_mixup_alpha in "
-                          f"(0, 1], got {ref.ref_model_sync_steps} and {ref.ref_model_mixup_alpha}")
-    if model.lora_rank > 0 or model.lora_adapter_path:
-        raise ConfigError("actor_rollout_ref.ref.ref_model_sync_steps: refused with a LoRA actor (its reference is "
-                          "the policy with the adapters off: nothing of its own to update; TRL refuses PEFT too)")
+    check_ref_sync(ref.ref_model_sync_steps, ref.ref_model_mixup_alpha, "actor_rollout_ref.ref.",
+                   model.lora_rank > 0 or bool(model.lora_adapter_path),
+                   "a LoRA actor's reference is the policy with the adapters off: nothing of its own to update")
 
 
 def _validate_new_algorithms(cfg: RLConfig) -> None:

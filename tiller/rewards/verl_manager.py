@@ -42,7 +42,7 @@ from tiller.rewards.managers import ScoreBatch, unpack
 from tiller.rewards.registry import default_compute_score
 from tiller.rewards.types import RewardRequest
 from tiller.config.verl_view import verl_config
-from tiller.verl_stand_ins import installed, package
+from tiller.stand_ins import installed, package, verl_installed
 
 
 # ------------------------------------------------------------------------------------ DataProto stand-in
@@ -218,7 +218,7 @@ def load_manager_class(path: str, name: str, key: str) -> type:
     if not file.is_file():
         raise ConfigError(f"{key}={path}: no such file")
     module_name = "tiller_reward_manager_" + str(file.resolve()).replace("/", "_").replace(".", "_")
-    with installed(stand_in_modules()):
+    with installed(stand_in_modules(), skip=verl_installed()):
         try:
             spec = importlib.util.spec_from_file_location(module_name, file)
             module = importlib.util.module_from_spec(spec)

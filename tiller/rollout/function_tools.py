@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 from tiller.errors import ConfigError
 from tiller.rollout import verl_tools
 from tiller.rollout.verl_tools import ToolResponse, ToolResult
-from tiller.verl_stand_ins import installed, verl_installed
+from tiller.stand_ins import installed, verl_installed
 
 KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
 
@@ -221,7 +221,7 @@ def verl_tool_imports(extra: dict[str, types.ModuleType] | None = None):
     `verl.utils.reward_score` (`default_compute_score`, `gsm8k`) are tiller's stand-ins unless verl is installed (a
     real verl is never shadowed), removed again afterwards. `extra`: more stand-in modules by name (an agent loop
     file's: `tiller.rollout.verl_agent_loop.stand_in_modules`)."""
-    if verl_installed() or "verl" in sys.modules:
+    if verl_installed():
         yield
         return
     with installed({**_stand_ins(), **(extra or {})}):

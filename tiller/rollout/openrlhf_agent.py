@@ -20,11 +20,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import sys
 import types
 from abc import ABC, abstractmethod
 
 from tiller.errors import ConfigError
+from tiller.stand_ins import installed, package
 
 
 class AgentInstanceBase(ABC):
@@ -70,25 +70,13 @@ def _real_module():
 def openrlhf_agent_imports():
     """While importing a user's agent file: `openrlhf.utils.agent` is OpenRLHF's own module when it imports,
     else a module holding the classes above (removed again afterwards; the file's classes keep their bases)."""
-    if _real_module() is not None:
-        yield
-        return
-    names = ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent")
-    saved = {name: sys.modules.get(name) for name in names}
-    package, utils, agent = (types.ModuleType(name) for name in names)
-    package.__path__, utils.__path__ = [], []
-    package.utils, utils.agent = utils, agent
+    agent = types.ModuleType("openrlhf.utils.agent")
     for cls in SHIM_CLASSES:
         setattr(agent, cls.__name__, cls)
-    sys.modules.update(dict(zip(names, (package, utils, agent))))
-    try:
+    modules = {"openrlhf": package("openrlhf"), "openrlhf.utils": package("openrlhf.utils"),
+               "openrlhf.utils.agent": agent}
+    with installed(modules, skip=_real_module() is not None):
         yield
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
 
 
 def _executor_bases() -> tuple[type, ...]:

@@ -1,9 +1,10 @@
-"""Stand-ins for verl's modules while a user's verl-facing file imports (tools, agent loops, reward managers).
+"""Stand-in modules while a user's file written for another library imports (verl tools, agent loops and reward
+managers; OpenRLHF agent files).
 
 `installed(modules)` puts the given module objects into `sys.modules` for the time of the block (so `from verl...
-import X` in the user's file finds tiller's X) and takes them out again afterwards, unless verl itself is installed or
-already imported: a real verl is never shadowed. Each module is also set as its parent's attribute when the parent is
-among them.
+import X` in the user's file finds tiller's X) and takes them out again afterwards; each module is also set as its
+parent's attribute when the parent is among them. `skip=True` (the real library is importable: it is never
+shadowed) installs nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Iterator
 
 
 def verl_installed() -> bool:
+    """verl itself is importable, or already imported (its stand-ins then stay out)."""
+    if "verl" in sys.modules:
+        return True
     try:
         return importlib.util.find_spec("verl") is not None
     except (ImportError, ValueError):
@@ -30,10 +34,10 @@ def package(name: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def installed(modules: dict[str, types.ModuleType]) -> Iterator[bool]:
-    """The stand-ins in `sys.modules` inside the block (yields False, and installs nothing, with a real verl)."""
-    if verl_installed() or "verl" in sys.modules:
-        yield False
+def installed(modules: dict[str, types.ModuleType], skip: bool = False) -> Iterator[None]:
+    """The stand-ins in `sys.modules` inside the block (nothing installed with `skip`)."""
+    if skip:
+        yield
         return
     for name, module in modules.items():
         parent, _, child = name.rpartition(".")
@@ -42,7 +46,7 @@ def installed(modules: dict[str, types.ModuleType]) -> Iterator[bool]:
     saved = {n: sys.modules.get(n) for n in modules}
     sys.modules.update(modules)
     try:
-        yield True
+        yield
     finally:
         for n, module in saved.items():
             if module is None:
