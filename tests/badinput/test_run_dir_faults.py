@@ -191,17 +191,35 @@ def test_the_lock_is_released_on_exit(tmp_path):
     release_run_dir(run)
 
 
+GATED_REWARD = """
+import os, time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    for _ in range(6000):  # the first step's reward waits (at most 5 minutes) until the test opens the gate
+        if os.path.exists(os.environ["TILLER_TEST_GATE"]):
+            break
+        time.sleep(0.05)
+    return 0.0
+"""
+
+
 @pytest.mark.slow
 def test_two_rl_processes_on_one_run_dir(data, tmp_path, tiny_model_dir):
-    """Two real `tiller rl` processes started half a second apart: one trains, the other refuses naming it."""
-    run = tmp_path / "run"
-    argv = [sys.executable, "-m", "tiller.cli", *_argv(data, run, tiny_model_dir, "trainer.total_training_steps=3")]
-    first = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=_env(), text=True)
+    """Two real `tiller rl` processes: the first holds the run dir (its reward function waits at a gate the test
+    opens only after the second finished), the second refuses naming it, then the first trains to its end."""
+    run, gate = tmp_path / "run", tmp_path / "gate"
+    (tmp_path / "gated.py").write_text(GATED_REWARD)
+    argv = [sys.executable, "-m", "tiller.cli", *_argv(data, run, tiny_model_dir, "trainer.total_training_steps=3",
+                                                       f"custom_reward_function.path={tmp_path / 'gated.py'}",
+                                                       "reward_model.timeout=600")]
+    env = {**_env(), "TILLER_TEST_GATE": str(gate)}
+    first = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     while not (run / LOCK_NAME).exists() and first.poll() is None:
         time.sleep(0.1)
-    time.sleep(0.5)
-    second = subprocess.run(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=_env(), text=True,
+    second = subprocess.run(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True,
                             timeout=300)
+    gate.touch()
     assert first.wait(timeout=300) == 0, first.stderr.read()
     assert second.returncode == 2, second.stderr
     assert f"is in use by another tiller process (pid {first.pid} " in second.stderr.strip().splitlines()[-1]
