@@ -19,7 +19,7 @@ from typing import Any
 
 from tiller.errors import ConfigError
 from tiller.trl.fields import FIELDS
-from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value, refused
+from tiller.trl.common import field_table, make_config_class, mapped, noop, refuse_value
 from tiller.trl.jobs import JobTrainer, write_data
 from tiller.trl.preference import dpo_rows
 from tiller.trl.sft import COMMON_MODEL_RULES, truncation

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiller.errors import ConfigError
-from tiller.trl.common import Rule, make_config_class, mapped, noop, refuse_value, refused, to
+from tiller.trl.common import Rule, make_config_class, mapped, refuse_value, refused, to
 from tiller.trl.base import refuse_arguments
 from tiller.trl.rl_front import RL_SHARED_RULES, TRLRLTrainer, vllm_is_keys
 
