@@ -198,8 +198,7 @@ def stand_in_modules() -> dict[str, types.ModuleType]:
     for n in ("verl.experimental", "verl.experimental.reward_loop", "verl.experimental.reward_loop.reward_manager",
               "verl.workers", "verl.workers.reward_manager"):
         modules[n].__path__ = []
-    for n in ("verl.protocol",):
-        modules[n].DataProto, modules[n].DataProtoItem = DataProto, DataProtoItem
+    modules["verl.protocol"].DataProto, modules["verl.protocol"].DataProtoItem = DataProto, DataProtoItem
     for pkg, base, abstract in (("verl.experimental.reward_loop.reward_manager", RewardManagerBase, "base"),
                                 ("verl.workers.reward_manager", AbstractRewardManager, "abstract")):
         _, register, get_cls = _registry()
@@ -258,10 +257,12 @@ class VerlRewardManager:
 
     def score(self, requests: list[RewardRequest]) -> ScoreBatch:
         data = self._data(requests)
-        if self.per_sample:
-            outputs = _run(self._per_sample(data))
-        else:
-            outputs = self._batched(data)
+        try:
+            outputs = asyncio.run(self._per_sample(data)) if self.per_sample else self._batched(data)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's manager: named
+            raise UserError(f"reward manager {self.name} raised {type(err).__name__}: {err}") from err
         return _collect(outputs, self.name)
 
     async def _per_sample(self, data: DataProto) -> list[dict]:
@@ -269,10 +270,7 @@ class VerlRewardManager:
         return list(await asyncio.gather(*(self.manager.run_single(data[i:i + 1]) for i in range(len(data)))))
 
     def _batched(self, data: DataProto) -> list[dict]:
-        try:
-            out = self.manager(data, return_dict=True)
-        except Exception as err:  # noqa: BLE001
-            raise UserError(f"reward manager {self.name} raised {type(err).__name__}: {err}") from err
+        out = self.manager(data, return_dict=True)
         tensor, info = (out["reward_tensor"], out.get("reward_extra_info", {})) if isinstance(out, dict) else (out, {})
         totals = torch.as_tensor(tensor).float().sum(-1).tolist()
         return [{"reward_score": t, "reward_extra_info": {k: v[i] for k, v in info.items()
@@ -305,13 +303,9 @@ class VerlRewardManager:
         return DataProto.from_dict(tensors, non_tensors)
 
 
-def _run(coroutine) -> Any:
-    """Run `coroutine` to completion on a fresh event loop (the reward step is synchronous)."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coroutine)
-    finally:
-        loop.close()
+def _scalar(value: Any) -> Any:
+    """A one-element tensor as its Python number (verl's managers compute some values as tensors)."""
+    return value.item() if torch.is_tensor(value) and value.numel() == 1 else value
 
 
 def _collect(outputs: list[dict], name: str) -> ScoreBatch:
@@ -320,15 +314,13 @@ def _collect(outputs: list[dict], name: str) -> ScoreBatch:
         if not isinstance(out, dict) or "reward_score" not in out:
             raise UserError(f"reward manager {name}: run_single returned {type(out).__name__}, not a dict with "
                             "reward_score")
-        raw = out["reward_score"]
-        score, _, bad = unpack(raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw)
+        score, _, bad = unpack(_scalar(out["reward_score"]))
         if bad:
             raise UserError(f"reward manager {name}: sample {i}'s reward_score {out['reward_score']!r} is not a "
                             "finite number")
         scores[i] = score
         for key, value in (out.get("reward_extra_info") or {}).items():
-            if torch.is_tensor(value) and value.numel() == 1:
-                value = value.item()
+            value = _scalar(value)
             if isinstance(value, (bool, int, float, np.number)) and not isinstance(value, str):
                 extras.setdefault(key, np.full(len(outputs), np.nan))[i] = float(value)
     return ScoreBatch(scores=scores, extras={k: v.astype(np.float32) for k, v in extras.items()})
