@@ -216,3 +216,38 @@ def test_a_request_outside_a_live_episode_is_404(tiny_model_dir):
         assert len(segments) == 1 and len(segments[0].response_ids) == 2
     finally:
         endpoint.close()
+
+
+def test_agent_requests_sample_with_the_rollouts_penalties(tiny_model_dir):
+    """The trainer fixes the endpoint's sampling (tiller.workers.actor: temperature, filters and penalties): a request
+    that leaves a penalty out samples with the rollout's (its tokens are the engine's under those penalties), one that
+    sets another value is refused, naming the field (the trained logprobs must be those of the sampling
+    distribution)."""
+    import httpx
+
+    from tiller.models.loading import load_causal_lm, load_tokenizer
+    from tiller.rollout import SamplingParams
+    from tiller.rollout.agent_endpoint import AgentEndpoint
+    from tiller.rollout.native import NativeRolloutEngine
+    from tiller.serve.app import agent_app
+
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    engine = NativeRolloutEngine(load_causal_lm(str(tiny_model_dir), dtype="float32"), tok, dtype="float32")
+    pen = {"repetition_penalty": 2.0, "presence_penalty": 0.0, "frequency_penalty": 1.0}
+    endpoint = AgentEndpoint(engine, tok, app=agent_app, max_model_len=256, max_tokens_default=6,
+                             fixed_sampling={"temperature": 0.0, **pen})
+    prompt = tok("1+1=", add_special_tokens=False)["input_ids"]
+    want = engine.generate([prompt], SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True, **pen))
+    plain = engine.generate([prompt], SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True))
+    assert want.response_ids != plain.response_ids
+    body = {"model": "policy", "prompt": "1+1=", "max_tokens": 6, "ignore_eos": True}
+    try:
+        live = endpoint.open_episode()
+        with httpx.Client(timeout=60) as client:
+            assert client.post(f"{endpoint.base_url(live)}/completions", json=body).status_code == 200
+            reply = client.post(f"{endpoint.base_url(live)}/completions", json={**body, "presence_penalty": 0.5})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "presence_penalty", reply.text
+        (segment,) = endpoint.close_episode(live)
+        assert list(segment.response_ids) == want.response_ids[0]
+    finally:
+        endpoint.close()

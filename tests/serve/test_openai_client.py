@@ -149,7 +149,7 @@ def test_unsupported_fields_and_bad_response_formats_are_refused(client):
                            "response_format.json_schema"),
                           ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
                            "response_format.json_schema.name"),
-                          ({"presence_penalty": 0.5}, "presence_penalty"),
+                          ({"presence_penalty": 2.5}, "presence_penalty"),
                           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, **kwargs)

@@ -51,6 +51,25 @@ def test_chat_completion_greedy_matches_engine_and_counts_usage(server):
     assert all(e["logprob"] <= 0 for e in lps)
 
 
+def test_penalties_reach_the_engine(server):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty: the reply is the engine's greedy answer
+    under the same penalties (the kit's fresh model repeats one token; the penalties break that)."""
+    client, served = server
+    from tiller.rollout import SamplingParams
+
+    pen = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 2.0}
+    body = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "logprobs": True, **pen}).json()
+    tok = served.tokenizer
+    prompt = tok(tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    ref = served.batcher.engine.generate([prompt], SamplingParams(max_new_tokens=6, do_sample=False, **pen))
+    plain = served.batcher.engine.generate([prompt], SamplingParams(max_new_tokens=6, do_sample=False))
+    assert ref.response_ids != plain.response_ids
+    (choice,) = body["choices"]
+    assert choice["message"]["content"] == tok.decode(ref.response_ids[0], skip_special_tokens=True)
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(ref.logprobs[0], abs=1e-5)
+
+
 def test_chat_n_seed_and_max_tokens(server):
     client, _ = server
     req = {**CHAT, "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5}
@@ -110,7 +129,8 @@ def test_chat_streaming_sse_concatenates_to_the_full_answer(server):
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),

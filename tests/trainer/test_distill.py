@@ -174,19 +174,25 @@ def test_teacher_with_another_vocabulary_is_refused(distill_setup, tmp_path):
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
 
 
-def test_distillation_with_the_outcome_reward_trains_both_terms(distill_setup, tmp_path):
-    """Default use_outcome_reward=true: the update carries the outcome policy loss and the distillation term."""
+def _fit_moves_the_student(cfg) -> dict:
+    """Train `cfg`; assert some student weight changed; the last step's metrics."""
     from tiller.trainer.rl import RLTrainer
 
-    student, teacher, data = distill_setup
-    cfg = _cfg(tmp_path / "run", student, teacher, data, f"algorithm.distill.teacher_path={teacher}",
-               "algorithm.distill.coef=0.5", "trainer.total_training_steps=2")
     trainer = RLTrainer(cfg)
     before = trainer.actor.execute("state_dict")
     metrics = trainer.fit()
     after = trainer.actor.execute("state_dict")
     trainer.shutdown()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    return metrics
+
+
+def test_distillation_with_the_outcome_reward_trains_both_terms(distill_setup, tmp_path):
+    """Default use_outcome_reward=true: the update carries the outcome policy loss and the distillation term."""
+    student, teacher, data = distill_setup
+    metrics = _fit_moves_the_student(_cfg(tmp_path / "run", student, teacher, data,
+                                          f"algorithm.distill.teacher_path={teacher}", "algorithm.distill.coef=0.5",
+                                          "trainer.total_training_steps=2"))
     for key in ("distillation/loss", "distillation/reverse_kl", "distillation/pg_clipfrac", "actor/pg_loss",
                 "critic/score/mean", "timing_s/teacher"):
         assert key in metrics, key
@@ -217,3 +223,119 @@ def test_gjsd_with_the_outcome_reward_packed_equals_padded(distill_setup, tmp_pa
     assert padded["distillation/divergence"] > 0.1  # a fresh student against the warmed teacher
     for key in ("distillation/loss", "distillation/student_entropy", "actor/grad_norm"):
         assert packed[key] == pytest.approx(padded[key], rel=1e-4), key
+
+
+def _two_source_data(data: Path, out: Path, sources=("arith_a", "arith_b")) -> Path:
+    """The arithmetic prompts with every other row's data_source renamed: two routing values."""
+    from tiller.data.rl_dataset import read_rows, write_rows
+
+    rows = read_rows(data / "train.parquet")
+    for i, row in enumerate(rows):
+        row["data_source"] = sources[i % 2]
+    write_rows(rows, out)
+    return out
+
+
+def test_several_teachers_each_score_the_rows_routed_to_them(distill_setup, tmp_path):
+    """algorithm.distill.teachers (verl 0.10's multi-teacher distillation): the rows whose data_source is "arith_b"
+    are scored by that key's teacher (here the student's own weights), the others by the warmed teacher: each row's
+    teacher_log_prob equals a teacher-forced forward of its own teacher."""
+    from tests.rollout.conftest import reference_logprobs
+    from tiller.trainer.rl import RLTrainer
+    from transformers import AutoModelForCausalLM
+
+    student, teacher, data = distill_setup
+    train = _two_source_data(data, tmp_path / "two.parquet")
+    cfg = _cfg(tmp_path / "run", student, teacher, data, f"data.train_files=[{train}]",
+               f"+algorithm.distill.teachers.arith_a={teacher}",
+               f"+algorithm.distill.teachers.arith_b={student}",
+               f"custom_reward_function.path={_any_reward(tmp_path)}")
+    assert cfg.algorithm.distill.teachers == {"arith_a": str(teacher), "arith_b": str(student)}
+    trainer = RLTrainer(cfg)
+    try:
+        batch = trainer._collect_batch({}, 1)
+        batch["teacher_index"] = trainer._teacher_index(batch)
+        got = trainer.actor.execute("compute_teacher_log_prob", batch, dispatch="dp")["teacher_log_prob"]
+    finally:
+        trainer.shutdown()
+    models = {str(p): AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in (teacher, student)}
+    routes = list(batch["teacher_route"])
+    assert set(routes) == {"arith_a", "arith_b"}
+    for i, route in enumerate(routes):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, : batch["prompts"].shape[1]].bool()].tolist()
+        n = int(batch["response_mask"][i].sum())
+        response = batch["responses"][i, :n].tolist()
+        ref = reference_logprobs(models[cfg.algorithm.distill.teachers[route]], prompt, response)
+        torch.testing.assert_close(got[i, :n], ref, atol=1e-4, rtol=0)
+    # the two teachers differ, so the routing is visible: the student scores its own samples higher than the warmed
+    # teacher does (a fresh model's tokens are unlikely under a trained one)
+    means = [float(got[i, : int(batch["response_mask"][i].sum())].mean()) for i in range(len(routes))]
+    own = [m for m, r in zip(means, routes) if r == "arith_b"]
+    other = [m for m, r in zip(means, routes) if r != "arith_b"]
+    assert sum(own) / len(own) > sum(other) / len(other) + 0.5
+
+
+def _any_reward(tmp_path: Path) -> Path:
+    path = tmp_path / "reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float(solution_str.strip() == str(ground_truth))\n")
+    return path
+
+
+@pytest.mark.parametrize("mode", ["k1", "gjsd"])
+def test_several_teachers_train(distill_setup, tmp_path, mode):
+    """Two steps of pure distillation from two teachers routed by data_source: the update runs (the full-vocabulary
+    gjsd reads each row's teacher logits in the update's micro-batches) and the student moves."""
+    student, teacher, data = distill_setup
+    train = _two_source_data(data, tmp_path / "two.parquet")
+    extra = ["algorithm.distill.loss_mode=gjsd", "algorithm.distill.use_policy_gradient=false"] if mode == "gjsd" \
+        else []
+    cfg = _cfg(tmp_path / "run", student, teacher, data, f"data.train_files=[{train}]",
+               f"+algorithm.distill.teachers.arith_a={teacher}",
+               f"+algorithm.distill.teachers.arith_b={student}",
+               "algorithm.distill.use_outcome_reward=false", "trainer.total_training_steps=2",
+               f"custom_reward_function.path={_any_reward(tmp_path)}", *extra)
+    metrics = _fit_moves_the_student(cfg)
+    assert torch.isfinite(torch.tensor(metrics["distillation/loss"])) and "timing_s/teacher" in metrics
+
+
+def test_verl_multi_teacher_layout_and_routing_errors(distill_setup, tmp_path):
+    from tiller.errors import DataError
+    from tiller.trainer.rl import RLTrainer
+
+    student, teacher, data = distill_setup
+    verl = ["distillation.enabled=true", "+distillation.teacher_models.teacher_model1.key=tiller/arithmetic",
+            f"+distillation.teacher_models.teacher_model1.model_path={teacher}",
+            "+distillation.teacher_models.teacher_model2.key=arith/b",
+            f"+distillation.teacher_models.teacher_model2.model_path={student}"]
+    cfg = _cfg(tmp_path / "run", student, teacher, data, *verl)
+    d = cfg.algorithm.distill
+    assert (d.teachers, d.teacher_key, d.teacher_path) == (
+        {"tiller/arithmetic": str(teacher), "arith/b": str(student)}, "data_source", None)
+    # verl drops teacher_model silently when others are named; here it is an error naming it
+    with pytest.raises(ConfigError, match="teacher_model.model_path is set beside other teachers"):
+        _cfg(tmp_path / "run", student, teacher, data, *verl,
+             f"distillation.teacher_models.teacher_model.model_path={teacher}")
+    with pytest.raises(ConfigError, match="teacher_model2.key is not set"):
+        _cfg(tmp_path / "run", student, teacher, data, *verl[:-2],
+             f"+distillation.teacher_models.teacher_model2.model_path={student}")
+    with pytest.raises(ConfigError, match="teacher_model2.key='tiller/arithmetic': another teacher has that key"):
+        _cfg(tmp_path / "run", student, teacher, data, *verl[:-2],
+             "+distillation.teacher_models.teacher_model2.key=tiller/arithmetic",
+             f"+distillation.teacher_models.teacher_model2.model_path={student}")
+    with pytest.raises(ConfigError, match="teacher_path and algorithm.distill.teachers are both set"):
+        _cfg(tmp_path / "run", student, teacher, data, f"algorithm.distill.teacher_path={teacher}",
+             f"+algorithm.distill.teachers.a={teacher}")
+    with pytest.raises(ConfigError, match="teacher_key='ability' is read only with several teachers"):
+        _cfg(tmp_path / "run", student, teacher, data, f"algorithm.distill.teacher_path={teacher}",
+             "algorithm.distill.teacher_key=ability")
+    # a training row whose routing value has no teacher: named at start, with the file and row
+    cfg = _cfg(tmp_path / "run", student, teacher, data, f"+algorithm.distill.teachers.arith_b={student}",
+               f"+algorithm.distill.teachers.other={teacher}")
+    with pytest.raises(DataError, match=r"train.parquet row 0: data_source='tiller/arithmetic' has no teacher"):
+        RLTrainer(cfg)
+    # another routing column: a row without it is named too
+    cfg = _cfg(tmp_path / "run", student, teacher, data, f"+algorithm.distill.teachers.arith_b={student}",
+               "algorithm.distill.teacher_key=domain")
+    with pytest.raises(DataError, match="no 'domain' column, which algorithm.distill.teacher_key routes"):
+        RLTrainer(cfg)

@@ -63,6 +63,29 @@ def test_rollout_and_validation_dumps(tmp_path, tiny_model_dir, rl_data):  # noq
     assert sum(r["score"] for r in val) / len(val) == pytest.approx(last["val-aux/tiller/arithmetic/reward/mean@1"])
 
 
+def test_rollout_penalties_reach_training_and_validation(tmp_path, tiny_model_dir, rl_data):  # noqa: F811
+    """rollout.repetition_penalty (verl's) and frequency_penalty (vLLM's) change what the run samples, in training and
+    in its greedy validation: the kit's fresh model repeats one token under greedy decoding, the penalties break it."""
+    from tiller.trainer.rl import RLTrainer
+
+    distinct = {}
+    for name, extra in (("plain", []), ("penalised", ["actor_rollout_ref.rollout.repetition_penalty=3.0",
+                                                      "actor_rollout_ref.rollout.frequency_penalty=1.0"])):
+        vals = tmp_path / f"val_{name}"
+        cfg = make_cfg(tmp_path / name, tiny_model_dir, rl_data, f"trainer.validation_data_dir={vals}",
+                       "trainer.val_before_train=true", "trainer.total_training_steps=1", "trainer.test_freq=0",
+                       "data.max_response_length=8", *extra)
+        trainer = RLTrainer(cfg)
+        assert trainer._train_sampling(1)["repetition_penalty"] == (3.0 if extra else 1.0)
+        trainer.fit()
+        tok = trainer.tokenizer
+        trainer.shutdown()
+        rows = _read(vals / "0.jsonl")
+        ids = [tok(r["output"], add_special_tokens=False)["input_ids"] for r in rows]
+        distinct[name] = sum(len(set(row)) for row in ids) / len(ids)
+    assert distinct["plain"] <= 3 and distinct["penalised"] >= 5, distinct
+
+
 @pytest.mark.parametrize("key", ["rollout_data_dir", "validation_data_dir"])
 def test_a_dump_dir_that_is_a_file_is_refused(tmp_path, tiny_model_dir, rl_data, key):  # noqa: F811
     (tmp_path / "taken").write_text("x")

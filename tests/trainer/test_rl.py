@@ -228,7 +228,7 @@ def test_killed_process_leaves_a_loadable_checkpoint_and_resumes(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("case", ["missing_file", "missing_column", "empty", "all_too_long", "too_long_error",
-                                  "bad_key", "no_model"])
+                                  "bad_key", "no_model", "bad_penalty"])
 def test_bad_inputs_exit_2_with_a_clear_message(tmp_path, tiny_model_dir, rl_data, case, capsys):
     from tiller.cli import main
 
@@ -251,6 +251,8 @@ def test_bad_inputs_exit_2_with_a_clear_message(tmp_path, tiny_model_dir, rl_dat
         extra, expect = ["algorithm.adv_estimatr=grpo"], "adv_estimator"
     elif case == "no_model":
         extra, expect = [f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"], "not found"
+    elif case == "bad_penalty":
+        extra, expect = ["actor_rollout_ref.rollout.repetition_penalty=0"], "rollout.repetition_penalty must be > 0"
     argv = ["rl", *_overrides(tmp_path / "run", tiny_model_dir, data, *extra)]
     code = main(argv)
     err = capsys.readouterr().err

@@ -234,3 +234,31 @@ def test_custom_loops_run_asynchronously(tiny_model_dir, files, capsys):
     assert all(1 <= r["agent/turns/mean"] <= 4 for r in trained)
     with pytest.raises(ConfigError, match="partial_rollout=true: a verl agent loop's trajectory"):
         load_config(keys + ["async_training.partial_rollout=true"])
+
+
+def test_server_generate_takes_the_rollouts_penalties_and_the_loops_own():
+    """verl hands `run` the rollout's repetition_penalty; a loop's sampling parameters (vLLM's names) override the
+    rollout's penalties per call."""
+    import asyncio
+
+    from tiller.rollout import SamplingParams
+    from tiller.rollout.verl_agent_loop import _Server, verl_sampling_params
+
+    sampling = SamplingParams(repetition_penalty=1.3, presence_penalty=0.2)
+    params = verl_sampling_params(sampling)
+    assert params["repetition_penalty"] == 1.3
+    calls = []
+
+    class Out:
+        response_ids, logprobs = [[5]], [[-0.5]]
+
+    async def generate(ids, call):
+        calls.append(call)
+        return Out()
+
+    server = _Server(generate, sampling, seed=1, prompt_length=8, response_length=4, max_model_len=32)
+    asyncio.run(server.generate(prompt_ids=[1, 2], sampling_params=params))
+    asyncio.run(server.generate(prompt_ids=[1, 2], sampling_params={**params, "frequency_penalty": 0.5,
+                                                                      "repetition_penalty": 1.0}))
+    assert [(c.repetition_penalty, c.presence_penalty, c.frequency_penalty) for c in calls] == [
+        (1.3, 0.2, 0.0), (1.0, 0.2, 0.5)]

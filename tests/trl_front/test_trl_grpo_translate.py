@@ -167,7 +167,6 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
 @pytest.mark.parametrize("field,value,match", [
     ("loss_type", "gmpo", "^loss_type='gmpo': refused"),
     ("scale_rewards", "median", "^scale_rewards='median': refused"),
-    ("repetition_penalty", 1.1, "^repetition_penalty=1.1: refused"),
     ("push_to_hub", True, "^push_to_hub=True: refused"),
     ("multi_objective_aggregation", "max", "^multi_objective_aggregation='max': refused"),
     ("steps_per_generation", 3, "^steps_per_generation=3: refused"),
@@ -188,9 +187,16 @@ def test_generation_kwargs_stop_strings_map_and_the_rest_is_checked(tiny_model_d
     assert keys["actor_rollout_ref.rollout.stop"] == ["</answer>", "\n\n"]
     keys, _, _ = translate(tiny_model_dir, tmp_path / "h", generation_kwargs={"stop_strings": "END", "do_sample": True})
     assert keys["actor_rollout_ref.rollout.stop"] == ["END"]
+    assert keys["actor_rollout_ref.rollout.repetition_penalty"] == 1.0
+    # the penalties: the field maps, and a generation_kwargs penalty wins over it (TRL updates the field's kwargs)
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "p", repetition_penalty=1.2)
+    assert keys["actor_rollout_ref.rollout.repetition_penalty"] == 1.2
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "q", repetition_penalty=1.2, generation_kwargs={
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.25})
+    assert {k.rsplit(".", 1)[1]: v for k, v in keys.items() if k.endswith("_penalty")} == {
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.25}
     for kwargs, needle in [({"temperature": 0.7}, "generation_kwargs\\['temperature'\\]=0.7: refused: set "
                                                   "temperature=0.7 in the config instead"),
-                           ({"repetition_penalty": 1.1}, "generation_kwargs\\['repetition_penalty'\\]=1.1: refused"),
                            ({"eos_token_id": 3}, "generation_kwargs\\['eos_token_id'\\]=3: refused")]:
         with pytest.raises(ConfigError, match=needle):
             translate(tiny_model_dir, tmp_path / "x", generation_kwargs=kwargs)

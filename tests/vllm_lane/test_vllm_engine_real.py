@@ -71,6 +71,21 @@ def test_greedy_and_stops_equal_the_native_engine(engines):
     assert len(got.response_ids[0]) < 12
 
 
+def test_penalties_equal_the_native_engine(engines):
+    """repetition / presence / frequency penalties reach vLLM's SamplingParams: greedy rows and their (penalised)
+    logprobs equal the native engine's, which applies the same rules (tiller.rollout.sampling.apply_penalties)."""
+    _, tok, engine, native = engines
+    prompts = prompt_ids(tok)
+    pen = dict(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.3)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True, **pen)
+    got, want = engine.generate(prompts, greedy), native.generate(prompts, greedy)
+    plain = native.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True))
+    assert want.response_ids != plain.response_ids
+    assert got.response_ids == want.response_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
 def test_weight_sync_crosses_the_process_boundary(engines):
     model, tok, engine, native = engines
     prompts = prompt_ids(tok)

@@ -431,9 +431,10 @@ RULES.update({
     "distillation.n_gpus_per_node": noop("tiller's teacher is a frozen model inside each actor worker"),
     "distillation.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
     "distillation.teacher_models": Rule(HONOURED, "verl 0.10's named teachers: one teacher's model_path resolves onto "
-                                                  "algorithm.distill.teacher_path (its key, num_replicas and inference "
-                                                  "server settings have no effect); several teachers are refused"),
-    "distillation.teacher_key": noop("routes samples among several teachers; tiller has one teacher"),
+                                                  "algorithm.distill.teacher_path, several onto algorithm.distill."
+                                                  "teachers ({key: model_path}, each sample routed by "
+                                                  "distillation.teacher_key; num_replicas and the inference server "
+                                                  "settings have no effect)"),
     # trainer: verl's v1 trainer
     "trainer.use_v1": noop("tiller has one trainer; its step is verl's v1 sync mode (rollout, then update, one "
                            "policy)"),
@@ -626,6 +627,7 @@ for _f in ("path", "name", "reward_kwargs", "overlong_buffer.enable", "overlong_
 # verl's on-policy distillation section -> tiller's algorithm.distill (resolved by `_resolve_distillation`)
 DISTILLATION_ALIASES: dict[str, str] = {
     "distillation.teacher_model.model_path": "algorithm.distill.teacher_path",
+    "distillation.teacher_key": "algorithm.distill.teacher_key",
     "distillation.distillation_loss.loss_mode": "algorithm.distill.loss_mode",
     "distillation.distillation_loss.use_task_rewards": "algorithm.distill.use_outcome_reward",
     "distillation.distillation_loss.distillation_loss_coef": "algorithm.distill.coef",
@@ -858,7 +860,7 @@ def _resolve_distillation(cfg: RLConfig) -> None:
     given, so a second pass is a no-op."""
     section = cfg.distillation
     on = section.enabled or bool(section.enable)
-    _fold_teacher_models(cfg, on)
+    teachers = _fold_teacher_models(cfg, on)
     changed = [k for k in DISTILLATION_ALIASES if get(cfg, k) != _default(k)]
     if not on:
         if changed:
@@ -870,7 +872,7 @@ def _resolve_distillation(cfg: RLConfig) -> None:
     if both:
         raise ConfigError(f"distillation.enabled=true (verl's layout) and {both[0]} (tiller's) are both set: use one "
                           "layout (distillation.* resolves onto algorithm.distill.*)")
-    if not section.teacher_model.model_path:
+    if not section.teacher_model.model_path and not teachers:
         raise ConfigError("distillation.enabled=true needs distillation.teacher_model.model_path (the teacher's "
                           "Hugging Face model dir)")
     mode = section.distillation_loss.loss_mode
@@ -892,21 +894,43 @@ def _resolve_distillation(cfg: RLConfig) -> None:
         _set(cfg, old, get(cfg, new))
         _set(cfg, new, _default(new))
     cfg.algorithm.distill.log_prob_min_clamp = None  # verl's estimators clamp no log-prob (see RULES)
+    cfg.algorithm.distill.teachers = teachers
     section.enabled, section.enable = False, None  # the no-op keys keep their values (the start-up line names them)
 
 
-def _fold_teacher_models(cfg: RLConfig, on: bool) -> None:
+def _fold_teacher_models(cfg: RLConfig, on: bool) -> dict[str, str]:
     """verl 0.10's `distillation.teacher_models` {name: {key, model_path, num_replicas, inference}}: one teacher's
     model_path becomes distillation.teacher_model.model_path (then the section goes back to its default); several
-    teachers are refused."""
+    teachers are returned as {key: model_path} (algorithm.distill.teachers, routed by teacher_key), each with its own
+    key. verl drops the default `teacher_model` entry when others are named, whatever it holds: here a
+    `teacher_model` with a model_path beside others is an error, not silently dropped."""
     section = cfg.distillation
     teachers = {name: t for name, t in section.teacher_models.items() if isinstance(t, dict) and t.get("model_path")}
     if not teachers:
-        return
+        return {}
     if len(teachers) > 1:
-        raise ConfigError(f"distillation.teacher_models has {len(teachers)} teachers ({', '.join(teachers)}): several "
-                          "teachers routed by distillation.teacher_key are refused: tiller distils from one teacher. "
-                          "Instead: one entry (distillation.teacher_models.teacher_model.model_path)")
+        if not on:
+            raise ConfigError(f"distillation.teacher_models has {len(teachers)} teachers but distillation.enabled is "
+                              "false: set distillation.enabled=true")
+        if "teacher_model" in teachers:
+            raise ConfigError("distillation.teacher_models.teacher_model.model_path is set beside other teachers "
+                              f"({', '.join(n for n in teachers if n != 'teacher_model')}): verl drops the "
+                              "teacher_model entry when others are named (its documented pitfall); give that teacher "
+                              "another name (+distillation.teacher_models.teacher_model1.key=... / .model_path=...)")
+        routed: dict[str, str] = {}
+        for name, teacher in teachers.items():
+            key = teacher.get("key")
+            if key in (None, ""):
+                raise ConfigError(f"distillation.teacher_models.{name}.key is not set: with several teachers each "
+                                  f"needs the value of distillation.teacher_key ({section.teacher_key}) it scores")
+            if str(key) in routed:
+                raise ConfigError(f"distillation.teacher_models.{name}.key={key!r}: another teacher has that key")
+            routed[str(key)] = str(teacher["model_path"])
+        if cfg.algorithm.distill.teachers:
+            raise ConfigError("distillation.teacher_models and algorithm.distill.teachers are both set (verl's layout "
+                              "and tiller's): use one")
+        section.teacher_models = _default("distillation.teacher_models")
+        return routed
     (name, teacher), = teachers.items()
     key = f"distillation.teacher_models.{name}.model_path"
     if not on:
@@ -916,6 +940,7 @@ def _fold_teacher_models(cfg: RLConfig, on: bool) -> None:
                           "one before): use one")
     section.teacher_model.model_path = teacher["model_path"]
     section.teacher_models = _default("distillation.teacher_models")
+    return {}
 
 
 def _convert_deprecated(cfg: RLConfig) -> None:

@@ -29,7 +29,8 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
                  (its logits and their temperature-scaled copy, held during the micro-batch's loss)
     KV cache     rollout rows per rank x S x L x 2 x kv x d x b_rollout (4 on CPU: the engine falls back to
                  fp32 without native bf16)
-    teacher      4 N_teacher with algorithm.distill.teacher_path (a frozen full copy in every worker)
+    teacher      4 N_teacher with algorithm.distill.teacher_path (a frozen full copy in every worker; the sum of
+                 them with algorithm.distill.teachers)
     prm          PRIME: 12 N / W (the implicit PRM's weights and AdamW moments) + 4 N (its frozen reference);
                  its gradients live only during its update, before the actor's, so they are not added
     critic       PPO with GAE: the value model (critic.model.path, default the actor's; its body without the LM head
@@ -207,7 +208,8 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
     resp = arr.rollout.response_length or data.max_response_length
     per_token_layer = (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * b
     activations = rows * s * shape.layers * per_token_layer + rows * resp * shape.vocab * 4 * 3
-    if cfg.algorithm.distill.teacher_path and cfg.algorithm.distill.loss_mode == "gjsd":
+    d = cfg.algorithm.distill
+    if (d.teacher_path or d.teachers) and d.loss_mode == "gjsd":
         activations += rows * resp * shape.vocab * 4 * 2  # the teacher's logits in the micro-batch's gjsd loss
     rollout_rows = math.ceil((data.gen_batch_size or data.train_batch_size) * arr.rollout.n / w)
     b_roll = 2 if (arr.rollout.dtype in ("bfloat16", "bf16") and cfg.trainer.device == "cuda") else 4
@@ -256,15 +258,18 @@ def _critic(cfg: RLConfig, shape: ModelShape, critic_shape: ModelShape | None, a
 
 
 def _teacher_params(cfg: RLConfig, teacher_shape: ModelShape | None) -> int:
-    path = cfg.algorithm.distill.teacher_path
-    if not path:
-        return 0
-    if teacher_shape is None:
+    """Parameters of the distillation teacher (all of them, with several teachers: each is a frozen copy per worker)."""
+    d = cfg.algorithm.distill
+    paths = [d.teacher_path] if d.teacher_path else list(d.teachers.values())
+    if teacher_shape is not None:
+        return teacher_shape.params * len(paths)
+    total = 0
+    for path in paths:
         try:
-            teacher_shape = model_shape(path, cfg.actor_rollout_ref.model.trust_remote_code)
+            total += model_shape(path, cfg.actor_rollout_ref.model.trust_remote_code).params
         except Exception:  # noqa: BLE001 - unreadable teacher config: the estimate leaves it out
-            return 0
-    return teacher_shape.params
+            continue
+    return total
 
 
 def _adapter_rank(path: str | None) -> int:

@@ -829,6 +829,16 @@ class RolloutConfig:
     """Top-p."""
     min_p: float = 0.0
     """Min-p (0 = off)."""
+    repetition_penalty: float = 1.0
+    """verl (vLLM's): a logit of a token already in the prompt or the response is divided by this when positive,
+    multiplied when negative (> 0; 1 = off). Applies to validation too (verl's server applies it to every request);
+    the rollout logprobs are then those of the penalised distribution, which the actor's forward does not reproduce."""
+    presence_penalty: float = 0.0
+    """tiller (vLLM's / OpenAI's): subtracted from the logit of every token already in the response ([-2, 2]; 0 = off);
+    training and validation, as repetition_penalty."""
+    frequency_penalty: float = 0.0
+    """tiller (vLLM's / OpenAI's): this times a token's count in the response so far is subtracted from its logit
+    ([-2, 2]; 0 = off); training and validation, as repetition_penalty."""
     do_sample: bool = True
     """Sample (False = greedy)."""
     prompt_length: Optional[int] = None
@@ -1354,10 +1364,17 @@ class DistillConfig:
     the student's sampled tokens, and the loss adds the per-token reverse KL (student log p - teacher log p) as a
     per-token advantage (Thinking Machines' on-policy distillation; verl's `distillation.*`, which resolves onto
     these keys); or, with loss_mode=gjsd, the generalized JSD to the teacher's whole next-token distribution at each
-    response position (TRL's DistillationTrainer). On when teacher_path is set."""
+    response position (TRL's DistillationTrainer). On when teacher_path (or teachers) is set."""
 
     teacher_path: Optional[str] = None
     """A Hugging Face model dir (or hub id) with the student's tokenizer (same vocabulary): the teacher, frozen."""
+    teachers: dict[str, str] = field(default_factory=dict)
+    """Several teachers (verl 0.10's multi-teacher on-policy distillation): {routing value: model dir}; each sample is
+    scored by the teacher its prompt row's `teacher_key` column names (a training row whose value has no teacher is
+    an error at start). Each has the student's vocabulary; the loss settings are shared. Exclusive with
+    teacher_path."""
+    teacher_key: str = "data_source"
+    """With `teachers`: the prompt column whose value picks a sample's teacher (verl's distillation.teacher_key)."""
     coef: float = 1.0
     """Weight of the distillation loss next to the outcome-reward loss (verl: distillation_loss_coef; as verl, it
     applies only with use_outcome_reward, the distillation loss alone has weight 1)."""
@@ -1791,9 +1808,10 @@ class DistillationConfig:
     """verl 0.10: nodes of the teacher pool; tiller's teacher sits in the actor worker."""
     teacher_models: dict[str, Any] = field(default_factory=v010.teacher_models)
     """verl 0.10: named teachers {key, model_path, num_replicas, inference}; one teacher's model_path resolves onto
-    algorithm.distill.teacher_path, several teachers (routed by teacher_key) are refused."""
+    algorithm.distill.teacher_path, several onto algorithm.distill.teachers ({key: model_path}, routed by
+    teacher_key)."""
     teacher_key: str = "data_source"
-    """verl 0.10: the sample field that routes a sample to one of several teachers (one teacher here)."""
+    """verl 0.10: the sample field that routes a sample to one of several teachers (= algorithm.distill.teacher_key)."""
 
 
 @dataclass

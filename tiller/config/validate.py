@@ -124,7 +124,7 @@ def validate_rl(cfg: RLConfig) -> None:
     if tr.total_epochs <= 0:
         raise ConfigError(f"trainer.total_epochs must be > 0, got {tr.total_epochs}")
     _validate_batches(cfg)
-    distill_only = bool(algo.distill.teacher_path) and not algo.distill.use_outcome_reward  # no advantage is used
+    distill_only = bool(algo.distill.teacher_path or algo.distill.teachers) and not algo.distill.use_outcome_reward
     if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2 and not distill_only:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of one prompt, so it needs "
@@ -173,6 +173,13 @@ def validate_rl(cfg: RLConfig) -> None:
         raise ConfigError(
             f"actor_rollout_ref.rollout.temperature must be > 0 when rollout.do_sample=True (got {rollout.temperature})"
         )
+    if not rollout.repetition_penalty > 0:
+        raise ConfigError(f"actor_rollout_ref.rollout.repetition_penalty must be > 0 (1 = off), got "
+                          f"{rollout.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(rollout, name) <= 2.0:
+            raise ConfigError(f"actor_rollout_ref.rollout.{name} must be in [-2, 2] (0 = off), got "
+                              f"{getattr(rollout, name)}")
     width = rollout.response_length or data.max_response_length
     for i, stage in enumerate(rollout.response_length_schedule):
         key = f"actor_rollout_ref.rollout.response_length_schedule[{i}] = {stage}"
@@ -463,13 +470,25 @@ def _validate_distill(cfg: RLConfig) -> None:
     import dataclasses
 
     d = cfg.algorithm.distill
-    if not d.teacher_path:
+    if d.teacher_path and d.teachers:
+        raise ConfigError("algorithm.distill.teacher_path and algorithm.distill.teachers are both set: one teacher, or "
+                          "several routed by algorithm.distill.teacher_key; use one")
+    if not d.teacher_path and not d.teachers:
         default = type(d)()
         for f in dataclasses.fields(d):
             if getattr(d, f.name) != getattr(default, f.name):
                 raise ConfigError(f"algorithm.distill.{f.name} is set but algorithm.distill.teacher_path is not: "
                                   "on-policy distillation needs the teacher's model dir")
         return
+    for key, path in d.teachers.items():
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"algorithm.distill.teachers[{key!r}] must be a model dir, got {path!r}")
+    if d.teacher_path and d.teacher_key != type(d)().teacher_key:
+        raise ConfigError(f"algorithm.distill.teacher_key={d.teacher_key!r} is read only with several teachers "
+                          "(algorithm.distill.teachers / distillation.teacher_models); one teacher scores every sample")
+    if d.teachers and not d.teacher_key:
+        raise ConfigError("algorithm.distill.teacher_key is empty: with several teachers it names the prompt column "
+                          "whose value picks a sample's teacher (verl's default: data_source)")
     _choice("algorithm.distill.loss_mode", d.loss_mode, DISTILL_LOSS_MODES)
     if not d.use_policy_gradient and d.loss_mode in PG_ONLY_LOSS_MODES:
         raise ConfigError(f"algorithm.distill.loss_mode={d.loss_mode} needs algorithm.distill.use_policy_gradient=true:"

@@ -69,6 +69,8 @@ class PromptItem:
     """`pixel_values [N_patches, D]` and `image_grid_thw [n_images, 3]` of an image prompt (None for text)."""
     agent_name: str | None = None
     """verl's per-row agent loop (`agent_name` column): tool_agent or single_turn_agent (None: the run's default)."""
+    route: str | None = None
+    """The row's value of the dataset's `route_key` column (several distillation teachers: which one scores it)."""
 
 
 HERMES_SYSTEM = (
@@ -201,7 +203,7 @@ class RLDataset:
                  input_template: str | None = None, probs: Sequence[float] | None = None, split: str = "train",
                  seed: int = 42, processor=None, image_key: str = "images",
                  chat_template_kwargs: dict | None = None, tool_schemas: Sequence[dict] | None = None,
-                 agent_names: Sequence[str] = ()):
+                 agent_names: Sequence[str] = (), route_key: str | None = None):
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:
             raise ConfigError(f"{what} is empty: give at least one .parquet or .jsonl file")
@@ -223,6 +225,15 @@ class RLDataset:
             else:
                 raise DataError(f"{where}: missing column {reward_fn_key!r} (columns: {', '.join(row)}); set "
                                 "data.reward_fn_key, or data.default_data_source for rows without one")
+            route = None
+            if route_key is not None:
+                if route_key == reward_fn_key:
+                    route = source  # (data.default_data_source included)
+                elif row.get(route_key) is None:
+                    raise DataError(f"{where}: no {route_key!r} column, which algorithm.distill.teacher_key routes "
+                                    f"each sample's teacher by (columns: {', '.join(row)})")
+                else:
+                    route = str(_plain(row[route_key]))
             if label_key is not None and label_key not in row:
                 raise DataError(f"{where}: missing column {label_key!r} (data.label_key); row has {sorted(row)}")
             if row.get("videos") is not None and len(row["videos"]):
@@ -267,7 +278,7 @@ class RLDataset:
                 images=images or None,
                 multi_modal_inputs=None if vision is None else {"pixel_values": vision.pixel_values,
                                                                 "image_grid_thw": vision.image_grid_thw},
-                agent_name=agent_name,
+                agent_name=agent_name, route=route,
             ))
             if require_ground_truth and self.items[-1].ground_truth is None:
                 raise DataError(f"{where}: no ground truth (reward_model.ground_truth, or a top-level "
@@ -341,12 +352,14 @@ def _ground_truth(row: dict) -> Any:
 
 def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: int = -1,
                      what: str = "data.train_files", require_ground_truth: bool = False, processor=None,
-                     tool_schemas: Sequence[dict] | None = None, agent_names: Sequence[str] = ()) -> RLDataset:
+                     tool_schemas: Sequence[dict] | None = None, agent_names: Sequence[str] = (),
+                     route_key: str | None = None) -> RLDataset:
     """`RLDataset` from a `tiller.config.schema.DataConfig`; says how many prompts filter_overlong_prompts dropped.
     `require_ground_truth`: a row without one is an error naming the file and row (rule scoring needs it).
     `processor`: a vision-language model's processor (`tiller.models.vision.load_processor`): rows with images.
     `tool_schemas`: the multi-turn loop's tools (tool_config_path, function_tool_path): every text prompt is rendered
-    with them, so the length filter and truncation see the prompt the rollout sends (as verl's dataset)."""
+    with them, so the length filter and truncation see the prompt the rollout sends (as verl's dataset).
+    `route_key`: the column each item's `route` is read from (several distillation teachers)."""
     ds = RLDataset(files, tokenizer, prompt_key=data_cfg.prompt_key, reward_fn_key=data_cfg.reward_fn_key,
                    max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
                    filter_overlong_prompts=data_cfg.filter_overlong_prompts,
@@ -358,7 +371,7 @@ def build_rl_dataset(data_cfg, tokenizer, files: Sequence[str], *, max_samples: 
                    split=data_cfg.train_split if what == "data.train_files" else data_cfg.val_split,
                    seed=data_cfg.seed, processor=processor, image_key=data_cfg.image_key,
                    chat_template_kwargs=dict(data_cfg.apply_chat_template_kwargs), tool_schemas=tool_schemas,
-                   agent_names=agent_names)
+                   agent_names=agent_names, route_key=route_key)
     if ds.num_filtered:
         print(f"{what}: data.filter_overlong_prompts dropped {ds.num_filtered} of {ds.num_rows} prompts longer than "
               f"data.max_prompt_length={data_cfg.max_prompt_length} tokens")

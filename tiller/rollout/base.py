@@ -11,6 +11,8 @@ Conventions (see docs/internals.md, `tiller.rollout`):
   text contains a stop string (the token that completed the string is kept, nothing after it), else it
   runs to `max_new_tokens` (`finish_reason="length"`).
 - Greedy decoding (`do_sample=False`) reports `log_softmax(logits)` at temperature 1.
+- Penalties (repetition, presence, frequency) change the logits before everything else, greedy rows included; the
+  logprobs are then those of the penalised distribution (`tiller.rollout.sampling`).
 
 Letters: `B` rows in the decode batch, `V` vocabulary size.
 """
@@ -53,6 +55,18 @@ class SamplingParams:
     """Seed for this call (None = the engine's own generator, advanced call by call)."""
     ignore_eos: bool = False
     """Do not stop at eos ids (explicit `stop_token_ids` and `stop` strings still apply); for benchmarks."""
+    repetition_penalty: float = 1.0
+    """Divide a positive logit (multiply a negative one) of every token already in the prompt or the response by
+    this (> 0; 1 = off; `tiller.rollout.sampling.apply_penalties`)."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every token already in the response ([-2, 2]; 0 = off)."""
+    frequency_penalty: float = 0.0
+    """Subtract this times its count in the response from every token's logit ([-2, 2]; 0 = off)."""
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the logits depend on the tokens so far)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
         """Raise ConfigError naming the field when a value cannot be used."""
@@ -68,8 +82,20 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise ConfigError(f"SamplingParams.top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"SamplingParams.stop must hold non-empty strings, got {list(self.stop)!r}")
+
+
+def penalties_of(rollout_cfg) -> dict:
+    """`SamplingParams` keywords of the penalties in `actor_rollout_ref.rollout` (training and validation alike:
+    verl's rollout server applies `repetition_penalty` to every request)."""
+    return dict(repetition_penalty=rollout_cfg.repetition_penalty, presence_penalty=rollout_cfg.presence_penalty,
+                frequency_penalty=rollout_cfg.frequency_penalty)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Continuous batching over the native engine's model: requests join and leave the running batch between
 decode steps (Yu et al. 2022, "Orca"; vLLM's scheduler is the model), each row with its own sampling
-settings, `logit_bias`, top-k logprobs, optional grammar (constrained decoding) and, when seeded, its own
-`torch.Generator`.
+settings (penalties included), `logit_bias`, top-k logprobs, optional grammar (constrained decoding) and, when
+seeded, its own `torch.Generator`.
 
 `ContinuousBatcher(engine).submit(prompt_ids, sampling, logit_bias=..., top_logprobs=..., grammar=...)` returns a
 `Future[DetailedOutput]`; one daemon thread owns the model and loops:
@@ -28,10 +28,10 @@ Seeded rows: the row j of a request with `seed` s draws from `Generator().manual
 one uniform per step, so its tokens do not depend on what else runs (up to float rounding of batched
 matmuls, which in fp32 does not change a draw in practice: tested). Unseeded rows share one generator.
 
-Semantics (as `tiller.rollout.base`): logprobs are those of the sampling distribution after
-`logit_bias`, the grammar's mask, temperature, top-k, top-p and min-p; greedy reports
-`log_softmax(logits + bias + mask)` (mask 0 or -inf). With a grammar these are the logprobs of the constrained
-distribution the tokens were drawn from, which is what RL trains on. A constrained row also ends at the
+Semantics (as `tiller.rollout.base`): logprobs are those of the sampling distribution after `logit_bias`, the
+penalties (repetition, presence, frequency: `sampling.apply_penalties`), the grammar's mask, temperature, top-k,
+top-p and min-p; greedy reports `log_softmax(penalised(logits + bias) + mask)` (mask 0 or -inf). With a grammar
+these are the logprobs of the constrained distribution the tokens were drawn from, which is what RL trains on. A constrained row also ends at the
 grammar's eos (allowed only once the text is complete) even with `ignore_eos`.
 
 Letters: `B` live rows, `S` slots, `H` kv heads, `L` cache columns, `D` head dim, `V` vocabulary.
@@ -66,7 +66,7 @@ from tiller.rollout.graphed_decode import capture_sizes, SlotStep
 from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
 from tiller.rollout.images import vision_ids_tensor
 from tiller.rollout.native import KVBuffer, NativeRolloutEngine, prefill_inputs
-from tiller.rollout.sampling import draw_with_uniforms, warp_logits
+from tiller.rollout.sampling import apply_penalties, draw_with_uniforms, token_counts, warp_logits
 
 MAX_TOP_LOGPROBS = 20
 
@@ -598,6 +598,15 @@ class ContinuousBatcher:
                 if r.job.logit_bias:
                     ids = torch.tensor(list(r.job.logit_bias), device=logits.device)
                     logits[i, ids] += torch.tensor(list(r.job.logit_bias.values()), device=logits.device)
+        penalized = [i for i, r in enumerate(rows) if r.job.sampling.penalized]
+        if penalized:  # after logit_bias, as vLLM orders them
+            logits = logits.clone()
+            vocab = logits.shape[-1]
+            for i in penalized:
+                s = rows[i].job.sampling
+                logits[i] = apply_penalties(logits[i : i + 1], token_counts([rows[i].prompt], vocab, logits.device) > 0,
+                                            token_counts([rows[i].tokens], vocab, logits.device), s.repetition_penalty,
+                                            s.presence_penalty, s.frequency_penalty)[0]
         constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
         if constrained:
             allowed = allowed_tokens([(rows[i].matcher, rows[i].job.grammar) for i in constrained], logits.shape[-1])

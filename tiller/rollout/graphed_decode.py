@@ -49,7 +49,8 @@ logprobs close), that padding rows change nothing, and that seeded sampling is r
 and the compiled layer (Inductor's C++ backend there) against the eager one.
 
 Deviations from vLLM: no paged cache (one contiguous row per sequence, compacted as rows finish); stop strings
-and partial-rollout weight hooks need the host every step, so the engine keeps its eager loop for those.
+and partial-rollout weight hooks need the host every step, and penalties per-row token counts, so the engine keeps
+its eager loop for those.
 
 Letters: `b` batch rows (a bucket), `C` cache rows, `R` rows of the wave, `T` new tokens, `Lb` columns read.
 """

@@ -14,6 +14,9 @@ computes the M-RoPE positions from `image_grid_thw` and `mm_token_type_ids` by t
 never samples its vision special tokens (`<|image_pad|>`, ...: suppressed, the logprobs are those of the
 renormalised distribution): a response holding one would be read as an image slot by every later forward.
 
+Penalties (repetition, presence, frequency) run as one logits processor with the native engine's math
+(`tiller.rollout.sampling.apply_penalties`), so both engines sample from the same penalised distribution.
+
 Deviations from plain `generate`: every sampling knob is set explicitly (so a checkpoint's
 `generation_config`, e.g. `top_k=20`, never leaks in), and `ignore_eos` is implemented by giving
 `generate` no eos id rather than suppressing eos logits (the distribution stays unchanged).
@@ -22,7 +25,7 @@ Deviations from plain `generate`: every sampling knob is set explicitly (so a ch
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from tiller.models.vision import image_token_id
 from tiller.rollout.base import (
@@ -37,6 +40,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
+from tiller.rollout.sampling import apply_penalties, token_counts
 from tiller.rollout.images import encode_images, encoder_outputs, vision_token_ids  # noqa: F401 - vision_token_ids: re-exported
 
 
@@ -53,6 +57,25 @@ class _StopStringCriteria(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         responses = input_ids[:, self.prompt_width :].tolist()
         return torch.tensor(self.watcher.hits(responses), dtype=torch.bool, device=input_ids.device)
+
+
+class _Penalties(LogitsProcessor):
+    """`tiller.rollout.sampling.apply_penalties` as a `generate` logits processor: the prompt tokens counted from the
+    unpadded prompts (HF's own repetition processor would count the left padding too), the response's from the
+    columns past `prompt_width`. `generate` runs it after token suppression and before temperature and the filters,
+    the native engine's order."""
+
+    def __init__(self, prompts: list[list[int]], prompt_width: int, sampling: SamplingParams):
+        self.prompts, self.prompt_width = prompts, prompt_width
+        self.penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
+        self.prompt_seen: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab, device = scores.shape[-1], scores.device
+        if self.prompt_seen is None:
+            self.prompt_seen = token_counts(self.prompts, vocab, device) > 0
+        counts = token_counts(input_ids[:, self.prompt_width:].tolist(), vocab, device)
+        return apply_penalties(scores, self.prompt_seen, counts, *self.penalties)
 
 
 class HFRolloutEngine(InProcessEngine):
@@ -90,6 +113,7 @@ class HFRolloutEngine(InProcessEngine):
             suppress_tokens=vision_token_ids(model) or None,
         )
         criteria = StoppingCriteriaList([_StopStringCriteria(watcher, width)]) if watcher else None
+        processors = LogitsProcessorList([_Penalties(expanded, width, sampling)]) if sampling.penalized else None
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eval_mode(model):
@@ -101,6 +125,7 @@ class HFRolloutEngine(InProcessEngine):
                     attention_mask=attention_mask,
                     generation_config=gen_cfg,
                     stopping_criteria=criteria,
+                    logits_processor=processors,
                     **vision,
                 )
         sequences = out.sequences[:, width:]

@@ -10,8 +10,10 @@ the single-device, no-paging version):
    as `past_key_values` (keys / values written in place, attention over the filled prefix only), an
    explicit 4D padding mask and explicit position ids, and `logits_to_keep=1`. For Llama / Qwen2 the
    decode step instead runs `FusedDecoder` (same modules, q/k/v and gate/up fused into one matmul each).
-3. Sample on the device (`tiller.rollout.sampling`: temperature, top-k, top-p, min-p in HF's order) with
-   a seeded `torch.Generator`, and keep the sampled token's logprob.
+3. Sample on the device (`tiller.rollout.sampling`: penalties, then temperature, top-k, top-p, min-p in HF's
+   order) with a seeded `torch.Generator`, and keep the sampled token's logprob. With penalties each row's prompt
+   tokens and response counts ride along as [B, V] tensors (`PenaltyState`), and the call decodes eagerly (the
+   static / CUDA-graph step keeps no counts).
 4. Rows that hit a stop token or stop string (watched incrementally on a window of decoded text) leave:
    once enough rows are done the batch and its cache are compacted, so work tracks live rows.
 
@@ -61,7 +63,7 @@ from tiller.rollout.images import ImagePrompts, check_multi_modal, next_position
 from tiller.rollout.images import vision_ids_tensor, vision_token_ids
 from tiller.rollout.fused_decode import FusedDecoder
 from tiller.rollout.fused_decode import supports as supports_fused
-from tiller.rollout.sampling import sample_tokens
+from tiller.rollout.sampling import PenaltyState, sample_tokens
 
 
 MAX_WASTE = 0.125
@@ -352,7 +354,7 @@ class NativeRolloutEngine(InProcessEngine):
         (versions: the policy version of each token's logits, from `weights_hook`; empty lists without it)."""
         vision_ids = vision_ids_tensor(model, next(model.parameters()).device)
         graphed = (graphed_decode.decoder_for(self, model) if weights_hook is None and not watcher
-                   and vision_ids is None else None)
+                   and vision_ids is None and not sampling.penalized else None)
         if graphed is not None:  # the static-shape step (CUDA graphs on a GPU)
             return graphed_decode.generate_wave(self, graphed, model, prompts, sampling, stop_ids, generator,
                                                 pad_token_id(model, self.tokenizer), KVBuffer)
@@ -382,8 +384,16 @@ class NativeRolloutEngine(InProcessEngine):
         stop_tensor = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
         sample_kw = dict(do_sample=sampling.do_sample, temperature=sampling.temperature, top_k=sampling.top_k,
                          top_p=sampling.top_p, min_p=sampling.min_p, generator=generator)
+        penalties = (PenaltyState([p for p in prompts for _ in range(n)], logits.shape[-1], device,
+                                  sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
+                     if sampling.penalized else None)
         for t in range(max_new):
-            tokens, logp = sample_tokens(suppress_vision_tokens(logits, vision_ids), **sample_kw)
+            logits = suppress_vision_tokens(logits, vision_ids)
+            if penalties is not None:
+                logits = penalties.penalize(logits)
+            tokens, logp = sample_tokens(logits, **sample_kw)
+            if penalties is not None:
+                penalties.record(tokens)
             out_tokens[rows, t] = tokens
             out_logp[rows, t] = logp
             done = torch.isin(tokens, stop_tensor) if len(stop_ids) else torch.zeros_like(alive)
@@ -402,6 +412,8 @@ class NativeRolloutEngine(InProcessEngine):
                 cache.select_rows(keep, width + t)
                 rows, tokens, alive = rows[keep], tokens[keep], alive[keep]
                 first_pos, mask_all = first_pos[keep], mask_all[keep]
+                if penalties is not None:
+                    penalties.select(keep)
             cache.write_pos = width + t
             if weights_hook is not None:  # partial rollout: newer weights from here on (KV cache kept)
                 version = self._new_weights(weights_hook, version)

@@ -1,4 +1,4 @@
-"""Sampling on the device: temperature, top-k, top-p, min-p, the draw, and the sampled token's logprob.
+"""Sampling on the device: penalties, temperature, top-k, top-p, min-p, the draw, and the sampled token's logprob.
 
 The filters are applied in Hugging Face's warper order (temperature -> top-k -> top-p -> min-p), with the
 same tie and keep-at-least-one rules, so the `native` and `hf` engines sample from the same
@@ -13,12 +13,77 @@ distribution and report the same logprobs:
 The logprob returned is `log_softmax(filtered scores)[token]`, i.e. under the distribution actually sampled.
 Greedy returns `argmax(logits)` and `log_softmax(logits)[token]`.
 
+Penalties (`apply_penalties`, on the raw logits, before temperature and the filters, as vLLM and HF's processors
+order them; greedy rows take them too):
+
+- repetition penalty (Keskar et al. 2019, CTRL, arXiv 1909.05858, section 4.1; HF's `RepetitionPenaltyLogitsProcessor`,
+  vLLM's `repetition_penalty`): a token already in the prompt or the response so far has its logit divided by
+  `r` when positive, multiplied by `r` when negative (`r > 1` discourages repeats);
+- presence and frequency penalties (OpenAI's definition, as vLLM implements it): a token that occurs `c` times in the
+  response so far loses `frequency_penalty * c + presence_penalty * (c > 0)`; prompt tokens do not count.
+
+With penalties the logprobs are those of the penalised distribution (vLLM's `processed_logprobs`), which the
+trainer's teacher-forced forward does not reproduce: the rollout / actor mismatch metrics show the gap.
+
 Letters: `B` rows, `V` vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def token_counts(ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """How often each token occurs in each row: ids (B lists) -> counts [B, V] fp32."""
+    counts = torch.zeros((len(ids), vocab_size), dtype=torch.float32, device=device)
+    for row, row_ids in enumerate(ids):
+        if row_ids:
+            index = torch.tensor(row_ids, dtype=torch.long, device=device)
+            counts[row].index_add_(0, index, torch.ones(len(row_ids), device=device))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, prompt_seen: torch.Tensor, output_counts: torch.Tensor,
+                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0) -> torch.Tensor:
+    """Penalised logits [B, V] (fp32, a new tensor) from logits [B, V], prompt_seen [B, V] bool (the token is in
+    the row's prompt) and output_counts [B, V] (its count in the row's response so far).
+
+    Worked numbers: logits [2.0, -1.0, 0.5], prompt holds token 0, the response token 1 twice; repetition 2,
+    presence 0.1, frequency 0.25 -> [2 / 2, -1 * 2 - 0.25 * 2 - 0.1, 0.5] = [1.0, -2.6, 0.5].
+    """
+    scores = logits.float().clone()
+    if repetition_penalty != 1.0:
+        seen = prompt_seen | (output_counts > 0)
+        penalised = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    if frequency_penalty != 0.0:
+        scores = scores - frequency_penalty * output_counts
+    if presence_penalty != 0.0:
+        scores = scores - presence_penalty * (output_counts > 0).float()
+    return scores
+
+
+class PenaltyState:
+    """The token counts a decode loop keeps for `apply_penalties`: rows in the loop's batch order.
+
+    `penalize(logits)` before sampling, `record(tokens)` after, `select(keep)` when the loop drops rows."""
+
+    def __init__(self, prompts: list[list[int]], vocab_size: int, device, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
+        self.prompt_seen = token_counts(prompts, vocab_size, device) > 0
+        self.output_counts = torch.zeros((len(prompts), vocab_size), dtype=torch.float32, device=device)
+        self.penalties = (repetition_penalty, presence_penalty, frequency_penalty)
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        return apply_penalties(logits, self.prompt_seen, self.output_counts, *self.penalties)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        rows = torch.arange(len(tokens), device=tokens.device)
+        self.output_counts[rows, tokens] += 1
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.prompt_seen, self.output_counts = self.prompt_seen[keep], self.output_counts[keep]
 
 
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,

@@ -17,8 +17,10 @@ the policy through `self.server_manager.generate(request_id, prompt_ids=..., sam
   `agent_name`, `uid`); every sample's coroutine runs concurrently on one event loop (the native engine batches
   their requests together: `tiller.rollout.continuous`);
 - `server_manager.generate`: `max_tokens` from the sampling parameters, else verl's default min(response_length,
-  prompt_length + response_length - len(prompt_ids)), clamped to the model's context; log-probs are always
-  returned; each call of a sample is seeded (the step's seed, the sample, the call);
+  prompt_length + response_length - len(prompt_ids)), clamped to the model's context; `temperature`, `top_p`,
+  `top_k` and vLLM's penalties (`repetition_penalty`, `presence_penalty`, `frequency_penalty`) from the sampling
+  parameters over the rollout's; log-probs are always returned; each call of a sample is seeded (the step's seed,
+  the sample, the call);
 - the output: prompt ids as returned, response ids / mask / log-probs cut to the response length (as verl pads
   them); `response_logprobs` is required (tiller trains with the rollout's log-probs: pass `TokenOutput.log_probs`
   through, as verl's own loops do); `reward_score`, when set, is the sample's reward in place of the reward function
@@ -389,6 +391,7 @@ class _Server:
                        temperature=temperature if temperature > 0 else 1.0,
                        top_p=float(params.get("top_p", self.sampling.top_p)),
                        top_k=-1 if top_k in (None, 0) else int(top_k),
+                       **{name: float(params.get(name, getattr(self.sampling, name))) for name in PENALTIES},
                        seed=None if self.seed is None else self.seed + CALL_SEED_STRIDE * self.calls)
         self.calls += 1
         out = await self._generate(ids, call)
@@ -396,10 +399,13 @@ class _Server:
                            stop_reason="completed")
 
 
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # vLLM's names, SamplingParams' fields
+
+
 def verl_sampling_params(sampling: SamplingParams) -> dict[str, Any]:
-    """The sampling parameters verl hands `run` (greedy: temperature 0)."""
+    """The sampling parameters verl hands `run` (greedy: temperature 0; `rollout.repetition_penalty`)."""
     return dict(temperature=sampling.temperature if sampling.do_sample else 0.0, top_p=sampling.top_p,
-                top_k=sampling.top_k, repetition_penalty=1.0, logprobs=True)
+                top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty, logprobs=True)
 
 
 class VerlAgentLoops:

@@ -191,6 +191,9 @@ class VLLMRolloutEngine:
             stop=list(sampling.stop) or None,
             stop_token_ids=[int(t) for t in sampling.stop_token_ids] or None,
             ignore_eos=bool(sampling.ignore_eos),
+            repetition_penalty=float(sampling.repetition_penalty),
+            presence_penalty=float(sampling.presence_penalty),
+            frequency_penalty=float(sampling.frequency_penalty),
             include_stop_str_in_output=True,
             seed=seed,
             logprobs=0,  # the sampled token's logprob only

@@ -14,11 +14,15 @@ Semantics and deviations from the OpenAI API:
 - `stop` strings end a choice and are not part of the returned text (as OpenAI); the token that completed
   the string is still counted in `usage.completion_tokens`.
 - `logprobs` (and `top_logprobs` <= 20 on chat, `logprobs: k` <= 20 on completions) are those of the sampling
-  distribution (after `logit_bias`, the `response_format` mask, temperature, top-k, top-p, min-p), the quantity
-  RL training uses; at temperature 1 without filters that is the model's `log_softmax`. Tokens the filters
+  distribution (after `logit_bias`, the penalties, the `response_format` mask, temperature, top-k, top-p, min-p),
+  the quantity RL training uses; at temperature 1 without filters that is the model's `log_softmax`. Tokens the filters
   removed report -9999 (vLLM's floor). Top-k logprobs and `logit_bias` need the native engine (400 naming the
   field otherwise).
 - `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before sampling, as OpenAI.
+- `presence_penalty` / `frequency_penalty` (OpenAI's, [-2, 2]: a token already in the completion loses
+  presence + frequency x its count) and vLLM's `repetition_penalty` (> 0: a logit of a token in the prompt or the
+  completion is divided by it when positive, multiplied when negative) apply before temperature and the filters,
+  on every engine (`tiller.rollout.sampling.apply_penalties`); the logprobs are those of the penalised distribution.
 - `response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema", "json_schema":
   {"name": ..., "schema": {...}}}` are honoured on both endpoints by constrained decoding with the native engine
   (`tiller.rollout.constrained`): at every step the tokens that cannot continue valid JSON are masked, and eos is
@@ -174,7 +178,9 @@ class ServedModel:
         greedy = req.temperature == 0.0
         params = SamplingParams(n=req.n, temperature=1.0 if greedy else req.temperature, top_p=req.top_p,
                                 top_k=req.top_k, min_p=req.min_p, max_new_tokens=max_tokens, do_sample=not greedy,
-                                stop=tuple(req.stop_list()), seed=req.seed, ignore_eos=req.ignore_eos)
+                                stop=tuple(req.stop_list()), seed=req.seed, ignore_eos=req.ignore_eos,
+                                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                                frequency_penalty=req.frequency_penalty)
         try:
             params.validate()
         except UserError as err:

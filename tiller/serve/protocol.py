@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (the subset tiller serves) and their checks.
 
 Fields follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`, plus vLLM's
-`top_k`, `min_p` and `ignore_eos` extensions. Unknown fields are ignored (clients send many), but the OpenAI
-fields tiller cannot honour (penalties, `best_of` > n, forced `tool_choice`, `functions`, `audio`, `prediction`,
+`top_k`, `min_p`, `repetition_penalty` and `ignore_eos` extensions. Unknown fields are ignored (clients send many),
+but the OpenAI fields tiller cannot honour (`best_of` > n, forced `tool_choice`, `functions`, `audio`, `prediction`,
 ...) are refused with a 400 naming the field, never silently dropped. `response_format` is checked here
 (`text`, `json_object` or `json_schema` in OpenAI's shape) and honoured by constrained decoding.
 """
@@ -40,9 +40,9 @@ class SamplingFields(BaseModel):
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
@@ -57,9 +57,6 @@ class SamplingFields(BaseModel):
         return stops
 
     def check_supported(self) -> None:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                raise RequestError(f"{name} is not supported by tiller serve (use {neutral})", name)
         self.json_schema()
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:

@@ -71,6 +71,7 @@ from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
 from tiller.rewards.types import RewardRequest
+from tiller.rollout.base import penalties_of
 from tiller.rollout.verl_agent_loop import build_rollout_loop
 from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
@@ -168,9 +169,16 @@ class RLTrainer:
         schemas = [t.schema for t in self.tool_loop.tools.values()] \
             if self.tool_loop is not None and self.tool_loop.tools is not None else None
         names = self.tool_loop.agent_names() if hasattr(self.tool_loop, "agent_names") else ()
+        # several distillation teachers: each training row's teacher_key value picks its teacher (checked here, once)
+        self.teacher_keys = sorted(algo.distill.teachers)
         self.train_ds = build_rl_dataset(data, self.tokenizer, data.train_files, max_samples=data.max_samples,
                                          require_ground_truth=rules, processor=self.processor, tool_schemas=schemas,
-                                         agent_names=names)
+                                         agent_names=names,
+                                         route_key=algo.distill.teacher_key if self.teacher_keys else None)
+        for item in self.train_ds.items if self.teacher_keys else ():
+            if item.route not in algo.distill.teachers:
+                raise DataError(f"{item.where}: {algo.distill.teacher_key}={item.route!r} has no teacher "
+                                f"(algorithm.distill.teachers: {', '.join(map(repr, self.teacher_keys))})")
         self.val_ds = None
         if data.val_files:
             self.val_ds = build_rl_dataset(data, self.tokenizer, data.val_files, max_samples=data.val_max_samples,
@@ -192,7 +200,8 @@ class RLTrainer:
         self.use_critic = algo.adv_estimator == "gae"
         self._refuse_text_models_for_images(cfg)
         self.need_ref = arr.actor.use_kl_loss or algo.use_kl_in_reward
-        self.need_teacher = bool(algo.distill.teacher_path)  # on-policy distillation: teacher logprobs each step
+        # on-policy distillation: teacher logprobs each step
+        self.need_teacher = bool(algo.distill.teacher_path or algo.distill.teachers)
         self.prime = algo.adv_estimator == "prime"  # PRIME: an implicit PRM trained each step (algorithm.prime)
         # on-policy (one epoch, one mini-batch): the update's own detached logprobs are the old ones
         self.on_policy = arr.actor.ppo_epochs == 1 and arr.actor.ppo_mini_batch_size == data.train_batch_size
@@ -369,6 +378,8 @@ class RLTrainer:
                     batch = batch.union(actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
             if self.need_teacher:
                 with timer("teacher", m):
+                    if self.teacher_keys:  # several teachers: each sample's, by its prompt's teacher_key value
+                        batch["teacher_index"] = self._teacher_index(batch)
                     batch = batch.union(actor.execute("compute_teacher_log_prob", batch, dispatch="dp"))
             if self.prime:  # PRIME: the implicit PRM learns from this batch's outcomes, then scores its tokens
                 with timer("update_prm", m):
@@ -493,6 +504,8 @@ class RLTrainer:
         }
         if self.agent or self.custom_loops:
             fields["raw_prompt"] = [it.raw_prompt for it in items]
+        if self.teacher_keys and items and items[0].route is not None:  # (training prompts: several teachers)
+            fields["teacher_route"] = [it.route for it in items]
         if any(it.agent_name is not None for it in items):  # verl's per-row agent loop
             fields["agent_name"] = [it.agent_name for it in items]
         if any(it.multi_modal_inputs is not None for it in items):  # image prompts: pixels ride on each sample
@@ -518,8 +531,7 @@ class RLTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                     max_new_tokens=self.response_limit(step), do_sample=r.do_sample, stop=tuple(r.stop),
-                    ignore_eos=r.ignore_eos,
-                    seed=self.cfg.trainer.seed * 1_000_003 + step)
+                    ignore_eos=r.ignore_eos, seed=self.cfg.trainer.seed * 1_000_003 + step, **penalties_of(r))
 
     def _next_prompts(self, round_: int, step: int, extra_meta=None) -> Batch:
         """Step `step`'s next data.gen_batch_size prompts (= train_batch_size unless DAPO's dynamic sampling)."""
@@ -792,13 +804,24 @@ class RLTrainer:
         if algo.adv_estimator == "prime":
             raise ConfigError("algorithm.adv_estimator=prime: the prompts have images and PRIME's implicit PRM update "
                               "takes text only in this version; use grpo / rloo / gae ...")
-        paths = {"algorithm.distill.teacher_path": algo.distill.teacher_path}
+        # several teachers: only those scoring image rows must read pixels (verl's MOPD pairs a text teacher for
+        # text rows with a vision-language one for image rows)
+        image_routes = {it.route for it in self.train_ds.items if it.multi_modal_inputs is not None}
+        paths = {"algorithm.distill.teacher_path": algo.distill.teacher_path,
+                 **{f"algorithm.distill.teachers[{k!r}]": p for k, p in algo.distill.teachers.items()
+                    if k in image_routes}}
         if self.use_critic:
             paths["critic.model.path"] = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
         for key, path in paths.items():
             if path and not is_vision_checkpoint(path):
                 raise ConfigError(f"{key}={path}: the prompts have images but this is a text-only model (it would "
                                   "ignore the pixels); use a vision-language model (default: the actor's)")
+
+    def _teacher_index(self, batch: Batch) -> torch.Tensor:
+        """teacher_index[B] (long): each sample's teacher, its position in sorted(algorithm.distill.teachers)."""
+        if "teacher_route" not in batch:  # (every rollout path carries its prompts' fields; a guard, not a case)
+            raise RuntimeError("algorithm.distill.teachers: the step's samples carry no teacher_route field")
+        return torch.tensor([self.teacher_keys.index(r) for r in batch["teacher_route"]], dtype=torch.long)
 
     def _pad_to_world(self, out: Batch) -> Batch:
         """Rows appended (copies with a zero response mask) so the batch divides over the workers."""
@@ -900,7 +923,8 @@ class RLTrainer:
         """Keys the updates need, padded to a multiple of the world size with masked-out rows."""
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "rollout_is_weights",
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "teacher_index", "values",
+                             "rollout_is_weights",
                              "multi_modal_inputs")  # image prompts: the updates' forwards take the pixels too
                  if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update
@@ -972,7 +996,8 @@ class RLTrainer:
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
         sampling = dict(n=vk.n, temperature=vk.temperature if vk.do_sample else 1.0, top_p=vk.top_p, top_k=vk.top_k,
                         max_new_tokens=self.response_width, do_sample=vk.do_sample,
-                        stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242)
+                        stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242,
+                        **penalties_of(self.cfg.actor_rollout_ref.rollout))
         size = self.cfg.data.val_batch_size or len(self.val_ds)
         rows, dumped, tools = [], [], {k: [] for k in TOOL_FIELDS}
         for start in range(0, len(self.val_ds), size):

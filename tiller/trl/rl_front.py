@@ -80,23 +80,27 @@ def vllm_is_keys(value: Any, args: Any) -> dict:
     return {"rollout_is": level, "rollout_is_threshold": f"{low}_{float(hi if hi is not None else 1e30)}"}
 
 
-GEN_NEUTRAL = {"repetition_penalty": 1.0, "do_sample": True, "n": 1, "presence_penalty": 0.0,
-               "frequency_penalty": 0.0, "skip_special_tokens": True}  # generation_kwargs values that change nothing
+GEN_NEUTRAL = {"do_sample": True, "n": 1, "skip_special_tokens": True}  # generation_kwargs values that change nothing
 GEN_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+GEN_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # rollout keys of the same names
 
 
 def _generation_kwargs(value: Any, args: Any) -> dict:
     """TRL's generation_kwargs (vLLM SamplingParams or transformers GenerationConfig keywords, applied over the
-    sampling fields): stop strings map; a sampling field's keyword must equal the field (TRL would sample at the
-    keyword's value but compute the loss's log-probs at the field's)."""
+    sampling fields): stop strings and the penalties map (a penalty here wins over the repetition_penalty field, as
+    in TRL); a sampling field's keyword must equal the field (TRL would sample at the keyword's value but compute
+    the loss's log-probs at the field's)."""
     if not value:
         return {}
     if not isinstance(value, dict):
         raise refuse_value("generation_kwargs", value, "a dict of generation keywords")
     stop: list[str] = []
+    penalties: dict[str, float] = {}
     for key, v in value.items():
         if key in ("stop", "stop_strings"):
             stop += [v] if isinstance(v, str) else [str(s) for s in v]
+        elif key in GEN_PENALTIES:
+            penalties[key] = float(v)
         elif key in GEN_FIELDS:
             field = getattr(args, key)
             if key == "top_k":
@@ -107,9 +111,10 @@ def _generation_kwargs(value: Any, args: Any) -> dict:
                 raise refuse_value(f"generation_kwargs[{key!r}]", v, f"set {key}={v!r} in the config instead (TRL "
                                    f"would sample at {v!r} but compute the loss's log-probs at {key}={field!r})")
         elif key not in GEN_NEUTRAL or v != GEN_NEUTRAL[key]:
-            raise refuse_value(f"generation_kwargs[{key!r}]", v, "tiller maps stop / stop_strings (and the sampling "
-                               f"fields at their values; neutral {', '.join(f'{k}={n!r}' for k, n in GEN_NEUTRAL.items())})")
-    return {"stop": stop} if stop else {}
+            raise refuse_value(f"generation_kwargs[{key!r}]", v, "tiller maps stop / stop_strings and "
+                               f"{' / '.join(GEN_PENALTIES)} (and the sampling fields at their values; neutral "
+                               f"{', '.join(f'{k}={n!r}' for k, n in GEN_NEUTRAL.items())})")
+    return {**({"stop": stop} if stop else {}), **({"generation_penalties": penalties} if penalties else {})}
 
 
 def _no_rl_router(value: Any) -> dict:
@@ -153,12 +158,14 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "top_p": mapped("actor_rollout_ref.rollout.top_p (and val_kwargs)", to("top_p", float)),
     "top_k": mapped("actor_rollout_ref.rollout.top_k (TRL's 0 = off: -1)", to("top_k", lambda v: int(v or 0) or -1)),
     "min_p": mapped("actor_rollout_ref.rollout.min_p", to("min_p", lambda v: float(v or 0.0))),
-    "generation_kwargs": mapped("stop / stop_strings: actor_rollout_ref.rollout.stop; TRL's own sampling fields at "
-                                "their GRPOConfig values and neutral settings accepted; anything else refused",
-                                _generation_kwargs),
+    "generation_kwargs": mapped("stop / stop_strings: actor_rollout_ref.rollout.stop; repetition_penalty / "
+                                "presence_penalty / frequency_penalty: actor_rollout_ref.rollout's keys of those "
+                                "names; TRL's own sampling fields at their GRPOConfig values and neutral settings "
+                                "accepted; anything else refused", _generation_kwargs),
     "chat_template_kwargs": mapped("data.apply_chat_template_kwargs", to("chat_template_kwargs",
                                                                         lambda v: dict(v or {}))),
-    "repetition_penalty": refused("tiller's rollout engine has no repetition penalty"),
+    "repetition_penalty": mapped("actor_rollout_ref.rollout.repetition_penalty (training and evaluation, as TRL)",
+                                 to("repetition_penalty", float)),
     "cache_implementation": noop("tiller's rollout engine has its own KV cache"),
     "use_vllm": mapped("actor_rollout_ref.rollout.name=vllm (vllm_mode colocate; server refused)", _vllm),
     "vllm_mode": mapped("colocate (server refused); read with use_vllm", lambda v, a: {}),
@@ -480,6 +487,8 @@ class TRLRLTrainer(TRLTrainerBase):
             keys["trainer.rollout_data_dir"] = str(self.run_dir / "completions")
         if lg.get("stop"):
             keys[f"{rollout}.stop"] = list(lg["stop"])
+        penalties = {"repetition_penalty": lg["repetition_penalty"], **lg.get("generation_penalties", {})}
+        keys.update({f"{rollout}.{name}": value for name, value in penalties.items()})
         for name, value in (lg.get("ref_sync") or {}).items():
             keys[f"actor_rollout_ref.ref.{name}"] = value
         return keys

@@ -157,10 +157,12 @@ class ActorRolloutRefWorker:
         if self.ref_module is not None and ref_cfg.ref_model_sync_steps:
             self._ref_sync = RefSync(ref_cfg.ref_model_sync_steps, ref_cfg.ref_model_mixup_alpha,
                                      "actor_rollout_ref.ref.ref_model_sync_steps")
-        self.teacher_module = None  # on-policy distillation: a frozen teacher, scored like the reference
-        teacher_path = config.algorithm.distill.teacher_path
-        if teacher_path:
-            self.teacher_module = self._load_teacher(teacher_path, arr.model.trust_remote_code)
+        # on-policy distillation: frozen teachers, scored like the reference; several are routed per sample by the
+        # batch's `teacher_index` (positions in sorted(algorithm.distill.teachers), the trainer's order)
+        distill = config.algorithm.distill
+        paths = ([distill.teacher_path] if distill.teacher_path
+                 else [distill.teachers[k] for k in sorted(distill.teachers)])
+        self.teachers = [self._load_teacher(path, arr.model.trust_remote_code) for path in paths]
         self.prm = None  # PRIME: the implicit PRM (trained) and its frozen reference
         if config.algorithm.adv_estimator == "prime":
             self.prm = ImplicitPRM(config, self.device)
@@ -394,7 +396,10 @@ class ActorRolloutRefWorker:
         # the distribution the trainer assumes: requests may not change it (logit_bias None = none allowed)
         endpoint.served.fixed_sampling = {"temperature": sampling.temperature if sampling.do_sample else 0.0,
                                           "top_p": sampling.top_p, "top_k": sampling.top_k,
-                                          "min_p": sampling.min_p, "logit_bias": None}
+                                          "min_p": sampling.min_p, "logit_bias": None,
+                                          "repetition_penalty": sampling.repetition_penalty,
+                                          "presence_penalty": sampling.presence_penalty,
+                                          "frequency_penalty": sampling.frequency_penalty}
         agent = load_agent_function(a.path, a.name)
         if hook is not None:  # (the producer's endpoint: a native engine's continuous batcher)
             endpoint.served.batcher.weights_hook = hook
@@ -623,12 +628,39 @@ class ActorRolloutRefWorker:
         """On-policy distillation: the teacher's logprobs of the student's sampled tokens, `teacher_log_prob[B, T]`
         (the reference's micro-batching and the rollout temperature, like the student's)."""
         ref = self.cfg.actor_rollout_ref.ref
-        if self.teacher_module is None:
+        if not self.teachers:
             raise RuntimeError("compute_teacher_log_prob: no algorithm.distill.teacher_path")
-        micros = split_micro_batches(batch, rows=ref.log_prob_micro_batch_size_per_gpu,
-                                     max_tokens=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
-                                     else None, key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
-        return Batch({"teacher_log_prob": self._batch_logp(self.teacher_module, batch, micros, self.actor_cfg.dtype)})
+
+        def score(teacher, rows: Batch) -> torch.Tensor:
+            micros = split_micro_batches(rows, rows=ref.log_prob_micro_batch_size_per_gpu,
+                                         max_tokens=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
+                                         else None, key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+            return self._batch_logp(teacher, rows, micros, self.actor_cfg.dtype)
+
+        return Batch({"teacher_log_prob": self._by_teacher(batch, score)})
+
+    def _by_teacher(self, batch: Batch, score) -> torch.Tensor:
+        """`score(teacher, rows)` -> [b, ...] for each teacher on the rows routed to it (`teacher_index`, several
+        teachers), put back in the batch's row order; one teacher scores the whole batch."""
+        if len(self.teachers) == 1:
+            return score(self.teachers[0], batch)
+        if "teacher_index" not in batch:
+            raise RuntimeError("several distillation teachers but the batch has no teacher_index (the trainer's "
+                               "routing by algorithm.distill.teacher_key)")
+        index = batch["teacher_index"]
+        out = None
+        for k, teacher in enumerate(self.teachers):
+            rows = (index == k).nonzero().squeeze(-1).tolist()
+            if not rows:
+                continue
+            part = score(teacher, batch.index(rows))
+            if out is None:
+                out = part.new_zeros((len(batch), *part.shape[1:]))
+            elif part.shape[1] != out.shape[1]:  # (response logits: positions up to the rows' longest response)
+                width = max(part.shape[1], out.shape[1])
+                part, out = _pad_positions(part, width), _pad_positions(out, width)
+            out[torch.tensor(rows, device=out.device)] = part
+        return out
 
     # ------------------------------------------------------------------------------ PRIME's implicit PRM
     def update_prm(self, batch: Batch) -> dict[str, float]:
@@ -824,8 +856,10 @@ class ActorRolloutRefWorker:
         so no [B, T, V] tensor is ever stored in the batch), the generalized JSD against the student's `logits`
         [b, t, V] (`tiller.algos.distill.gjsd_loss`, chunked over positions), combined as `_add_distillation`."""
         d = self.cfg.algorithm.distill
-        with torch.no_grad(), autocast(self.actor_cfg.dtype, self.device):  # the teacher stays in eval mode
-            teacher_logits, t_used = self._response_logits(self.teacher_module, micro, temperature)
+        with torch.no_grad(), autocast(self.actor_cfg.dtype, self.device):  # the teachers stay in eval mode
+            teacher_logits = self._by_teacher(micro, lambda teacher, rows: self._response_logits(
+                teacher, rows, temperature)[0])
+        t_used = teacher_logits.shape[1]
         if teacher_logits.shape != logits.shape:
             raise ConfigError(f"algorithm.distill.teacher_path={d.teacher_path}: the teacher's logits "
                               f"{tuple(teacher_logits.shape)} differ from the student's {tuple(logits.shape)} "
@@ -934,3 +968,8 @@ class _ToolLoopEngine:
                                   max_response_length=sampling.max_new_tokens, tools_kwargs=tools_kwargs,
                                   weights_hook=weights_hook, multi_modal=multi_modal, single_turn=single_turn,
                                   **more)
+
+
+def _pad_positions(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, t, ...] -> [b, width, ...], zeros after t."""
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, width - x.shape[1]])
