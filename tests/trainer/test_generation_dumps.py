@@ -86,6 +86,33 @@ def test_rollout_penalties_reach_training_and_validation(tmp_path, tiny_model_di
     assert distinct["plain"] <= 3 and distinct["penalised"] >= 5, distinct
 
 
+def test_a_rollout_regex_constrains_training_and_validation(tmp_path, tiny_model_dir, rl_data):  # noqa: F811
+    """rollout.structured_outputs_regex (TRL's vllm_structured_outputs_regex): every sample the run trains and
+    validates on matches it in full; a bad regex or the hf engine is refused at load, naming the key."""
+    import re
+
+    from tiller.trainer.rl import RLTrainer
+
+    rollouts, vals = tmp_path / "rollouts", tmp_path / "vals"
+    key = "actor_rollout_ref.rollout.structured_outputs_regex"
+    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, f"{key}='[1-9][0-9]?'",
+                   f"trainer.rollout_data_dir={rollouts}", f"trainer.validation_data_dir={vals}",
+                   "trainer.val_before_train=true", "trainer.test_freq=0", "trainer.total_training_steps=1")
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    trainer.shutdown()
+    outputs = [r["output"] for r in _read(rollouts / "1.jsonl") + _read(vals / "0.jsonl")]
+    assert len(outputs) == 16 + len(read_rows(rl_data / "test.parquet"))
+    assert all(re.fullmatch("[1-9][0-9]?", o) for o in outputs), outputs
+    for pattern, extra, match in (
+            ("[0-9", [], "unclosed character class"),
+            ("[0-9]+", ["actor_rollout_ref.rollout.name=hf"], "with rollout.name=hf: the regex constraint runs on"),
+            ("[0-9]+", [f"actor_rollout_ref.rollout.agent.path={tmp_path / 'agent.py'}",
+                        "actor_rollout_ref.rollout.agent.name=f"], "agent's OpenAI requests are not constrained")):
+        with pytest.raises(ConfigError, match=match):
+            make_cfg(tmp_path / "bad", tiny_model_dir, rl_data, f"{key}='{pattern}'", *extra)
+
+
 @pytest.mark.parametrize("key", ["rollout_data_dir", "validation_data_dir"])
 def test_a_dump_dir_that_is_a_file_is_refused(tmp_path, tiny_model_dir, rl_data, key):  # noqa: F811
     (tmp_path / "taken").write_text("x")

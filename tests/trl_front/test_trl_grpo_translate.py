@@ -195,6 +195,10 @@ def test_generation_kwargs_stop_strings_map_and_the_rest_is_checked(tiny_model_d
         "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.25})
     assert {k.rsplit(".", 1)[1]: v for k, v in keys.items() if k.endswith("_penalty")} == {
         "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.25}
+    # vllm_structured_outputs_regex: the rollout's regex constraint (tiller applies it on its native engine too)
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "r", vllm_structured_outputs_regex=r"<answer>\d+</answer>")
+    assert keys["actor_rollout_ref.rollout.structured_outputs_regex"] == r"<answer>\d+</answer>"
+    assert "actor_rollout_ref.rollout.structured_outputs_regex" not in translate(tiny_model_dir, tmp_path / "s")[0]
     for kwargs, needle in [({"temperature": 0.7}, "generation_kwargs\\['temperature'\\]=0.7: refused: set "
                                                   "temperature=0.7 in the config instead"),
                            ({"eos_token_id": 3}, "generation_kwargs\\['eos_token_id'\\]=3: refused")]:

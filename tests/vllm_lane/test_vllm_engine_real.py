@@ -86,6 +86,20 @@ def test_penalties_equal_the_native_engine(engines):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
 
 
+def test_a_regex_constrains_vllm_like_the_native_engine(engines):
+    """SamplingParams.regex reaches vLLM as structured outputs: every response matches in full, and greedy rows
+    equal the native engine's (llguidance there, vLLM's backend here: the same language, the same masks)."""
+    import re
+
+    _, tok, engine, native = engines
+    prompts = prompt_ids(tok)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=12, regex=r"[0-9]{1,3}\+[0-9]{1,3}")
+    got, want = engine.generate(prompts, greedy), native.generate(prompts, greedy)
+    for ids in got.response_ids:
+        assert re.fullmatch(r"[0-9]{1,3}\+[0-9]{1,3}", tok.decode(ids, skip_special_tokens=True)), tok.decode(ids)
+    assert got.response_ids == want.response_ids
+
+
 def test_weight_sync_crosses_the_process_boundary(engines):
     model, tok, engine, native = engines
     prompts = prompt_ids(tok)

@@ -839,6 +839,11 @@ class RolloutConfig:
     frequency_penalty: float = 0.0
     """tiller (vLLM's / OpenAI's): this times a token's count in the response so far is subtracted from its logit
     ([-2, 2]; 0 = off); training and validation, as repetition_penalty."""
+    structured_outputs_regex: Optional[str] = None
+    """tiller (TRL's vllm_structured_outputs_regex, vLLM's structured_outputs regex): every response must match this
+    regular expression in full (llguidance's dialect: Rust regex); tokens that cannot continue a match are masked,
+    eos is allowed once the text matches. Training and validation; native and vllm engines. The rollout logprobs are
+    those of the masked distribution, which the actor's forward does not reproduce (as with vLLM in TRL / verl)."""
     do_sample: bool = True
     """Sample (False = greedy)."""
     prompt_length: Optional[int] = None

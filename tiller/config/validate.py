@@ -173,6 +173,8 @@ def validate_rl(cfg: RLConfig) -> None:
         raise ConfigError(
             f"actor_rollout_ref.rollout.temperature must be > 0 when rollout.do_sample=True (got {rollout.temperature})"
         )
+    if rollout.structured_outputs_regex is not None:
+        _validate_regex(rollout)
     if not rollout.repetition_penalty > 0:
         raise ConfigError(f"actor_rollout_ref.rollout.repetition_penalty must be > 0 (1 = off), got "
                           f"{rollout.repetition_penalty}")
@@ -463,6 +465,27 @@ def _validate_new_algorithms(cfg: RLConfig) -> None:
                           "dro_beta > 0 (e.g. 0.1; verl's default is null, which verl refuses too)")
     if policy_loss.dro_beta is not None:
         _positive("actor_rollout_ref.actor.policy_loss.dro_beta", policy_loss.dro_beta)
+
+
+def _validate_regex(rollout) -> None:
+    """rollout.structured_outputs_regex: a regex llguidance compiles, on an engine that constrains."""
+    # import cost: llguidance loads only for a run with a regex
+    import llguidance
+
+    key, pattern = "actor_rollout_ref.rollout.structured_outputs_regex", rollout.structured_outputs_regex
+    if not isinstance(pattern, str) or not pattern:
+        raise ConfigError(f"{key} must be a non-empty regular expression or null, got {pattern!r}")
+    try:
+        problem = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(pattern))
+    except (ValueError, TypeError) as err:
+        problem = str(err)
+    if problem:
+        raise ConfigError(f"{key}={pattern!r}: {' '.join(problem.split())[:300]}")
+    if rollout.name == "hf":
+        raise ConfigError(f"{key} with rollout.name=hf: the regex constraint runs on the native or vllm engine")
+    if rollout.agent.path:
+        raise ConfigError(f"{key} with rollout.agent.path: the agent's OpenAI requests are not constrained by it (an "
+                          "environment, tool or verl agent loop rollout is)")
 
 
 def _validate_distill(cfg: RLConfig) -> None:

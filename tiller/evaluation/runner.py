@@ -20,7 +20,7 @@ from tiller.models.checkpoint import model_dir_for
 from tiller.models.loading import is_vision_checkpoint, load_causal_lm, load_tokenizer, resolve_dtype
 from tiller.models.vision import load_processor
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
-from tiller.rollout.base import effective_dtype, penalties_of
+from tiller.rollout.base import effective_dtype, shaping_of
 
 
 @dataclass
@@ -177,15 +177,15 @@ def generate_batched(engine, prompt_ids: list[list[int]], sampling: SamplingPara
 def sampling_from_rollout(rollout_cfg, max_new_tokens: int, seed: int, *, val: bool = False) -> SamplingParams:
     """SamplingParams from `actor_rollout_ref.rollout` (training keys) or its `val_kwargs` (val=True)."""
     r = rollout_cfg
-    penalties = penalties_of(r)
+    shaping = shaping_of(r)
     if val:
         vk = r.val_kwargs
         return SamplingParams(n=vk.n, temperature=vk.temperature if vk.do_sample else 1.0, top_p=vk.top_p,
                               top_k=vk.top_k, max_new_tokens=max_new_tokens, do_sample=vk.do_sample,
-                              stop=tuple(r.stop), seed=seed, **penalties)
+                              stop=tuple(r.stop), seed=seed, **shaping)
     return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 1.0, top_p=r.top_p, top_k=r.top_k,
                           min_p=r.min_p, max_new_tokens=max_new_tokens, do_sample=r.do_sample, stop=tuple(r.stop),
-                          ignore_eos=r.ignore_eos, seed=seed, **penalties)
+                          ignore_eos=r.ignore_eos, seed=seed, **shaping)
 
 
 def policy_from_config(cfg) -> Policy:

@@ -62,6 +62,10 @@ class SamplingParams:
     """Subtract this from the logit of every token already in the response ([-2, 2]; 0 = off)."""
     frequency_penalty: float = 0.0
     """Subtract this times its count in the response from every token's logit ([-2, 2]; 0 = off)."""
+    regex: str | None = None
+    """Constrain every response to text matching this regular expression in full (vLLM's `structured_outputs`
+    regex; llguidance on the native engine): tokens that cannot continue a match are masked, eos is allowed once
+    the text matches, and the logprobs are those of the masked distribution. None = unconstrained."""
 
     @property
     def penalized(self) -> bool:
@@ -87,15 +91,18 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ConfigError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ConfigError(f"SamplingParams.regex must be a non-empty string or None, got {self.regex!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"SamplingParams.stop must hold non-empty strings, got {list(self.stop)!r}")
 
 
-def penalties_of(rollout_cfg) -> dict:
-    """`SamplingParams` keywords of the penalties in `actor_rollout_ref.rollout` (training and validation alike:
-    verl's rollout server applies `repetition_penalty` to every request)."""
+def shaping_of(rollout_cfg) -> dict:
+    """`SamplingParams` keywords of what `actor_rollout_ref.rollout` sets on the distribution besides temperature and
+    the filters: the penalties and the regex constraint (training and validation alike: verl's rollout server applies
+    `repetition_penalty` to every request, TRL's vLLM generation its structured-outputs regex)."""
     return dict(repetition_penalty=rollout_cfg.repetition_penalty, presence_penalty=rollout_cfg.presence_penalty,
-                frequency_penalty=rollout_cfg.frequency_penalty)
+                frequency_penalty=rollout_cfg.frequency_penalty, regex=rollout_cfg.structured_outputs_regex)
 
 
 @dataclass

@@ -84,6 +84,17 @@ class GrammarCompiler:
             raise GrammarError(str(err)) from None
         return self.compile(source)
 
+    def regex(self, pattern: str) -> Grammar:
+        """The grammar of texts matching `pattern` in full (vLLM's `structured_outputs` regex; llguidance's regex
+        dialect: Rust's `regex` syntax, anchored at both ends)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError(f"a regex must be a non-empty string, got {pattern!r}")
+        try:
+            source = llguidance.LLMatcher.grammar_from_regex(pattern)
+        except (ValueError, TypeError) as err:
+            raise GrammarError(str(err)) from None
+        return self.compile(source)
+
     def compile(self, source: str) -> Grammar:
         """A grammar from llguidance's grammar text (`LLMatcher.grammar_from_*`)."""
         matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
@@ -106,3 +117,27 @@ def allowed_tokens(rows: list[tuple[Matcher, Grammar]], vocab_size: int) -> torc
     # read as bytes (little-endian, as every platform torch ships for): byte k of word w holds tokens 32 w + 8 k + b
     bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> _BITS) & 1  # [B, 4 W, 8]
     return bits.view(len(rows), -1)[:, :vocab_size].bool()
+
+
+class GrammarRows:
+    """One matcher per row of a decode loop, in the loop's batch order (the native engine's eager loop):
+    `mask(logits)` before sampling, `consume(tokens)` after, `select(keep)` when rows leave the batch."""
+
+    def __init__(self, grammar: Grammar, rows: int):
+        self.grammar = grammar
+        self.matchers = [grammar.matcher() for _ in range(rows)]
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] with the tokens each row's grammar forbids set to -inf."""
+        allowed = allowed_tokens([(m, self.grammar) for m in self.matchers], logits.shape[-1])
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def consume(self, tokens: list[int]) -> None:
+        for matcher, token in zip(self.matchers, tokens):
+            matcher.consume_token(token)
+        broken = next((m.get_error() for m in self.matchers if m.is_error()), None)
+        if broken is not None:  # e.g. past llguidance's per-step limits
+            raise RuntimeError(f"constrained decoding failed: {broken}")
+
+    def select(self, keep: list[int]) -> None:
+        self.matchers = [self.matchers[i] for i in keep]

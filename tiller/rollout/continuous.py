@@ -310,11 +310,16 @@ class ContinuousBatcher:
         """Queue one request (`len(prompt_ids) * sampling.n` rows); raises `QueueFull` past `max_queue`.
 
         `grammar` (`tiller.rollout.constrained.Grammar`) constrains every row of the request, each with its own
-        matcher. `multi_modal`: per prompt None or {"pixel_values", "image_grid_thw"} (a vision-language model;
+        matcher (`sampling.regex` compiles into one when no grammar is given; both at once are refused).
+        `multi_modal`: per prompt None or {"pixel_values", "image_grid_thw"} (a vision-language model;
         `tiller.rollout.images`): the vision tower runs in the prompt's prefill, and an image prompt is never
         shared with another prompt or kept in the prompt cache (its key would have to hold the pixels).
         """
         sampling.validate()
+        if sampling.regex is not None:
+            if grammar is not None:
+                raise ValueError("a request takes one constraint: a grammar or sampling.regex, not both")
+            grammar = self.engine.grammar_for(sampling.regex)
         model = self.engine.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)
         multi_modal = check_multi_modal(model, prompt_ids, multi_modal)

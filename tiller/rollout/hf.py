@@ -28,6 +28,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from tiller.models.vision import image_token_id
+from tiller.errors import UserError
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -85,6 +86,9 @@ class HFRolloutEngine(InProcessEngine):
                  multi_modal: list[dict | None] | None = None) -> RolloutOutput:
         """`multi_modal`: per prompt, None (text) or {"pixel_values", "image_grid_thw"} (see the module docstring)."""
         sampling.validate()
+        if sampling.regex is not None:
+            raise UserError("rollout.name=hf: a regex constraint (SamplingParams.regex) runs on the native or vllm "
+                            "engine")
         self.weights.sync_if_stale()
         model = self.weights.module
         check_prompts(prompt_ids, model.get_input_embeddings().num_embeddings)

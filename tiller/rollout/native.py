@@ -13,7 +13,9 @@ the single-device, no-paging version):
 3. Sample on the device (`tiller.rollout.sampling`: penalties, then temperature, top-k, top-p, min-p in HF's
    order) with a seeded `torch.Generator`, and keep the sampled token's logprob. With penalties each row's prompt
    tokens and response counts ride along as [B, V] tensors (`PenaltyState`), and the call decodes eagerly (the
-   static / CUDA-graph step keeps no counts).
+   static / CUDA-graph step keeps no counts). With `SamplingParams.regex` each row has an llguidance matcher
+   (`tiller.rollout.constrained.GrammarRows`): forbidden tokens are masked after the penalties, eos is allowed once
+   the text matches (and ends the row, ignore_eos or not); that call decodes eagerly too.
 4. Rows that hit a stop token or stop string (watched incrementally on a window of decoded text) leave:
    once enough rows are done the batch and its cache are compacted, so work tracks live rows.
 
@@ -238,6 +240,23 @@ class NativeRolloutEngine(InProcessEngine):
                           "does not apply to a vision-language model (per-row M-RoPE offsets, vision tokens "
                           "suppressed): it decodes with the fused step instead (tiller.rollout.images)", stacklevel=2)
 
+    def grammar_for(self, regex: str):
+        """The compiled grammar of `regex` (`SamplingParams.regex`), kept per pattern; the compiler (llguidance's view
+        of the tokenizer) is built on first use."""
+        # import cost: llguidance loads only when a call is constrained
+        from tiller.rollout.constrained import GrammarCompiler
+
+        cache = self.__dict__.setdefault("_grammars", {})
+        if regex not in cache:
+            if self.tokenizer is None:
+                raise UserError("rollout: a regex constraint needs the engine's tokenizer")
+            if "_grammar_compiler" not in self.__dict__:
+                head = self.weights.module.get_output_embeddings()
+                width = head.weight.shape[0] if head is not None else self.weights.module.config.vocab_size
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, width)
+            cache[regex] = self._grammar_compiler.regex(regex)
+        return cache[regex]
+
     def fused_for(self, model) -> FusedDecoder | None:
         """The fused decoder of `model` (built on first use, re-synced with its weights), or None where it does
         not apply (fused_decode off, or a model it does not support)."""
@@ -271,6 +290,8 @@ class NativeRolloutEngine(InProcessEngine):
         self._calls += 1
         generator = torch.Generator(device=device).manual_seed(seed)
         stop_ids = stop_ids_for(model, self.tokenizer, sampling)
+        if sampling.regex is not None:  # the grammar's eos ends a matched text, ignore_eos or not
+            stop_ids = list(dict.fromkeys([*stop_ids, *self.grammar_for(sampling.regex).eos_ids]))
         watcher = StopStringWatcher(self.tokenizer, sampling.stop)
         per_wave = max(1, self.max_num_seqs // sampling.n)
         result = RolloutOutput()
@@ -354,7 +375,7 @@ class NativeRolloutEngine(InProcessEngine):
         (versions: the policy version of each token's logits, from `weights_hook`; empty lists without it)."""
         vision_ids = vision_ids_tensor(model, next(model.parameters()).device)
         graphed = (graphed_decode.decoder_for(self, model) if weights_hook is None and not watcher
-                   and vision_ids is None and not sampling.penalized else None)
+                   and vision_ids is None and not sampling.penalized and sampling.regex is None else None)
         if graphed is not None:  # the static-shape step (CUDA graphs on a GPU)
             return graphed_decode.generate_wave(self, graphed, model, prompts, sampling, stop_ids, generator,
                                                 pad_token_id(model, self.tokenizer), KVBuffer)
@@ -387,13 +408,22 @@ class NativeRolloutEngine(InProcessEngine):
         penalties = (PenaltyState([p for p in prompts for _ in range(n)], logits.shape[-1], device,
                                   sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
                      if sampling.penalized else None)
+        grammar = None
+        if sampling.regex is not None:
+            from tiller.rollout.constrained import GrammarRows  # import cost: llguidance, only for constrained calls
+
+            grammar = GrammarRows(self.grammar_for(sampling.regex), rows_total)
         for t in range(max_new):
             logits = suppress_vision_tokens(logits, vision_ids)
             if penalties is not None:
                 logits = penalties.penalize(logits)
+            if grammar is not None:  # after the penalties, as the continuous batcher orders them
+                logits = grammar.mask(logits)
             tokens, logp = sample_tokens(logits, **sample_kw)
             if penalties is not None:
                 penalties.record(tokens)
+            if grammar is not None:
+                grammar.consume(tokens.tolist())
             out_tokens[rows, t] = tokens
             out_logp[rows, t] = logp
             done = torch.isin(tokens, stop_tensor) if len(stop_ids) else torch.zeros_like(alive)
@@ -414,6 +444,8 @@ class NativeRolloutEngine(InProcessEngine):
                 first_pos, mask_all = first_pos[keep], mask_all[keep]
                 if penalties is not None:
                     penalties.select(keep)
+                if grammar is not None:
+                    grammar.select(keep.tolist())
             cache.write_pos = width + t
             if weights_hook is not None:  # partial rollout: newer weights from here on (KV cache kept)
                 version = self._new_weights(weights_hook, version)

@@ -180,6 +180,14 @@ class VLLMRolloutEngine:
             out["device"] = str(config.device_config.device)
         return out
 
+    def _structured(self, sampling: SamplingParams) -> dict:
+        """vLLM's structured outputs for `sampling.regex` ({} without one)."""
+        if sampling.regex is None:
+            return {}
+        from vllm.sampling_params import StructuredOutputsParams  # import cost: vLLM is imported with this engine
+
+        return {"structured_outputs": StructuredOutputsParams(regex=sampling.regex)}
+
     def _vllm_sampling(self, sampling: SamplingParams, seed: int | None):
         return self._vllm.SamplingParams(
             n=sampling.n,
@@ -194,6 +202,7 @@ class VLLMRolloutEngine:
             repetition_penalty=float(sampling.repetition_penalty),
             presence_penalty=float(sampling.presence_penalty),
             frequency_penalty=float(sampling.frequency_penalty),
+            **self._structured(sampling),
             include_stop_str_in_output=True,
             seed=seed,
             logprobs=0,  # the sampled token's logprob only

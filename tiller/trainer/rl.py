@@ -71,7 +71,7 @@ from tiller.protocol import Batch
 from tiller.rewards import build_reward_manager
 from tiller.rewards.registry import check_ground_truths, ground_truth_problem
 from tiller.rewards.types import RewardRequest
-from tiller.rollout.base import penalties_of
+from tiller.rollout.base import shaping_of
 from tiller.rollout.verl_agent_loop import build_rollout_loop
 from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
@@ -531,7 +531,7 @@ class RLTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                     max_new_tokens=self.response_limit(step), do_sample=r.do_sample, stop=tuple(r.stop),
-                    ignore_eos=r.ignore_eos, seed=self.cfg.trainer.seed * 1_000_003 + step, **penalties_of(r))
+                    ignore_eos=r.ignore_eos, seed=self.cfg.trainer.seed * 1_000_003 + step, **shaping_of(r))
 
     def _next_prompts(self, round_: int, step: int, extra_meta=None) -> Batch:
         """Step `step`'s next data.gen_batch_size prompts (= train_batch_size unless DAPO's dynamic sampling)."""
@@ -997,7 +997,7 @@ class RLTrainer:
         sampling = dict(n=vk.n, temperature=vk.temperature if vk.do_sample else 1.0, top_p=vk.top_p, top_k=vk.top_k,
                         max_new_tokens=self.response_width, do_sample=vk.do_sample,
                         stop=tuple(self.cfg.actor_rollout_ref.rollout.stop), seed=self.cfg.trainer.seed + 424_242,
-                        **penalties_of(self.cfg.actor_rollout_ref.rollout))
+                        **shaping_of(self.cfg.actor_rollout_ref.rollout))
         size = self.cfg.data.val_batch_size or len(self.val_ds)
         rows, dumped, tools = [], [], {k: [] for k in TOOL_FIELDS}
         for start in range(0, len(self.val_ds), size):

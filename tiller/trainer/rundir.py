@@ -198,7 +198,8 @@ def sampling_settings(cfg) -> dict:
     r, data = cfg.actor_rollout_ref.rollout, cfg.data
     out = {f"actor_rollout_ref.rollout.{k}": getattr(r, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "do_sample", "ignore_eos", "response_length", "stop",
-        "response_length_schedule", "repetition_penalty", "presence_penalty", "frequency_penalty")}
+        "response_length_schedule", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "structured_outputs_regex")}
     out.update({f"actor_rollout_ref.rollout.val_kwargs.{k}": v for k, v in vars(r.val_kwargs).items()})
     out.update({"data.max_response_length": data.max_response_length, "data.train_batch_size": data.train_batch_size,
                 "data.gen_batch_size": data.gen_batch_size})

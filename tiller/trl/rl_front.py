@@ -171,7 +171,10 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "vllm_mode": mapped("colocate (server refused); read with use_vllm", lambda v, a: {}),
     "vllm_model_impl": noop(GEN_NOOP_VLLM),
     "vllm_enable_sleep_mode": noop("tiller's vllm engine sleeps between rollouts as verl's does"),
-    "vllm_structured_outputs_regex": refused("structured (regex) generation is not available in tiller"),
+    "vllm_structured_outputs_regex": mapped("actor_rollout_ref.rollout.structured_outputs_regex: every completion "
+                                            "matches it (training and evaluation; TRL reads it with use_vllm only, "
+                                            "tiller constrains on its native engine too)",
+                                            to("structured_outputs_regex")),
     "vllm_server_base_url": noop("only read with vllm_mode=server, which is refused"),
     "vllm_server_host": noop("only read with vllm_mode=server, which is refused"),
     "vllm_server_port": noop("only read with vllm_mode=server, which is refused"),
@@ -489,6 +492,8 @@ class TRLRLTrainer(TRLTrainerBase):
             keys[f"{rollout}.stop"] = list(lg["stop"])
         penalties = {"repetition_penalty": lg["repetition_penalty"], **lg.get("generation_penalties", {})}
         keys.update({f"{rollout}.{name}": value for name, value in penalties.items()})
+        if lg.get("structured_outputs_regex") is not None:
+            keys[f"{rollout}.structured_outputs_regex"] = lg["structured_outputs_regex"]
         for name, value in (lg.get("ref_sync") or {}).items():
             keys[f"actor_rollout_ref.ref.{name}"] = value
         return keys
