@@ -18,6 +18,7 @@ from tiller.algos import (
     masked_var,
     masked_whiten,
     pairwise_rm_loss,
+    reference_free_loss,
 )
 from tiller.errors import ConfigError, DataError
 
@@ -64,6 +65,30 @@ def test_dpo_gradient_direction_and_extremes():
     assert loss[0].item() == pytest.approx(math.log(2))
     assert pc.grad[0].item() == pytest.approx(-0.5) and pr.grad[0].item() == pytest.approx(0.5)
     assert torch.isfinite(loss).all() and loss[1].item() == pytest.approx(499.0)
+
+
+def test_reference_free_losses_worked_numbers():
+    # chosen: sum -2 over 2 tokens (average -1); rejected: sum -6 over 3 tokens (average -2); beta 2
+    pc, pr, lc, lr = t(-2.0), t(-6.0), t(2.0), t(3.0)
+    # simpo, gamma 0.5: d = -1 - (-2) - 0.5 / 2 = 0.75; loss = -log sigma(2 x 0.75) = log(1 + e^-1.5) = 0.20141
+    loss, rc, rr, odds = reference_free_loss(pc, pr, lc, lr, 2.0, "simpo", simpo_gamma=0.5)
+    assert loss.item() == pytest.approx(softplus(-1.5), abs=1e-12) and odds is None
+    assert (rc.item(), rr.item()) == (-2.0, -4.0)  # beta x the averages
+    # cpo: d = -2 - (-6) = 4 on the sums; loss = -log sigma(8); with eps 0.1: -0.9 log sigma(8) - 0.1 log sigma(-8)
+    loss, rc, _, _ = reference_free_loss(pc, pr, lc, lr, 2.0, "cpo", label_smoothing=0.1)
+    assert loss.item() == pytest.approx(0.9 * softplus(-8) + 0.1 * softplus(8), abs=1e-12) and rc.item() == -4.0
+    # orpo: log odds(y) = a - log(1 - e^a): chosen -1 - log(1 - e^-1) = -0.54132, rejected -2 - log(1 - e^-2) =
+    # -1.85459; ratio l = 1.31326; loss = -beta log sigma(l) = 2 log(1 + e^-l)
+    loss, _, _, odds = reference_free_loss(pc, pr, lc, lr, 2.0, "orpo")
+    l_odds = (-1 - math.log(1 - math.exp(-1))) - (-2 - math.log(1 - math.exp(-2)))
+    assert odds.item() == pytest.approx(l_odds, abs=1e-12) and l_odds == pytest.approx(1.31326, abs=1e-5)
+    assert loss.item() == pytest.approx(2 * softplus(-l_odds), abs=1e-12)
+    # the stable log(1 - e^a) holds near 0 (log odds -a - log(-a) ~ 27.63 at a = -1e-12) and far below it (~ a),
+    # where the naive log1p(-exp(a)) rounds: the ratio is 27.63 + 50
+    odds = reference_free_loss(t(-1e-12), t(-50.0), t(1.0), t(1.0), 1.0, "orpo")[3]
+    assert odds.item() == pytest.approx(50.0 - math.log(1e-12), rel=1e-6)
+    with pytest.raises(ConfigError, match="unknown reference-free loss"):
+        reference_free_loss(pc, pr, lc, lr, 1.0, "dpo")
 
 
 def test_kto_worked_numbers():

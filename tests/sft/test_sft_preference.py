@@ -102,6 +102,34 @@ def test_weighted_losses_with_sft_and_ld_dpo_equal_hand_computation(tmp_path, to
     assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("loss", ["simpo", "cpo", "orpo"])
+def test_reference_free_job_equals_hand_computed_loss(tmp_path, tok_model, loss):
+    """SimPO / CPO / ORPO (TRL's CPOTrainer and ORPOTrainer formulas) with no reference: the job's loss over two
+    micro-batches equals the hand computation, NLL terms included (the micro-batch's chosen-token mean, as TRL)."""
+    tok, model = tok_model
+    pairs = load_preference_examples([write_jsonl(tmp_path / "p.jsonl", ROWS)], DPOConfig().data, tok, "paired")
+    beta, gamma, alpha, eps = 0.5, 0.3, 0.7, (0.1 if loss != "orpo" else 0.0)
+    job = DPOJob(None, tok.pad_token_id, micro_batch_size=2, loss=loss, beta=beta, label_smoothing=eps,
+                 simpo_gamma=gamma, cpo_alpha=alpha)
+    got = sum(job.loss(model, m, 3.0)[0].item() for m in job.micro_batches(pairs))
+    want = 0.0
+    for start, stop in ((0, 2), (2, 3)):  # the two micro-batches: the NLL term is each one's chosen-token mean
+        rows = ROWS[start:stop]
+        lps = [(_hand_logp(model, tok, r["prompt"], r["chosen"]), _hand_logp(model, tok, r["prompt"], r["rejected"]))
+               for r in rows]
+        nll = -sum(pc for (pc, _), _ in lps) / sum(nc for (_, nc), _ in lps)
+        for (pc, nc), (pr, nr) in lps:
+            a_c, a_r = pc / nc, pr / nr
+            if loss == "orpo":  # -beta log sigma(log odds ratio) + NLL
+                odds = (a_c - a_r) - (math.log(1 - math.exp(a_c)) - math.log(1 - math.exp(a_r)))
+                want += -beta * math.log(_sig(odds)) + nll
+            else:
+                d = pc - pr if loss == "cpo" else a_c - a_r - gamma / beta
+                want += -(1 - eps) * math.log(_sig(beta * d)) - eps * math.log(_sig(-beta * d))
+                want += alpha * nll if loss == "cpo" else 0.0
+    assert got == pytest.approx(want / 3, rel=1e-5)
+
+
 def test_kto_job_equals_hand_computed_loss(tmp_path, tok_model):
     tok, model = tok_model
     from tiller.models.tiny import build_model
@@ -168,6 +196,30 @@ def test_dpo_widens_the_margin(tiny_model_dir, tmp_path, lora):
     assert rows[-1]["train/loss"] < 0.6 * math.log(2)
 
 
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_train_without_a_reference(tiny_model_dir, tmp_path, monkeypatch, loss):
+    """SimPO / ORPO load no reference model, and training separates the chosen from the rejected completions."""
+    import tiller.trainer.preference as preference
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("a reference-free loss loaded a reference model")
+
+    monkeypatch.setattr(preference, "build_reference", no_reference)
+    train = write_jsonl(tmp_path / "d.jsonl", _rows(8))
+    run = tmp_path / loss
+    cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
+        "algorithm.loss": loss, "algorithm.beta": 2.0 if loss == "simpo" else 0.1, "optim.lr": 1e-3,
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4, "trainer.total_training_steps": 6,
+        "trainer.export_hf": False}), schema=DPOConfig, validate=validate_job)
+    train_dpo(cfg)
+    rows = _metrics(run)
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    assert rows[-1]["train/rewards/margins"] > rows[0]["train/rewards/margins"] + 0.05
+    assert rows[-1]["train/rewards/accuracies"] == 1.0
+    if loss == "orpo":  # TRL's ORPO metrics
+        assert rows[-1]["train/log_odds_ratio"] > rows[0]["train/log_odds_ratio"] and "train/nll_loss" in rows[-1]
+
+
 def test_kto_separates_desirable_from_undesirable(tiny_model_dir, tmp_path):
     rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in _rows(6) for k in ("chosen", "rejected")]
     train = write_jsonl(tmp_path / "k.jsonl", rows)
@@ -194,13 +246,17 @@ def test_dpo_config_errors():
         load_config(base + ["data.ref_chosen_logps_key=rc"], schema=DPOConfig, validate=validate_job)
     for keys, needle in [(["algorithm.loss=[sigmoid,bco_pair]", "algorithm.loss_weights=[1.0]"],
                           r"loss_weights=\[1.0\]: one weight >= 0 per loss"),
-                         (["algorithm.loss=[sigmoid,sppo]"], "did you mean 'sppo_hard'"),
+                         (["algorithm.loss=[sigmoid,sppo_hrd]"], "did you mean 'sppo_hard'"),
                          (["algorithm.loss=exo_pair"], "exo_pair needs algorithm.label_smoothing > 0"),
                          (["algorithm.loss=bco_pair", "algorithm.f_divergence=js_divergence"],
                           "f_divergence=js_divergence: only for"),
                          (["algorithm.loss=aot", "algorithm.use_weighting=true"], "use_weighting .WPO. with aot"),
                          (["algorithm.ld_alpha=0.5", "data.ref_chosen_logps_key=rc", "data.ref_rejected_logps_key=rr"],
                           "ld_alpha needs the reference's per-token log-probs"),
-                         (["algorithm.loss=hinge", "algorithm.label_smoothing=0.1"], "label_smoothing applies to")]:
+                         (["algorithm.loss=hinge", "algorithm.label_smoothing=0.1"], "label_smoothing applies to"),
+                         (["algorithm.loss=orpo", "model.ref_path=r"], "model.ref_path is set but algorithm.loss"),
+                         (["algorithm.loss=simpo", "algorithm.use_weighting=true"], "read no reference"),
+                         (["algorithm.loss=dpo", "algorithm.simpo_gamma=1.0"], "simpo_gamma=1.0 is read only"),
+                         (["algorithm.loss=simpo", "algorithm.cpo_alpha=0.5"], r"\[simpo,sft\]")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(base + keys, schema=DPOConfig, validate=validate_job)

@@ -28,7 +28,7 @@ from tiller.algos.policy_losses import (
     register_policy_loss,
 )
 from tiller.algos.pf_ppo import pf_ppo_resample, pf_ppo_weights
-from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss
+from tiller.algos.preference import dpo_loss, kto_loss, pairwise_rm_loss, reference_free_loss
 from tiller.algos.sft import SFT_LOSSES, sft_token_loss
 from tiller.algos.prime import compute_prime, prime_prm_loss, prime_token_rewards
 from tiller.algos.rollout_correction import rollout_correction, rollout_mismatch_metrics
@@ -73,6 +73,7 @@ __all__ = [
     "prime_prm_loss",
     "prime_token_rewards",
     "register_advantage_estimator",
+    "reference_free_loss",
     "register_policy_loss",
     "rollout_correction",
     "rollout_mismatch_metrics",

@@ -13,6 +13,11 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
   give the completion lengths). `dpo_loss` has TRL 1.16's other pair losses too (EXO, NCA, BCO-pair, SPPO-hard,
   AOT, APO, DiscoPOP, sigmoid_norm) and its f-divergences.
   Implicit rewards: beta (pi - ref), detached.
+- Reference-free pair losses (`reference_free_loss`; TRL's CPOTrainer / ORPOTrainer): CPO (Xu et al. 2024, arXiv
+  2401.08417, eq. 3) -log sigma(beta (log pi(y_c) - log pi(y_r))) on summed log-probs; SimPO (Meng et al. 2024, arXiv
+  2405.14734, eq. 6) the same on length-averaged log-probs with a margin gamma; ORPO (Hong et al. 2024, arXiv
+  2403.07691, eq. 7) -beta log sigma(log odds(y_c) - log odds(y_r)), odds(y) = p / (1 - p) of the length-averaged
+  p. Their NLL terms on the chosen completions (CPO's, ORPO's) are the trainer's (token-mean over the micro-batch).
 - KTO (Ethayarajh et al. 2024, arXiv 2402.01306), with z = clamp(kl_baseline, min=0) detached and
   r = pi - ref: desirable: w_d (1 - sigma(beta (r - z))), undesirable: w_u (1 - sigma(beta (z - r))).
   `kl_baseline` is the batch estimate of KL(pi || ref) from mismatched (prompt, completion) pairs,
@@ -41,6 +46,7 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 # "sft" also, which is no dpo_loss here)
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop")
 RM_LOSS_KINDS = ("sigmoid", "logexp")
+REFERENCE_FREE_LOSSES = ("cpo", "simpo", "orpo")
 
 
 def f_divergence_scores(logratios: torch.Tensor, kind: str = "reverse_kl", alpha: float = 0.5) -> torch.Tensor:
@@ -148,6 +154,53 @@ def dpo_loss(
     chosen_rewards = (beta * r_c).detach()
     rejected_rewards = (beta * r_r).detach()
     return loss, chosen_rewards, rejected_rewards
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012: expm1 near 0, log1p far from it)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def reference_free_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+    loss_type: str = "simpo",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A pair loss without a reference model: summed completion log-probs [B] and completion lengths [B] ->
+    (loss [B], chosen_rewards [B], rejected_rewards [B], log odds ratio [B] for orpo else None).
+
+    With a = logps / lengths (the length-averaged log-probs) and eps = label_smoothing:
+    cpo:   d = logps_c - logps_r;                 -(1-eps) log sigma(beta d) - eps log sigma(-beta d)
+    simpo: d = a_c - a_r - simpo_gamma / beta;   the same (TRL's CPOTrainer: gamma / beta is its margin)
+    orpo:  l = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)) (the log odds ratio);  -beta log sigma(l)
+    Rewards (detached): beta x the log-probs the loss reads (sums for cpo, averages for simpo and orpo), as TRL.
+
+    Worked numbers (simpo, beta 2, gamma 0.5): logps -2 / -6 over 2 / 3 tokens: a = -1 / -2, d = 1 - 0.25 = 0.75,
+    loss = -log sigma(1.5) = 0.2014.
+    """
+    if loss_type not in REFERENCE_FREE_LOSSES:
+        raise ConfigError(f"loss_type: unknown reference-free loss {loss_type!r}; valid: "
+                          f"{', '.join(REFERENCE_FREE_LOSSES)}")
+    eps = label_smoothing
+    log_odds = None
+    if loss_type == "cpo":
+        used_c, used_r = chosen_logps, rejected_logps
+        d = used_c - used_r
+    else:
+        used_c = chosen_logps / chosen_lengths.clamp(min=1)
+        used_r = rejected_logps / rejected_lengths.clamp(min=1)
+        d = used_c - used_r - simpo_gamma / beta
+    if loss_type == "orpo":
+        log_odds = (used_c - used_r) - (log1mexp(used_c) - log1mexp(used_r))
+        loss = -beta * F.logsigmoid(log_odds)
+    else:
+        loss = -(1 - eps) * F.logsigmoid(beta * d) - eps * F.logsigmoid(-beta * d)
+    return loss, (beta * used_c).detach(), (beta * used_r).detach(), log_odds
 
 
 def kto_loss(

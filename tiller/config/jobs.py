@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tiller.algos.preference import DPO_LOSS_TYPES, F_DIVERGENCE_LOSSES, F_DIVERGENCES
+from tiller.algos.preference import DPO_LOSS_TYPES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, REFERENCE_FREE_LOSSES
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.config.checks import check_ref_sync
@@ -317,7 +317,11 @@ class DPOAlgoConfig:
     under label noise algorithm.label_smoothing), or one of TRL 1.16's other DPO losses: exo_pair, nca_pair,
     bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm, sft (the chosen completions'
     NLL), and TRL's `sigmoid` (dpo without label smoothing, as TRL's); a list of them is their weighted sum
-    (algorithm.loss_weights; TRL's MPO: [sigmoid, bco_pair, sft])."""
+    (algorithm.loss_weights; TRL's MPO: [sigmoid, bco_pair, sft]). Without a reference model (none is loaded when
+    every loss is one of these or sft): simpo (SimPO: length-averaged log-probs, margin algorithm.simpo_gamma), cpo
+    (CPO: summed log-probs, plus algorithm.cpo_alpha x the chosen completions' NLL), orpo (ORPO: the odds-ratio term
+    weighted by beta, plus the chosen completions' NLL); TRL's CPOTrainer simpo with cpo_alpha > 0 is [simpo, sft]
+    weighted [1, cpo_alpha]."""
     loss_weights: Optional[list] = None
     """One weight per loss of a list (default 1.0 each)."""
     beta: float = 0.1
@@ -337,6 +341,10 @@ class DPOAlgoConfig:
     use_weighting: bool = False
     """WPO (Zhou et al. 2024): each pair's loss weighted by the product of its completions' length-normalised,
     distribution-aligned probabilities (detached), as TRL's use_weighting."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (TRL's simpo_gamma): the loss reads a_c - a_r - gamma / beta."""
+    cpo_alpha: float = 1.0
+    """CPO's weight of the chosen completions' NLL next to its preference term (TRL's cpo_alpha), read with cpo."""
     ref_model_sync_steps: Optional[int] = None
     """TR-DPO (TRL's sync_ref_model / ref_model_sync_steps): every N optimizer steps the reference model becomes
     ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = a frozen reference. Needs a reference model of
@@ -359,6 +367,10 @@ class KTOAlgoConfig:
     """Inverse temperature beta."""
     desirable_weight: float = 1.0
     """lambda_D: weight of desirable examples."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (TRL's simpo_gamma): the loss reads a_c - a_r - gamma / beta."""
+    cpo_alpha: float = 1.0
+    """CPO's weight of the chosen completions' NLL next to its preference term (TRL's cpo_alpha), read with cpo."""
     ref_model_sync_steps: Optional[int] = None
     """TR-DPO (TRL's sync_ref_model / ref_model_sync_steps): every N optimizer steps the reference model becomes
     ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = a frozen reference. Needs a reference model of
@@ -529,7 +541,7 @@ def _validate_ref_sync(cfg: Any) -> None:
 def _validate_dpo(cfg: DPOConfig) -> None:
     algo = cfg.algorithm
     names = dpo_loss_names(algo.loss)
-    valid = ("dpo", "cdpo", *DPO_LOSS_TYPES, "sft")
+    valid = ("dpo", "cdpo", *DPO_LOSS_TYPES, "sft", *REFERENCE_FREE_LOSSES)
     for name in names:
         _choice("algorithm.loss", name, valid)
     if len(set(names)) != len(names):
@@ -545,7 +557,7 @@ def _validate_dpo(cfg: DPOConfig) -> None:
         raise ConfigError("algorithm.loss=cdpo needs algorithm.label_smoothing > 0 (e.g. 0.1)")
     if "exo_pair" in names and algo.label_smoothing == 0:
         raise ConfigError("algorithm.loss=exo_pair needs algorithm.label_smoothing > 0 (the EXO paper uses 1e-3)")
-    smoothed = {"dpo", "cdpo", "robust", "exo_pair", "aot", "aot_unpaired"}
+    smoothed = {"dpo", "cdpo", "robust", "exo_pair", "aot", "aot_unpaired", "cpo", "simpo"}
     if algo.label_smoothing != 0 and not set(names) & smoothed:
         raise ConfigError(f"algorithm.label_smoothing applies to {', '.join(sorted(smoothed))}, not {names}")
     _choice("algorithm.f_divergence", algo.f_divergence, F_DIVERGENCES)
@@ -554,6 +566,18 @@ def _validate_dpo(cfg: DPOConfig) -> None:
         raise ConfigError(f"algorithm.f_divergence={algo.f_divergence}: only for {', '.join(sorted(allowed))} (the "
                           f"reparameterised log Z cancels only in their chosen - rejected difference), not {names}")
     _positive("algorithm.discopop_tau", algo.discopop_tau)
+    if algo.cpo_alpha < 0:
+        raise ConfigError(f"algorithm.cpo_alpha must be >= 0, got {algo.cpo_alpha}")
+    free = set(names) & set(REFERENCE_FREE_LOSSES)
+    if free and (algo.f_divergence != "reverse_kl" or algo.ld_alpha is not None or algo.use_weighting):
+        raise ConfigError(f"algorithm.loss={names}: {', '.join(sorted(free))} read no reference, so "
+                          "f_divergence / ld_alpha / use_weighting (which shape the policy-reference log-ratios) do "
+                          "not apply")
+    if algo.simpo_gamma != DPOAlgoConfig.simpo_gamma and "simpo" not in names:
+        raise ConfigError(f"algorithm.simpo_gamma={algo.simpo_gamma} is read only with algorithm.loss=simpo")
+    if algo.cpo_alpha != DPOAlgoConfig.cpo_alpha and "cpo" not in names:
+        raise ConfigError(f"algorithm.cpo_alpha={algo.cpo_alpha} is read only with algorithm.loss=cpo (SimPO with an "
+                          "NLL term: algorithm.loss=[simpo,sft] algorithm.loss_weights=[1,ALPHA])")
     if algo.ld_alpha is not None and not 0 <= algo.ld_alpha <= 1:
         raise ConfigError(f"algorithm.ld_alpha must be in [0, 1] or null, got {algo.ld_alpha}")
     if algo.use_weighting and set(names) & {"aot", "aot_unpaired"}:
@@ -566,6 +590,16 @@ def _validate_dpo(cfg: DPOConfig) -> None:
     keys = (cfg.data.ref_chosen_logps_key, cfg.data.ref_rejected_logps_key)
     if (keys[0] is None) != (keys[1] is None):
         raise ConfigError("set both data.ref_chosen_logps_key and data.ref_rejected_logps_key, or neither")
+    if not uses_reference(names):
+        for key, value in (("model.ref_path", cfg.model.ref_path), ("data.ref_chosen_logps_key", keys[0]),
+                           ("algorithm.ref_model_sync_steps", algo.ref_model_sync_steps)):
+            if value is not None:
+                raise ConfigError(f"{key} is set but algorithm.loss={names} reads no reference model")
+
+
+def uses_reference(loss_names: list[str]) -> bool:
+    """Whether a `tiller dpo` loss list reads a reference (every loss but sft and the reference-free ones)."""
+    return not set(loss_names) <= {"sft", *REFERENCE_FREE_LOSSES}
 
 
 def _validate_spin(cfg: SPINConfig) -> None:

@@ -13,6 +13,10 @@ DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (log pi(y_c) - log pi(y_r)) - 
   (algorithm.ld_alpha) and WPO weighting (algorithm.use_weighting). aot / aot_unpaired sort the micro-batch's pairs
   and sft averages over its tokens: as TRL per device batch, those depend on data.micro_batch_size_per_gpu.
 The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs (a weighted sum of the losses).
+Without a reference (`tiller.algos.reference_free_loss`; no reference model is loaded when every loss is one of
+these or sft): simpo (SimPO), cpo (CPO, + algorithm.cpo_alpha x the chosen NLL), orpo (ORPO, + the chosen NLL); the NLL
+is sft's token mean over the micro-batch, as TRL's CPOTrainer / ORPOTrainer compute it; they log nll_loss, and orpo
+log_odds_ratio / log_odds_chosen (TRL's names); rewards are beta x the log-probs each loss reads.
 
 KTO (Ethayarajh et al. 2024, arXiv 2402.01306), r = log pi(y|x) - log ref(y|x):
   desirable: w_D (1 - sigma(beta (r - z0))), undesirable: w_U (1 - sigma(beta (z0 - r))),
@@ -39,9 +43,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
-from tiller.algos import dpo_loss, kto_loss, logprobs_from_logits
-from tiller.config.jobs import dpo_loss_names, DPOConfig, KTOConfig
+from tiller.algos import dpo_loss, kto_loss, logprobs_from_logits, reference_free_loss
+from tiller.algos.preference import REFERENCE_FREE_LOSSES
+from tiller.config.jobs import dpo_loss_names, DPOConfig, KTOConfig, uses_reference
 from tiller.data.packing import collate_padded, forward_logits, forward_output
 from tiller.data.preference import PairExample, UnpairedExample, load_preference_examples, make_sequence
 from tiller.data.sft import IGNORE
@@ -141,7 +147,8 @@ class DPOJob(_ReferenceJob):
     def __init__(self, reference: Reference | None, pad_id: int, micro_batch_size: int, loss="dpo",
                  beta: float = 0.1, label_smoothing: float = 0.0, loss_weights=None, f_divergence: str = "reverse_kl",
                  f_alpha: float = 0.5, discopop_tau: float = 0.05, ld_alpha: float | None = None,
-                 use_weighting: bool = False, router_aux_coef: float = 0.0):
+                 use_weighting: bool = False, router_aux_coef: float = 0.0, simpo_gamma: float = 0.5,
+                 cpo_alpha: float = 1.0):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
         self.router_aux_coef = router_aux_coef
         self.losses = dpo_loss_names(loss)  # (dpo / cdpo: sigmoid with label smoothing; TRL's sigmoid: without)
@@ -149,6 +156,8 @@ class DPOJob(_ReferenceJob):
         self.beta, self.label_smoothing = beta, label_smoothing
         self.f_divergence, self.f_alpha, self.discopop_tau = f_divergence, f_alpha, discopop_tau
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
+        self.simpo_gamma, self.cpo_alpha = simpo_gamma, cpo_alpha
+        self.uses_reference = uses_reference(self.losses)
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
         out = []
@@ -181,6 +190,8 @@ class DPOJob(_ReferenceJob):
         logps, counts = self._sums(tok, mask), mask.sum(-1)
         if "ref_logps" in micro:
             ref_logps = micro["ref_logps"]
+        elif not self.uses_reference:  # simpo / cpo / orpo / sft: no reference runs (its log-probs stand at 0)
+            ref_logps = torch.zeros_like(logps)
         elif self.reference is None:
             raise ValueError("DPO needs a reference model or precomputed reference log-probs")
         else:
@@ -189,23 +200,34 @@ class DPOJob(_ReferenceJob):
         pc, pr = logps.chunk(2)
         rc, rr = ref_logps.chunk(2)
         lc, lr = counts.chunk(2)
+        chosen_tok, chosen_mask = tok.chunk(2)[0], mask.chunk(2)[0]
+        nll = -chosen_tok[chosen_mask].mean()  # the chosen completions' token-mean NLL over the micro-batch (TRL's)
+        extra: dict[str, torch.Tensor] = {}
         weight = None
         if self.use_weighting:  # WPO: exp(mean over the completion of log p - log sum_v p_v^2), detached, c x r
             with torch.no_grad():
                 aligned = (((tok - log_sq) * mask).sum(-1) / counts.clamp(min=1)).exp()
                 weight = aligned.chunk(2)[0] * aligned.chunk(2)[1]
         total = 0.0
+        chosen_r, rejected_r = (self.beta * (pc - rc)).detach(), (self.beta * (pr - rr)).detach()
         for name, w in zip(self.losses, self.weights):
             if name == "sft":  # the chosen completions' token-mean NLL over the micro-batch, as TRL
-                chosen_tok, chosen_mask = tok.chunk(2)[0], mask.chunk(2)[0]
-                per = -chosen_tok[chosen_mask].mean() * torch.ones_like(pc)
+                per = nll * torch.ones_like(pc)
+            elif name in REFERENCE_FREE_LOSSES:
+                per, chosen_r, rejected_r, log_odds = reference_free_loss(
+                    pc, pr, lc, lr, self.beta, name, self.label_smoothing, self.simpo_gamma)
+                if name != "simpo":  # CPO's and ORPO's NLL term on the chosen completions (per pair: its share)
+                    per = per + (self.cpo_alpha if name == "cpo" else 1.0) * nll
+                    extra["nll_loss"] = nll.detach() * pc.shape[0]
+                if log_odds is not None:
+                    extra["log_odds_ratio"] = log_odds.detach().sum()
+                    extra["log_odds_chosen"] = F.logsigmoid(log_odds).detach().sum()
             else:
                 eps = 0.0 if name == "sigmoid" else self.label_smoothing
                 per, _, _ = dpo_loss(pc, pr, rc, rr, self.beta, "sigmoid" if name in ("dpo", "cdpo") else name, eps,
                                      f_divergence=self.f_divergence, f_alpha=self.f_alpha, chosen_lengths=lc,
                                      rejected_lengths=lr, discopop_tau=self.discopop_tau)
             total = total + w * (per * weight if weight is not None else per).sum()
-        chosen_r, rejected_r = (self.beta * (pc - rc)).detach(), (self.beta * (pr - rr)).detach()
         n = normalizer
         metrics = {
             "rewards/chosen": chosen_r.sum() / n,
@@ -214,6 +236,7 @@ class DPOJob(_ReferenceJob):
             "rewards/margins": (chosen_r - rejected_r).sum() / n,
             "logps/chosen": pc.detach().sum() / n,
             "logps/rejected": pr.detach().sum() / n,
+            **{k: v / n for k, v in extra.items()},
         }
         loss = total / n
         if self.router_aux_coef:  # the MoE router's balance over the pairs' forward, by its share of the step
@@ -323,12 +346,14 @@ def _load(cfg, kind: str):
 def train_dpo(cfg: DPOConfig) -> dict[str, float]:
     """Run DPO / IPO / cDPO as configured; returns the last logged metrics."""
     model, tokenizer, train, val, device = _load(cfg, "paired")
-    precomputed = cfg.data.ref_chosen_logps_key is not None
-    reference = None if precomputed else build_reference(cfg, model, device)
     algo = cfg.algorithm
+    # precomputed reference log-probs, or a loss that reads no reference (simpo / cpo / orpo / sft): no model loaded
+    skip = cfg.data.ref_chosen_logps_key is not None or not uses_reference(dpo_loss_names(algo.loss))
+    reference = None if skip else build_reference(cfg, model, device)
     job = DPOJob(reference, tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu, algo.loss, algo.beta,
                  algo.label_smoothing, algo.loss_weights, algo.f_divergence, algo.f_alpha_divergence_coef,
-                 algo.discopop_tau, algo.ld_alpha, algo.use_weighting, cfg.model.router_aux_loss_coef)
+                 algo.discopop_tau, algo.ld_alpha, algo.use_weighting, cfg.model.router_aux_loss_coef,
+                 algo.simpo_gamma, algo.cpo_alpha)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 
