@@ -19,7 +19,17 @@ import enum
 import types
 import typing
 
-CLASSES = ("GRPOConfig", "RLOOConfig", "SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "DistillationConfig")
+CLASSES = ("GRPOConfig", "RLOOConfig", "SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "DistillationConfig",
+           "CPOConfig", "ORPOConfig")
+EXPERIMENTAL = {"CPOConfig": "trl.experimental.cpo", "ORPOConfig": "trl.experimental.orpo"}  # not in trl's namespace
+
+
+def _config_class(name: str):
+    import importlib
+
+    import trl
+
+    return getattr(importlib.import_module(EXPERIMENTAL[name]), name) if name in EXPERIMENTAL else getattr(trl, name)
 SCRIPT_CLASSES = ("ScriptArguments", "GRPOScriptArguments", "RLOOScriptArguments", "ModelConfig",
                   "DatasetMixtureConfig")
 
@@ -106,7 +116,7 @@ def render() -> str:
         "FIELDS: dict[str, dict[str, Any]] = {",
     ]
     for name in CLASSES:
-        fields = _init_fields(getattr(trl, name))
+        fields = _init_fields(_config_class(name))
         own = [k for k in fields if k not in base]
         if list(fields) != [*base, *own]:  # the dict merge below keeps base order: it must be TRL's
             raise SystemExit(f"{name}: its fields are not TrainingArguments' followed by its own")
@@ -131,7 +141,7 @@ def render() -> str:
               "TYPES: dict[str, dict[str, str]] = {"]
     for name in CLASSES:
         lines.append(f"    {name!r}: {{**TRAINING_ARGUMENT_TYPES,")
-        lines += [f"        {k!r}: {v!r}," for k, v in _init_types(getattr(trl, name)).items()
+        lines += [f"        {k!r}: {v!r}," for k, v in _init_types(_config_class(name)).items()
                   if base_types.get(k) != v]
         lines.append("    },")
     for name in SCRIPT_CLASSES:

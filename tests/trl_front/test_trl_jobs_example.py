@@ -27,10 +27,10 @@ def test_trl_sft_dpo_example(tiny_model_dir, tmp_path):
 
 
 def test_docs_hold_the_generated_field_tables():
-    from tiller.trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
+    from tiller.trl import CPOConfig, DPOConfig, KTOConfig, ORPOConfig, RewardConfig, SFTConfig
     from tiller.trl.common import field_table
 
     doc = (ROOT / "docs" / "trl.md").read_text()
     section = doc[doc.index("## SFT, DPO, KTO, reward models"):]
-    for cls in (SFTConfig, DPOConfig, KTOConfig, RewardConfig):
+    for cls in (SFTConfig, DPOConfig, KTOConfig, RewardConfig, CPOConfig, ORPOConfig):
         assert f"### {cls.__name__} fields\n\n" + field_table(cls.__name__, cls.RULES) in section, cls.__name__

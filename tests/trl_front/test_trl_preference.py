@@ -272,3 +272,60 @@ def test_dpo_with_lora_starts_at_the_base_and_saves_a_merged_model(tiny_model_di
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base.state_dict()[n])]
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
+
+
+@pytest.mark.parametrize("name", ["CPOConfig", "ORPOConfig"])
+def test_experimental_reference_free_configs_have_one_rule_per_field(name):
+    from tiller.trl import experimental  # noqa: F401  (the package imports)
+    import tiller.trl as trl
+
+    cls = getattr(trl, name)
+    assert set(cls.RULES) == set(FIELDS[name])
+    assert cls(output_dir="o").learning_rate == 1e-6 and cls(output_dir="o").beta == 0.1
+
+
+def test_orpo_and_simpo_trainers_learn_and_equal_tiller_dpo(tiny_model_dir, tmp_path):
+    """TRL's experimental ORPOTrainer / CPOTrainer (import path tiller.trl.experimental.*): no reference, the
+    chosen-over-rejected margin grows, and the translated keys run the same steps through `tiller dpo`."""
+    from tiller.trainer.preference import main_dpo
+    from tiller.trl.experimental.cpo import CPOConfig, CPOTrainer
+    from tiller.trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    ds = datasets.Dataset.from_list(_conv_pairs())
+    runs = {
+        "orpo": ORPOTrainer(model=str(tiny_model_dir), train_dataset=ds, args=ORPOConfig(
+            output_dir=str(tmp_path / "orpo"), learning_rate=1e-3, num_train_epochs=3, **FAST)),
+        "simpo": CPOTrainer(model=str(tiny_model_dir), train_dataset=ds, args=CPOConfig(
+            output_dir=str(tmp_path / "simpo"), loss_type="simpo", beta=2.0, simpo_gamma=0.5, cpo_alpha=0.5,
+            learning_rate=1e-3, num_train_epochs=3, **FAST)),
+    }
+    for name, trainer in runs.items():
+        trainer.train()
+        h = _history(trainer)
+        assert h[-1]["rewards/margins"] > h[0]["rewards/margins"] + 0.05, (name, h[0], h[-1])
+        keys = trainer.tiller_keys()
+        assert "model.ref_path" not in keys
+        keys["trainer.default_local_dir"] = str(tmp_path / f"cli-{name}")
+        assert main_dpo(overrides(keys)) == 0
+        cli = [json.loads(x) for x in (tmp_path / f"cli-{name}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["train/loss"] for r in cli] == [r["loss"] for r in h]
+    assert runs["orpo"].tiller_keys()["algorithm.loss"] == "orpo" and "log_odds_ratio" in _history(runs["orpo"])[-1]
+    simpo = runs["simpo"].tiller_keys()
+    assert (simpo["algorithm.loss"], simpo["algorithm.loss_weights"], simpo["algorithm.simpo_gamma"]) == (
+        ["simpo", "sft"], [1.0, 0.5], 0.5)
+
+
+def test_cpo_keys_and_refusals(tiny_model_dir, tmp_path):
+    from tiller.trl import CPOConfig, CPOTrainer
+
+    make = lambda **kw: CPOTrainer(model=str(tiny_model_dir), train_dataset=_conv_pairs(),  # noqa: E731
+                                   args=CPOConfig(output_dir=str(tmp_path / "c"), **kw))
+    keys = make(cpo_alpha=0.3, label_smoothing=0.1).tiller_keys()
+    assert (keys["algorithm.loss"], keys["algorithm.cpo_alpha"], keys["algorithm.label_smoothing"]) == ("cpo", 0.3, 0.1)
+    assert make(loss_type="simpo", cpo_alpha=0.0).tiller_keys()["algorithm.loss"] == "simpo"
+    for kw, needle in [(dict(loss_type="hinge"), "loss_type='hinge': refused"),
+                       (dict(alpha=0.2), "alpha=0.2: refused: AlphaPO"),
+                       (dict(max_completion_length=64), "max_completion_length=64: refused"),
+                       (dict(is_encoder_decoder=True), "is_encoder_decoder=True: refused")]:
+        with pytest.raises(ConfigError, match=needle):
+            make(**kw).tiller_keys()

@@ -19,6 +19,9 @@ _EXPORTS = {
     "KTOConfig": "tiller.trl.kto", "KTOTrainer": "tiller.trl.kto",
     "RewardConfig": "tiller.trl.reward", "RewardTrainer": "tiller.trl.reward",
     "DistillationConfig": "tiller.trl.distillation", "DistillationTrainer": "tiller.trl.distillation",
+    # trl.experimental's (their TRL import path: tiller.trl.experimental.cpo / .orpo)
+    "CPOConfig": "tiller.trl.experimental.cpo", "CPOTrainer": "tiller.trl.experimental.cpo",
+    "ORPOConfig": "tiller.trl.experimental.orpo", "ORPOTrainer": "tiller.trl.experimental.orpo",
     # the dataclasses TRL's command-line scripts parse (`tiller trl COMMAND`, tiller.trl.cli)
     "ScriptArguments": "tiller.trl.script_args", "GRPOScriptArguments": "tiller.trl.script_args",
     "RLOOScriptArguments": "tiller.trl.script_args", "ModelConfig": "tiller.trl.script_args",

@@ -363,7 +363,7 @@ def make_config_class(class_name: str, job_rules: dict[str, Rule],
             post_init(self)
 
     cls = dataclasses.make_dataclass(class_name, specs, namespace={
-        "__post_init__": __post_init__, "RULES": rules, "DEFAULTS": fields, "to_dict": dataclasses.asdict,
+        "__post_init__": __post_init__, "RULES": {name: rules[name] for name in fields}, "DEFAULTS": fields, "to_dict": dataclasses.asdict,
         "__doc__": f"TRL's {class_name}: every field with TRL's default; see `tiller.trl` and docs/trl.md."})
     init = cls.__init__
 
