@@ -70,6 +70,29 @@ def test_penalties_reach_the_engine(server):
     assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(ref.logprobs[0], abs=1e-5)
 
 
+def test_a_regex_constrains_the_reply(server):
+    """vLLM's structured_outputs.regex (and its older guided_regex): every choice's text matches the regex in full;
+    a bad regex, a second constraint or another structured-outputs kind is a 400 naming the field."""
+    import re
+
+    client, _ = server
+    for extra in ({"structured_outputs": {"regex": "[0-9]{1,2}-[a-c]"}}, {"guided_regex": "[0-9]{1,2}-[a-c]"}):
+        body = client.post("/v1/chat/completions", json={**CHAT, "n": 3, "temperature": 1.0, "seed": 1,
+                                                         "max_tokens": 8, **extra}).json()
+        texts = [c["message"]["content"] for c in body["choices"]]
+        assert all(re.fullmatch("[0-9]{1,2}-[a-c]", t) for t in texts), texts
+        assert all(c["finish_reason"] == "stop" for c in body["choices"])
+    text = client.post("/v1/completions", json={"model": "tiny", "prompt": "2+3=", "max_tokens": 8,
+                                                 "guided_regex": "yes|no"}).json()["choices"][0]["text"]
+    assert text in ("yes", "no")
+    for extra, param in (({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+                         ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
+                         ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+                         ({"guided_regex": "a+", "structured_outputs": {"regex": "b+"}}, "guided_regex")):
+        resp = client.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 def test_chat_n_seed_and_max_tokens(server):
     client, _ = server
     req = {**CHAT, "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5}

@@ -23,6 +23,8 @@ Semantics and deviations from the OpenAI API:
   presence + frequency x its count) and vLLM's `repetition_penalty` (> 0: a logit of a token in the prompt or the
   completion is divided by it when positive, multiplied when negative) apply before temperature and the filters,
   on every engine (`tiller.rollout.sampling.apply_penalties`); the logprobs are those of the penalised distribution.
+- vLLM's `structured_outputs: {"regex": ...}` (or its older `guided_regex`) constrains the reply to text matching
+  the regex, by the same constrained decoding (native engine; the reply ends at eos once the text matches).
 - `response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema", "json_schema":
   {"name": ..., "schema": {...}}}` are honoured on both endpoints by constrained decoding with the native engine
   (`tiller.rollout.constrained`): at every step the tokens that cannot continue valid JSON are masked, and eos is
@@ -115,23 +117,27 @@ class ServedModel:
         return isinstance(self.batcher, ContinuousBatcher)
 
     def grammar(self, req: SamplingFields) -> Grammar | None:
-        """The compiled grammar of `req.response_format` (None for text). Blocking (llguidance quotes up to ~1 s
-        for a very complex schema, and ~1 s once to wrap a 150k-token tokenizer), so handlers call it in a thread."""
-        schema = req.json_schema()
-        if schema is None:
+        """The compiled grammar of `req.response_format` or of its regex (vLLM's structured_outputs.regex /
+        guided_regex); None for text. Blocking (llguidance quotes up to ~1 s for a large vocabulary's first
+        compile); native engine only."""
+        schema, regex = req.json_schema(), req.regex()
+        if schema is None and regex is None:
             return None
+        param = regex[1] if regex is not None else "response_format"
         if not self.continuous:
-            raise RequestError("response_format other than text needs the native engine (tiller serve --engine "
-                               "native): constrained decoding runs in its continuous batcher", "response_format")
+            raise RequestError(f"{param} needs the native engine (tiller serve --engine native): constrained "
+                               "decoding runs in its continuous batcher", param)
         try:
             with self._compiler_lock:
                 if self._compiler is None:
                     model = self.batcher.engine.weights.module
                     self._compiler = GrammarCompiler(self.tokenizer, model.config.vocab_size)
+            if regex is not None:
+                return self._compiler.regex(regex[0])
             return self._compiler.json_schema(schema)
         except GrammarError as err:
-            param = "response_format.json_schema" if req.response_format.get("type") == "json_schema" \
-                else "response_format"
+            if regex is None and req.response_format.get("type") == "json_schema":
+                param = "response_format.json_schema"
             raise RequestError(f"{param}: {err}", param) from None
 
     # ------------------------------------------------------------------------------------ helpers

@@ -49,6 +49,11 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     """vLLM's extension: logprob entries name their token as `token_id:<id>` (exact, no decoding)."""
     response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    """vLLM's extension: `{"regex": "..."}` constrains the reply to text matching the regex (its other kinds are
+    refused: JSON goes through response_format)."""
+    guided_regex: Optional[str] = None
+    """vLLM's older spelling of structured_outputs.regex."""
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -100,6 +105,33 @@ class SamplingFields(BaseModel):
             raise RequestError("response_format.json_schema.strict must be a boolean",
                                "response_format.json_schema.strict")
         return schema
+
+    def regex(self) -> tuple[str, str] | None:
+        """(the regex the reply must match, the field it came from), or None (vLLM's structured_outputs.regex /
+        guided_regex)."""
+        found = []
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, dict):
+                raise RequestError("structured_outputs must be an object", "structured_outputs")
+            for key, value in self.structured_outputs.items():
+                if key == "regex" and value is not None:
+                    found.append((value, "structured_outputs.regex"))
+                elif key != "regex" and value not in (None, False, ""):
+                    raise RequestError(f"structured_outputs.{key} is not supported by tiller serve (regex is; JSON "
+                                       "goes through response_format)", f"structured_outputs.{key}")
+        if self.guided_regex is not None:
+            found.append((self.guided_regex, "guided_regex"))
+        if len(found) > 1:
+            raise RequestError("structured_outputs.regex and guided_regex are both set: use one", "guided_regex")
+        if not found:
+            return None
+        pattern, field = found[0]
+        if not isinstance(pattern, str) or not pattern:
+            raise RequestError(f"{field} must be a non-empty string", field)
+        if self.json_schema() is not None:
+            raise RequestError(f"{field} and a JSON response_format are both set: a reply takes one constraint",
+                               field)
+        return pattern, field
 
     def token_bias(self, vocab: int) -> dict[int, float]:
         """`logit_bias` as {token id: bias}, checked: ids in [0, vocab), biases in [-100, 100] (OpenAI's range)."""
