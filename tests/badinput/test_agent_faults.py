@@ -251,3 +251,33 @@ def test_agent_requests_sample_with_the_rollouts_penalties(tiny_model_dir):
         assert list(segment.response_ids) == want.response_ids[0]
     finally:
         endpoint.close()
+
+
+def test_agent_requests_follow_the_rollouts_regex(tiny_model_dir):
+    """rollout.structured_outputs_regex reaches the agent endpoint (fixed as `guided_regex`): a request that leaves
+    it out is constrained by it, one that asks for another regex is refused, naming the field."""
+    import re
+
+    import httpx
+
+    from tiller.models.loading import load_causal_lm, load_tokenizer
+    from tiller.rollout.agent_endpoint import AgentEndpoint
+    from tiller.rollout.native import NativeRolloutEngine
+    from tiller.serve.app import agent_app
+
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    engine = NativeRolloutEngine(load_causal_lm(str(tiny_model_dir), dtype="float32"), tok, dtype="float32")
+    endpoint = AgentEndpoint(engine, tok, app=agent_app, max_model_len=256, max_tokens_default=8,
+                             fixed_sampling={"temperature": 1.0, "guided_regex": "[0-9]{1,3}"})
+    body = {"model": "policy", "prompt": "1+1=", "max_tokens": 8, "n": 4, "seed": 3}
+    try:
+        live = endpoint.open_episode()
+        with httpx.Client(timeout=60) as client:
+            reply = client.post(f"{endpoint.base_url(live)}/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert all(re.fullmatch("[0-9]{1,3}", c["text"]) for c in reply.json()["choices"]), reply.json()
+            other = client.post(f"{endpoint.base_url(live)}/completions", json={**body, "guided_regex": "a+"})
+            assert other.status_code == 400 and other.json()["error"]["param"] == "guided_regex", other.text
+        endpoint.close_episode(live)
+    finally:
+        endpoint.close()

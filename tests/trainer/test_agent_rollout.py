@@ -184,3 +184,21 @@ def test_environment_rollout_trains_through_tiller_rl(tmp_path, tiny_model_dir, 
     assert metrics["training/global_step"] == 2
     assert metrics["agent/segments_per_episode/mean"] == 2.0  # done after the second step
     assert abs(metrics["training/rollout_probs_diff_max"]) < 1e-3
+
+
+def test_the_rollouts_regex_constrains_an_agents_requests(tmp_path, tiny_model_dir, agent_data):
+    """rollout.structured_outputs_regex with an agent function: every segment the agent's requests sampled matches
+    it (the endpoint fixes it for requests that leave it out)."""
+    import re
+
+    from tiller.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(_cfg(tmp_path / "run", tiny_model_dir, agent_data,
+                             "actor_rollout_ref.rollout.structured_outputs_regex='[0-9]{1,3}'"))
+    try:
+        batch = trainer._collect_batch({}, 1)
+        texts = [trainer.tokenizer.decode(batch["responses"][i][batch["response_mask"][i].bool()].tolist(),
+                                          skip_special_tokens=True) for i in range(len(batch))]
+    finally:
+        trainer.shutdown()
+    assert len(texts) == 12 and all(re.fullmatch("[0-9]{1,3}", t) for t in texts), texts

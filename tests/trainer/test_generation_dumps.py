@@ -108,7 +108,8 @@ def test_a_rollout_regex_constrains_training_and_validation(tmp_path, tiny_model
             ("[0-9", [], "unclosed character class"),
             ("[0-9]+", ["actor_rollout_ref.rollout.name=hf"], "with rollout.name=hf: the regex constraint runs on"),
             ("[0-9]+", [f"actor_rollout_ref.rollout.agent.path={tmp_path / 'agent.py'}",
-                        "actor_rollout_ref.rollout.agent.name=f"], "agent's OpenAI requests are not constrained")):
+                        "actor_rollout_ref.rollout.agent.name=f", "actor_rollout_ref.rollout.name=vllm"],
+             "the agent endpoint constrains its requests by the native engine")):
         with pytest.raises(ConfigError, match=match):
             make_cfg(tmp_path / "bad", tiny_model_dir, rl_data, f"{key}='{pattern}'", *extra)
 

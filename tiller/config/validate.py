@@ -483,9 +483,9 @@ def _validate_regex(rollout) -> None:
         raise ConfigError(f"{key}={pattern!r}: {' '.join(problem.split())[:300]}")
     if rollout.name == "hf":
         raise ConfigError(f"{key} with rollout.name=hf: the regex constraint runs on the native or vllm engine")
-    if rollout.agent.path:
-        raise ConfigError(f"{key} with rollout.agent.path: the agent's OpenAI requests are not constrained by it (an "
-                          "environment, tool or verl agent loop rollout is)")
+    if rollout.agent.path and rollout.name != "native":
+        raise ConfigError(f"{key} with rollout.agent.path and rollout.name={rollout.name}: the agent endpoint "
+                          "constrains its requests by the native engine's continuous batcher; use rollout.name=native")
 
 
 def _validate_distill(cfg: RLConfig) -> None:

@@ -400,6 +400,8 @@ class ActorRolloutRefWorker:
                                           "repetition_penalty": sampling.repetition_penalty,
                                           "presence_penalty": sampling.presence_penalty,
                                           "frequency_penalty": sampling.frequency_penalty}
+        if sampling.regex is not None:  # the rollout's regex constrains every request (the serve app's field)
+            endpoint.served.fixed_sampling["guided_regex"] = sampling.regex
         agent = load_agent_function(a.path, a.name)
         if hook is not None:  # (the producer's endpoint: a native engine's continuous batcher)
             endpoint.served.batcher.weights_hook = hook
