@@ -93,6 +93,34 @@ def test_a_regex_constrains_the_reply(server):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
+def test_vllms_stop_token_ids_and_text_extensions(server):
+    """stop_token_ids end a choice (its text left out, kept with include_stop_str_in_output), skip_special_tokens=false
+    keeps special tokens in the text, min_tokens is refused; the ids are the engine's greedy ones."""
+    from tiller.rollout import SamplingParams
+    from tiller.serve.protocol import CompletionRequest
+
+    client, served = server
+    tok = served.tokenizer
+    prompt = tok("2+3=", add_special_tokens=False)["input_ids"]
+    free = served.batcher.engine.generate([prompt], SamplingParams(max_new_tokens=8, do_sample=False, ignore_eos=True))
+    ids = free.response_ids[0]
+    stop = ids[2]
+    first = ids.index(stop)  # (the 3rd token, or an earlier copy of it)
+    body = {"model": "tiny", "prompt": "2+3=", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [stop]}
+    out = client.post("/v1/completions", json=body).json()
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == first + 1
+    assert out["choices"][0]["text"] == tok.decode(ids[:first], skip_special_tokens=True)
+    kept = client.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == tok.decode(ids[:first + 1], skip_special_tokens=True)
+    special = [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert served.finish_text(special, ()) == "" and served.finish_text(
+        special, (), CompletionRequest(prompt="x", skip_special_tokens=False)) == "<|im_end|>"
+    for extra, param in (({"min_tokens": 2}, "min_tokens"), ({"stop_token_ids": [10 ** 6]}, "stop_token_ids")):
+        resp = client.post("/v1/completions", json={**body, **extra})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 def test_chat_n_seed_and_max_tokens(server):
     client, _ = server
     req = {**CHAT, "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5}

@@ -12,7 +12,9 @@ Semantics and deviations from the OpenAI API:
   with the others and draws from its own generator, so it returns the same tokens alone or under load
   (other engines run a seeded request in its own engine call).
 - `stop` strings end a choice and are not part of the returned text (as OpenAI); the token that completed
-  the string is still counted in `usage.completion_tokens`.
+  the string is still counted in `usage.completion_tokens`. vLLM's extensions: `stop_token_ids` end a choice too
+  (the token's text left out), `include_stop_str_in_output` keeps the stop string / token in the text,
+  `skip_special_tokens=false` keeps special tokens; `min_tokens` > 0 is refused.
 - `logprobs` (and `top_logprobs` <= 20 on chat, `logprobs: k` <= 20 on completions) are those of the sampling
   distribution (after `logit_bias`, the penalties, the `response_format` mask, temperature, top-k, top-p, min-p),
   the quantity RL training uses; at temperature 1 without filters that is the model's `log_softmax`. Tokens the filters
@@ -181,12 +183,16 @@ class ServedModel:
                                    "(the trained logprobs must be those of the sampling distribution): leave it "
                                    "out or set it to the rollout's value", name)
             setattr(req, name, value)
+        vocab = self.vocab_size()
+        stop_ids = tuple(int(t) for t in req.stop_token_ids or ())
+        if any(not 0 <= t < vocab for t in stop_ids):
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         greedy = req.temperature == 0.0
         params = SamplingParams(n=req.n, temperature=1.0 if greedy else req.temperature, top_p=req.top_p,
                                 top_k=req.top_k, min_p=req.min_p, max_new_tokens=max_tokens, do_sample=not greedy,
                                 stop=tuple(req.stop_list()), seed=req.seed, ignore_eos=req.ignore_eos,
                                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                                frequency_penalty=req.frequency_penalty)
+                                frequency_penalty=req.frequency_penalty, stop_token_ids=stop_ids)
         try:
             params.validate()
         except UserError as err:
@@ -277,11 +283,19 @@ class ServedModel:
             return [[] for _ in out.response_ids[row]]
         return [[(self.token_text(t, as_ids), float(lp)) for t, lp in step] for step in tops[row]]
 
-    def finish_text(self, ids: list[int], stops: tuple[str, ...]) -> str:
-        """Decoded text without special tokens, cut before the first stop string."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stops if s in text]
-        return text[:min(cuts)] if cuts else text
+    def finish_text(self, ids: list[int], stops: tuple[str, ...], req: SamplingFields | None = None) -> str:
+        """Decoded text (without special tokens unless the request's skip_special_tokens is False), cut before the
+        first stop string; a final token from the request's stop_token_ids is left out, as vLLM does. With
+        include_stop_str_in_output both stay."""
+        keep = bool(req is not None and req.include_stop_str_in_output)
+        if ids and req is not None and ids[-1] in (req.stop_token_ids or ()) and not keep:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=req is None or req.skip_special_tokens)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if not hits:
+            return text
+        at, stop = min(hits)
+        return text[:at + len(stop)] if keep else text[:at]
 
     def token_text(self, token: int, as_id: bool = False) -> str:
         """A token as logprob entries name it: its text, or `token_id:<id>` (`return_tokens_as_token_ids`)."""
@@ -325,7 +339,7 @@ async def chat_completion(served: ServedModel, req: ChatCompletionRequest) -> di
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = []
     for i in range(len(out)):
-        text = served.finish_text(out.response_ids[i], sampling.stop)
+        text = served.finish_text(out.response_ids[i], sampling.stop, req)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         reason = out.finish_reason[i]
         if req.tools and req.tool_choice != "none":
@@ -406,7 +420,7 @@ async def completion(served: ServedModel, req: CompletionRequest) -> dict | Any:
     rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
     choices = []
     for i in range(len(out)):
-        text = served.finish_text(out.response_ids[i], sampling.stop)
+        text = served.finish_text(out.response_ids[i], sampling.stop, req)
         if req.echo:
             text = served.tokenizer.decode(prompts[i // n], skip_special_tokens=False) + text
         choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": out.finish_reason[i], "logprobs": None}

@@ -54,6 +54,14 @@ class SamplingFields(BaseModel):
     refused: JSON goes through response_format)."""
     guided_regex: Optional[str] = None
     """vLLM's older spelling of structured_outputs.regex."""
+    stop_token_ids: Optional[list[int]] = None
+    """vLLM's extension: token ids that end a choice (the token's text is left out of the reply, as vLLM)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's extension: keep the stop string (or stop token's text) that ended a choice in its text."""
+    skip_special_tokens: bool = True
+    """vLLM's extension: False keeps special tokens in the reply's text."""
+    min_tokens: int = 0
+    """vLLM's extension: refused when > 0 (tiller's sampler does not hold eos back)."""
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -62,6 +70,8 @@ class SamplingFields(BaseModel):
         return stops
 
     def check_supported(self) -> None:
+        if self.min_tokens:
+            raise RequestError("min_tokens is not supported by tiller serve (use 0)", "min_tokens")
         self.json_schema()
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:
