@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.serving import free_port, served_model, serving
+from tiller.serve.protocol import ChatCompletionRequest
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,25 @@ def test_vllms_stop_token_ids_and_text_extensions(server):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
+def test_chat_template_kwargs_render_the_chat(server):
+    """vLLM's chat_template_kwargs reach the chat template (over the server's own); vLLM's unsupported extensions set
+    to their off values (use_beam_search=false) are accepted."""
+    client, served = server
+    tok = served.tokenizer
+    original = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if shout %} LOUD{% endif %}{% if add_generation_prompt %}={% endif %}")
+    try:
+        chat = [{"role": "user", "content": "2+3"}]
+        plain, _ = served.render_chat(ChatCompletionRequest(model="tiny", messages=chat))
+        loud, _ = served.render_chat(ChatCompletionRequest(model="tiny", messages=chat,
+                                                           chat_template_kwargs={"shout": True}))
+    finally:
+        tok.chat_template = original
+    assert tok.decode(plain) == "2+3=" and tok.decode(loud) == "2+3 LOUD="
+    assert client.post("/v1/chat/completions", json={**CHAT, "use_beam_search": False}).status_code == 200
+
+
 def test_chat_n_seed_and_max_tokens(server):
     client, _ = server
     req = {**CHAT, "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5}
@@ -193,6 +213,8 @@ def test_chat_streaming_sse_concatenates_to_the_full_answer(server):
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 5}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, "guided_json"),
+    ({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
     ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(server, body, param):

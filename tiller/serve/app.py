@@ -14,7 +14,10 @@ Semantics and deviations from the OpenAI API:
 - `stop` strings end a choice and are not part of the returned text (as OpenAI); the token that completed
   the string is still counted in `usage.completion_tokens`. vLLM's extensions: `stop_token_ids` end a choice too
   (the token's text left out), `include_stop_str_in_output` keeps the stop string / token in the text,
-  `skip_special_tokens=false` keeps special tokens; `min_tokens` > 0 is refused.
+  `skip_special_tokens=false` keeps special tokens; `min_tokens` > 0 is refused. `chat_template_kwargs` (vLLM's:
+  extra chat-template variables, e.g. Qwen3's `enable_thinking`) renders the chat with them; vLLM's guided_json /
+  guided_choice / guided_grammar, bad_words, allowed_token_ids, prompt_logprobs, truncate_prompt_tokens,
+  use_beam_search and continue_final_message are refused when set (400 naming the field), never ignored.
 - `logprobs` (and `top_logprobs` <= 20 on chat, `logprobs: k` <= 20 on completions) are those of the sampling
   distribution (after `logit_bias`, the penalties, the `response_format` mask, temperature, top-k, top-p, min-p),
   the quantity RL training uses; at temperature 1 without filters that is the model's `log_softmax`. Tokens the filters
@@ -213,10 +216,11 @@ class ServedModel:
         images: list | None = [] if self.processor is not None else None  # None: a text model, image parts refused
         messages, tools = prepare_messages(req.text_messages(functools.partial(message_content, images=images)),
                                            req.tools, self.tokenizer.chat_template)
+        variables = {**self.chat_template_kwargs, **(req.chat_template_kwargs or {})}
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                       add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                                                      **self.chat_template_kwargs)
+                                                      **variables)
         except RequestError:
             raise
         except Exception as err:  # jinja errors from the model's own template

@@ -75,7 +75,7 @@ class SamplingFields(BaseModel):
         self.json_schema()
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:
-            if extra.get(name) not in (None, [], {}):
+            if extra.get(name) not in (None, [], {}, False):
                 raise RequestError(f"{name} is not supported by tiller serve", name)
         modalities = extra.get("modalities")
         if modalities not in (None, ["text"]):
@@ -159,8 +159,12 @@ class SamplingFields(BaseModel):
         return out
 
 
-UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "prediction", "web_search_options")
-"""OpenAI request fields tiller serve cannot honour: refused when set (they arrive as extra fields)."""
+UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "prediction", "web_search_options",
+                      # vLLM's extensions tiller serve does not build (its others are fields above)
+                      "guided_json", "guided_choice", "guided_grammar", "bad_words", "allowed_token_ids",
+                      "prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "continue_final_message")
+"""OpenAI (and vLLM extension) request fields tiller serve cannot honour: refused when set (they arrive as extra
+fields; None, False and empty values are not set)."""
 
 
 class ChatMessage(BaseModel):
@@ -179,6 +183,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    """vLLM's extension: extra variables for the chat template (e.g. Qwen3's {"enable_thinking": false}), over the
+    server's own."""
 
     def text_messages(self, parts: Callable[[list[dict], str], Any]) -> list[dict[str, Any]]:
         """Messages for the chat template, a list content turned into what `parts(content, where)` makes of it
