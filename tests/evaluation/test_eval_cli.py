@@ -53,6 +53,23 @@ def test_generate_plain_text_prompts_to_parquet(tiny_model_dir, tmp_path):
     assert [len(r["responses"]) for r in table] == [1, 1]
 
 
+def test_generate_takes_the_rollouts_penalties_and_regex(tiny_model_dir, prompt_file, tmp_path):
+    """`tiller generate` samples with rollout.repetition_penalty / frequency_penalty and structured_outputs_regex (the
+    same keys as `tiller rl`): greedy answers of the fresh tiny model repeat one token without them."""
+    import re
+
+    rows = {}
+    for name, extra in (("plain", []), ("penalised", ["actor_rollout_ref.rollout.repetition_penalty=3.0",
+                                                      "actor_rollout_ref.rollout.frequency_penalty=1.0"]),
+                        ("regex", ["actor_rollout_ref.rollout.structured_outputs_regex='[0-9]{1,2}'"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert cli(["generate", "--data", str(prompt_file), "--out", str(out), "--model", str(tiny_model_dir),
+                    "--no-progress", "actor_rollout_ref.rollout.do_sample=False", *FAST, *extra]) == 0
+        rows[name] = [json.loads(line)["responses"][0] for line in open(out)]
+    assert rows["penalised"] != rows["plain"]
+    assert all(re.fullmatch("[0-9]{1,2}", r) for r in rows["regex"]), rows["regex"]
+
+
 def test_generate_and_eval_bad_input_exit_2(tiny_model_dir, tmp_path, capsys):
     src = tmp_path / "p.jsonl"
     src.write_text('{"question": "hello"}\n')
