@@ -278,3 +278,32 @@ def test_fully_async_layout_resolves():
     assert " rollout={" in line  # the rollouter pool and counters, named at start-up
     with pytest.raises(ConfigError, match="async_training.compute_prox_log_prob=True is refused"):
         load_config(["async_training.compute_prox_log_prob=True"])
+
+
+def test_ulysses_on_ray_workers_is_kept_and_checked(tmp_path, capsys):
+    """With trainer.backend=ray and several workers the actor's Ulysses size splits sequences for real
+    (tiller.workers.ulysses): it stays in the resolved config, the actor's budgets stay verl's per-worker values
+    (the worker multiplies them, as verl's does), `config show` loads back unchanged, and it is no longer named
+    among the no-op keys; a size that does not divide the workers, or without use_remove_padding, is refused."""
+    from tiller.config import to_yaml
+
+    ray = ["trainer.backend=ray", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
+           "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000", "critic.ppo_max_token_len_per_gpu=500",
+           "critic.ulysses_sequence_parallel_size=2"]
+    cfg = load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.ulysses_sequence_parallel_size == 2 and actor.ppo_max_token_len_per_gpu == 1000
+    assert cfg.critic.ppo_max_token_len_per_gpu == 1000  # the critic still runs whole sequences: folded
+    line = edge.noop_line(cfg) or ""
+    assert "critic.ulysses_sequence_parallel_size=2" in line
+    assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size" not in line
+    path = tmp_path / "shown.yaml"
+    path.write_text(to_yaml(cfg))
+    again = load_config([], config_file=path).actor_rollout_ref.actor
+    assert (again.ulysses_sequence_parallel_size, again.ppo_max_token_len_per_gpu) == (2, 1000)
+    with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=3 must divide the 4 workers"):
+        load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"])
+    with pytest.raises(ConfigError, match=r"use_remove_padding=True"):
+        load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                     "actor_rollout_ref.model.use_remove_padding=false"])

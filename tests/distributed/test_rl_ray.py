@@ -54,9 +54,10 @@ def make_cfg(run_dir, model_dir, data, *overrides):
     ])
 
 
-def train(cfg, seed_chunks=None, on_execute=None):
+def train(cfg, seed_chunks=None, on_execute=None, calls=None, layout=None):
     """Fit; returns (per-step (actor/pg_loss, actor/grad_norm), final full weights). `on_execute(trainer, method)`
-    runs before each actor-group call (used to kill a worker mid-step)."""
+    runs before each actor-group call (used to kill a worker mid-step); `calls` collects (method, dispatch
+    keywords) of each actor-group call; `layout` the ranks' `parallel_layout()`."""
     from tiller.trainer.rl import RLTrainer
 
     trainer = RLTrainer(cfg)
@@ -69,12 +70,16 @@ def train(cfg, seed_chunks=None, on_execute=None):
         def spy(method, *args, **kwargs):
             if on_execute:
                 on_execute(trainer, method)
+            if calls is not None:
+                calls.append((method, {k: v for k, v in kwargs.items() if k in ("dispatch", "replicas")}))
             out = execute(method, *args, **kwargs)
             if method == "update_actor":
                 losses.append((out["actor/pg_loss"], out["actor/grad_norm"]))
             return out
 
         trainer.actor.execute = spy
+        if layout is not None:
+            layout.extend(execute("parallel_layout", dispatch="all"))
         trainer.fit()
         return losses, execute("state_dict")
     finally:
@@ -201,3 +206,30 @@ def test_dynamic_bsz_two_fsdp_ray_workers_equal_one_process(ray_session, local_r
                              "actor_rollout_ref.actor.use_dynamic_bsz=true",
                              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80"))
     assert_same(ray_run, local_run)
+
+
+@pytest.fixture(scope="module")
+def even_heads_dir(tmp_path_factory, tiny_model_dir):
+    from tests.distributed.test_ulysses import _save
+
+    return _save(tmp_path_factory, tiny_model_dir, "qwen2_kv4")  # 4 attention heads: 2 per rank
+
+
+def test_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_heads_dir, rl_data):
+    """actor.ulysses_sequence_parallel_size=2 on 2 FSDP2 workers: one data-parallel replica whose two ranks split
+    every packed micro-batch of the old-logprob, reference and update forwards (tiller.workers.ulysses); the run
+    equals one process's with whole sequences, KL loss and entropy bonus included."""
+    common = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_kl_loss=true",
+              "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.actor.entropy_coeff=0.01",
+              "actor_rollout_ref.actor.ppo_epochs=2")
+    local = train(make_cfg(tmp_path / "local", even_heads_dir, rl_data, *common), seed_chunks=2)
+    calls, layout = [], []
+    ray_run = train(make_cfg(tmp_path / "ray", even_heads_dir, rl_data, *common, *RAY,
+                             "actor_rollout_ref.actor.strategy=fsdp",
+                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"), calls=calls, layout=layout)
+    assert_same(ray_run, local)
+    assert [(p["world"], p["sp"], p["sp_rank"]) for p in layout] == [(2, 2, 0), (2, 2, 1)]
+    split = {m: kw for m, kw in calls if m in ("compute_log_prob", "compute_ref_log_prob", "update_actor")}
+    assert split.keys() == {"compute_log_prob", "compute_ref_log_prob", "update_actor"}
+    assert all(kw == {"dispatch": "dp", "replicas": 2} for kw in split.values()), split
+    assert dict(calls)["generate_sequences"] == {"dispatch": "dp"}  # sampling stays split by rows over both ranks

@@ -124,8 +124,15 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.actor.calculate_sum_pi_squared": noop(
         "tiller's old-logprob forward returns sum pi^2 whenever algorithm.adv_estimator is an optimal token "
         "baseline (the only user), set or not"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": noop(_ULYSSES),
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": noop(_ULYSSES),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": noop(
+        "one process runs whole sequences with trainer.backend=local (the update is the same; memory is not split); "
+        "verl's per-GPU token budgets of the actor are its share of a micro-batch of this many GPUs, so they are "
+        "multiplied by this size at load time, as verl does", _several_workers,
+        "trainer.backend=ray with more than one worker (tiller.workers.ulysses)"),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": noop(
+        "the reference's forward runs in the actor's workers, split as actor.ulysses_sequence_parallel_size says; "
+        "verl's per-GPU token budget of the reference is its share of a micro-batch of this many GPUs, so it is "
+        "multiplied by this size at load time, as verl does"),
     "critic.ulysses_sequence_parallel_size": noop(_ULYSSES),
     "actor_rollout_ref.rollout.mode": noop("tiller's engines run inside the actor worker; there is no separate "
                                            "async server mode to pick"),
@@ -1018,17 +1025,22 @@ ULYSSES_BUDGETS = {
 
 
 FOLDED_ATTR = "_tiller_folded_ulysses"
+ACTOR_ULYSSES = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 
 
 def _scale_ulysses_budgets(cfg: RLConfig) -> None:
     """verl splits each sequence over `ulysses_sequence_parallel_size` GPUs and packs dynamic micro-batches of budget x
-    sp tokens; tiller runs whole sequences on one worker, so its budget is that product (one line says so). The sizes
-    are then 1 in the resolved config (folded into the budgets: `tiller config show`'s output loads back unchanged);
-    the start-up no-op line still names the values given."""
+    sp tokens; where tiller runs whole sequences on one worker (one process; the reference's, the critic's and the
+    reward model's sizes), its budget is that product (one line says so). The actor's size with trainer.backend=ray
+    and several workers splits sequences for real (`tiller.workers.ulysses`): it stays, and the actor worker
+    multiplies its budgets by it, as verl's does. Folded sizes are 1 in the resolved config (folded into the
+    budgets: `tiller config show`'s output loads back unchanged); the start-up no-op line still names the values
+    given."""
     folded = {}
+    live = ACTOR_ULYSSES if _several_workers(cfg) else None  # split for real: the worker multiplies its budgets
     for budget, sp_key in ULYSSES_BUDGETS.items():
         sp = get(cfg, sp_key) or 1
-        if sp > 1:
+        if sp > 1 and sp_key != live:
             value = get(cfg, budget)
             _set(cfg, budget, value * sp)
             folded[sp_key] = sp

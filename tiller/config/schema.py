@@ -529,8 +529,11 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384
     """With use_dynamic_bsz: padded tokens (rows x (prompt + response) width) per actor micro-batch."""
     ulysses_sequence_parallel_size: int = 1
-    """verl's Ulysses sequence parallelism (splits each sequence over GPUs to save memory); tiller runs
-    whole sequences on each worker: the update is the same, memory per worker is not reduced."""
+    """verl's Ulysses sequence parallelism: with trainer.backend=ray and several workers, groups of this many
+    workers split each packed micro-batch (its tokens, and its attention heads around attention), so a worker holds
+    1/size of the activations and logits (`tiller.workers.ulysses`; needs model.use_remove_padding=True; the token
+    budgets are per worker's share, as verl's). One process (trainer.backend=local) runs whole sequences: the update
+    is the same."""
     use_token_level_loss: Optional[bool] = None
     """Deprecated (early verl): True = loss_agg_mode token-mean, False = seq-mean-token-mean."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -671,7 +674,8 @@ class RefConfig:
     ref_model_mixup_alpha: float = 0.6
     """tiller (TRL's): the mixing weight alpha of ref_model_sync_steps."""
     ulysses_sequence_parallel_size: int = 1
-    """verl's Ulysses sequence parallelism for the reference (as actor.ulysses_sequence_parallel_size)."""
+    """verl's Ulysses size for the reference: its forward runs in the actor's workers, split by the actor's size;
+    this one scales the reference's token budget (verl's per-GPU share)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's sharding / offload knobs of the reference (no effect in tiller)."""
     rollout_n: Optional[int] = None
@@ -1082,7 +1086,8 @@ class CriticConfig:
     forward_max_token_len_per_gpu: Optional[int] = None
     """With use_dynamic_bsz: padded tokens per value-forward micro-batch; None = ppo_max_token_len_per_gpu."""
     ulysses_sequence_parallel_size: int = 1
-    """verl's Ulysses sequence parallelism for the critic (as actor.ulysses_sequence_parallel_size)."""
+    """verl's Ulysses size for the critic: tiller's critic runs whole sequences; this scales its token budgets
+    (verl's per-GPU share)."""
     ppo_epochs: Optional[int] = None
     """Critic passes per batch; defaults to the actor's."""
     shuffle: bool = False

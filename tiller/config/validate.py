@@ -40,6 +40,25 @@ GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_
                     "rloo_vectorized", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "prime")
 
 
+def _validate_seq_parallel(cfg: RLConfig) -> None:
+    """actor.ulysses_sequence_parallel_size splitting sequences for real (trainer.backend=ray, several workers)."""
+    sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size or 1
+    tr = cfg.trainer
+    workers = tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
+    key = f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"
+    if sp < 1:
+        raise ConfigError(f"{key} must be >= 1")
+    if sp == 1 or workers == 1:
+        return
+    if workers % sp:
+        raise ConfigError(f"{key} must divide the {workers} workers (trainer.nnodes x trainer.n_gpus_per_node)")
+    if not cfg.actor_rollout_ref.model.use_remove_padding:
+        raise ConfigError(f"{key} splits the packed sequence of a micro-batch over {sp} workers: set "
+                          "actor_rollout_ref.model.use_remove_padding=True (verl requires it too)")
+    if cfg.algorithm.adv_estimator == "prime":
+        raise ConfigError(f"{key}: PRIME's implicit PRM is not split over workers; set it to 1")
+
+
 def validate_rl(cfg: RLConfig) -> None:
     apply_edge(cfg)  # deprecated keys converted, follower keys resolved, refused values raised
     data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
@@ -53,6 +72,7 @@ def validate_rl(cfg: RLConfig) -> None:
     if actor.entropy_agg_mode is not None:
         _choice("actor_rollout_ref.actor.entropy_agg_mode", actor.entropy_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
+    _validate_seq_parallel(cfg)
     _validate_ref_sync(cfg)
     _validate_stop_penalty(cfg)
     _validate_distill(cfg)

@@ -24,7 +24,7 @@ class WorkerGroup(Protocol):
     name: str
     world_size: int
 
-    def execute(self, method: str, *args, dispatch: str = "broadcast", **kwargs) -> Any: ...
+    def execute(self, method: str, *args, dispatch: str = "broadcast", replicas: int = 1, **kwargs) -> Any: ...
 
     def shutdown(self) -> None: ...
 
@@ -36,13 +36,13 @@ class LocalWorkerGroup:
         self.name, self.world_size = name, 1
         self.worker = worker_cls(**init_kwargs)
 
-    def execute(self, method: str, *args, dispatch: str = "broadcast", **kwargs) -> Any:
+    def execute(self, method: str, *args, dispatch: str = "broadcast", replicas: int = 1, **kwargs) -> Any:
         check_mode(dispatch)
         fn = getattr(self.worker, method, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"worker group {self.name!r}: {type(self.worker).__name__} has no method {method!r}")
         if dispatch in ("dp", "dp_parts"):
-            per_rank, pad, padded_len = split_dp(args, 1)
+            per_rank, pad, padded_len = split_dp(args, 1, replicas)
             result = fn(*per_rank[0], **kwargs)
             return [result] if dispatch == "dp_parts" else merge_dp([result], pad, padded_len)
         result = fn(*args, **kwargs)

@@ -58,8 +58,19 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+_DATA_GROUP = None  # set_data_group: the ranks whose rows differ (None: all of them)
+
+
+def set_data_group(group) -> None:
+    """Make `all_reduce_sum` sum over `group` only: the data-parallel ranks when groups of ranks hold copies of the
+    same rows (sequence parallelism, `tiller.workers.ulysses`); None restores the whole world."""
+    global _DATA_GROUP
+    _DATA_GROUP = group
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over all ranks (a new tensor, on `t`'s device); `t` itself when not distributed.
+    """Sum of `t` over the data-parallel ranks: all ranks, or the data group (`set_data_group`), whose rows are
+    all the rows once (a new tensor, on `t`'s device); `t` itself when not distributed.
 
     Use it for global counts: ``global_tokens = all_reduce_sum(response_mask.sum())``.
     Not differentiable (the result is detached).
@@ -67,7 +78,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if not is_distributed():
         return t
     out = t.detach().to(_comm_device(), copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_DATA_GROUP)
     return out.to(t.device)
 
 
@@ -104,6 +115,7 @@ def init_distributed(rank_: int, world_size_: int, master_addr: str, master_port
 
 
 def destroy_distributed() -> None:
+    set_data_group(None)
     if _initialized():
         dist.destroy_process_group()
 

@@ -10,6 +10,9 @@ Dispatch modes (verl's ``Dispatch.ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` / ``RANK_Z
   come from rank 0 (ranks agree after their all-reduce); tuples are merged element by element.
   Padding duplicates rows, so training calls should pass batches whose length is a multiple of the
   world size (then no padding happens and the update equals the one-process update).
+  With ``replicas=S`` (sequence parallelism: groups of S consecutive ranks share their rows), the batch is cut
+  into ``world_size / S`` chunks, chunk g going to every rank of group g, and the results of each group's first
+  rank are merged.
 - ``dp_parts``: split as ``dp``, but the caller gets the list of rank results unmerged (rank order), for
   results whose rows per input row vary or whose widths differ by rank (agent episodes: the driver merges
   them with `tiller.trainer.episode_merge.merge_episode_parts`); the padding inputs were the last ones.
@@ -31,14 +34,18 @@ def check_mode(dispatch: str) -> None:
         raise ConfigError(f"dispatch mode {dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
 
 
-def split_dp(args: tuple, world_size: int) -> tuple[list[tuple], int, int]:
-    """Per-rank positional args for "dp": ``(per_rank_args, pad, padded_len)``."""
+def split_dp(args: tuple, world_size: int, replicas: int = 1) -> tuple[list[tuple], int, int]:
+    """Per-rank positional args for "dp": ``(per_rank_args, pad, padded_len)``; with `replicas`, each chunk goes
+    to that many consecutive ranks."""
     if not args or not hasattr(args[0], "pad_to_multiple"):
         got = type(args[0]).__name__ if args else "no arguments"
         raise TypeError(f"dispatch='dp' needs a Batch as the first positional argument, got {got}")
+    if replicas < 1 or world_size % replicas:
+        raise ConfigError(f"dispatch replicas={replicas} does not divide the world size {world_size}")
     batch, rest = args[0], args[1:]
-    padded, pad = batch.pad_to_multiple(world_size)
-    return [(chunk, *rest) for chunk in padded.chunk(world_size)], pad, len(padded)
+    padded, pad = batch.pad_to_multiple(world_size // replicas)
+    chunks = padded.chunk(world_size // replicas)
+    return [(chunks[r // replicas], *rest) for r in range(world_size)], pad, len(padded)
 
 
 def _is_batch(x: Any) -> bool:

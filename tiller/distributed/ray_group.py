@@ -169,16 +169,19 @@ class RayWorkerGroup:
         self._where = [f"pid {pid} on {node}" for pid, node in started]
 
     # ---- calls ----------------------------------------------------------------------------------
-    def execute(self, method: str, *args, dispatch: str = "broadcast", **kwargs) -> Any:
+    def execute(self, method: str, *args, dispatch: str = "broadcast", replicas: int = 1, **kwargs) -> Any:
+        """Run `method` on the ranks as `dispatch` says (`tiller.distributed.dispatch`); `replicas`: with "dp" /
+        "dp_parts", groups of that many consecutive ranks get the same rows (sequence parallelism)."""
         check_mode(dispatch)
         if not self._actors:
             raise WorkerError(f"worker group {self.name!r} is shut down (after an earlier failure?); "
                               f"cannot call {method!r}", group=self.name, rank=-1, method=method)
         if dispatch in ("dp", "dp_parts"):
-            per_rank, pad, padded_len = split_dp(args, self.world_size)
+            per_rank, pad, padded_len = split_dp(args, self.world_size, replicas)
             kw = ray.put(kwargs)
-            refs = [a.execute.remote(method, ray.put(per_rank[r]), kw) for r, a in enumerate(self._actors)]
-            results = self._gather(refs, list(range(self.world_size)), method)
+            shared = [ray.put(per_rank[r]) for r in range(0, self.world_size, replicas)]
+            refs = [a.execute.remote(method, shared[r // replicas], kw) for r, a in enumerate(self._actors)]
+            results = self._gather(refs, list(range(self.world_size)), method)[::replicas]
             return results if dispatch == "dp_parts" else merge_dp(results, pad, padded_len)
         args_ref, kw = ray.put(args), ray.put(kwargs)
         if dispatch == "rank0":

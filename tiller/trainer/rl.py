@@ -252,6 +252,14 @@ class RLTrainer:
     def _start_workers(self) -> None:
         tr = self.cfg.trainer
         self.world_size = tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
+        # Ulysses sequence parallelism: groups of sp ranks share the rows of the actor's forwards and update
+        sp = self.cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size or 1
+        self.sp = sp if self.world_size > 1 else 1
+        self.actor_dp = self.world_size // self.sp if self.world_size % self.sp == 0 else self.world_size
+        self.actor_dp_call = {"dispatch": "dp", "replicas": self.sp}
+        if self.sp > 1:
+            print(f"tiller: actor: {self.world_size} workers = {self.actor_dp} data-parallel x {self.sp} "
+                  "sequence-parallel (actor_rollout_ref.actor.ulysses_sequence_parallel_size)", file=sys.stderr)
         opts = dict(backend=tr.backend, world_size=self.world_size, cpus_per_worker=tr.cpus_per_worker,
                     ray_address=tr.ray_address)
         if tr.backend == "ray" and tr.device == "cuda":
@@ -368,24 +376,24 @@ class RLTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             if self.need_old_log_prob and "old_log_probs" not in batch:
                 with timer("old_log_prob", m):
-                    batch = batch.union(actor.execute("compute_log_prob", batch, dispatch="dp"))
+                    batch = batch.union(actor.execute("compute_log_prob", batch, **self.actor_dp_call))
             if "old_log_probs" in batch:
                 m.update(self._mismatch_metrics(batch))
             if self.behaviour_is_rollout:  # async: the ratio's old policy is the one that sampled (its logprobs)
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             if self.need_ref and "ref_log_prob" not in batch:
                 with timer("ref", m):
-                    batch = batch.union(actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
+                    batch = batch.union(actor.execute("compute_ref_log_prob", batch, **self.actor_dp_call))
             if self.need_teacher:
                 with timer("teacher", m):
                     if self.teacher_keys:  # several teachers: each sample's, by its prompt's teacher_key value
                         batch["teacher_index"] = self._teacher_index(batch)
-                    batch = batch.union(actor.execute("compute_teacher_log_prob", batch, dispatch="dp"))
+                    batch = batch.union(actor.execute("compute_teacher_log_prob", batch, **self.actor_dp_call))
             if self.prime:  # PRIME: the implicit PRM learns from this batch's outcomes, then scores its tokens
                 with timer("update_prm", m):
-                    m.update(actor.execute("update_prm", self._prm_batch(batch), dispatch="dp"))
+                    m.update(actor.execute("update_prm", self._prm_batch(batch), **self.actor_dp_call))
                 with timer("prm_rewards", m):
-                    batch = batch.union(actor.execute("compute_prm_log_ratio", batch, dispatch="dp"))
+                    batch = batch.union(actor.execute("compute_prm_log_ratio", batch, **self.actor_dp_call))
             if self.use_critic:
                 with timer("values", m):
                     batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
@@ -402,7 +410,7 @@ class RLTrainer:
                     m.update(critic.execute("update_critic", train_batch, dispatch="dp"))
             if self.global_step > self.cfg.trainer.critic_warmup and len(train_batch):
                 with timer("update_actor", m):
-                    m.update(actor.execute("update_actor", train_batch, dispatch="dp"))
+                    m.update(actor.execute("update_actor", train_batch, **self.actor_dp_call))
                 self._update_entropy_ctrl(m)
             if self._thread_sharing is not None:
                 m.update(self._thread_sharing.take_stats())
@@ -615,9 +623,9 @@ class RLTrainer:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
             with timer("old_log_prob", m):
-                batch = batch.union(self.actor.execute("compute_log_prob", batch, dispatch="dp"))
+                batch = batch.union(self.actor.execute("compute_log_prob", batch, **self.actor_dp_call))
         with timer("ref", m):
-            batch = batch.union(self.actor.execute("compute_ref_log_prob", batch, dispatch="dp"))
+            batch = batch.union(self.actor.execute("compute_ref_log_prob", batch, **self.actor_dp_call))
         return batch
 
     def _balance_batch(self, batch: Batch, m: dict) -> Batch:
@@ -791,7 +799,7 @@ class RLTrainer:
         out = batch.select(["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                             "acc"])
         prompts = self.cfg.algorithm.prime.mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-        out.meta = {"prm_mini_batch_size": prompts * self.n // self.world_size}
+        out.meta = {"prm_mini_batch_size": prompts * self.n // self.actor_dp}
         return self._pad_to_world(out)
 
     def _refuse_text_models_for_images(self, cfg) -> None:
@@ -939,10 +947,10 @@ class RLTrainer:
             coeff = self.entropy_ctrl.effective_coeff(self._last_entropy)
         ppo_epochs = self.cfg.critic.ppo_epochs or a.ppo_epochs
         critic_mini = (self.cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * self.n // self.world_size
-        mini = a.ppo_mini_batch_size * self.n // self.world_size
+        mini = a.ppo_mini_batch_size * self.n // self.actor_dp
         if self.agent:  # rows are segments: as many mini-batches as configured, of equal row counts
             parts = self.cfg.data.train_batch_size // a.ppo_mini_batch_size
-            rows = -(-len(out) // self.world_size)  # a rank's share (the batch is padded to the world size below)
+            rows = -(-len(out) // self.actor_dp)  # a rank's share (the batch is padded to the world size below)
             mini = max(1, -(-rows // parts))
         out.meta = {"mini_batch_size": mini,
                     "critic_mini_batch_size": critic_mini, "ppo_epochs": ppo_epochs,

@@ -87,6 +87,7 @@ from tiller.workers.common import (
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
 from tiller.workers.packed import enable_checkpointing, packed_response_forward
+from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 from tiller.workers.prm import ImplicitPRM
 
 
@@ -179,6 +180,9 @@ class ActorRolloutRefWorker:
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
         # verl's use_remove_padding: rows packed into one sequence per micro-batch (tiller.workers.packed)
         self._remove_padding = bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"]
+        # Ulysses sequence parallelism: groups of ranks split each packed micro-batch (tiller.workers.ulysses)
+        self._sp = self._seq_parallel(module) if dist_ctx.is_distributed() else None
+        self.sp_size = self._sp.size if self._sp is not None else 1
         self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False  # set_lent_lanes
         refuse_lanes_under_distributed("actor_rollout_ref.actor.update_lanes", self.actor_cfg.update_lanes)
@@ -204,6 +208,28 @@ class ActorRolloutRefWorker:
         if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
             raise ConfigError(f"actor_rollout_ref.rollout.name={self.rollout_cfg.name}: this engine takes text prompts "
                               "only, and a vision-language model's prompts carry images; use rollout.name=native or hf")
+
+    def parallel_layout(self) -> dict[str, int]:
+        """This rank's place: `rank`, `world`, `sp` (sequence-parallel group size), `sp_rank` (place in it)."""
+        return {"rank": dist_ctx.rank(), "world": dist_ctx.world_size(), "sp": self.sp_size,
+                "sp_rank": self._sp.rank if self._sp is not None else 0}
+
+    def _seq_parallel(self, module):
+        """The sequence-parallel group of actor.ulysses_sequence_parallel_size (> 1), its requirements checked."""
+        size = int(self.actor_cfg.ulysses_sequence_parallel_size or 1)
+        if size <= 1:
+            return None
+        key = f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size}"
+        if not self._remove_padding:
+            raise ConfigError(f"{key} splits the packed sequence: set actor_rollout_ref.model.use_remove_padding=True "
+                              "(verl requires it too)")
+        if self.vision:
+            raise ConfigError(f"{key}: a vision-language model's image rows keep the padded forward, which is not "
+                              "split over ranks; set it to 1")
+        if self.prm is not None:
+            raise ConfigError(f"{key}: PRIME's implicit PRM is not split over ranks; set it to 1")
+        check_heads(module.config, size)
+        return seq_parallel_groups(size)
 
     def _load_teacher(self, path: str, trust_remote_code: bool):
         """The distillation teacher, frozen; its tokenizer must map text to the same ids as the student's."""
@@ -554,6 +580,9 @@ class ActorRolloutRefWorker:
         """Float logits / temperature at the first t response positions [b, t, V] of `model` on `mb`, and t."""
         P = mb["prompts"].shape[1]
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
+        if self._sp is not None:
+            local, layout = self._sp_forward(model, mb)
+            return layout.gather(local.float() / temperature), layout.t_used
         if self._remove_padding and mm is None:  # image rows keep the padded forward (their M-RoPE positions)
             logits, t_used = packed_response_forward(model, mb["input_ids"].to(self.device),
                                                      mb["attention_mask"].to(self.device), P,
@@ -571,6 +600,8 @@ class ActorRolloutRefWorker:
         With `sum_pi2_out`, sum_v pi(v)^2 per response token [b, T] is appended to it (optimal token baseline);
         with `logits_out`, the temperature-scaled response logits [b, t, V] (t <= T, with the graph) are."""
         T = mb["responses"].shape[1]
+        if self._sp is not None:
+            return self._sp_logp_entropy(model, mb, temperature, want_entropy, entropy_grad, sum_pi2_out, logits_out)
         logits, t_used = self._response_logits(model, mb, temperature)
         if logits_out is not None:
             logits_out.append(logits)
@@ -582,6 +613,31 @@ class ActorRolloutRefWorker:
         if sum_pi2_out is not None:
             sum_pi2_out.append(pad_right(sum_pi_squared_from_logits(logits.detach()), T))
         return logp, entropy
+
+    def _sp_forward(self, model, mb: Batch):
+        """This rank's share of the packed forward under sequence parallelism (`ulysses_response_forward`)."""
+        return ulysses_response_forward(model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
+                                        mb["prompts"].shape[1], mb["response_mask"].to(self.device), self._sp)
+
+    def _sp_logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool,
+                         sum_pi2_out: list | None, logits_out: list | None):
+        """`_logp_entropy` under sequence parallelism: log-probs (entropy, sum pi^2) of this rank's slice, gathered
+        over the group; the logits of the whole micro-batch are gathered only when `logits_out` asks for them."""
+        T = mb["responses"].shape[1]
+        local, layout = self._sp_forward(model, mb)
+        local = local.float() / temperature  # [k, V]
+        labels = layout.local(mb["responses"][:, :layout.t_used].to(self.device))
+        cols = [logprobs_from_logits(local, labels)]
+        if want_entropy:
+            cols.append(entropy_from_logits(local if entropy_grad else local.detach()))
+        if sum_pi2_out is not None:
+            cols.append(sum_pi_squared_from_logits(local.detach()))
+        full = layout.gather(torch.stack(cols, dim=-1))  # [B, t, c]
+        if logits_out is not None:
+            logits_out.append(layout.gather(local))
+        if sum_pi2_out is not None:
+            sum_pi2_out.append(pad_right(full[..., -1].detach(), T))
+        return pad_right(full[..., 0], T), (pad_right(full[..., 1], T) if want_entropy else None)
 
     @torch.no_grad()
     def _batch_logp(self, model, batch: Batch, micros: MicroBatches, dtype: str,
@@ -604,7 +660,8 @@ class ActorRolloutRefWorker:
         """Behaviour-policy logprobs of the responses: Batch with `old_log_probs[B, T]`."""
         r = self.rollout_cfg
         micros = split_micro_batches(batch, rows=r.log_prob_micro_batch_size_per_gpu,
-                                     max_tokens=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                     max_tokens=r.log_prob_max_token_len_per_gpu * self.sp_size
+                                     if r.log_prob_use_dynamic_bsz else None,
                                      key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
         # the optimal token baseline needs sum_v pi(v)^2 of the same forward (verl: calculate_sum_pi_squared)
         pi2: list | None = [] if "optimal_token_baseline" in self.cfg.algorithm.adv_estimator else None
@@ -749,7 +806,8 @@ class ActorRolloutRefWorker:
         self.optimizer.zero_grad(set_to_none=True)
         lanes, threads = lane_plan(a.update_lanes, self._lent_lanes, self._lane_threads)
         micros = split_micro_batches(mb, rows=lane_rows(len(mb), a.ppo_micro_batch_size_per_gpu, lanes),
-                                     max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                     max_tokens=a.ppo_max_token_len_per_gpu * self.sp_size if a.use_dynamic_bsz
+                                     else None,
                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
 
         def micro_step(i: int, micro: Batch) -> tuple[dict[str, float], dict | None]:

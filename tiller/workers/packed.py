@@ -44,8 +44,8 @@ from tiller.workers.common import position_ids_from_mask, trim_bounds
 IMPL = "tiller_packed"
 """The attention implementation name the packed forward switches the model to while it runs."""
 
-# (the model's config, (row lengths on the host, cumulative offsets [B + 1] int32 on the device, longest row)) of
-# the running packed forward
+# (the model's config, (row lengths on the host, cumulative offsets [B + 1] int32 on the device, longest row),
+# the sequence-parallel group or None) of the running packed forward
 _SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("tiller_packed_segments", default=None)
 _SWITCH = threading.Lock()
 _ACTIVE: dict[int, list] = {}  # id(config) -> [packed forwards running, the implementation to restore]
@@ -82,25 +82,33 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """transformers' attention-interface contract for the packed sequence: query [1, Hq, N, D], key / value
-    [1, Hk, N, D] -> ([1, N, Hq, D], None), each row attending causally to its own tokens only."""
+    [1, Hk, N, D] -> ([1, N, Hq, D], None), each row attending causally to its own tokens only.
+    Under sequence parallelism (`tiller.workers.ulysses`) the inputs are this rank's slice of the sequence with
+    every head; the attention itself runs on the whole sequence with this rank's share of the heads."""
     running = _SEGMENTS.get()
     if running is None:
         raise RuntimeError(f"the {IMPL!r} attention runs only inside tiller.workers.packed.packed_response_forward")
     lengths, cu, longest = running[1]
-    if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device):
-        global varlen_calls
-        varlen_calls += 1
-        out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest, scaling)
-        return out.unsqueeze(0), None
-    gqa = query.shape[1] != key.shape[1]
-    outs, start = [], 0
-    for n in lengths:
-        end = start + n
-        outs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end],
-                                                   value[:, :, start:end], dropout_p=dropout, is_causal=True,
-                                                   scale=scaling, enable_gqa=gqa))
-        start = end
-    return torch.cat(outs, dim=2).transpose(1, 2), None
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device):
+            global varlen_calls
+            varlen_calls += 1
+            out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest,
+                          scaling)
+            return out.unsqueeze(0)
+        gqa = query.shape[1] != key.shape[1]
+        outs, start = [], 0
+        for n in lengths:
+            end = start + n
+            outs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end],
+                                                       value[:, :, start:end], dropout_p=dropout, is_causal=True,
+                                                       scale=scaling, enable_gqa=gqa))
+            start = end
+        return torch.cat(outs, dim=2).transpose(1, 2)
+
+    sp = running[2]
+    return (attend(query, key, value) if sp is None else sp.attention(query, key, value, attend)), None
 
 
 def _register() -> None:
@@ -110,12 +118,13 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def _packed_attention(config, segments: tuple[list[int], torch.Tensor, int]):
+def attention_switch(config, segments: tuple[list[int], torch.Tensor, int], sp=None):
     """Run the model's attention as `packed_attention` over rows `segments` (lengths, offsets, longest): a
     thread-safe, counted switch of `config._attn_implementation` (concurrent packed forwards of one model share
-    it, the last one restores it)."""
+    it, the last one restores it). `sp`: the sequence-parallel group (`tiller.workers.ulysses.SeqParallel`) when
+    the forward runs on a slice of the packed sequence."""
     _register()
-    token = _SEGMENTS.set((config, segments))
+    token = _SEGMENTS.set((config, segments, sp))
     with _SWITCH:
         entry = _ACTIVE.setdefault(id(config), [0, config._attn_implementation])
         entry[0] += 1
@@ -141,7 +150,7 @@ def recompute_contexts():
     running = _SEGMENTS.get()
     if running is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _packed_attention(*running)
+    return contextlib.nullcontext(), attention_switch(*running)
 
 
 def enable_checkpointing(module) -> None:
@@ -174,7 +183,7 @@ def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torc
     keep = predictor >= 0
     lengths = [n for n in mask.sum(1).tolist() if n > 0]
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(ids.device)
-    with _packed_attention(model.config, (lengths, cu, max(lengths))):
+    with attention_switch(model.config, (lengths, cu, max(lengths))):
         out = model(input_ids=flat_ids, attention_mask=None, position_ids=positions, use_cache=False,
                     logits_to_keep=predictor[keep])
     logits = out.logits[0]  # [K, V]
