@@ -67,6 +67,33 @@ def test_k1_and_k3_expectations_equal_exact_kl():
         assert (logp.exp() * kl_penalty(logp, logq, kind)).sum().item() == pytest.approx(exact.item(), rel=1e-9)
 
 
+def test_importance_weighted_kl_worked_numbers_and_unbiased_gradient():
+    """DeepSeek-V3.2's estimate (TRL's use_bias_correction_kl): k3 x pi / pi_old. logp [-1, -2], old [-1.2, -2],
+    ref [-1.5, -1]: d = [0.5, -1], k3 = [e^-0.5 - 0.5, e - 2] = [0.106531, 0.718282], ratio [e^0.2, 1]; its gradient
+    in logp is ratio x (1 - e^-d + k3) = ratio x d: the unbiased gradient of KL(pi || ref) from pi_old's samples."""
+    from tiller.algos.kl import importance_weighted_kl, kl_penalty
+
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.2, -2.0]], dtype=torch.float64)
+    ref_lp = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    w = importance_weighted_kl(kl_penalty(logp, ref_lp, "low_var_kl"), logp, old, mask)
+    assert w.detach()[0].tolist() == pytest.approx([0.106531 * math.exp(0.2), 0.718282], abs=1e-6)
+    w.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([math.exp(0.2) * 0.5, -1.0], abs=1e-9)
+    # on-policy (old = logp): the value is the plain KL, the gradient is not (k3's own gradient is 1 - e^-d)
+    logp.grad = None
+    on = importance_weighted_kl(kl_penalty(logp, ref_lp, "low_var_kl"), logp, logp.detach(), mask)
+    assert on.detach()[0].tolist() == pytest.approx([0.106531, 0.718282], abs=1e-6)
+    on.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.5, -1.0], abs=1e-9)
+    # sequence level (GSPO): the row's exp(mean log ratio) over its masked tokens, broadcast
+    seq = importance_weighted_kl(torch.ones(1, 3, dtype=torch.float64), torch.tensor([[0.3, 0.1, 9.0]]).double(),
+                                 torch.zeros(1, 3, dtype=torch.float64), torch.tensor([[1.0, 1.0, 0.0]]).double(),
+                                 "sequence")
+    assert seq[0].tolist() == pytest.approx([math.exp(0.2)] * 3)
+
+
 def test_kl_controllers():
     fixed = FixedKLController(0.05)
     fixed.update(10.0, 100)

@@ -106,6 +106,28 @@ def test_forced_aggregation_is_the_policy_terms_only(tiny_model_dir):
     assert m_g["actor/kl_loss"] == pytest.approx(m_v["actor/kl_loss"], rel=1e-6)
 
 
+def test_importance_weighted_kl_loss_has_the_unbiased_kl_gradient(tiny_model_dir):
+    """actor.kl_loss_importance_weight (TRL's use_bias_correction_kl): on-policy the ratio is 1 but its gradient
+    makes k3's gradient ratio x d = d (d = logp - ref), which is k2's gradient: with zero advantages the weighted k3
+    update equals the plain k2 update, and the plain k3 update (gradient 1 - e^-d) does not."""
+    batch = _batch()
+    batch["advantages"] = torch.zeros(8, 5)
+    actor = _worker(tiny_model_dir, 4, "token-mean").compute_log_prob(batch)["old_log_probs"]
+    noise = torch.rand(8, 5, generator=torch.Generator().manual_seed(3)) - 0.5
+    batch["ref_log_prob"] = actor + noise  # |d| <= 0.5: inside k3's clamps
+    kl = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=1.0")
+    d_w, m_w, _ = _delta(tiny_model_dir, batch, *kl, "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                         "actor_rollout_ref.actor.kl_loss_importance_weight=true")
+    d_2, _, _ = _delta(tiny_model_dir, batch, *kl, "actor_rollout_ref.actor.kl_loss_type=k2")
+    d_3, m_3, _ = _delta(tiny_model_dir, batch, *kl, "actor_rollout_ref.actor.kl_loss_type=low_var_kl")
+    scale = max(float(d.abs().max()) for d in d_2.values())
+    assert scale > 1e-4
+    for k in d_2:
+        torch.testing.assert_close(d_w[k], d_2[k], atol=1e-5 * scale, rtol=1e-4)
+    assert max(float((d_3[k] - d_2[k]).abs().max()) for k in d_2) > 0.02 * scale
+    assert m_w["actor/kl_loss"] == pytest.approx(m_3["actor/kl_loss"], rel=1e-6)  # on-policy the value is k3's
+
+
 def test_on_policy_update_measures_the_mismatch(tiny_model_dir):
     # no old_log_probs: the update's own logprobs are the actor's; rollout logprobs = actor's + known noise
     batch = _batch()

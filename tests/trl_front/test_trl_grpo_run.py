@@ -182,13 +182,15 @@ def test_adaptive_entropy_follows_trls_controller(tmp_path, tiny_model_dir):
 def test_sync_ref_model_moves_the_reference_as_trls_callback(tmp_path, tiny_model_dir):
     # beta > 0 (a reference) and sync every optimizer step with alpha 1: the reference is the policy after each
     # step, so step 2's KL is measured against the step-1 policy, and the checkpoint keeps the moved reference
+    # (TRL's default use_bias_correction_kl=True: the KL term is weighted by the importance ratio)
     from transformers import AutoModelForCausalLM
 
-    args = _args(tmp_path / "run", max_steps=2, beta=0.04, use_bias_correction_kl=False, sync_ref_model=True,
+    args = _args(tmp_path / "run", max_steps=2, beta=0.04, sync_ref_model=True,
                  ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, learning_rate=5e-2)
     trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=chars, args=args, train_dataset=_rows())
     trainer.train()
     assert trainer.tiller_keys["actor_rollout_ref.ref.ref_model_sync_steps"] == 1
+    assert trainer.tiller_keys["actor_rollout_ref.actor.kl_loss_importance_weight"] is True
     ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
     ref = AutoModelForCausalLM.from_pretrained(ckpt / "ref").state_dict()
     policy = AutoModelForCausalLM.from_pretrained(ckpt / "model").state_dict()

@@ -102,6 +102,11 @@ def test_loss_types_map_to_policy_loss_and_aggregation(tiny_model_dir, tmp_path)
     assert keys[f"{A}.policy_loss.loss_mode"] == "gspo" and keys[f"{A}.kl_loss_coef"] == 0.04
     assert keys[f"{A}.kl_loss_type"] == "low_var_kl" and keys["algorithm.norm_adv_by_std_in_grpo"] is False
     assert keys[f"{A}.clip_ratio_c"] == 1.5 and keys["algorithm.norm_adv_epsilon"] == 1e-4
+    assert keys[f"{A}.kl_loss_importance_weight"] is False
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "bc", beta=0.04)  # TRL's default use_bias_correction_kl=True
+    assert keys[f"{A}.use_kl_loss"] is True and keys[f"{A}.kl_loss_importance_weight"] is True
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "b0")  # beta 0: no KL term to weight
+    assert keys[f"{A}.use_kl_loss"] is False and f"{A}.kl_loss_importance_weight" not in keys
     keys, _, _ = translate(tiny_model_dir, tmp_path / "ve", loss_type="vespo", vespo_k_neg=4.0, use_vllm=True,
                            vllm_importance_sampling_mode="token_mask")
     assert [keys[f"{A}.policy_loss.vespo_{k}"] for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")] == \
@@ -173,7 +178,6 @@ def test_data_is_written_under_the_run_dir_with_the_longest_prompt(tiny_model_di
     ("delta", 1.1, "^delta=1.1: refused"),
     ("neftune_noise_alpha", 5.0, "^neftune_noise_alpha=5.0: refused: NEFTune noise in the policy's training"),
     ("sync_ref_model", True, "^sync_ref_model=True: refused: with beta=0.0 no reference model is used"),
-    ("beta", 0.1, "^use_bias_correction_kl=True: refused"),
     ("entropy_coef", 0.01, "^entropy_coef=0.01: refused"),  # loss_type dapo but gradient_accumulation_steps=2
 ])
 def test_refusals_name_the_field(tiny_model_dir, tmp_path, field, value, match):

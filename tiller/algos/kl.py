@@ -10,6 +10,9 @@ divergence", 2020, http://joschu.net/blog/kl-approx.html), with d = logp - ref_l
 - any name + "+" (e.g. `k3+`, `low_var_kl+`): straight-through: the forward value of that estimator,
   the gradient of k2 (verl: value - sg(value) trick). `k2+` / `mse+` equal k2.
 
+`importance_weighted_kl`: the KL loss term times the importance ratio pi / pi_old (DeepSeek-V3.2's unbiased
+estimate, `actor.kl_loss_importance_weight`; TRL's `use_bias_correction_kl`).
+
 Controllers (Ziegler et al. 2019, arXiv 1909.08593): `FixedKLController(kl_coef)` and
 `AdaptiveKLController(init_kl_coef, target_kl, horizon)`, whose `update(current_kl, n_steps)` does
 beta <- beta (1 + clip(KL/target - 1, -0.2, 0.2) n_steps / horizon). They hold Python floats and are
@@ -52,6 +55,22 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         return value
     k2 = 0.5 * (logp - ref_logp).square()
     return k2 - k2.detach() + value.detach()
+
+
+def importance_weighted_kl(kl: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                           level: str = "token") -> torch.Tensor:
+    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Eq. 7; TRL's `use_bias_correction_kl`): the per-token
+    KL [B, T] times the importance ratio pi / pi_old, kept differentiable, so that the samples drawn from pi_old give
+    the gradient of KL(pi || pi_ref). On-policy the ratio's value is 1 but its gradient adds KL x grad log pi.
+
+    level "token": exp(logp - old_logp) per token; "sequence" (GSPO, TRL's importance_sampling_level=sequence): the
+    row's exp(mean over its `mask` tokens of logp - old_logp), broadcast over the row."""
+    log_ratio = logp - old_logp
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif level != "token":
+        raise ValueError(f"importance_weighted_kl: level must be token | sequence, got {level!r}")
+    return kl * torch.exp(log_ratio)
 
 
 class FixedKLController:

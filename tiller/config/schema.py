@@ -584,6 +584,10 @@ class ActorConfig:
     """Coefficient of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """kl | abs | mse | low_var_kl | k3+ (straight-through)."""
+    kl_loss_importance_weight: bool = False
+    """tiller: multiply the KL loss term by the importance ratio pi / pi_old, differentiable (DeepSeek-V3.2's
+    unbiased KL estimate, arXiv 2512.02556; TRL's use_bias_correction_kl): per token, or per sequence with
+    policy_loss.loss_mode=gspo. Changes the KL gradient even on-policy. Needs use_kl_loss."""
     use_torch_compile: bool = False
     """torch.compile the actor forward."""
     calculate_sum_pi_squared: bool = False

@@ -59,6 +59,13 @@ def _validate_seq_parallel(cfg: RLConfig) -> None:
         raise ConfigError(f"{key}: PRIME's implicit PRM is not split over workers; set it to 1")
 
 
+def _validate_kl_weight(cfg: RLConfig) -> None:
+    actor = cfg.actor_rollout_ref.actor
+    if actor.kl_loss_importance_weight and not actor.use_kl_loss:
+        raise ConfigError("actor_rollout_ref.actor.kl_loss_importance_weight=True weights the KL loss term: set "
+                          "actor_rollout_ref.actor.use_kl_loss=True too (or leave it False)")
+
+
 def validate_rl(cfg: RLConfig) -> None:
     apply_edge(cfg)  # deprecated keys converted, follower keys resolved, refused values raised
     data, arr, algo, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
@@ -73,6 +80,7 @@ def validate_rl(cfg: RLConfig) -> None:
         _choice("actor_rollout_ref.actor.entropy_agg_mode", actor.entropy_agg_mode, LOSS_AGG_MODES)
     _validate_new_algorithms(cfg)
     _validate_seq_parallel(cfg)
+    _validate_kl_weight(cfg)
     _validate_ref_sync(cfg)
     _validate_stop_penalty(cfg)
     _validate_distill(cfg)

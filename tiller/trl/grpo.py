@@ -28,7 +28,8 @@ shared rules; docs/trl.md prints the table). The algorithm fields on verl's keys
   micro-batch's top share of tokens by entropy) / actor.off_policy_mask_threshold (OPSM: negative-advantage responses
   far off-policy leave the gradient; the KL is against the rollout's logprobs, TRL's vLLM case).
 - beta: the k3 KL loss (verl's low_var_kl, which clamps the per-token KL to [-10, 10]) with coefficient beta;
-  use_bias_correction_kl (TRL's default True: the KL term times the importance ratio) is refused with beta > 0.
+- use_bias_correction_kl (TRL's default True): with beta > 0 the KL term times the importance ratio
+  (actor.kl_loss_importance_weight; per sequence under GSPO, as TRL broadcasts its sequence weight).
 """
 
 from __future__ import annotations
@@ -109,10 +110,7 @@ def _adaptive_entropy(value: Any, args: Any) -> dict:
 
 
 def _kl_correction(value: Any, args: Any) -> dict:
-    if value and args.beta:
-        raise refuse_value("use_bias_correction_kl", value, "tiller's KL loss is not weighted by the importance "
-                           "ratio: set use_bias_correction_kl=False with beta > 0")
-    return {}
+    return {"use_bias_correction_kl": bool(value)}
 
 
 def _delta(value: Any, args: Any) -> dict:
@@ -164,8 +162,9 @@ GRPO_RULES: dict[str, Rule] = {
     "vllm_importance_sampling_clip_min": mapped("read with vllm_importance_sampling_correction", lambda v, a: {}),
     "off_policy_mask_threshold": mapped("actor.off_policy_mask_threshold (OPSM; the KL against the rollout's "
                                         "logprobs)", to("off_policy_mask_threshold")),
-    "use_bias_correction_kl": mapped("with beta > 0: refused when True (tiller's KL loss has no ratio weight)",
-                                     _kl_correction),
+    "use_bias_correction_kl": mapped("with beta > 0: actor_rollout_ref.actor.kl_loss_importance_weight (the KL term "
+                                     "times the importance ratio, per sequence with importance_sampling_level="
+                                     "sequence)", _kl_correction),
     "log_completions_hub_repo": refused("tiller does not upload; log_completions writes them under output_dir"),
     "vllm_importance_sampling_cap": mapped("deprecated: vllm_importance_sampling_clip_max (TRL copies it there)",
                                            lambda v, a: {}),
@@ -263,7 +262,8 @@ class GRPOTrainer(TRLRLTrainer):
                          "algorithm.gdpo_normalization": "sequence", "algorithm.norm_adv_by_std_in_grpo": True})
             del keys["algorithm.norm_adv_std_scope"]
         if lg["beta"] > 0:
-            keys.update({f"{actor}.kl_loss_coef": lg["beta"], f"{actor}.kl_loss_type": "low_var_kl"})
+            keys.update({f"{actor}.kl_loss_coef": lg["beta"], f"{actor}.kl_loss_type": "low_var_kl",
+                         f"{actor}.kl_loss_importance_weight": lg["use_bias_correction_kl"]})
         if agg == "seq-mean-token-sum-norm":
             keys[f"{actor}.loss_scale_factor"] = lg["max_completion_length"]
         if loss_mode == "cispo":

@@ -41,7 +41,7 @@ from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_loss
 from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from tiller.algos.token_masks import high_entropy_mask, off_policy_sequence_mask
-from tiller.algos.kl import kl_penalty
+from tiller.algos.kl import importance_weighted_kl, kl_penalty
 from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, IS_WEIGHTS_INSIDE, bypass_loss_mask, get_policy_loss,
                                         rollout_is_weights_for)
 from tiller.algos.rollout_correction import (
@@ -855,6 +855,8 @@ class ActorRolloutRefWorker:
                 loss = loss - entropy_coeff * aggregate_loss(entropy, bonus_mask, a.entropy_agg_mode or agg_mode, **agg)
             if a.use_kl_loss:
                 kl = kl_penalty(logp, micro["ref_log_prob"].to(self.device), a.kl_loss_type)
+                if a.kl_loss_importance_weight:  # DeepSeek-V3.2's unbiased estimate (TRL: use_bias_correction_kl)
+                    kl = importance_weighted_kl(kl, logp, old, mask, "sequence" if loss_mode == "gspo" else "token")
                 kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
                 loss = loss + a.kl_loss_coef * kl_loss
                 part["kl_loss"] = float(kl_loss.detach())
