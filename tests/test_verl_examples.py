@@ -281,29 +281,36 @@ def test_fully_async_layout_resolves():
 
 
 def test_ulysses_on_ray_workers_is_kept_and_checked(tmp_path, capsys):
-    """With trainer.backend=ray and several workers the actor's Ulysses size splits sequences for real
-    (tiller.workers.ulysses): it stays in the resolved config, the actor's budgets stay verl's per-worker values
-    (the worker multiplies them, as verl's does), `config show` loads back unchanged, and it is no longer named
-    among the no-op keys; a size that does not divide the workers, or without use_remove_padding, is refused."""
+    """With trainer.backend=ray and several workers the actor's and the critic's Ulysses sizes split sequences for
+    real (tiller.workers.ulysses): they stay in the resolved config, their budgets stay verl's per-worker values
+    (the workers multiply them, as verl's do), `config show` loads back unchanged, and they are no longer named
+    among the no-op keys (the reference's still is: it runs split by the actor's size and only scales its budget);
+    a size that does not divide the workers, or without use_remove_padding, is refused."""
     from tiller.config import to_yaml
 
     ray = ["trainer.backend=ray", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
            "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000", "critic.ppo_max_token_len_per_gpu=500",
-           "critic.ulysses_sequence_parallel_size=2"]
+           "algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true",
+           "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=300"]
     cfg = load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
     actor = cfg.actor_rollout_ref.actor
     assert actor.ulysses_sequence_parallel_size == 2 and actor.ppo_max_token_len_per_gpu == 1000
-    assert cfg.critic.ppo_max_token_len_per_gpu == 1000  # the critic still runs whole sequences: folded
+    assert (cfg.critic.ulysses_sequence_parallel_size, cfg.critic.ppo_max_token_len_per_gpu) == (2, 500)
+    assert cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == 600  # the reference's size only scales it
     line = edge.noop_line(cfg) or ""
-    assert "critic.ulysses_sequence_parallel_size=2" in line
+    assert "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2" in line
     assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size" not in line
+    assert "critic.ulysses_sequence_parallel_size" not in line
     path = tmp_path / "shown.yaml"
     path.write_text(to_yaml(cfg))
     again = load_config([], config_file=path).actor_rollout_ref.actor
     assert (again.ulysses_sequence_parallel_size, again.ppo_max_token_len_per_gpu) == (2, 1000)
     with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=3 must divide the 4 workers"):
         load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"])
-    with pytest.raises(ConfigError, match=r"use_remove_padding=True"):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.use_remove_padding=True"):
         load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                      "actor_rollout_ref.model.use_remove_padding=false"])
+    with pytest.raises(ConfigError, match=r"^critic.ulysses_sequence_parallel_size=2 .* critic.model.use_remove_pad"):
+        load_config([*ray, "critic.model.use_remove_padding=false"])

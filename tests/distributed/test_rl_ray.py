@@ -54,10 +54,10 @@ def make_cfg(run_dir, model_dir, data, *overrides):
     ])
 
 
-def train(cfg, seed_chunks=None, on_execute=None, calls=None, layout=None):
+def train(cfg, seed_chunks=None, on_execute=None, calls=None, layout=None, critic_layout=None):
     """Fit; returns (per-step (actor/pg_loss, actor/grad_norm), final full weights). `on_execute(trainer, method)`
     runs before each actor-group call (used to kill a worker mid-step); `calls` collects (method, dispatch
-    keywords) of each actor-group call; `layout` the ranks' `parallel_layout()`."""
+    keywords) of each actor-group call; `layout` / `critic_layout` the ranks' `parallel_layout()`."""
     from tiller.trainer.rl import RLTrainer
 
     trainer = RLTrainer(cfg)
@@ -80,6 +80,8 @@ def train(cfg, seed_chunks=None, on_execute=None, calls=None, layout=None):
         trainer.actor.execute = spy
         if layout is not None:
             layout.extend(execute("parallel_layout", dispatch="all"))
+        if critic_layout is not None:
+            critic_layout.extend(trainer.critic.execute("parallel_layout", dispatch="all"))
         trainer.fit()
         return losses, execute("state_dict")
     finally:
@@ -233,3 +235,27 @@ def test_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_h
     assert split.keys() == {"compute_log_prob", "compute_ref_log_prob", "update_actor"}
     assert all(kw == {"dispatch": "dp", "replicas": 2} for kw in split.values()), split
     assert dict(calls)["generate_sequences"] == {"dispatch": "dp"}  # sampling stays split by rows over both ranks
+
+
+@pytest.mark.slow  # ~30-50 s: PPO with a critic group, both split (the critic's forward is the value model's)
+def test_ppo_critic_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_heads_dir, rl_data):
+    """critic.ulysses_sequence_parallel_size=2 with the actor's: GAE's values and the critic update run on packed,
+    split micro-batches; one step equals one process's (the actor's step, both models, as the PPO test above)."""
+    gae = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.total_training_steps=1",
+           "actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true",
+           "trainer.save_freq=1")
+    local = train(make_cfg(tmp_path / "local", even_heads_dir, rl_data, *gae), seed_chunks=2)
+    layout = []
+    ray_run = train(make_cfg(tmp_path / "ray", even_heads_dir, rl_data, *gae, *RAY, "critic.strategy=fsdp",
+                             "actor_rollout_ref.actor.strategy=fsdp",
+                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                             "critic.ulysses_sequence_parallel_size=2"), critic_layout=layout)
+    assert [(p["sp"], p["sp_rank"]) for p in layout] == [(2, 0), (2, 1)]
+    assert_same(ray_run, local, atol=5e-5, steps=1)
+    from safetensors.torch import load_file
+
+    folder = "checkpoints/critic/global_step_1/model/model.safetensors"
+    saved = {run: load_file(str(tmp_path / run / folder)) for run in ("local", "ray")}
+    assert saved["local"].keys() == saved["ray"].keys()
+    for key, value in saved["local"].items():
+        torch.testing.assert_close(saved["ray"][key], value, atol=5e-5, rtol=0)

@@ -126,3 +126,60 @@ def test_sequence_parallel_forward_and_gradients_equal_one_process(case, arch, r
         assert float((summed - grad).abs().max()) <= 2e-5 * scale, name
         # each rank alone holds only part of it (the split is real)
     assert any(float((r0["grads"][n] - g).abs().max()) > 1e-3 * float(g.abs().max()) for n, g in ref_grads.items())
+
+
+def _value_model(path):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # as the critic worker: no dropout on the value head
+    torch.manual_seed(0)  # the fresh value head: the same on every rank and in the reference
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model.train()
+    return model
+
+
+def _value_loss(values, rmask, t):
+    return ((values - torch.linspace(-1, 1, t)) ** 2 * rmask[:, :t]).sum()
+
+
+def _value_rank_main(rank: int, port: int, path: str, out: dict) -> None:
+    import torch
+
+    from tiller.distributed import context
+    from tiller.workers.ulysses import seq_parallel_groups, ulysses_response_forward
+
+    torch.set_num_threads(1)
+    context.init_distributed(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=60)
+    try:
+        sp = seq_parallel_groups(2, key="critic.ulysses_sequence_parallel_size")
+        model = _value_model(path)
+        ids, mask, rmask, P = micro_batch(*CASES["mixed"])
+        local, layout = ulysses_response_forward(model, ids, mask, P, rmask, sp, logits_to_keep=False)
+        values = layout.gather(local.float())[..., 0]
+        _value_loss(values, rmask, layout.t_used).backward()
+        out[rank] = {"values": values.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    finally:
+        context.destroy_distributed()
+
+
+def test_sequence_parallel_value_model_equals_one_process(mha_model_dir):
+    """The critic's split (critic.ulysses_sequence_parallel_size): a token-classification model's one-column head
+    runs on every position of the rank's slice and the response-predicting ones are gathered; values and summed
+    gradients equal the one-process packed forward's."""
+    from tiller.workers.packed import packed_response_forward
+
+    model = _value_model(str(mha_model_dir))
+    ids, mask, rmask, P = micro_batch(*CASES["mixed"])
+    out_ref, t = packed_response_forward(model, ids, mask, P, rmask, logits_to_keep=False)
+    ref_values = out_ref[..., 0]
+    _value_loss(ref_values, rmask, t).backward()
+    out = mp.Manager().dict()
+    mp.spawn(_value_rank_main, args=(_free_port(), str(mha_model_dir), out), nprocs=2, join=True)
+    keep = torch.zeros_like(ref_values, dtype=torch.bool)
+    keep[:, :t] = rmask[:, :t].bool()
+    for r in (out[0], out[1]):
+        torch.testing.assert_close(r["values"][keep], ref_values.detach()[keep], atol=2e-5, rtol=0)
+    for name, p in model.named_parameters():
+        summed = out[0]["grads"][name] + out[1]["grads"][name]
+        assert float((summed - p.grad).abs().max()) <= 2e-5 * float(p.grad.abs().max()), name

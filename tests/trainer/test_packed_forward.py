@@ -112,6 +112,36 @@ def test_actor_honours_use_remove_padding(tiny_model_dir, monkeypatch):
         assert float((grads[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name
 
 
+def test_critic_honours_use_remove_padding(tiny_model_dir, monkeypatch):
+    """critic.model.use_remove_padding=true: the value model (no logits_to_keep: its one-column head runs on every
+    packed position and the response-predicting ones are taken) gives the padded critic's values and gradients,
+    under gradient checkpointing too, and the packed forward is the one that ran."""
+    import tiller.workers.critic as critic_module
+    from tests.trainer.test_dynamic_batches import _batch, _cfg, _grads
+
+    calls = []
+    monkeypatch.setattr(critic_module, "packed_response_forward",
+                        lambda *a, **k: calls.append(1) or packed_response_forward(*a, **k))
+    batch = _batch()
+    values, grads, counts = [], [], []
+    for flag in ("false", "true", "true_ckpt"):
+        extra = ["critic.model.enable_gradient_checkpointing=true"] if flag == "true_ckpt" else []
+        w = critic_module.CriticWorker(_cfg(tiny_model_dir, "algorithm.adv_estimator=gae", *extra,
+                                            f"critic.model.use_remove_padding={flag != 'false'}"),
+                                       total_training_steps=1)
+        values.append(w.compute_values(batch)["values"])
+        grads.append(_grads(w, "update_critic", batch))
+        counts.append(len(calls))
+    assert counts[0] == 0 and counts[1] >= 2  # padded critic: never; packed: the values and the update's forwards
+    mask = batch["response_mask"].bool()
+    assert float(values[0][mask].abs().max()) > 1e-3
+    for v in values[1:]:
+        torch.testing.assert_close(v[mask], values[0][mask], atol=1e-5, rtol=0)
+    for g in grads[1:]:
+        for name, grad in grads[0].items():
+            assert float((g[name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name
+
+
 @pytest.mark.parametrize("model_dir", ["tiny_model_dir", "tiny_vlm_dir", "tiny_qwen3vl_dir"])
 def test_packed_forward_under_gradient_checkpointing(model_dir, request, monkeypatch):
     """use_remove_padding with enable_gradient_checkpointing (verl's Qwen2.5-VL script): the recompute inside

@@ -90,7 +90,8 @@ def num_workers(cfg: RLConfig) -> int:
 
 
 _PADDING = ("tiller pads this model's micro-batches and trims them to the columns its rows use (packing without "
-            "padding is built for the actor's forwards: actor_rollout_ref.model.use_remove_padding)")
+            "padding is built for the actor's and the critic's forwards: actor_rollout_ref.model.use_remove_padding, "
+            "critic.model.use_remove_padding)")
 _ULYSSES = ("tiller runs whole sequences on each worker (the update is the same; memory per worker is not "
             "split); verl's per-GPU token budgets of the role are its share of a micro-batch of this many GPUs, so "
             "they are multiplied by this size at load time, as verl does, and micro-batches hold the same sequences")
@@ -116,7 +117,6 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.hybrid_engine": refused(
         "tiller runs actor, rollout and reference in one worker (verl's hybrid engine); the split layout is "
         "not built", use="leave it True", allowed=(True,)),
-    "critic.model.use_remove_padding": noop(_PADDING),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
     "actor_rollout_ref.model.use_fused_kernels": noop("tiller computes logprobs chunk by chunk from the logits (no "
@@ -133,7 +133,11 @@ RULES: dict[str, Rule] = {
         "the reference's forward runs in the actor's workers, split as actor.ulysses_sequence_parallel_size says; "
         "verl's per-GPU token budget of the reference is its share of a micro-batch of this many GPUs, so it is "
         "multiplied by this size at load time, as verl does"),
-    "critic.ulysses_sequence_parallel_size": noop(_ULYSSES),
+    "critic.ulysses_sequence_parallel_size": noop(
+        "one process runs whole sequences with trainer.backend=local (the update is the same; memory is not split); "
+        "verl's per-GPU token budgets of the critic are its share of a micro-batch of this many GPUs, so they are "
+        "multiplied by this size at load time, as verl does", _several_workers,
+        "trainer.backend=ray with more than one worker (tiller.workers.ulysses)"),
     "actor_rollout_ref.rollout.mode": noop("tiller's engines run inside the actor worker; there is no separate "
                                            "async server mode to pick"),
     "actor_rollout_ref.rollout.load_format": noop("tiller's vllm engine loads model.path, then takes the "
@@ -1025,22 +1029,23 @@ ULYSSES_BUDGETS = {
 
 
 FOLDED_ATTR = "_tiller_folded_ulysses"
-ACTOR_ULYSSES = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+# the Ulysses sizes whose workers split sequences (tiller.workers.ulysses) with trainer.backend=ray and several workers
+LIVE_ULYSSES = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")
 
 
 def _scale_ulysses_budgets(cfg: RLConfig) -> None:
     """verl splits each sequence over `ulysses_sequence_parallel_size` GPUs and packs dynamic micro-batches of budget x
     sp tokens; where tiller runs whole sequences on one worker (one process; the reference's, the critic's and the
-    reward model's sizes), its budget is that product (one line says so). The actor's size with trainer.backend=ray
-    and several workers splits sequences for real (`tiller.workers.ulysses`): it stays, and the actor worker
-    multiplies its budgets by it, as verl's does. Folded sizes are 1 in the resolved config (folded into the
+    reward model's sizes), its budget is that product (one line says so). The actor's and the critic's sizes with
+    trainer.backend=ray and several workers split sequences for real (`tiller.workers.ulysses`): they stay, and the
+    workers multiply their budgets by them, as verl's do. Folded sizes are 1 in the resolved config (folded into the
     budgets: `tiller config show`'s output loads back unchanged); the start-up no-op line still names the values
     given."""
     folded = {}
-    live = ACTOR_ULYSSES if _several_workers(cfg) else None  # split for real: the worker multiplies its budgets
+    live = LIVE_ULYSSES if _several_workers(cfg) else ()  # split for real: the worker multiplies its budgets
     for budget, sp_key in ULYSSES_BUDGETS.items():
         sp = get(cfg, sp_key) or 1
-        if sp > 1 and sp_key != live:
+        if sp > 1 and sp_key not in live:
             value = get(cfg, budget)
             _set(cfg, budget, value * sp)
             folded[sp_key] = sp

@@ -338,7 +338,8 @@ class ModelConfig:
     use_remove_padding: bool = False
     """Actor, reference and old-logprob forwards: each micro-batch's rows packed into one sequence without padding
     (position ids restart per row; transformers masks attention block-diagonally), the LM head on response
-    positions only (tiller.workers.packed). False: padded rows, trimmed per micro-batch. The critic stays padded."""
+    positions only (tiller.workers.packed). False: padded rows, trimmed per micro-batch. The critic has its own
+    (critic.model.use_remove_padding)."""
     use_shm: bool = False
     """verl: copy the model to /dev/shm before loading; tiller loads from model.path."""
     use_fused_kernels: bool = False
@@ -1012,7 +1013,8 @@ class CriticModelConfig:
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
     use_remove_padding: bool = False
-    """verl: pack sequences without padding; tiller pads, trimmed per micro-batch."""
+    """The critic's forwards with each micro-batch's rows packed into one sequence without padding, as the actor's
+    (tiller.workers.packed); False: padded rows, trimmed per micro-batch. Needed by ulysses_sequence_parallel_size."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's sharding / offload knobs of the critic (no effect in tiller)."""
     external_lib: Optional[str] = None
@@ -1090,8 +1092,9 @@ class CriticConfig:
     forward_max_token_len_per_gpu: Optional[int] = None
     """With use_dynamic_bsz: padded tokens per value-forward micro-batch; None = ppo_max_token_len_per_gpu."""
     ulysses_sequence_parallel_size: int = 1
-    """verl's Ulysses size for the critic: tiller's critic runs whole sequences; this scales its token budgets
-    (verl's per-GPU share)."""
+    """verl's Ulysses sequence parallelism for the critic, as actor.ulysses_sequence_parallel_size: with
+    trainer.backend=ray and several workers, groups of this many workers split each packed micro-batch (needs
+    critic.model.use_remove_padding=True); one process runs whole sequences and this only scales the token budgets."""
     ppo_epochs: Optional[int] = None
     """Critic passes per batch; defaults to the actor's."""
     shuffle: bool = False

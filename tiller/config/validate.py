@@ -41,22 +41,30 @@ GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_
 
 
 def _validate_seq_parallel(cfg: RLConfig) -> None:
-    """actor.ulysses_sequence_parallel_size splitting sequences for real (trainer.backend=ray, several workers)."""
-    sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size or 1
+    """actor / critic ulysses_sequence_parallel_size splitting sequences for real (trainer.backend=ray, several
+    workers; the critic's only when there is one: adv_estimator=gae)."""
     tr = cfg.trainer
     workers = tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
-    key = f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"
-    if sp < 1:
-        raise ConfigError(f"{key} must be >= 1")
-    if sp == 1 or workers == 1:
-        return
-    if workers % sp:
-        raise ConfigError(f"{key} must divide the {workers} workers (trainer.nnodes x trainer.n_gpus_per_node)")
-    if not cfg.actor_rollout_ref.model.use_remove_padding:
-        raise ConfigError(f"{key} splits the packed sequence of a micro-batch over {sp} workers: set "
-                          "actor_rollout_ref.model.use_remove_padding=True (verl requires it too)")
-    if cfg.algorithm.adv_estimator == "prime":
-        raise ConfigError(f"{key}: PRIME's implicit PRM is not split over workers; set it to 1")
+    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+              "actor_rollout_ref.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding)]
+    if cfg.algorithm.adv_estimator == "gae":
+        roles.append(("critic", cfg.critic.ulysses_sequence_parallel_size, "critic.model.use_remove_padding",
+                      cfg.critic.model.use_remove_padding))
+    for role, sp, padding_key, packed in roles:
+        key = f"{role}.ulysses_sequence_parallel_size={sp}"
+        if (sp or 1) < 1:
+            raise ConfigError(f"{key} must be >= 1")
+        if (sp or 1) == 1 or workers == 1:
+            continue
+        if workers % sp:
+            raise ConfigError(f"{key} must divide the {workers} workers (trainer.nnodes x trainer.n_gpus_per_node)")
+        if not packed:
+            raise ConfigError(f"{key} splits the packed sequence of a micro-batch over {sp} workers: set "
+                              f"{padding_key}=True (verl requires it too)")
+    if (cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size or 1) > 1 and workers > 1 \
+            and cfg.algorithm.adv_estimator == "prime":
+        raise ConfigError("actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: PRIME's implicit PRM is not "
+                          "split over workers; set it to 1")
 
 
 def _validate_kl_weight(cfg: RLConfig) -> None:

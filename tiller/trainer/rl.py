@@ -257,9 +257,14 @@ class RLTrainer:
         self.sp = sp if self.world_size > 1 else 1
         self.actor_dp = self.world_size // self.sp if self.world_size % self.sp == 0 else self.world_size
         self.actor_dp_call = {"dispatch": "dp", "replicas": self.sp}
-        if self.sp > 1:
-            print(f"tiller: actor: {self.world_size} workers = {self.actor_dp} data-parallel x {self.sp} "
-                  "sequence-parallel (actor_rollout_ref.actor.ulysses_sequence_parallel_size)", file=sys.stderr)
+        csp = (self.cfg.critic.ulysses_sequence_parallel_size or 1) if self.world_size > 1 and self.use_critic else 1
+        self.critic_dp = self.world_size // csp if self.world_size % csp == 0 else self.world_size
+        self.critic_dp_call = {"dispatch": "dp", "replicas": csp}
+        for role, sp, dp, key in (("actor", self.sp, self.actor_dp, "actor_rollout_ref.actor"),
+                                  ("critic", csp, self.critic_dp, "critic")):
+            if sp > 1:
+                print(f"tiller: {role}: {self.world_size} workers = {dp} data-parallel x {sp} sequence-parallel "
+                      f"({key}.ulysses_sequence_parallel_size)", file=sys.stderr)
         opts = dict(backend=tr.backend, world_size=self.world_size, cpus_per_worker=tr.cpus_per_worker,
                     ray_address=tr.ray_address)
         if tr.backend == "ray" and tr.device == "cuda":
@@ -396,7 +401,7 @@ class RLTrainer:
                     batch = batch.union(actor.execute("compute_prm_log_ratio", batch, **self.actor_dp_call))
             if self.use_critic:
                 with timer("values", m):
-                    batch = batch.union(critic.execute("compute_values", batch, dispatch="dp"))
+                    batch = batch.union(critic.execute("compute_values", batch, **self.critic_dp_call))
             with timer("adv", m):
                 baseline = batch["reward_baselines"] if "reward_baselines" in batch else None
                 self._compute_advantage(batch, m, baseline)
@@ -407,7 +412,7 @@ class RLTrainer:
             train_batch = self._for_update(batch)
             if self.use_critic and len(train_batch):
                 with timer("update_critic", m):
-                    m.update(critic.execute("update_critic", train_batch, dispatch="dp"))
+                    m.update(critic.execute("update_critic", train_batch, **self.critic_dp_call))
             if self.global_step > self.cfg.trainer.critic_warmup and len(train_batch):
                 with timer("update_actor", m):
                     m.update(actor.execute("update_actor", train_batch, **self.actor_dp_call))
@@ -946,7 +951,7 @@ class RLTrainer:
         if self.entropy_ctrl is not None:
             coeff = self.entropy_ctrl.effective_coeff(self._last_entropy)
         ppo_epochs = self.cfg.critic.ppo_epochs or a.ppo_epochs
-        critic_mini = (self.cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * self.n // self.world_size
+        critic_mini = (self.cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size) * self.n // self.critic_dp
         mini = a.ppo_mini_batch_size * self.n // self.actor_dp
         if self.agent:  # rows are segments: as many mini-batches as configured, of equal row counts
             parts = self.cfg.data.train_batch_size // a.ppo_mini_batch_size

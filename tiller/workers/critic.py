@@ -47,6 +47,8 @@ from tiller.workers.common import (
     run_in_lanes,
 )
 from tiller.workers.micro_batches import lane_rows, split_micro_batches
+from tiller.workers.packed import enable_checkpointing, packed_response_forward
+from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 
 
 class CriticWorker:
@@ -90,11 +92,19 @@ class CriticWorker:
             raise ConfigError("critic.model.lora_rank / critic.model.lora_adapter_path: LoRA on a vision-language "
                               f"critic ({type(module).__name__}) is not supported; train it in full (lora_rank=0)")
         module = attach_lora(module, self.ccfg.model, "critic.model", allow_dropout=False)
+        # verl's critic.model.use_remove_padding: each micro-batch's rows packed into one sequence (as the actor's)
+        self._remove_padding = bool(self.ccfg.model.use_remove_padding) and not is_vision_model(module)
         if self.ccfg.model.enable_gradient_checkpointing:
-            module.gradient_checkpointing_enable()
+            if self._remove_padding:
+                enable_checkpointing(module)  # its recompute keeps the packed forward's attention
+            else:
+                module.gradient_checkpointing_enable()
         module.to(self.device).train()
         self.module = module
         self._forward_opts = forward_options(module, self.ccfg.share_prompt_forward)
+        # Ulysses sequence parallelism (critic.ulysses_sequence_parallel_size): as the actor's (tiller.workers.ulysses)
+        self._sp = self._seq_parallel(module) if dist_ctx.is_distributed() else None
+        self.sp_size = self._sp.size if self._sp is not None else 1
         strategy = self.ccfg.strategy.replace("fsdp2", "fsdp")
         # FSDP2 shards in place: checkpoints are written from an unsharded CPU copy (filled at save time)
         self.full_module = None
@@ -106,19 +116,42 @@ class CriticWorker:
         self.optimizer = build_optimizer(self.model, self.ccfg.optim, "critic.optim")
         self.scheduler = build_scheduler(self.optimizer, self.ccfg.optim, total_training_steps)
 
+    def _seq_parallel(self, module):
+        """The sequence-parallel group of critic.ulysses_sequence_parallel_size (> 1), its requirements checked."""
+        size = int(self.ccfg.ulysses_sequence_parallel_size or 1)
+        if size <= 1:
+            return None
+        if not self._remove_padding:
+            raise ConfigError(f"critic.ulysses_sequence_parallel_size={size} splits the packed sequence: set "
+                              "critic.model.use_remove_padding=True (a vision-language critic is not split)")
+        check_heads(module.config, size, key=f"critic.ulysses_sequence_parallel_size={size}")
+        return seq_parallel_groups(size, key="critic.ulysses_sequence_parallel_size")
+
+    def parallel_layout(self) -> dict[str, int]:
+        """This rank's place: `rank`, `world`, `sp` (sequence-parallel group size), `sp_rank` (place in it)."""
+        return {"rank": dist_ctx.rank(), "world": dist_ctx.world_size(), "sp": self.sp_size,
+                "sp_rank": self._sp.rank if self._sp is not None else 0}
+
     def _values(self, mb: Batch) -> torch.Tensor:
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None  # image prompts: their pixels
-        out, _ = response_forward(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                                  P, mb["response_mask"].to(self.device), multi_modal=mm, **self._forward_opts)
-        return pad_right(out.squeeze(-1).float(), T) * mb["response_mask"].to(self.device)
+        ids, mask, rmask = (mb[k].to(self.device) for k in ("input_ids", "attention_mask", "response_mask"))
+        if self._sp is not None:
+            local, layout = ulysses_response_forward(self.model, ids, mask, P, rmask, self._sp, logits_to_keep=False)
+            out = layout.gather(local.float())
+        elif self._remove_padding and mm is None:
+            out, _ = packed_response_forward(self.model, ids, mask, P, rmask, logits_to_keep=False)
+        else:
+            out, _ = response_forward(self.model, ids, mask, P, rmask, multi_modal=mm, **self._forward_opts)
+        return pad_right(out.squeeze(-1).float(), T) * rmask
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values[B, T]` (0 outside the response mask)."""
         c = self.ccfg
         micros = split_micro_batches(batch, rows=c.forward_micro_batch_size_per_gpu,
-                                     max_tokens=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                                     max_tokens=c.forward_max_token_len_per_gpu * self.sp_size
+                                     if c.use_dynamic_bsz else None,
                                      key="critic.forward_max_token_len_per_gpu")
         self.model.eval()
         with autocast(c.dtype, self.device, key="critic.dtype"):
@@ -157,7 +190,8 @@ class CriticWorker:
         self.optimizer.zero_grad(set_to_none=True)
         lanes, threads = lane_plan(c.update_lanes, self._lent_lanes, self._lane_threads)
         micros = split_micro_batches(mb, rows=lane_rows(len(mb), c.ppo_micro_batch_size_per_gpu, lanes),
-                                     max_tokens=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                                     max_tokens=c.ppo_max_token_len_per_gpu * self.sp_size if c.use_dynamic_bsz
+                                     else None,
                                      key="critic.ppo_max_token_len_per_gpu").batches
 
         def micro_step(i: int, micro: Batch) -> tuple[float, float, float]:

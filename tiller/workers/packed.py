@@ -170,10 +170,20 @@ def pack_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
     return ids[valid][None], position_ids_from_mask(mask)[valid][None], index
 
 
+def head_at(model, keep: torch.Tensor, logits_to_keep: bool = True, **inputs) -> torch.Tensor:
+    """`model(**inputs)`'s head output [K, C] at packed positions `keep` [K] (batch 1): through HF's `logits_to_keep`
+    where the forward takes it (a causal LM's LM head then runs on those positions only), else the whole output
+    indexed (a value model, whose head is one column)."""
+    if logits_to_keep:
+        return model(**inputs, logits_to_keep=keep).logits[0]
+    return model(**inputs).logits[0, keep]
+
+
 def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                            response_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+                            response_mask: torch.Tensor, logits_to_keep: bool = True) -> tuple[torch.Tensor, int]:
     """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
-    predicts response token j. input_ids, attention_mask [B, P + T]; response_mask [B, T]."""
+    predicts response token j (a value model: V = 1, the value of the state before token j). input_ids,
+    attention_mask [B, P + T]; response_mask [B, T]. logits_to_keep: the model's forward takes it (causal LMs)."""
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
     ids, mask = input_ids[:, left : right - 1], attention_mask[:, left : right - 1]
@@ -184,9 +194,8 @@ def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torc
     lengths = [n for n in mask.sum(1).tolist() if n > 0]
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(ids.device)
     with attention_switch(model.config, (lengths, cu, max(lengths))):
-        out = model(input_ids=flat_ids, attention_mask=None, position_ids=positions, use_cache=False,
-                    logits_to_keep=predictor[keep])
-    logits = out.logits[0]  # [K, V]
+        logits = head_at(model, predictor[keep], logits_to_keep, input_ids=flat_ids, attention_mask=None,
+                         position_ids=positions, use_cache=False)  # [K, V]
     full = logits.new_zeros((ids.shape[0], t_used, logits.shape[-1]))
     full[keep] = logits
     return full, t_used

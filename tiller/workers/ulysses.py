@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tiller.distributed import context
 from tiller.errors import ConfigError
 from tiller.workers.common import trim_bounds
-from tiller.workers.packed import attention_switch, pack_rows
+from tiller.workers.packed import attention_switch, head_at, pack_rows
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class SeqParallel:
         return _heads_to_seq(out[0].transpose(0, 1), self).transpose(0, 1)[None]
 
 
-def seq_parallel_groups(size: int) -> SeqParallel | None:
+def seq_parallel_groups(size: int, key: str = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+                        ) -> SeqParallel | None:
     """Split the world into groups of `size` consecutive ranks (sequence parallel) and make the ranks at the same
     place of every group the data-parallel group (`context.set_data_group`). None when `size` is 1.
     Every rank must call it (process-group creation is collective)."""
@@ -67,8 +68,8 @@ def seq_parallel_groups(size: int) -> SeqParallel | None:
         return None
     world, me = context.world_size(), context.rank()
     if world % size:
-        raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size} does not divide the "
-                          f"{world} workers (trainer.nnodes x trainer.n_gpus_per_node)")
+        raise ConfigError(f"{key}={size} does not divide the {world} workers (trainer.nnodes x "
+                          "trainer.n_gpus_per_node)")
     mine = None
     for first in range(0, world, size):
         group = dist.new_group(list(range(first, first + size)))
@@ -81,13 +82,13 @@ def seq_parallel_groups(size: int) -> SeqParallel | None:
     return mine
 
 
-def check_heads(config, size: int) -> None:
+def check_heads(config, size: int, key: str | None = None) -> None:
     """The attention heads must split evenly over the group (checked when the worker starts)."""
     text = getattr(config, "text_config", None) or config
     heads = getattr(text, "num_attention_heads", None)
+    key = key or f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size}"
     if heads is not None and heads % size:
-        raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size}: the model's "
-                          f"{heads} attention heads do not split evenly over {size} ranks")
+        raise ConfigError(f"{key}: the model's {heads} attention heads do not split evenly over {size} ranks")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -173,10 +174,12 @@ class SeqLayout:
 
 
 def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                             response_mask: torch.Tensor, sp: SeqParallel) -> tuple[torch.Tensor, SeqLayout]:
+                             response_mask: torch.Tensor, sp: SeqParallel,
+                             logits_to_keep: bool = True) -> tuple[torch.Tensor, SeqLayout]:
     """`packed_response_forward` on this rank's slice of the packed micro-batch: (logits [k, V] of the slice's
     response-predicting positions, in packed order; one placeholder row when it has none, and the layout to gather
-    per-token results with). input_ids, attention_mask [B, P + T] (the same on every rank of the group)."""
+    per-token results with). input_ids, attention_mask [B, P + T] (the same on every rank of the group).
+    A value model (logits_to_keep False): V = 1, its values at those positions."""
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
     ids, mask = input_ids[:, left: right - 1], attention_mask[:, left: right - 1]
@@ -198,6 +201,6 @@ def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: tor
     if not len(mine):  # a slice of prompt tokens only: one placeholder position keeps the LM head in the graph
         mine = torch.zeros(1, dtype=torch.long, device=ids.device)
     with attention_switch(model.config, (lengths, cu, max(lengths)), sp):
-        out = model(input_ids=flat_ids[:, lo: lo + n], attention_mask=None, position_ids=positions[:, lo: lo + n],
-                    use_cache=False, logits_to_keep=mine)
-    return out.logits[0], SeqLayout(keep, t_used, counts, sp)
+        out = head_at(model, mine, logits_to_keep, input_ids=flat_ids[:, lo: lo + n], attention_mask=None,
+                      position_ids=positions[:, lo: lo + n], use_cache=False)
+    return out, SeqLayout(keep, t_used, counts, sp)
