@@ -221,7 +221,6 @@ def test_hints_print_one_notice_each_and_dry_run_creates_nothing(capsys, tmp_pat
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--ring_attn_size", "2"], "--ring_attn_size 2: refused: ring attention"),
     (["--load_in_4bit"], "--load_in_4bit: refused: 4-bit"),
     (["--lr_scheduler", "polynomial"], "--lr_scheduler polynomial: refused"),
     (["--not_a_flag", "1"], "unrecognized OpenRLHF flat argument(s): --not_a_flag"),
@@ -234,9 +233,32 @@ def test_refusals_exit_2_naming_the_flag(capsys, argv, needle):
 
 
 def test_refused_flag_at_its_default_passes_and_abbreviations_work():
-    cfg = cfg_of("train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--output_key", "a", "--ring_attn_size",
-                 "1", "--micro_train_batch", "4")  # argparse prefix, as OpenRLHF allows
+    cfg = cfg_of("train_rm", "--pretrain", "m", "--dataset", "d.jsonl", "--value_head_prefix", "score",
+                 "--micro_train_batch", "4")  # argparse prefix, as OpenRLHF allows
     assert cfg.data.micro_batch_size_per_gpu == 4
+
+
+def test_ring_attention_is_a_notice_and_packing_packs_the_ppo_update(capsys):
+    """Ring attention / context parallelism split sequences over GPUs without changing the math: a notice naming
+    tiller's split (Ulysses on Ray workers); --packing_samples packs PPO's actor and critic micro-batches."""
+    code, out, _ = run(capsys, "train_dpo", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2",
+                       "--ring_head_stride", "2", "--dry-run")
+    notices = [line for line in out.splitlines() if line.startswith("notice:")]
+    assert code == 0 and sum("--ring_attn_size 2: a sequence split over GPUs" in n for n in notices) == 1
+    assert any("ulysses_sequence_parallel_size" in n for n in notices)
+    cfg = cfg_of(*PPO, "--packing_samples", "--advantage_estimator", "gae")
+    assert cfg.actor_rollout_ref.model.use_remove_padding is True and cfg.critic.model.use_remove_padding is True
+    assert cfg_of(*PPO).actor_rollout_ref.model.use_remove_padding is False
+    # the token budget is OpenRLHF's per GPU of the ring: a micro-batch holds budget x ring tokens, and at least one
+    # whole sequence (OpenRLHF runs a longer one alone)
+    dyn = (*PPO, "--use_dynamic_batch", "--prompt_max_len", "512", "--generate_max_len", "512", "--ring_attn_size", "2")
+    cfg = cfg_of(*dyn, "--train_max_tokens_per_gpu", "800")
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 1600
+    assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 1600
+    code, out, _ = run(capsys, *dyn, "--train_max_tokens_per_gpu", "300", "--dry-run")
+    assert code == 0 and "--train_max_tokens_per_gpu 300 x 2 (ring attention x tensor parallel group) is below one " \
+        "whole sequence of 1024 tokens" in out
+    assert cfg_of(*dyn, "--train_max_tokens_per_gpu", "300").actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 1024
 
 
 def test_tiller_overrides_after_the_flags():
@@ -285,7 +307,7 @@ def test_openrlhf_example_scripts_dry_run(capsys, tmp_path, monkeypatch, name, e
 
 def test_example_counts():
     kinds = [e[1] for e in examples()]
-    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 30
+    assert len(kinds) == 32 and sum(k == "ok" for k in kinds) == 32
     assert sum(" --" in " ".join(e[2]) and "--data." in " ".join(e[2]) for e in examples()) == 18  # dotted ones
     fsdp = [e for e in examples() if e[0].startswith("automodel@")]  # OpenRLHF's FSDP2 backend branch
     assert len(fsdp) == 9 and all(any(t.startswith("--fsdp.") for t in e[2]) for e in fsdp)

@@ -39,6 +39,9 @@ def _f(name: str, kind: str, text: str, *dotted: str, **jobs: tuple[str, str]) -
 _DS = "DeepSpeed setting: tiller trains in one process (no DeepSpeed); "
 _FSDP = "FSDP2 backend setting: tiller shards with FSDP2 (RL: trainer.backend=ray; SFT / RM / DPO: torchrun); "
 _GPUS = "a Ray / GPU placement setting: tiller runs every role in this process (trainer.backend=local)"
+_SEQ_SPLIT = ("a sequence split over GPUs (the same math): tiller's process runs whole sequences; on Ray workers tiller "
+              "splits them with Ulysses (PPO: actor_rollout_ref.actor.ulysses_sequence_parallel_size, "
+              "critic.ulysses_sequence_parallel_size)")
 _VLLM = "a vLLM engine setting: tiller samples with its rollout engine (actor_rollout_ref.rollout.name, native on CPU)"
 
 TABLE: tuple[Flag, ...] = (
@@ -178,8 +181,9 @@ TABLE: tuple[Flag, ...] = (
        "model.gradient_checkpointing_enable", "actor.gradient_checkpointing_enable"),
     _f("gradient_checkpointing_use_reentrant", HINT, "tiller uses transformers' default (non-reentrant) "
        "checkpointing", "model.gradient_checkpointing_reentrant", "actor.gradient_checkpointing_reentrant"),
-    _f("packing_samples", MAPPED, "SFT: data.packing=True; RM / DPO / PPO: notice (tiller pads and trims each "
-       "micro-batch)", "ds.packing_samples", "fsdp.packing_samples"),
+    _f("packing_samples", MAPPED, "SFT: data.packing=True; PPO: actor_rollout_ref.model.use_remove_padding=True and "
+       "critic.model.use_remove_padding=True (each micro-batch's rows packed into one sequence); RM / DPO: notice "
+       "(tiller pads and trims each micro-batch)", "ds.packing_samples", "fsdp.packing_samples"),
     _f("fsdp.no_packing_samples", HINT, "packing off: tiller pads and trims each micro-batch unless packing is on "
        "(SFT: data.packing)"),
     _f("use_liger_kernel", HINT, "tiller uses its own chunked log-prob / entropy kernels", "ds.use_liger_kernel",
@@ -198,16 +202,18 @@ TABLE: tuple[Flag, ...] = (
     _f("overlap_comm", HINT, _DS + "no communication to overlap", "ds.overlap_comm"),
     _f("grad_accum_dtype", HINT, _DS + "gradients accumulate in float32", "ds.grad_accum_dtype"),
     _f("deepcompile", HINT, _DS + "no compilation", "ds.deepcompile"),
-    _f("ds_tensor_parallel_size", HINT, _DS + "no tensor parallelism in training", "ds.tensor_parallel_size"),
-    _f("ring_attn_size", REFUSED, "ring attention (context parallelism) is not supported", "ds.ring_attn_size"),
-    _f("ring_head_stride", HINT, "ring attention is not supported (--ring_attn_size must stay 1)",
-       "ds.ring_attn_head_stride"),
+    _f("ds_tensor_parallel_size", HINT, _DS + "no tensor parallelism in training", "ds.tensor_parallel_size",
+       P=(MAPPED, "no tensor parallelism in training (same math); the token budgets are OpenRLHF's per GPU of the "
+          "group: x this size")),
+    _f("ring_attn_size", HINT, _SEQ_SPLIT, "ds.ring_attn_size",
+       P=(MAPPED, _SEQ_SPLIT + "; the token budgets are OpenRLHF's per GPU of the ring: x this size")),
+    _f("ring_head_stride", HINT, "ring attention's head layout: " + _SEQ_SPLIT, "ds.ring_attn_head_stride"),
     _f("local_rank", HINT, "set by the deepspeed launcher; tiller runs one process", "local_rank"),
     _f("deepspeed_enable_sleep", HINT, "tiller's in-process engines share the actor's weights (nothing to "
        "offload while sampling)", "ds.enable_sleep", "fsdp.enable_sleep"),
     # the FSDP2 / AutoModel backend's own flags (OpenRLHF's `automodel` branch; the rest alias the --ds.* rows)
     _f("fsdp.tp_size", HINT, _FSDP + "no tensor parallelism in training (each rank holds whole layers; same math)"),
-    _f("fsdp.cp_size", REFUSED, "context parallelism (a sequence split across GPUs) is not supported"),
+    _f("fsdp.cp_size", HINT, "context parallelism: " + _SEQ_SPLIT),
     _f("fsdp.ep_size", HINT, _FSDP + "no expert parallelism (each rank holds every expert; same math)"),
     _f("fsdp.pp_size", HINT, _FSDP + "no pipeline parallelism (each rank holds every layer; same math)"),
     _f("fsdp.sequence_parallel", HINT, _FSDP + "no tensor parallelism, so no sequence parallelism in it"),

@@ -304,9 +304,24 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     o["trainer.total_epochs"] = a("num_episodes")
     dyn = bool(a("use_dynamic_batch"))
     o[f"{actor}.use_dynamic_bsz"] = dyn
-    o[f"{actor}.ppo_max_token_len_per_gpu"] = a("train_max_tokens_per_gpu")
-    o[f"{critic}.ppo_max_token_len_per_gpu"] = a("train_max_tokens_per_gpu")
-    fwd_tokens = a("rollout_max_tokens_per_gpu") or a("train_max_tokens_per_gpu")
+    # OpenRLHF's budget is per GPU of a ring-attention x tensor-parallel group, whose micro-batch holds budget x group
+    # tokens (seqlen_balancing.get_minimum_num_micro_batch_size); a longer sequence runs alone in its micro-batch
+    group = max(1, a("ring_attn_size") or 1) * max(1, a("ds_tensor_parallel_size") or 1)
+    seq = o["data.max_prompt_length"] + o["data.max_response_length"]
+
+    def tokens(flag: str) -> int:
+        value = a(flag)
+        total = value * group
+        if dyn and total < seq:
+            times = f" x {group} (ring attention x tensor parallel group)" if group > 1 else ""
+            notices.append(f"{a.flag(flag)} {value}{times} is below one whole sequence of {seq} tokens, which "
+                           f"OpenRLHF runs alone in a micro-batch; tiller's micro-batches hold at least one: {seq}")
+            total = seq
+        return total
+
+    o[f"{actor}.ppo_max_token_len_per_gpu"] = tokens("train_max_tokens_per_gpu")
+    o[f"{critic}.ppo_max_token_len_per_gpu"] = o[f"{actor}.ppo_max_token_len_per_gpu"]
+    fwd_tokens = tokens("rollout_max_tokens_per_gpu" if a("rollout_max_tokens_per_gpu") else "train_max_tokens_per_gpu")
     for key in (f"{rollout}.log_prob_max_token_len_per_gpu", f"{arr}.ref.log_prob_max_token_len_per_gpu",
                 f"{critic}.forward_max_token_len_per_gpu"):
         o[key] = fwd_tokens
@@ -360,9 +375,9 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     o["trainer.critic_warmup"] = max(0, a("freezing_actor_steps"))
     o["trainer.val_before_train"] = False  # OpenRLHF evaluates every --eval_steps only
     _tracking(a, o, env, "trainer.max_actor_ckpt_to_keep")
-    if a("packing_samples"):
-        notices.append(f"{a.flag('packing_samples')}: tiller pads and trims each micro-batch instead of packing "
-                       "(same loss)")
+    if a("packing_samples"):  # OpenRLHF packs the update's micro-batches: tiller's packed forwards (same loss)
+        o[f"{arr}.model.use_remove_padding"] = True
+        o[f"{critic}.model.use_remove_padding"] = True
     return o, env
 
 
