@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tiller.config import load_config
-from tiller.config.explain import batch_arithmetic, explain, memory_estimate, model_shape, one_line
+from tiller.config.explain import (
+    Arithmetic,
+    ModelShape,
+    batch_arithmetic,
+    explain,
+    memory_estimate,
+    model_shape,
+    one_line,
+)
 from tiller.models.tiny import count_params
 
 
@@ -40,7 +48,7 @@ def test_problems_in_plain_words_with_the_fix(tmp_path):
                        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.backend=ray",
                        "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
     problems = batch_arithmetic(cfg).problems
-    assert any("not a multiple of the 4 workers" in p and "Fix:" in p for p in problems), problems
+    assert any("not a multiple of the 4 data-parallel workers" in p and "Fix:" in p for p in problems), problems
     # steps from the training file's row count: 10 prompts // 4 = 2 per epoch, x 3 epochs
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join('{"prompt": "x"}\n' for _ in range(10)))
@@ -183,3 +191,20 @@ def test_memory_estimate_counts_the_distillation_teacher_and_prime_prm(tiny_mode
     assert gjsd["activations"] == teacher["activations"] + extra > teacher["activations"]
     prime = memory_estimate(load_config([*base, "algorithm.adv_estimator=prime"]), shape)
     assert prime["prm"] == 16 * shape.params and prime["peak"] == plain["peak"] + 16 * shape.params
+
+
+def test_sequence_parallel_splits_tokens_not_rows():
+    """actor.ulysses_sequence_parallel_size=2 on 4 Ray workers: 2 data-parallel replicas hold the rows (8 per
+    mini-batch instead of 4), the budget is per worker (x 2), and the activation estimate is halved."""
+    base = ["trainer.backend=ray", "trainer.n_gpus_per_node=4", "actor_rollout_ref.model.use_remove_padding=true",
+            "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"]
+    plain = batch_arithmetic(load_config(base), count_prompts=False)
+    split = batch_arithmetic(load_config([*base, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]),
+                             count_prompts=False)
+    assert (plain.data_parallel, plain.samples_per_rank, plain.token_budget) == (4, 4, 4096)
+    assert (split.data_parallel, split.samples_per_rank, split.token_budget) == (2, 8, 8192)
+    shape = ModelShape(params=10_000_000, layers=4, hidden=256, kv_dim=256, intermediate=768, vocab=1000)
+    cfg = load_config([*base, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    same_rows = Arithmetic(**{**split.__dict__, "seq_parallel": 1})
+    assert memory_estimate(cfg, shape, split)["activations"] == memory_estimate(cfg, shape, same_rows)["activations"] // 2

@@ -52,7 +52,7 @@ def _reference(path, case):
     return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _rank_main(rank: int, port: int, path: str, case: str, out: dict) -> None:
+def _rank_main(rank: int, port: int, path: str, case: str, out: dict, checkpointing: bool = False) -> None:
     import torch
 
     from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits
@@ -64,6 +64,10 @@ def _rank_main(rank: int, port: int, path: str, case: str, out: dict) -> None:
     try:
         sp = seq_parallel_groups(2)
         model = _sharpened(path)
+        if checkpointing:  # each layer's forward (its all-to-alls too) reruns inside backward()
+            from tiller.workers.packed import enable_checkpointing
+
+            enable_checkpointing(model)
         ids, mask, rmask, P = micro_batch(*CASES[case])
         local, layout = ulysses_response_forward(model, ids, mask, P, rmask, sp)
         local = local.float()
@@ -105,13 +109,14 @@ def gqa_model_dir(tmp_path_factory, tiny_model_dir):
     return _save(tmp_path_factory, tiny_model_dir, "qwen2_kv1", num_key_value_heads=1)
 
 
-@pytest.mark.parametrize("case,arch", [("mixed", "mha_model_dir"), ("prompt_only_half", "mha_model_dir"),
-                                       ("odd", "gqa_model_dir")])
-def test_sequence_parallel_forward_and_gradients_equal_one_process(case, arch, request):
+@pytest.mark.parametrize("case,arch,checkpointing", [("mixed", "mha_model_dir", False),
+                                                     ("prompt_only_half", "mha_model_dir", False),
+                                                     ("odd", "gqa_model_dir", False), ("mixed", "mha_model_dir", True)])
+def test_sequence_parallel_forward_and_gradients_equal_one_process(case, arch, checkpointing, request):
     path = str(request.getfixturevalue(arch))
     ref_logp, ref_ent, ref_grads = _reference(path, case)
     out = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(_free_port(), path, case, out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(_free_port(), path, case, out, checkpointing), nprocs=2, join=True)
     r0, r1 = out[0], out[1]
     if case == "prompt_only_half":
         assert r0["counts"][0] == 0 < r0["counts"][1]  # the placeholder path ran

@@ -7,7 +7,8 @@ row count of the training files when they can be read from parquet / jsonl metad
 `memory_estimate(cfg)` (the model's shape from its config.json: the parameters are built on the meta
 device, nothing is loaded).
 
-Batch arithmetic (verl's semantics; W = data-parallel workers):
+Batch arithmetic (verl's semantics; W = data-parallel workers: the workers / actor.ulysses_sequence_parallel_size,
+whose groups split each micro-batch's tokens, and whose token budgets are per worker, x that size):
     samples per step        = train_batch_size x rollout.n
     mini-batches per step   = train_batch_size / ppo_mini_batch_size    (prompts; x n samples each)
     optimizer steps / step  = ppo_epochs x mini-batches per step
@@ -26,7 +27,8 @@ Memory per rank (bytes; N = parameters, N_t = trainable parameters, W ranks shar
     activations  per micro-batch of r rows x S tokens: r S L (8 H + 2 kv d + 4 I) b  (saved for backward;
                  b = 2 with bf16 autocast else 4) + logits r T_resp V 4 x 3 (logits, their temperature-scaled
                  float copy, their gradient); algorithm.distill.loss_mode=gjsd adds the teacher's r T_resp V 4 x 2
-                 (its logits and their temperature-scaled copy, held during the micro-batch's loss)
+                 (its logits and their temperature-scaled copy, held during the micro-batch's loss); / sp with
+                 Ulysses sequence parallelism (a worker holds its share of the tokens)
     KV cache     rollout rows per rank x S x L x 2 x kv x d x b_rollout (4 on CPU: the engine falls back to
                  fp32 without native bf16)
     teacher      4 N_teacher with algorithm.distill.teacher_path (a frozen full copy in every worker; the sum of
@@ -82,6 +84,12 @@ class Arithmetic:
     steps_per_epoch: int | None
     total_steps: int | None
     problems: list[str] = field(default_factory=list)
+    seq_parallel: int = 1  # actor.ulysses_sequence_parallel_size splitting sequences (several Ray workers)
+
+    @property
+    def data_parallel(self) -> int:
+        """Workers holding different rows: the workers / the sequence-parallel size."""
+        return self.workers // self.seq_parallel
 
 
 def _count_prompts(cfg: RLConfig) -> int | None:
@@ -122,11 +130,14 @@ def batch_arithmetic(cfg: RLConfig, count_prompts: bool = True) -> Arithmetic:
         problems.append(f"data.train_batch_size={tbs} is not a multiple of actor.ppo_mini_batch_size={mbs}: the last "
                         f"mini-batch of each step would be short. Fix: ppo_mini_batch_size={_divisor_below(tbs, mbs)} "
                         f"or train_batch_size={math.ceil(tbs / mbs) * mbs}")
+    sp = actor.ulysses_sequence_parallel_size or 1
+    sp = sp if w > 1 and w % sp == 0 else 1  # (one process runs whole sequences)
+    dp = w // sp
     samples_mini = mbs * n
-    if samples_mini % w:
+    if samples_mini % dp:
         problems.append(f"a mini-batch holds ppo_mini_batch_size x rollout.n = {samples_mini} samples, not a multiple "
-                        f"of the {w} workers. Fix: make ppo_mini_batch_size x n a multiple of {w}")
-    per_rank = samples_mini / w
+                        f"of the {dp} data-parallel workers. Fix: make ppo_mini_batch_size x n a multiple of {dp}")
+    per_rank = samples_mini / dp
     if not actor.use_dynamic_bsz and per_rank % micro:
         problems.append(f"each rank's {per_rank:g} samples per mini-batch are not a multiple of "
                         f"ppo_micro_batch_size_per_gpu={micro}: the last micro-batch is short (the update is the "
@@ -135,7 +146,7 @@ def batch_arithmetic(cfg: RLConfig, count_prompts: bool = True) -> Arithmetic:
     if (tbs * n) % w:
         problems.append(f"train_batch_size x n = {tbs * n} samples do not split over {w} workers: tiller pads with "
                         f"masked rows. Fix: make train_batch_size x n a multiple of {w}")
-    budget = actor.ppo_max_token_len_per_gpu
+    budget = actor.ppo_max_token_len_per_gpu * sp  # verl's per-GPU share of a sequence-parallel micro-batch
     dyn_rows = budget // seq if seq else 0
     if actor.use_dynamic_bsz and budget < seq:
         problems.append(f"actor.ppo_max_token_len_per_gpu={budget} is below one sequence ({seq} tokens at the maximum "
@@ -154,7 +165,7 @@ def batch_arithmetic(cfg: RLConfig, count_prompts: bool = True) -> Arithmetic:
                                                      else min(micro, int(per_rank) or micro)),
         grad_accumulation=accum, seq_len=seq, tokens_per_micro_batch=micro * seq, dynamic_bsz=actor.use_dynamic_bsz,
         token_budget=budget, rows_per_dynamic_micro_batch=dyn_rows, prompts=prompts, steps_per_epoch=spe,
-        total_steps=total, problems=problems)
+        total_steps=total, problems=problems, seq_parallel=sp)
 
 
 def _divisor_below(total: int, value: int) -> int:
@@ -211,6 +222,7 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
     d = cfg.algorithm.distill
     if (d.teacher_path or d.teachers) and d.loss_mode == "gjsd":
         activations += rows * resp * shape.vocab * 4 * 2  # the teacher's logits in the micro-batch's gjsd loss
+    activations //= arith.seq_parallel  # Ulysses: each worker of a group holds 1/sp of the micro-batch's tokens
     rollout_rows = math.ceil((data.gen_batch_size or data.train_batch_size) * arr.rollout.n / w)
     b_roll = 2 if (arr.rollout.dtype in ("bfloat16", "bf16") and cfg.trainer.device == "cuda") else 4
     kv_cache = rollout_rows * s * shape.layers * 2 * shape.kv_dim * b_roll + rollout_rows * shape.vocab * 4 * 2
@@ -306,7 +318,9 @@ def explain(cfg: RLConfig) -> str:
         f"{a.samples_per_mini_batch} samples each)",
         f"  optimizer steps per step   {a.optimizer_steps_per_step:g}   (x ppo_epochs = "
         f"{cfg.actor_rollout_ref.actor.ppo_epochs})",
-        f"  data-parallel workers      {a.workers}",
+        f"  data-parallel workers      {a.data_parallel}"
+        + (f"   ({a.workers} workers / {a.seq_parallel} sequence-parallel: each micro-batch split over "
+           f"{a.seq_parallel})" if a.seq_parallel > 1 else ""),
         f"  samples per rank           {a.samples_per_rank:g}   per mini-batch",
     ]
     if a.dynamic_bsz:
@@ -317,7 +331,8 @@ def explain(cfg: RLConfig) -> str:
     else:
         lines += [f"  micro-batches per rank     {a.grad_accumulation} per mini-batch of "
                   f"{cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu} rows (grad accumulation factor)",
-                  f"  micro-batches per step     {a.grad_accumulation * a.workers} per mini-batch over all ranks",
+                  f"  micro-batches per step     {a.grad_accumulation * a.data_parallel} per mini-batch over all "
+                  "ranks",
                   f"  tokens per micro-batch     {a.tokens_per_micro_batch} at the maximum lengths "
                   f"({a.seq_len} = prompt + response)"]
     if a.steps_per_epoch is not None:
