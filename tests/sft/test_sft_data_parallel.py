@@ -24,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(job: str, overrides: list[str], nproc: int, cwd: Path) -> None:
+def _run(job: str, overrides: list[str], nproc: int, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if nproc == 1:
         cmd = [sys.executable, "-m", "tiller.cli", job, *overrides]
@@ -33,6 +33,7 @@ def _run(job: str, overrides: list[str], nproc: int, cwd: Path) -> None:
                f"--master_port={_free_port()}", "-m", "tiller.cli", job, *overrides]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -77,3 +78,27 @@ def test_fsdp_checkpoint_resumes_on_the_same_curve(tmp_path, tiny_model_dir):
     _run("sft", _base(tiny_model_dir, train, two, "trainer.total_training_steps=3", "trainer.save_freq=1"), 2, tmp_path)
     _run("sft", _base(tiny_model_dir, train, tmp_path / "one"), 1, tmp_path)
     assert _losses(two) == pytest.approx(_losses(tmp_path / "one"), abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.parametrize("packing", ["true", pytest.param("false", marks=pytest.mark.slow)])  # ~25 s each
+def test_sft_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_model_dir, packing):
+    """ulysses_sequence_parallel_size=2 on 2 ranks (FSDP2): one data-parallel replica whose two ranks run half of
+    every micro-batch's tokens (packed rows, or padded ones); the loss curve is the one process's."""
+    from tests.distributed.test_ulysses import _save
+
+    class _Factory:  # _save takes pytest's tmp_path_factory; a stand-in making dirs under tmp_path
+        @staticmethod
+        def mktemp(name):
+            path = tmp_path / name
+            path.mkdir()
+            return path
+
+    model = _save(_Factory, tiny_model_dir, "qwen2_kv4")  # 4 attention heads: 2 per rank
+    train = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": r} for p, r in MEMO])
+    extra = (f"data.packing={packing}", "trainer.strategy=fsdp")
+    _run("sft", _base(model, train, tmp_path / "one", *extra), 1, tmp_path)
+    proc = _run("sft", _base(model, train, tmp_path / "sp", *extra, "ulysses_sequence_parallel_size=2"), 2, tmp_path)
+    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in proc.stderr
+    one, sp = _losses(tmp_path / "one"), _losses(tmp_path / "sp")
+    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)

@@ -407,6 +407,10 @@ class SFTConfig:
     optim: JobOptimConfig = field(default_factory=JobOptimConfig)
     trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
     algorithm: SFTAlgoConfig = field(default_factory=SFTAlgoConfig)
+    ulysses_sequence_parallel_size: int = 1
+    """verl's SFT key: under torchrun, groups of this many ranks split each micro-batch's tokens (packed into one
+    sequence; all-to-all around attention: tiller.workers.ulysses), so a rank holds 1/size of the activations and
+    logits; text rows only; the model's attention heads must divide by it. One process runs whole sequences."""
 
 
 @dataclass

@@ -123,3 +123,17 @@ def forward_output(model, batch: dict, router_aux: bool = False):
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
                      use_cache=False, **extra)
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **extra)
+
+
+def flatten_micro_batch(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """A text micro-batch's sequences end to end: (ids [N], position ids [N], labels [N], sequence lengths). Padded
+    rows (`attention_mask`) give their real tokens, one sequence a row; packed rows (`position_ids`) give every
+    token, a sequence wherever the position ids restart (the trailing pad segment included, its labels -100)."""
+    if "position_ids" in batch:
+        pos = batch["position_ids"].reshape(-1)
+        starts = (pos == 0).nonzero().squeeze(-1).tolist() + [len(pos)]
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
+        return batch["input_ids"].reshape(-1), pos, batch["labels"].reshape(-1), lengths
+    keep = batch["attention_mask"].bool()
+    pos = (batch["attention_mask"].cumsum(-1) - 1)[keep]
+    return batch["input_ids"][keep], pos, batch["labels"][keep], batch["attention_mask"].sum(-1).tolist()

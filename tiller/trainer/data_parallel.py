@@ -13,6 +13,10 @@ with the optimizer state gathered by `checkpointable_optimizer`; a resume loads 
 
 Outside torchrun (WORLD_SIZE unset or 1) `DataParallel.setup` returns a one-process object whose methods are
 identities. LoRA with FSDP2 is refused (use trainer.strategy=ddp).
+
+`ulysses_sequence_parallel_size` (`tiller sft`, verl's SFT key) > 1 under torchrun: groups of that many consecutive
+ranks share each micro-batch, packed into one sequence and split over them (`tiller.workers.ulysses`); the
+micro-batches are dealt to the groups, and the ranks' partial loss sums add up over the world as above.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import sys
 from typing import Any
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.models.lora import is_lora
+from tiller.workers.ulysses import check_heads, seq_parallel_groups
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -34,13 +40,19 @@ STRATEGIES = ("ddp", "fsdp")
 class DataParallel:
     """The rank's view of a data-parallel offline job (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, strategy: str = "none", shadow: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module, strategy: str = "none", shadow: torch.nn.Module | None = None,
+                 sp=None):
         self.model, self.strategy, self.shadow = model, strategy, shadow
+        self.sp = sp  # Ulysses sequence parallelism (`tiller sft ulysses_sequence_parallel_size`): this rank's group
 
     @classmethod
     def setup(cls, cfg: Any, model: torch.nn.Module, device: torch.device) -> "DataParallel":
         """Join torchrun's process group (when WORLD_SIZE > 1) and wrap `model`; build the optimizer after."""
+        sp_size = int(getattr(cfg, "ulysses_sequence_parallel_size", 1) or 1)
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            if sp_size > 1:
+                print(f"tiller: ulysses_sequence_parallel_size={sp_size}: one process runs whole sequences (the same "
+                      "update); under torchrun groups of that many ranks split each micro-batch", file=sys.stderr)
             return cls(model)
         strategy = cfg.trainer.strategy
         if strategy not in STRATEGIES:
@@ -53,7 +65,15 @@ class DataParallel:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
         shadow = copy.deepcopy(model) if strategy == "fsdp" else None  # unsharded copy for saving / export
-        return cls(dist_ctx.wrap_model(model, strategy), strategy, shadow)
+        sp = None
+        if sp_size > 1:
+            check_heads(dist_ctx.unwrap_model(model).config, sp_size, key=f"ulysses_sequence_parallel_size={sp_size}")
+            # the group's ranks run slices of the same micro-batches: their sums are partial, added over the world
+            sp = seq_parallel_groups(sp_size, key="ulysses_sequence_parallel_size", data_group=False)
+            if dist_ctx.rank() == 0:
+                print(f"tiller: {dist_ctx.world_size()} ranks = {dist_ctx.world_size() // sp_size} data-parallel x "
+                      f"{sp_size} sequence-parallel (ulysses_sequence_parallel_size)", file=sys.stderr)
+        return cls(dist_ctx.wrap_model(model, strategy), strategy, shadow, sp)
 
     # ------------------------------------------------------------------------------------- data
     @property
@@ -65,11 +85,14 @@ class DataParallel:
         return dist_ctx.world_size()
 
     def shard(self, micros: list) -> tuple[list, list[float]]:
-        """This rank's micro-batches (round-robin) and their weights (0 for a padding copy)."""
+        """This rank's micro-batches (round-robin over the data-parallel replicas: the ranks, or their
+        sequence-parallel groups, whose ranks share micro-batches) and their weights (0 for a padding copy)."""
         if self.world == 1:
             return micros, [1.0] * len(micros)
-        mine = micros[self.rank::self.world]
-        count = -(-len(micros) // self.world)
+        size = self.sp.size if self.sp is not None else 1
+        replica, replicas = self.rank // size, self.world // size
+        mine = micros[replica::replicas]
+        count = -(-len(micros) // replicas)
         weights = [1.0] * len(mine) + [0.0] * (count - len(mine))
         mine = mine + [micros[0]] * (count - len(mine))
         return mine, weights

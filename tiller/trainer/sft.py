@@ -34,7 +34,7 @@ from tiller.algos import aggregate_loss, logprobs_from_logits, sft_token_loss
 from tiller.config import load_config
 from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
-from tiller.data.packing import forward_output, make_micro_batches
+from tiller.data.packing import flatten_micro_batch, forward_output, make_micro_batches
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import ConfigError, UserError
 from tiller.models.chat_template import set_chat_template
@@ -42,6 +42,7 @@ from tiller.models.loading import is_load_error, is_vision_checkpoint, load_caus
 from tiller.models.lora import attach_lora, lora_enabled
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
+from tiller.workers.ulysses import ulysses_token_forward
 
 
 class SFTJob:
@@ -52,6 +53,7 @@ class SFTJob:
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
         self.packing, self.pack_length, self.loss_kind = packing, pack_length, loss_kind
         self.router_aux_coef = router_aux_coef
+        self.sp = None  # Ulysses sequence parallelism: this rank's group (set by run_training under torchrun)
 
     def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
         return make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
@@ -63,6 +65,8 @@ class SFTJob:
         return None
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
+        if self.sp is not None:
+            return self._split_loss(model, micro, normalizer)
         out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
         labels = micro["labels"]
         mask = labels != IGNORE
@@ -72,6 +76,19 @@ class SFTJob:
         if self.router_aux_coef:  # the MoE router's balance, this micro-batch's by its share of the step's tokens
             loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, mask.sum() / normalizer)
         if self.loss_kind != "nll":  # the NLL stays reported (perplexity is exp of it)
+            metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
+        return loss, metrics
+
+    def _split_loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
+        """`loss` under sequence parallelism: the micro-batch's sequences packed end to end, this rank's share of
+        the tokens run and scored; the group's ranks' losses and token counts add up to the whole micro-batch's."""
+        ids, positions, labels, lengths = flatten_micro_batch(micro)
+        logits, (labels,) = ulysses_token_forward(model, ids, positions, lengths, self.sp, labels, fill=IGNORE)
+        mask = (labels != IGNORE)[None]
+        logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))[None]
+        loss = aggregate_loss(sft_token_loss(logp, self.loss_kind), mask, "token-mean", global_tokens=normalizer)
+        metrics = {"num_tokens": mask.sum()}
+        if self.loss_kind != "nll":
             metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
         return loss, metrics
 
@@ -197,6 +214,13 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
         raise UserError("data.packing=True: the data has image conversations, and packing takes text only (a packed "
                         "row would need M-RoPE positions restarted per sequence, which the model's get_rope_index "
                         "does not do); set data.packing=false")
+    if cfg.ulysses_sequence_parallel_size < 1:
+        raise ConfigError(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size} must be >= 1")
+    if cfg.ulysses_sequence_parallel_size > 1 and (cfg.model.router_aux_loss_coef
+                                                   or any(e.multi_modal is not None for e in (*train, *val))):
+        raise ConfigError(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size} splits text "
+                          "sequences: image conversations and model.router_aux_loss_coef (a router loss over the "
+                          "whole batch) are not split; set it to 1")
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
                  data.pack_length or default_pack_length(train, data.max_length), cfg.algorithm.loss,
                  cfg.model.router_aux_loss_coef)

@@ -59,10 +59,11 @@ class SeqParallel:
         return _heads_to_seq(out[0].transpose(0, 1), self).transpose(0, 1)[None]
 
 
-def seq_parallel_groups(size: int, key: str = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-                        ) -> SeqParallel | None:
-    """Split the world into groups of `size` consecutive ranks (sequence parallel) and make the ranks at the same
-    place of every group the data-parallel group (`context.set_data_group`). None when `size` is 1.
+def seq_parallel_groups(size: int, key: str = "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                        data_group: bool = True) -> SeqParallel | None:
+    """Split the world into groups of `size` consecutive ranks (sequence parallel) and, with `data_group` (the RL
+    workers, whose group ranks hold copies of the same rows and compute the same per-row sums), make the ranks at the
+    same place of every group the data-parallel group (`context.set_data_group`). None when `size` is 1.
     Every rank must call it (process-group creation is collective)."""
     if size <= 1:
         return None
@@ -75,7 +76,7 @@ def seq_parallel_groups(size: int, key: str = "actor_rollout_ref.actor.ulysses_s
         group = dist.new_group(list(range(first, first + size)))
         if first <= me < first + size:
             mine = SeqParallel(group, size, me - first)
-    for place in range(size):
+    for place in range(size if data_group else 0):
         group = dist.new_group(list(range(place, world, size)))
         if me % size == place:
             context.set_data_group(group)
@@ -204,3 +205,23 @@ def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: tor
         out = head_at(model, mine, logits_to_keep, input_ids=flat_ids[:, lo: lo + n], attention_mask=None,
                       position_ids=positions[:, lo: lo + n], use_cache=False)
     return out, SeqLayout(keep, t_used, counts, sp)
+
+
+def ulysses_token_forward(model, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], sp: SeqParallel,
+                          *per_token: torch.Tensor, fill: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The whole-sequence forward of packed tokens (SFT): ids, positions [N] of sequences of `lengths` (summing to
+    N) laid end to end; this rank runs its 1/S of them. Returns (logits [n, V] of this rank's tokens, each of
+    `per_token` [N] cut to the same tokens, padding positions filled with `fill`). A loss summed over a rank's tokens
+    and divided by a global count sums, over the group, to the whole sequence's."""
+    total = ids.numel()
+    n = -(-total // sp.size)
+    pad = n * sp.size - total
+    lengths = [x for x in lengths if x > 0] + ([pad] if pad else [])
+    ids = F.pad(ids, (0, pad))
+    positions = torch.cat([positions, torch.arange(pad, device=positions.device)])
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(ids.device)
+    lo = sp.rank * n
+    with attention_switch(model.config, (lengths, cu, max(lengths)), sp):
+        out = model(input_ids=ids[None, lo: lo + n], position_ids=positions[None, lo: lo + n], attention_mask=None,
+                    use_cache=False)
+    return out.logits[0], [F.pad(x, (0, pad), value=fill)[lo: lo + n] for x in per_token]
