@@ -246,6 +246,8 @@ def test_ring_attention_is_a_notice_and_packing_packs_the_ppo_update(capsys):
     notices = [line for line in out.splitlines() if line.startswith("notice:")]
     assert code == 0 and sum("--ring_attn_size 2: a sequence split over GPUs" in n for n in notices) == 1
     assert any("ulysses_sequence_parallel_size" in n for n in notices)
+    sft = cfg_of("train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--output_key", "a", "--ring_attn_size", "2")
+    assert sft.ulysses_sequence_parallel_size == 2  # tiller sft's own split under torchrun
     cfg = cfg_of(*PPO, "--packing_samples", "--advantage_estimator", "gae")
     assert cfg.actor_rollout_ref.model.use_remove_padding is True and cfg.critic.model.use_remove_padding is True
     assert cfg_of(*PPO).actor_rollout_ref.model.use_remove_padding is False

@@ -206,7 +206,9 @@ TABLE: tuple[Flag, ...] = (
        P=(MAPPED, "no tensor parallelism in training (same math); the token budgets are OpenRLHF's per GPU of the "
           "group: x this size")),
     _f("ring_attn_size", HINT, _SEQ_SPLIT, "ds.ring_attn_size",
-       P=(MAPPED, _SEQ_SPLIT + "; the token budgets are OpenRLHF's per GPU of the ring: x this size")),
+       P=(MAPPED, _SEQ_SPLIT + "; the token budgets are OpenRLHF's per GPU of the ring: x this size"),
+       S=(MAPPED, "ulysses_sequence_parallel_size: under torchrun groups of this many ranks split each micro-batch's "
+          "tokens (Ulysses instead of ring attention, the same math); one process runs whole sequences")),
     _f("ring_head_stride", HINT, "ring attention's head layout: " + _SEQ_SPLIT, "ds.ring_attn_head_stride"),
     _f("local_rank", HINT, "set by the deepspeed launcher; tiller runs one process", "local_rank"),
     _f("deepspeed_enable_sleep", HINT, "tiller's in-process engines share the actor's weights (nothing to "

@@ -215,6 +215,8 @@ def _sft(a: Args, o: dict, notices: list[str]) -> None:
             raise ConfigError(f"{a.flag('output_key')} is required (the response column) unless "
                               f"{a.flag('multiturn')}")
     o["data.output_key"] = a("output_key")
+    if (a("ring_attn_size") or 1) > 1:  # ring attention's sequence split: tiller's SFT splits with Ulysses
+        o["ulysses_sequence_parallel_size"] = a("ring_attn_size")
 
 
 def _pairs(a: Args, o: dict, job: str) -> None:
