@@ -126,6 +126,20 @@ class _Row:
     versions: list[int] = field(default_factory=list)  # per token: the weights' version of its logits
     done: bool = False
     result: tuple | None = None
+    penalty: tuple | None = None  # penalised rows: (prompt_seen [V], output counts [V], tokens counted so far)
+
+    def penalty_state(self, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_seen [V] bool, output counts [V]) for `apply_penalties`, kept across steps: the prompt's set is
+        built once and only the tokens sampled since the last call are counted (O(new tokens) a step)."""
+        if self.penalty is None or self.penalty[1].device != torch.device(device) or self.penalty[2] > len(self.tokens):
+            self.penalty = (token_counts([self.prompt], vocab, device)[0] > 0,
+                            torch.zeros(vocab, dtype=torch.float32, device=device), 0)
+        seen, counts, counted = self.penalty
+        if counted < len(self.tokens):
+            new = torch.tensor(self.tokens[counted:], dtype=torch.long, device=counts.device)
+            counts.index_add_(0, new, torch.ones(len(new), device=counts.device))
+            self.penalty = (seen, counts, len(self.tokens))
+        return seen, counts
 
     def sampling_key(self) -> tuple:
         s = self.job.sampling
@@ -609,8 +623,8 @@ class ContinuousBatcher:
             vocab = logits.shape[-1]
             for i in penalized:
                 s = rows[i].job.sampling
-                logits[i] = apply_penalties(logits[i : i + 1], token_counts([rows[i].prompt], vocab, logits.device) > 0,
-                                            token_counts([rows[i].tokens], vocab, logits.device), s.repetition_penalty,
+                seen, counts = rows[i].penalty_state(vocab, logits.device)
+                logits[i] = apply_penalties(logits[i : i + 1], seen[None], counts[None], s.repetition_penalty,
                                             s.presence_penalty, s.frequency_penalty)[0]
         constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
         if constrained:

@@ -70,13 +70,20 @@ class _Penalties(LogitsProcessor):
         self.prompts, self.prompt_width = prompts, prompt_width
         self.penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
         self.prompt_seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None  # response token counts [B, V] up to column `counted`
+        self.counted = prompt_width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         vocab, device = scores.shape[-1], scores.device
         if self.prompt_seen is None:
             self.prompt_seen = token_counts(self.prompts, vocab, device) > 0
-        counts = token_counts(input_ids[:, self.prompt_width:].tolist(), vocab, device)
-        return apply_penalties(scores, self.prompt_seen, counts, *self.penalties)
+        if self.counts is None or input_ids.shape[1] < self.counted:
+            self.counts, self.counted = torch.zeros((len(input_ids), vocab), device=device), self.prompt_width
+        new = input_ids[:, self.counted:]  # the columns sampled since the last call (one a step): counted on device
+        if new.numel():
+            self.counts.scatter_add_(1, new, torch.ones(new.shape, device=device))
+        self.counted = input_ids.shape[1]
+        return apply_penalties(scores, self.prompt_seen, self.counts, *self.penalties)
 
 
 class HFRolloutEngine(InProcessEngine):
