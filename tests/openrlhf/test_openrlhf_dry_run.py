@@ -241,13 +241,15 @@ def test_refused_flag_at_its_default_passes_and_abbreviations_work():
 def test_ring_attention_is_a_notice_and_packing_packs_the_ppo_update(capsys):
     """Ring attention / context parallelism split sequences over GPUs without changing the math: a notice naming
     tiller's split (Ulysses on Ray workers); --packing_samples packs PPO's actor and critic micro-batches."""
-    code, out, _ = run(capsys, "train_dpo", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2",
+    code, out, _ = run(capsys, "train_rm", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2",
                        "--ring_head_stride", "2", "--dry-run")
     notices = [line for line in out.splitlines() if line.startswith("notice:")]
     assert code == 0 and sum("--ring_attn_size 2: a sequence split over GPUs" in n for n in notices) == 1
     assert any("ulysses_sequence_parallel_size" in n for n in notices)
     sft = cfg_of("train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--output_key", "a", "--ring_attn_size", "2")
     assert sft.ulysses_sequence_parallel_size == 2  # tiller sft's own split under torchrun
+    dpo = cfg_of("train_dpo", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2")
+    assert dpo.ulysses_sequence_parallel_size == 2
     cfg = cfg_of(*PPO, "--packing_samples", "--advantage_estimator", "gae")
     assert cfg.actor_rollout_ref.model.use_remove_padding is True and cfg.critic.model.use_remove_padding is True
     assert cfg_of(*PPO).actor_rollout_ref.model.use_remove_padding is False

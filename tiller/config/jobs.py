@@ -433,6 +433,9 @@ class DPOConfig:
     optim: JobOptimConfig = field(default_factory=JobOptimConfig)
     trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
     algorithm: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
+    ulysses_sequence_parallel_size: int = 1
+    """Under torchrun, groups of this many ranks split each micro-batch's tokens (as `tiller sft`'s key; the
+    reference's forward too): the per-token log-probs are gathered, so every loss runs unchanged. Text pairs only."""
 
 
 @dataclass

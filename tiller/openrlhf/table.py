@@ -42,6 +42,8 @@ _GPUS = "a Ray / GPU placement setting: tiller runs every role in this process (
 _SEQ_SPLIT = ("a sequence split over GPUs (the same math): tiller's process runs whole sequences; on Ray workers tiller "
               "splits them with Ulysses (PPO: actor_rollout_ref.actor.ulysses_sequence_parallel_size, "
               "critic.ulysses_sequence_parallel_size)")
+_SFT_SPLIT = ("ulysses_sequence_parallel_size: under torchrun groups of this many ranks split each micro-batch's "
+              "tokens (Ulysses instead of ring attention, the same math); one process runs whole sequences")
 _VLLM = "a vLLM engine setting: tiller samples with its rollout engine (actor_rollout_ref.rollout.name, native on CPU)"
 
 TABLE: tuple[Flag, ...] = (
@@ -207,8 +209,7 @@ TABLE: tuple[Flag, ...] = (
           "group: x this size")),
     _f("ring_attn_size", HINT, _SEQ_SPLIT, "ds.ring_attn_size",
        P=(MAPPED, _SEQ_SPLIT + "; the token budgets are OpenRLHF's per GPU of the ring: x this size"),
-       S=(MAPPED, "ulysses_sequence_parallel_size: under torchrun groups of this many ranks split each micro-batch's "
-          "tokens (Ulysses instead of ring attention, the same math); one process runs whole sequences")),
+       S=(MAPPED, _SFT_SPLIT), D=(MAPPED, _SFT_SPLIT)),
     _f("ring_head_stride", HINT, "ring attention's head layout: " + _SEQ_SPLIT, "ds.ring_attn_head_stride"),
     _f("local_rank", HINT, "set by the deepspeed launcher; tiller runs one process", "local_rank"),
     _f("deepspeed_enable_sleep", HINT, "tiller's in-process engines share the actor's weights (nothing to "

@@ -173,7 +173,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     noise = neftune(model, getattr(cfg.model, "neftune_noise_alpha", None))  # on the unwrapped model's embeddings
     par = DataParallel.setup(cfg, model, device)  # one process: identities; torchrun: DDP / FSDP2
     model = par.model
-    if par.sp is not None:  # sequence parallelism (tiller sft): the job scores this rank's share of the tokens
+    if par.sp is not None:  # sequence parallelism (tiller sft / dpo): the job runs this rank's share of the tokens
         job.sp = par.sp
     run_dir = Path(tr.default_local_dir)
     ckpt_root = run_dir / "checkpoints"

@@ -48,16 +48,18 @@ import torch.nn.functional as F
 from tiller.algos import dpo_loss, kto_loss, logprobs_from_logits, reference_free_loss
 from tiller.algos.preference import REFERENCE_FREE_LOSSES
 from tiller.config.jobs import dpo_loss_names, DPOConfig, KTOConfig, uses_reference
-from tiller.data.packing import collate_padded, forward_logits, forward_output
+from tiller.data.packing import collate_padded, flatten_micro_batch, forward_logits, forward_output
 from tiller.data.preference import PairExample, UnpairedExample, load_preference_examples, make_sequence
 from tiller.data.sft import IGNORE
 from tiller.distributed.context import all_reduce_sum
+from tiller.errors import ConfigError
 from tiller.models.loading import load_causal_lm
 from tiller.models.lora import is_lora, load_lora_adapter, merge_lora
 from tiller.models.neftune import without_neftune
 from tiller.models.ref_sync import RefSync
 from tiller.trainer.loop import resolve_device, run_training
 from tiller.trainer.sft import add_router_aux, build_model_and_tokenizer, parse_job_args, setup
+from tiller.workers.ulysses import gather_tokens, ulysses_token_forward
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], log_sum_sq: bool = False):
@@ -76,6 +78,24 @@ def logps_of(logits: torch.Tensor, batch: dict[str, torch.Tensor], log_sum_sq: b
     return torch.where(mask, logp, torch.zeros_like(logp)), mask, sq
 
 
+def split_token_logps(model, batch: dict[str, torch.Tensor], sp, log_sum_sq: bool = False):
+    """`token_logps` under sequence parallelism: the padded rows' tokens packed end to end, this rank's share run
+    (`ulysses_token_forward`), the per-token results gathered back to [R, T] on every rank of the group."""
+    ids, positions, labels, lengths = flatten_micro_batch(batch)
+    logits, (local_labels,) = ulysses_token_forward(model, ids, positions, lengths, sp, labels, fill=IGNORE)
+    logits = logits.float()
+    cols = [logprobs_from_logits(logits, local_labels.clamp(min=0))]
+    if log_sum_sq:
+        cols.append(torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1))
+    flat = gather_tokens(torch.stack(cols, dim=-1), sp)[: len(ids)]  # [N, c], the padding dropped
+    keep = batch["attention_mask"].bool()
+    full = flat.new_zeros((*keep.shape, flat.shape[-1]))
+    full[keep] = flat
+    mask = batch["labels"] != IGNORE
+    logp = torch.where(mask, full[..., 0], torch.zeros_like(full[..., 0]))
+    return logp, mask, (full[..., 1] if log_sum_sq else None)
+
+
 def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of completion-token log-probs [R], completion-token count [R]) of a padded batch."""
     logp, mask, _ = token_logps(model, batch)
@@ -89,6 +109,7 @@ class Reference:
     def __init__(self, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None,
                  sync: RefSync | None = None):
         self.model, self.policy, self.sync = model, policy, sync
+        self.sp = None  # sequence parallelism: the reference's forward is split as the policy's
 
     def after_optimizer_step(self, policy: torch.nn.Module, step: int) -> None:
         """TR-DPO: after optimizer step `step` (1-based), mix the policy in when it is the N-th."""
@@ -98,10 +119,13 @@ class Reference:
 
     @torch.no_grad()
     def token_logps(self, batch: dict[str, torch.Tensor]):
+        def run(model):
+            return token_logps(model, batch) if self.sp is None else split_token_logps(model, batch, self.sp)
+
         if self.model is not None:
-            return token_logps(self.model, batch)
+            return run(self.model)
         with self.policy.disable_adapter(), without_neftune(self.policy):  # the reference sees clean embeddings
-            return token_logps(self.policy, batch)
+            return run(self.policy)
 
     def logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logp, mask, _ = self.token_logps(batch)
@@ -158,6 +182,17 @@ class DPOJob(_ReferenceJob):
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
         self.simpo_gamma, self.cpo_alpha = simpo_gamma, cpo_alpha
         self.uses_reference = uses_reference(self.losses)
+        self._sp = None  # sequence parallelism (`ulysses_sequence_parallel_size` under torchrun): set by run_training
+
+    @property
+    def sp(self):
+        return self._sp
+
+    @sp.setter
+    def sp(self, group) -> None:  # the reference's forward splits as the policy's
+        self._sp = group
+        if self.reference is not None:
+            self.reference.sp = group
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
         out = []
@@ -185,8 +220,12 @@ class DPOJob(_ReferenceJob):
         return (logp * (pos <= shared)).sum(-1) + self.ld_alpha * (logp * (pos > shared)).sum(-1)
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
-        tok, mask, log_sq = logps_of(out.logits, micro, log_sum_sq=self.use_weighting)
+        if self._sp is not None:  # this rank's share of the tokens, the per-token log-probs gathered
+            out = None
+            tok, mask, log_sq = split_token_logps(model, micro, self._sp, log_sum_sq=self.use_weighting)
+        else:
+            out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
+            tok, mask, log_sq = logps_of(out.logits, micro, log_sum_sq=self.use_weighting)
         logps, counts = self._sums(tok, mask), mask.sum(-1)
         if "ref_logps" in micro:
             ref_logps = micro["ref_logps"]
@@ -241,6 +280,9 @@ class DPOJob(_ReferenceJob):
         loss = total / n
         if self.router_aux_coef:  # the MoE router's balance over the pairs' forward, by its share of the step
             loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, pc.shape[0] / n)
+        if self._sp is not None:  # every rank of the group holds the whole micro-batch's loss and metrics: each
+            # logs a 1/S share (the loop sums them over the ranks; the loss it back-propagates stays whole)
+            metrics = {k: v / self._sp.size for k, v in {"loss": loss.detach(), **metrics}.items()}
         return loss, metrics
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
@@ -347,6 +389,11 @@ def train_dpo(cfg: DPOConfig) -> dict[str, float]:
     """Run DPO / IPO / cDPO as configured; returns the last logged metrics."""
     model, tokenizer, train, val, device = _load(cfg, "paired")
     algo = cfg.algorithm
+    if cfg.ulysses_sequence_parallel_size > 1 and (cfg.model.router_aux_loss_coef or any(
+            p.chosen.multi_modal is not None for p in (*train, *val))):
+        raise ConfigError(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size} splits text "
+                          "sequences: image pairs and model.router_aux_loss_coef (a router loss over the whole batch) "
+                          "are not split; set it to 1")
     # precomputed reference log-probs, or a loss that reads no reference (simpo / cpo / orpo / sft): no model loaded
     skip = cfg.data.ref_chosen_logps_key is not None or not uses_reference(dpo_loss_names(algo.loss))
     reference = None if skip else build_reference(cfg, model, device)

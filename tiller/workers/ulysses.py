@@ -225,3 +225,10 @@ def ulysses_token_forward(model, ids: torch.Tensor, positions: torch.Tensor, len
         out = model(input_ids=ids[None, lo: lo + n], position_ids=positions[None, lo: lo + n], attention_mask=None,
                     use_cache=False)
     return out.logits[0], [F.pad(x, (0, pad), value=fill)[lo: lo + n] for x in per_token]
+
+
+def gather_tokens(values: torch.Tensor, sp: SeqParallel) -> torch.Tensor:
+    """Per-token values [n, ...] of this rank's slice (`ulysses_token_forward`) -> [S n, ...] of the whole padded
+    sequence in order, on every rank of the group (differentiable: each rank gets its own slice's gradient)."""
+    parts = _Gather.apply(values, sp)
+    return parts.reshape(-1, *values.shape[1:])
