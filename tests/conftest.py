@@ -88,3 +88,22 @@ LONG_MODULES_FIRST = ("tests/test_readme.py", "tests/trainer/test_rl.py", "tests
 def pytest_collection_modifyitems(config, items):
     rank = {path: i for i, path in enumerate(LONG_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+def save_tiny_variant(out_dir, tokenizer_dir, **overrides):
+    """The tiny Qwen2 (hidden 128: 4 attention heads of 32) with config `overrides`, saved with `tokenizer_dir`'s
+    tokenizer to `out_dir`: sequence parallelism over 2 ranks needs heads that split in two."""
+    from transformers import AutoTokenizer
+
+    from tiller.models.tiny import build_model
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    build_model(tok, hidden_size=128, num_layers=2, **overrides).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_even_heads_dir(tmp_path_factory, tiny_model_dir):
+    """`save_tiny_variant` with its defaults: 4 query and 4 key / value heads."""
+    return save_tiny_variant(tmp_path_factory.mktemp("tiny") / "qwen2_kv4", tiny_model_dir)

@@ -211,10 +211,8 @@ def test_dynamic_bsz_two_fsdp_ray_workers_equal_one_process(ray_session, local_r
 
 
 @pytest.fixture(scope="module")
-def even_heads_dir(tmp_path_factory, tiny_model_dir):
-    from tests.distributed.test_ulysses import _save
-
-    return _save(tmp_path_factory, tiny_model_dir, "qwen2_kv4")  # 4 attention heads: 2 per rank
+def even_heads_dir(tiny_even_heads_dir):
+    return tiny_even_heads_dir  # 4 attention heads: 2 per rank
 
 
 def test_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_heads_dir, rl_data):

@@ -84,29 +84,18 @@ def _rank_main(rank: int, port: int, path: str, case: str, out: dict, checkpoint
         context.destroy_distributed()
 
 
-def _save(tmp_path_factory, tiny_model_dir, name, **overrides):
-    from transformers import AutoTokenizer
-
-    from tiller.models.tiny import build_model
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = build_model(tok, hidden_size=128, num_layers=2, **overrides)  # 4 heads of 32
-    out = tmp_path_factory.mktemp("ulysses") / name
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
-def mha_model_dir(tmp_path_factory, tiny_model_dir):
+def mha_model_dir(tiny_even_heads_dir):
     """The tiny Qwen2 with 4 query and 4 key / value heads (2 of each per rank)."""
-    return _save(tmp_path_factory, tiny_model_dir, "qwen2_kv4")
+    return tiny_even_heads_dir
 
 
 @pytest.fixture(scope="module")
 def gqa_model_dir(tmp_path_factory, tiny_model_dir):
     """4 query heads and one key / value head: fewer than the 2 ranks, so it is repeated."""
-    return _save(tmp_path_factory, tiny_model_dir, "qwen2_kv1", num_key_value_heads=1)
+    from tests.conftest import save_tiny_variant
+
+    return save_tiny_variant(tmp_path_factory.mktemp("ulysses") / "qwen2_kv1", tiny_model_dir, num_key_value_heads=1)
 
 
 @pytest.mark.parametrize("case,arch,checkpointing", [("mixed", "mha_model_dir", False),

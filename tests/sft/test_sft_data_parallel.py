@@ -81,23 +81,19 @@ def test_fsdp_checkpoint_resumes_on_the_same_curve(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("packing", ["true", pytest.param("false", marks=pytest.mark.slow)])  # ~25 s each
-def test_sft_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_model_dir, packing):
-    """ulysses_sequence_parallel_size=2 on 2 ranks (FSDP2): one data-parallel replica whose two ranks run half of
-    every micro-batch's tokens (packed rows, or padded ones); the loss curve is the one process's."""
-    from tests.distributed.test_ulysses import _save
-
-    class _Factory:  # _save takes pytest's tmp_path_factory; a stand-in making dirs under tmp_path
-        @staticmethod
-        def mktemp(name):
-            path = tmp_path / name
-            path.mkdir()
-            return path
-
-    model = _save(_Factory, tiny_model_dir, "qwen2_kv4")  # 4 attention heads: 2 per rank
+def test_sft_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir, packing):
+    """ulysses_sequence_parallel_size=2 on 2 ranks (FSDP2, 4 attention heads: 2 per rank): one data-parallel
+    replica whose two ranks run half of every micro-batch's tokens (packed rows, or padded ones)."""
     train = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": r} for p, r in MEMO])
-    extra = (f"data.packing={packing}", "trainer.strategy=fsdp")
-    _run("sft", _base(model, train, tmp_path / "one", *extra), 1, tmp_path)
-    proc = _run("sft", _base(model, train, tmp_path / "sp", *extra, "ulysses_sequence_parallel_size=2"), 2, tmp_path)
+    _one_vs_split("sft", tmp_path, tiny_even_heads_dir, train, f"data.packing={packing}")
+
+
+def _one_vs_split(job: str, tmp_path: Path, model_dir, train: Path, *extra: str) -> None:
+    """`job` in one process and on 2 ranks with ulysses_sequence_parallel_size=2 (FSDP2): the same loss curve."""
+    extra = (*extra, "trainer.strategy=fsdp")
+    _run(job, _base(model_dir, train, tmp_path / "one", *extra), 1, tmp_path)
+    proc = _run(job, _base(model_dir, train, tmp_path / "sp", *extra, "ulysses_sequence_parallel_size=2"), 2,
+                tmp_path)
     assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in proc.stderr
     one, sp = _losses(tmp_path / "one"), _losses(tmp_path / "sp")
     assert len(one) == len(sp) == 3 and one[0] != one[-1]
@@ -105,28 +101,12 @@ def test_sft_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_model_
 
 
 @pytest.mark.parametrize("loss", ["dpo", pytest.param("ipo", marks=pytest.mark.slow)])  # ~25 s each
-def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_model_dir, loss):
+def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir, loss):
     """tiller dpo ulysses_sequence_parallel_size=2 on 2 ranks: the policy's and the reference's forwards split, the
     per-token log-probs gathered; loss curve and reward margins are the one process's."""
-    from tests.distributed.test_ulysses import _save
-
-    class _Factory:
-        @staticmethod
-        def mktemp(name):
-            path = tmp_path / name
-            path.mkdir()
-            return path
-
-    model = _save(_Factory, tiny_model_dir, "qwen2_kv4")
     rows = [{"prompt": p, "chosen": r, "rejected": str(int(r) + 1)} for p, r in MEMO]
     train = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    extra = (f"algorithm.loss={loss}", "algorithm.beta=0.5", "trainer.strategy=fsdp")
-    _run("dpo", _base(model, train, tmp_path / "one", *extra), 1, tmp_path)
-    proc = _run("dpo", _base(model, train, tmp_path / "sp", *extra, "ulysses_sequence_parallel_size=2"), 2, tmp_path)
-    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in proc.stderr
-    one, sp = _losses(tmp_path / "one"), _losses(tmp_path / "sp")
-    assert len(one) == len(sp) == 3 and one[0] != one[-1]
-    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
+    _one_vs_split("dpo", tmp_path, tiny_even_heads_dir, train, f"algorithm.loss={loss}", "algorithm.beta=0.5")
     margins = [[json.loads(line)["train/rewards/margins"] for line in (tmp_path / run / "metrics.jsonl").read_text()
                 .splitlines()] for run in ("one", "sp")]
     assert margins[1] == pytest.approx(margins[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank

@@ -179,23 +179,31 @@ def head_at(model, keep: torch.Tensor, logits_to_keep: bool = True, **inputs) ->
     return model(**inputs).logits[0, keep]
 
 
-def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                            response_mask: torch.Tensor, logits_to_keep: bool = True) -> tuple[torch.Tensor, int]:
-    """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
-    predicts response token j (a value model: V = 1, the value of the state before token j). input_ids,
-    attention_mask [B, P + T]; response_mask [B, T]. logits_to_keep: the model's forward takes it (causal LMs)."""
+def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                     response_mask: torch.Tensor):
+    """An RL micro-batch [B, P + T] trimmed and packed: (flat ids [1, N], position ids [1, N], predictor [B, t] (the
+    packed position predicting response slot j, -1 where none), keep [B, t] (predictor >= 0), row lengths, t)."""
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     t_used = right - prompt_width
     ids, mask = input_ids[:, left : right - 1], attention_mask[:, left : right - 1]
     flat_ids, positions, index = pack_rows(ids, mask)
     # response slot j is predicted at trimmed column (P - left) - 1 + j
     predictor = index[:, prompt_width - left - 1 + torch.arange(t_used, device=ids.device)]  # [B, t]
-    keep = predictor >= 0
     lengths = [n for n in mask.sum(1).tolist() if n > 0]
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(ids.device)
+    return flat_ids, positions, predictor, predictor >= 0, lengths, t_used
+
+
+def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                            response_mask: torch.Tensor, logits_to_keep: bool = True) -> tuple[torch.Tensor, int]:
+    """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
+    predicts response token j (a value model: V = 1, the value of the state before token j). input_ids,
+    attention_mask [B, P + T]; response_mask [B, T]. logits_to_keep: the model's forward takes it (causal LMs)."""
+    flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
+                                                                             response_mask)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(flat_ids.device)
     with attention_switch(model.config, (lengths, cu, max(lengths))):
         logits = head_at(model, predictor[keep], logits_to_keep, input_ids=flat_ids, attention_mask=None,
                          position_ids=positions, use_cache=False)  # [K, V]
-    full = logits.new_zeros((ids.shape[0], t_used, logits.shape[-1]))
+    full = logits.new_zeros((input_ids.shape[0], t_used, logits.shape[-1]))
     full[keep] = logits
     return full, t_used

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 
 from tiller.distributed import context
 from tiller.errors import ConfigError
-from tiller.workers.common import trim_bounds
-from tiller.workers.packed import attention_switch, head_at, pack_rows
+from tiller.workers.packed import attention_switch, head_at, pack_micro_batch
 
 
 @dataclass(frozen=True)
@@ -181,26 +180,22 @@ def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: tor
     response-predicting positions, in packed order; one placeholder row when it has none, and the layout to gather
     per-token results with). input_ids, attention_mask [B, P + T] (the same on every rank of the group).
     A value model (logits_to_keep False): V = 1, its values at those positions."""
-    left, right = trim_bounds(attention_mask, prompt_width, response_mask)
-    t_used = right - prompt_width
-    ids, mask = input_ids[:, left: right - 1], attention_mask[:, left: right - 1]
-    flat_ids, positions, index = pack_rows(ids, mask)
-    predictor = index[:, prompt_width - left - 1 + torch.arange(t_used, device=ids.device)]  # [B, t]
-    keep = predictor >= 0
+    flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
+                                                                             response_mask)
     total = flat_ids.shape[1]
     n = -(-total // sp.size)
     pad = n * sp.size - total
-    lengths = [x for x in mask.sum(1).tolist() if x > 0] + ([pad] if pad else [])  # the padding: a row of its own
+    lengths = lengths + ([pad] if pad else [])  # the padding: a row of its own
     flat_ids = F.pad(flat_ids, (0, pad))
     positions = torch.cat([positions, torch.arange(pad, device=positions.device)[None]], dim=1)
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(ids.device)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(flat_ids.device)
     kept = predictor[keep]  # increasing packed positions
     bounds = torch.searchsorted(kept, torch.arange(sp.size + 1, device=kept.device) * n).tolist()
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
     lo = sp.rank * n
     mine = kept[bounds[sp.rank]: bounds[sp.rank + 1]] - lo
     if not len(mine):  # a slice of prompt tokens only: one placeholder position keeps the LM head in the graph
-        mine = torch.zeros(1, dtype=torch.long, device=ids.device)
+        mine = torch.zeros(1, dtype=torch.long, device=flat_ids.device)
     with attention_switch(model.config, (lengths, cu, max(lengths)), sp):
         out = head_at(model, mine, logits_to_keep, input_ids=flat_ids[:, lo: lo + n], attention_mask=None,
                       position_ids=positions[:, lo: lo + n], use_cache=False)
