@@ -100,7 +100,8 @@ def _one_vs_split(job: str, tmp_path: Path, model_dir, train: Path, *extra: str)
     assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
 
 
-@pytest.mark.parametrize("loss", ["dpo", pytest.param("ipo", marks=pytest.mark.slow)])  # ~25 s each
+@pytest.mark.slow  # ~20 s each: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
+@pytest.mark.parametrize("loss", ["dpo", "ipo"])
 def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir, loss):
     """tiller dpo ulysses_sequence_parallel_size=2 on 2 ranks: the policy's and the reference's forwards split, the
     per-token log-probs gathered; loss curve and reward margins are the one process's."""
