@@ -307,6 +307,14 @@ def test_ulysses_on_ray_workers_is_kept_and_checked(tmp_path, capsys):
     path.write_text(to_yaml(cfg))
     again = load_config([], config_file=path).actor_rollout_ref.actor
     assert (again.ulysses_sequence_parallel_size, again.ppo_max_token_len_per_gpu) == (2, 1000)
+    # a budget below one sequence but not below it x the size is a worker's share of a split micro-batch (verl's)
+    longer = ["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2000", "critic.ppo_max_token_len_per_gpu=2000"]
+    cfg = load_config([*ray, *longer, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                       "data.max_prompt_length=700", "data.max_response_length=800"])
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 1000  # 1000 x 2 >= 1500
+    with pytest.raises(ConfigError, match=r"ppo_max_token_len_per_gpu=1000 x 2 .* is below one sequence"):
+        load_config([*ray, *longer, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                     "data.max_prompt_length=1500", "data.max_response_length=800"])
     with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=3 must divide the 4 workers"):
         load_config([*ray, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"])
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.use_remove_padding=True"):

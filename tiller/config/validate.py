@@ -314,9 +314,17 @@ def _validate_batches(cfg: RLConfig) -> None:
                ("critic.forward_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)]
     if cfg.algorithm.adv_estimator != "gae":  # no critic runs: its budgets are never used (verl 0.10's GRPO scripts)
         budgets = [b for b in budgets if not b[0].startswith("critic.")]
+    # Ulysses splitting sequences for real (several Ray workers): a budget is a worker's share, x the size (as verl)
+    tr = cfg.trainer
+    live = tr.backend == "ray" and tr.nnodes * tr.n_gpus_per_node > 1
+    split = {"actor_rollout_ref.actor": arr.actor.ulysses_sequence_parallel_size if live else 1,
+             "actor_rollout_ref.rollout": arr.actor.ulysses_sequence_parallel_size if live else 1,
+             "critic": critic.ulysses_sequence_parallel_size if live else 1}
     for key, on, budget in budgets:
-        if on and budget < seq:
-            raise ConfigError(f"{key}={budget} is below one sequence (max prompt + response length = {seq} "
+        times = split.get(key.rsplit(".", 1)[0], 1) or 1
+        if on and budget * times < seq:
+            shown = f"{budget} x {times} (its ulysses_sequence_parallel_size)" if times > 1 else f"{budget}"
+            raise ConfigError(f"{key}={shown} is below one sequence (max prompt + response length = {seq} "
                               "tokens): a micro-batch holds at least one whole sequence; raise it")
     for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
