@@ -85,19 +85,20 @@ def test_sft_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_h
     """ulysses_sequence_parallel_size=2 on 2 ranks (FSDP2, 4 attention heads: 2 per rank): one data-parallel
     replica whose two ranks run half of every micro-batch's tokens (packed rows, or padded ones)."""
     train = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": r} for p, r in MEMO])
-    _one_vs_split("sft", tmp_path, tiny_even_heads_dir, train, f"data.packing={packing}")
+    one, sp, stderr = _one_vs_split("sft", tmp_path, tiny_even_heads_dir, train, f"data.packing={packing}")
+    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
+    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
 
 
-def _one_vs_split(job: str, tmp_path: Path, model_dir, train: Path, *extra: str) -> None:
-    """`job` in one process and on 2 ranks with ulysses_sequence_parallel_size=2 (FSDP2): the same loss curve."""
+def _one_vs_split(job: str, tmp_path: Path, model_dir, train: Path, *extra: str):
+    """`job` in one process and on 2 ranks with ulysses_sequence_parallel_size=2 (FSDP2): (the one process's loss
+    curve, the split run's, the split run's stderr)."""
     extra = (*extra, "trainer.strategy=fsdp")
     _run(job, _base(model_dir, train, tmp_path / "one", *extra), 1, tmp_path)
     proc = _run(job, _base(model_dir, train, tmp_path / "sp", *extra, "ulysses_sequence_parallel_size=2"), 2,
                 tmp_path)
-    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in proc.stderr
-    one, sp = _losses(tmp_path / "one"), _losses(tmp_path / "sp")
-    assert len(one) == len(sp) == 3 and one[0] != one[-1]
-    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
+    return _losses(tmp_path / "one"), _losses(tmp_path / "sp"), proc.stderr
 
 
 @pytest.mark.slow  # ~20 s each: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
@@ -107,7 +108,11 @@ def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_h
     per-token log-probs gathered; loss curve and reward margins are the one process's."""
     rows = [{"prompt": p, "chosen": r, "rejected": str(int(r) + 1)} for p, r in MEMO]
     train = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    _one_vs_split("dpo", tmp_path, tiny_even_heads_dir, train, f"algorithm.loss={loss}", "algorithm.beta=0.5")
+    one, sp, stderr = _one_vs_split("dpo", tmp_path, tiny_even_heads_dir, train, f"algorithm.loss={loss}",
+                                    "algorithm.beta=0.5")
+    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
+    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
     margins = [[json.loads(line)["train/rewards/margins"] for line in (tmp_path / run / "metrics.jsonl").read_text()
                 .splitlines()] for run in ("one", "sp")]
     assert margins[1] == pytest.approx(margins[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
