@@ -229,6 +229,18 @@ def test_verl_new_layout_resolves_onto_the_legacy_keys():
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 2 * 16384
     assert "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2" in noop_line(cfg)
     assert cfg.reward.custom_reward_function.path is None  # one canonical config: the legacy keys
+    # verl's engines read fsdp_config's key (critic: verl 0.10's critic.fsdp); 1 there is verl's "no split" default,
+    # so a verl tree's 1 beside the section key's 2 is that 2, not a conflict; two different splits are
+    ray = ["trainer.backend=ray", "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+           "critic.model.use_remove_padding=true"]
+    both = load_config([*ray, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1",
+                        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    assert both.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    critic = load_config([*ray, "algorithm.adv_estimator=gae", "critic.fsdp.ulysses_sequence_parallel_size=2"])
+    assert (critic.critic.ulysses_sequence_parallel_size, critic.critic.fsdp.ulysses_sequence_parallel_size) == (2, None)
+    with pytest.raises(ConfigError, match="critic.fsdp.ulysses_sequence_parallel_size and critic.ulysses_sequence_"):
+        load_config([*ray, "algorithm.adv_estimator=gae", "critic.fsdp.ulysses_sequence_parallel_size=2",
+                     "critic.ulysses_sequence_parallel_size=4"])
     # the same setting in both layouts names both keys
     with pytest.raises(ConfigError, match="reward.custom_reward_function.path and custom_reward_function.path"):
         load_config(["reward.custom_reward_function.path=/a.py", "custom_reward_function.path=/b.py"])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from tiller.config.given import given_keys
@@ -619,6 +619,8 @@ LAYOUT_ALIASES: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size":
         "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",  # (verl 0.10's engine key)
+    "reward_model.model.fsdp_config.ulysses_sequence_parallel_size": "reward_model.ulysses_sequence_parallel_size",
     "reward.sandbox_fusion": "reward_model.sandbox_fusion",
     "sandbox_fusion": "reward_model.sandbox_fusion",  # verl 0.10 migrates it onto reward.sandbox_fusion
 }
@@ -654,8 +656,14 @@ for _new, _old in DISTILLATION_ALIASES.items():
 for _key in ("distillation.enabled", "distillation.enable"):
     RULES[_key] = Rule(HONOURED, "verl's on-policy distillation on: its section resolves onto algorithm.distill.*")
 for _new, _old in LAYOUT_ALIASES.items():
-    RULES.setdefault(_new, Rule(HONOURED, f"verl 0.8+ layout: the same setting as {_old} (resolved onto it at load "
-                                          "time; setting both is an error)"))
+    _rule = Rule(HONOURED, f"verl 0.8+ layout: the same setting as {_old} (resolved onto it at load time; setting "
+                           "both is an error)")
+    if _new.endswith(".ulysses_sequence_parallel_size"):  # the key verl's engines read: its target's state
+        _target = RULES[_old]
+        RULES[_new] = replace(_target, reason=f"verl 0.8+ layout: the same setting as {_old} (resolved onto it at "
+                                              f"load time; a value > 1 on both is an error). {_target.reason[:1].upper()}{_target.reason[1:]}")
+    else:
+        RULES.setdefault(_new, _rule)
 
 
 # values refused on a key that is otherwise honoured: key -> (values, reason, what to use)
@@ -786,7 +794,13 @@ def _resolve_layouts(cfg: RLConfig) -> None:
             continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)
         if new.startswith("actor_rollout_ref.model.lora.") and not lora_on:
             continue  # verl 0.10's tree carries model.lora (Megatron's LoRA, alpha 32) at rank 0: LoRA off says nothing
-        if (_given_under(cfg, old) and get(cfg, old) not in (None, get(cfg, new))) or old in set_by:
+        unset = (None,)
+        if new.endswith(".ulysses_sequence_parallel_size"):  # verl: 1 on either key is "no split" (the section's
+            unset = (None, 1)  # value > 1 is copied onto the engine's), so a verl tree's 1s say nothing
+            if get(cfg, new) == 1:
+                _set(cfg, new, _default(new))
+                continue
+        if (_given_under(cfg, old) and get(cfg, old) not in (*unset, get(cfg, new))) or old in set_by:
             raise ConfigError(f"{new} and {set_by.get(old, old)} are the same setting (verl's newer and older "
                               "layouts): set one of them")
         _set(cfg, old, get(cfg, new))
@@ -1111,7 +1125,7 @@ def key_states() -> list[KeyState]:
         elif rule.state == HONOURED:
             out.append(KeyState(key, HONOURED, rule.reason, readers))
         elif rule.honoured_if is not None:
-            if not readers:
+            if not readers and key not in LAYOUT_ALIASES:  # (an alias is read as its target)
                 problems.append(f"{key}: declared honoured when {rule.condition}, but nothing reads it")
             out.append(KeyState(key, NOOP, f"honoured when {rule.condition}; otherwise a no-op: {rule.reason}",
                                 readers))

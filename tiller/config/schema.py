@@ -216,7 +216,7 @@ class FSDPConfig:
     wrap_policy: dict[str, Any] = field(default_factory=lambda: {"min_num_params": 0})
     """FSDP wrap policy (verl); tiller wraps each decoder layer (open-ended: use +key=value)."""
     ulysses_sequence_parallel_size: Optional[int] = None
-    """verl 0.8+'s place of <section>.ulysses_sequence_parallel_size (the same no-op: whole sequences per worker)."""
+    """verl 0.8+'s place of <section>.ulysses_sequence_parallel_size (the key its engines read): the same setting."""
     strategy: str = "fsdp"
     """verl's engine strategy (fsdp | fsdp2); tiller's workers use FSDP2 under <role>.strategy."""
     dtype: str = "bfloat16"
