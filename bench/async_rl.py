@@ -25,6 +25,10 @@ measurable in a few steps), so only the speed fields and the summary's `speedup_
     python bench/async_rl.py                       # seeds 0-2, 150 steps, sync / s1 / s2
     python bench/async_rl.py --seeds 5 --steps 60 --settings 0 1
     python bench/async_rl.py --workload gsm8k --gsm8k-src ../shared/data/gsm8k --seeds 1 --steps 6 --settings 0 1
+
+`--ray N` runs every setting on Ray with the same N CPUs: the synchronous loop on one worker of N threads (it
+generates, then updates), asynchronous RL on one trainer worker and a rollout pool (`rollout.n_gpus_per_node`)
+of N - 1 workers, one thread each; `s_per_step` compares the two layouts on the same cores.
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ def run_gsm8k_setting(seed: int, staleness: float, args, root: Path) -> dict:
     if not (data_dir / "train.parquet").exists():
         gsm8k.convert(args.gsm8k_src, data_dir, max_rows=4 * (args.steps + 4))
     run_dir = root / f"gsm8k-seed{seed}-s{staleness:g}"
+    layout = ray_layout(args.ray, staleness) if args.ray else []
     cfg = load_config([
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data_dir / 'train.parquet'}]",
         "data.train_batch_size=4", "data.max_prompt_length=512", "data.max_response_length=64", f"data.seed={seed}",
@@ -122,10 +127,19 @@ def run_gsm8k_setting(seed: int, staleness: float, args, root: Path) -> dict:
         f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.overwrite=true", f"trainer.seed={seed}",
         f"trainer.num_threads={args.threads}", f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]",
-        "trainer.progress=false", f"async_training.staleness_threshold={staleness}", *args.overrides,
+        "trainer.progress=false", f"async_training.staleness_threshold={staleness}", *layout, *args.overrides,
     ])
     _, rows, _ = fit(cfg, run_dir)
     return {"seed": seed, "staleness_threshold": staleness, **step_fractions(rows, staleness, skip=1)}
+
+
+def ray_layout(cpus: int, staleness: float) -> list[str]:
+    """`--ray N`: the synchronous loop on one Ray worker of N threads; asynchronous RL on one trainer worker and
+    N - 1 rollout workers of one thread each (the same N CPUs)."""
+    if staleness == 0:
+        return ["trainer.backend=ray", "trainer.n_gpus_per_node=1", f"trainer.cpus_per_worker={cpus}"]
+    return ["trainer.backend=ray", "trainer.n_gpus_per_node=1", "trainer.cpus_per_worker=1", "rollout.nnodes=1",
+            f"rollout.n_gpus_per_node={cpus - 1}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=["demo", "gsm8k"], default="demo",
                         help="demo: the demo task (speed and held-out gain); gsm8k: the 30M model on GSM8K prompts (speed)")
     parser.add_argument("--gsm8k-src", default=None, help="--workload gsm8k: a dir with GSM8K train/test.jsonl")
+    parser.add_argument("--ray", type=int, default=0, metavar="N",
+                        help="--workload gsm8k on Ray with N CPUs (>= 2): sync on 1 worker x N threads, async on 1 "
+                             "trainer + N - 1 rollout workers")
     parser.add_argument("overrides", nargs="*", help="RL config overrides for every run (after --)")
     args = parser.parse_args(argv)
+    if args.ray and (args.workload != "gsm8k" or args.ray < 2):
+        parser.error("--ray N needs --workload gsm8k and N >= 2")
     if args.workload == "gsm8k" and not args.gsm8k_src:
         parser.error("--workload gsm8k needs --gsm8k-src DIR (GSM8K's train/test.jsonl; nothing is downloaded)")
     run = run_gsm8k_setting if args.workload == "gsm8k" else run_setting
@@ -157,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = {}
     for s, runs in results.items():
         line = {"workload": args.workload, "staleness_threshold": s, "seeds": len(runs), "steps": args.steps,
-                "threads": args.threads}
+                "threads": args.threads, "ray": " ".join(ray_layout(args.ray, s)) if args.ray else None}
         for key in ("s_per_step", "gen_busy", "update_busy", "threads_borrowed_frac", "val_acc_before", "val_acc_after",
                     "gain"):
             line[key] = round(statistics.fmean(r[key] for r in runs), 4) if key in runs[0] else None

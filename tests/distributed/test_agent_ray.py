@@ -20,7 +20,7 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("openai")
 
-from tests.distributed.test_rl_ray import assert_same, RAY  # noqa: E402
+from tests.distributed.test_rl_ray import ASYNC_RAY, assert_same, RAY  # noqa: E402
 from tiller.config import load_config  # noqa: E402
 from tiller.tasks import arithmetic  # noqa: E402
 
@@ -163,3 +163,26 @@ def test_agent_rollouts_on_two_ray_workers_equal_one_process(kind, ray_session, 
                                                       for x in local_log)
         # 2 steps x n = 2, and validation's (index 3, sample 0) (its 3 prompts padded to 4 as well)
         assert [x for x in ran if x[0] >= 3] == [(3, 0), (3, 0), (3, 0), (3, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("kind", ["env", "agent"])
+def test_async_agent_rollouts_on_a_ray_rollout_pool_equal_one_process(kind, ray_session, tmp_path, tiny_model_dir,
+                                                                       agent_data):
+    """Asynchronous RL on Ray with agent rollouts: the two rollout workers run the episodes of their chunks (each
+    agent through its own endpoint) and the driver merges them, as the trainer's ranks do synchronously. At
+    staleness_threshold=0.5 (one batch ahead at most: the synchronous schedule) the episodes, segments and the run
+    equal one synchronous process's; every training segment records the version it was sampled with."""
+    local, local_batches, _, local_val = train(make_cfg(tmp_path / "local", tiny_model_dir, agent_data, kind))
+    pool, pool_batches, _, pool_val = train(make_cfg(tmp_path / "ray", tiny_model_dir, agent_data, kind, *ASYNC_RAY,
+                                                     "async_training.staleness_threshold=0.5"))
+    assert local_val and pool_val == local_val  # (validation: the trainer's own worker and engine)
+    assert len(pool_batches) == len(local_batches) >= 3
+    for one, two in zip(local_batches, pool_batches, strict=True):
+        assert two["episode"].tolist() == one["episode"].tolist() and list(two["uid"]) == list(one["uid"])
+        for key in ("input_ids", "attention_mask", "response_mask", "agent_reward"):
+            assert torch.equal(two[key], one[key]), key
+        torch.testing.assert_close(two["rollout_log_probs"], one["rollout_log_probs"], atol=1e-5, rtol=0)
+    versions = [set(b["rollout_token_version"][b["response_mask"].bool()].tolist()) for b in pool_batches[:-1]]
+    step_of = [int(str(b["uid"][0])[1:].split("r")[0].split("-")[0]) for b in pool_batches[:-1]]
+    assert versions == [{step - 1} for step in step_of]  # step s's episodes: the weights after step s - 1
+    assert_same(pool, local, steps=2)

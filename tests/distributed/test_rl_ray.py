@@ -257,3 +257,52 @@ def test_ppo_critic_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_p
     assert saved["local"].keys() == saved["ray"].keys()
     for key, value in saved["local"].items():
         torch.testing.assert_close(saved["ray"][key], value, atol=5e-5, rtol=0)
+
+
+# asynchronous RL on Ray: the trainer's one worker updates, a rollout pool of two workers of their own generates
+ASYNC_RAY = ("trainer.backend=ray", "trainer.nnodes=1", "trainer.n_gpus_per_node=1", "rollout.nnodes=1",
+             "rollout.n_gpus_per_node=2")
+
+
+def test_async_rollout_pool_at_half_a_step_of_staleness_equals_the_synchronous_run(ray_session, local_run, tmp_path,
+                                                                                  tiny_model_dir, rl_data):
+    """staleness_threshold=0.5 lets the producer run one batch ahead at most, so each step's batch is generated
+    with the weights the trainer published after the step before: the synchronous schedule, whatever the timing.
+    Two rollout workers (no process group, seeded by their place in the pool) sample the 2 seeded chunks the
+    one-process run samples, with the weights rank 0 put in the object store after each step: the losses, the
+    norms and the final weights equal the synchronous one-process run's (a pool still on the first weights, or
+    seeded alike on both workers, would sample other responses from step 2 / step 1 on)."""
+    import json
+
+    calls = []
+    ray_run = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *ASYNC_RAY,
+                             "async_training.staleness_threshold=0.5"), calls=calls)
+    assert_same(ray_run, local_run)
+    methods = [m for m, _ in calls]
+    assert "generate_sequences" not in methods and "update_actor" in methods  # the trainer's workers only update
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 0.0, 0.0]
+    assert [r["async/policy_version"] for r in rows] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.slow  # ~30 s; the staleness schedule itself: tests/trainer/test_async_rl.py (fast lane)
+def test_async_rollout_pool_generates_ahead_with_the_weights_it_has(ray_session, tmp_path, tiny_model_dir, rl_data):
+    """staleness_threshold=1 on the pool: step 2's batch is generated while step 1 trains, with the step-0 weights
+    (the update of step 1 waits here until the producer has started that batch, so this does not hang on timing);
+    its samples are one version old, none older, none dropped, and the trainer trains every step."""
+    import json
+    import time
+
+    def hold_step_one(trainer, method):
+        if method == "update_actor" and trainer.global_step == 1:
+            deadline = time.monotonic() + 120
+            while trainer.producer._started_step < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    losses, _ = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *ASYNC_RAY, "trainer.total_training_steps=4",
+                               "async_training.staleness_threshold=1"), on_execute=hold_step_one)
+    assert len(losses) == 4 and all(norm > 0 for _, norm in losses)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["async/policy_version"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert rows[1]["async/staleness_max"] == 1.0 and all(r["async/staleness_max"] <= 1.0 for r in rows)
+    assert all(r["async/dropped_stale"] == 0.0 for r in rows)

@@ -305,8 +305,9 @@ def test_resume_after_an_interrupted_async_agent_run_repeats_and_loses_no_step(t
 @pytest.mark.parametrize("override,expect", [
     ("async_training.staleness_threshold=1 async_training.partial_rollout=true actor_rollout_ref.rollout.name=hf",
      "async_training.partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
-    # synchronous agent runs take trainer.backend=ray (tests/distributed/test_agent_ray.py); async RL does not
-    ("trainer.backend=ray async_training.staleness_threshold=1", "runs the rollout producer in the driver process"),
+    # on Ray the rollout pool takes new weights between batches only (tests/distributed/test_async_ray.py)
+    ("trainer.backend=ray async_training.staleness_threshold=1 async_training.partial_rollout=true",
+     "async_training.partial_rollout=True with trainer.backend=ray"),
 ])
 def test_what_async_agents_still_refuse_names_the_key(tmp_path, tiny_model_dir, env_data, override, expect):
     with pytest.raises(ConfigError, match=expect.replace(".", r"\.")):

@@ -83,6 +83,12 @@ def _several_workers(cfg: RLConfig) -> bool:
     return num_workers(cfg) > 1
 
 
+def _ray_async(cfg: RLConfig) -> bool:
+    """Asynchronous RL (tiller.config.validate.async_enabled) with trainer.backend=ray: the rollout pool runs."""
+    at = cfg.async_training
+    return cfg.trainer.backend == "ray" and (at.staleness_threshold > 0 or at.trigger_parameter_sync_step > 1)
+
+
 def num_workers(cfg: RLConfig) -> int:
     """Data-parallel workers of the actor group: nnodes x n_gpus_per_node with trainer.backend=ray, else 1."""
     tr = cfg.trainer
@@ -379,13 +385,16 @@ RULES.update({
         allowed=(False,)),
     "async_training.use_trainer_do_validate": noop("tiller validates in the trainer (trainer.test_freq)"),
     "async_training.checkpoint_engine": noop(
-        "tiller's rollout producer shares the trainer's process: published weights are handed over in memory (no "
-        "broadcast between GPU pools)"),
+        "tiller hands published weights over in memory (one process) or, to a Ray rollout pool, through Ray's object "
+        "store (rank 0 puts them once, every rollout worker fetches them); no NCCL broadcast between pools"),
     "actor_rollout_ref.checkpoint_engine": noop("verl fully-async's copy of async_training.checkpoint_engine"),
     "rollout": noop(
-        "verl fully-async's separate rollout pool {nnodes, n_gpus_per_node} and the rollouter's own counters {n, "
-        "total_rollout_steps, total_epochs, test_freq}: tiller's producer runs in the trainer's process and follows "
-        "actor_rollout_ref.rollout.n and trainer.total_training_steps / total_epochs / test_freq"),
+        "verl fully-async's separate rollout pool {nnodes, n_gpus_per_node}: with trainer.backend=local the producer "
+        "runs in the trainer's process; the rollouter's own counters {n, total_rollout_steps, total_epochs, "
+        "test_freq} are not read (tiller follows actor_rollout_ref.rollout.n and trainer.total_training_steps / "
+        "total_epochs / test_freq)", _ray_async,
+        "asynchronous RL with trainer.backend=ray: rollout.nnodes x rollout.n_gpus_per_node workers of their own "
+        "generate (verl fully-async's rollouter; tiller.trainer.rl)"),
     "ray_kwargs": noop("tiller starts Ray itself with trainer.backend=ray (trainer.ray_address joins a cluster; Ray "
                        "takes the machine's CPUs)"),
 })

@@ -409,10 +409,17 @@ def _validate_async(cfg: RLConfig) -> None:
     if not async_enabled(cfg):
         return
     rollout = cfg.actor_rollout_ref.rollout.name
-    if cfg.trainer.backend != "local":
-        raise ConfigError(f"{key} (staleness_threshold={s}, trigger_parameter_sync_step="
-                          f"{at.trigger_parameter_sync_step}) runs the rollout producer in the driver process: "
-                          "use trainer.backend=local (separate Ray rollout workers are not built yet)")
+    if cfg.trainer.backend == "ray":  # the rollout pool: workers of its own (tiller.trainer.rl._start_rollout_pool)
+        for field in ("nnodes", "n_gpus_per_node"):
+            value = cfg.rollout.get(field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"rollout.{field} must be a whole number >= 1 (asynchronous RL with "
+                                  f"trainer.backend=ray generates on rollout.nnodes x rollout.n_gpus_per_node rollout "
+                                  f"workers of their own, verl fully-async's pool), got {value!r}")
+        if at.partial_rollout:
+            raise ConfigError(f"{key}.partial_rollout=True with trainer.backend=ray: the rollout pool takes new "
+                              "weights between batches, not between decode steps; set partial_rollout=False, or use "
+                              "trainer.backend=local (one process: new weights between decode steps)")
     if rollout not in ("native", "hf"):
         raise ConfigError(f"{key} needs an in-process engine (actor_rollout_ref.rollout.name=native or hf), got "
                           f"{rollout!r}: the asynchronous vLLM path is not built yet")

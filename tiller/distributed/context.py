@@ -36,6 +36,26 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+_position: tuple[int, int] | None = None  # (rank, size) in a worker group whose ranks share no process group
+
+
+def set_group_position(rank: int, size: int) -> None:
+    """This process is rank `rank` of a group of `size` workers that do not form a process group (a Ray
+    rollout pool: each worker generates on its own): `group_rank` / `group_size` report it."""
+    global _position
+    _position = (int(rank), int(size))
+
+
+def group_rank() -> int:
+    """This worker's place in its worker group, with or without a process group (seeds and numbering)."""
+    return dist.get_rank() if _initialized() else (_position[0] if _position else 0)
+
+
+def group_size() -> int:
+    """The size of this worker's group, with or without a process group."""
+    return dist.get_world_size() if _initialized() else (_position[1] if _position else 1)
+
+
 def rank() -> int:
     """This process's rank in its worker group (0 when not distributed)."""
     return dist.get_rank() if _initialized() else 0

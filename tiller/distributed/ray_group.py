@@ -11,6 +11,11 @@ Start-up: rank 0 reports its node IP and a free port; every rank then joins
 ``worker_cls.__init__`` can already wrap its model with FSDP2. torch in each actor uses
 `cpus_per_worker` threads.
 
+A group made with ``process_group=False`` (asynchronous RL's rollout pool) joins no process group: each rank
+only knows its place (`context.group_rank`), for seeding. `execute_ref` returns rank 0's result as an object
+reference rank 0 stored itself; passed to another group's `execute`, each of its ranks fetches it (the trainer's
+weights to the rollout pool, never through the driver).
+
 Calls: arguments travel through Ray's object store (a `Batch` pickles its tensors as numpy, which Ray
 stores out of band, zero-copy on read). Results are collected with ``ray.wait`` so the first failing
 rank is seen at once even while its peers block in a collective; a dead actor becomes a
@@ -103,9 +108,11 @@ class _WorkerHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, worker_cls: type, init_kwargs: dict, rank: int, world_size: int, master: tuple[str, int],
+    def start(self, worker_cls: type, init_kwargs: dict, rank: int, world_size: int, master: tuple[str, int] | None,
               backend: str, timeout_s: float) -> tuple[int, str]:
-        if world_size > 1:
+        if master is None:  # independent workers (a rollout pool): a place in the group, no process group
+            context.set_group_position(rank, world_size)
+        elif world_size > 1:
             context.init_distributed(rank, world_size, master[0], master[1], backend=backend, timeout_s=timeout_s)
         self.worker = worker_cls(**init_kwargs)
         return os.getpid(), ray.util.get_node_ip_address()
@@ -119,7 +126,14 @@ class _WorkerHost:
         fn = getattr(self.worker, method, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"{type(self.worker).__name__} has no method {method!r}")
+        # an argument passed by reference (`execute_ref`'s result) is fetched here: workers never see Ray objects
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         return fn(*args, **kwargs)
+
+    def execute_put(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """`execute`, the result put in Ray's object store by this process (its reference returned)."""
+        result = self.execute(method, args, kwargs)
+        return ray.put(result) if result is not None else None
 
 
 class RayWorkerGroup:
@@ -128,7 +142,7 @@ class RayWorkerGroup:
     def __init__(self, worker_cls: type, init_kwargs: dict, *, world_size: int, cpus_per_worker: float = 1,
                  gpus_per_worker: float = 0, name: str = "actor", ray_address: str | None = None,
                  colocate_with: RayWorkerGroup | None = None, collective_timeout_s: float = 600.0,
-                 placement_timeout_s: float = 300.0):
+                 placement_timeout_s: float = 300.0, process_group: bool = True):
         self.name, self.world_size = name, world_size
         self._actors: list = []
         self._pool: ResourcePool | None = None
@@ -156,7 +170,7 @@ class RayWorkerGroup:
             self._actors.append(host_cls.options(**options).remote(threads))
         self._where = [f"rank {r}" for r in range(world_size)]
         try:
-            master = ray.get(self._actors[0].address.remote())
+            master = ray.get(self._actors[0].address.remote()) if process_group else None
             backend = "nccl" if pool.gpus else "gloo"
             refs = [a.start.remote(worker_cls, init_kwargs, r, world_size, master, backend, collective_timeout_s)
                     for r, a in enumerate(self._actors)]
@@ -189,6 +203,17 @@ class RayWorkerGroup:
         refs = [a.execute.remote(method, args_ref, kw) for a in self._actors]
         results = self._gather(refs, list(range(self.world_size)), method)
         return results if dispatch == "all" else results[0]
+
+    def execute_ref(self, method: str, *args, **kwargs) -> Any:
+        """Run `method` on every rank (a collective may be inside) and return rank 0's result as a Ray object
+        reference, stored by rank 0 itself: it never passes through this process. Hand it to another group's
+        `execute` and each of its ranks fetches it from the object store (a weight broadcast between pools)."""
+        if not self._actors:
+            raise WorkerError(f"worker group {self.name!r} is shut down (after an earlier failure?); "
+                              f"cannot call {method!r}", group=self.name, rank=-1, method=method)
+        args_ref, kw = ray.put(args), ray.put(kwargs)
+        refs = [a.execute_put.remote(method, args_ref, kw) for a in self._actors]
+        return self._gather(refs, list(range(self.world_size)), method)[0]
 
     def _gather(self, refs: list, ranks: list[int], method: str) -> list:
         """ray.get every ref; on the first failure, name the rank that caused it (a death first)."""

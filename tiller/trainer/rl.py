@@ -20,7 +20,8 @@ reward and filter_groups phases run ahead in a producer thread (`tiller.trainer.
 copy of the weights; `train_step` takes its batch from the producer's queue (stale samples dropped) and the
 sync_weights phase publishes the weights to it. The behaviour (old) logprobs are then the rollout's own, unless
 a decoupled rollout correction asks for recomputed ones (AReaL's decoupled PPO). staleness_threshold=0 with
-trigger 1 is the synchronous loop itself.
+trigger 1 is the synchronous loop itself. With trainer.backend=ray the producer's generation runs on a rollout
+pool of its own (`_start_rollout_pool`, verl fully-async's rollouter): the copy of the weights lives there.
 
 Rollout-vs-actor mismatch (`training/rollout_probs_diff_{mean,max,std}`,
 `training/rollout_actor_probs_pearson_corr`, verl's names) is logged every step for every engine: from
@@ -234,7 +235,7 @@ class RLTrainer:
         self._last_entropy = float("inf")
         self.reward_fn = self._build_reward_fn()
         self._start_workers()
-        if self.async_on:
+        if self.async_on and self.rollouter is None:  # (in one process: a second engine in the actor's worker)
             self.actor.execute("start_producer_engine")
         # prompts are sampled in this many equal chunks, each with its own seed (ActorRolloutRefWorker):
         # one per rank by default; set it to N to reproduce an N-rank run's samples in one process
@@ -289,6 +290,25 @@ class RLTrainer:
             self.critic = create_worker_group(CriticWorker, dict(config=self.cfg, total_training_steps=self.total_steps),
                                               name="critic", colocate_with=self.actor if tr.backend == "ray" else None,
                                               **opts)
+        self.rollouter = None  # asynchronous RL on Ray: the rollout pool (`_start_rollout_pool`)
+        if self.async_on and tr.backend == "ray":
+            self.rollouter = self._start_rollout_pool(agent_app)
+
+    def _start_rollout_pool(self, agent_app):
+        """Asynchronous RL on Ray (verl fully-async's standalone rollout): rollout.nnodes x rollout.n_gpus_per_node
+        workers of their own (ActorRolloutRefWorker role "rollout": the engine, no optimizer, no process group)
+        generate while the trainer's workers update; each weight sync the trainer's rank 0 puts its full weights
+        in Ray's object store once and every rollout worker loads them from there (`_producer_weights`)."""
+        tr, pool = self.cfg.trainer, self.cfg.rollout
+        size = int(pool["nnodes"]) * int(pool["n_gpus_per_node"])
+        self.pool_seed_chunks = size  # the pool's samples as `size` seeded chunks (a one-process run can match them)
+        print(f"tiller: asynchronous RL on Ray: {self.world_size} trainer worker(s) (trainer.nnodes x "
+              f"trainer.n_gpus_per_node) and {size} rollout worker(s) of their own (rollout.nnodes x "
+              "rollout.n_gpus_per_node)", file=sys.stderr)
+        kwargs = dict(config=self.cfg, total_training_steps=self.total_steps, agent_app=agent_app, role="rollout")
+        return create_worker_group(ActorRolloutRefWorker, kwargs, name="rollout", backend="ray", world_size=size,
+                                   cpus_per_worker=tr.cpus_per_worker, gpus_per_worker=1 if tr.device == "cuda" else 0,
+                                   ray_address=tr.ray_address, process_group=False)
 
     def _open_tracker(self):
         tr = self.cfg.trainer
@@ -472,12 +492,18 @@ class RLTrainer:
         threads = tr.num_threads or (max(1, torch.get_num_threads() // 2) if cpu else torch.get_num_threads())
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        if self.rollouter is not None:  # every rollout worker fetches the published weights from the object store
+            def load(ref):
+                self.rollouter.execute("load_rollout_weights", ref)
+        else:
+            def load(state):
+                self.actor.execute("load_producer_weights", state)
         self.producer = RolloutProducer(
-            produce=self._produce, load_weights=lambda state: self.actor.execute("load_producer_weights", state),
+            produce=self._produce, load_weights=load,
             first_step=self.global_step + 1, last_step=self.total_steps,
             staleness_threshold=at.staleness_threshold, trigger=at.trigger_parameter_sync_step,
             partial_rollout=at.partial_rollout, num_threads=threads)
-        if at.share_idle_threads and cpu:
+        if at.share_idle_threads and cpu and self.rollouter is None:  # (one process: the two threads share cores)
             self._thread_sharing = ThreadSharing(self.producer, own=threads, lent=threads)
             self.actor.execute("set_thread_poll", self._thread_sharing)
             # one-thread sides: the updates run a lane on the producer's thread (three single-threaded workers
@@ -486,7 +512,7 @@ class RLTrainer:
                 if group is not None:
                     group.execute("set_lent_lanes", 1, threads)
         self.producer.publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step),
-                              self.actor.execute("producer_weights"))
+                              self._producer_weights())
         self.producer.start()
 
     def _produce(self, step: int, weights_hook) -> tuple[Batch, dict, dict]:
@@ -499,7 +525,26 @@ class RLTrainer:
         """async: after every trigger_parameter_sync_step steps, the actor's weights go to the producer."""
         trigger = self.cfg.async_training.trigger_parameter_sync_step
         if self.producer is not None and self.global_step % trigger == 0:
-            self.producer.publish(trainer_version(self.global_step + 1, trigger), self.actor.execute("producer_weights"))
+            self.producer.publish(trainer_version(self.global_step + 1, trigger), self._producer_weights())
+
+    def _producer_weights(self):
+        """The actor's weights as the producer loads them: a snapshot in this process, or (rollout pool) a
+        reference to rank 0's copy in Ray's object store."""
+        if self.rollouter is not None:
+            return self.actor.execute_ref("publish_rollout_weights")
+        return self.actor.execute("producer_weights")
+
+    def _generation_group(self, prompts: Batch) -> tuple[object, Batch]:
+        """The worker group that samples `prompts` and the prompts it gets: the actor's, or (asynchronous RL on Ray,
+        the producer's prompts) the rollout pool's, told the version it holds (the producer's weights hook loads
+        newer published weights first, or stops it) and seeded in the pool's chunks."""
+        if self.rollouter is None or prompts.meta.get("engine") != "producer":
+            return self.actor, prompts
+        hook = prompts.meta.get("weights_hook")
+        meta = {k: v for k, v in prompts.meta.items() if k not in ("engine", "weights_hook")}
+        meta["policy_version"] = int(hook()) if hook is not None else 0
+        meta["seed_chunks"] = self.pool_seed_chunks
+        return self.rollouter, Batch(fields=dict(prompts.fields), meta=meta)
 
     def _sampler_state_now(self) -> dict:
         """The prompt sampler's state as of the current step (async: the producer has drawn ahead)."""
@@ -559,9 +604,10 @@ class RLTrainer:
         """The actor group's samples of `prompts` (prompt chunks over the ranks, dispatch dp). Agent rollouts: each
         rank runs its chunk's episodes and the driver merges the ranks' segment batches (episode ids offset, widths
         padded: `tiller.trainer.episode_merge`), so everything after sees one batch, as with one process."""
+        group, prompts = self._generation_group(prompts)
         if not self.agent:
-            return self.actor.execute("generate_sequences", prompts, dispatch="dp")
-        parts = self.actor.execute("generate_sequences", prompts, dispatch="dp_parts")
+            return group.execute("generate_sequences", prompts, dispatch="dp")
+        parts = group.execute("generate_sequences", prompts, dispatch="dp_parts")
         return merge_episode_parts(parts, len(prompts), int(prompts.meta["sampling"]["n"]),
                                    self.tokenizer.pad_token_id)
 
@@ -647,7 +693,8 @@ class RLTrainer:
         """ReMax's b(x): the score of the greedy response to each prompt, repeated n times -> [B]."""
         greedy = Batch(fields=dict(prompts.fields), meta=dict(prompts.meta))
         greedy.meta["sampling"] = {**prompts.meta["sampling"], "n": 1, "do_sample": False}
-        out = self.actor.execute("generate_sequences", greedy, dispatch="dp")
+        group, greedy = self._generation_group(greedy)
+        out = group.execute("generate_sequences", greedy, dispatch="dp")
         scores, _, _ = self._score(out)
         return torch.as_tensor(scores, dtype=torch.float32).repeat_interleave(self.n)
 
@@ -1114,11 +1161,13 @@ class RLTrainer:
             return
         self._shut_down = True
         release_run_dir(self.run_dir)
-        try:
-            self.actor.execute("close_rollout", dispatch="all")  # stops vLLM's engine processes now
-        except WorkerError:  # a dead worker group has nothing left to close
-            pass
-        for group in (self.actor, self.critic):
+        for group in (self.actor, getattr(self, "rollouter", None)):
+            try:
+                if group is not None:
+                    group.execute("close_rollout", dispatch="all")  # stops vLLM's engine processes now
+            except WorkerError:  # a dead worker group has nothing left to close
+                pass
+        for group in (self.actor, self.critic, getattr(self, "rollouter", None)):
             if group is not None:
                 group.shutdown()
 

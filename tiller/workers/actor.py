@@ -106,6 +106,10 @@ def _version_tensor(per_row: list[list[int]], T: int) -> torch.Tensor:
     return versions
 
 
+ROLES = ("actor_rollout_ref", "rollout")
+"""ActorRolloutRefWorker roles: the hybrid worker (actor, rollout, reference), or a rollout pool's worker."""
+
+
 class ActorRolloutRefWorker:
     """Actor + rollout + reference in one process (see module docstring).
 
@@ -119,7 +123,11 @@ class ActorRolloutRefWorker:
             tokenizer, prompt_ids, sampling, ...)` -> `AgentRolloutOutput`; TRL's `tiller.trl.tool_loop`).
     """
 
-    def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None, tool_loop=None):
+    def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None, tool_loop=None,
+                 role: str = "actor_rollout_ref"):
+        if role not in ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role must be one of {ROLES}, got {role!r}")
+        self.role = role
         self.agent_app = agent_app
         self._endpoints: dict[str, AgentEndpoint] = {}  # agent rollouts: the OpenAI endpoint of each engine
         self._mismatch_parts = None
@@ -150,6 +158,9 @@ class ActorRolloutRefWorker:
         module = attach_lora(module, arr.model, "actor_rollout_ref.model", allow_dropout=False)
         # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
         self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" else None
+        if role == "rollout":
+            self._init_rollout_only(module)
+            return
         self.ref_module = None
         if need_ref and not self.lora:
             self.ref_module = copy.deepcopy(module).requires_grad_(False).eval()
@@ -204,6 +215,23 @@ class ActorRolloutRefWorker:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim, "actor_rollout_ref.actor.optim")
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
+        self.rollout = self._build_rollout()
+        if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
+            raise ConfigError(f"actor_rollout_ref.rollout.name={self.rollout_cfg.name}: this engine takes text prompts "
+                              "only, and a vision-language model's prompts carry images; use rollout.name=native or hf")
+
+    def _init_rollout_only(self, module) -> None:
+        """role="rollout": a worker of asynchronous RL's rollout pool (verl's standalone rollout): the model, its
+        engine, no optimizer, reference or teacher; its weights come from the trainer (`load_rollout_weights`)."""
+        self.ref_module, self._ref_sync, self.teachers, self.prm = None, None, [], None
+        self.vision = is_vision_model(module)
+        self.module = module.requires_grad_(False).eval()
+        self.model = module
+        self.rollout_module = module.get_base_model() if self.lora else module
+        self._rollout_is_copy = False
+        self._remove_padding, self._sp, self.sp_size = False, None, 1
+        self._thread_poll, self._poll_hooks = None, []
+        self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False
         self.rollout = self._build_rollout()
         if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
             raise ConfigError(f"actor_rollout_ref.rollout.name={self.rollout_cfg.name}: this engine takes text prompts "
@@ -315,6 +343,22 @@ class ActorRolloutRefWorker:
         """Install a snapshot from `producer_weights` in the producer's engine (its own copy)."""
         self._producer_engine.update_weights(state)
 
+    # ------------------------------------------------------------- asynchronous RL on Ray: the rollout pool
+    def publish_rollout_weights(self) -> dict[str, torch.Tensor] | None:
+        """The actor's full weights for a rollout pool (`load_rollout_weights`), keys as the unwrapped module's,
+        on rank 0 (None on the others). Every rank calls it: under FSDP2 it gathers (unless the rollout copy,
+        gathered by `sync_rollout_weights` just before, already holds them)."""
+        if self._rollout_is_copy and self.rollout_cfg.name != "vllm":  # (vllm's sync leaves the copy as it was)
+            state = self.rollout_module.state_dict()
+        else:
+            state = dist_ctx.full_state_dict(self.model)
+        return {k: v.detach().cpu() for k, v in state.items()} if dist_ctx.rank() == 0 else None
+
+    def load_rollout_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """role="rollout": install weights the trainer published (`publish_rollout_weights`) in this engine."""
+        self.module.load_state_dict(state)
+        self.sync_rollout_weights()
+
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample `n` responses per prompt.
 
@@ -404,6 +448,8 @@ class ActorRolloutRefWorker:
             if getattr(engine, "num_threads", 0) is None:  # native: its batcher threads take the producer's count
                 engine.num_threads = torch.get_num_threads()
             return engine, "producer", int(hook()), hook if self.rollout_cfg.name == "native" else None
+        if "policy_version" in prompts.meta:  # a rollout pool's worker (asynchronous RL on Ray): the version it holds
+            return self.rollout, "producer", int(prompts.meta["policy_version"]), None
         return self.rollout, "rollout", int(prompts.meta.get("global_step", 0)), None
 
     def _run_episodes(self, prompts: Batch, samples: list[dict], sampling, P: int, T: int) -> tuple[list, str]:
@@ -450,7 +496,7 @@ class ActorRolloutRefWorker:
         # several ranks (dispatch dp_parts: equal chunks, rank r's from prompt r x chunk): each sample keeps its
         # index in the step, and an environment episode its seed, as in one process (a step's episodes do not
         # depend on the world size; `tiller.trainer.episode_merge` offsets the episode ids alike)
-        first = dist_ctx.rank() * len(prompts)
+        first = dist_ctx.group_rank() * len(prompts)
         if first and sampling.seed is not None:
             sampling = replace(sampling, seed=int(sampling.seed) + 7919 * first * sampling.n)
         samples = []
@@ -517,8 +563,9 @@ class ActorRolloutRefWorker:
         chunk c seeded `seed + 7919 c`: the samples then do not depend on how chunks map to ranks, so a
         run on N ranks can be reproduced in one process with seed_chunks=N."""
         ids = [list(p) for p in prompts["prompt_ids"]]
-        chunks = int(prompts.meta.get("seed_chunks") or dist_ctx.world_size())
-        per_rank, rest = divmod(chunks, dist_ctx.world_size())
+        rank, size = dist_ctx.group_rank(), dist_ctx.group_size()  # (a Ray rollout pool: no process group)
+        chunks = int(prompts.meta.get("seed_chunks") or size)
+        per_rank, rest = divmod(chunks, size)
         engine, hook = self.rollout, {}
         if prompts.meta.get("engine") == "producer":  # asynchronous RL: the producer's own copy
             engine = self._producer_engine
@@ -541,11 +588,11 @@ class ActorRolloutRefWorker:
                                   "(meta seed_chunks > world size is for text prompts)")
         if sampling.seed is None or per_rank <= 1 or rest or len(ids) % per_rank:
             if sampling.seed is not None:
-                sampling.seed = int(sampling.seed) + 7919 * dist_ctx.rank() * max(per_rank, 1)
+                sampling.seed = int(sampling.seed) + 7919 * rank * max(per_rank, 1)
             return engine.generate(ids, sampling, **hook, **prompt_options)
         size, out = len(ids) // per_rank, None
         for j in range(per_rank):
-            seed = int(sampling.seed) + 7919 * (dist_ctx.rank() * per_rank + j)
+            seed = int(sampling.seed) + 7919 * (rank * per_rank + j)
             part = engine.generate(ids[j * size:(j + 1) * size], replace(sampling, seed=seed), **hook,
                                    **{k: v[j * size:(j + 1) * size] for k, v in prompt_options.items()})
             out = out if out is not None else type(part)()  # (tool conversations: AgentRolloutOutput, all fields)
