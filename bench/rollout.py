@@ -164,7 +164,7 @@ def cuda_rates(size: int = 8192, dtype=torch.bfloat16) -> tuple[float, float]:
 
     flops = 2 * size**3 / timed(lambda: a @ b)
     copy = 2 * src.numel() / timed(lambda: dst.copy_(src))
-    del a, b, src, dst
+    a = b = src = dst = None  # (freed before empty_cache)
     torch.cuda.empty_cache()
     return flops, copy
 

@@ -289,7 +289,7 @@ def test_async_rollout_pool_at_half_a_step_of_staleness_equals_the_synchronous_r
 def test_async_rollout_pool_generates_ahead_with_the_weights_it_has(ray_session, tmp_path, tiny_model_dir, rl_data):
     """staleness_threshold=1 on the pool: step 2's batch is generated while step 1 trains, with the step-0 weights
     (the update of step 1 waits here until the producer has started that batch, so this does not hang on timing);
-    its samples are one version old, none older, none dropped, and the trainer trains every step."""
+    its samples are one version old, none older, none dropped, and the trainer trains every step and validates."""
     import json
     import time
 
@@ -300,9 +300,12 @@ def test_async_rollout_pool_generates_ahead_with_the_weights_it_has(ray_session,
                 time.sleep(0.01)
 
     losses, _ = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *ASYNC_RAY, "trainer.total_training_steps=4",
-                               "async_training.staleness_threshold=1"), on_execute=hold_step_one)
+                               "async_training.staleness_threshold=1", f"data.val_files=[{rl_data / 'test.parquet'}]",
+                               "trainer.test_freq=2"), on_execute=hold_step_one)
     assert len(losses) == 4 and all(norm > 0 for _, norm in losses)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # validation (steps 2 and 4) on the trainer's worker, whose engine starts then
+    assert [r["step"] for r in rows if "val-core/tiller/arithmetic/acc/mean@1" in r] == [2, 4]
     assert [r["async/policy_version"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
     assert rows[1]["async/staleness_max"] == 1.0 and all(r["async/staleness_max"] <= 1.0 for r in rows)
     assert all(r["async/dropped_stale"] == 0.0 for r in rows)

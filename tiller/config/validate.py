@@ -420,9 +420,10 @@ def _validate_async(cfg: RLConfig) -> None:
             raise ConfigError(f"{key}.partial_rollout=True with trainer.backend=ray: the rollout pool takes new "
                               "weights between batches, not between decode steps; set partial_rollout=False, or use "
                               "trainer.backend=local (one process: new weights between decode steps)")
-    if rollout not in ("native", "hf"):
-        raise ConfigError(f"{key} needs an in-process engine (actor_rollout_ref.rollout.name=native or hf), got "
-                          f"{rollout!r}: the asynchronous vLLM path is not built yet")
+    if rollout not in ("native", "hf") and not (rollout == "vllm" and cfg.trainer.backend == "ray"):
+        raise ConfigError(f"{key} in one process needs an in-process engine (actor_rollout_ref.rollout.name=native "
+                          f"or hf), got {rollout!r}: vLLM generates asynchronously in a Ray rollout pool "
+                          "(trainer.backend=ray, rollout.n_gpus_per_node), not beside the trainer in one process")
     if at.partial_rollout and rollout != "native":
         raise ConfigError(f"{key}.partial_rollout=True needs actor_rollout_ref.rollout.name=native (the engine "
                           f"that can take new weights between decode steps), got {rollout!r}")

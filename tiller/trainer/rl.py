@@ -280,9 +280,10 @@ class RLTrainer:
         if self.cfg.actor_rollout_ref.rollout.agent.path:
             # import cost: fastapi and the OpenAI server, only for agent rollouts
             from tiller.serve.app import agent_app
+        pool = self.async_on and tr.backend == "ray"  # asynchronous RL on Ray: a rollout pool generates
         self.actor = create_worker_group(
             ActorRolloutRefWorker, dict(config=self.cfg, total_training_steps=self.total_steps,
-                                        need_ref=self.need_ref, agent_app=agent_app,
+                                        need_ref=self.need_ref, agent_app=agent_app, lazy_rollout=pool,
                                         **({"tool_loop": self.given_tool_loop} if self.given_tool_loop else {})),
             name="actor_rollout_ref", **opts)
         self.critic = None
@@ -291,7 +292,7 @@ class RLTrainer:
                                               name="critic", colocate_with=self.actor if tr.backend == "ray" else None,
                                               **opts)
         self.rollouter = None  # asynchronous RL on Ray: the rollout pool (`_start_rollout_pool`)
-        if self.async_on and tr.backend == "ray":
+        if pool:  # (the trainer's own engines start at the first validation, if any)
             self.rollouter = self._start_rollout_pool(agent_app)
 
     def _start_rollout_pool(self, agent_app):

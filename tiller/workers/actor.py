@@ -124,10 +124,11 @@ class ActorRolloutRefWorker:
     """
 
     def __init__(self, config, total_training_steps: int, need_ref: bool = False, agent_app=None, tool_loop=None,
-                 role: str = "actor_rollout_ref"):
+                 role: str = "actor_rollout_ref", lazy_rollout: bool = False):
         if role not in ROLES:
             raise ValueError(f"ActorRolloutRefWorker role must be one of {ROLES}, got {role!r}")
         self.role = role
+        self._rollout = None  # the engine (`rollout`); lazy_rollout: built on first use (a Ray rollout pool generates)
         self.agent_app = agent_app
         self._endpoints: dict[str, AgentEndpoint] = {}  # agent rollouts: the OpenAI endpoint of each engine
         self._mismatch_parts = None
@@ -215,10 +216,8 @@ class ActorRolloutRefWorker:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim, "actor_rollout_ref.actor.optim")
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
-        self.rollout = self._build_rollout()
-        if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
-            raise ConfigError(f"actor_rollout_ref.rollout.name={self.rollout_cfg.name}: this engine takes text prompts "
-                              "only, and a vision-language model's prompts carry images; use rollout.name=native or hf")
+        if not lazy_rollout:
+            self._rollout = self._checked_rollout()
 
     def _init_rollout_only(self, module) -> None:
         """role="rollout": a worker of asynchronous RL's rollout pool (verl's standalone rollout): the model, its
@@ -232,10 +231,29 @@ class ActorRolloutRefWorker:
         self._remove_padding, self._sp, self.sp_size = False, None, 1
         self._thread_poll, self._poll_hooks = None, []
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False
-        self.rollout = self._build_rollout()
-        if self.vision and "multi_modal" not in inspect.signature(self.rollout.generate).parameters:
+        self._rollout = self._checked_rollout()
+
+    def _checked_rollout(self):
+        engine = self._build_rollout()
+        if self.vision and "multi_modal" not in inspect.signature(engine.generate).parameters:
             raise ConfigError(f"actor_rollout_ref.rollout.name={self.rollout_cfg.name}: this engine takes text prompts "
                               "only, and a vision-language model's prompts carry images; use rollout.name=native or hf")
+        return engine
+
+    @property
+    def rollout(self):
+        """The rollout engine; with lazy_rollout (asynchronous RL on Ray: the trainer's workers, whose samples come
+        from the rollout pool) it starts at its first use (validation), vLLM then given the actor's weights (every
+        rank generates then: the gather under FSDP2 is a collective they all join)."""
+        if self._rollout is None:
+            self._rollout = self._checked_rollout()
+            if self.rollout_cfg.name == "vllm":  # (vLLM loaded model.path)
+                self.sync_rollout_weights()
+        return self._rollout
+
+    @rollout.setter
+    def rollout(self, engine) -> None:  # (tests put scripted engines in its place)
+        self._rollout = engine
 
     def parallel_layout(self) -> dict[str, int]:
         """This rank's place: `rank`, `world`, `sp` (sequence-parallel group size), `sp_rank` (place in it)."""
@@ -603,7 +621,12 @@ class ActorRolloutRefWorker:
     def sync_rollout_weights(self) -> None:
         """Push the actor's current weights to the rollout engine (a no-op for a shared fp32 module;
         under FSDP2 the gathered full weights go into the rollout's unsharded copy, on every rank; vllm
-        gets the full state dict, LoRA adapters merged, through `load_weights`, woken first if asleep)."""
+        gets the full state dict, LoRA adapters merged, through `load_weights`, woken first if asleep). An engine
+        not started yet (lazy_rollout) takes them when it starts; the unsharded copy is refreshed all the same."""
+        if self._rollout is None:
+            if self._rollout_is_copy and self.rollout_cfg.name != "vllm":
+                self.rollout_module.load_state_dict(dist_ctx.full_state_dict(self.model))
+            return
         if self.rollout_cfg.name == "vllm":
             state = dist_ctx.full_state_dict(self.module)  # collective under FSDP2
             if self.lora:
@@ -618,7 +641,7 @@ class ActorRolloutRefWorker:
     def close_rollout(self) -> None:
         """Stop the rollout engine's own processes (vLLM's EngineCore) and the agent endpoint, if any."""
         self.shutdown_endpoint()
-        close = getattr(self.rollout, "close", None)
+        close = getattr(self._rollout, "close", None)
         if close is not None:
             close()
 
@@ -1046,16 +1069,16 @@ class ActorRolloutRefWorker:
         dist_ctx.load_full_state_dict(self.model, self.rollout_module.state_dict())
         if self.rollout_cfg.name == "vllm":
             self.sync_rollout_weights()
-        else:
-            self.rollout.update_weights()
+        elif self._rollout is not None:
+            self._rollout.update_weights()
         return self._restore_ref_sync(state)
 
     def _refresh_copy(self, state: dict[str, torch.Tensor]) -> None:
         """Load full weights into the unsharded copy (through the in-process engine, which shares it)."""
-        if self.rollout_cfg.name == "vllm":
+        if self.rollout_cfg.name == "vllm" or self._rollout is None:
             self.rollout_module.load_state_dict(state)
         else:
-            self.rollout.update_weights(state)
+            self._rollout.update_weights(state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered) actor weights on the CPU (for tests and export)."""
