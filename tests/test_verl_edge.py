@@ -25,7 +25,7 @@ def test_every_key_has_a_reader_or_a_declared_state():
     by_state = {s: [k.key for k in states if k.state == s] for s in (HONOURED, NOOP, REFUSED)}
     assert sum(map(len, by_state.values())) == len(states)
     assert "actor_rollout_ref.actor.fsdp_config.param_offload" in by_state[NOOP]
-    assert "actor_rollout_ref.hybrid_engine" in by_state[REFUSED]
+    assert "transfer_queue.enable" in by_state[REFUSED]
     assert "actor_rollout_ref.actor.use_dynamic_bsz" in by_state[HONOURED]
 
 
@@ -61,7 +61,10 @@ def test_noop_keys_are_the_ones_the_user_set(capsys):
 
 
 def test_refused_values_say_why_and_what_to_use():
-    with pytest.raises(ConfigError, match=r"hybrid_engine=False is refused: .*one worker.*Instead: leave it True"):
+    with pytest.raises(ConfigError, match=r"data_parallel_size=2 is refused: .*one engine per actor worker.*Instead: 1"):
+        load_config(["actor_rollout_ref.rollout.data_parallel_size=2"])
+    # verl's split layout is asynchronous RL on Ray's rollout pool (tests/test_verl_examples.py), refused without it
+    with pytest.raises(ConfigError, match=r"hybrid_engine=False \(verl's split layout.*trainer.backend=ray"):
         load_config(["actor_rollout_ref.hybrid_engine=False"])
     with pytest.raises(ConfigError, match=r"multi_turn.format='gpt_oss': one of hermes, qwen3_coder, glm, seed"):
         load_config(["actor_rollout_ref.rollout.multi_turn.format=gpt_oss"])

@@ -40,8 +40,9 @@ EXPECTED = {
     "run_with_rollout_corr.json": "algorithm.adv_estimator=rloo compares the samples of one prompt",
     "run_with_rollout_corr_multi_rs.json": "algorithm.adv_estimator=grpo compares the samples of one prompt",
     "run_qwen2_5-7b.json": None,  # optimal token baseline
-    # verl's fully-async recipe: separate rollout GPUs (hybrid_engine=False) are refused by name
-    "dapo_7b_math_fsdp2_4_4.json": "actor_rollout_ref.hybrid_engine=False is refused",
+    # verl's fully-async recipe: separate rollout GPUs (hybrid_engine=False) are tiller's asynchronous RL on Ray; its
+    # command line (no trainer.backend: tiller's key) is told so (test_fully_async_layout_resolves adds it)
+    "dapo_7b_math_fsdp2_4_4.json": "actor_rollout_ref.hybrid_engine=False (verl's split layout",
     "test_dapo_7b_math.json": None,  # DAPO-style (gmpo example)
     "recipe_test_dapo_7b_math.json": None,  # DAPO recipe
     "recipe_test_dapo_7b_math_lora.json": None,
@@ -266,16 +267,21 @@ def test_config_show_output_loads_back(tmp_path):
 
 
 def test_fully_async_layout_resolves():
-    """verl fully-async's keys: train_batch_size=0 + require_batches = a step of require_batches mini-batches; its
-    rollout pool (top-level rollout.*) and checkpoint engine are declared no-ops; the engine is refused by issue 21's
-    rule (vllm async not built), so here the in-process native engine."""
+    """verl fully-async's script on Ray (`trainer.backend=ray`, tiller's key, added): train_batch_size=0 +
+    require_batches = a step of require_batches mini-batches; hybrid_engine=False and the top-level rollout pool
+    (rollout.nnodes x n_gpus_per_node) are tiller's rollout pool; partial rollouts take the native engine (vLLM
+    cannot take weights between decode steps), so here rollout.name=native. Without Ray the pool keys are no-ops
+    and hybrid_engine=False is refused (test_verl_examples' table above)."""
     case = json.loads((DATA / "dapo_7b_math_fsdp2_4_4.json").read_text())
-    items = [o for o in case["overrides"] if "hybrid_engine" not in o and not o.startswith("actor_rollout_ref.rollout.name")]
-    cfg = load_config(items + ["actor_rollout_ref.rollout.name=native"])
+    items = [o for o in case["overrides"] if not o.startswith("actor_rollout_ref.rollout.name")]
+    with pytest.raises(ConfigError, match="partial_rollout=True needs actor_rollout_ref.rollout.name=native"):
+        load_config(case["overrides"] + ["trainer.backend=ray"])
+    cfg = load_config(items + ["actor_rollout_ref.rollout.name=native", "trainer.backend=ray"])
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     assert cfg.data.train_batch_size == cfg.async_training.require_batches * mini == cfg.data.gen_batch_size
-    line = edge.noop_line(cfg)
-    assert " rollout={" in line  # the rollouter pool and counters, named at start-up
+    assert not cfg.actor_rollout_ref.hybrid_engine and cfg.async_training.partial_rollout
+    assert (cfg.trainer.n_gpus_per_node, cfg.rollout["nnodes"], cfg.rollout["n_gpus_per_node"]) == (4, 1, 4)
+    assert " rollout={" not in (edge.noop_line(cfg) or "")  # the pool is honoured: not named among the no-ops
     with pytest.raises(ConfigError, match="async_training.compute_prox_log_prob=True is refused"):
         load_config(["async_training.compute_prox_log_prob=True"])
 

@@ -165,16 +165,20 @@ def test_agent_rollouts_on_two_ray_workers_equal_one_process(kind, ray_session, 
         assert [x for x in ran if x[0] >= 3] == [(3, 0), (3, 0), (3, 0), (3, 1), (3, 1)]
 
 
-@pytest.mark.parametrize("kind", ["env", "agent"])
-def test_async_agent_rollouts_on_a_ray_rollout_pool_equal_one_process(kind, ray_session, tmp_path, tiny_model_dir,
-                                                                       agent_data):
+@pytest.mark.parametrize("kind,partial", [("env", False), ("agent", False), ("env", True)],
+                         ids=["env", "agent", "env-partial"])
+def test_async_agent_rollouts_on_a_ray_rollout_pool_equal_one_process(kind, partial, ray_session, tmp_path,
+                                                                       tiny_model_dir, agent_data):
     """Asynchronous RL on Ray with agent rollouts: the two rollout workers run the episodes of their chunks (each
     agent through its own endpoint) and the driver merges them, as the trainer's ranks do synchronously. At
     staleness_threshold=0.5 (one batch ahead at most: the synchronous schedule) the episodes, segments and the run
-    equal one synchronous process's; every training segment records the version it was sampled with."""
+    equal one synchronous process's; every training segment records the version it was sampled with. With
+    partial_rollout the environment loop asks the pool's board between decode steps (no newer version comes
+    during a generation on this schedule, so the run is the same)."""
     local, local_batches, _, local_val = train(make_cfg(tmp_path / "local", tiny_model_dir, agent_data, kind))
     pool, pool_batches, _, pool_val = train(make_cfg(tmp_path / "ray", tiny_model_dir, agent_data, kind, *ASYNC_RAY,
-                                                     "async_training.staleness_threshold=0.5"))
+                                                     "async_training.staleness_threshold=0.5",
+                                                     f"async_training.partial_rollout={partial}"))
     assert local_val and pool_val == local_val  # (validation: the trainer's own worker and engine)
     assert len(pool_batches) == len(local_batches) >= 3
     for one, two in zip(local_batches, pool_batches, strict=True):

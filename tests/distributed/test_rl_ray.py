@@ -285,6 +285,22 @@ def test_async_rollout_pool_at_half_a_step_of_staleness_equals_the_synchronous_r
     assert [r["async/policy_version"] for r in rows] == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.slow  # ~40 s: two runs with checkpoints
+def test_async_rollout_pool_resumes_from_a_checkpoint(ray_session, local_run, tmp_path, tiny_model_dir, rl_data):
+    """Two steps with a checkpoint each, then a new driver with resume_mode=auto: the pool starts from the
+    checkpoint's weights (published from the resumed trainer) and step 3 is the straight run's (at half a step of
+    staleness, the synchronous one-process run's)."""
+    common = (*ASYNC_RAY, "async_training.staleness_threshold=0.5", "trainer.save_freq=1", "trainer.resume_mode=auto")
+    first, _ = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *common, "trainer.total_training_steps=2"))
+    assert len(first) == 2
+    losses, state = train(make_cfg(tmp_path, tiny_model_dir, rl_data, *common))
+    assert len(losses) == 1  # step 3 only
+    (loss, norm), (local_loss, local_norm) = losses[0], local_run[0][2]
+    assert loss == pytest.approx(local_loss, abs=1e-5) and norm == pytest.approx(local_norm, rel=1e-4)
+    for key in state:
+        torch.testing.assert_close(state[key], local_run[1][key], atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow  # ~30 s; the staleness schedule itself: tests/trainer/test_async_rl.py (fast lane)
 def test_async_rollout_pool_generates_ahead_with_the_weights_it_has(ray_session, tmp_path, tiny_model_dir, rl_data):
     """staleness_threshold=1 on the pool: step 2's batch is generated while step 1 trains, with the step-0 weights
@@ -308,4 +324,43 @@ def test_async_rollout_pool_generates_ahead_with_the_weights_it_has(ray_session,
     assert [r["step"] for r in rows if "val-core/tiller/arithmetic/acc/mean@1" in r] == [2, 4]
     assert [r["async/policy_version"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
     assert rows[1]["async/staleness_max"] == 1.0 and all(r["async/staleness_max"] <= 1.0 for r in rows)
+    assert all(r["async/dropped_stale"] == 0.0 for r in rows)
+
+
+def test_async_rollout_pool_partial_rollouts_take_new_weights_between_decode_steps(ray_session, tmp_path,
+                                                                                   tiny_model_dir, rl_data):
+    """async_training.partial_rollout on the pool: a worker generating step 2's batch (started with the step-0
+    weights) asks the board for newer weights between decode steps and continues with the step-1 weights once
+    published, its KV cache kept. Paced here: the board holds step 2's generations at their third question until
+    version 1 is out, so every step-2 sample has tokens of both versions (ignore_eos: every row runs 6 tokens)."""
+    import json
+    import time
+
+    from tiller.distributed.ray_group import WeightBoard
+    from tiller.trainer.rl import RLTrainer
+
+    class PacedBoard(WeightBoard):  # (a local class: Ray pickles it by value to the workers)
+        poll_s = 0.0
+
+        def latest(self, step=None):
+            self.asked = getattr(self, "asked", 0) + 1
+            while True:
+                version, ref, stopped = super().latest(step)
+                if step != 2 or self.asked < 3 or version >= 1 or stopped:
+                    return version, ref, stopped
+                time.sleep(0.02)
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, rl_data, *ASYNC_RAY, "async_training.staleness_threshold=1",
+                   "async_training.partial_rollout=true", "actor_rollout_ref.rollout.ignore_eos=true")
+    trainer = RLTrainer(cfg)
+    try:
+        trainer._board.close()
+        trainer._board = PacedBoard()
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["async/policy_version"] for r in rows] == [0.0, 1.0, 2.0]
+    # step 2: 4 prompts x 4 samples, each begun with version 0 and finished with version 1; none too old
+    assert rows[1]["async/partial_samples"] == 16.0 and rows[1]["async/staleness_max"] == 1.0
     assert all(r["async/dropped_stale"] == 0.0 for r in rows)

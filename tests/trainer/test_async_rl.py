@@ -87,11 +87,11 @@ def test_staleness_filter_drops_by_oldest_token_and_counts():
     ("async_training.partial_rollout=true", "partial_rollout=True needs async_training.staleness_threshold > 0"),
     ("async_training.require_batches=2", "require_batches=2 x actor_rollout_ref.actor.ppo_mini_batch_size=4"),
     ("async_training.staleness_threshold=1 actor_rollout_ref.rollout.name=vllm", "in-process engine"),
-    # trainer.backend=ray runs a rollout pool (tests/distributed/test_async_ray.py): its size and what it cannot do
+    # trainer.backend=ray runs a rollout pool (tests/distributed/test_rl_ray.py): its size; the split layout without it
     ("async_training.staleness_threshold=1 trainer.backend=ray rollout.n_gpus_per_node=0",
      "rollout.n_gpus_per_node must be a whole number >= 1"),
-    ("async_training.staleness_threshold=1 trainer.backend=ray async_training.partial_rollout=true",
-     "partial_rollout=True with trainer.backend=ray"),
+    ("async_training.staleness_threshold=1 actor_rollout_ref.hybrid_engine=false",
+     "is tiller's asynchronous RL on Ray: set trainer.backend=ray"),
     ("async_training.staleness_threshold=1 async_training.partial_rollout=true actor_rollout_ref.rollout.name=hf",
      "partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
     ("async_training.staleness_threshhold=1", "did you mean async_training.staleness_threshold"),

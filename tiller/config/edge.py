@@ -120,9 +120,10 @@ RULES: dict[str, Rule] = {
     "distillation.teacher_model.nnodes": noop("tiller's teacher is a frozen model inside each actor worker"),
     "actor_rollout_ref.model.lora.merge": noop("tiller always syncs merged weights (base + adapters) to the rollout "
                                                "engine"),
-    "actor_rollout_ref.hybrid_engine": refused(
-        "tiller runs actor, rollout and reference in one worker (verl's hybrid engine); the split layout is "
-        "not built", use="leave it True", allowed=(True,)),
+    "actor_rollout_ref.hybrid_engine": Rule(HONOURED, "True: actor, rollout and reference in one worker (verl's "
+                                            "hybrid engine). False, verl fully-async's split layout: asynchronous RL "
+                                            "with trainer.backend=ray, whose rollout pool generates apart (refused "
+                                            "otherwise)"),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
     "actor_rollout_ref.model.use_fused_kernels": noop("tiller computes logprobs chunk by chunk from the logits (no "

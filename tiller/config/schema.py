@@ -982,7 +982,9 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
-    """Actor, rollout and reference share one worker (verl's hybrid engine); the only layout tiller has."""
+    """Actor, rollout and reference share one worker (verl's hybrid engine). False, verl fully-async's split layout:
+    asynchronous RL with trainer.backend=ray, whose rollout pool (rollout.nnodes x rollout.n_gpus_per_node) generates
+    apart from the trainer's workers; refused otherwise (there is no other split layout)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -1547,7 +1549,9 @@ class AsyncTrainingConfig:
     """Weights published mid-generation are loaded between decode steps: unfinished samples continue under the
     new weights (their KV cache, computed with the older weights, is kept, not recomputed); every token
     records the version that sampled it (agent rollouts: in the continuous batcher running their turns and
-    requests; an episode is as old as its oldest token). Only with staleness_threshold > 0 (verl: the same)."""
+    requests; an episode is as old as its oldest token). Only with staleness_threshold > 0 (verl: the same) and
+    the native engine; with trainer.backend=ray the rollout pool's workers find the newer weights on a board
+    between decode steps (tiller.distributed.ray_group.WeightBoard)."""
 
 
 # -------------------------------------------------------------------------------------------- trainer

@@ -406,6 +406,12 @@ def _validate_async(cfg: RLConfig) -> None:
     if at.partial_rollout and s <= 0:
         raise ConfigError(f"{key}.partial_rollout=True needs {key}.staleness_threshold > 0 (with 0 no weights "
                           "arrive during a generation)")
+    pool = async_enabled(cfg) and cfg.trainer.backend == "ray"
+    if not cfg.actor_rollout_ref.hybrid_engine and not pool:
+        raise ConfigError("actor_rollout_ref.hybrid_engine=False (verl's split layout: the rollout on workers of its "
+                          "own) is tiller's asynchronous RL on Ray: set trainer.backend=ray, async_training."
+                          "staleness_threshold > 0 (or trigger_parameter_sync_step > 1) and rollout.n_gpus_per_node; "
+                          "otherwise leave it True (actor, rollout and reference in one worker)")
     if not async_enabled(cfg):
         return
     rollout = cfg.actor_rollout_ref.rollout.name
@@ -416,10 +422,6 @@ def _validate_async(cfg: RLConfig) -> None:
                 raise ConfigError(f"rollout.{field} must be a whole number >= 1 (asynchronous RL with "
                                   f"trainer.backend=ray generates on rollout.nnodes x rollout.n_gpus_per_node rollout "
                                   f"workers of their own, verl fully-async's pool), got {value!r}")
-        if at.partial_rollout:
-            raise ConfigError(f"{key}.partial_rollout=True with trainer.backend=ray: the rollout pool takes new "
-                              "weights between batches, not between decode steps; set partial_rollout=False, or use "
-                              "trainer.backend=local (one process: new weights between decode steps)")
     if rollout not in ("native", "hf") and not (rollout == "vllm" and cfg.trainer.backend == "ray"):
         raise ConfigError(f"{key} in one process needs an in-process engine (actor_rollout_ref.rollout.name=native "
                           f"or hf), got {rollout!r}: vLLM generates asynchronously in a Ray rollout pool "

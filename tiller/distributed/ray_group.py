@@ -136,6 +136,56 @@ class _WorkerHost:
         return ray.put(result) if result is not None else None
 
 
+class _Board:
+    """The Ray actor behind `WeightBoard`: the newest published (version, [weights reference]) and a stop flag."""
+
+    def __init__(self):
+        self.version, self.refs, self.stopped = -1, [], False
+
+    def publish(self, version: int, refs: list) -> None:
+        if version > self.version:
+            self.version, self.refs = version, refs
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def latest(self) -> tuple[int, list, bool]:
+        return self.version, self.refs, self.stopped
+
+
+class WeightBoard:
+    """Where a rollout pool's workers find the trainer's newest weights while they generate (asynchronous RL's
+    partial rollouts on Ray: a worker cannot take a call while it generates, so it asks between decode steps, at most
+    every `poll_s` seconds). Picklable: it travels to the workers in the prompts' meta. The weights stay a reference
+    into Ray's object store (`RayWorkerGroup.execute_ref`); a worker fetches them only when it has an older version."""
+
+    poll_s = 0.05
+
+    def __init__(self):
+        self._actor = ray.remote(_Board).options(num_cpus=0).remote()
+
+    def publish(self, version: int, ref) -> None:
+        """Make `ref` (weights of `version`) the newest (in a list: Ray would fetch a reference passed bare)."""
+        ray.get(self._actor.publish.remote(version, [ref]))
+
+    def stop(self) -> None:
+        """Workers asking from now on learn that the trainer stopped (they abandon their generation)."""
+        ray.get(self._actor.stop.remote())
+
+    def latest(self, step: int | None = None) -> tuple[int, Any, bool]:
+        """(newest version, its weights reference or None, stopped); `step`: the step the asking generation is
+        for (unused here; a test board may pace a given step's generation with it)."""
+        version, refs, stopped = ray.get(self._actor.latest.remote())
+        return version, (refs[0] if refs else None), stopped
+
+    @staticmethod
+    def fetch(ref) -> Any:
+        return ray.get(ref)
+
+    def close(self) -> None:
+        ray.kill(self._actor, no_restart=True)
+
+
 class RayWorkerGroup:
     """`world_size` ranks of one worker class as Ray actors (see the module docstring)."""
 

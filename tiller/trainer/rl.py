@@ -292,6 +292,7 @@ class RLTrainer:
                                               name="critic", colocate_with=self.actor if tr.backend == "ray" else None,
                                               **opts)
         self.rollouter = None  # asynchronous RL on Ray: the rollout pool (`_start_rollout_pool`)
+        self._board = None  # ... and, with partial rollouts, where its workers find newer weights
         if pool:  # (the trainer's own engines start at the first validation, if any)
             self.rollouter = self._start_rollout_pool(agent_app)
 
@@ -307,6 +308,11 @@ class RLTrainer:
               f"trainer.n_gpus_per_node) and {size} rollout worker(s) of their own (rollout.nnodes x "
               "rollout.n_gpus_per_node)", file=sys.stderr)
         kwargs = dict(config=self.cfg, total_training_steps=self.total_steps, agent_app=agent_app, role="rollout")
+        if self.cfg.async_training.partial_rollout:  # workers take newer weights between decode steps from a board
+            # import cost: Ray, only for a Ray rollout pool
+            from tiller.distributed.ray_group import WeightBoard
+
+            self._board = WeightBoard()
         return create_worker_group(ActorRolloutRefWorker, kwargs, name="rollout", backend="ray", world_size=size,
                                    cpus_per_worker=tr.cpus_per_worker, gpus_per_worker=1 if tr.device == "cuda" else 0,
                                    ray_address=tr.ray_address, process_group=False)
@@ -355,6 +361,8 @@ class RLTrainer:
                 last = metrics
             progress.close()
         finally:
+            if self._board is not None:  # a pool worker still generating abandons it at its next question
+                self._board.stop()
             if self.producer is not None:
                 self.producer.stop()
             if self._thread_sharing is not None:
@@ -494,8 +502,9 @@ class RLTrainer:
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         if self.rollouter is not None:  # every rollout worker fetches the published weights from the object store
-            def load(ref):
-                self.rollouter.execute("load_rollout_weights", ref)
+            def load(published):
+                version, ref = published
+                self.rollouter.execute("load_rollout_weights", ref, version)
         else:
             def load(state):
                 self.actor.execute("load_producer_weights", state)
@@ -512,8 +521,7 @@ class RLTrainer:
             for group in (self.actor, self.critic) if threads == 1 else ():
                 if group is not None:
                     group.execute("set_lent_lanes", 1, threads)
-        self.producer.publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step),
-                              self._producer_weights())
+        self._publish(trainer_version(self.global_step + 1, at.trigger_parameter_sync_step))
         self.producer.start()
 
     def _produce(self, step: int, weights_hook) -> tuple[Batch, dict, dict]:
@@ -526,14 +534,18 @@ class RLTrainer:
         """async: after every trigger_parameter_sync_step steps, the actor's weights go to the producer."""
         trigger = self.cfg.async_training.trigger_parameter_sync_step
         if self.producer is not None and self.global_step % trigger == 0:
-            self.producer.publish(trainer_version(self.global_step + 1, trigger), self._producer_weights())
+            self._publish(trainer_version(self.global_step + 1, trigger))
 
-    def _producer_weights(self):
-        """The actor's weights as the producer loads them: a snapshot in this process, or (rollout pool) a
-        reference to rank 0's copy in Ray's object store."""
-        if self.rollouter is not None:
-            return self.actor.execute_ref("publish_rollout_weights")
-        return self.actor.execute("producer_weights")
+    def _publish(self, version: int) -> None:
+        """The actor's weights to the producer as `version`: a snapshot in this process, or (rollout pool) a
+        reference to rank 0's copy in Ray's object store, also put on the pool's board (partial rollouts)."""
+        if self.rollouter is None:
+            self.producer.publish(version, self.actor.execute("producer_weights"))
+            return
+        ref = self.actor.execute_ref("publish_rollout_weights")
+        self.producer.publish(version, (version, ref))
+        if self._board is not None:
+            self._board.publish(version, ref)
 
     def _generation_group(self, prompts: Batch) -> tuple[object, Batch]:
         """The worker group that samples `prompts` and the prompts it gets: the actor's, or (asynchronous RL on Ray,
@@ -545,6 +557,8 @@ class RLTrainer:
         meta = {k: v for k, v in prompts.meta.items() if k not in ("engine", "weights_hook")}
         meta["policy_version"] = int(hook()) if hook is not None else 0
         meta["seed_chunks"] = self.pool_seed_chunks
+        if self._board is not None:
+            meta["weights_board"] = self._board
         return self.rollouter, Batch(fields=dict(prompts.fields), meta=meta)
 
     def _sampler_state_now(self) -> dict:
@@ -1171,6 +1185,8 @@ class RLTrainer:
         for group in (self.actor, self.critic, getattr(self, "rollouter", None)):
             if group is not None:
                 group.shutdown()
+        if getattr(self, "_board", None) is not None:
+            self._board.close()
 
 
 def run(cfg: RLConfig, reward_fn=None, tool_loop=None) -> dict[str, float]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import time
 from dataclasses import fields as dataclass_fields, replace
 
 import numpy as np
@@ -228,6 +229,7 @@ class ActorRolloutRefWorker:
         self.model = module
         self.rollout_module = module.get_base_model() if self.lora else module
         self._rollout_is_copy = False
+        self._pool_version = -1  # the policy version this worker's engine holds (`load_rollout_weights`)
         self._remove_padding, self._sp, self.sp_size = False, None, 1
         self._thread_poll, self._poll_hooks = None, []
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False
@@ -372,10 +374,34 @@ class ActorRolloutRefWorker:
             state = dist_ctx.full_state_dict(self.model)
         return {k: v.detach().cpu() for k, v in state.items()} if dist_ctx.rank() == 0 else None
 
-    def load_rollout_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """role="rollout": install weights the trainer published (`publish_rollout_weights`) in this engine."""
+    def load_rollout_weights(self, state: dict[str, torch.Tensor], version: int = -1) -> None:
+        """role="rollout": install weights the trainer published (`publish_rollout_weights`), of policy `version`,
+        in this engine."""
         self.module.load_state_dict(state)
         self.sync_rollout_weights()
+        self._pool_version = version
+
+    def _board_hook(self, prompts: Batch):
+        """A rollout pool's partial rollouts (meta `weights_board`, a `tiller.distributed.ray_group.WeightBoard`):
+        the native engine's weights hook, called between decode steps. It asks the board for the newest published
+        weights (at most every `board.poll_s` s), loads a newer version (the KV cache is kept, as in one process),
+        returns the version in use, and raises once the trainer has stopped (the generation is abandoned)."""
+        board, step = prompts.meta["weights_board"], prompts.meta.get("global_step")
+        self._pool_version = int(prompts.meta["policy_version"])
+        asked = [float("-inf")]
+
+        def hook() -> int:
+            now = time.monotonic()
+            if now - asked[0] >= board.poll_s:
+                asked[0] = now
+                version, ref, stopped = board.latest(step)
+                if stopped:
+                    raise RuntimeError("the trainer stopped: this rollout worker abandons its generation")
+                if version > self._pool_version and ref is not None:
+                    self.load_rollout_weights(board.fetch(ref), version)
+            return self._pool_version
+
+        return hook
 
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample `n` responses per prompt.
@@ -467,7 +493,8 @@ class ActorRolloutRefWorker:
                 engine.num_threads = torch.get_num_threads()
             return engine, "producer", int(hook()), hook if self.rollout_cfg.name == "native" else None
         if "policy_version" in prompts.meta:  # a rollout pool's worker (asynchronous RL on Ray): the version it holds
-            return self.rollout, "producer", int(prompts.meta["policy_version"]), None
+            hook = self._board_hook(prompts) if prompts.meta.get("weights_board") is not None else None
+            return self.rollout, "producer", int(prompts.meta["policy_version"]), hook
         return self.rollout, "rollout", int(prompts.meta.get("global_step", 0)), None
 
     def _run_episodes(self, prompts: Batch, samples: list[dict], sampling, P: int, T: int) -> tuple[list, str]:
@@ -589,6 +616,8 @@ class ActorRolloutRefWorker:
             engine = self._producer_engine
             if prompts.meta.get("weights_hook") is not None and self.rollout_cfg.name == "native":
                 hook = {"weights_hook": prompts.meta["weights_hook"]}
+        elif prompts.meta.get("weights_board") is not None:  # a rollout pool's partial rollouts (native: validated)
+            hook = {"weights_hook": self._board_hook(prompts)}
         prompt_options = {}  # per-prompt options, cut with the chunks
         if self.tool_loop is not None:  # multi-turn tool conversations, seeded and chunked as plain samples
             engine = _ToolLoopEngine(self.tool_loop, engine, self.tokenizer)
