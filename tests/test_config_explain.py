@@ -208,3 +208,17 @@ def test_sequence_parallel_splits_tokens_not_rows():
     cfg = load_config([*base, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
     same_rows = Arithmetic(**{**split.__dict__, "seq_parallel": 1})
     assert memory_estimate(cfg, shape, split)["activations"] == memory_estimate(cfg, shape, same_rows)["activations"] // 2
+
+
+def test_async_runs_are_explained_with_their_schedule_and_place():
+    """Asynchronous RL: how far generation runs ahead (verl's rule: floor((1 + s) x trigger) batches per sync) and
+    where: a thread of this process, or a Ray rollout pool of rollout.nnodes x rollout.n_gpus_per_node workers."""
+    assert "asynchronous RL" not in explain(load_config([]))
+    local = explain(load_config(["async_training.staleness_threshold=0.5", "async_training.trigger_parameter_sync_step=2"]))
+    assert "at most 3 step batches per weight sync (every 2 step(s)); samples at most 1 version(s) old" in local
+    assert "a thread of this process" in local
+    pool = explain(load_config(["trainer.backend=ray", "trainer.n_gpus_per_node=2", "rollout.nnodes=2",
+                                "rollout.n_gpus_per_node=3", "async_training.staleness_threshold=1",
+                                "async_training.partial_rollout=true"]))
+    assert "at most 2 step batches per weight sync (every 1 step(s)); samples at most 1 version(s) old; partial" in pool
+    assert "rollout pool               6 workers of their own" in pool and "the 2 trainer workers only update" in pool

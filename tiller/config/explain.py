@@ -54,8 +54,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiller.algos.staleness import batches_per_sync, max_age
 from tiller.config.edge import num_workers
 from tiller.config.schema import RLConfig
+from tiller.config.validate import async_enabled
 from tiller.errors import UserError
 from tiller.models.loading import check_model_path
 from tiller.models.optimizer import state_bytes_per_param
@@ -338,11 +340,33 @@ def explain(cfg: RLConfig) -> str:
     if a.steps_per_epoch is not None:
         lines.append(f"  steps per epoch            {a.steps_per_epoch}   ({a.prompts} training prompts)")
     lines.append(f"  total steps                {a.total_steps if a.total_steps is not None else 'unknown (training files not readable)'}")
+    lines += _async_lines(cfg)
     lines += _memory_lines(cfg, a)
     if a.problems:
         lines.append("problems")
         lines += [f"  - {p}" for p in a.problems]
     return "\n".join(lines) + "\n"
+
+
+def _async_lines(cfg: RLConfig) -> list[str]:
+    """Asynchronous RL: how far generation runs ahead, and where it runs (one process, or a Ray rollout pool)."""
+    at = cfg.async_training
+    if not async_enabled(cfg):
+        return []
+    ahead = batches_per_sync(at.staleness_threshold, at.trigger_parameter_sync_step)
+    lines = ["asynchronous RL (async_training)",
+             f"  generated ahead            at most {ahead} step batches per weight sync (every "
+             f"{at.trigger_parameter_sync_step} step(s)); samples at most "
+             f"{max_age(at.staleness_threshold, at.trigger_parameter_sync_step)} version(s) old"
+             + ("; partial rollouts (new weights between decode steps)" if at.partial_rollout else "")]
+    if cfg.trainer.backend == "ray":
+        pool = cfg.rollout
+        lines.append(f"  rollout pool               {pool['nnodes'] * pool['n_gpus_per_node']} workers of their own "
+                     f"(rollout.nnodes x rollout.n_gpus_per_node = {pool['nnodes']} x {pool['n_gpus_per_node']}); the "
+                     f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} trainer workers only update")
+    else:
+        lines.append("  rollout producer           a thread of this process with its own copy of the weights")
+    return lines
 
 
 def _memory_lines(cfg: RLConfig, a: Arithmetic) -> list[str]:

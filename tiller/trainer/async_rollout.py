@@ -35,13 +35,13 @@ step, otherwise after the current generation; the thread is a daemon).
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tiller.algos.staleness import batches_per_sync, earliest_version, max_age, trainer_version
 from tiller.errors import UserError
 from tiller.rollout.episodes import renumber_episodes
 
@@ -52,27 +52,6 @@ class RolloutProducerError(RuntimeError):
 
 class ProducerStopped(Exception):
     """Raised inside the producer (from a weight hook) when the trainer asked it to stop."""
-
-
-def batches_per_sync(staleness_threshold: float, trigger: int) -> int:
-    """F: step batches the producer may generate per weight sync (verl: (1 + s) x trigger x required samples)."""
-    return max(trigger, math.floor((1.0 + staleness_threshold) * trigger + 1e-9))
-
-
-def max_age(staleness_threshold: float, trigger: int) -> int:
-    """The most versions a used sample may lag the trainer: floor((F - 1) / trigger)."""
-    return (batches_per_sync(staleness_threshold, trigger) - 1) // trigger
-
-
-def trainer_version(step: int, trigger: int) -> int:
-    """c(s): the version the trainer holds while it trains step `s` (1-based)."""
-    return (step - 1) // trigger
-
-
-def earliest_version(step: int, staleness_threshold: float, trigger: int) -> int:
-    """w(s): the version that must be published before the batch for step `s` may start."""
-    f = batches_per_sync(staleness_threshold, trigger)
-    return max(0, -((f - step) // trigger))  # ceil((s - F) / trigger), at least 0
 
 
 @dataclass
