@@ -237,7 +237,8 @@ def test_verl_new_layout_resolves_onto_the_legacy_keys():
                         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
     assert both.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
     critic = load_config([*ray, "algorithm.adv_estimator=gae", "critic.fsdp.ulysses_sequence_parallel_size=2"])
-    assert (critic.critic.ulysses_sequence_parallel_size, critic.critic.fsdp.ulysses_sequence_parallel_size) == (2, None)
+    assert critic.critic.ulysses_sequence_parallel_size == 2
+    assert critic.critic.fsdp.ulysses_sequence_parallel_size is None
     with pytest.raises(ConfigError, match="critic.fsdp.ulysses_sequence_parallel_size and critic.ulysses_sequence_"):
         load_config([*ray, "algorithm.adv_estimator=gae", "critic.fsdp.ulysses_sequence_parallel_size=2",
                      "critic.ulysses_sequence_parallel_size=4"])

@@ -214,7 +214,8 @@ def test_async_runs_are_explained_with_their_schedule_and_place():
     """Asynchronous RL: how far generation runs ahead (verl's rule: floor((1 + s) x trigger) batches per sync) and
     where: a thread of this process, or a Ray rollout pool of rollout.nnodes x rollout.n_gpus_per_node workers."""
     assert "asynchronous RL" not in explain(load_config([]))
-    local = explain(load_config(["async_training.staleness_threshold=0.5", "async_training.trigger_parameter_sync_step=2"]))
+    local = explain(load_config(["async_training.staleness_threshold=0.5",
+                                 "async_training.trigger_parameter_sync_step=2"]))
     assert "at most 3 step batches per weight sync (every 2 step(s)); samples at most 1 version(s) old" in local
     assert "a thread of this process" in local
     pool = explain(load_config(["trainer.backend=ray", "trainer.n_gpus_per_node=2", "rollout.nnodes=2",

@@ -61,7 +61,7 @@ def test_noop_keys_are_the_ones_the_user_set(capsys):
 
 
 def test_refused_values_say_why_and_what_to_use():
-    with pytest.raises(ConfigError, match=r"data_parallel_size=2 is refused: .*one engine per actor worker.*Instead: 1"):
+    with pytest.raises(ConfigError, match=r"data_parallel_size=2 is refused: .*one engine per actor.*Instead: 1"):
         load_config(["actor_rollout_ref.rollout.data_parallel_size=2"])
     # verl's split layout is asynchronous RL on Ray's rollout pool (tests/test_verl_examples.py), refused without it
     with pytest.raises(ConfigError, match=r"hybrid_engine=False \(verl's split layout.*trainer.backend=ray"):

@@ -307,7 +307,8 @@ def test_resume_after_an_interrupted_async_agent_run_repeats_and_loses_no_step(t
      "async_training.partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
     # on Ray too (a rollout pool: tests/distributed/test_agent_ray.py)
     ("trainer.backend=ray async_training.staleness_threshold=1 async_training.partial_rollout=true "
-     "actor_rollout_ref.rollout.name=hf", "async_training.partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
+     "actor_rollout_ref.rollout.name=hf",
+     "async_training.partial_rollout=True needs actor_rollout_ref.rollout.name=native"),
 ])
 def test_what_async_agents_still_refuse_names_the_key(tmp_path, tiny_model_dir, env_data, override, expect):
     with pytest.raises(ConfigError, match=expect.replace(".", r"\.")):

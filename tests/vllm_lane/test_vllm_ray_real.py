@@ -36,7 +36,8 @@ def _fit(cfg) -> list[dict]:
         trainer.fit()
     finally:
         trainer.shutdown()
-    return [json.loads(line) for line in (Path(cfg.trainer.default_local_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = (Path(cfg.trainer.default_local_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in rows]
 
 
 def _assert_in_step(rows: list[dict], steps: int) -> None:

@@ -670,8 +670,9 @@ for _new, _old in LAYOUT_ALIASES.items():
                            "both is an error)")
     if _new.endswith(".ulysses_sequence_parallel_size"):  # the key verl's engines read: its target's state
         _target = RULES[_old]
+        _why = _target.reason[:1].upper() + _target.reason[1:]
         RULES[_new] = replace(_target, reason=f"verl 0.8+ layout: the same setting as {_old} (resolved onto it at "
-                                              f"load time; a value > 1 on both is an error). {_target.reason[:1].upper()}{_target.reason[1:]}")
+                                              f"load time; a value > 1 on both is an error). {_why}")
     else:
         RULES.setdefault(_new, _rule)
 

@@ -300,7 +300,7 @@ class RLTrainer:
         """Asynchronous RL on Ray (verl fully-async's standalone rollout): rollout.nnodes x rollout.n_gpus_per_node
         workers of their own (ActorRolloutRefWorker role "rollout": the engine, no optimizer, no process group)
         generate while the trainer's workers update; each weight sync the trainer's rank 0 puts its full weights
-        in Ray's object store once and every rollout worker loads them from there (`_producer_weights`)."""
+        in Ray's object store once and every rollout worker loads them from there (`_publish`)."""
         tr, pool = self.cfg.trainer, self.cfg.rollout
         size = int(pool["nnodes"]) * int(pool["n_gpus_per_node"])
         self.pool_seed_chunks = size  # the pool's samples as `size` seeded chunks (a one-process run can match them)
