@@ -239,13 +239,16 @@ def test_refused_flag_at_its_default_passes_and_abbreviations_work():
 
 
 def test_ring_attention_is_a_notice_and_packing_packs_the_ppo_update(capsys):
-    """Ring attention / context parallelism split sequences over GPUs without changing the math: a notice naming
-    tiller's split (Ulysses on Ray workers); --packing_samples packs PPO's actor and critic micro-batches."""
+    """Ring attention / context parallelism split sequences over GPUs without changing the math: tiller splits them
+    with Ulysses (the ring's head layout is a notice naming it); --packing_samples packs PPO's actor and critic
+    micro-batches."""
     code, out, _ = run(capsys, "train_rm", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2",
                        "--ring_head_stride", "2", "--dry-run")
     notices = [line for line in out.splitlines() if line.startswith("notice:")]
-    assert code == 0 and sum("--ring_attn_size 2: a sequence split over GPUs" in n for n in notices) == 1
+    assert code == 0 and sum("--ring_head_stride 2: ring attention's head layout" in n for n in notices) == 1
     assert any("ulysses_sequence_parallel_size" in n for n in notices)
+    rm = cfg_of("train_rm", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2")
+    assert rm.ulysses_sequence_parallel_size == 2  # tiller rm's own split under torchrun
     sft = cfg_of("train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--output_key", "a", "--ring_attn_size", "2")
     assert sft.ulysses_sequence_parallel_size == 2  # tiller sft's own split under torchrun
     dpo = cfg_of("train_dpo", "--pretrain", "m", "--dataset", "d.jsonl", "--ring_attn_size", "2")

@@ -116,3 +116,18 @@ def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_h
     margins = [[json.loads(line)["train/rewards/margins"] for line in (tmp_path / run / "metrics.jsonl").read_text()
                 .splitlines()] for run in ("one", "sp")]
     assert margins[1] == pytest.approx(margins[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
+
+
+def test_rm_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir):
+    """tiller rm ulysses_sequence_parallel_size=2 on 2 ranks: each rank runs half of the pairs' tokens, the score
+    head's per-token outputs are gathered and each sequence's last token read; the loss curve and the accuracy are
+    the one process's (a score read at the wrong token, or counted on both ranks, would move them)."""
+    rows = [{"prompt": p, "chosen": r, "rejected": str(int(r) + 1)} for p, r in MEMO]
+    train = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    one, sp, stderr = _one_vs_split("rm", tmp_path, tiny_even_heads_dir, train)
+    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
+    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
+    gaps = [[json.loads(line)["train/score_gap"] for line in (tmp_path / run / "metrics.jsonl").read_text()
+             .splitlines()] for run in ("one", "sp")]
+    assert gaps[1] == pytest.approx(gaps[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank

@@ -422,6 +422,9 @@ class RMConfig:
     optim: JobOptimConfig = field(default_factory=JobOptimConfig)
     trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
     algorithm: RMAlgoConfig = field(default_factory=RMAlgoConfig)
+    ulysses_sequence_parallel_size: int = 1
+    """Under torchrun, groups of this many ranks split each micro-batch's tokens (as `tiller sft`'s key): the score
+    head's per-token outputs are gathered and each sequence's last token read, so the loss runs unchanged."""
 
 
 @dataclass

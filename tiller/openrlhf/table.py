@@ -209,7 +209,7 @@ TABLE: tuple[Flag, ...] = (
           "group: x this size")),
     _f("ring_attn_size", HINT, _SEQ_SPLIT, "ds.ring_attn_size",
        P=(MAPPED, _SEQ_SPLIT + "; the token budgets are OpenRLHF's per GPU of the ring: x this size"),
-       S=(MAPPED, _SFT_SPLIT), D=(MAPPED, _SFT_SPLIT)),
+       S=(MAPPED, _SFT_SPLIT), D=(MAPPED, _SFT_SPLIT), R=(MAPPED, _SFT_SPLIT)),
     _f("ring_head_stride", HINT, "ring attention's head layout: " + _SEQ_SPLIT, "ds.ring_attn_head_stride"),
     _f("local_rank", HINT, "set by the deepspeed launcher; tiller runs one process", "local_rank"),
     _f("deepspeed_enable_sleep", HINT, "tiller's in-process engines share the actor's weights (nothing to "

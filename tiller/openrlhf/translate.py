@@ -223,12 +223,12 @@ def _pairs(a: Args, o: dict, job: str) -> None:
     o["data.prompt_key"] = a("prompt_key")  # None: the prompt is inside the chosen / rejected conversations
     o["data.chosen_key"] = a("chosen_key")
     o["data.rejected_key"] = a("rejected_key")
+    if (a("ring_attn_size") or 1) > 1:  # ring attention's sequence split: tiller's RM / DPO split with Ulysses
+        o["ulysses_sequence_parallel_size"] = a("ring_attn_size")
     if job == "train_rm":
         o["algorithm.loss"] = "sigmoid" if a("loss") == "sigmoid" else "logexp"
         o["data.margin_key"] = "margin" if a("margin_loss") else None
     else:
-        if (a("ring_attn_size") or 1) > 1:  # ring attention's sequence split: tiller's DPO splits with Ulysses
-            o["ulysses_sequence_parallel_size"] = a("ring_attn_size")
         if a("ref_pretrain"):
             o["model.ref_path"] = a("ref_pretrain")
         smoothing = a("label_smoothing")

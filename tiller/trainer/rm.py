@@ -26,7 +26,10 @@ import torch
 
 from tiller.algos import pairwise_rm_loss
 from tiller.config.jobs import RMConfig
-from tiller.data.packing import collate_padded
+from tiller.data.packing import collate_padded, flatten_micro_batch
+from tiller.distributed import context as dist_ctx
+from tiller.errors import ConfigError
+from tiller.workers.ulysses import gather_tokens, ulysses_token_forward
 from tiller.data.preference import PairExample, load_preference_examples
 from tiller.trainer.loop import resolve_device, run_training, to_device
 from tiller.trainer.sft import build_model_and_tokenizer, parse_job_args, setup
@@ -45,6 +48,27 @@ def sequence_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return out.logits[:, 0].float()
 
 
+def split_sequence_scores(model, batch: dict[str, torch.Tensor], sp) -> torch.Tensor:
+    """`sequence_scores` under Ulysses sequence parallelism: the rows' real tokens packed end to end and this rank's
+    share run (`ulysses_token_forward`); the score head's per-token outputs, caught before transformers pools them,
+    are gathered over the group and each row's last token read (transformers' last non-pad token) -> [R]."""
+    ids, positions, _, lengths = flatten_micro_batch(batch)
+    names = [n for n, _ in dist_ctx.unwrap_model(model).named_modules() if n.split(".")[-1] == "score"]
+    if not names:
+        raise ConfigError("ulysses_sequence_parallel_size > 1: the reward model has no `score` head to read per "
+                          "token (transformers' *ForSequenceClassification); set it to 1")
+    head = dist_ctx.unwrap_model(model).get_submodule(min(names, key=len))  # (LoRA: peft's wrapper of the head)
+    caught: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _m, _i, out: caught.append(out))
+    try:
+        ulysses_token_forward(model, ids, positions, lengths, sp)
+    finally:
+        handle.remove()
+    flat = gather_tokens(caught[0][0, :, :1].float(), sp)[: len(ids), 0]  # [N], the padding dropped
+    last = torch.tensor(lengths, device=flat.device).cumsum(0) - 1
+    return flat[last]
+
+
 class RMJob:
     """Pairwise reward-model loss (see the module docstring)."""
 
@@ -53,6 +77,7 @@ class RMJob:
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
         self.loss_kind, self.use_margin, self.center_coef = loss_kind, use_margin, center_coef
         self.stats_examples: Sequence[PairExample] = ()
+        self.sp = None  # sequence parallelism (`ulysses_sequence_parallel_size` under torchrun): set by run_training
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
         m = self.micro_batch_size
@@ -65,18 +90,22 @@ class RMJob:
         return None
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        scores = sequence_scores(model, micro)
+        scores = sequence_scores(model, micro) if self.sp is None else split_sequence_scores(model, micro, self.sp)
         chosen, rejected = scores.chunk(2)
         margin = micro["margin"] if self.use_margin else None
         loss = pairwise_rm_loss(chosen, rejected, margin, kind=self.loss_kind,
                                 center_coef=self.center_coef).sum() / normalizer
         detached = (chosen.detach(), rejected.detach())
-        return loss, {
+        metrics = {
             "accuracy": (detached[0] > detached[1]).float().sum() / normalizer,
             "score_chosen": detached[0].sum() / normalizer,
             "score_rejected": detached[1].sum() / normalizer,
             "score_gap": (detached[0] - detached[1]).sum() / normalizer,
         }
+        if self.sp is not None:  # every rank of the group holds the whole micro-batch's loss and metrics: each
+            # logs a 1/S share (the loop sums them over the ranks; the loss it back-propagates stays whole)
+            metrics = {k: v / self.sp.size for k, v in {"loss": loss.detach(), **metrics}.items()}
+        return loss, metrics
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         return dict(sums)
