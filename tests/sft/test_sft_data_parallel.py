@@ -131,3 +131,19 @@ def test_rm_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_he
     gaps = [[json.loads(line)["train/score_gap"] for line in (tmp_path / run / "metrics.jsonl").read_text()
              .splitlines()] for run in ("one", "sp")]
     assert gaps[1] == pytest.approx(gaps[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
+
+
+@pytest.mark.slow  # ~25 s: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
+def test_kto_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir):
+    """tiller kto ulysses_sequence_parallel_size=2 on 2 ranks: the policy's, the reference's and the KL pairs'
+    forwards split; the loss curve and the KL baseline are the one process's (counted once, not per rank)."""
+    rows = [{"prompt": p, "completion": c, "label": ok} for p, r in MEMO
+            for c, ok in ((r, True), (str(int(r) + 1), False))]
+    train = write_jsonl(tmp_path / "kto.jsonl", rows)
+    one, sp, stderr = _one_vs_split("kto", tmp_path, tiny_even_heads_dir, train, "algorithm.beta=0.5")
+    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
+    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
+    kls = [[json.loads(line)["train/kl"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+           for run in ("one", "sp")]
+    assert kls[1] == pytest.approx(kls[0], abs=1e-6, rel=1e-4) and any(k != 0 for k in kls[0][1:])

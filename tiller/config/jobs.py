@@ -450,6 +450,9 @@ class KTOConfig:
     optim: JobOptimConfig = field(default_factory=JobOptimConfig)
     trainer: JobTrainerConfig = field(default_factory=JobTrainerConfig)
     algorithm: KTOAlgoConfig = field(default_factory=KTOAlgoConfig)
+    ulysses_sequence_parallel_size: int = 1
+    """Under torchrun, groups of this many ranks split each micro-batch's tokens (as `tiller sft`'s key; the
+    reference's and the KL pairs' forwards too): the per-token log-probs are gathered, so the loss runs unchanged."""
 
 
 @dataclass

@@ -155,6 +155,24 @@ class _ReferenceJob:
     step, and the reference model to keep in checkpoints while it moves."""
 
     reference: Reference | None
+    _sp = None  # sequence parallelism (`ulysses_sequence_parallel_size` under torchrun): set by run_training
+
+    @property
+    def sp(self):
+        return self._sp
+
+    @sp.setter
+    def sp(self, group) -> None:  # the reference's forward splits as the policy's
+        self._sp = group
+        if self.reference is not None:
+            self.reference.sp = group
+
+    def _split_metrics(self, loss: torch.Tensor, metrics: dict) -> dict:
+        """Under sequence parallelism every rank of the group holds the whole micro-batch's loss and metrics: each
+        logs a 1/S share (the loop sums them over the ranks; the loss it back-propagates stays whole)."""
+        if self._sp is None:
+            return metrics
+        return {k: v / self._sp.size for k, v in {"loss": loss.detach(), **metrics}.items()}
 
     def after_optimizer_step(self, model: torch.nn.Module, step: int) -> None:
         if self.reference is not None:
@@ -182,17 +200,6 @@ class DPOJob(_ReferenceJob):
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
         self.simpo_gamma, self.cpo_alpha = simpo_gamma, cpo_alpha
         self.uses_reference = uses_reference(self.losses)
-        self._sp = None  # sequence parallelism (`ulysses_sequence_parallel_size` under torchrun): set by run_training
-
-    @property
-    def sp(self):
-        return self._sp
-
-    @sp.setter
-    def sp(self, group) -> None:  # the reference's forward splits as the policy's
-        self._sp = group
-        if self.reference is not None:
-            self.reference.sp = group
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
         out = []
@@ -280,10 +287,7 @@ class DPOJob(_ReferenceJob):
         loss = total / n
         if self.router_aux_coef:  # the MoE router's balance over the pairs' forward, by its share of the step
             loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, pc.shape[0] / n)
-        if self._sp is not None:  # every rank of the group holds the whole micro-batch's loss and metrics: each
-            # logs a 1/S share (the loop sums them over the ranks; the loss it back-propagates stays whole)
-            metrics = {k: v / self._sp.size for k, v in {"loss": loss.detach(), **metrics}.items()}
-        return loss, metrics
+        return loss, self._split_metrics(loss, metrics)
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         return dict(sums)
@@ -331,7 +335,10 @@ class KTOJob(_ReferenceJob):
             return
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for micro in micro_batches:
-            policy, _ = sequence_logps(model, micro["kl"])
+            if self._sp is None:
+                policy, _ = sequence_logps(model, micro["kl"])
+            else:  # (each rank of the group counts the pair: the sum and the count both S times, the mean the same)
+                policy = split_token_logps(model, micro["kl"], self._sp)[0].sum(-1)
             ref, _ = self.reference.logps(micro["kl"])
             if micro.get("pad"):  # a data-parallel padding copy: run (collectives stay paired), not counted
                 continue
@@ -342,8 +349,11 @@ class KTOJob(_ReferenceJob):
         self.kl_baseline = (summed[0] / summed[1].clamp(min=1)).float()
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
-        out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
-        tok, _, _ = logps_of(out.logits, micro)
+        if self._sp is not None:  # this rank's share of the tokens, the per-token log-probs gathered
+            out, (tok, _, _) = None, split_token_logps(model, micro, self._sp)
+        else:
+            out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
+            tok, _, _ = logps_of(out.logits, micro)
         logps = tok.sum(-1)
         ref_logps, _ = self.reference.logps(micro)
         kl = self.kl_baseline.to(logps.device)
@@ -357,7 +367,7 @@ class KTOJob(_ReferenceJob):
         loss = losses.sum() / normalizer
         if self.router_aux_coef:
             loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, share)
-        return loss, metrics
+        return loss, self._split_metrics(loss, metrics)
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         out = {"loss": sums["loss"], "kl": sums["kl"]}
@@ -408,6 +418,10 @@ def train_kto(cfg: KTOConfig) -> dict[str, float]:
     """Run KTO as configured; returns the last logged metrics."""
     model, tokenizer, train, val, device = _load(cfg, "unpaired")
     algo = cfg.algorithm
+    if cfg.ulysses_sequence_parallel_size > 1 and cfg.model.router_aux_loss_coef:
+        raise ConfigError(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size} splits the "
+                          "sequences: model.router_aux_loss_coef (a router loss over the whole batch) is not split; "
+                          "set one of them to 0 / 1")
     job = KTOJob(build_reference(cfg, model, device), tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu,
                  cfg.data.max_length, algo.beta, algo.desirable_weight, algo.undesirable_weight, cfg.data.truncation,
                  use_kl=algo.loss == "kto", router_aux_coef=cfg.model.router_aux_loss_coef)
