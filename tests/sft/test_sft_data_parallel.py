@@ -118,6 +118,7 @@ def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_h
     assert margins[1] == pytest.approx(margins[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
 
 
+@pytest.mark.slow  # ~35 s: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
 def test_rm_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir):
     """tiller rm ulysses_sequence_parallel_size=2 on 2 ranks: each rank runs half of the pairs' tokens, the score
     head's per-token outputs are gathered and each sequence's last token read; the loss curve and the accuracy are
