@@ -101,37 +101,46 @@ def _one_vs_split(job: str, tmp_path: Path, model_dir, train: Path, *extra: str)
     return _losses(tmp_path / "one"), _losses(tmp_path / "sp"), proc.stderr
 
 
+def _curves(tmp_path: Path, key: str) -> tuple[list[float], list[float]]:
+    """Metric `key` per step of the one-process run and of the split run (`_one_vs_split`)."""
+    one, sp = ([json.loads(line)[key] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+               for run in ("one", "sp"))
+    return one, sp
+
+
+PAIRS = [{"prompt": p, "chosen": r, "rejected": str(int(r) + 1)} for p, r in MEMO]
+SPLIT = "2 ranks = 1 data-parallel x 2 sequence-parallel"
+
+
+def _split_run(job: str, tmp_path: Path, model_dir, rows: list[dict], metric: str, *extra: str):
+    """`_one_vs_split` on `rows`: (one process's loss curve, the split run's, its stderr, (`metric` per step of
+    each run))."""
+    train = write_jsonl(tmp_path / f"{job}.jsonl", rows)
+    one, sp, stderr = _one_vs_split(job, tmp_path, model_dir, train, *extra)
+    return one, sp, stderr, _curves(tmp_path, metric)
+
+
 @pytest.mark.slow  # ~20 s each: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
 @pytest.mark.parametrize("loss", ["dpo", "ipo"])
 def test_dpo_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir, loss):
     """tiller dpo ulysses_sequence_parallel_size=2 on 2 ranks: the policy's and the reference's forwards split, the
     per-token log-probs gathered; loss curve and reward margins are the one process's."""
-    rows = [{"prompt": p, "chosen": r, "rejected": str(int(r) + 1)} for p, r in MEMO]
-    train = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    one, sp, stderr = _one_vs_split("dpo", tmp_path, tiny_even_heads_dir, train, f"algorithm.loss={loss}",
-                                    "algorithm.beta=0.5")
-    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
-    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    one, sp, stderr, (m_one, m_sp) = _split_run("dpo", tmp_path, tiny_even_heads_dir, PAIRS, "train/rewards/margins",
+                                                f"algorithm.loss={loss}", "algorithm.beta=0.5")
+    assert SPLIT in stderr and len(one) == len(sp) == 3 and one[0] != one[-1]
     assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
-    margins = [[json.loads(line)["train/rewards/margins"] for line in (tmp_path / run / "metrics.jsonl").read_text()
-                .splitlines()] for run in ("one", "sp")]
-    assert margins[1] == pytest.approx(margins[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
+    assert m_sp == pytest.approx(m_one, abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
 
 
 @pytest.mark.slow  # ~35 s: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
 def test_rm_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir):
     """tiller rm ulysses_sequence_parallel_size=2 on 2 ranks: each rank runs half of the pairs' tokens, the score
-    head's per-token outputs are gathered and each sequence's last token read; the loss curve and the accuracy are
+    head's per-token outputs are gathered and each sequence's last token read; the loss curve and the score gaps are
     the one process's (a score read at the wrong token, or counted on both ranks, would move them)."""
-    rows = [{"prompt": p, "chosen": r, "rejected": str(int(r) + 1)} for p, r in MEMO]
-    train = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    one, sp, stderr = _one_vs_split("rm", tmp_path, tiny_even_heads_dir, train)
-    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
-    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    one, sp, stderr, (gap_one, gap_sp) = _split_run("rm", tmp_path, tiny_even_heads_dir, PAIRS, "train/score_gap")
+    assert SPLIT in stderr and len(one) == len(sp) == 3 and one[0] != one[-1]
     assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
-    gaps = [[json.loads(line)["train/score_gap"] for line in (tmp_path / run / "metrics.jsonl").read_text()
-             .splitlines()] for run in ("one", "sp")]
-    assert gaps[1] == pytest.approx(gaps[0], abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
+    assert gap_sp == pytest.approx(gap_one, abs=1e-5, rel=1e-4)  # metrics counted once, not per rank
 
 
 @pytest.mark.slow  # ~25 s: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
@@ -140,11 +149,8 @@ def test_kto_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_h
     forwards split; the loss curve and the KL baseline are the one process's (counted once, not per rank)."""
     rows = [{"prompt": p, "completion": c, "label": ok} for p, r in MEMO
             for c, ok in ((r, True), (str(int(r) + 1), False))]
-    train = write_jsonl(tmp_path / "kto.jsonl", rows)
-    one, sp, stderr = _one_vs_split("kto", tmp_path, tiny_even_heads_dir, train, "algorithm.beta=0.5")
-    assert "2 ranks = 1 data-parallel x 2 sequence-parallel" in stderr
-    assert len(one) == len(sp) == 3 and one[0] != one[-1]
+    one, sp, stderr, (kl_one, kl_sp) = _split_run("kto", tmp_path, tiny_even_heads_dir, rows, "train/kl",
+                                                  "algorithm.beta=0.5")
+    assert SPLIT in stderr and len(one) == len(sp) == 3 and one[0] != one[-1]
     assert sp == pytest.approx(one, abs=1e-5, rel=1e-5)
-    kls = [[json.loads(line)["train/kl"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-           for run in ("one", "sp")]
-    assert kls[1] == pytest.approx(kls[0], abs=1e-6, rel=1e-4) and any(k != 0 for k in kls[0][1:])
+    assert kl_sp == pytest.approx(kl_one, abs=1e-6, rel=1e-4) and any(k != 0 for k in kl_one[1:])
