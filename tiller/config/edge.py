@@ -83,10 +83,15 @@ def _several_workers(cfg: RLConfig) -> bool:
     return num_workers(cfg) > 1
 
 
-def _ray_async(cfg: RLConfig) -> bool:
-    """Asynchronous RL (tiller.config.validate.async_enabled) with trainer.backend=ray: the rollout pool runs."""
+def async_enabled(cfg: RLConfig) -> bool:
+    """Whether the rollout producer runs (staleness_threshold > 0 or trigger_parameter_sync_step > 1)."""
     at = cfg.async_training
-    return cfg.trainer.backend == "ray" and (at.staleness_threshold > 0 or at.trigger_parameter_sync_step > 1)
+    return at.staleness_threshold > 0 or at.trigger_parameter_sync_step > 1
+
+
+def _ray_async(cfg: RLConfig) -> bool:
+    """Asynchronous RL with trainer.backend=ray: the rollout pool runs."""
+    return cfg.trainer.backend == "ray" and async_enabled(cfg)
 
 
 def num_workers(cfg: RLConfig) -> int:
@@ -1202,5 +1207,5 @@ def _key_docs() -> dict[str, str]:
     return out
 
 
-__all__ = ["RULES", "DEPRECATED", "REFUSED_VALUES", "LAYOUT_ALIASES", "Rule", "KeyState", "apply_edge", "noop_keys", "noop_line",
+__all__ = ["RULES", "DEPRECATED", "REFUSED_VALUES", "LAYOUT_ALIASES", "Rule", "KeyState", "apply_edge", "async_enabled", "noop_keys", "noop_line",
            "report_noop_keys", "key_states", "markdown", "num_workers", "HONOURED", "NOOP", "REFUSED"]

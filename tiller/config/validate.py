@@ -17,7 +17,7 @@ from tiller.algos.kl import KL_ESTIMATOR_NAMES as KL_TYPES
 from tiller.algos.pf_ppo import PF_PPO_METHODS
 from tiller.algos.prime import PRIME_GRANULARITIES, PRIME_NORMS
 from tiller.algos.rollout_correction import parse_is_threshold, parse_rs_options, ROLLOUT_IS_LEVELS
-from tiller.config.edge import apply_edge
+from tiller.config.edge import apply_edge, async_enabled
 from tiller.config.schema import REWARD_MANAGERS, RLConfig
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
@@ -361,12 +361,6 @@ def _validate_rollout_correction(rc) -> None:
     if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
         raise ConfigError(f"{key}.loss_type={rc.loss_type!r} only applies with {key}.bypass_mode=True (in the "
                           "default decoupled mode the policy loss is actor.policy_loss.loss_mode)")
-
-
-def async_enabled(cfg: RLConfig) -> bool:
-    """Whether the rollout producer runs (staleness_threshold > 0 or trigger_parameter_sync_step > 1)."""
-    at = cfg.async_training
-    return at.staleness_threshold > 0 or at.trigger_parameter_sync_step > 1
 
 
 def _validate_update_lanes(cfg: RLConfig) -> None:
