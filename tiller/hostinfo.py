@@ -296,6 +296,15 @@ def bf16_decision(features: dict | None = None, timing: Timing | None = None) ->
         return _DECISION
 
 
+def adopt_bf16_decision(decision: Bf16Decision) -> None:
+    """Make `decision` (another process's: the Ray driver's, torchrun's rank 0's) this process's. The timing that
+    confirms bf16 can go either way on two processes of a host where the rates are close, and processes of one run
+    that disagree compute in different dtypes (a Ray worker rolling out in bf16 beside a driver in fp32)."""
+    global _DECISION
+    with _DECISION_LOCK:
+        _DECISION = decision
+
+
 _WARNED_KEYS: set[str] = set()
 """Config keys whose bf16 fallback was already warned about in this process."""
 

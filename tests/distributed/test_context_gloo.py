@@ -19,14 +19,18 @@ def _free_port() -> int:
 def _rank_main(rank: int, port: int, out: dict) -> None:
     import torch
 
+    from tiller import hostinfo
     from tiller.distributed import context
     from tiller.distributed.testing import MLPRegressionWorker
     from tiller.protocol import Batch
 
     torch.set_num_threads(1)
+    hostinfo.adopt_bf16_decision(hostinfo.Bf16Decision(rank == 0, f"rank {rank}'s timing"))  # the ranks disagree
     context.init_distributed(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=60)
     try:
-        res = {"rank": context.rank(), "world": context.world_size(),
+        context.agree_bf16_decision()
+        bf16 = hostinfo.bf16_decision()
+        res = {"rank": context.rank(), "world": context.world_size(), "bf16": (bf16.use_bf16, bf16.reason),
                "sum": context.all_reduce_sum(torch.tensor([rank + 1.0, 10.0])).tolist(),
                "objs": context.all_gather_object({"r": rank})}
         g = torch.Generator().manual_seed(0)
@@ -65,6 +69,7 @@ def test_collectives_and_fsdp2_checkpoint_round_trip_on_gloo():
     assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
     assert r0["sum"] == r1["sum"] == [3.0, 20.0]  # [1 + 2, 10 + 10]
     assert r0["objs"] == [{"r": 0}, {"r": 1}]
+    assert r0["bf16"] == r1["bf16"] == (True, "rank 0's timing")  # one CPU bf16 decision for the group: rank 0's
     assert r0["sharded"] and r0["resume_maxdiff"] == 0.0
     for key, value in r0["state"].items():  # full_state_dict gives every rank the same full tensors
         assert torch.equal(value, r1["state"][key])

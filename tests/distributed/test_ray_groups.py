@@ -9,6 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tiller import hostinfo  # noqa: E402
 from tiller.distributed import WorkerError, create_worker_group  # noqa: E402
 from tiller.distributed.testing import MLPRegressionWorker  # noqa: E402
 from tiller.errors import ConfigError, UserError  # noqa: E402
@@ -17,10 +18,18 @@ from tiller.protocol import Batch  # noqa: E402
 pytestmark = pytest.mark.ray
 
 
+DRIVER_BF16 = "the driver's CPU bf16 decision (test_ray_groups)"
+
+
 @pytest.fixture(scope="module")
 def fsdp_group(ray_session):
-    group = create_worker_group(MLPRegressionWorker, {"seed": 7, "strategy": "fsdp"}, backend="ray",
-                                world_size=2, cpus_per_worker=1, name="actor")
+    saved = hostinfo.bf16_decision()
+    hostinfo.adopt_bf16_decision(hostinfo.Bf16Decision(saved.use_bf16, DRIVER_BF16))  # what the workers must take
+    try:
+        group = create_worker_group(MLPRegressionWorker, {"seed": 7, "strategy": "fsdp"}, backend="ray",
+                                    world_size=2, cpus_per_worker=1, name="actor")
+    finally:
+        hostinfo.adopt_bf16_decision(saved)
     yield group
     group.shutdown()
 
@@ -47,6 +56,8 @@ def test_ranks_threads_and_process_group(fsdp_group):
     infos = fsdp_group.execute("info", dispatch="all")
     assert [i["rank"] for i in infos] == [0, 1]
     assert all(i["world_size"] == 2 and i["distributed"] and i["threads"] == 1 for i in infos)
+    # the workers compute in the driver's CPU dtype: their own bf16 timing could say otherwise on a close host
+    assert [i["bf16"] for i in infos] == [DRIVER_BF16] * 2
     assert len({i["pid"] for i in infos}) == 2
 
 

@@ -3,7 +3,9 @@ and resume_mode=auto continues the same trajectory (issue 8's done-when tests).
 
 The local reference run samples its prompts in 2 seeded chunks (`rollout_seed_chunks = 2`), as the
 2 ranks do, so both runs see the same responses; everything after that is fp32 math whose only
-difference is the order of the cross-rank gradient sum.
+difference is the order of the cross-rank gradient sum. The rollout runs in fp32 too (`rollout.dtype=float32`): a
+bf16 rollout rounds the weights, and two runs' weights ~1e-7 apart after a step (the order of that sum) round to
+different bf16 values here and there, enough to flip a sampled token (the SP run's step-2 loss 3e-3 off).
 
 What is compared has signal, so that the order of a sum cannot decide the outcome: the reward (distinct
 characters in the response) differs within every group, so every step has a real gradient; the gradient norm
@@ -48,7 +50,7 @@ def make_cfg(run_dir, model_dir, data, *overrides):
         "data.max_prompt_length=32", "data.max_response_length=6", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.eps=1.0",
-        "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.dtype=float32", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", *overrides,
     ])

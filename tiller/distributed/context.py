@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiller import hostinfo
 from tiller.errors import ConfigError
 
 STRATEGIES = ("none", "ddp", "fsdp")
@@ -132,6 +133,16 @@ def init_distributed(rank_: int, world_size_: int, master_addr: str, master_port
         torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank_,
                             world_size=world_size_, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def agree_bf16_decision() -> None:
+    """Every rank of a gloo (CPU) group takes rank 0's CPU bf16 decision (`tiller.hostinfo.adopt_bf16_decision`:
+    ranks that time bf16 alone can disagree). Collective: every rank calls it; a no-op off gloo or alone."""
+    if not is_distributed() or dist.get_backend() != "gloo":
+        return
+    box = [hostinfo.bf16_decision() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    hostinfo.adopt_bf16_decision(box[0])
 
 
 def destroy_distributed() -> None:

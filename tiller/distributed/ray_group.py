@@ -9,7 +9,7 @@ a group created without `colocate_with` gets its own pool ("split" placement).
 Start-up: rank 0 reports its node IP and a free port; every rank then joins
 ``torch.distributed`` (gloo on CPU, NCCL with GPUs) and constructs the worker, so
 ``worker_cls.__init__`` can already wrap its model with FSDP2. torch in each actor uses
-`cpus_per_worker` threads.
+`cpus_per_worker` threads, and the driver's CPU bf16 decision (`tiller.hostinfo`), not a timing of its own.
 
 A group made with ``process_group=False`` (asynchronous RL's rollout pool) joins no process group: each rank
 only knows its place (`context.group_rank`), for seeding. `execute_ref` returns rank 0's result as an object
@@ -37,6 +37,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tiller import hostinfo
 from tiller.distributed import context
 from tiller.distributed.dispatch import check_mode, merge_dp, split_dp, WorkerError
 from tiller.errors import ConfigError, UserError
@@ -97,9 +98,10 @@ class ResourcePool:
 class _WorkerHost:
     """The Ray actor around one rank: joins torch.distributed, builds the worker, runs its methods."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, bf16: hostinfo.Bf16Decision):
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        hostinfo.adopt_bf16_decision(bf16)  # the driver's: every process of the run computes in one dtype
         self.worker = None
 
     def address(self) -> tuple[str, int]:
@@ -212,12 +214,13 @@ class RayWorkerGroup:
         self._pool = pool
         threads = max(1, int(pool.cpus))
         host_cls = ray.remote(_WorkerHost)
+        bf16 = hostinfo.bf16_decision()
         for rank in range(world_size):
             options = {"num_cpus": pool.cpus / MAX_COLOCATE, "max_restarts": 0, "max_concurrency": 1,
                        "scheduling_strategy": PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=rank)}
             if pool.gpus:
                 options["num_gpus"] = pool.gpus / MAX_COLOCATE
-            self._actors.append(host_cls.options(**options).remote(threads))
+            self._actors.append(host_cls.options(**options).remote(threads, bf16))
         self._where = [f"rank {r}" for r in range(world_size)]
         try:
             master = ray.get(self._actors[0].address.remote()) if process_group else None

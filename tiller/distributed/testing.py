@@ -16,6 +16,7 @@ import time
 import torch
 from torch import nn
 
+from tiller import hostinfo
 from tiller.distributed import context
 from tiller.errors import UserError
 
@@ -84,7 +85,8 @@ class MLPRegressionWorker:
 
     def info(self) -> dict:
         return {"rank": context.rank(), "world_size": context.world_size(), "pid": os.getpid(),
-                "threads": torch.get_num_threads(), "distributed": context.is_distributed()}
+                "threads": torch.get_num_threads(), "distributed": context.is_distributed(),
+                "bf16": hostinfo.bf16_decision().reason}
 
     def fail(self, on_rank: int = 0, how: str = "raise", peers_wait: bool = True) -> None:
         """Test hook: rank `on_rank` raises ValueError ("raise"), UserError ("user") or kills its own

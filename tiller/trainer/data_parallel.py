@@ -64,6 +64,7 @@ class DataParallel:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+        dist_ctx.agree_bf16_decision()  # every rank computes in the dtype rank 0 chose
         shadow = copy.deepcopy(model) if strategy == "fsdp" else None  # unsharded copy for saving / export
         sp = None
         if sp_size > 1:
