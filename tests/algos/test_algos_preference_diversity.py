@@ -91,6 +91,50 @@ def test_reference_free_losses_worked_numbers():
         reference_free_loss(pc, pr, lc, lr, 1.0, "dpo")
 
 
+def test_cpo_hinge_ipo_and_alphapo_worked_numbers():
+    # the same pair: sums -2 / -6 (d = 4), averages -1 / -2 (d = 1)
+    pc, pr, lc, lr = t(-2.0), t(-6.0), t(2.0), t(3.0)
+    loss, rc, _, _ = reference_free_loss(pc, pr, lc, lr, 0.1, "cpo_hinge")  # max(0, 1 - 0.1 x 4)
+    assert loss.item() == pytest.approx(0.6, abs=1e-6) and rc.item() == pytest.approx(-0.2)  # beta x the sum
+    assert reference_free_loss(pc, pr, lc, lr, 0.5, "cpo_hinge")[0].item() == 0.0  # margin met: no loss
+    loss, rc, _, _ = reference_free_loss(pc, pr, lc, lr, 2.0, "cpo_ipo")  # (1 - 1 / (2 x 2))^2 on the averages
+    assert loss.item() == pytest.approx(0.5625, abs=1e-6) and rc.item() == -2.0
+    # AlphaPO, alpha 0.5, simpo (beta 2, gamma 0.5) on the averages: r = (1 - e^(0.5 x 1)) / 0.5 = -1.29744,
+    # r' = (1 - e^1) / 0.5 = -3.43656; d = 2.13912 - 0.25; loss -log sigma(2 d) = 0.0226
+    loss, rc, rr, _ = reference_free_loss(pc, pr, lc, lr, 2.0, "simpo", simpo_gamma=0.5, alpha=0.5)
+    r_c, r_r = (1 - math.exp(0.5)) / 0.5, (1 - math.e) / 0.5
+    assert loss.item() == pytest.approx(softplus(-2.0 * (r_c - r_r - 0.25)), abs=1e-6) and loss.item() == pytest.approx(
+        0.0226, abs=1e-4)
+    assert (rc.item(), rr.item()) == (pytest.approx(2.0 * r_c), pytest.approx(2.0 * r_r))
+    # alpha -> 0 gives the log-probs back
+    near = reference_free_loss(pc, pr, lc, lr, 2.0, "simpo", alpha=1e-6)[0]
+    assert near.item() == pytest.approx(reference_free_loss(pc, pr, lc, lr, 2.0, "simpo")[0].item(), abs=1e-5)
+    for name in ("orpo", "cpo"):  # summed log-probs: p^-alpha overflows on real completions
+        with pytest.raises(ConfigError, match=f"AlphaPO's alpha=0.5 applies to simpo, cpo_ipo, not {name}"):
+            reference_free_loss(pc, pr, lc, lr, 1.0, name, alpha=0.5)
+
+
+@pytest.mark.parametrize("loss_type, alpha", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("simpo", 0.0),
+                                             ("ipo", 0.3), ("simpo", 0.3)])
+def test_cpo_losses_equal_trls_cpo_loss(loss_type, alpha):
+    # TRL's own CPOTrainer.cpo_loss on the log-probs it would read (sums for sigmoid / hinge, averages for ipo /
+    # simpo): tiller's loss and rewards equal its
+    cpo = pytest.importorskip("trl.experimental.cpo.cpo_trainer")
+    g = torch.Generator().manual_seed(0)
+    sums_c, sums_r = -torch.rand(6, generator=g, dtype=torch.float64) * 8, -torch.rand(6, generator=g,
+                                                                                      dtype=torch.float64) * 8
+    lc, lr = torch.randint(1, 9, (6,), generator=g).double(), torch.randint(1, 9, (6,), generator=g).double()
+    averaged = loss_type in ("ipo", "simpo")
+    trainer = type("T", (), {"alpha": alpha, "beta": 0.2, "label_smoothing": 0.1 if loss_type == "sigmoid" else 0.0,
+                             "loss_type": loss_type, "simpo_gamma": 0.7,
+                             "accelerator": type("A", (), {"device": "cpu"})()})()
+    want = cpo.CPOTrainer.cpo_loss(trainer, sums_c / lc if averaged else sums_c, sums_r / lr if averaged else sums_r)
+    name = {"sigmoid": "cpo", "hinge": "cpo_hinge", "ipo": "cpo_ipo", "simpo": "simpo"}[loss_type]
+    got = reference_free_loss(sums_c, sums_r, lc, lr, 0.2, name, trainer.label_smoothing, 0.7, alpha)
+    for a, b in zip(got[:3], want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_kto_worked_numbers():
     # logratio r = [-1 + 1.5, -2 + 1.5] = [0.5, -0.5]; z = 0.2; beta 0.5
     # desirable: 1 - sigma(0.5 (0.5 - 0.2)) = 1 - sigma(0.15) = 0.462570

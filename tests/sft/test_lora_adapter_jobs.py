@@ -4,6 +4,7 @@ adapter settings exit 2 naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -81,6 +82,7 @@ def test_dpo_reference_is_base_plus_adapter(tiny_model_dir, tmp_path, adapter_an
     ({"model.lora_adapter_path": "{tmp}/nope"}, ["model.lora_adapter_path=", "no such file or directory"]),
     ({"model.lora_adapter_path": "{adapter}", "model.lora_rank": 8}, ["model.lora_rank=8 but the adapter", "has 4"]),
     ({"model.lora_adapter_path": "{model}"}, ["model.lora_adapter_path=", "no adapter_config.json"]),
+    ({"model.lora_rank": 4, "model.modules_to_save": "[lm_heads]"}, ["model.modules_to_save: no module named"]),
 ])
 def test_cli_bad_adapter_exits_2(tiny_model_dir, sft_file, tmp_path, capsys, adapter_and_merged, extra, needles):
     from tiller.cli import main
@@ -178,3 +180,57 @@ def test_dora_trains_and_exports_peft_merge(tiny_model_dir, sft_file, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert all(torch.allclose(exported[k], want[k], atol=1e-6) for k in want)
     assert any(not torch.allclose(exported[k], base[k], atol=1e-4) for k in base)  # it trained
+
+
+def test_modules_to_save_trains_the_head_in_full_and_exports_it(tiny_model_dir, sft_file, tmp_path):
+    # model.modules_to_save (peft's, TRL's lora_modules_to_save): the tiny model ties lm_head to embed_tokens, so
+    # [lm_head] trains that one matrix in full (peft's ensure_weight_tying) beside the q_proj / v_proj adapters; the
+    # checkpoint's adapter holds it, and hf_model (peft's merge) is still tied, with the trained matrix, reloading to
+    # the same logits; continuing from that adapter keeps it, and a contradicting modules_to_save stops
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tiller.errors import ConfigError
+    from tiller.models.loading import load_causal_lm
+    from tiller.models.lora import attach_lora
+    from tiller.trainer.sft import train_sft
+
+    run = tmp_path / "saved"
+    train_sft(load_config(job_overrides(tiny_model_dir, sft_file, run, **{
+        "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8, "optim.lr": 1e-2, "model.lora_rank": 4,
+        "model.lora_alpha": 8, "model.target_modules": "[q_proj,v_proj]", "model.modules_to_save": "[lm_head]",
+        "trainer.total_training_steps": 2}), schema=SFTConfig, validate=validate_job))
+    ckpt = run / "checkpoints" / "global_step_2" / "model"
+    saved = json.loads((ckpt / "adapter_config.json").read_text())
+    assert saved["modules_to_save"] == ["model.embed_tokens"] and saved["ensure_weight_tying"] is True
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # tied in the base
+    want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ckpt).merge_and_unload()
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight  # still tied
+    assert not torch.allclose(exported.lm_head.weight, base.lm_head.weight, atol=1e-4)  # and trained
+    torch.testing.assert_close(exported.lm_head.weight, want.lm_head.weight, atol=1e-6, rtol=0)
+    ids = torch.tensor([[1, 5, 9, 12, 3]])
+    torch.testing.assert_close(exported(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5, rtol=0)
+    cfg = load_config(job_overrides(tiny_model_dir, sft_file, tmp_path / "x", **{"model.lora_adapter_path": ckpt}),
+                      schema=SFTConfig, validate=validate_job)
+    for same in (None, ["lm_head"], ["embed_tokens"]):  # unset, or the tied pair by either name
+        continued = attach_lora(load_causal_lm(tiny_model_dir), dataclasses.replace(cfg.model, modules_to_save=same),
+                                "model")
+        assert continued.peft_config["default"].modules_to_save == ["model.embed_tokens"]  # the adapter's own
+    with pytest.raises(ConfigError, match="model.modules_to_save=o_proj but the adapter"):
+        attach_lora(load_causal_lm(tiny_model_dir), dataclasses.replace(cfg.model, modules_to_save=["o_proj"]),
+                    "model")
+
+
+@pytest.mark.parametrize("saved, needle", [("[nope]", "model.modules_to_save: no module named ['nope']"),
+                                           ("[q_proj]", "['q_proj'] also in model.target_modules")])
+def test_modules_to_save_names_a_module_that_is_not_adapted(tiny_model_dir, saved, needle):
+    from tiller.errors import ConfigError
+    from tiller.models.loading import load_causal_lm
+    from tiller.models.lora import apply_lora
+
+    names = saved.strip("[]").split(",")
+    with pytest.raises(ConfigError) as err:
+        apply_lora(load_causal_lm(tiny_model_dir), 4, 8, ["q_proj", "v_proj"], modules_to_save=names)
+    assert needle in str(err.value)

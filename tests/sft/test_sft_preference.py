@@ -102,16 +102,19 @@ def test_weighted_losses_with_sft_and_ld_dpo_equal_hand_computation(tmp_path, to
     assert got == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("loss", ["simpo", "cpo", "orpo"])
-def test_reference_free_job_equals_hand_computed_loss(tmp_path, tok_model, loss):
-    """SimPO / CPO / ORPO (TRL's CPOTrainer and ORPOTrainer formulas) with no reference: the job's loss over two
-    micro-batches equals the hand computation, NLL terms included (the micro-batch's chosen-token mean, as TRL)."""
+@pytest.mark.parametrize("loss, alphapo", [("simpo", 0.0), ("cpo", 0.0), ("orpo", 0.0), ("cpo_hinge", 0.0),
+                                           ("cpo_ipo", 0.0), ("simpo", 0.4), ("cpo_ipo", 0.4)])
+def test_reference_free_job_equals_hand_computed_loss(tmp_path, tok_model, loss, alphapo):
+    """SimPO / CPO / ORPO / CPO's hinge and IPO, AlphaPO (TRL's CPOTrainer and ORPOTrainer formulas) with no
+    reference: the job's loss over two micro-batches equals the hand computation, NLL terms included (the
+    micro-batch's chosen-token mean, as TRL)."""
     tok, model = tok_model
     pairs = load_preference_examples([write_jsonl(tmp_path / "p.jsonl", ROWS)], DPOConfig().data, tok, "paired")
-    beta, gamma, alpha, eps = 0.5, 0.3, 0.7, (0.1 if loss != "orpo" else 0.0)
+    beta, gamma, alpha, eps = 0.5, 0.3, 0.7, (0.1 if loss in ("simpo", "cpo") else 0.0)
     job = DPOJob(None, tok.pad_token_id, micro_batch_size=2, loss=loss, beta=beta, label_smoothing=eps,
-                 simpo_gamma=gamma, cpo_alpha=alpha)
+                 simpo_gamma=gamma, cpo_alpha=alpha, alphapo_alpha=alphapo)
     got = sum(job.loss(model, m, 3.0)[0].item() for m in job.micro_batches(pairs))
+    reward = (lambda x: (1 - math.exp(-alphapo * x)) / alphapo) if alphapo else (lambda x: x)  # AlphaPO
     want = 0.0
     for start, stop in ((0, 2), (2, 3)):  # the two micro-batches: the NLL term is each one's chosen-token mean
         rows = ROWS[start:stop]
@@ -123,10 +126,16 @@ def test_reference_free_job_equals_hand_computed_loss(tmp_path, tok_model, loss)
             if loss == "orpo":  # -beta log sigma(log odds ratio) + NLL
                 odds = (a_c - a_r) - (math.log(1 - math.exp(a_c)) - math.log(1 - math.exp(a_r)))
                 want += -beta * math.log(_sig(odds)) + nll
+                continue
+            summed = loss in ("cpo", "cpo_hinge")
+            d = reward(pc if summed else a_c) - reward(pr if summed else a_r) - (gamma / beta if loss == "simpo" else 0)
+            if loss == "cpo_hinge":
+                want += max(0.0, 1 - beta * d)
+            elif loss == "cpo_ipo":
+                want += (d - 1 / (2 * beta)) ** 2
             else:
-                d = pc - pr if loss == "cpo" else a_c - a_r - gamma / beta
                 want += -(1 - eps) * math.log(_sig(beta * d)) - eps * math.log(_sig(-beta * d))
-                want += alpha * nll if loss == "cpo" else 0.0
+            want += alpha * nll if loss != "simpo" else 0.0
     assert got == pytest.approx(want / 3, rel=1e-5)
 
 
@@ -196,9 +205,10 @@ def test_dpo_widens_the_margin(tiny_model_dir, tmp_path, lora):
     assert rows[-1]["train/loss"] < 0.6 * math.log(2)
 
 
-@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+@pytest.mark.parametrize("loss", ["simpo", "orpo", "cpo_ipo"])
 def test_reference_free_losses_train_without_a_reference(tiny_model_dir, tmp_path, monkeypatch, loss):
-    """SimPO / ORPO load no reference model, and training separates the chosen from the rejected completions."""
+    """SimPO / ORPO / CPO-IPO with AlphaPO load no reference model, and training separates the chosen from the
+    rejected completions."""
     import tiller.trainer.preference as preference
 
     def no_reference(*args, **kwargs):
@@ -208,7 +218,9 @@ def test_reference_free_losses_train_without_a_reference(tiny_model_dir, tmp_pat
     train = write_jsonl(tmp_path / "d.jsonl", _rows(8))
     run = tmp_path / loss
     cfg = load_config(job_overrides(tiny_model_dir, train, run, **{
-        "algorithm.loss": loss, "algorithm.beta": 2.0 if loss == "simpo" else 0.1, "optim.lr": 1e-3,
+        "algorithm.loss": loss, "algorithm.beta": {"simpo": 2.0, "orpo": 0.1}.get(loss, 1.0),
+        "optim.lr": 3e-5 if loss == "cpo_ipo" else 1e-3,  # IPO's square overshoots its target at 1e-3 (Adam)
+        **({"algorithm.alphapo_alpha": 0.25, "algorithm.cpo_alpha": 0.0} if loss == "cpo_ipo" else {}),
         "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4, "trainer.total_training_steps": 6,
         "trainer.export_hf": False}), schema=DPOConfig, validate=validate_job)
     train_dpo(cfg)
@@ -216,6 +228,9 @@ def test_reference_free_losses_train_without_a_reference(tiny_model_dir, tmp_pat
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert rows[-1]["train/rewards/margins"] > rows[0]["train/rewards/margins"] + 0.05
     assert rows[-1]["train/rewards/accuracies"] == 1.0
+    if loss == "cpo_ipo":  # IPO regresses the (AlphaPO) reward margin onto 1 / (2 beta) = 0.5, not without bound
+        assert rows[-1]["train/rewards/margins"] == pytest.approx(0.5, abs=0.15)
+        assert rows[-1]["train/loss"] < 0.2 * rows[0]["train/loss"]
     if loss == "orpo":  # TRL's ORPO metrics
         assert rows[-1]["train/log_odds_ratio"] > rows[0]["train/log_odds_ratio"] and "train/nll_loss" in rows[-1]
 

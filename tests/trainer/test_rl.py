@@ -288,18 +288,32 @@ def test_lora_actor_with_kl_and_resume_path(tmp_path, tiny_model_dir, rl_data):
     assert (tmp_path / "run" / "checkpoints" / "global_step_3" / "state.pt").exists()
 
 
-@pytest.mark.parametrize("flag", ["use_rslora", "use_dora"])
-def test_rslora_and_dora_actors_save_their_adapters_and_roll_out_with_them(tmp_path, tiny_model_dir, rl_data, flag):
-    # actor_rollout_ref.model.use_rslora (adapters scaled by alpha / sqrt(r)) / use_dora (peft's DoRA): the rollout
+@pytest.mark.parametrize("flag, saved", [("use_rslora=true", True), ("use_dora=true", True),
+                                         ("modules_to_save=[lm_head]", ["model.embed_tokens"])])
+def test_rslora_dora_and_saved_modules_actors_save_their_adapters_and_roll_out_with_them(tmp_path, tiny_model_dir,
+                                                                                         rl_data, flag, saved):
+    # actor_rollout_ref.model.use_rslora (adapters scaled by alpha / sqrt(r)) / use_dora (peft's DoRA) /
+    # modules_to_save (the LM head, tied to the embedding here, trained in full beside the adapters): the rollout
     # engine's weights are the same adapted model (its logprobs equal the actor's on step 2, after an update)
     cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, "actor_rollout_ref.model.lora_rank=4",
-                   "actor_rollout_ref.model.lora_alpha=8", f"actor_rollout_ref.model.{flag}=true",
+                   "actor_rollout_ref.model.lora_alpha=8", f"actor_rollout_ref.model.{flag}",
                    "actor_rollout_ref.actor.optim.lr=1e-2", "data.val_files=[]", "actor_rollout_ref.rollout.dtype=float32",
                    "actor_rollout_ref.actor.dtype=float32")
     metrics, changed, _ = _train(cfg)
     assert changed and metrics["training/rollout_probs_diff_max"] < 1e-4
-    configs = list((tmp_path / "run" / "checkpoints" / "global_step_2").rglob("adapter_config.json"))
-    assert configs and all(json.loads(c.read_text())[flag] is True for c in configs)
+    step = tmp_path / "run" / "checkpoints" / "global_step_2"
+    configs = list(step.rglob("adapter_config.json"))
+    key = flag.split("=")[0]
+    assert configs and all(json.loads(c.read_text())[key] == saved for c in configs)
+    if key == "modules_to_save":  # the head's trained copy (peft names it by the tied embedding) is saved, and moved
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        weights = {k: v for c in configs for k, v in load_file(str(c.parent / "adapter_model.safetensors")).items()
+                   if "lm_head" in k or "embed_tokens" in k}
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).lm_head.weight
+        assert weights and all(v.shape == base.shape and not torch.allclose(v, base, atol=1e-4)
+                               for v in weights.values())
 
 
 @pytest.mark.parametrize("coef", [0.5, -0.5])

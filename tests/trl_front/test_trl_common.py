@@ -159,6 +159,10 @@ def test_peft_lora_config_becomes_lora_settings(tiny_model_dir):
     assert rs["use_rslora"] is True and common.lora_rl_keys(rs)["actor_rollout_ref.model.use_rslora"] is True
     assert common.lora_job_keys(rs)["model.use_rslora"] is True and rs["use_dora"] is True
     assert common.lora_rl_keys(rs)["actor_rollout_ref.model.use_dora"] is True
+    saved = lora_settings(peft.LoraConfig(r=2, modules_to_save=["lm_head"]), tiny_model_dir)  # trained in full
+    assert saved["modules_to_save"] == ["lm_head"]
+    assert common.lora_job_keys(saved)["model.modules_to_save"] == ["lm_head"]
+    assert common.lora_rl_keys(saved)["actor_rollout_ref.model.modules_to_save"] == ["lm_head"]
 
 
 def test_field_table_lists_every_field_once():

@@ -323,8 +323,15 @@ def test_cpo_keys_and_refusals(tiny_model_dir, tmp_path):
     keys = make(cpo_alpha=0.3, label_smoothing=0.1).tiller_keys()
     assert (keys["algorithm.loss"], keys["algorithm.cpo_alpha"], keys["algorithm.label_smoothing"]) == ("cpo", 0.3, 0.1)
     assert make(loss_type="simpo", cpo_alpha=0.0).tiller_keys()["algorithm.loss"] == "simpo"
-    for kw, needle in [(dict(loss_type="hinge"), "loss_type='hinge': refused"),
-                       (dict(alpha=0.2), "alpha=0.2: refused: AlphaPO"),
+    keys = make(loss_type="ipo", cpo_alpha=0.5, alpha=0.2).tiller_keys()  # TRL's ipo with AlphaPO's rewards
+    assert (keys["algorithm.loss"], keys["algorithm.cpo_alpha"], keys["algorithm.alphapo_alpha"]) == ("cpo_ipo",
+                                                                                                     0.5, 0.2)
+    assert "algorithm.label_smoothing" not in keys  # hinge / ipo do not read it
+    assert make(loss_type="hinge").tiller_keys()["algorithm.loss"] == "cpo_hinge"
+    for kw, needle in [(dict(loss_type="hinge", label_smoothing=0.1),
+                        "label_smoothing=0.1: refused: loss_type 'hinge'"),
+                       (dict(loss_type="kto_pair"), "loss_type='kto_pair': refused"),
+                       (dict(alpha=0.2), "alpha=0.2: refused: AlphaPO's reward transformation on summed log-probs"),
                        (dict(max_completion_length=64), "max_completion_length=64: refused"),
                        (dict(is_encoder_decoder=True), "is_encoder_decoder=True: refused")]:
         with pytest.raises(ConfigError, match=needle):

@@ -53,8 +53,10 @@ def test_grpo_three_steps_small_mismatch(tmp_path, sharp_model_dir, rl_data):  #
 def test_lora_actor_merged_weights_and_resume(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
     from tiller.trainer.rl import RLTrainer
 
+    # the tied LM head / embedding trains in full too (modules_to_save): vLLM reads the head from the embedding
     lora = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-            "actor_rollout_ref.actor.optim.lr=3e-2", "data.val_files=[]")
+            "actor_rollout_ref.model.modules_to_save=[lm_head]", "actor_rollout_ref.actor.optim.lr=3e-2",
+            "data.val_files=[]")
     cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, *lora, "trainer.save_freq=1")
     trainer = RLTrainer(cfg)
     try:

@@ -18,6 +18,9 @@ example (`[B]`) so the trainer chooses the reduction (mean over the global batch
   2405.14734, eq. 6) the same on length-averaged log-probs with a margin gamma; ORPO (Hong et al. 2024, arXiv
   2403.07691, eq. 7) -beta log sigma(log odds(y_c) - log odds(y_r)), odds(y) = p / (1 - p) of the length-averaged
   p. Their NLL terms on the chosen completions (CPO's, ORPO's) are the trainer's (token-mean over the micro-batch).
+  TRL's CPOTrainer variants: `cpo_hinge` max(0, 1 - beta d) on summed log-probs, `cpo_ipo` (d - 1 / (2 beta))^2 on
+  length-averaged ones; AlphaPO (Gupta et al. 2025, arXiv 2501.03884) replaces each length-averaged log-prob l by
+  the reward (1 - p^-alpha) / alpha, p = e^l, in SimPO and cpo_ipo (alpha -> 0 gives l back).
 - KTO (Ethayarajh et al. 2024, arXiv 2402.01306), with z = clamp(kl_baseline, min=0) detached and
   r = pi - ref: desirable: w_d (1 - sigma(beta (r - z))), undesirable: w_u (1 - sigma(beta (z - r))).
   `kl_baseline` is the batch estimate of KL(pi || ref) from mismatched (prompt, completion) pairs,
@@ -46,7 +49,11 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 # "sft" also, which is no dpo_loss here)
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop")
 RM_LOSS_KINDS = ("sigmoid", "logexp")
-REFERENCE_FREE_LOSSES = ("cpo", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("cpo", "simpo", "orpo", "cpo_hinge", "cpo_ipo")
+ALPHAPO_LOSSES = ("simpo", "cpo_ipo")
+"""The reference-free losses AlphaPO's reward transformation applies to: those on length-averaged log-probs, as the
+paper (on SimPO). TRL's CPOTrainer also applies it to summed ones, where p^-alpha = e^(-alpha log p) overflows
+float32 from a ~350-nat completion at alpha 0.25 (inf / NaN losses): refused there."""
 
 
 def f_divergence_scores(logratios: torch.Tensor, kind: str = "reverse_kl", alpha: float = 0.5) -> torch.Tensor:
@@ -170,6 +177,7 @@ def reference_free_loss(
     loss_type: str = "simpo",
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A pair loss without a reference model: summed completion log-probs [B] and completion lengths [B] ->
     (loss [B], chosen_rewards [B], rejected_rewards [B], log odds ratio [B] for orpo else None).
@@ -178,26 +186,40 @@ def reference_free_loss(
     cpo:   d = logps_c - logps_r;                 -(1-eps) log sigma(beta d) - eps log sigma(-beta d)
     simpo: d = a_c - a_r - simpo_gamma / beta;   the same (TRL's CPOTrainer: gamma / beta is its margin)
     orpo:  l = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)) (the log odds ratio);  -beta log sigma(l)
-    Rewards (detached): beta x the log-probs the loss reads (sums for cpo, averages for simpo and orpo), as TRL.
+    cpo_hinge: d = logps_c - logps_r;             max(0, 1 - beta d)
+    cpo_ipo:   d = a_c - a_r;                     (d - 1 / (2 beta))^2
+    `alpha` != 0 (AlphaPO; simpo, cpo_ipo): each averaged log-prob x becomes (1 - e^(-alpha x)) / alpha before d is
+    formed, as TRL's CPOTrainer.
+    Rewards (detached): beta x the log-probs the loss reads (sums for cpo / cpo_hinge, averages for the others; their
+    AlphaPO rewards with alpha), as TRL.
 
     Worked numbers (simpo, beta 2, gamma 0.5): logps -2 / -6 over 2 / 3 tokens: a = -1 / -2, d = 1 - 0.25 = 0.75,
-    loss = -log sigma(1.5) = 0.2014.
+    loss = -log sigma(1.5) = 0.2014. cpo_hinge, beta 0.1: d = 4, loss 1 - 0.4 = 0.6; cpo_ipo, beta 2: d = 1,
+    loss (1 - 0.25)^2 = 0.5625; simpo with alpha 0.5, beta 2, gamma 0.5: r = 2 (1 - e^0.5) = -1.2974 /
+    2 (1 - e^1) = -3.4366, d = 2.1392 - 0.25, loss -log sigma(3.7784) = 0.0226.
     """
     if loss_type not in REFERENCE_FREE_LOSSES:
         raise ConfigError(f"loss_type: unknown reference-free loss {loss_type!r}; valid: "
                           f"{', '.join(REFERENCE_FREE_LOSSES)}")
+    if alpha and loss_type not in ALPHAPO_LOSSES:
+        raise ConfigError(f"AlphaPO's alpha={alpha} applies to {', '.join(ALPHAPO_LOSSES)}, not {loss_type}")
     eps = label_smoothing
     log_odds = None
-    if loss_type == "cpo":
+    if loss_type in ("cpo", "cpo_hinge"):
         used_c, used_r = chosen_logps, rejected_logps
-        d = used_c - used_r
     else:
         used_c = chosen_logps / chosen_lengths.clamp(min=1)
         used_r = rejected_logps / rejected_lengths.clamp(min=1)
-        d = used_c - used_r - simpo_gamma / beta
+    if alpha:  # AlphaPO: r = (1 - p^-alpha) / alpha = -expm1(-alpha log p) / alpha
+        used_c, used_r = -torch.expm1(-alpha * used_c) / alpha, -torch.expm1(-alpha * used_r) / alpha
+    d = used_c - used_r - (simpo_gamma / beta if loss_type == "simpo" else 0.0)
     if loss_type == "orpo":
         log_odds = (used_c - used_r) - (log1mexp(used_c) - log1mexp(used_r))
         loss = -beta * F.logsigmoid(log_odds)
+    elif loss_type == "cpo_hinge":
+        loss = torch.relu(1 - beta * d)
+    elif loss_type == "cpo_ipo":
+        loss = (d - 1 / (2 * beta)) ** 2
     else:
         loss = -(1 - eps) * F.logsigmoid(beta * d) - eps * F.logsigmoid(-beta * d)
     return loss, (beta * used_c).detach(), (beta * used_r).detach(), log_odds

@@ -215,6 +215,9 @@ def memory_estimate(cfg: RLConfig, shape: ModelShape, arith: Arithmetic | None =
     lora = arr.model.lora_rank > 0 or bool(arr.model.lora_adapter_path)
     n = shape.params
     trainable = _lora_params(shape, arr.model.lora_rank or _adapter_rank(arr.model.lora_adapter_path)) if lora else n
+    if lora:  # modules trained in full beside the adapters (the embedding / LM head: vocab x hidden each)
+        saved = arr.model.modules_to_save or ()
+        trainable += shape.vocab * shape.hidden * len({"lm_head", "embed_tokens"} & set(saved))
     need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     b = 2 if arr.actor.dtype in ("bfloat16", "bf16") else 4
     rows, s = arith.micro_batch_rows, arith.seq_len

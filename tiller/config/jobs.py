@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tiller.algos.preference import DPO_LOSS_TYPES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, REFERENCE_FREE_LOSSES
+from tiller.algos.preference import (
+    ALPHAPO_LOSSES,
+    DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSSES,
+    F_DIVERGENCES,
+    REFERENCE_FREE_LOSSES,
+)
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.config.checks import check_ref_sync
@@ -218,6 +224,10 @@ class JobModelConfig:
     exclude_modules: Any = None
     """LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex string
     matched against full module names."""
+    modules_to_save: Any = None
+    """LoRA: modules trained in full beside the adapters and saved with them (peft's modules_to_save, TRL's
+    lora_modules_to_save), e.g. [lm_head, embed_tokens] after adding tokens; a list of module names. On a model that
+    ties them (tie_word_embeddings) either name trains the one shared matrix and the export stays tied."""
     lora_adapter_path: Optional[str] = None
     """Continue training from a saved LoRA adapter (a peft adapter dir, e.g. a LoRA run's checkpoint model/), loaded
     trainable onto partial_pretrain (verl's model.lora_adapter_path); rank, alpha, targets and dropout come from its
@@ -320,8 +330,9 @@ class DPOAlgoConfig:
     (algorithm.loss_weights; TRL's MPO: [sigmoid, bco_pair, sft]). Without a reference model (none is loaded when
     every loss is one of these or sft): simpo (SimPO: length-averaged log-probs, margin algorithm.simpo_gamma), cpo
     (CPO: summed log-probs, plus algorithm.cpo_alpha x the chosen completions' NLL), orpo (ORPO: the odds-ratio term
-    weighted by beta, plus the chosen completions' NLL); TRL's CPOTrainer simpo with cpo_alpha > 0 is [simpo, sft]
-    weighted [1, cpo_alpha]."""
+    weighted by beta, plus the chosen completions' NLL), cpo_hinge / cpo_ipo (TRL's CPOTrainer hinge / ipo: the hinge
+    on summed log-probs, IPO's square on averaged ones, plus the cpo_alpha NLL term); TRL's CPOTrainer simpo with
+    cpo_alpha > 0 is [simpo, sft] weighted [1, cpo_alpha]. algorithm.alphapo_alpha: AlphaPO with simpo / cpo_ipo."""
     loss_weights: Optional[list] = None
     """One weight per loss of a list (default 1.0 each)."""
     beta: float = 0.1
@@ -344,7 +355,11 @@ class DPOAlgoConfig:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (TRL's simpo_gamma): the loss reads a_c - a_r - gamma / beta."""
     cpo_alpha: float = 1.0
-    """CPO's weight of the chosen completions' NLL next to its preference term (TRL's cpo_alpha), read with cpo."""
+    """CPO's weight of the chosen completions' NLL next to its preference term (TRL's cpo_alpha), read with cpo,
+    cpo_hinge and cpo_ipo."""
+    alphapo_alpha: float = 0.0
+    """AlphaPO (Gupta et al. 2025, arXiv 2501.03884; TRL's CPOConfig alpha): with simpo or cpo_ipo, each
+    length-averaged log-prob l becomes the reward (1 - e^(-alpha l)) / alpha; 0 = off (the log-prob itself)."""
     ref_model_sync_steps: Optional[int] = None
     """TR-DPO (TRL's sync_ref_model / ref_model_sync_steps): every N optimizer steps the reference model becomes
     ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = a frozen reference. Needs a reference model of
@@ -367,10 +382,6 @@ class KTOAlgoConfig:
     """Inverse temperature beta."""
     desirable_weight: float = 1.0
     """lambda_D: weight of desirable examples."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin gamma (TRL's simpo_gamma): the loss reads a_c - a_r - gamma / beta."""
-    cpo_alpha: float = 1.0
-    """CPO's weight of the chosen completions' NLL next to its preference term (TRL's cpo_alpha), read with cpo."""
     ref_model_sync_steps: Optional[int] = None
     """TR-DPO (TRL's sync_ref_model / ref_model_sync_steps): every N optimizer steps the reference model becomes
     ref_model_mixup_alpha x policy + (1 - alpha) x reference; null = a frozen reference. Needs a reference model of
@@ -588,9 +599,13 @@ def _validate_dpo(cfg: DPOConfig) -> None:
                           "not apply")
     if algo.simpo_gamma != DPOAlgoConfig.simpo_gamma and "simpo" not in names:
         raise ConfigError(f"algorithm.simpo_gamma={algo.simpo_gamma} is read only with algorithm.loss=simpo")
-    if algo.cpo_alpha != DPOAlgoConfig.cpo_alpha and "cpo" not in names:
-        raise ConfigError(f"algorithm.cpo_alpha={algo.cpo_alpha} is read only with algorithm.loss=cpo (SimPO with an "
-                          "NLL term: algorithm.loss=[simpo,sft] algorithm.loss_weights=[1,ALPHA])")
+    if algo.cpo_alpha != DPOAlgoConfig.cpo_alpha and not set(names) & {"cpo", "cpo_hinge", "cpo_ipo"}:
+        raise ConfigError(f"algorithm.cpo_alpha={algo.cpo_alpha} is read only with algorithm.loss=cpo / cpo_hinge / "
+                          "cpo_ipo (SimPO with an NLL term: algorithm.loss=[simpo,sft] "
+                          "algorithm.loss_weights=[1,ALPHA])")
+    if algo.alphapo_alpha and not set(names) <= {*ALPHAPO_LOSSES, "sft"}:
+        raise ConfigError(f"algorithm.alphapo_alpha={algo.alphapo_alpha}: AlphaPO's reward transformation applies to "
+                          f"{', '.join(ALPHAPO_LOSSES)} (and an sft term beside them), not {names}")
     if algo.ld_alpha is not None and not 0 <= algo.ld_alpha <= 1:
         raise ConfigError(f"algorithm.ld_alpha must be in [0, 1] or null, got {algo.ld_alpha}")
     if algo.use_weighting and set(names) & {"aot", "aot_unpaired"}:

@@ -368,6 +368,10 @@ class ModelConfig:
     exclude_modules: Any = None
     """LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex string
     matched against full module names."""
+    modules_to_save: Any = None
+    """tiller (peft's modules_to_save, TRL's lora_modules_to_save): with LoRA, modules trained in full beside the
+    adapters, synced to the rollout engine with the merged weights and saved with the adapter (e.g. [lm_head,
+    embed_tokens] after adding tokens); a list of module names. The reference policy keeps the original modules."""
     hf_config_path: Optional[str] = None
     """verl: read the HF config from another dir; refused (tiller reads model.path's config.json)."""
     custom_chat_template: Optional[str] = None
@@ -1053,6 +1057,9 @@ class CriticModelConfig:
     exclude_modules: Any = None
     """Critic LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex
     string matched against full module names."""
+    modules_to_save: Any = None
+    """tiller (peft's modules_to_save): with the critic's LoRA, body modules trained in full beside the adapters and
+    the value head (a list of module names)."""
     lora_adapter_path: Optional[str] = None
     """Continue the critic from a saved LoRA adapter of a value model (task_type TOKEN_CLS: a tiller critic
     checkpoint's model/, checkpoints/critic/global_step_N/model), loaded trainable onto critic.model.path with its

@@ -59,8 +59,14 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     target_modules: "all-linear" (every linear layer but the output head) or module-name suffixes
     such as ["q_proj", "v_proj"]. A sequence-classification model keeps its `score` head trainable.
     exclude_modules: module-name suffixes (a list) or a regex (a string, full match) that get no adapter.
-    `key` is the config section named in errors (`model`, `actor_rollout_ref.model`). `use_rslora`: the adapter
-    scaled by alpha / sqrt(rank) (rank-stabilised LoRA, Kalajdzievski 2023, arXiv 2312.03732) instead of alpha / rank.
+    modules_to_save: module names trained in full beside the adapters and saved with them (peft's, TRL's
+    lora_modules_to_save), e.g. [lm_head, embed_tokens] after adding tokens; on a model that ties them
+    (tie_word_embeddings) either name trains the one shared matrix and the pair stays tied (peft's
+    ensure_weight_tying), so the export keeps the model's architecture and an engine that reads the head from the
+    embedding (vLLM) runs the trained one. `key` is the config section named in errors (`model`,
+    `actor_rollout_ref.model`).
+    `use_rslora`: the adapter scaled by alpha / sqrt(rank) (rank-stabilised LoRA, Kalajdzievski 2023, arXiv
+    2312.03732) instead of alpha / rank.
     `use_dora`: DoRA (Liu et al. 2024, arXiv 2402.09353), peft's weight-decomposed adapters.
     """
     from peft import LoraConfig, TaskType, get_peft_model
@@ -68,6 +74,7 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     if rank <= 0:
         raise ConfigError(f"{key}.lora_rank must be > 0 to apply LoRA, got {rank}")
     task = task_type(model)
+    modules_to_save = _saved_modules(model, modules_to_save, target_modules, key)
     if isinstance(target_modules, str) and target_modules != "all-linear":
         target_modules = [target_modules]
     if not isinstance(target_modules, str):
@@ -81,17 +88,43 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
                                                            if task == "TOKEN_CLS" else target_modules)
     if exclude_modules is not None and not isinstance(exclude_modules, str):
         exclude_modules = _known_names(model, exclude_modules, f"{key}.exclude_modules") or None
+    tying = {"ensure_weight_tying": True} if modules_to_save and _tied(model) else {}
+    if tying and "ensure_weight_tying" not in LoraConfig.__dataclass_fields__:
+        raise ConfigError(f"{key}.modules_to_save={_show(modules_to_save)}: the model ties its input and output "
+                          "embeddings, and keeping them tied needs peft's ensure_weight_tying (peft >= 0.18): "
+                          "pip install -U peft")
     config = LoraConfig(
         r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
         exclude_modules=exclude_modules, task_type=getattr(TaskType, task),
-        modules_to_save=list(modules_to_save) if modules_to_save else None, use_rslora=bool(use_rslora),
-        use_dora=bool(use_dora),
+        modules_to_save=modules_to_save, use_rslora=bool(use_rslora),
+        use_dora=bool(use_dora), **tying,
     )
     try:
         return get_peft_model(model, config)
     except ValueError as err:  # e.g. exclude_modules leaves no module to adapt
         raise ConfigError(f"{key}.target_modules={_show(target_modules)} / {key}.exclude_modules="
                           f"{_show(exclude_modules)}: {_first_line(err)}") from None
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether the model's output embedding (LM head) is its input embedding (tie_word_embeddings)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def _saved_modules(model: torch.nn.Module, names: Any, target_modules: Any, key: str) -> list[str] | None:
+    """`modules_to_save` as a list of module names the model has, none of them also adapted (a ConfigError naming
+    `key`.modules_to_save otherwise); None when empty."""
+    if not names:
+        return None
+    names = _known_names(model, [names] if isinstance(names, str) else names, f"{key}.modules_to_save")
+    targets = [target_modules] if isinstance(target_modules, str) and target_modules != "all-linear" else target_modules
+    both = sorted(set(names) & (_module_set(targets, model) or set()))
+    if both:
+        raise ConfigError(f"{key}.modules_to_save={_show(names)}: {both} also in {key}.target_modules="
+                          f"{_show(target_modules)}: a module is adapted or trained in full, not both")
+    return names
 
 
 TASKS = {"CAUSAL_LM": "causal language model (a policy)", "SEQ_CLS": "sequence-classification model (a reward model)",
@@ -144,7 +177,7 @@ def _first_line(err: BaseException) -> str:
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
 LORA_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
-                 "lora_dropout": 0.0, "use_rslora": False, "use_dora": False}
+                 "lora_dropout": 0.0, "use_rslora": False, "use_dora": False, "modules_to_save": None}
 LORA_FLAGS = ("use_rslora", "use_dora")
 """peft's boolean LoraConfig options a section may set (tiller keys of the same names)."""
 """The LoRA keys' defaults (verl's, the same in every tiller section that has them): a key at its default takes the
@@ -172,7 +205,7 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
     if section.lora_adapter_path:
         user = {"lora_rank": section.lora_rank, "lora_alpha": section.lora_alpha,
                 "target_modules": section.target_modules, "exclude_modules": section.exclude_modules,
-                **_flags(section)}
+                "modules_to_save": getattr(section, "modules_to_save", None), **_flags(section)}
         if hasattr(section, "lora_dropout"):  # the offline jobs' sections (the RL actor's adapters have no dropout)
             user["lora_dropout"] = dropout
         peft_model = load_lora_adapter(model, section.lora_adapter_path, f"{key}.lora_adapter_path", user, key)
@@ -186,7 +219,7 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
     if section.lora_rank > 0:
         return apply_lora(model, section.lora_rank, section.lora_alpha, section.target_modules, dropout,
                           exclude_modules=section.exclude_modules, key=key,
-                          **_flags(section))
+                          modules_to_save=getattr(section, "modules_to_save", None), **_flags(section))
     return model
 
 
@@ -221,7 +254,19 @@ def adapter_settings(path: str | Path, key: str) -> dict[str, Any]:
     return {"lora_rank": int(config["r"]), "lora_alpha": config.get("lora_alpha", config["r"]),
             "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
             "exclude_modules": config.get("exclude_modules"), "lora_dropout": float(config.get("lora_dropout") or 0),
+            "modules_to_save": _user_saved(config.get("modules_to_save")),
             **{flag: bool(config.get(flag, False)) for flag in LORA_FLAGS}}
+
+
+def _user_saved(names: Any, model: torch.nn.Module | None = None) -> list[str] | None:
+    """A modules_to_save list as a user would write it: the last part of each name (peft stores `model.embed_tokens`
+    for a tied head), without the classification heads peft adds itself (`score`, `classifier`), and with `model`
+    tying its embeddings, `lm_head` read as `embed_tokens` (the one matrix); None when that is nothing."""
+    names = [names] if isinstance(names, str) else list(names or ())
+    out = {str(n).rsplit(".", 1)[-1] for n in names} - {"score", "classifier"}
+    if model is not None and _tied(model):
+        out = {"embed_tokens" if n == "lm_head" else n for n in out}
+    return sorted(out) or None
 
 
 def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
@@ -231,12 +276,14 @@ def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.
     out = []
     theirs = {"lora_rank": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha"),
               "target_modules": adapter.get("target_modules"), "exclude_modules": adapter.get("exclude_modules"),
-              "lora_dropout": adapter.get("lora_dropout", 0.0),
+              "lora_dropout": adapter.get("lora_dropout", 0.0), "modules_to_save": adapter.get("modules_to_save"),
               **{flag: bool(adapter.get(flag, False)) for flag in LORA_FLAGS}}
     for name, value in user.items():
-        if value == LORA_DEFAULTS[name] or (name == "exclude_modules" and not value):
+        if value == LORA_DEFAULTS[name] or (name in ("exclude_modules", "modules_to_save") and not value):
             continue
-        if name in ("target_modules", "exclude_modules"):
+        if name == "modules_to_save":
+            same = _user_saved(value, model) == _user_saved(theirs[name], model)
+        elif name in ("target_modules", "exclude_modules"):
             same = _module_set(value, model) == _module_set(theirs[name], model)
         elif name in LORA_FLAGS:
             same = bool(value) == theirs[name]

@@ -69,6 +69,8 @@ def supports(model) -> bool:
         return False
     if getattr(config, "pretraining_tp", 1) != 1:
         return False
+    if type(getattr(model, "lm_head", None)) is not torch.nn.Linear:  # e.g. peft's copy of a head trained in full
+        return False
     linear_names = ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in decoder_stack(model).layers:
         mods = [getattr(layer.self_attn, n, None) for n in linear_names]

@@ -14,7 +14,8 @@ DPO (Rafailov et al. 2023, arXiv 2305.18290), h = (log pi(y_c) - log pi(y_r)) - 
   and sft averages over its tokens: as TRL per device batch, those depend on data.micro_batch_size_per_gpu.
 The math is `tiller.algos.dpo_loss`; the step loss is the mean over the step's pairs (a weighted sum of the losses).
 Without a reference (`tiller.algos.reference_free_loss`; no reference model is loaded when every loss is one of
-these or sft): simpo (SimPO), cpo (CPO, + algorithm.cpo_alpha x the chosen NLL), orpo (ORPO, + the chosen NLL); the NLL
+these or sft): simpo (SimPO), cpo / cpo_hinge / cpo_ipo (CPO, + algorithm.cpo_alpha x the chosen NLL),
+orpo (ORPO, + the chosen NLL), AlphaPO's rewards with simpo / cpo_ipo (algorithm.alphapo_alpha); the NLL
 is sft's token mean over the micro-batch, as TRL's CPOTrainer / ORPOTrainer compute it; they log nll_loss, and orpo
 log_odds_ratio / log_odds_chosen (TRL's names); rewards are beta x the log-probs each loss reads.
 
@@ -190,7 +191,7 @@ class DPOJob(_ReferenceJob):
                  beta: float = 0.1, label_smoothing: float = 0.0, loss_weights=None, f_divergence: str = "reverse_kl",
                  f_alpha: float = 0.5, discopop_tau: float = 0.05, ld_alpha: float | None = None,
                  use_weighting: bool = False, router_aux_coef: float = 0.0, simpo_gamma: float = 0.5,
-                 cpo_alpha: float = 1.0):
+                 cpo_alpha: float = 1.0, alphapo_alpha: float = 0.0):
         self.reference, self.pad_id, self.micro_batch_size = reference, pad_id, micro_batch_size
         self.router_aux_coef = router_aux_coef
         self.losses = dpo_loss_names(loss)  # (dpo / cdpo: sigmoid with label smoothing; TRL's sigmoid: without)
@@ -198,7 +199,7 @@ class DPOJob(_ReferenceJob):
         self.beta, self.label_smoothing = beta, label_smoothing
         self.f_divergence, self.f_alpha, self.discopop_tau = f_divergence, f_alpha, discopop_tau
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
-        self.simpo_gamma, self.cpo_alpha = simpo_gamma, cpo_alpha
+        self.simpo_gamma, self.cpo_alpha, self.alphapo_alpha = simpo_gamma, cpo_alpha, alphapo_alpha
         self.uses_reference = uses_reference(self.losses)
 
     def micro_batches(self, examples: Sequence[PairExample]) -> list[dict[str, torch.Tensor]]:
@@ -261,9 +262,9 @@ class DPOJob(_ReferenceJob):
                 per = nll * torch.ones_like(pc)
             elif name in REFERENCE_FREE_LOSSES:
                 per, chosen_r, rejected_r, log_odds = reference_free_loss(
-                    pc, pr, lc, lr, self.beta, name, self.label_smoothing, self.simpo_gamma)
+                    pc, pr, lc, lr, self.beta, name, self.label_smoothing, self.simpo_gamma, self.alphapo_alpha)
                 if name != "simpo":  # CPO's and ORPO's NLL term on the chosen completions (per pair: its share)
-                    per = per + (self.cpo_alpha if name == "cpo" else 1.0) * nll
+                    per = per + (1.0 if name == "orpo" else self.cpo_alpha) * nll
                     extra["nll_loss"] = nll.detach() * pc.shape[0]
                 if log_odds is not None:
                     extra["log_odds_ratio"] = log_odds.detach().sum()
@@ -410,7 +411,7 @@ def train_dpo(cfg: DPOConfig) -> dict[str, float]:
     job = DPOJob(reference, tokenizer.pad_token_id, cfg.data.micro_batch_size_per_gpu, algo.loss, algo.beta,
                  algo.label_smoothing, algo.loss_weights, algo.f_divergence, algo.f_alpha_divergence_coef,
                  algo.discopop_tau, algo.ld_alpha, algo.use_weighting, cfg.model.router_aux_loss_coef,
-                 algo.simpo_gamma, algo.cpo_alpha)
+                 algo.simpo_gamma, algo.cpo_alpha, algo.alphapo_alpha)
     return run_training(cfg, job, model, tokenizer, train, val, device=device)
 
 

@@ -23,8 +23,8 @@ INPUT_MODEL_DIR = "input_model"  # a loaded model / tokenizer object is saved he
 INPUT_TOKENIZER_DIR = "input_tokenizer"
 
 # peft.LoraConfig fields tiller cannot honour, with their default (checked by duck typing: peft is not imported)
-_LORA_REFUSED = {"bias": "none", "modules_to_save": None,
-                 "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None}
+_LORA_REFUSED = {"bias": "none", "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+                 "target_parameters": None}
 
 
 @dataclass
@@ -77,7 +77,8 @@ _ARGUMENT_WHY = {
 
 def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
     """Logical LoRA settings of a `peft.LoraConfig` (duck typed): lora_rank, lora_alpha, target_modules,
-    lora_dropout, exclude_modules, use_rslora, use_dora. target_modules None is peft's default for the model type (as peft resolves it)."""
+    lora_dropout, exclude_modules, modules_to_save, use_rslora, use_dora. target_modules None is peft's default for
+    the model type (as peft resolves it)."""
     if peft_config is None:
         return {}
     if type(peft_config).__name__ != "LoraConfig" or not hasattr(peft_config, "r"):
@@ -87,7 +88,7 @@ def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
         value = getattr(peft_config, name, default)
         if value not in (default, None) and not (default == {} and not value):
             raise ConfigError(f"peft_config.{name}={value!r}: refused: tiller's LoRA is plain LoRA (r, lora_alpha, "
-                              "target_modules, exclude_modules, lora_dropout, use_rslora, use_dora)")
+                              "target_modules, exclude_modules, modules_to_save, lora_dropout, use_rslora, use_dora)")
     targets = peft_config.target_modules
     if targets is None:
         targets = _peft_default_targets(model_path)
@@ -101,6 +102,9 @@ def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
     exclude = getattr(peft_config, "exclude_modules", None)
     if exclude:
         out["exclude_modules"] = sorted(exclude) if isinstance(exclude, (set, frozenset, tuple)) else exclude
+    saved = getattr(peft_config, "modules_to_save", None)
+    if saved:
+        out["modules_to_save"] = [saved] if isinstance(saved, str) else sorted(saved)
     return out
 
 
@@ -128,8 +132,9 @@ def lora_rl_keys(lora: dict[str, Any]) -> dict[str, Any]:
     m = "actor_rollout_ref.model"
     out = {f"{m}.lora_rank": lora["lora_rank"], f"{m}.lora_alpha": lora["lora_alpha"],
            f"{m}.target_modules": lora["target_modules"]}
-    if "exclude_modules" in lora:
-        out[f"{m}.exclude_modules"] = lora["exclude_modules"]
+    for name in ("exclude_modules", "modules_to_save"):
+        if name in lora:
+            out[f"{m}.{name}"] = lora[name]
     for flag in ("use_rslora", "use_dora"):
         if lora.get(flag):
             out[f"{m}.{flag}"] = True

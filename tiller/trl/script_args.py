@@ -34,7 +34,8 @@ REWARD_SCRIPT_RULES: dict[str, Rule] = {
 }
 
 _QUANT = "only read with load_in_4bit, which is refused"
-_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora", "use_dora")
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora",
+                "use_dora")
 
 
 def _use_peft(value: Any, args: Any) -> dict:
@@ -59,7 +60,8 @@ MODEL_RULES: dict[str, Rule] = {
     "lora_target_modules": mapped("LoRA target modules (with use_peft; None: peft's default for the model type)",
                                   _READ),
     "lora_target_parameters": refused("tiller's LoRA adapts modules (lora_target_modules), not parameters"),
-    "lora_modules_to_save": refused("tiller's LoRA trains the adapters only"),
+    "lora_modules_to_save": mapped("modules trained in full beside the adapters and saved with them (with use_peft: "
+                                   "model.modules_to_save / actor_rollout_ref.model.modules_to_save)", _READ),
     "lora_task_type": noop("tiller picks the head by the command (a sequence-classification head for `reward`)"),
     "use_rslora": mapped("rank-stabilised LoRA, scale lora_alpha / sqrt(r) (with use_peft: model.use_rslora)", _READ),
     "use_dora": mapped("DoRA adapters (with use_peft: model.use_dora)", _READ),

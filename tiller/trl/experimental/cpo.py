@@ -1,10 +1,11 @@
 """TRL's experimental `CPOConfig` / `CPOTrainer` (CPO, Xu et al. 2024; SimPO, Meng et al. 2024) on `tiller dpo`.
 
 `loss_type="sigmoid"` (CPO) is `algorithm.loss=cpo` (summed log-probs, plus `cpo_alpha` x the chosen completions'
-NLL, `algorithm.cpo_alpha`); `loss_type="simpo"` is SimPO (`algorithm.loss=simpo`, margin `simpo_gamma`) with TRL's
-NLL term: `[simpo, sft]` weighted `[1, cpo_alpha]` (`cpo_alpha=0`: SimPO alone, the paper's). TRL's `hinge` / `ipo`
-reference-free variants and AlphaPO (`alpha` != 0) are refused. No reference model runs. Rows and tokenization are
-DPOTrainer's (`tiller.trl.preference.dpo_rows`); the formulas are `tiller.algos.reference_free_loss`.
+NLL, `algorithm.cpo_alpha`), `hinge` / `ipo` are `cpo_hinge` / `cpo_ipo` (with the same NLL term); `loss_type="simpo"`
+is SimPO (`algorithm.loss=simpo`, margin `simpo_gamma`) with TRL's NLL term: `[simpo, sft]` weighted
+`[1, cpo_alpha]` (`cpo_alpha=0`: SimPO alone, the paper's). `alpha` != 0 is AlphaPO (`algorithm.alphapo_alpha`) with
+simpo and ipo (on sigmoid / hinge's summed log-probs it overflows: refused). No reference model runs. Rows and
+tokenization are DPOTrainer's (`tiller.trl.preference.dpo_rows`); the formulas are `tiller.algos.reference_free_loss`.
 """
 
 from __future__ import annotations
@@ -20,18 +21,28 @@ from tiller.trl.sft import COMMON_MODEL_RULES
 
 def _loss(value: Any, args: Any) -> dict:
     alpha = float(args.cpo_alpha)
-    if value == "sigmoid":
-        keys: dict[str, Any] = {"algorithm.loss": "cpo", "algorithm.cpo_alpha": alpha}
+    if value in ("sigmoid", "hinge", "ipo"):
+        name = {"sigmoid": "cpo", "hinge": "cpo_hinge", "ipo": "cpo_ipo"}[value]
+        keys: dict[str, Any] = {"algorithm.loss": name, "algorithm.cpo_alpha": alpha}
     elif value == "simpo":
         keys = {"algorithm.loss": ["simpo", "sft"], "algorithm.loss_weights": [1.0, alpha]} if alpha else \
             {"algorithm.loss": "simpo"}
         keys["algorithm.simpo_gamma"] = float(args.simpo_gamma)
     else:
-        raise refuse_value("loss_type", value, "tiller runs CPO's sigmoid and SimPO (simpo); TRL's reference-free "
-                           "hinge / ipo and AlphaPO are not built (tiller dpo's hinge / ipo read a reference)")
+        raise refuse_value("loss_type", value, "TRL's CPOTrainer loss types are sigmoid, hinge, ipo and simpo")
     if float(args.alpha):
-        raise refuse_value("alpha", args.alpha, "AlphaPO's reward transformation is not built (alpha=0: CPO / SimPO)")
-    return {**keys, "algorithm.label_smoothing": float(args.label_smoothing)}
+        if value in ("sigmoid", "hinge"):
+            raise refuse_value("alpha", args.alpha, "AlphaPO's reward transformation on summed log-probs (loss_type "
+                               f"{value!r}): p^-alpha overflows float32 from a ~350-nat completion at alpha 0.25; "
+                               "tiller applies it with simpo and ipo (length-averaged, as the AlphaPO paper)")
+        keys["algorithm.alphapo_alpha"] = float(args.alpha)
+    smoothing = float(args.label_smoothing)
+    if value in ("hinge", "ipo"):
+        if smoothing:  # TRL ignores it there
+            raise refuse_value("label_smoothing", args.label_smoothing, f"loss_type {value!r} does not read it "
+                               "(sigmoid and simpo do)")
+        return keys
+    return {**keys, "algorithm.label_smoothing": smoothing}
 
 
 def _decoder_only(field: str):
@@ -60,12 +71,14 @@ REFERENCE_FREE_RULES = {
 
 CPO_RULES = {
     **REFERENCE_FREE_RULES,
-    "loss_type": mapped("algorithm.loss: sigmoid -> cpo (+ algorithm.cpo_alpha); simpo -> simpo, with TRL's NLL term "
-                        "[simpo, sft] weighted [1, cpo_alpha] when cpo_alpha > 0; hinge / ipo / alphapo refused", _loss),
+    "loss_type": mapped("algorithm.loss: sigmoid / hinge / ipo -> cpo / cpo_hinge / cpo_ipo (+ algorithm.cpo_alpha); "
+                        "simpo -> simpo, with TRL's NLL term [simpo, sft] weighted [1, cpo_alpha] when cpo_alpha > 0",
+                        _loss),
     "label_smoothing": mapped("algorithm.label_smoothing (read with loss_type)", lambda v, a: {}),
     "cpo_alpha": mapped("algorithm.cpo_alpha / the sft weight (read with loss_type)", lambda v, a: {}),
     "simpo_gamma": mapped("algorithm.simpo_gamma (read with loss_type)", lambda v, a: {}),
-    "alpha": mapped("0 (read with loss_type); AlphaPO refused", lambda v, a: {}),
+    "alpha": mapped("algorithm.alphapo_alpha (AlphaPO's reward transformation, with simpo / ipo; read with "
+                    "loss_type)", lambda v, a: {}),
 }
 CPO_RULES = {k: v for k, v in CPO_RULES.items() if k in FIELDS["CPOConfig"]}  # this class's fields only
 CPOConfig = make_config_class("CPOConfig", CPO_RULES)
