@@ -237,6 +237,20 @@ def test_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_h
     assert dict(calls)["generate_sequences"] == {"dispatch": "dp"}  # sampling stays split by rows over both ranks
 
 
+@pytest.mark.slow  # ~20 s
+def test_lora_actor_with_a_saved_module_on_two_fsdp_workers_equals_one_process(ray_session, tmp_path, tiny_model_dir,
+                                                                                 rl_data):
+    """LoRA adapters plus the tied LM head / embedding trained in full (modules_to_save) under FSDP2 on 2 workers:
+    peft's wrapped copy shards, gathers for the rollout sync and steps as in one process."""
+    lora = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.model.modules_to_save=[lm_head]", "actor_rollout_ref.actor.optim.lr=1e-2")
+    local = train(make_cfg(tmp_path / "local", tiny_model_dir, rl_data, *lora), seed_chunks=2)
+    ray_run = train(make_cfg(tmp_path / "ray", tiny_model_dir, rl_data, *lora, *RAY,
+                             "actor_rollout_ref.actor.strategy=fsdp"))
+    assert_same(ray_run, local)
+    assert any("modules_to_save" in k for k in local[1])  # the compared weights include the trained copy
+
+
 @pytest.mark.slow  # ~30-50 s: PPO with a critic group, both split (the critic's forward is the value model's)
 def test_ppo_critic_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_heads_dir, rl_data):
     """critic.ulysses_sequence_parallel_size=2 with the actor's: GAE's values and the critic update run on packed,
