@@ -217,6 +217,9 @@ def test_token_masks_map_to_actor_keys(tiny_model_dir, tmp_path):
     keys, _, _ = translate(tiny_model_dir, tmp_path / "d")
     assert "actor_rollout_ref.actor.top_entropy_quantile" not in keys  # TRL's defaults: the masks off
     assert "actor_rollout_ref.actor.off_policy_mask_threshold" not in keys
+    assert "actor_rollout_ref.model.lm_head_fp32" not in keys
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "h", cast_lm_head_to_fp32=True)  # ScaleRL's fp32 head
+    assert keys["actor_rollout_ref.model.lm_head_fp32"] is True
 
 
 def test_refused_arguments_and_unknown_keywords(tiny_model_dir, tmp_path):

@@ -333,6 +333,10 @@ class ModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     """Keys set on the model's HF config before the model is built (open-ended: use +key=value), as verl;
     `attn_implementation` picks the attention implementation (sdpa, eager, ...); vLLM gets the others."""
+    lm_head_fp32: bool = False
+    """tiller (TRL's cast_lm_head_to_fp32, the ScaleRL recipe): the policy's and the reference's LM head computed in
+    float32 under actor.dtype=bfloat16, so the logits and log-probs are not rounded to bf16 (the head's parameters
+    are float32 masters already). Not with the head LoRA-adapted or in modules_to_save."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = False

@@ -69,7 +69,7 @@ def supports(model) -> bool:
         return False
     if getattr(config, "pretraining_tp", 1) != 1:
         return False
-    if type(getattr(model, "lm_head", None)) is not torch.nn.Linear:  # e.g. peft's copy of a head trained in full
+    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):  # e.g. peft's copy of a head trained in full
         return False
     linear_names = ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in decoder_stack(model).layers:

@@ -125,7 +125,8 @@ def _delta(value: Any, args: Any) -> dict:
 
 GRPO_RULES: dict[str, Rule] = {
     **RL_SHARED_RULES,
-    "cast_lm_head_to_fp32": refused("tiller computes the LM head in the training dtype"),
+    "cast_lm_head_to_fp32": mapped("actor_rollout_ref.model.lm_head_fp32 (the policy's and the reference's LM head in "
+                                   "float32 under bf16)", to("cast_lm_head_to_fp32", bool)),
     "delta": mapped("actor.clip_ratio_c (dual clip; None: off)", _delta),
     "sapo_temperature_neg": mapped("actor.tau_neg (loss_type sapo)", to("sapo_temperature_neg", float)),
     "sapo_temperature_pos": mapped("actor.tau_pos (loss_type sapo)", to("sapo_temperature_pos", float)),
@@ -281,6 +282,8 @@ class GRPOTrainer(TRLRLTrainer):
             keys[f"{actor}.top_entropy_quantile"] = lg["top_entropy_quantile"]
         if lg.get("off_policy_mask_threshold") is not None:
             keys[f"{actor}.off_policy_mask_threshold"] = float(lg["off_policy_mask_threshold"])
+        if lg.get("cast_lm_head_to_fp32"):
+            keys["actor_rollout_ref.model.lm_head_fp32"] = True
         return keys
 
 

@@ -72,6 +72,7 @@ from tiller.rollout.episodes import load_agent_function, rows_from_episodes
 from tiller.rollout.vllm_engine import VLM_REFUSED
 from tiller.workers.common import (
     autocast,
+    fp32_lm_head,
     epoch_passes,
     global_counts,
     build_optimizer,
@@ -160,6 +161,8 @@ class ActorRolloutRefWorker:
         module = attach_lora(module, arr.model, "actor_rollout_ref.model", allow_dropout=False)
         # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
         self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" else None
+        if arr.model.lm_head_fp32:  # before the reference copies the module: both heads in fp32
+            fp32_lm_head(module, "actor_rollout_ref.model.lm_head_fp32")
         if role == "rollout":
             self._init_rollout_only(module)
             return

@@ -45,6 +45,27 @@ def autocast(dtype: str, device: torch.device | str = "cpu", key: str = "actor_r
     return contextlib.nullcontext()
 
 
+class Float32Head(torch.nn.Linear):
+    """An LM head whose matmul and logits run in float32 even under bf16 autocast (`fp32_lm_head`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_lm_head(model: torch.nn.Module, key: str) -> None:
+    """Compute `model`'s LM head in float32 (TRL's cast_lm_head_to_fp32, the ScaleRL recipe: bf16 logits round the
+    log-probs the policy ratio and the KL read). The head becomes a `Float32Head` in place: the same parameters and
+    state-dict keys, copied with the model (the reference) and saved as before. A ConfigError naming `key` when the
+    head is no plain Linear (LoRA-adapted, or trained through modules_to_save)."""
+    head = model.get_output_embeddings()
+    if type(head) not in (torch.nn.Linear, Float32Head):
+        raise ConfigError(f"{key}=True: the model's LM head is a {type(head).__name__}, not a plain Linear (LoRA on "
+                          "lm_head, or lm_head in modules_to_save?); leave the head out of them or the key off")
+    head.__class__ = Float32Head
+
+
 def build_optimizer(model: torch.nn.Module, optim_cfg, key: str) -> torch.optim.Optimizer:
     """The `optim` section's optimizer over the trainable parameters, built as verl builds it
     (`tiller.models.optimizer`: optimizer_impl.optimizer with lr, weight_decay, betas / eps for Adam-family
