@@ -88,7 +88,7 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
                                                            if task == "TOKEN_CLS" else target_modules)
     if exclude_modules is not None and not isinstance(exclude_modules, str):
         exclude_modules = _known_names(model, exclude_modules, f"{key}.exclude_modules") or None
-    tying = {"ensure_weight_tying": True} if modules_to_save and _tied(model) else {}
+    tying = {"ensure_weight_tying": True} if set(modules_to_save or ()) & _tied_names(model) else {}
     if tying and "ensure_weight_tying" not in LoraConfig.__dataclass_fields__:
         raise ConfigError(f"{key}.modules_to_save={_show(modules_to_save)}: the model ties its input and output "
                           "embeddings, and keeping them tied needs peft's ensure_weight_tying (peft >= 0.18): "
@@ -111,6 +111,14 @@ def _tied(model: torch.nn.Module) -> bool:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return out is not None and inp is not None and out.weight is inp.weight
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """The names (last parts) of the input and output embedding modules when the model ties them, else empty."""
+    if not _tied(model):
+        return set()
+    mine = (model.get_input_embeddings(), model.get_output_embeddings())
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if any(m is e for e in mine)}
 
 
 def _saved_modules(model: torch.nn.Module, names: Any, target_modules: Any, key: str) -> list[str] | None:
