@@ -167,3 +167,59 @@ def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, sft_file, t
             "optim.lr": 1e-3, "trainer.total_training_steps": 2, "trainer.export_hf": False})))
         losses.append([r["train/loss"] for r in _metrics(run)])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_best_metric_exports_the_best_checkpoint_and_keeps_it(tiny_model_dir, sft_file, tmp_path):
+    """trainer.best_metric (TRL's load_best_model_at_end): validated at every checkpoint, the best one's weights are
+    hf_model and its checkpoint survives max_ckpt_to_keep. "Best" here is the highest val/loss
+    (best_metric_greater=true): on the memorised training set that is step 1, so the export must be step 1's model,
+    not the last (a test that the selection is not just the last model)."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "best"
+    cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+        "data.val_files": f"[{sft_file}]", "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8,
+        "optim.lr": 3e-3, "trainer.total_training_steps": 4, "trainer.test_freq": 1, "trainer.save_freq": 1,
+        "trainer.max_ckpt_to_keep": 1, "trainer.best_metric": "val/loss", "trainer.best_metric_greater": True}))
+    train_sft(cfg)
+    losses = [r["val/loss"] for r in _metrics(run)]
+    assert losses[0] == max(losses) and losses[-1] < losses[0]  # step 1 is the best by this (reversed) measure
+    kept = sorted(p.name for p in (run / "checkpoints").glob("global_step_*"))
+    assert kept == ["global_step_1", "global_step_4"]  # the newest one, and the best one beside it
+    exported = load_file(str(run / "hf_model" / "model.safetensors"))
+    step1 = load_file(str(run / "checkpoints" / "global_step_1" / "model" / "model.safetensors"))
+    step4 = load_file(str(run / "checkpoints" / "global_step_4" / "model" / "model.safetensors"))
+    assert all(torch.equal(exported[k], step1[k]) for k in step1)
+    assert any(not torch.equal(exported[k], step4[k]) for k in step4)
+    state = torch.load(run / "checkpoints" / "global_step_4" / "state.pt", weights_only=False)
+    assert state["extra"]["best"] == {"step": 1, "value": losses[0]}  # a resumed run knows it
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"trainer.best_metric": "loss"}, "trainer.best_metric='loss': a validation metric as logged, e.g. val/loss"),
+    ({"trainer.best_metric": "val/loss", "trainer.test_freq": 2, "trainer.save_freq": 3},
+     "trainer.save_freq (3) must be a positive multiple of trainer.test_freq (2)"),
+    ({"trainer.best_metric": "val/loss", "data.val_files": "[]", "trainer.test_freq": 1, "trainer.save_freq": 1},
+     "trainer.best_metric=val/loss: needs data.val_files"),
+    ({"trainer.best_metric_greater": True}, "trainer.best_metric_greater is read only with trainer.best_metric"),
+])
+def test_best_metric_settings_are_checked(tiny_model_dir, sft_file, tmp_path, extra, needle):
+    from tiller.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _cfg(job_overrides(tiny_model_dir, sft_file, tmp_path, **{"data.val_files": f"[{sft_file}]", **extra}))
+    assert needle in str(err.value)
+
+
+def test_best_metric_names_the_metrics_a_job_logs(tiny_model_dir, sft_file, tmp_path):
+    from tiller.errors import ConfigError
+
+    run = tmp_path / "typo"
+    cfg = _cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+        "data.val_files": f"[{sft_file}]", "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 8,
+        "trainer.total_training_steps": 2, "trainer.test_freq": 1, "trainer.save_freq": 1,
+        "trainer.best_metric": "val/los"}))
+    with pytest.raises(ConfigError, match=r"trainer.best_metric=val/los: not a validation metric this job logs "
+                                          r"\(val/loss, val/num_tokens, val/perplexity\)"):
+        train_sft(cfg)
+    assert not (run / "checkpoints" / "global_step_1").exists()  # stopped before the first checkpoint

@@ -220,6 +220,8 @@ def test_token_masks_map_to_actor_keys(tiny_model_dir, tmp_path):
     assert "actor_rollout_ref.model.lm_head_fp32" not in keys
     keys, _, _ = translate(tiny_model_dir, tmp_path / "h", cast_lm_head_to_fp32=True)  # ScaleRL's fp32 head
     assert keys["actor_rollout_ref.model.lm_head_fp32"] is True
+    with pytest.raises(ConfigError, match="load_best_model_at_end=True: refused: tiller's RL trainers keep the last"):
+        translate(tiny_model_dir, tmp_path / "b", load_best_model_at_end=True)
 
 
 def test_refused_arguments_and_unknown_keywords(tiny_model_dir, tmp_path):

@@ -184,6 +184,21 @@ def test_eos_token_chat_template_path_and_dft_map_to_tiller_keys(tiny_model_dir,
                    args=SFTConfig(output_dir=str(tmp_path / "e"), eos_token="<nope>")).tiller_keys()
 
 
+def test_load_best_model_at_end_maps_to_the_best_metric(tiny_model_dir, tmp_path):
+    # TRL's load_best_model_at_end + metric_for_best_model (eval_X -> val/X; None: the loss) + greater_is_better
+    def keys(**kw):
+        return SFTTrainer(model=str(tiny_model_dir), train_dataset=[{"text": "a b"}] * 4, eval_dataset=[
+            {"text": "a b"}] * 2, args=SFTConfig(output_dir=str(tmp_path / "b"), eval_strategy="steps", eval_steps=2,
+                                               save_steps=4, **kw)).tiller_keys()
+
+    best = keys(load_best_model_at_end=True)
+    assert (best["trainer.best_metric"], best["trainer.test_freq"], best["trainer.save_freq"]) == ("val/loss", 2, 4)
+    assert "trainer.best_metric_greater" not in best  # None: tiller's default (lower for a loss), as HF's
+    best = keys(load_best_model_at_end=True, metric_for_best_model="eval_mean_token_accuracy", greater_is_better=True)
+    assert (best["trainer.best_metric"], best["trainer.best_metric_greater"]) == ("val/mean_token_accuracy", True)
+    assert "trainer.best_metric" not in keys(metric_for_best_model="eval_loss")  # alone: nothing to load
+
+
 def test_loaded_model_and_tokenizer_objects_and_noop_notices(tiny_model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

@@ -285,7 +285,14 @@ class JobTrainerConfig:
     test_freq: int = -1
     """Validate every N steps (-1 = only at the end)."""
     max_ckpt_to_keep: Optional[int] = None
-    """Keep only the newest N checkpoints."""
+    """Keep only the newest N checkpoints (and the best_metric's best one)."""
+    best_metric: Optional[str] = None
+    """A validation metric as logged (val/loss, val/rewards/accuracies, ...): the checkpoint where it was best is the
+    model exported at the end (hf_model), and kept whatever max_ckpt_to_keep says (TRL's load_best_model_at_end with
+    metric_for_best_model). Needs data.val_files and trainer.save_freq a multiple of trainer.test_freq; null = the
+    last model."""
+    best_metric_greater: Optional[bool] = None
+    """Whether a larger best_metric is better; null: False for a metric ending in loss, else True (HF's default)."""
     resume_mode: str = "auto"
     """auto (latest checkpoint in the run dir, if any) | disable | resume_path."""
     resume_from_path: Optional[str] = None
@@ -483,6 +490,25 @@ class SPINConfig:
 
 
 
+def _validate_best_metric(cfg: Any) -> None:
+    """trainer.best_metric: a validation metric, validated at every checkpoint (HF's save_steps a multiple of
+    eval_steps), so that the best value's checkpoint exists to export."""
+    tr = cfg.trainer
+    if tr.best_metric is None:
+        if tr.best_metric_greater is not None:
+            raise ConfigError("trainer.best_metric_greater is read only with trainer.best_metric")
+        return
+    if not str(tr.best_metric).startswith("val/"):
+        raise ConfigError(f"trainer.best_metric={tr.best_metric!r}: a validation metric as logged, e.g. val/loss")
+    if not cfg.data.val_files:
+        raise ConfigError(f"trainer.best_metric={tr.best_metric}: needs data.val_files (the metric is a validation "
+                          "one)")
+    if tr.test_freq <= 0 or tr.save_freq <= 0 or tr.save_freq % tr.test_freq:
+        raise ConfigError(f"trainer.best_metric={tr.best_metric}: every checkpoint must be validated, so "
+                          f"trainer.save_freq ({tr.save_freq}) must be a positive multiple of trainer.test_freq "
+                          f"({tr.test_freq}) (HF's save_steps a multiple of eval_steps)")
+
+
 def validate_job(cfg: Any) -> None:
     """Cross-field checks shared by the four jobs, then the job's own."""
     data, model, optim, tr = cfg.data, cfg.model, cfg.optim, cfg.trainer
@@ -509,9 +535,10 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError("model.router_aux_loss_coef: the router loss is added in SFT, DPO and KTO (not here)")
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
-    for flag in ("use_rslora", "use_dora"):
+    for flag in ("use_rslora", "use_dora", "modules_to_save"):
         if getattr(model, flag) and not (model.lora_rank > 0 or model.lora_adapter_path):
-            raise ConfigError(f"model.{flag}=True needs LoRA (model.lora_rank > 0 or model.lora_adapter_path)")
+            raise ConfigError(f"model.{flag}={getattr(model, flag)} needs LoRA (model.lora_rank > 0 or "
+                              "model.lora_adapter_path)")
     for name in tr.logger:
         _choice("trainer.logger", name, LOGGERS)
     _choice("trainer.resume_mode", tr.resume_mode, ("auto", "disable", "resume_path"))
@@ -519,6 +546,7 @@ def validate_job(cfg: Any) -> None:
     if tr.resume_mode == "resume_path" and not tr.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _positive("trainer.total_epochs", tr.total_epochs)
+    _validate_best_metric(cfg)
     # before any model work: the template compiles and renders (with SFT's kwargs)
     check_chat_template_settings(model.custom_chat_template, getattr(data, "apply_chat_template_kwargs", {}),
                                  template_key="model.custom_chat_template",

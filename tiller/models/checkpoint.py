@@ -308,13 +308,13 @@ LEGACY_OPTIMIZER = "torch.optim.adamw.AdamW"
 def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Module | None = None,
                     optimizer=None, scheduler=None, extra_state: dict | None = None, tokenizer=None,
                     keep: int | None = None, extra_models: dict[str, torch.nn.Module] | None = None,
-                    extra_states: dict[str, Any] | None = None) -> Path:
+                    extra_states: dict[str, Any] | None = None, keep_step: int | None = None) -> Path:
     """Save a checkpoint for `step` atomically; returns `ckpt_root/global_step_<step>`.
 
     extra_state: plain values restored by `load_checkpoint` (sampler position, KL coefficient, ...).
     extra_models: other modules by name (e.g. {"critic": critic}), saved to `<name>/`.
     extra_states: other objects with `state_dict()` by name (e.g. {"critic_optimizer": opt}) -> `<name>.pt`.
-    keep: keep only the newest `keep` checkpoints (None keeps all).
+    keep: keep only the newest `keep` checkpoints (None keeps all), and `keep_step`'s (the best one) besides.
     """
     if keep is not None and keep < 1:
         raise UserError(f"checkpoint keep must be >= 1 or None, got {keep}")
@@ -356,8 +356,9 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: torch.nn.Mod
         _remove_dir(final)
         raise _disk_full_error(final, root) from None
     if keep is not None:
+        spared = {final, root / f"{PREFIX}{int(keep_step)}"} if keep_step is not None else {final}
         for old in list_checkpoints(root)[:-keep]:
-            if old != final:
+            if old not in spared:
                 _remove_dir(old)
     return final
 

@@ -155,14 +155,14 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
 def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler, models: dict | None = None) -> int:
     mode = cfg.trainer.resume_mode
     if mode == "disable":
-        return 0
+        return 0, {}
     path = cfg.trainer.resume_from_path if mode == "resume_path" else latest_checkpoint(ckpt_root)
     if path is None:
-        return 0
+        return 0, {}
     load = functools.partial(load_checkpoint, extra_models=models) if models else load_checkpoint
     state = par.load(load, path, optimizer=optimizer, scheduler=scheduler)
     print(f"resumed from {path} at step {state['step']}")
-    return int(state["step"])
+    return int(state["step"]), dict(state.get("extra") or {})
 
 
 def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_examples: Sequence[Any],
@@ -191,7 +191,8 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     if models and par.world > 1:
         raise ConfigError("algorithm.ref_model_sync_steps: the reference's updates run in one process (not under "
                           "torchrun with several ranks)")
-    start = _resume(cfg, ckpt_root, par, optimizer, scheduler, models)
+    start, extra = _resume(cfg, ckpt_root, par, optimizer, scheduler, models)
+    best = _Best(tr, extra.get("best"))
     tracker = (Tracker(run_dir, loggers=tuple(tr.logger), project=tr.project_name, experiment=tr.experiment_name,
                        config=to_dict(cfg), total_steps=total, resume_from_step=start or None)
                if par.rank == 0 else _NoTracker())
@@ -217,12 +218,18 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                 tracker.log(metrics, step=done)
                 last = metrics
                 if (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total:
+                    best.see(done, metrics)  # (every checkpoint was validated: trainer.best_metric's rule)
                     par.save(functools.partial(save_checkpoint, ckpt_root, done, extra_models=models or None),
-                             optimizer=optimizer,
-                             scheduler=scheduler, extra_state={"total_steps": total}, tokenizer=tokenizer,
-                             keep=tr.max_ckpt_to_keep)
+                             optimizer=optimizer, scheduler=scheduler,
+                             extra_state={"total_steps": total, **({"best": best.state} if best.state else {})},
+                             tokenizer=tokenizer, keep=tr.max_ckpt_to_keep, keep_step=best.step)
     finally:
         tracker.close()
+    if best.step is not None and best.step != total:  # the best checkpoint's weights are the result
+        load = functools.partial(load_checkpoint, extra_models=models) if models else load_checkpoint
+        par.load(load, ckpt_root / f"global_step_{best.step}", optimizer=optimizer, scheduler=scheduler)
+        if par.rank == 0:
+            print(f"the best {tr.best_metric} ({best.value:.6g}) was at step {best.step}: its model is the result")
     if tr.export_hf:
         if hasattr(job, "before_export"):  # e.g. the reward model's score mean / std into its config
             job.before_export(model, device)
@@ -232,6 +239,33 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
             print(f"exported the trained model to {out}")
     par.close()
     return last
+
+
+class _Best:
+    """trainer.best_metric's best validated checkpoint so far: `step`, `value` (None before the first), kept in the
+    checkpoints' extra state so a resumed run knows it."""
+
+    def __init__(self, tr, state: dict | None):
+        self.metric = tr.best_metric
+        greater = tr.best_metric_greater
+        self.greater = (not str(self.metric).endswith("loss")) if greater is None else bool(greater)
+        self.step = state["step"] if state else None
+        self.value = state["value"] if state else None
+
+    @property
+    def state(self) -> dict | None:
+        return None if self.step is None else {"step": self.step, "value": self.value}
+
+    def see(self, step: int, metrics: dict[str, float]) -> None:
+        if self.metric is None:
+            return
+        if self.metric not in metrics:
+            logged = sorted(k for k in metrics if k.startswith("val/"))
+            raise ConfigError(f"trainer.best_metric={self.metric}: not a validation metric this job logs "
+                              f"({', '.join(logged)})")
+        value = float(metrics[self.metric])
+        if self.value is None or (value > self.value if self.greater else value < self.value):
+            self.step, self.value = step, value
 
 
 class _NoTracker:

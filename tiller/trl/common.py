@@ -64,6 +64,15 @@ def refuse_value(field: str, value: Any, why: str) -> ConfigError:
 
 # ------------------------------------------------------------------------------- TrainingArguments' fields
 
+def _best_model(value: Any, args: Any) -> dict:
+    """load_best_model_at_end=True: metric_for_best_model as tiller's validation metric (eval_X or X -> val/X)."""
+    if not value:
+        return {}
+    metric = str(args.metric_for_best_model or "loss")
+    name = metric[len("eval_"):] if metric.startswith("eval_") else metric
+    return {"best_metric": f"val/{name}", "best_greater": args.greater_is_better}
+
+
 _ONE_PROCESS = "tiller trains in one process per run (scale out with `tiller rl trainer.backend=ray`)"
 _NO_EVAL_LOOP = "tiller's validation has no separate prediction loop to tune"
 _HUB = "only read with push_to_hub, which is refused (tiller does not upload)"
@@ -267,9 +276,13 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "hub_strategy": noop(_HUB),
     "hub_always_push": noop(_HUB),
     "hub_revision": noop(_HUB),
-    "load_best_model_at_end": refused("tiller keeps the last model (and the newest checkpoints)"),
-    "metric_for_best_model": refused("tiller keeps the last model; there is no best-model selection"),
-    "greater_is_better": noop("only read with metric_for_best_model, which is refused"),
+    "load_best_model_at_end": mapped("trainer.best_metric: the checkpoint with the best metric_for_best_model "
+                                     "(eval_X -> val/X; None: loss) is the saved model; kept past save_total_limit",
+                                     _best_model),
+    "metric_for_best_model": mapped("trainer.best_metric (read with load_best_model_at_end; alone, HF only records "
+                                    "the best checkpoint's name)", lambda v, a: {}),
+    "greater_is_better": mapped("trainer.best_metric_greater (read with load_best_model_at_end; None: False for a "
+                                "loss, else True)", lambda v, a: {}),
     "ignore_data_skip": noop("tiller resumes its seeded sampler exactly (nothing is skipped or replayed)"),
     "restore_callback_states_from_checkpoint": noop("callbacks are refused, so there is no callback state"),
     "full_determinism": noop("tiller runs are seeded and deterministic on CPU without a switch"),
@@ -509,6 +522,7 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
         "data.micro_batch_size_per_gpu": micro, "data.train_batch_size": micro * int(g("grad_accum", 1)),
         "trainer.seed": g("seed"), "trainer.total_training_steps": total, "trainer.save_freq": g("save_freq"),
         "trainer.test_freq": g("test_freq"), "trainer.max_ckpt_to_keep": g("max_ckpt_to_keep"),
+        "trainer.best_metric": g("best_metric"), "trainer.best_metric_greater": g("best_greater"),
         "trainer.logger": g("loggers"), "trainer.device": g("device"), "trainer.default_local_dir": g("output_dir"),
         "trainer.experiment_name": experiment_name(logical), "trainer.project_name": g("project_name"),
         "model.trust_remote_code": g("trust_remote_code"), "model.attn_implementation": g("attn_implementation"),

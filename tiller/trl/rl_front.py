@@ -135,7 +135,14 @@ def _sync_ref(value: Any, args: Any) -> dict:
 GEN_NOOP_VLLM = "a vLLM engine setting: tiller's vllm engine takes its own defaults"
 
 # the generation / batch fields GRPOConfig and RLOOConfig share (each trainer adds its algorithm's)
+def _no_rl_best(value: Any) -> dict:
+    raise refuse_value("load_best_model_at_end", value, "tiller's RL trainers keep the last policy (select a "
+                       "checkpoint by its val-core reward yourself: checkpoints/global_step_N)")
+
+
 RL_SHARED_RULES: dict[str, Rule] = {
+    "load_best_model_at_end": mapped("False: tiller's RL run keeps its last policy (its validation is the reward, "
+                                     "not an eval loss); True refused", lambda v, a: {} if not v else _no_rl_best(v)),
     "neftune_noise_alpha": refused("NEFTune noise in the policy's training forward would perturb the log-probs its "
                                    "ratio and KL compare with the rollout's (TRL would add it there); tiller's SFT / "
                                    "DPO / KTO / reward trainers take it"),
