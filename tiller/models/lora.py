@@ -269,11 +269,12 @@ def adapter_settings(path: str | Path, key: str) -> dict[str, Any]:
 def _user_saved(names: Any, model: torch.nn.Module | None = None) -> list[str] | None:
     """A modules_to_save list as a user would write it: the last part of each name (peft stores `model.embed_tokens`
     for a tied head), without the classification heads peft adds itself (`score`, `classifier`), and with `model`
-    tying its embeddings, `lm_head` read as `embed_tokens` (the one matrix); None when that is nothing."""
+    tying its embeddings, either one's name read as the same (the one matrix); None when that is nothing."""
     names = [names] if isinstance(names, str) else list(names or ())
     out = {str(n).rsplit(".", 1)[-1] for n in names} - {"score", "classifier"}
-    if model is not None and _tied(model):
-        out = {"embed_tokens" if n == "lm_head" else n for n in out}
+    tied = _tied_names(model) if model is not None else set()
+    if tied:
+        out = {min(tied) if n in tied else n for n in out}
     return sorted(out) or None
 
 

@@ -152,6 +152,11 @@ def export_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
 # ------------------------------------------------------------------------------------------- loop
 
 
+def _loader(models: dict | None):
+    """`load_checkpoint`, restoring the job's extra models (e.g. a moving reference) too when it has any."""
+    return functools.partial(load_checkpoint, extra_models=models) if models else load_checkpoint
+
+
 def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler, models: dict | None = None) -> int:
     mode = cfg.trainer.resume_mode
     if mode == "disable":
@@ -159,8 +164,7 @@ def _resume(cfg, ckpt_root: Path, par, optimizer, scheduler, models: dict | None
     path = cfg.trainer.resume_from_path if mode == "resume_path" else latest_checkpoint(ckpt_root)
     if path is None:
         return 0, {}
-    load = functools.partial(load_checkpoint, extra_models=models) if models else load_checkpoint
-    state = par.load(load, path, optimizer=optimizer, scheduler=scheduler)
+    state = par.load(_loader(models), path, optimizer=optimizer, scheduler=scheduler)
     print(f"resumed from {path} at step {state['step']}")
     return int(state["step"]), dict(state.get("extra") or {})
 
@@ -226,8 +230,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     finally:
         tracker.close()
     if best.step is not None and best.step != total:  # the best checkpoint's weights are the result
-        load = functools.partial(load_checkpoint, extra_models=models) if models else load_checkpoint
-        par.load(load, ckpt_root / f"global_step_{best.step}", optimizer=optimizer, scheduler=scheduler)
+        par.load(_loader(models), ckpt_root / f"global_step_{best.step}", optimizer=optimizer, scheduler=scheduler)
         if par.rank == 0:
             print(f"the best {tr.best_metric} ({best.value:.6g}) was at step {best.step}: its model is the result")
     if tr.export_hf:
