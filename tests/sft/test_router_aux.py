@@ -111,24 +111,3 @@ def test_trl_fields_map_with_trls_default_of_the_models_own_coefficient(tiny_moe
     assert openrlhf_main(["train_sft", "--pretrain", str(tiny_moe_dir), "--dataset", str(train), "--input_key",
                           "input", "--output_key", "output", "--aux_loss_coef", "0.01", "--dry-run"]) == 0
     assert "router_aux_loss_coef: 0.01" in capsys.readouterr().out
-
-
-def test_trls_rl_trainers_say_their_router_loss_is_not_added(tiny_moe_dir, tiny_model_dir, tmp_path):
-    # TRL's GRPO adds a mixture-of-experts model's router loss by default (None: the config's coefficient);
-    # tiller's RL update has none: a notice there, an explicit coefficient is refused, a dense model says nothing
-    from tiller.trl import GRPOConfig, GRPOTrainer
-
-    def reward(completions, **kw):
-        return [0.0] * len(completions)
-
-    rows = [{"prompt": "a"}] * 8
-    _, notices = GRPOTrainer(model=str(tiny_moe_dir), reward_funcs=reward, train_dataset=rows,
-                             args=GRPOConfig(output_dir=str(tmp_path / "a"), bf16=False)).translate()
-    assert any("router_aux_loss_coef=None: TRL adds this mixture-of-experts model's router loss (coefficient "
-               "0.001)" in n for n in notices), notices
-    _, notices = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward, train_dataset=rows,
-                             args=GRPOConfig(output_dir=str(tmp_path / "b"), bf16=False)).translate()
-    assert not any("router" in n for n in notices)
-    with pytest.raises(ConfigError, match="router_aux_loss_coef=0.01: refused"):
-        GRPOTrainer(model=str(tiny_moe_dir), reward_funcs=reward, train_dataset=rows,
-                    args=GRPOConfig(output_dir=str(tmp_path / "c"), router_aux_loss_coef=0.01, bf16=False))

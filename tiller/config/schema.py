@@ -559,6 +559,11 @@ class ActorConfig:
     """tiller (TRL's top_entropy_quantile; Wang et al. 2025, "Beyond the 80/20 Rule"): the policy gradient (and the
     entropy bonus) only on the micro-batch's top share of response tokens by entropy, e.g. 0.2 for the "forking"
     tokens; the loss keeps its denominator. 1.0: every token."""
+    router_aux_loss_coef: float = 0.0
+    """tiller (TRL's router_aux_loss_coef, OpenRLHF's --actor.aux_loss_coef): a mixture-of-experts policy (its config
+    has output_router_logits: Mixtral, Qwen2-MoE, Qwen3-MoE, ...) adds this x transformers' router load-balancing
+    loss of each micro-batch's forward (prompt and response tokens), by its share of the mini-batch's sequences.
+    0: off (verl's FSDP workers add none: "it hurts perf in RL"). Actor only (not the critic)."""
     off_policy_mask_threshold: Optional[float] = None
     """tiller (TRL's off_policy_mask_threshold; DeepSeek-V3.2's off-policy sequence mask): a response with a negative
     advantage whose mean log pi_rollout - log pi over its tokens exceeds this leaves the policy gradient (the

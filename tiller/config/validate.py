@@ -65,6 +65,11 @@ def _validate_seq_parallel(cfg: RLConfig) -> None:
             and cfg.algorithm.adv_estimator == "prime":
         raise ConfigError("actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: PRIME's implicit PRM is not "
                           "split over workers; set it to 1")
+    if (cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size or 1) > 1 and workers > 1 \
+            and cfg.actor_rollout_ref.actor.router_aux_loss_coef:
+        raise ConfigError("actor_rollout_ref.actor.router_aux_loss_coef with actor.ulysses_sequence_parallel_size > 1: "
+                          "each worker routes a slice of the sequence, and the router loss (over all its tokens) is "
+                          "not split; drop one of them")
 
 
 def _validate_kl_weight(cfg: RLConfig) -> None:
@@ -179,6 +184,8 @@ def validate_rl(cfg: RLConfig) -> None:
     if not 0.0 < actor.top_entropy_quantile <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.top_entropy_quantile must be in (0, 1], got "
                           f"{actor.top_entropy_quantile} (the share of tokens kept; 1.0 keeps them all)")
+    if actor.router_aux_loss_coef < 0:
+        raise ConfigError(f"actor_rollout_ref.actor.router_aux_loss_coef must be >= 0, got {actor.router_aux_loss_coef}")
     if actor.off_policy_mask_threshold is not None and actor.off_policy_mask_threshold < 0:
         raise ConfigError(f"actor_rollout_ref.actor.off_policy_mask_threshold must be >= 0 or null, got "
                           f"{actor.off_policy_mask_threshold}")

@@ -170,7 +170,8 @@ TABLE: tuple[Flag, ...] = (
     _f("aux_loss_coef", MAPPED, "model.router_aux_loss_coef (a mixture-of-experts model's router load-balancing loss)",
        "model.aux_loss_coef", "actor.aux_loss_coef",
        R=(REFUSED, "no router loss in tiller's reward-model job"),
-       P=(REFUSED, "no router loss in tiller's RL actor update (its SFT / DPO / KTO jobs take one)")),
+       P=(MAPPED, "actor_rollout_ref.actor.router_aux_loss_coef (the actor's update; OpenRLHF adds it to a "
+                  "mixture-of-experts critic's loss too, tiller's critic has none)")),
     # ------------------------------------------------------------------ precision, memory, kernels
     _f("bf16", MAPPED, "optim.dtype / actor.dtype / critic.dtype = bfloat16 (else float32)"),
     _f("ds.param_dtype", MAPPED, "optim.dtype / actor.dtype / critic.dtype: bf16 -> bfloat16, fp32 -> float32 "

@@ -533,6 +533,8 @@ def _algorithm(a: Args, o: dict, notices: list[str]) -> None:
     o[f"{actor}.policy_loss.loss_mode"] = {"ppo": "vanilla", "gspo": "gspo"}.get(loss, loss)
     entropy = a("entropy_loss_coef")
     o[f"{actor}.entropy_coeff"] = 0.0 if entropy is None else entropy
+    if a("aux_loss_coef"):  # a mixture-of-experts actor's router load-balancing loss
+        o[f"{actor}.router_aux_loss_coef"] = float(a("aux_loss_coef"))
     # dynamic filtering (DAPO dynamic sampling)
     if a("dynamic_filtering"):
         low, high = (float(x) for x in a("dynamic_filtering_reward_range"))

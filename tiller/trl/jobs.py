@@ -35,14 +35,21 @@ def write_data(run_dir: Path, name: str, rows: list[dict], suffix: str = ".jsonl
     return str(write_rows_atomic(rows, Path(run_dir) / DATA_DIR / f"{name}{suffix}"))
 
 
-def moe_router_coef(model_path: str) -> float:
-    """A mixture-of-experts model's config router_aux_loss_coef (its text config's, for a VLM); 0 for a dense model."""
+def moe_config(model_path: str) -> dict | None:
+    """The config.json of a mixture-of-experts model (its text config, for a VLM): one with output_router_logits, as
+    TRL tells them; None for a dense model (or no readable config)."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return 0.0
+        return None
     config = config.get("text_config", config) if "output_router_logits" not in config else config
-    return float(config.get("router_aux_loss_coef", 0.0) or 0.0) if "output_router_logits" in config else 0.0
+    return config if "output_router_logits" in config else None
+
+
+def moe_router_coef(model_path: str) -> float:
+    """A mixture-of-experts model's config router_aux_loss_coef (its text config's, for a VLM); 0 for a dense model."""
+    config = moe_config(model_path)
+    return float(config.get("router_aux_loss_coef", 0.0) or 0.0) if config is not None else 0.0
 
 
 def split_settings(logical: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

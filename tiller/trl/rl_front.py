@@ -33,7 +33,7 @@ from tiller.trl.common import (
 )
 from tiller.models.loading import VISION_FAMILIES, is_vision_checkpoint
 from tiller.trl.data import dataset_decoder, to_dataset_rows, write_rows_atomic
-from tiller.trl.jobs import moe_router_coef
+from tiller.trl.jobs import moe_config, moe_router_coef
 from tiller.trl.images import image_column, image_entry, multimodal_row, row_images
 from tiller.trl.rewards import ROW_KEY, SPLIT_KEY, RewardModelFunc, TRLRewards, callable_name
 from tiller.trl.tool_loop import EnvironmentPool, TRLToolLoop, environment_rewards, prepare_tokenizer, tool_of
@@ -117,11 +117,6 @@ def _generation_kwargs(value: Any, args: Any) -> dict:
     return {**({"stop": stop} if stop else {}), **({"generation_penalties": penalties} if penalties else {})}
 
 
-def _no_rl_router(value: Any) -> dict:
-    raise refuse_value("router_aux_loss_coef", value, "tiller's RL update adds no router load-balancing loss (its "
-                       "SFT / DPO / KTO trainers do)")
-
-
 def _sync_ref(value: Any, args: Any) -> dict:
     if not value:
         return {}
@@ -146,9 +141,9 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "neftune_noise_alpha": refused("NEFTune noise in the policy's training forward would perturb the log-probs its "
                                    "ratio and KL compare with the rollout's (TRL would add it there); tiller's SFT / "
                                    "DPO / KTO / reward trainers take it"),
-    "router_aux_loss_coef": mapped("None or 0: tiller's RL update adds no router load-balancing loss (a "
-                                   "mixture-of-experts model, where TRL's None adds its config's, gets a notice); "
-                                   "others refused", lambda v, a: {} if not v else _no_rl_router(v)),
+    "router_aux_loss_coef": mapped("actor_rollout_ref.actor.router_aux_loss_coef (None: a mixture-of-experts "
+                                   "model's config router_aux_loss_coef, as TRL; a dense model: off, and a coefficient "
+                                   "refused, as TRL)", lambda v, a: {}),
     "disable_dropout": noop("tiller's tiny and released models have no dropout in training; the actor trains in "
                             "train mode as transformers' Trainer does"),
     "num_generations": mapped("actor_rollout_ref.rollout.n", to("num_generations", int)),
@@ -515,10 +510,6 @@ class TRLRLTrainer(TRLTrainerBase):
     def translate(self) -> tuple[dict[str, Any], list[str]]:
         """(tiller RL keys, notices) of this trainer's arguments and data (the data is written under the run dir)."""
         notices = list(self.notices)
-        coef = moe_router_coef(self.model_path)
-        if coef and getattr(self.args, "router_aux_loss_coef", 0) is None:  # (GRPO / RLOO / distillation)
-            notices.append(f"router_aux_loss_coef=None: TRL adds this mixture-of-experts model's router loss "
-                           f"(coefficient {coef}) to the RL loss; tiller's RL update has none")
         schedule = resolve_schedule(self.logical, self.steps_per_epoch)
         schedule, more = to_tiller_steps(schedule, self.arithmetic["k"])
         notices += more
@@ -535,7 +526,19 @@ class TRLRLTrainer(TRLTrainerBase):
         keys.update(self._shared_keys())
         keys.update(self._algorithm_keys())
         keys.update(lora_rl_keys(self.lora))
+        keys.update(self._router_keys())
         return keys, notices + self._algorithm_notices()
+
+    def _router_keys(self) -> dict[str, Any]:
+        """TRL's router_aux_loss_coef (GRPO / RLOO / distillation): None takes a mixture-of-experts model's own
+        coefficient (0.0 when its config declares none); a coefficient with a dense model is an error, as TRL's."""
+        value = getattr(self.args, "router_aux_loss_coef", 0)
+        if value is None:
+            value = moe_router_coef(self.model_path)
+        elif value and moe_config(self.model_path) is None:
+            raise refuse_value("router_aux_loss_coef", value, f"{self.model_path} is not a mixture-of-experts model "
+                               "(its config has no output_router_logits), so it has no router loss; set it to None or 0")
+        return {"actor_rollout_ref.actor.router_aux_loss_coef": float(value)} if value else {}
 
     def _tiller_config(self, resume: dict[str, Any]) -> Any:
         # import cost: the config stack (omegaconf, hydra, torch via algos) loads only when a run starts

@@ -30,6 +30,7 @@ Letters: `B` samples, `P` prompt width, `T` response width.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import time
@@ -74,6 +75,7 @@ from tiller.workers.common import (
     autocast,
     fp32_lm_head,
     epoch_passes,
+    counted_rows,
     global_counts,
     build_optimizer,
     build_scheduler,
@@ -91,6 +93,7 @@ from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_ba
 from tiller.workers.packed import enable_checkpointing, packed_response_forward
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 from tiller.workers.prm import ImplicitPRM
+from tiller.workers.router_aux import RouterAux, micro_batch_aux
 
 
 def _mean(values: list[float]) -> float:
@@ -194,6 +197,9 @@ class ActorRolloutRefWorker:
         module.train()
         self.module = module
         self._forward_opts = forward_options(module, self.actor_cfg.share_prompt_forward)
+        # a mixture-of-experts policy's router load-balancing loss in the update (TRL's router_aux_loss_coef)
+        self._router_aux = RouterAux(module, "actor_rollout_ref.actor.router_aux_loss_coef") \
+            if self.actor_cfg.router_aux_loss_coef else None
         # verl's use_remove_padding: rows packed into one sequence per micro-batch (tiller.workers.packed)
         self._remove_padding = bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"]
         # Ulysses sequence parallelism: groups of ranks split each packed micro-batch (tiller.workers.ulysses)
@@ -690,10 +696,12 @@ class ActorRolloutRefWorker:
                                                      mb["attention_mask"].to(self.device), P,
                                                      mb["response_mask"].to(self.device))
         else:
+            opts = self._forward_opts
+            if opts["share_prompts"] and RouterAux.collecting():  # the router loss of a forward over the whole rows
+                opts = {**opts, "share_prompts": False}
             logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
                                               mb["attention_mask"].to(self.device), P,
-                                              mb["response_mask"].to(self.device), multi_modal=mm,
-                                              **self._forward_opts)
+                                              mb["response_mask"].to(self.device), multi_modal=mm, **opts)
         return logits.float() / temperature, t_used
 
     def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False,
@@ -918,7 +926,8 @@ class ActorRolloutRefWorker:
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             logits_out = [] if full_vocab else None  # gjsd: the student's logits, for the teacher's distribution
-            with autocast(a.dtype, self.device):
+            routing = self._router_aux.collect() if self._router_aux is not None else contextlib.nullcontext()
+            with autocast(a.dtype, self.device), routing as routed:
                 logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0,
                                                    logits_out=logits_out)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
@@ -962,6 +971,11 @@ class ActorRolloutRefWorker:
                 kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
                 loss = loss + a.kl_loss_coef * kl_loss
                 part["kl_loss"] = float(kl_loss.detach())
+            if routed is not None:  # the MoE router's balance, this micro-batch's by its share of the sequences
+                share = counted_rows(micro) / max(agg["global_seqs"], 1.0)
+                aux = micro_batch_aux(routed)
+                loss = loss + a.router_aux_loss_coef * share * aux
+                part["aux_loss"] = share * float(aux.detach())
             loss.backward()
             w = float(mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metric means
             part["pg_loss"] = float(pg_loss.detach())

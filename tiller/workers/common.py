@@ -476,6 +476,13 @@ def prepare_process(trainer_cfg) -> None:
         tune_cpu_malloc()
 
 
+def counted_rows(batch) -> float:
+    """The sequences of `batch` a seq-mean counts: those its `seq_counted` flags, else those with a valid token."""
+    if "seq_counted" in batch:
+        return float(batch["seq_counted"].float().sum())
+    return float((batch["response_mask"].sum(-1) > 0).sum())
+
+
 def global_counts(mini_batch, loss_scale_factor: float | None = None) -> dict[str, float]:
     """Aggregation counts of a mini-batch over all ranks: `aggregate_loss` keyword arguments
     (global_tokens = valid response tokens, global_seqs = sequences, max_len = the role's `loss_scale_factor` when
@@ -486,10 +493,6 @@ def global_counts(mini_batch, loss_scale_factor: float | None = None) -> dict[st
     in verl 0.10, whose trainer passes agg_loss global_batch_size = ppo_mini_batch_size x n; world-size padding rows
     do not), else the rows with at least one valid token (padding rows have none)."""
     mask = mini_batch["response_mask"].float()
-    if "seq_counted" in mini_batch:
-        n_seq = float(mini_batch["seq_counted"].float().sum())
-    else:
-        n_seq = float((mask.sum(-1) > 0).sum())
-    counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), n_seq], dtype=torch.float64))
+    counts = dist_ctx.all_reduce_sum(torch.tensor([mask.sum(), counted_rows(mini_batch)], dtype=torch.float64))
     max_len = max(mask.shape[1], 1) if loss_scale_factor is None else loss_scale_factor
     return dict(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_len=max_len)
