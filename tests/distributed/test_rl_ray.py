@@ -23,6 +23,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tests.sft.test_router_aux import tiny_moe_dir  # noqa: E402,F401  (a fixture)
 from tiller.config import load_config  # noqa: E402
 from tiller.distributed import WorkerError  # noqa: E402
 from tiller.tasks import arithmetic  # noqa: E402
@@ -249,6 +250,23 @@ def test_lora_actor_with_a_saved_module_on_two_fsdp_workers_equals_one_process(r
                              "actor_rollout_ref.actor.strategy=fsdp"))
     assert_same(ray_run, local)
     assert any("modules_to_save" in k for k in local[1])  # the compared weights include the trained copy
+
+
+@pytest.mark.slow  # ~20 s
+def test_moe_router_loss_on_two_fsdp_workers_equals_one_process(ray_session, tmp_path, rl_data,
+                                                                 tiny_moe_dir):  # noqa: F811
+    """A Mixtral policy with actor.router_aux_loss_coef under FSDP2 on 2 workers: the hooks on the sharded module
+    record each rank's router loss, and the update (and actor/aux_loss, each rank's share of the sequences summed)
+    equals one process's."""
+    import json
+
+    moe, aux = tiny_moe_dir, ("actor_rollout_ref.actor.router_aux_loss_coef=0.5",)
+    local = train(make_cfg(tmp_path / "local", moe, rl_data, *aux), seed_chunks=2)
+    ray_run = train(make_cfg(tmp_path / "ray", moe, rl_data, *aux, *RAY, "actor_rollout_ref.actor.strategy=fsdp"))
+    assert_same(ray_run, local)
+    rows = {run: [json.loads(line)["actor/aux_loss"] for line in (tmp_path / run / "metrics.jsonl").read_text()
+                  .splitlines()] for run in ("local", "ray")}
+    assert rows["ray"] == pytest.approx(rows["local"], rel=1e-5) and min(rows["local"]) > 1.0
 
 
 @pytest.mark.slow  # ~30-50 s: PPO with a critic group, both split (the critic's forward is the value model's)

@@ -114,7 +114,8 @@ def test_refusals_name_the_key(tiny_moe_dir, tiny_model_dir):  # noqa: F811
     with pytest.raises(ConfigError, match="router_aux_loss_coef must be >= 0"):
         _worker(tiny_moe_dir, "actor_rollout_ref.actor.router_aux_loss_coef=-1")
     with pytest.raises(ConfigError, match="router_aux_loss_coef with actor.ulysses_sequence_parallel_size"):
-        load_config([f"actor_rollout_ref.model.path={tiny_moe_dir}", "actor_rollout_ref.actor.router_aux_loss_coef=0.01",
+        load_config([f"actor_rollout_ref.model.path={tiny_moe_dir}",
+                     "actor_rollout_ref.actor.router_aux_loss_coef=0.01",
                      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.backend=ray",
                      "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true"])
 

@@ -185,7 +185,8 @@ def validate_rl(cfg: RLConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.actor.top_entropy_quantile must be in (0, 1], got "
                           f"{actor.top_entropy_quantile} (the share of tokens kept; 1.0 keeps them all)")
     if actor.router_aux_loss_coef < 0:
-        raise ConfigError(f"actor_rollout_ref.actor.router_aux_loss_coef must be >= 0, got {actor.router_aux_loss_coef}")
+        raise ConfigError("actor_rollout_ref.actor.router_aux_loss_coef must be >= 0, got "
+                          f"{actor.router_aux_loss_coef}")
     if actor.off_policy_mask_threshold is not None and actor.off_policy_mask_threshold < 0:
         raise ConfigError(f"actor_rollout_ref.actor.off_policy_mask_threshold must be >= 0 or null, got "
                           f"{actor.off_policy_mask_threshold}")

@@ -537,7 +537,8 @@ class TRLRLTrainer(TRLTrainerBase):
             value = moe_router_coef(self.model_path)
         elif value and moe_config(self.model_path) is None:
             raise refuse_value("router_aux_loss_coef", value, f"{self.model_path} is not a mixture-of-experts model "
-                               "(its config has no output_router_logits), so it has no router loss; set it to None or 0")
+                               "(its config has no output_router_logits), so it has no router loss; set it to None "
+                               "or 0")
         return {"actor_rollout_ref.actor.router_aux_loss_coef": float(value)} if value else {}
 
     def _tiller_config(self, resume: dict[str, Any]) -> Any:
