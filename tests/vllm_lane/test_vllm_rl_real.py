@@ -91,6 +91,8 @@ def test_lora_actor_merged_weights_and_resume(tmp_path, sharp_model_dir, rl_data
     assert moved > 1e-2, moved
 
 
+@pytest.mark.slow  # ~40 s (a vLLM start); .ci/run's lane runs "vllm and not slow": TRL's tool loop on vLLM
+# (tests/vllm_lane/test_vllm_trl_real.py) is in the lane, and verl's loop is the same engine calls on the native engine
 def test_multi_turn_tool_rollouts_on_vllm(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
     """verl's multi-turn tool loop with `rollout.name=vllm`: each turn is a vLLM call, the weights reach vLLM between
     steps, the model tokens' logprobs are vLLM's and agree with the actor's."""
