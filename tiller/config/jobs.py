@@ -26,6 +26,7 @@ from tiller.config.checks import check_positive as _positive
 from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
+from tiller.models.optimizer import check_optimizer
 from tiller.tracking.tracker import LOGGERS
 
 # ----------------------------------------------------------------------------------------------- data
@@ -250,10 +251,24 @@ class JobModelConfig:
 class JobOptimConfig:
     lr: float = 1e-5
     """Peak learning rate."""
+    optimizer: str = "AdamW"
+    """Optimizer class name in optimizer_impl, built as verl builds it (`tiller.models.optimizer`): lr and
+    weight_decay, + betas and eps for Adam-family names, then override_optimizer_config."""
+    optimizer_impl: str = "torch.optim"
+    """Module of the optimizer class (torch.optim, transformers.optimization, bitsandbytes.optim, ...)."""
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the optimizer class, applied last (e.g. SGD's {momentum: 0.9})."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW betas."""
+    """Adam betas (Adam-family classes)."""
+    eps: float = 1e-8
+    """Adam epsilon (Adam-family classes)."""
     weight_decay: float = 0.01
-    """AdamW weight decay."""
+    """Weight decay."""
+    weight_decay_exempt: Optional[str] = None
+    """The parameters weight decay spares. null: none, every trainable parameter decays (verl's SFT trainer);
+    transformers: biases, norm weights and LayerNorm parameters, as transformers' Trainer (TRL) groups them; openrlhf:
+    the names containing bias / layer_norm.weight / layernorm.weight / norm.weight / ln_f.weight (OpenRLHF). The
+    TRL and OpenRLHF front ends set theirs when weight decay is on."""
     warmup_steps_ratio: float = 0.0
     """Linear warmup as a fraction of total steps."""
     lr_scheduler: str = "cosine"
@@ -525,6 +540,7 @@ def validate_job(cfg: Any) -> None:
     _positive("optim.lr", optim.lr)
     _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant", "linear"))
     _choice("optim.dtype", optim.dtype, ("float32", "fp32", "bfloat16", "bf16"))
+    check_optimizer(optim, "optim")  # the class imports, takes its keyword arguments, and the exemption rule is known
     if not 0 <= optim.warmup_steps_ratio < 1:
         raise ConfigError(f"optim.warmup_steps_ratio must be in [0, 1), got {optim.warmup_steps_ratio}")
     if model.lora_rank < 0:

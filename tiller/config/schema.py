@@ -409,6 +409,11 @@ class OptimConfig(MegatronOptimOptions):
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
     weight_decay: float = 0.01
     """Weight decay (passed to every optimizer class, as verl does)."""
+    weight_decay_exempt: Optional[str] = None
+    """tiller: the parameters weight decay spares. null: none, every trainable parameter decays (verl);
+    transformers: biases, norm weights and LayerNorm parameters, as transformers' Trainer (TRL) groups them; openrlhf:
+    the names containing bias / layer_norm.weight / layernorm.weight / norm.weight / ln_f.weight (OpenRLHF). The
+    TRL and OpenRLHF front ends set theirs when weight decay is on."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam betas: passed when the optimizer's name contains adam / ademamix (verl's rule); another value with
     another class is an error."""

@@ -434,7 +434,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         file = ckpt / f"{name}.pt"
         if not file.exists():
             raise UserError(f"checkpoint {ckpt} has no {file.name}")
-        obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        try:
+            obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        except ValueError as err:  # torch: another number or size of parameter groups
+            if "parameter group" not in str(err):
+                raise
+            raise UserError(f"{file.name} of checkpoint {ckpt} holds other parameter groups than this run's optimizer "
+                            f"({err}): its optim.weight_decay_exempt (or the trainable parameters) differ from the "
+                            "saved run's; resume with the same settings, or start afresh "
+                            "(trainer.resume_mode=disable)") from None
     if restore_rng:
         set_rng_state(state["rng"])
     return {"step": state["step"], **state["extra"]}

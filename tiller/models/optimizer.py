@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from typing import Any, Iterable
 
 import torch
@@ -73,10 +74,12 @@ def optimizer_kwargs(optim_cfg, key: str) -> dict[str, Any]:
     """verl's keyword arguments of `optim_cfg`'s class (see the module doc), override_optimizer_config last."""
     kwargs: dict[str, Any] = {"lr": optim_cfg.lr, "weight_decay": optim_cfg.weight_decay}
     betas, eps = tuple(optim_cfg.betas), optim_cfg.eps
+    declared = getattr(type(optim_cfg), "__dataclass_fields__", {})
+    default_betas = tuple(declared["betas"].default_factory()) if "betas" in declared else DEFAULT_BETAS
     if takes_betas(optim_cfg.optimizer):
         kwargs.update(betas=betas, eps=eps)
     else:
-        for field, value, default in (("betas", betas, DEFAULT_BETAS), ("eps", eps, DEFAULT_EPS)):
+        for field, value, default in (("betas", betas, default_betas), ("eps", eps, DEFAULT_EPS)):
             if value != default:
                 raise ConfigError(
                     f"{key}.{field}={list(value) if field == 'betas' else value} does not reach "
@@ -86,8 +89,53 @@ def optimizer_kwargs(optim_cfg, key: str) -> dict[str, Any]:
     return kwargs
 
 
+# Which trainable parameters weight decay spares (`optim.weight_decay_exempt`). verl decays every one (None);
+# transformers' Trainer (TRL's trainers) spares biases, norm weights and nn.LayerNorm parameters
+# (`Trainer.get_decay_parameter_names`, transformers 5.x); OpenRLHF spares the names containing one of its list
+# (`get_optimizer_grouped_parameters`, openrlhf/utils/deepspeed/deepspeed_utils.py).
+WEIGHT_DECAY_EXEMPT = ("transformers", "openrlhf")
+_TRANSFORMERS_NO_DECAY = tuple(re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                                                        r"_norm(?:$|\.)"))
+_OPENRLHF_NO_DECAY = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
+
+
+def check_decay_exempt(value, key: str) -> None:
+    if value is not None and value not in WEIGHT_DECAY_EXEMPT:
+        raise ConfigError(f"{key}={value!r}: one of {', '.join(WEIGHT_DECAY_EXEMPT)}, or null (every parameter decays, "
+                          "as verl)")
+
+
+def exempt_from_decay(model: torch.nn.Module, rule: str | None) -> set[str]:
+    """The names of `model`'s parameters that `rule` (see WEIGHT_DECAY_EXEMPT) spares from weight decay."""
+    if rule is None:
+        return set()
+    names = set()
+    if rule == "transformers":
+        layer_norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)
+                       for p in m.parameters(recurse=False)}
+        for name, p in model.named_parameters():
+            if id(p) in layer_norms or any(pat.search(name.lower()) for pat in _TRANSFORMERS_NO_DECAY):
+                names.add(name)
+    else:
+        names = {name for name, _ in model.named_parameters() if any(s in name for s in _OPENRLHF_NO_DECAY)}
+    return names
+
+
+def param_groups(model: torch.nn.Module, rule: str | None) -> list:
+    """`model`'s trainable parameters for the optimizer: one list (every one decays), or, with an exemption rule,
+    a decaying group and a group at weight_decay 0 (empty groups left out)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    exempt = exempt_from_decay(model, rule)
+    if not exempt:
+        return [p for _, p in named]
+    decay = [p for n, p in named if n not in exempt]
+    spared = [p for n, p in named if n in exempt]
+    return [g for g in ({"params": decay}, {"params": spared, "weight_decay": 0.0}) if g["params"]]
+
+
 def make_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg, key: str) -> torch.optim.Optimizer:
-    """`optim_cfg`'s optimizer over `params`; a class or keyword arguments that do not fit is a `ConfigError`."""
+    """`optim_cfg`'s optimizer over `params` (parameters or `param_groups`); a class or keyword arguments that do not
+    fit is a `ConfigError`."""
     cls = optimizer_class(optim_cfg.optimizer_impl, optim_cfg.optimizer, key)
     kwargs = optimizer_kwargs(optim_cfg, key)
     try:
@@ -99,7 +147,9 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], optim_cfg, key: str) ->
 
 
 def check_optimizer(optim_cfg, key: str) -> None:
-    """Load-time check: build `optim_cfg`'s optimizer over one dummy parameter (raises what `make_optimizer` raises)."""
+    """Load-time check: build `optim_cfg`'s optimizer over one dummy parameter (raises what `make_optimizer` raises),
+    and its weight_decay_exempt rule is a known one."""
+    check_decay_exempt(getattr(optim_cfg, "weight_decay_exempt", None), f"{key}.weight_decay_exempt")
     make_optimizer([torch.nn.Parameter(torch.zeros(1, 1))], optim_cfg, key)  # 2-D: Muon takes matrices only
 
 

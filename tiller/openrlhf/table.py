@@ -142,7 +142,8 @@ TABLE: tuple[Flag, ...] = (
     _f("critic.adam.betas", MAPPED, "critic.optim.betas"),
     _f("adam.eps", MAPPED, "AdamW eps: OpenRLHF's 1e-8 is tiller's (PPO: actor.optim.eps)", "actor.adam.eps"),
     _f("critic.adam.eps", MAPPED, "critic.optim.eps"),
-    _f("l2", MAPPED, "optim.weight_decay (PPO: actor and critic); OpenRLHF's default 0", "adam.weight_decay",
+    _f("l2", MAPPED, "optim.weight_decay (PPO: actor and critic) on the parameters OpenRLHF decays: not biases or "
+       "norm weights (optim.weight_decay_exempt=openrlhf); OpenRLHF's default 0", "adam.weight_decay",
        "actor.adam.weight_decay"),
     _f("critic.adam.weight_decay", MAPPED, "critic.optim.weight_decay"),
     _f("lr_scheduler", MAPPED, "cosine_with_min_lr -> cosine to min_lr_ratio x lr; cosine -> cosine to 0; "

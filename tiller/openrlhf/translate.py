@@ -179,6 +179,8 @@ def _offline(a: Args, job: str, notices: list[str]) -> tuple[dict, dict]:
     o["optim.lr"] = a("learning_rate")
     o["optim.betas"] = list(a("adam_betas"))
     o["optim.weight_decay"] = a("l2")
+    if a("l2"):  # OpenRLHF's Adam spares biases and norm weights (get_optimizer_grouped_parameters)
+        o["optim.weight_decay_exempt"] = "openrlhf"
     _eps(a, o, "adam.eps", None)
     o["optim.clip_grad"] = a("max_norm")
     o["optim.dtype"] = _dtype(a)
@@ -339,6 +341,9 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     o[f"{critic}.optim.betas"] = list(a("critic.adam.betas", betas))
     o[f"{actor}.optim.weight_decay"] = a("l2")
     o[f"{critic}.optim.weight_decay"] = a("critic.adam.weight_decay", a("l2"))
+    for role in (actor, critic):  # OpenRLHF's Adam spares biases and norm weights (get_optimizer_grouped_parameters)
+        if o[f"{role}.optim.weight_decay"]:
+            o[f"{role}.optim.weight_decay_exempt"] = "openrlhf"
     _eps(a, o, "adam.eps", f"{actor}.optim.eps")
     o[f"{critic}.optim.eps"] = a("critic.adam.eps", 1e-8)
     _schedule(a, o, f"{actor}.optim", offline=False)

@@ -38,6 +38,7 @@ from tiller.errors import ConfigError, UserError
 from tiller.models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained_atomic
 from tiller.models.lora import merge_lora
 from tiller.models.neftune import neftune
+from tiller.models.optimizer import make_optimizer, param_groups
 from tiller.tracking import Tracker
 from tiller.trainer.data_parallel import DataParallel
 from tiller.workers.common import autocast, lr_lambda
@@ -186,8 +187,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                                  weight_decay=optim_cfg.weight_decay)
+    optimizer = make_optimizer(param_groups(model, optim_cfg.weight_decay_exempt), optim_cfg, "optim")
     warmup = int(optim_cfg.warmup_steps_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_lambda, warmup=warmup, total=total, style=optim_cfg.lr_scheduler, min_lr_ratio=optim_cfg.min_lr_ratio))

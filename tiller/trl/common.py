@@ -76,7 +76,27 @@ def _best_model(value: Any, args: Any) -> dict:
 _ONE_PROCESS = "tiller trains in one process per run (scale out with `tiller rl trainer.backend=ray`)"
 _NO_EVAL_LOOP = "tiller's validation has no separate prediction loop to tune"
 _HUB = "only read with push_to_hub, which is refused (tiller does not upload)"
-_OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_hf")
+# TRL's `optim` names tiller builds, as transformers' Trainer builds them (transformers/trainer_optimizer.py):
+# name -> (optimizer_impl, optimizer, fixed keyword arguments, the optim_args keys transformers reads for it).
+# transformers puts weight decay in the parameter groups; tiller passes it to the class (the same, with the
+# optim.weight_decay_exempt group at 0). The bitsandbytes ones need `pip install bitsandbytes` (checked at load time).
+_BNB = "bitsandbytes.optim"
+_OPTIMIZERS: dict[str, tuple[str, str, dict, tuple[str, ...]]] = {
+    "adamw_torch_fused": ("torch.optim", "AdamW", {}, ()),  # (fused: a kernel choice, the same math)
+    "adamw_torch": ("torch.optim", "AdamW", {}, ()),
+    "adamw_hf": ("torch.optim", "AdamW", {}, ()),
+    "sgd": ("torch.optim", "SGD", {}, ("momentum", "dampening", "weight_decay", "nesterov")),
+    "adagrad": ("torch.optim", "Adagrad", {}, ("lr_decay", "weight_decay", "eps")),
+    "rmsprop": ("torch.optim", "RMSprop", {}, ("momentum", "alpha", "eps", "weight_decay", "centered")),
+    "adafactor": ("transformers.optimization", "Adafactor", {"scale_parameter": False, "relative_step": False}, ()),
+    **{name: (_BNB, "AdamW", {"optim_bits": bits, "is_paged": paged}, ())
+       for name, bits, paged in (("adamw_bnb_8bit", 8, False), ("adamw_8bit", 8, False),
+                                 ("paged_adamw_32bit", 32, True), ("paged_adamw_8bit", 8, True))},
+    **{name: (_BNB, "Lion", {"optim_bits": bits, "is_paged": paged}, ())
+       for name, bits, paged in (("lion_32bit", 32, False), ("lion_8bit", 8, False), ("paged_lion_32bit", 32, True),
+                                 ("paged_lion_8bit", 8, True))},
+}
+_BOOL_ARGS = ("nesterov", "centered")
 _SCHEDULES = ("linear", "constant", "constant_with_warmup", "cosine", "cosine_with_min_lr")
 _STYLE = {"linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
           "cosine_with_min_lr": "cosine"}
@@ -84,9 +104,29 @@ _REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"
 
 
 def _optim(value: Any, args: Any) -> dict:
-    if value not in _OPTIMIZERS:
-        raise refuse_value("optim", value, f"tiller's optimizer is torch's AdamW ({', '.join(_OPTIMIZERS)})")
-    return {}
+    """The logical `optimizer` setting: (optimizer_impl, class, keyword arguments, Adam-family) of TRL's `optim` and
+    `optim_args` (a "k=v,k2=v2" string, transformers' format: the keys transformers reads for that optimizer)."""
+    name = getattr(value, "value", value)  # (an OptimizerNames enum member or its string)
+    if name not in _OPTIMIZERS:
+        raise refuse_value("optim", value, f"tiller builds {', '.join(_OPTIMIZERS)} (transformers' classes and "
+                           "keyword arguments); GaLore, APOLLO, LOMO, schedule-free, torchao and the others are not "
+                           "built")
+    impl, cls, fixed, readable = _OPTIMIZERS[name]
+    override = dict(fixed)
+    if cls == "Lion":  # transformers gives Lion the Adam betas
+        override["betas"] = [float(args.adam_beta1), float(args.adam_beta2)]
+    raw = getattr(args, "optim_args", None)
+    if raw:
+        if not readable:
+            raise refuse_value("optim_args", raw, f"transformers reads no optim_args for optim={name!r} (it ignores "
+                               "them); drop them")
+        for pair in str(raw).replace(" ", "").split(","):
+            key, _, text = pair.partition("=")
+            if key not in readable:
+                raise refuse_value("optim_args", raw, f"transformers reads {', '.join(readable)} for optim={name!r} "
+                                   f"and ignores {key!r}")
+            override[key] = text.lower() in ("true", "1", "yes") if key in _BOOL_ARGS else float(text)
+    return {"optimizer": (impl, cls, override, "adam" in cls.lower())}  # (verl's betas rule: Adam-family names)
 
 
 def _schedule(value: Any, args: Any) -> dict:
@@ -198,9 +238,18 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "lr_scheduler_kwargs": mapped("cosine: num_cycles; cosine_with_min_lr: min_lr / min_lr_rate -> min_lr_ratio "
                                   "(read with lr_scheduler_type)", lambda v, a: {}),
     "warmup_steps": mapped(">= 1: warm-up steps; in (0, 1): ceil(ratio x total steps), as transformers", _warmup),
-    "optim": mapped("torch.optim.AdamW (adamw_torch_fused / adamw_torch / adamw_hf; others refused)", _optim),
-    "optim_args": refused("tiller's AdamW takes lr, betas, eps and weight_decay (their own fields)"),
-    "weight_decay": mapped("AdamW weight decay (TRL's 0.0; tiller's own default is 0.01)", to("weight_decay", float)),
+    "optim": mapped("optim.optimizer_impl / optimizer / override_optimizer_config as transformers builds them: "
+                    "adamw_torch(_fused) / adamw_hf: torch.optim.AdamW; sgd, adagrad, rmsprop: torch.optim's; "
+                    "adafactor: transformers' Adafactor (scale_parameter / relative_step False); adamw_8bit, "
+                    "adamw_bnb_8bit, paged_adamw_8bit / 32bit, lion_8bit / 32bit, paged_lion_*: bitsandbytes.optim "
+                    "AdamW / Lion (optim_bits, is_paged); others refused", _optim),
+    "optim_args": mapped("optim.override_optimizer_config: the keys transformers reads for sgd (momentum, dampening, "
+                         "weight_decay, nesterov), adagrad (lr_decay, weight_decay, eps) and rmsprop (momentum, alpha, "
+                         "eps, weight_decay, centered); others refused (transformers ignores them)",
+                         lambda v, a: {}),
+    "weight_decay": mapped("AdamW weight decay (TRL's 0.0; tiller's own default is 0.01), on the parameters "
+                           "transformers' Trainer decays: not biases or norm weights (optim.weight_decay_exempt="
+                           "transformers)", to("weight_decay", float)),
     "adam_beta1": mapped("AdamW betas[0]", lambda v, a: {"betas": [float(a.adam_beta1), float(a.adam_beta2)]}),
     "adam_beta2": mapped("AdamW betas[1]", lambda v, a: {"betas": [float(a.adam_beta1), float(a.adam_beta2)]}),
     "adam_epsilon": mapped("AdamW eps", to("eps", float)),
@@ -496,7 +545,23 @@ def rl_keys(logical: dict[str, Any]) -> dict[str, Any]:
         out["actor_rollout_ref.model.override_config"] = {"attn_implementation": g("attn_implementation")}
     if g("num_cycles") is not None:
         out[f"{optim}.num_cycles"] = g("num_cycles")
+    if g("weight_decay"):  # transformers' Trainer spares biases and norm weights
+        out[f"{optim}.weight_decay_exempt"] = "transformers"
+    out.update(_optimizer_keys(g("optimizer"), optim))
     return {k: v for k, v in out.items() if v is not None or k.endswith("max_actor_ckpt_to_keep")}
+
+
+def _optimizer_keys(optimizer, section: str) -> dict[str, Any]:
+    """optim.optimizer_impl / optimizer / override_optimizer_config of the logical `optimizer` setting; betas and eps
+    dropped for a class that does not take them (transformers passes them to Adam-family classes only)."""
+    if optimizer is None:
+        return {}
+    impl, cls, override, adam = optimizer
+    out: dict[str, Any] = {f"{section}.optimizer_impl": impl, f"{section}.optimizer": cls,
+                           f"{section}.override_optimizer_config": dict(override)}
+    if not adam:
+        out[f"{section}.betas"] = out[f"{section}.eps"] = None
+    return out
 
 
 def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
@@ -504,8 +569,6 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
     `resolve_schedule`; total_training_steps must be there). Batch keys: data.micro_batch_size_per_gpu =
     micro_batch_size, data.train_batch_size = micro_batch_size x grad_accum."""
     g = logical.get
-    if g("eps", 1e-8) != 1e-8:
-        raise refuse_value("adam_epsilon", g("eps"), "tiller's SFT / RM / DPO / KTO jobs use AdamW's eps 1e-8")
     if g("num_cycles") not in (None, 0.5):
         raise refuse_value("lr_scheduler_kwargs", {"num_cycles": g("num_cycles")},
                            "tiller's SFT / RM / DPO / KTO cosine decays once (num_cycles 0.5)")
@@ -513,7 +576,7 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
     warmup = int(g("warmup_steps", 0) or 0)
     micro = int(g("micro_batch_size", 8))
     out: dict[str, Any] = {
-        "optim.lr": g("lr"), "optim.weight_decay": g("weight_decay"), "optim.betas": g("betas"),
+        "optim.lr": g("lr"), "optim.weight_decay": g("weight_decay"), "optim.betas": g("betas"), "optim.eps": g("eps"),
         "optim.lr_scheduler": g("lr_scheduler"), "optim.min_lr_ratio": g("min_lr_ratio"),
         # the job loop warms up over int(ratio x total) steps: a ratio half a step above warmup / total gives warmup
         "optim.warmup_steps_ratio": (warmup + 0.5) / total if warmup else 0.0,
@@ -527,6 +590,9 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
         "trainer.experiment_name": experiment_name(logical), "trainer.project_name": g("project_name"),
         "model.trust_remote_code": g("trust_remote_code"), "model.attn_implementation": g("attn_implementation"),
     }
+    if g("weight_decay"):  # transformers' Trainer spares biases and norm weights
+        out["optim.weight_decay_exempt"] = "transformers"
+    out.update(_optimizer_keys(g("optimizer"), "optim"))
     return {k: v for k, v in out.items() if v is not None or k == "trainer.max_ckpt_to_keep"}
 
 

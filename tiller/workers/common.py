@@ -25,7 +25,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
-from tiller.models.optimizer import make_optimizer
+from tiller.models.optimizer import make_optimizer, param_groups
 from tiller.models.vision import vision_inputs
 
 BF16 = ("bfloat16", "bf16")
@@ -70,10 +70,9 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, key: str) -> torch.optim.
     """The `optim` section's optimizer over the trainable parameters, built as verl builds it
     (`tiller.models.optimizer`: optimizer_impl.optimizer with lr, weight_decay, betas / eps for Adam-family
     classes, override_optimizer_config); `key` names the section in errors."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters")
-    return make_optimizer(params, optim_cfg, key)
+    return make_optimizer(param_groups(model, optim_cfg.weight_decay_exempt), optim_cfg, key)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float) -> float:
