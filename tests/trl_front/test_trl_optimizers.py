@@ -84,9 +84,11 @@ def test_unbuilt_optimizers_and_ignored_args_are_refused(tiny_model_dir, tmp_pat
     with pytest.raises(ConfigError, match="optim_args='betas=0.1': refused: transformers reads no optim_args for "
                                           "optim='adamw_torch_fused'"):
         make(optim_args="betas=0.1")
-    with pytest.raises(ConfigError, match="transformers reads momentum, dampening, weight_decay, nesterov for "
-                                          "optim='sgd' and ignores 'lr'"):
+    with pytest.raises(ConfigError, match="transformers reads momentum, dampening, nesterov for optim='sgd' and "
+                                          "ignores 'lr'"):
         make(optim="sgd", optim_args="lr=0.1")
+    with pytest.raises(ConfigError, match="parameter groups set weight_decay from the weight_decay field"):
+        make(optim="rmsprop", optim_args="alpha=0.9,weight_decay=0.1")
     keys = make(optim="paged_adamw_8bit", adam_epsilon=1e-6)
     assert (keys["optim.optimizer_impl"], keys["optim.optimizer"], keys["optim.override_optimizer_config"],
             keys["optim.eps"]) == ("bitsandbytes.optim", "AdamW", {"optim_bits": 8, "is_paged": True}, 1e-6)

@@ -85,9 +85,9 @@ _OPTIMIZERS: dict[str, tuple[str, str, dict, tuple[str, ...]]] = {
     "adamw_torch_fused": ("torch.optim", "AdamW", {}, ()),  # (fused: a kernel choice, the same math)
     "adamw_torch": ("torch.optim", "AdamW", {}, ()),
     "adamw_hf": ("torch.optim", "AdamW", {}, ()),
-    "sgd": ("torch.optim", "SGD", {}, ("momentum", "dampening", "weight_decay", "nesterov")),
-    "adagrad": ("torch.optim", "Adagrad", {}, ("lr_decay", "weight_decay", "eps")),
-    "rmsprop": ("torch.optim", "RMSprop", {}, ("momentum", "alpha", "eps", "weight_decay", "centered")),
+    "sgd": ("torch.optim", "SGD", {}, ("momentum", "dampening", "nesterov")),
+    "adagrad": ("torch.optim", "Adagrad", {}, ("lr_decay", "eps")),
+    "rmsprop": ("torch.optim", "RMSprop", {}, ("momentum", "alpha", "eps", "centered")),
     "adafactor": ("transformers.optimization", "Adafactor", {"scale_parameter": False, "relative_step": False}, ()),
     **{name: (_BNB, "AdamW", {"optim_bits": bits, "is_paged": paged}, ())
        for name, bits, paged in (("adamw_bnb_8bit", 8, False), ("adamw_8bit", 8, False),
@@ -122,6 +122,10 @@ def _optim(value: Any, args: Any) -> dict:
                                "them); drop them")
         for pair in str(raw).replace(" ", "").split(","):
             key, _, text = pair.partition("=")
+            if key == "weight_decay":  # (transformers reads it, but its parameter groups set weight_decay over it)
+                raise refuse_value("optim_args", raw, "transformers' parameter groups set weight_decay from the "
+                                   "weight_decay field, so optim_args' weight_decay changes nothing there; set "
+                                   "weight_decay")
             if key not in readable:
                 raise refuse_value("optim_args", raw, f"transformers reads {', '.join(readable)} for optim={name!r} "
                                    f"and ignores {key!r}")
@@ -243,9 +247,9 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
                     "adafactor: transformers' Adafactor (scale_parameter / relative_step False); adamw_8bit, "
                     "adamw_bnb_8bit, paged_adamw_8bit / 32bit, lion_8bit / 32bit, paged_lion_*: bitsandbytes.optim "
                     "AdamW / Lion (optim_bits, is_paged); others refused", _optim),
-    "optim_args": mapped("optim.override_optimizer_config: the keys transformers reads for sgd (momentum, dampening, "
-                         "weight_decay, nesterov), adagrad (lr_decay, weight_decay, eps) and rmsprop (momentum, alpha, "
-                         "eps, weight_decay, centered); others refused (transformers ignores them)",
+    "optim_args": mapped("optim.override_optimizer_config: the keys transformers uses for sgd (momentum, dampening, "
+                         "nesterov), adagrad (lr_decay, eps) and rmsprop (momentum, alpha, eps, centered); others "
+                         "refused (transformers ignores them, and its parameter groups override weight_decay)",
                          lambda v, a: {}),
     "weight_decay": mapped("AdamW weight decay (TRL's 0.0; tiller's own default is 0.01), on the parameters "
                            "transformers' Trainer decays: not biases or norm weights (optim.weight_decay_exempt="
