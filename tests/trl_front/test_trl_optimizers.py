@@ -1,6 +1,7 @@
-"""TRL's `optim` / `optim_args` / `weight_decay` through tiller.trl, against TRL itself: the same SFT steps (one
-batch of every row per step, so sampling order cannot matter) give TRL's losses with SGD + momentum, Adafactor and
-AdamW with weight decay (biases and norm weights spared, as transformers' Trainer spares them)."""
+"""TRL's `optim` / `optim_args` / `weight_decay` / warmup through tiller.trl, against TRL itself: the same SFT steps
+(one batch of every row per step, so sampling order cannot matter) give TRL's losses with SGD + momentum, Adafactor,
+AdamW with weight decay (biases and norm weights spared, as transformers' Trainer spares them) and a warmup that
+starts at lr 0, as transformers' schedules do."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ def _losses(trainer) -> list[float]:
 
 
 def _trl(model_dir, out, **kw) -> list[float]:
-    args = trl.SFTConfig(output_dir=str(out), use_cpu=True, **COMMON, **kw)
+    args = trl.SFTConfig(output_dir=str(out), use_cpu=True, **{**COMMON, **kw})
     return _losses(trl.SFTTrainer(model=str(model_dir), args=args, train_dataset=datasets.Dataset.from_list(ROWS)))
 
 
 def _tiller(model_dir, out, **kw) -> tuple[list[float], SFTTrainer]:
-    trainer = SFTTrainer(model=str(model_dir), args=SFTConfig(output_dir=str(out), **COMMON, **kw),
+    trainer = SFTTrainer(model=str(model_dir), args=SFTConfig(output_dir=str(out), **{**COMMON, **kw}),
                          train_dataset=datasets.Dataset.from_list(ROWS))
     return _losses(trainer), trainer
 
@@ -39,16 +40,18 @@ def _tiller(model_dir, out, **kw) -> tuple[list[float], SFTTrainer]:
     dict(optim="adafactor", learning_rate=1e-2),
     dict(optim="adamw_torch", learning_rate=1e-2, weight_decay=1.0),
     dict(optim="paged_adamw_8bit", learning_rate=1e-2, weight_decay=0.1),
-], ids=["sgd", "adafactor", "adamw-decay", "bnb-paged-8bit"])
+    dict(learning_rate=1e-2, warmup_steps=2),  # transformers' warmup: lr 0 at the first step (loss 2 = loss 1)
+    dict(learning_rate=1e-2, warmup_steps=0.4, lr_scheduler_type="cosine", max_steps=5),
+], ids=["sgd", "adafactor", "adamw-decay", "bnb-paged-8bit", "warmup-linear", "warmup-cosine"])
 def test_sft_steps_equal_trls(tiny_model_dir, tmp_path, kw):
-    if "8bit" in kw["optim"]:
+    if "8bit" in kw.get("optim", ""):
         pytest.importorskip("bitsandbytes", reason="bitsandbytes is not a test requirement (pip install bitsandbytes)")
     want = _trl(tiny_model_dir, tmp_path / "trl", **kw)
     got, trainer = _tiller(tiny_model_dir, tmp_path / "tiller", **kw)
-    assert len(want) == len(got) == 3 and want[-1] < want[0]
+    assert len(want) == len(got) == kw.get("max_steps", 3) and want[-1] < want[0]
     assert got == pytest.approx(want, rel=2e-5, abs=1e-6), (got, want)
     keys = trainer.tiller_keys()
-    if kw["optim"] == "sgd":
+    if kw.get("optim") == "sgd":
         assert keys["optim.override_optimizer_config"] == {"momentum": 0.9, "nesterov": True}
         assert "optim.betas" not in keys and keys["optim.optimizer"] == "SGD"
     if kw.get("weight_decay"):

@@ -270,7 +270,8 @@ class JobOptimConfig:
     the names containing bias / layer_norm.weight / layernorm.weight / norm.weight / ln_f.weight (OpenRLHF). The
     TRL and OpenRLHF front ends set theirs when weight decay is on."""
     warmup_steps_ratio: float = 0.0
-    """Linear warmup as a fraction of total steps."""
+    """Linear warmup over int(this x total) steps, from lr 0 at the first step (verl's SFT engine and transformers
+    count warmup steps from 0)."""
     lr_scheduler: str = "cosine"
     """After warmup: cosine | constant | linear (to 0 at the last step, transformers' formula)."""
     min_lr_ratio: float = 0.0

@@ -190,7 +190,8 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     optimizer = make_optimizer(param_groups(model, optim_cfg.weight_decay_exempt), optim_cfg, "optim")
     warmup = int(optim_cfg.warmup_steps_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_lambda, warmup=warmup, total=total, style=optim_cfg.lr_scheduler, min_lr_ratio=optim_cfg.min_lr_ratio))
+        lr_lambda, warmup=warmup, total=total, style=optim_cfg.lr_scheduler, min_lr_ratio=optim_cfg.min_lr_ratio,
+        from_zero=True))  # (verl's SFT engine and transformers: the first warmup step at lr 0)
     models = job.checkpoint_models() if hasattr(job, "checkpoint_models") else {}  # e.g. a moving reference
     if models and par.world > 1:
         raise ConfigError("algorithm.ref_model_sync_steps: the reference's updates run in one process (not under "

@@ -75,15 +75,17 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, key: str) -> torch.optim.
     return make_optimizer(param_groups(model, optim_cfg.weight_decay_exempt), optim_cfg, key)
 
 
-def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float) -> float:
+def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float,
+              from_zero: bool = False) -> float:
     """Multiplier of the peak lr after `step` scheduler steps (the SFT / RM / DPO / KTO job loop and the demos'
-    warm-up): linear warmup from lr / warmup, then constant or cosine.
+    warm-up): linear warmup, then constant, linear or cosine. The warmup starts from lr / warmup, or with `from_zero`
+    (the job loop: verl's SFT engine and transformers' schedules) from 0 at step 0: step / warmup.
 
-    Worked numbers: warmup=2, total=10, cosine, min 0: step 0 -> 0.5 ((0+1)/2), step 1 -> 1.0,
-    step 6 -> progress (6-2)/(10-2) = 0.5 -> 0.5 * (1 + cos(pi/2)) = 0.5.
+    Worked numbers: warmup=2, total=10, cosine, min 0: step 0 -> 0.5 ((0+1)/2; from_zero: 0), step 1 -> 1.0
+    (from_zero: 0.5), step 6 -> progress (6-2)/(10-2) = 0.5 -> 0.5 * (1 + cos(pi/2)) = 0.5.
     """
     if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
+        return (step if from_zero else step + 1) / warmup
     if style == "constant":
         return 1.0
     if style == "linear":  # transformers' linear decay to 0 at `total` (TRL's default schedule)
