@@ -145,3 +145,15 @@ def test_trl_and_openrlhf_front_ends_map_their_coefficients(tiny_moe_dir, tiny_m
                  ["--actor.model_name_or_path", "m", "--actor.aux_loss_coef", "0.02", "--reward.remote_url",
                   "http://x/r", "--data.prompt_dataset", "p.jsonl"]):
         assert translate(parse_command(["train_ppo_ray", *argv])).values[key] == 0.02
+
+
+def test_two_forwards_of_a_micro_batch_are_weighted_by_their_tokens():
+    """A micro-batch whose few long responses run as a second forward (split_long_responses) records two router
+    losses: their mean weighted by the tokens each routed."""
+    from tiller.workers.router_aux import micro_batch_aux
+
+    records = [(torch.tensor(2.0), torch.tensor(30)), (torch.tensor(4.0), 10)]
+    assert float(micro_batch_aux(records)) == pytest.approx((2.0 * 30 + 4.0 * 10) / 40)
+    assert float(micro_batch_aux(records[:1])) == 2.0
+    with pytest.raises(RuntimeError, match="no forward"):
+        micro_batch_aux([])

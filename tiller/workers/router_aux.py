@@ -57,11 +57,11 @@ class RouterAux:
                               "output_router_logits=True")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            tokens = mask.sum()
+            tokens = mask.sum()  # (a device tensor: no host sync, no graph break under torch.compile)
         else:  # the packed forward (no padding) or a 4-D mask: every input token is routed
             ids = kwargs.get("input_ids", args[0] if args else None)
             tokens = ids.numel() if ids is not None else kwargs["inputs_embeds"].shape[:-1].numel()
-        sink.append((aux, float(tokens)))
+        sink.append((aux, tokens))
 
     @staticmethod
     @contextlib.contextmanager
@@ -88,5 +88,8 @@ def micro_batch_aux(records: list) -> torch.Tensor:
     """The token-weighted mean of the recorded forwards' router losses (one forward: its own)."""
     if not records:
         raise RuntimeError("no forward of the MoE model ran inside RouterAux.collect()")
-    total = sum(tokens for _, tokens in records)
-    return sum(aux.float() * (tokens / total) for aux, tokens in records)
+    if len(records) == 1:
+        return records[0][0].float()
+    auxes = torch.stack([aux.float() for aux, _ in records])
+    tokens = torch.stack([torch.as_tensor(n, dtype=torch.float32, device=auxes.device) for _, n in records])
+    return (auxes * tokens).sum() / tokens.sum()
