@@ -218,6 +218,7 @@ def even_heads_dir(tiny_even_heads_dir):
     return tiny_even_heads_dir  # 4 attention heads: 2 per rank
 
 
+@pytest.mark.slow  # ~20 s in CI; the split itself: tests/distributed/test_ulysses.py (gloo, fast lane)
 def test_ulysses_two_ray_workers_equal_one_process(ray_session, tmp_path, even_heads_dir, rl_data):
     """actor.ulysses_sequence_parallel_size=2 on 2 FSDP2 workers: one data-parallel replica whose two ranks split
     every packed micro-batch of the old-logprob, reference and update forwards (tiller.workers.ulysses); the run
@@ -361,6 +362,7 @@ def test_async_rollout_pool_generates_ahead_with_the_weights_it_has(ray_session,
     assert all(r["async/dropped_stale"] == 0.0 for r in rows)
 
 
+@pytest.mark.slow  # ~20 s in CI; partial rollouts in one process: tests/trainer/test_async_rl.py (fast lane)
 def test_async_rollout_pool_partial_rollouts_take_new_weights_between_decode_steps(ray_session, tmp_path,
                                                                                    tiny_model_dir, rl_data):
     """async_training.partial_rollout on the pool: a worker generating step 2's batch (started with the step-0

@@ -80,7 +80,8 @@ def test_fsdp_checkpoint_resumes_on_the_same_curve(tmp_path, tiny_model_dir):
     assert _losses(two) == pytest.approx(_losses(tmp_path / "one"), abs=1e-5, rel=1e-5)
 
 
-@pytest.mark.parametrize("packing", ["true", pytest.param("false", marks=pytest.mark.slow)])  # ~25 s each
+@pytest.mark.slow  # ~25 s each: two torchrun starts (the split itself: tests/distributed/test_ulysses.py, fast)
+@pytest.mark.parametrize("packing", ["true", "false"])
 def test_sft_sequence_parallel_two_ranks_match_one_process(tmp_path, tiny_even_heads_dir, packing):
     """ulysses_sequence_parallel_size=2 on 2 ranks (FSDP2, 4 attention heads: 2 per rank): one data-parallel
     replica whose two ranks run half of every micro-batch's tokens (packed rows, or padded ones)."""

@@ -19,6 +19,7 @@ def digits(completions, **kwargs):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
+@pytest.mark.slow  # ~40 s (a vLLM start): the lane's TRL tools test runs TRL's GRPO on vLLM colocate too
 def test_trl_grpo_script_on_vllm_colocate(tmp_path, sharp_model_dir):
     from datasets import Dataset
 
