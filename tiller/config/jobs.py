@@ -27,6 +27,7 @@ from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
 from tiller.models.optimizer import check_optimizer
+from tiller.models.quant import check_quantization
 from tiller.tracking.tracker import LOGGERS
 
 # ----------------------------------------------------------------------------------------------- data
@@ -234,6 +235,15 @@ class JobModelConfig:
     trainable onto partial_pretrain (verl's model.lora_adapter_path); rank, alpha, targets and dropout come from its
     adapter_config.json (the lora_* keys left at their defaults, or set to the same values). LoRA is on with it even
     at lora_rank=0."""
+    load_in_4bit: bool = False
+    """QLoRA: the body's linear layers loaded as bitsandbytes 4-bit weights, frozen, LoRA adapters training on them
+    (TRL's / transformers' load_in_4bit, OpenRLHF's --load_in_4bit); needs LoRA and the bitsandbytes package. The
+    export is the dequantized base with the adapters merged (the function trained)."""
+    bnb_4bit_quant_type: str = "nf4"
+    """With load_in_4bit: nf4 (NormalFloat4, QLoRA's) | fp4 (transformers' BitsAndBytesConfig name)."""
+    bnb_4bit_use_double_quant: bool = False
+    """With load_in_4bit: quantize the block scales too (~0.4 bit per weight less; TRL's use_bnb_nested_quant,
+    OpenRLHF sets it)."""
     router_aux_loss_coef: float = 0.0
     """A mixture-of-experts model (its config has output_router_logits: Mixtral, Qwen2-MoE, Qwen3-MoE, ...): its router
     load-balancing loss (transformers' load_balancing_loss_func) added with this weight, each micro-batch's by its
@@ -552,6 +562,7 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError("model.router_aux_loss_coef: the router loss is added in SFT, DPO and KTO (not here)")
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
+    check_quantization(model, "model", model.lora_rank > 0 or bool(model.lora_adapter_path))
     for flag in ("use_rslora", "use_dora", "modules_to_save"):
         if getattr(model, flag) and not (model.lora_rank > 0 or model.lora_adapter_path):
             raise ConfigError(f"model.{flag}={getattr(model, flag)} needs LoRA (model.lora_rank > 0 or "

@@ -352,6 +352,15 @@ class ModelConfig:
     """Pass trust_remote_code to from_pretrained."""
     lora_rank: int = 0
     """LoRA rank for the actor (0 = full fine-tuning)."""
+    load_in_4bit: bool = False
+    """tiller (TRL's / transformers' load_in_4bit, OpenRLHF's --load_in_4bit): QLoRA, the actor's body linear layers
+    loaded as bitsandbytes 4-bit weights, frozen, LoRA adapters training on them; needs LoRA and the bitsandbytes
+    package. The reference is the 4-bit base (adapters off); the rollout and the export get the dequantized base with
+    the adapters merged (the function trained)."""
+    bnb_4bit_quant_type: str = "nf4"
+    """tiller: with load_in_4bit, nf4 (QLoRA's NormalFloat4) | fp4."""
+    bnb_4bit_use_double_quant: bool = False
+    """tiller (TRL's use_bnb_nested_quant): with load_in_4bit, the block scales quantized too."""
     lora_alpha: int = 16
     """LoRA alpha."""
     use_rslora: bool = False

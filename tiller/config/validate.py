@@ -24,7 +24,9 @@ from tiller.config.checks import check_positive as _positive
 from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
+from tiller.models.lora import lora_enabled
 from tiller.models.optimizer import check_optimizer
+from tiller.models.quant import check_quantization
 from tiller.tracking.tracker import LOGGERS
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
@@ -253,6 +255,10 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_diversity_classifier(cfg.reward_model.diversity)
     for key, section in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
         _validate_lora(key, section)
+    check_quantization(arr.model, "actor_rollout_ref.model", lora_enabled(arr.model))
+    if arr.model.load_in_4bit and cfg.trainer.backend == "ray":
+        raise ConfigError("actor_rollout_ref.model.load_in_4bit=true runs in one process (trainer.backend=local): "
+                          "FSDP2 shards do not hold bitsandbytes 4-bit weights")
     _validate_sandbox_fusion(cfg)
 
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import random
 import shutil
 import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ import torch
 from tiller.errors import UserError
 from tiller.models.loading import is_vision_checkpoint, resolve_dtype
 from tiller.models.optimizer import optimizer_class_name
+from tiller.models.quant import check_quantization, dequantized_merge, is_quantized, quantize_after_load
 
 MARKER = "latest_checkpointed_iteration.txt"
 PREFIX = "global_step_"
@@ -237,6 +240,9 @@ def _save_module(model: torch.nn.Module, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(out, safe_serialization=True)
+        if is_quantized(model):  # QLoRA: `tiller export` merges the adapter into the same 4-bit base, dequantized
+            quant = model.get_base_model().config.quantization_config
+            (out / QUANT_FILE).write_text(json.dumps(quant.to_dict(), indent=1, default=str))
     else:
         from safetensors.torch import save_model
 
@@ -255,8 +261,6 @@ def _load_module(model: torch.nn.Module, src: Path) -> None:
         return
     index = src / "model.safetensors.index.json"
     if index.exists():
-        import json
-
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         shards = ["model.safetensors"]
@@ -490,8 +494,6 @@ def export_hf(ckpt_path: str | os.PathLike, to_dir: str | os.PathLike, dtype: st
 def _weight_shapes(src: Path) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor in a saved model dir's safetensors files, each file's header checked against its
     size (safetensors' own reader refuses a file cut short); a `UserError` names the file and the problem."""
-    import json
-
     from safetensors import SafetensorError, safe_open
 
     index = src / "model.safetensors.index.json"
@@ -524,8 +526,6 @@ def check_weights(src: str | os.PathLike) -> None:
     of another shape, a tensor the architecture lacks, or one it needs that is absent (tied embeddings aside). A
     LoRA adapter's files, and a model transformers cannot build from its config alone (remote code), are only read
     (their headers checked against the file sizes)."""
-    import json
-
     import transformers
 
     src = Path(src)
@@ -556,8 +556,6 @@ MODEL_SHAPE_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", 
 
 
 def _model_config(path: Path) -> dict | None:
-    import json
-
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -586,8 +584,6 @@ def model_mismatch(ckpt: str | os.PathLike, model_path: str | os.PathLike) -> tu
 
 def _auto_class(src: Path):
     """The transformers Auto class a saved model (or LoRA adapter) belongs to: causal LM, RM or critic."""
-    import json
-
     import transformers
 
     if (src / "adapter_config.json").exists():
@@ -603,14 +599,16 @@ def _auto_class(src: Path):
     return transformers.AutoModelForCausalLM
 
 
+QUANT_FILE = "quantization_config.json"
+"""Beside a QLoRA checkpoint's adapter: the bitsandbytes settings of the 4-bit base it was trained on."""
+
+
 def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype) if dtype is not None else "auto"
     auto_cls = _auto_class(src)
     if (src / "adapter_config.json").exists():
-        import json
-
         from peft import PeftModel
 
         base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path")
@@ -620,8 +618,20 @@ def _export_via_load(src: Path, out: Path, dtype: str | None) -> None:
             auto_cls = AutoModelForImageTextToText  # a vision-language policy's adapter (language model LoRA)
         extra = {} if auto_cls in (AutoModelForImageTextToText,) or auto_cls.__name__ == "AutoModelForCausalLM" \
             else {"num_labels": 1}
-        model = auto_cls.from_pretrained(base, dtype=torch_dtype, **extra)
-        model = PeftModel.from_pretrained(model, str(src)).merge_and_unload()
+        if (src / QUANT_FILE).exists():  # trained on a 4-bit base (QLoRA): that base, dequantized, takes the adapter
+            from transformers import BitsAndBytesConfig
+
+            quant = BitsAndBytesConfig.from_dict(json.loads((src / QUANT_FILE).read_text()))
+            check_quantization(types.SimpleNamespace(load_in_4bit=True, bnb_4bit_quant_type=quant.bnb_4bit_quant_type),
+                               str(src / QUANT_FILE), lora=True)
+            model = quantize_after_load(auto_cls.from_pretrained(base, quantization_config=quant,
+                                                                 device_map={"": "cpu"}, dtype=torch.float32, **extra))
+            model = dequantized_merge(PeftModel.from_pretrained(model, str(src)))
+            if dtype is not None:
+                model = model.to(torch_dtype)
+        else:
+            model = auto_cls.from_pretrained(base, dtype=torch_dtype, **extra)
+            model = PeftModel.from_pretrained(model, str(src)).merge_and_unload()
     else:
         if auto_cls.__name__ == "AutoModelForCausalLM" and is_vision_checkpoint(src):
             auto_cls = AutoModelForImageTextToText

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tiller.errors import UserError
+from tiller.models.quant import quantize_after_load
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
@@ -208,11 +209,12 @@ def model_config(path, override_config: dict | None = None, *, trust_remote_code
 
 def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
                    attn_implementation: str | None = None, device=None, override_config: dict | None = None,
-                   key: str = "model.override_config"):
+                   key: str = "model.override_config", quantization_config=None):
     """`AutoModelForCausalLM.from_pretrained(path)` (a vision-language model dir: `AutoModelForImageTextToText`) in `dtype` (name or torch.dtype), optionally moved to `device`.
 
     override_config: keys set on the model's HF config before it is built (`model_config`); `key` names them
-    in errors. An explicit `attn_implementation` argument wins over the override's.
+    in errors. An explicit `attn_implementation` argument wins over the override's. `quantization_config`: a
+    transformers `BitsAndBytesConfig` (tiller.models.quant.bnb_config), the model placed on `device` as it loads.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -229,6 +231,8 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
         kwargs["config"] = model_config(path, overrides, trust_remote_code=trust_remote_code, key=key)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": str(device or "cpu")})
     try:
         model = auto.from_pretrained(path, **kwargs)
     except Exception as err:
@@ -239,6 +243,8 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
         if not is_load_error(err):
             raise
         raise UserError(_load_failure("model", path, err)) from err
+    if quantization_config is not None:
+        return quantize_after_load(model)
     if device is not None:
         model = model.to(device)
     return model

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from tiller.errors import ConfigError
+from tiller.models.quant import dequantized_merge, is_quantized
 from tiller.models.vision import is_vision_model
 
 
@@ -372,7 +373,10 @@ def language_model_targets(model: torch.nn.Module) -> str | None:
 
 
 def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain transformers model with adapters merged into the weights (a non-LoRA model as is)."""
+    """The plain transformers model with adapters merged into the weights (a non-LoRA model as is); a 4-bit (QLoRA)
+    model: its dequantized base with the adapters merged, a new model (tiller.models.quant.dequantized_merge)."""
+    if is_quantized(model):
+        return dequantized_merge(model)
     if is_lora(model):
         return model.merge_and_unload()
     return model

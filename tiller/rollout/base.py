@@ -27,6 +27,7 @@ import torch
 
 from tiller.errors import ConfigError, UserError
 from tiller.hostinfo import bf16_decision
+from tiller.models.quant import dequantized_merge, is_quantized
 
 
 @dataclass
@@ -338,7 +339,11 @@ class WeightView:
                 missing, unexpected = self.source.load_state_dict(state_dict, strict=False)
                 if unexpected:
                     raise UserError(f"rollout.update_weights: unexpected keys {unexpected[:5]}")
-            if self.is_copy:
+            if self.is_copy and is_quantized(self.source):  # QLoRA: the dequantized base, adapters merged
+                merged = dequantized_merge(self.source, self.dtype).state_dict()
+                for name, dst in self.module.state_dict().items():
+                    dst.copy_(merged[name])
+            elif self.is_copy:
                 src = dict(self.source.named_parameters())
                 src.update(dict(self.source.named_buffers()))
                 for name, dst in list(self.module.named_parameters()) + list(self.module.named_buffers()):
@@ -363,7 +368,10 @@ def param_versions(module: torch.nn.Module) -> tuple:
 
 
 def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A frozen eval-mode copy with parameters cast to `dtype`; buffers (rotary inv_freq) keep their dtype."""
+    """A frozen eval-mode copy with parameters cast to `dtype`; buffers (rotary inv_freq) keep their dtype. A 4-bit
+    (QLoRA) model's copy is its dequantized base with the adapters merged, in `dtype`."""
+    if is_quantized(model):
+        return dequantized_merge(model, dtype)
     module = copy.deepcopy(model)
     for p in module.parameters():
         p.grad = None

@@ -40,6 +40,7 @@ from tiller.errors import ConfigError, UserError
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled
+from tiller.models.quant import bnb_config, quantize_after_load
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 from tiller.workers.ulysses import ulysses_token_forward
@@ -126,11 +127,13 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
     m = cfg.model
     tokenizer = load_tokenizer(m.tokenizer_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code)
     set_chat_template(tokenizer, m.custom_chat_template)  # verl's model.custom_chat_template (saved with the model)
+    compute = torch.bfloat16 if cfg.optim.dtype in ("bfloat16", "bf16") else torch.float32
+    quant = bnb_config(m, compute)  # QLoRA (model.load_in_4bit): 4-bit body, adapters on top
     if head == "seq_cls":
-        model = load_seq_cls(m.partial_pretrain, tokenizer, m.trust_remote_code, m.attn_implementation)
+        model = load_seq_cls(m.partial_pretrain, tokenizer, m.trust_remote_code, m.attn_implementation, quant)
     else:
         model = load_causal_lm(m.partial_pretrain, trust_remote_code=m.trust_remote_code,
-                               attn_implementation=m.attn_implementation)
+                               attn_implementation=m.attn_implementation, quantization_config=quant)
     if m.enable_gradient_checkpointing:
         # transformers 5 renamed it; the old name warns
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
@@ -154,14 +157,18 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
     return model, tokenizer
 
 
-def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_implementation: str | None = None):
-    """`AutoModelForSequenceClassification(num_labels=1)` from a causal-LM dir (the head starts random)."""
+def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_implementation: str | None = None,
+                 quantization_config=None):
+    """`AutoModelForSequenceClassification(num_labels=1)` from a causal-LM dir (the head starts random); with a
+    `quantization_config` (tiller.models.quant.bnb_config) the body's linear layers load 4-bit."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     kwargs = dict(num_labels=1, trust_remote_code=trust_remote_code, dtype=torch.float32)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": "cpu"})
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the fresh `score` head is expected, not worth a warning table
     try:
@@ -176,7 +183,7 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
         hf_logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    return model
+    return quantize_after_load(model) if quantization_config is not None else model
 
 
 def parse_job_args(prog: str, description: str, argv: list[str], schema):

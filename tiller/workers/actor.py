@@ -61,6 +61,7 @@ from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_state_dict
+from tiller.models.quant import bnb_config, dequantized_merge, is_quantized
 from tiller.models.ref_sync import RefSync
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.protocol import Batch
@@ -156,14 +157,18 @@ class ActorRolloutRefWorker:
         self.tokenizer = load_tokenizer(tok_path, padding_side="left", trust_remote_code=arr.model.trust_remote_code)
         # verl's model.custom_chat_template: the agent endpoint renders with it and the checkpoints save it
         set_chat_template(self.tokenizer, arr.model.custom_chat_template)
+        compute = torch.bfloat16 if self.actor_cfg.dtype in ("bfloat16", "bf16") else torch.float32
         module = load_causal_lm(arr.model.path, dtype="float32", trust_remote_code=arr.model.trust_remote_code,
                                 device=self.device, override_config=arr.model.override_config,
-                                key="actor_rollout_ref.model.override_config")
+                                key="actor_rollout_ref.model.override_config",
+                                quantization_config=bnb_config(arr.model, compute))  # QLoRA: load_in_4bit
         # LoRA: fresh adapters (model.lora_rank > 0) or a saved adapter to continue from (model.lora_adapter_path)
         self.lora = lora_enabled(arr.model)
         module = attach_lora(module, arr.model, "actor_rollout_ref.model", allow_dropout=False)
         # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
-        self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" else None
+        # (QLoRA: the 4-bit base is dequantized and the adapters merged at each sync instead, tiller.models.quant)
+        self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" and \
+            not is_quantized(module) else None
         if arr.model.lm_head_fp32:  # before the reference copies the module: both heads in fp32
             fp32_lm_head(module, "actor_rollout_ref.model.lm_head_fp32")
         if role == "rollout":
@@ -666,8 +671,11 @@ class ActorRolloutRefWorker:
                 self.rollout_module.load_state_dict(dist_ctx.full_state_dict(self.model))
             return
         if self.rollout_cfg.name == "vllm":
-            state = dist_ctx.full_state_dict(self.module)  # collective under FSDP2
-            if self.lora:
+            if is_quantized(self.module):  # QLoRA (one process): the dequantized base with the adapters merged
+                state = dequantized_merge(self.module).state_dict()
+            else:
+                state = dist_ctx.full_state_dict(self.module)  # collective under FSDP2
+            if self.lora and self._lora_template is not None:
                 state = merged_state_dict(self._lora_template, state)
             self.rollout.wake()  # a sleeping vLLM holds no weights to load into; the next generate sleeps it
             self.rollout.update_weights(state)
