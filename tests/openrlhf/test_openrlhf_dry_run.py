@@ -49,6 +49,10 @@ def test_ppo_batch_units_samples_vs_prompts():
     cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--lora_alpha", "16")
     assert (cfg.critic.model.lora_rank, cfg.critic.model.lora_alpha) == (8, 16)
     assert cfg.actor_rollout_ref.model.lora_rank == 8
+    # --load_in_4bit (QLoRA): OpenRLHF's nf4 + double quantization on the actor; tiller's critic stays full precision
+    pytest.importorskip("bitsandbytes")
+    model = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--load_in_4bit").actor_rollout_ref.model
+    assert (model.load_in_4bit, model.bnb_4bit_quant_type, model.bnb_4bit_use_double_quant) == (True, "nf4", True)
 
 
 def test_ppo_async_flags_map_to_verls_async_keys(capsys):
@@ -221,7 +225,7 @@ def test_hints_print_one_notice_each_and_dry_run_creates_nothing(capsys, tmp_pat
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--load_in_4bit"], "--load_in_4bit: refused: 4-bit"),
+    (["--load_in_4bit"], "model.load_in_4bit=true needs LoRA"),
     (["--lr_scheduler", "polynomial"], "--lr_scheduler polynomial: refused"),
     (["--not_a_flag", "1"], "unrecognized OpenRLHF flat argument(s): --not_a_flag"),
     (["--ds.zero_stage", "3"], "mixes dotted 0.10+ flags with flat 0.8.x ones (--pretrain --dataset --output_key)"),

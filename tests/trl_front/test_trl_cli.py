@@ -120,7 +120,9 @@ def prompts_file(tmp_path):
 @pytest.mark.parametrize("line, message", [
     (["--max_stpes", "2"], "--max_stpes: not a flag of `tiller trl grpo`; did you mean --max_steps?"),
     (["--max_steps", "two"], "argument --max_steps/--max-steps: invalid int value: 'two'"),
-    (["--load_in_4bit"], "load_in_4bit=True: refused: quantized (bitsandbytes) training"),
+    (["--load_in_8bit"], "load_in_8bit=True: refused: tiller's QLoRA takes 4-bit bases"),
+    (["--load_in_4bit"], "quantization_config (load_in_4bit): QLoRA trains adapters on the frozen 4-bit base: pass "
+                         "a peft_config (TRL's scripts: --use_peft)"),
     (["--dataset_name", "no/such/dir"], "--dataset_name 'no/such/dir': no such local dataset dir or data file"),
     (["--reward_funcs", "accuracy"], "--reward_funcs 'accuracy': not a built-in reward function; did you mean "
                                      "'accuracy_reward'?"),

@@ -9,6 +9,7 @@ may add TRL-named metrics to each logged row (`_trl_metrics`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -122,6 +123,40 @@ def _peft_default_targets(model_path: str) -> Any:
     return sorted(targets)
 
 
+def quant_settings(given: Any, args: Any) -> tuple[dict[str, Any], list[str]]:
+    """tiller's QLoRA keys (load_in_4bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant, no section prefix) of a
+    trainer's `quantization_config` or its `model_init_kwargs["quantization_config"]` (a transformers
+    BitsAndBytesConfig or its dict, as TRL's get_quantization_config builds it), and notices. 8-bit and the settings
+    tiller's 4-bit loading does not take are refused."""
+    inside = (getattr(args, "model_init_kwargs", None) or {}).get("quantization_config")
+    if given is not None and inside is not None:
+        raise ConfigError("quantization_config: given both as a trainer argument and in args.model_init_kwargs "
+                          "(TRL refuses the pair too)")
+    config = given if given is not None else inside
+    if config is None:
+        return {}, []
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if d.get("load_in_8bit"):
+        raise ConfigError("quantization_config.load_in_8bit=True: refused: tiller's QLoRA takes 4-bit bases "
+                          "(load_in_4bit=True); LLM.int8 quantizes the activations too, so no merge gives the "
+                          "trained model")
+    if d.get("quant_method", "bitsandbytes") != "bitsandbytes" or not d.get("load_in_4bit"):
+        raise ConfigError(f"quantization_config={d.get('quant_method', type(config).__name__)}: tiller quantizes "
+                          "with bitsandbytes load_in_4bit=True only")
+    for name, neutral in (("bnb_4bit_quant_storage", ("uint8", None)), ("llm_int8_skip_modules", (None, []))):
+        if d.get(name) not in neutral:
+            raise ConfigError(f"quantization_config.{name}={d.get(name)!r}: refused: tiller's 4-bit loading keeps "
+                              f"{name}={neutral[0]!r}")
+    notices = []
+    compute = str(d.get("bnb_4bit_compute_dtype") or "float32").replace("torch.", "")
+    want = "bfloat16" if getattr(args, "bf16", False) else "float32"
+    if compute != want:
+        notices.append(f"quantization_config.bnb_4bit_compute_dtype={compute}: the 4-bit matmuls run in tiller's "
+                       f"compute dtype, {want} (bf16={getattr(args, 'bf16', False)})")
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": d.get("bnb_4bit_quant_type", "fp4"),
+            "bnb_4bit_use_double_quant": bool(d.get("bnb_4bit_use_double_quant"))}, notices
+
+
 def lora_rl_keys(lora: dict[str, Any]) -> dict[str, Any]:
     """RL keys of the LoRA settings: the actor's LoRA has no dropout, so a non-zero one is refused."""
     if not lora:
@@ -153,7 +188,8 @@ class TRLTrainerBase:
     config_class: type = None  # type: ignore[assignment]
     loss_key: str = "actor/pg_loss"  # the tiller metric reported as TRL's "loss" (training_loss is its mean)
 
-    def _set_up_common(self, model: Any, args: Any, processing_class: Any, peft_config: Any) -> None:
+    def _set_up_common(self, model: Any, args: Any, processing_class: Any, peft_config: Any,
+                       quantization_config: Any = None) -> None:
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{Path(str(name)).name}-{self.config_class.__name__[:-6]}")
@@ -166,6 +202,16 @@ class TRLTrainerBase:
         self.model_path, self.tokenizer_path = self._model_paths(model, processing_class)
         self.processing_class = processing_class
         self.lora = lora_settings(peft_config, self.model_path)
+        # QLoRA: a 4-bit base under the adapters (the keys' section prefix is the job's or the actor's)
+        self.quant, quant_notices = quant_settings(quantization_config, self.args)
+        if self.quant and not self.lora:  # before anything is written under output_dir
+            raise ConfigError("quantization_config (load_in_4bit): QLoRA trains adapters on the frozen 4-bit base: "
+                              "pass a peft_config (TRL's scripts: --use_peft)")
+        if self.quant and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("quantization_config (load_in_4bit): needs the bitsandbytes package "
+                              "(pip install bitsandbytes)")
+        for line in quant_notices:
+            print(f"tiller.trl: {line}")
         self.state = TrainerState()
         self._trained = False
 
@@ -183,6 +229,10 @@ class TRLTrainerBase:
             if hasattr(model, "peft_config"):
                 raise ConfigError("model: a PeftModel: pass the base model and the adapter's peft.LoraConfig as "
                                   "peft_config (tiller attaches and merges LoRA itself)")
+            if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+                raise ConfigError("model: a model loaded with bitsandbytes quantization: pass its dir with "
+                                  "quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...) and a peft_config "
+                                  "(tiller loads and quantizes it itself)")
             tok = processing_class if hasattr(processing_class, "save_pretrained") else None
             model_path = str(save_pretrained_atomic(self.run_dir / INPUT_MODEL_DIR, model, tok))
             if tok is not None:

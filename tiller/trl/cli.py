@@ -292,6 +292,12 @@ def _model_init_kwargs(model_args: Any, given: dict | None) -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": model_args.dtype}
     if model_args.attn_implementation is not None:
         out["attn_implementation"] = model_args.attn_implementation
+    if model_args.load_in_4bit:  # TRL's get_quantization_config (its dict: tiller.trl.base.quant_settings reads it)
+        out["quantization_config"] = {
+            "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_compute_dtype": model_args.dtype,
+            "bnb_4bit_quant_type": model_args.bnb_4bit_quant_type,
+            "bnb_4bit_use_double_quant": model_args.use_bnb_nested_quant,
+            "bnb_4bit_quant_storage": model_args.bnb_4bit_quant_storage}
     out.update(given or {})
     return out
 

@@ -199,9 +199,10 @@ def _device(value: Any, args: Any) -> dict:
 
 def _model_init_kwargs(value: Any, args: Any) -> dict:
     kwargs = dict(value or {})
-    unknown = set(kwargs) - {"dtype", "torch_dtype", "attn_implementation"}
+    unknown = set(kwargs) - {"dtype", "torch_dtype", "attn_implementation", "quantization_config"}
     if unknown:
-        raise refuse_value("model_init_kwargs", value, "tiller loads models with dtype / attn_implementation only")
+        raise refuse_value("model_init_kwargs", value, "tiller loads models with dtype / attn_implementation / "
+                           "quantization_config (bitsandbytes 4-bit, with a peft_config) only")
     out: dict[str, Any] = {}
     if kwargs.get("attn_implementation"):
         out["attn_implementation"] = kwargs["attn_implementation"]
@@ -374,8 +375,10 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "local_rank": noop(_ONE_PROCESS),
     # ---- the three fields every TRL config adds to TrainingArguments' (TRL 1.16)
     "model_init_kwargs": mapped("from_pretrained keywords: dtype / torch_dtype (tiller keeps float32 master weights "
-                                "and computes in the bf16 setting's dtype: a notice) and attn_implementation; "
-                                "others refused", _model_init_kwargs),
+                                "and computes in the bf16 setting's dtype: a notice), attn_implementation and "
+                                "quantization_config (a bitsandbytes 4-bit BitsAndBytesConfig or its dict, with a "
+                                "peft_config: QLoRA, model.load_in_4bit / bnb_4bit_quant_type / "
+                                "bnb_4bit_use_double_quant); others refused", _model_init_kwargs),
     "trust_remote_code": mapped("model.trust_remote_code", to("trust_remote_code", bool)),
     "pad_to_multiple_of": noop("tiller pads each micro-batch to its longest row"),
 }

@@ -216,11 +216,9 @@ class GRPOTrainer(TRLRLTrainer):
                  peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
                  environment_factory: Any = None):
         refuse_arguments("GRPOTrainer", callbacks=callbacks, optimizers=optimizers, rollout_func=rollout_func)
-        if quantization_config is not None:
-            raise ConfigError("GRPOTrainer(quantization_config=...): refused: tiller trains unquantized weights "
-                              "(LoRA via peft_config)")
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                        reward_processing_classes, peft_config, tools=tools, environment_factory=environment_factory)
+                        reward_processing_classes, peft_config, tools=tools, environment_factory=environment_factory,
+                        quantization_config=quantization_config)
 
     def _algorithm_notices(self) -> list[str]:
         loss_type, args = self.logical["loss_type"], self.args

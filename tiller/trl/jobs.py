@@ -79,9 +79,9 @@ class JobTrainer(TRLTrainerBase):
     trl_metric_names: dict[str, str] = {}  # tiller metric -> TRL's name in log_history
 
     def _set_up_job(self, model: Any, args: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
-                    peft_config: Any, **unsupported: Any) -> None:
+                    peft_config: Any, quantization_config: Any = None, **unsupported: Any) -> None:
         refuse_arguments(type(self).__name__, **unsupported)
-        self._set_up_common(model, args, processing_class, peft_config)
+        self._set_up_common(model, args, processing_class, peft_config, quantization_config)
         self.settings, self.notices = classify(self.args)  # refusals raise here, as TRL raises in __init__
         for line in self.notices:
             print(f"tiller.trl: {line}")
@@ -125,6 +125,7 @@ class JobTrainer(TRLTrainerBase):
         if self.tokenizer_path:
             out["model.tokenizer_path"] = self.tokenizer_path
         out.update(lora_job_keys(self.lora))
+        out.update({f"model.{k}": v for k, v in self.quant.items()})
         return out
 
     def tiller_keys(self, resume: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -273,8 +273,8 @@ class TRLRLTrainer(TRLTrainerBase):
 
     def _set_up_rl(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
                    processing_class: Any, reward_processing_classes: Any, peft_config: Any, tools: Any = None,
-                   environment_factory: Any = None) -> None:
-        self._set_up_common(model, args, processing_class, peft_config)
+                   environment_factory: Any = None, quantization_config: Any = None) -> None:
+        self._set_up_common(model, args, processing_class, peft_config, quantization_config)
         self.logical, self.notices = classify(self.args)
         self.tools, self.environments = _tool_setup(tools, environment_factory)
         self.tool_loop = None
@@ -526,6 +526,7 @@ class TRLRLTrainer(TRLTrainerBase):
         keys.update(self._shared_keys())
         keys.update(self._algorithm_keys())
         keys.update(lora_rl_keys(self.lora))
+        keys.update({f"actor_rollout_ref.model.{k}": v for k, v in self.quant.items()})
         keys.update(self._router_keys())
         return keys, notices + self._algorithm_notices()
 

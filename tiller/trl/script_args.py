@@ -33,7 +33,6 @@ REWARD_SCRIPT_RULES: dict[str, Rule] = {
                            "import path (the current dir on sys.path)", _READ),
 }
 
-_QUANT = "only read with load_in_4bit, which is refused"
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora",
                 "use_dora")
 
@@ -65,11 +64,16 @@ MODEL_RULES: dict[str, Rule] = {
     "lora_task_type": noop("tiller picks the head by the command (a sequence-classification head for `reward`)"),
     "use_rslora": mapped("rank-stabilised LoRA, scale lora_alpha / sqrt(r) (with use_peft: model.use_rslora)", _READ),
     "use_dora": mapped("DoRA adapters (with use_peft: model.use_dora)", _READ),
-    "load_in_8bit": refused("quantized (bitsandbytes) training is not available in tiller"),
-    "load_in_4bit": refused("quantized (bitsandbytes) training is not available in tiller"),
-    "bnb_4bit_quant_type": noop(_QUANT),
-    "use_bnb_nested_quant": noop(_QUANT),
-    "bnb_4bit_quant_storage": noop(_QUANT),
+    "load_in_8bit": refused("tiller's QLoRA takes 4-bit bases (load_in_4bit); LLM.int8 quantizes the activations "
+                            "too, so no merge gives the trained model"),
+    "load_in_4bit": mapped("QLoRA (with use_peft): quantization_config in model_init_kwargs as TRL's "
+                           "get_quantization_config builds it -> model.load_in_4bit / "
+                           "actor_rollout_ref.model.load_in_4bit (bitsandbytes)", _READ),
+    "bnb_4bit_quant_type": mapped("with load_in_4bit: nf4 | fp4 (-> bnb_4bit_quant_type)", _READ),
+    "use_bnb_nested_quant": mapped("with load_in_4bit: the block scales quantized too (-> "
+                                   "bnb_4bit_use_double_quant)", _READ),
+    "bnb_4bit_quant_storage": mapped("with load_in_4bit: uint8 (TRL's default); others refused (a storage dtype for "
+                                     "sharding 4-bit weights, which tiller does not do)", _READ),
 }
 
 DATASET_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")  # TRL's DatasetConfig
@@ -86,8 +90,7 @@ MIXTURE_RULES: dict[str, Rule] = {
 
 def _model_post_init(self: Any) -> None:  # TRL's ModelConfig.__post_init__
     if self.load_in_8bit and self.load_in_4bit:
-        raise ConfigError("load_in_8bit and load_in_4bit: refused: 8 bit and 4 bit at once (and tiller quantizes "
-                          "neither)")
+        raise ConfigError("load_in_8bit and load_in_4bit: refused: 8 bit and 4 bit at once")
     if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
         self.lora_target_modules = self.lora_target_modules[0]
 
