@@ -226,7 +226,7 @@ def test_hints_print_one_notice_each_and_dry_run_creates_nothing(capsys, tmp_pat
 
 @pytest.mark.parametrize("argv, needle", [
     (["--load_in_4bit"], "model.load_in_4bit=true needs LoRA"),
-    (["--lr_scheduler", "polynomial"], "--lr_scheduler polynomial: refused"),
+    (["--lr_scheduler", "reduce_lr_on_plateau"], "--lr_scheduler reduce_lr_on_plateau: refused"),
     (["--not_a_flag", "1"], "unrecognized OpenRLHF flat argument(s): --not_a_flag"),
     (["--ds.zero_stage", "3"], "mixes dotted 0.10+ flags with flat 0.8.x ones (--pretrain --dataset --output_key)"),
 ])
@@ -234,6 +234,14 @@ def test_refusals_exit_2_naming_the_flag(capsys, argv, needle):
     code, _, err = run(capsys, "train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--output_key", "a", *argv,
                        "--dry-run")
     assert code == 2 and needle in err, err
+
+
+def test_transformers_schedules_map_with_their_default_keywords():
+    cfg = cfg_of("train_sft", "--pretrain", "m", "--dataset", "d.jsonl", "--output_key", "a", "--lr_scheduler",
+                 "polynomial")
+    assert (cfg.optim.lr_scheduler, cfg.optim.lr_scheduler_kwargs, cfg.optim.min_lr_ratio) == ("polynomial", {}, 0.0)
+    cfg = cfg_of(*PPO, "--lr_scheduler", "inverse_sqrt")
+    assert cfg.actor_rollout_ref.actor.optim.warmup_style == "inverse_sqrt"
 
 
 def test_refused_flag_at_its_default_passes_and_abbreviations_work():

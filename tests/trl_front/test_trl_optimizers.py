@@ -42,7 +42,11 @@ def _tiller(model_dir, out, **kw) -> tuple[list[float], SFTTrainer]:
     dict(optim="paged_adamw_8bit", learning_rate=1e-2, weight_decay=0.1),
     dict(learning_rate=1e-2, warmup_steps=2),  # transformers' warmup: lr 0 at the first step (loss 2 = loss 1)
     dict(learning_rate=1e-2, warmup_steps=0.4, lr_scheduler_type="cosine", max_steps=5),
-], ids=["sgd", "adafactor", "adamw-decay", "bnb-paged-8bit", "warmup-linear", "warmup-cosine"])
+    dict(learning_rate=1e-2, warmup_steps=1, lr_scheduler_type="polynomial", max_steps=4,
+         lr_scheduler_kwargs={"lr_end": 1e-3, "power": 2.0}),
+    dict(learning_rate=1e-2, warmup_steps=1, lr_scheduler_type="warmup_stable_decay", max_steps=5,
+         lr_scheduler_kwargs={"num_decay_steps": 2, "decay_type": "linear", "min_lr_ratio": 0.1}),
+], ids=["sgd", "adafactor", "adamw-decay", "bnb-paged-8bit", "warmup-linear", "warmup-cosine", "polynomial", "wsd"])
 def test_sft_steps_equal_trls(tiny_model_dir, tmp_path, kw):
     if "8bit" in kw.get("optim", ""):
         pytest.importorskip("bitsandbytes", reason="bitsandbytes is not a test requirement (pip install bitsandbytes)")

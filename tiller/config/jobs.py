@@ -26,7 +26,7 @@ from tiller.config.checks import check_positive as _positive
 from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
-from tiller.models.optimizer import check_optimizer
+from tiller.models.optimizer import HF_SCHEDULES, check_optimizer, check_schedule_kwargs
 from tiller.models.quant import check_quantization
 from tiller.tracking.tracker import LOGGERS
 
@@ -283,7 +283,13 @@ class JobOptimConfig:
     """Linear warmup over int(this x total) steps, from lr 0 at the first step (verl's SFT engine and transformers
     count warmup steps from 0)."""
     lr_scheduler: str = "cosine"
-    """After warmup: cosine | constant | linear (to 0 at the last step, transformers' formula)."""
+    """After warmup: cosine | constant | linear (to 0 at the last step, transformers' formula), or transformers'
+    cosine_with_restarts | polynomial | inverse_sqrt | warmup_stable_decay (their formulas and warmup exactly, their
+    keywords in lr_scheduler_kwargs)."""
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keywords of transformers' schedules (its get_scheduler's scheduler_specific_kwargs): cosine_with_restarts:
+    num_cycles; polynomial: lr_end, power; inverse_sqrt: timescale; warmup_stable_decay: num_decay_steps (required),
+    num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles. Refused with tiller's own schedules."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr."""
     clip_grad: float = 1.0
@@ -549,7 +555,8 @@ def validate_job(cfg: Any) -> None:
                           f"data.micro_batch_size_per_gpu ({data.micro_batch_size_per_gpu})")
     _choice("data.truncation", data.truncation, ("error", "left", "right"))
     _positive("optim.lr", optim.lr)
-    _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant", "linear"))
+    _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant", "linear", *HF_SCHEDULES))
+    check_schedule_kwargs(optim.lr_scheduler, optim.lr_scheduler_kwargs, optim.lr, "optim.lr_scheduler_kwargs")
     _choice("optim.dtype", optim.dtype, ("float32", "fp32", "bfloat16", "bf16"))
     check_optimizer(optim, "optim")  # the class imports, takes its keyword arguments, and the exemption rule is known
     if not 0 <= optim.warmup_steps_ratio < 1:

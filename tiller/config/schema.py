@@ -413,7 +413,13 @@ class OptimConfig(MegatronOptimOptions):
     min_lr_ratio: float = 0.0
     """Cosine schedule floor as a fraction of lr."""
     warmup_style: Optional[str] = "constant"
-    """Schedule after warmup: constant | cosine | linear (to 0 at the last step: transformers' linear schedule)."""
+    """Schedule after warmup: constant | cosine | linear (to 0 at the last step: transformers' linear schedule); tiller
+    also: transformers' cosine_with_restarts | polynomial | inverse_sqrt | warmup_stable_decay (their formulas and
+    warmup exactly; keywords in lr_scheduler_kwargs)."""
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """tiller: keywords of transformers' schedules (get_scheduler's scheduler_specific_kwargs): cosine_with_restarts:
+    num_cycles; polynomial: lr_end, power; inverse_sqrt: timescale; warmup_stable_decay: num_decay_steps (required),
+    num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles. Refused with verl's schedules."""
     total_training_steps: int = -1
     """Set by the trainer from the data and trainer.total_epochs / total_training_steps."""
     weight_decay: float = 0.01

@@ -25,7 +25,7 @@ from tiller.config.checks import check_ref_sync
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
 from tiller.models.lora import lora_enabled
-from tiller.models.optimizer import check_optimizer
+from tiller.models.optimizer import HF_SCHEDULES, check_optimizer, check_schedule_kwargs
 from tiller.models.quant import check_quantization
 from tiller.tracking.tracker import LOGGERS
 
@@ -114,8 +114,9 @@ def validate_rl(cfg: RLConfig) -> None:
     _choice("actor_rollout_ref.actor.dtype", actor.dtype, DTYPES)
     _choice("critic.dtype", cfg.critic.dtype, DTYPES)
     _choice("actor_rollout_ref.actor.strategy", actor.strategy, ("fsdp", "fsdp2", "ddp", "none"))
-    _choice("actor_rollout_ref.actor.optim.warmup_style", actor.optim.warmup_style, ("constant", "cosine", "linear"))
-    _choice("critic.optim.warmup_style", cfg.critic.optim.warmup_style, ("constant", "cosine", "linear"))
+    for key, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", cfg.critic.optim)):
+        _choice(f"{key}.warmup_style", optim.warmup_style, ("constant", "cosine", "linear", *HF_SCHEDULES))
+        check_schedule_kwargs(optim.warmup_style, optim.lr_scheduler_kwargs, optim.lr, f"{key}.lr_scheduler_kwargs")
     _choice("data.truncation", data.truncation, ("error", "left", "right", "middle"))
     if not _custom_reward_manager(cfg):  # (a custom verl reward manager: reward_manager names its class)
         _choice("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS)

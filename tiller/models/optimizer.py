@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import re
 from typing import Any, Iterable
 
@@ -173,3 +174,78 @@ def optimizer_class_name(optimizer) -> str | None:
     if not isinstance(inner, torch.optim.Optimizer):
         return None
     return f"{type(inner).__module__}.{type(inner).__qualname__}"
+
+
+# ---- transformers' other learning-rate schedules -----------------------------------------------------------------
+# name -> its keyword arguments and their defaults (transformers.optimization, get_scheduler's
+# scheduler_specific_kwargs); warmup_stable_decay's num_decay_steps has none (required)
+HF_SCHEDULES: dict[str, dict[str, Any]] = {
+    "cosine_with_restarts": {"num_cycles": 1},
+    "polynomial": {"lr_end": 1e-7, "power": 1.0},
+    "inverse_sqrt": {"timescale": None},
+    "warmup_stable_decay": {"num_decay_steps": None, "num_stable_steps": None, "warmup_type": "linear",
+                            "decay_type": "cosine", "min_lr_ratio": 0.0, "num_cycles": 0.5},
+}
+_WSD_SHAPES = ("linear", "cosine", "1-sqrt")
+
+
+def check_schedule_kwargs(style: str, kwargs: Any, lr: float, key: str) -> None:
+    """`<key>` (lr_scheduler_kwargs) fits schedule `style`: only transformers' keyword names of it (none for tiller's
+    own schedules), polynomial's lr_end below lr, warmup_stable_decay's num_decay_steps given and its shapes known."""
+    given = dict(kwargs or {})
+    allowed = HF_SCHEDULES.get(style, {})
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "none"
+        raise ConfigError(f"{key}.{unknown[0]}: not a keyword of the {style!r} schedule (it takes: {takes})")
+    if style == "polynomial" and not float(given.get("lr_end", 1e-7)) < lr:
+        raise ConfigError(f"{key}.lr_end={given['lr_end']} must be below the peak lr ({lr}), as transformers requires")
+    if style == "warmup_stable_decay":
+        if given.get("num_decay_steps") is None or int(given["num_decay_steps"]) < 0:
+            raise ConfigError(f"{key}.num_decay_steps: warmup_stable_decay needs its decay steps (an integer >= 0)")
+        for name in ("warmup_type", "decay_type"):
+            if given.get(name, "linear") not in _WSD_SHAPES:
+                raise ConfigError(f"{key}.{name}={given[name]!r}: one of {', '.join(_WSD_SHAPES)}")
+
+
+def hf_schedule_factor(step: int, *, style: str, warmup: int, total: int, lr: float, kwargs: Any) -> float:
+    """Multiplier of the peak lr at scheduler step `step` for transformers' cosine_with_restarts, polynomial,
+    inverse_sqrt and warmup_stable_decay schedules, their formulas exactly (transformers.optimization 5.x; the warmup
+    of the first three: step / max(1, warmup)).
+
+    Worked numbers (warmup 2, total 10, lr 1e-3): cosine_with_restarts num_cycles 2, step 6 -> progress 0.5 ->
+    (2 x 0.5) % 1 = 0 -> 1.0; polynomial power 2, lr_end 1e-4, step 6 -> (0.9e-3 x 0.5^2 + 1e-4) / 1e-3 = 0.325;
+    inverse_sqrt (timescale = warmup), step 8 -> 1 / sqrt(8 / 2) = 0.5; warmup_stable_decay num_decay_steps 4 (stable
+    10 - 2 - 4 = 4), linear decay, step 8 -> 1 - 2 / 4 = 0.5, step 10 -> min_lr_ratio."""
+    k = {**HF_SCHEDULES[style], **dict(kwargs or {})}
+    if style == "warmup_stable_decay":
+        decay = int(k["num_decay_steps"])
+        stable = total - warmup - decay if k["num_stable_steps"] is None else int(k["num_stable_steps"])
+        floor = float(k["min_lr_ratio"])
+        if step < warmup:
+            p = step / max(1, warmup)
+            f = {"linear": p, "cosine": 0.5 * (1.0 - math.cos(math.pi * p)), "1-sqrt": 1.0 - math.sqrt(1.0 - p)}
+            return max(0.0, f[k["warmup_type"]] * (1.0 - floor) + floor)
+        if step < warmup + stable:
+            return 1.0
+        if step < warmup + stable + decay:
+            p = (step - warmup - stable) / max(1, decay)
+            f = {"linear": 1.0 - p, "cosine": 0.5 * (1.0 + math.cos(math.pi * float(k["num_cycles"]) * 2.0 * p)),
+                 "1-sqrt": 1.0 - math.sqrt(p)}
+            return max(0.0, f[k["decay_type"]] * (1.0 - floor) + floor)
+        return floor
+    if step < warmup:
+        return step / max(1, warmup)
+    if style == "inverse_sqrt":
+        timescale = k["timescale"] if k["timescale"] is not None else (warmup or 10_000)
+        return 1.0 / math.sqrt((step + timescale - warmup) / timescale)
+    if style == "polynomial":
+        lr_end, power = float(k["lr_end"]), float(k["power"])
+        if step > total:
+            return lr_end / lr
+        remaining = 1 - (step - warmup) / (total - warmup)
+        return ((lr - lr_end) * remaining ** power + lr_end) / lr
+    progress = (step - warmup) / max(1, total - warmup)  # cosine_with_restarts (hard restarts)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(k["num_cycles"]) * progress) % 1.0))))

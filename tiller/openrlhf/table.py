@@ -147,7 +147,8 @@ TABLE: tuple[Flag, ...] = (
        "actor.adam.weight_decay"),
     _f("critic.adam.weight_decay", MAPPED, "critic.optim.weight_decay"),
     _f("lr_scheduler", MAPPED, "cosine_with_min_lr -> cosine to min_lr_ratio x lr; cosine -> cosine to 0; "
-       "constant_with_warmup -> constant (others refused)", "lr_scheduler", "actor.lr_scheduler"),
+       "constant_with_warmup -> constant; linear, cosine_with_restarts, polynomial, inverse_sqrt -> transformers' "
+       "formulas with their default keywords (others refused)", "lr_scheduler", "actor.lr_scheduler"),
     _f("critic.lr_scheduler", MAPPED, "critic.optim.warmup_style / min_lr_ratio"),
     _f("lr_warmup_ratio", MAPPED, "optim.warmup_steps_ratio (PPO: optim.lr_warmup_steps_ratio); OpenRLHF's 3%",
        "lr_warmup_ratio", "actor.lr_warmup_ratio"),

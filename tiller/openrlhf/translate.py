@@ -90,8 +90,12 @@ def _schedule(a: Args, o: dict, prefix: str, *, offline: bool, name: str = "lr_s
         style, floor_ratio = "cosine", 0.0
     elif sched == "constant_with_warmup":
         style, floor_ratio = "constant", 0.0
+    elif sched in ("linear", "cosine_with_restarts", "polynomial", "inverse_sqrt"):
+        style, floor_ratio = sched, 0.0  # transformers' formulas with their default keywords, as OpenRLHF builds them
     else:
-        raise a.refuse(name, "tiller schedules are cosine_with_min_lr, cosine and constant_with_warmup")
+        raise a.refuse(name, "tiller schedules are cosine_with_min_lr, cosine, constant_with_warmup, linear, "
+                             "cosine_with_restarts, polynomial and inverse_sqrt (OpenRLHF passes warmup_stable_decay "
+                             "no num_decay_steps)")
     if offline:
         o.update({f"{prefix}.lr_scheduler": style, f"{prefix}.warmup_steps_ratio": ratio,
                   f"{prefix}.min_lr_ratio": floor_ratio})

@@ -191,6 +191,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     warmup = int(optim_cfg.warmup_steps_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_lambda, warmup=warmup, total=total, style=optim_cfg.lr_scheduler, min_lr_ratio=optim_cfg.min_lr_ratio,
+        lr=optim_cfg.lr, kwargs=dict(optim_cfg.lr_scheduler_kwargs or {}),
         from_zero=True))  # (verl's SFT engine and transformers: the first warmup step at lr 0)
     models = job.checkpoint_models() if hasattr(job, "checkpoint_models") else {}  # e.g. a moving reference
     if models and par.world > 1:

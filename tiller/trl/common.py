@@ -97,9 +97,10 @@ _OPTIMIZERS: dict[str, tuple[str, str, dict, tuple[str, ...]]] = {
                                  ("paged_lion_8bit", 8, True))},
 }
 _BOOL_ARGS = ("nesterov", "centered")
-_SCHEDULES = ("linear", "constant", "constant_with_warmup", "cosine", "cosine_with_min_lr")
+_SCHEDULES = ("linear", "constant", "constant_with_warmup", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
+              "polynomial", "inverse_sqrt", "warmup_stable_decay")
 _STYLE = {"linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
-          "cosine_with_min_lr": "cosine"}
+          "cosine_with_min_lr": "cosine", **{name: name for name in _SCHEDULES[5:]}}
 _REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -140,6 +141,9 @@ def _schedule(value: Any, args: Any) -> dict:
     # tiller's constant schedule warms up first (transformers' constant_with_warmup); plain constant has no
     # warm-up (warmup_steps is dropped); cosine_with_min_lr is cosine with a floor
     out: dict[str, Any] = {"lr_scheduler": _STYLE[value], "min_lr_ratio": 0.0}
+    if value in _SCHEDULES[5:]:  # transformers' own formulas in tiller (optim.lr_scheduler_kwargs, checked at load)
+        out["lr_scheduler_kwargs"] = kwargs
+        return out
     if value == "cosine_with_min_lr":
         if set(kwargs) - {"min_lr", "min_lr_rate", "num_cycles"} or ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
             raise refuse_value("lr_scheduler_kwargs", kwargs, "cosine_with_min_lr takes one of min_lr / min_lr_rate "
@@ -239,9 +243,13 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "max_steps": mapped("trainer.total_training_steps when > 0 (overrides num_train_epochs)", to("max_steps", int)),
     "learning_rate": mapped("the optimizer's lr", to("lr", float)),
     "lr_scheduler_type": mapped("warm-up then linear (tiller's linear schedule, transformers' formula) | constant "
-                                "(no warm-up) | constant_with_warmup | cosine | cosine_with_min_lr", _schedule),
-    "lr_scheduler_kwargs": mapped("cosine: num_cycles; cosine_with_min_lr: min_lr / min_lr_rate -> min_lr_ratio "
-                                  "(read with lr_scheduler_type)", lambda v, a: {}),
+                                "(no warm-up) | constant_with_warmup | cosine | cosine_with_min_lr | "
+                                "cosine_with_restarts | polynomial | inverse_sqrt | warmup_stable_decay (transformers' "
+                                "formulas); reduce_lr_on_plateau / greedy refused", _schedule),
+    "lr_scheduler_kwargs": mapped("cosine: num_cycles; cosine_with_min_lr: min_lr / min_lr_rate -> min_lr_ratio; "
+                                  "cosine_with_restarts / polynomial / inverse_sqrt / warmup_stable_decay: their "
+                                  "keywords -> optim.lr_scheduler_kwargs (read with lr_scheduler_type)",
+                                  lambda v, a: {}),
     "warmup_steps": mapped(">= 1: warm-up steps; in (0, 1): ceil(ratio x total steps), as transformers", _warmup),
     "optim": mapped("optim.optimizer_impl / optimizer / override_optimizer_config as transformers builds them: "
                     "adamw_torch(_fused) / adamw_hf: torch.optim.AdamW; sgd, adagrad, rmsprop: torch.optim's; "
@@ -537,6 +545,7 @@ def rl_keys(logical: dict[str, Any]) -> dict[str, Any]:
         f"{optim}.lr": g("lr"), f"{optim}.weight_decay": g("weight_decay"), f"{optim}.betas": g("betas"),
         f"{optim}.eps": g("eps"), f"{optim}.warmup_style": g("lr_scheduler"),
         f"{optim}.min_lr_ratio": g("min_lr_ratio"), f"{optim}.lr_warmup_steps": g("warmup_steps", 0) or -1,
+        f"{optim}.lr_scheduler_kwargs": g("lr_scheduler_kwargs"),
         f"{optim}.lr_warmup_steps_ratio": 0.0, f"{actor}.grad_clip": g("grad_clip"),
         f"{actor}.dtype": g("dtype"), "actor_rollout_ref.rollout.dtype": g("dtype"),
         "actor_rollout_ref.model.enable_gradient_checkpointing": g("gradient_checkpointing"),
@@ -585,6 +594,7 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "optim.lr": g("lr"), "optim.weight_decay": g("weight_decay"), "optim.betas": g("betas"), "optim.eps": g("eps"),
         "optim.lr_scheduler": g("lr_scheduler"), "optim.min_lr_ratio": g("min_lr_ratio"),
+        "optim.lr_scheduler_kwargs": g("lr_scheduler_kwargs"),
         # the job loop warms up over int(ratio x total) steps: a ratio half a step above warmup / total gives warmup
         "optim.warmup_steps_ratio": (warmup + 0.5) / total if warmup else 0.0,
         "optim.clip_grad": g("grad_clip"), "optim.dtype": g("dtype"),

@@ -25,7 +25,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.models.loading import cache_keyword
-from tiller.models.optimizer import make_optimizer, param_groups
+from tiller.models.optimizer import HF_SCHEDULES, hf_schedule_factor, make_optimizer, param_groups
 from tiller.models.vision import vision_inputs
 
 BF16 = ("bfloat16", "bf16")
@@ -76,14 +76,18 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, key: str) -> torch.optim.
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float,
-              from_zero: bool = False) -> float:
+              from_zero: bool = False, lr: float = 1.0, kwargs: dict | None = None) -> float:
     """Multiplier of the peak lr after `step` scheduler steps (the SFT / RM / DPO / KTO job loop and the demos'
     warm-up): linear warmup, then constant, linear or cosine. The warmup starts from lr / warmup, or with `from_zero`
     (the job loop: verl's SFT engine and transformers' schedules) from 0 at step 0: step / warmup.
 
     Worked numbers: warmup=2, total=10, cosine, min 0: step 0 -> 0.5 ((0+1)/2; from_zero: 0), step 1 -> 1.0
     (from_zero: 0.5), step 6 -> progress (6-2)/(10-2) = 0.5 -> 0.5 * (1 + cos(pi/2)) = 0.5.
+    transformers' cosine_with_restarts / polynomial / inverse_sqrt / warmup_stable_decay (`kwargs`: their keywords,
+    `lr` the peak, which polynomial's lr_end is relative to): `hf_schedule_factor`, their own warmup included.
     """
+    if style in HF_SCHEDULES:
+        return hf_schedule_factor(step, style=style, warmup=warmup, total=total, lr=lr, kwargs=kwargs)
     if warmup > 0 and step < warmup:
         return (step if from_zero else step + 1) / warmup
     if style == "constant":
@@ -95,7 +99,7 @@ def lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: f
 
 
 def verl_lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float, num_cycles: float = 0.5,
-                   zero_indexed_step: bool = True) -> float:
+                   zero_indexed_step: bool = True, lr: float = 1.0, kwargs: dict | None = None) -> float:
     """Multiplier of the peak lr for RL step `step` (0, 1, ...): verl's `get_constant_schedule_with_warmup` and
     `get_cosine_schedule_with_warmup` (verl.utils.torch_functional, verl-project/verl 1dda039b) exactly.
 
@@ -112,7 +116,11 @@ def verl_lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_rat
     Worked numbers (warmup 2, total 10, min_lr_ratio 0): step 0 -> 0, step 1 -> 0.5, step 6 -> p = 0.5 ->
     (1 + cos(pi / 2)) / 2 = 0.5; zero_indexed_step False: step 0 -> 0.5, step 5 -> p = 0.5 -> 0.5;
     linear: step 1 -> 0.5, step 2 -> (10 - 2) / 8 = 1, step 6 -> 4 / 8 = 0.5, step 10 -> 0.
+    transformers' cosine_with_restarts / polynomial / inverse_sqrt / warmup_stable_decay (tiller's; `kwargs` =
+    optim.lr_scheduler_kwargs): `hf_schedule_factor`.
     """
+    if style in HF_SCHEDULES:
+        return hf_schedule_factor(step, style=style, warmup=warmup, total=total, lr=lr, kwargs=kwargs)
     if style == "linear":
         if step < warmup:
             return step / max(1.0, warmup)
@@ -129,13 +137,15 @@ def verl_lr_lambda(step: int, *, warmup: int, total: int, style: str, min_lr_rat
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """verl's schedule (`verl_lr_lambda`): warmup of `lr_warmup_steps` steps (<= 0: `lr_warmup_steps_ratio` x total,
-    truncated, as verl), then `warmup_style` constant | cosine | linear (`num_cycles`, `min_lr_ratio`, `zero_indexed_step`)."""
+    truncated, as verl), then `warmup_style` constant | cosine | linear (`num_cycles`, `min_lr_ratio`, `zero_indexed_step`)
+    or one of transformers' (`lr_scheduler_kwargs`)."""
     warmup = optim_cfg.lr_warmup_steps
     if warmup <= 0:
         warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
     fn = functools.partial(verl_lr_lambda, warmup=warmup, total=max(total_steps, 1), style=optim_cfg.warmup_style,
                            min_lr_ratio=optim_cfg.min_lr_ratio, num_cycles=optim_cfg.num_cycles,
-                           zero_indexed_step=optim_cfg.zero_indexed_step)
+                           zero_indexed_step=optim_cfg.zero_indexed_step, lr=optim_cfg.lr,
+                           kwargs=dict(optim_cfg.lr_scheduler_kwargs or {}))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
