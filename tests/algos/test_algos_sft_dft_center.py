@@ -22,6 +22,28 @@ def test_dft_scales_nll_by_detached_probability():
     assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.25]]), atol=1e-6)
 
 
+def test_label_smoothing_equals_transformers_label_smoother():
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from tiller.algos import aggregate_loss, logprobs_from_logits
+    from tiller.algos.sft import label_smoothed_loss
+
+    # worked number (tiller.algos.sft): logits (0, ln 3), target 1, eps 0.1 -> 0.342613
+    z = torch.tensor([[[0.0, math.log(3.0)]]])
+    assert label_smoothed_loss(torch.log_softmax(z, -1)[..., 1], z, 0.1).item() == pytest.approx(0.3426126, abs=1e-6)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, 11, (3, 7), generator=g)
+    labels[0, :3] = labels[2, 5:] = -100  # ignored positions
+    mask = labels != -100
+    logp = logprobs_from_logits(logits, labels.clamp(min=0))
+    ours = aggregate_loss(label_smoothed_loss(logp, logits, 0.2), mask, "token-mean")
+    want = LabelSmoother(epsilon=0.2)({"logits": logits}, labels)
+    plain = aggregate_loss(-logp, mask, "token-mean")
+    # (transformers sums the smoothing term in float32)
+    assert ours.item() == pytest.approx(want.item(), rel=1e-7) and abs(ours.item() - plain.item()) > 0.1
+
+
 def test_unknown_sft_loss_names_the_valid_ones():
     with pytest.raises(ConfigError, match="nll, dft"):
         sft_token_loss(torch.zeros(1, 1), "focal")

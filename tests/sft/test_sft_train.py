@@ -106,11 +106,13 @@ def test_lora_trains_only_adapters_and_exports_merged(tiny_model_dir, sft_file, 
     ("data.micro_batch_size_per_gpu=3", "multiple of data.micro_batch_size_per_gpu"),
     ("data.prompt_kee=x", "did you mean data.prompt_key"),
     ("data.truncation=middle", "data.truncation"),
+    ("algorithm.label_smoothing=1.0", "algorithm.label_smoothing must be in [0, 1), got 1.0"),
+    ("algorithm.loss=dft algorithm.label_smoothing=0.1", "algorithm.label_smoothing=0.1 smooths the nll loss"),
 ])
 def test_cli_config_errors_exit_2(tiny_model_dir, sft_file, tmp_path, capsys, override, needle):
     from tiller.cli import main
 
-    code = main(["sft", *job_overrides(tiny_model_dir, sft_file, tmp_path / "r"), override])
+    code = main(["sft", *job_overrides(tiny_model_dir, sft_file, tmp_path / "r"), *override.split()])
     assert code == 2
     assert needle in capsys.readouterr().err
 

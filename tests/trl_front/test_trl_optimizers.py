@@ -46,10 +46,12 @@ def _tiller(model_dir, out, **kw) -> tuple[list[float], SFTTrainer]:
          lr_scheduler_kwargs={"lr_end": 1e-3, "power": 2.0}),
     dict(learning_rate=1e-2, warmup_steps=1, lr_scheduler_type="warmup_stable_decay", max_steps=5,
          lr_scheduler_kwargs={"num_decay_steps": 2, "decay_type": "linear", "min_lr_ratio": 0.1}),
-], ids=["sgd", "adafactor", "adamw-decay", "bnb-paged-8bit", "warmup-linear", "warmup-cosine", "polynomial", "wsd"])
+    dict(learning_rate=1e-2, label_smoothing_factor=0.2),  # transformers' LabelSmoother in TRL's SFT loss
+], ids=["sgd", "adafactor", "adamw-decay", "bnb-paged-8bit", "warmup-linear", "warmup-cosine", "polynomial", "wsd",
+        "label-smoothing"])
 def test_sft_steps_equal_trls(tiny_model_dir, tmp_path, kw):
     if "8bit" in kw.get("optim", ""):
-        pytest.importorskip("bitsandbytes", reason="bitsandbytes is not a test requirement (pip install bitsandbytes)")
+        pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (the test and quant extras install it)")
     want = _trl(tiny_model_dir, tmp_path / "trl", **kw)
     got, trainer = _tiller(tiny_model_dir, tmp_path / "tiller", **kw)
     assert len(want) == len(got) == kw.get("max_steps", 3) and want[-1] < want[0]
@@ -102,3 +104,6 @@ def test_unbuilt_optimizers_and_ignored_args_are_refused(tiny_model_dir, tmp_pat
     keys = make(optim="lion_32bit", adam_beta2=0.99)
     assert keys["optim.override_optimizer_config"] == {"optim_bits": 32, "is_paged": False, "betas": [0.9, 0.99]}
     assert "optim.betas" not in keys
+    with pytest.raises(ConfigError, match="label_smoothing_factor=0.1: refused: TRL's SFTTrainer smooths the nll loss"):
+        make(label_smoothing_factor=0.1, loss_type="dft")
+    assert make(label_smoothing_factor=0.1)["algorithm.label_smoothing"] == 0.1

@@ -348,6 +348,10 @@ class JobTrainerConfig:
 class SFTAlgoConfig:
     loss: str = "nll"
     """Token loss: nll (-log p) | dft (Dynamic Fine-Tuning, Wu et al. 2025: -p log p with p detached)."""
+    label_smoothing: float = 0.0
+    """Label smoothing eps of the nll loss (transformers' LabelSmoother, TRL's label_smoothing_factor): (1 - eps) x
+    -log p(target) + eps x the mean of -log p over the vocabulary; in [0, 1), 0 = off; not with dft. The
+    perplexity reported stays the plain nll's."""
 
 
 @dataclass
@@ -589,6 +593,11 @@ def validate_job(cfg: Any) -> None:
     if isinstance(cfg, SFTConfig):
         _choice("data.format", data.format, ("auto", "prompt_response", "messages", "text"))
         _choice("algorithm.loss", cfg.algorithm.loss, ("nll", "dft"))
+        if not 0.0 <= cfg.algorithm.label_smoothing < 1.0:
+            raise ConfigError(f"algorithm.label_smoothing must be in [0, 1), got {cfg.algorithm.label_smoothing}")
+        if cfg.algorithm.label_smoothing and cfg.algorithm.loss != "nll":
+            raise ConfigError(f"algorithm.label_smoothing={cfg.algorithm.label_smoothing} smooths the nll loss; "
+                              f"algorithm.loss={cfg.algorithm.loss} (TRL applies it with loss_type nll only)")
         if data.pack_length is not None:
             _positive("data.pack_length", data.pack_length)
     if isinstance(cfg, RMConfig):

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from tiller.algos import aggregate_loss, logprobs_from_logits, sft_token_loss
+from tiller.algos.sft import label_smoothed_loss
 from tiller.config import load_config
 from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
@@ -50,11 +51,16 @@ class SFTJob:
     """Token-mean NLL (or DFT) on response tokens (see the module docstring)."""
 
     def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None,
-                 loss_kind: str = "nll", router_aux_coef: float = 0.0):
+                 loss_kind: str = "nll", router_aux_coef: float = 0.0, label_smoothing: float = 0.0):
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
         self.packing, self.pack_length, self.loss_kind = packing, pack_length, loss_kind
-        self.router_aux_coef = router_aux_coef
+        self.router_aux_coef, self.label_smoothing = router_aux_coef, label_smoothing
         self.sp = None  # Ulysses sequence parallelism: this rank's group (set by run_training under torchrun)
+
+    def _token_loss(self, logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.label_smoothing:  # transformers' LabelSmoother (TRL's label_smoothing_factor)
+            return label_smoothed_loss(logp, logits, self.label_smoothing)
+        return sft_token_loss(logp, self.loss_kind)
 
     def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
         return make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
@@ -72,11 +78,11 @@ class SFTJob:
         labels = micro["labels"]
         mask = labels != IGNORE
         logp = logprobs_from_logits(out.logits.float(), labels.clamp(min=0))
-        loss = aggregate_loss(sft_token_loss(logp, self.loss_kind), mask, "token-mean", global_tokens=normalizer)
+        loss = aggregate_loss(self._token_loss(logp, out.logits), mask, "token-mean", global_tokens=normalizer)
         metrics = {"num_tokens": mask.sum()}
         if self.router_aux_coef:  # the MoE router's balance, this micro-batch's by its share of the step's tokens
             loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, mask.sum() / normalizer)
-        if self.loss_kind != "nll":  # the NLL stays reported (perplexity is exp of it)
+        if self.loss_kind != "nll" or self.label_smoothing:  # the NLL stays reported (perplexity is exp of it)
             metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
         return loss, metrics
 
@@ -87,9 +93,9 @@ class SFTJob:
         logits, (labels,) = ulysses_token_forward(model, ids, positions, lengths, self.sp, labels, fill=IGNORE)
         mask = (labels != IGNORE)[None]
         logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))[None]
-        loss = aggregate_loss(sft_token_loss(logp, self.loss_kind), mask, "token-mean", global_tokens=normalizer)
+        loss = aggregate_loss(self._token_loss(logp, logits[None]), mask, "token-mean", global_tokens=normalizer)
         metrics = {"num_tokens": mask.sum()}
-        if self.loss_kind != "nll":
+        if self.loss_kind != "nll" or self.label_smoothing:
             metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
         return loss, metrics
 
@@ -230,7 +236,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
                           "whole batch) are not split; set it to 1")
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
                  data.pack_length or default_pack_length(train, data.max_length), cfg.algorithm.loss,
-                 cfg.model.router_aux_loss_coef)
+                 cfg.model.router_aux_loss_coef, cfg.algorithm.label_smoothing)
     return run_training(cfg, job, model, processor or tokenizer, train, val, device=device)
 
 

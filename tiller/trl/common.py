@@ -271,7 +271,8 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "average_tokens_across_devices": noop(_ONE_PROCESS + "; its token counts are global already"),
     "max_grad_norm": mapped("gradient clipping max norm (0 / None: no clipping)",
                             to("grad_clip", lambda v: float(v or 0.0))),
-    "label_smoothing_factor": refused("label smoothing is not part of tiller's losses"),
+    "label_smoothing_factor": noop("transformers' label smoother is not applied by this TRL trainer (its own loss); "
+                                   "SFTConfig maps it"),
     "bf16": mapped("compute dtype bfloat16 (autocast, float32 master weights); TRL's default: not fp16",
                    _dtype),
     "fp16": refused("tiller computes in bfloat16 (bf16=True) or float32; fp16 has no loss scaling there"),

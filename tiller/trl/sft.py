@@ -75,6 +75,13 @@ def _loss_type(value: Any, args: Any) -> dict:
     return {"algorithm.loss": value}
 
 
+def _label_smoothing(value: Any, args: Any) -> dict:
+    if value and args.loss_type != "nll":
+        raise refuse_value("label_smoothing_factor", value, "TRL's SFTTrainer smooths the nll loss only (loss_type "
+                           "nll); with dft it is not applied")
+    return {"algorithm.label_smoothing": float(value)} if value else {}
+
+
 def chat_template(value: Any, args: Any) -> dict:
     """chat_template_path: a Jinja file, or a tokenizer dir whose chat template is used (as TRL)."""
     if value is None:
@@ -123,6 +130,8 @@ SFT_RULES = {
     "assistant_only_loss": mapped("data.assistant_only_loss (conversations: loss on the assistant turns only)",
                                   lambda v, a: {"data.assistant_only_loss": bool(v)}),
     "loss_type": mapped("algorithm.loss: nll | dft", _loss_type),
+    "label_smoothing_factor": mapped("algorithm.label_smoothing (transformers' LabelSmoother, which TRL's SFTTrainer "
+                                     "applies with loss_type nll; with dft refused)", _label_smoothing),
 }
 
 SFT_RULES = {k: v for k, v in SFT_RULES.items() if k in FIELDS["SFTConfig"]}  # this class's fields only
