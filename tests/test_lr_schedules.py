@@ -116,3 +116,21 @@ def test_job_keywords_are_checked():
     with pytest.raises(ConfigError, match=r"optim\.lr_scheduler_kwargs\.warmup_type='square': one of linear"):
         check_schedule_kwargs("warmup_stable_decay", {"num_decay_steps": 2, "warmup_type": "square"}, 1e-3,
                               "optim.lr_scheduler_kwargs")
+
+
+def test_trl_grpo_maps_the_schedule_onto_the_actor(tiny_model_dir, tmp_path):
+    from tests.trl_front.test_trl_grpo_translate import translate
+
+    keys, _, _ = translate(tiny_model_dir, tmp_path, lr_scheduler_type="warmup_stable_decay", warmup_steps=2,
+                           lr_scheduler_kwargs={"num_decay_steps": 3, "decay_type": "1-sqrt"})
+    optim = "actor_rollout_ref.actor.optim"
+    assert keys[f"{optim}.warmup_style"] == "warmup_stable_decay"
+    assert keys[f"{optim}.lr_scheduler_kwargs"] == {"num_decay_steps": 3, "decay_type": "1-sqrt"}
+    assert keys[f"{optim}.lr_warmup_steps"] >= 1
+    # k = 4 optimizer steps per generation batch: TRL's step counts (warmup, decay steps) become tiller steps
+    keys, _, _ = translate(tiny_model_dir, tmp_path, lr_scheduler_type="warmup_stable_decay", warmup_steps=8,
+                           per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                           steps_per_generation=4, num_iterations=2,
+                           lr_scheduler_kwargs={"num_decay_steps": 8, "num_stable_steps": 6})
+    assert keys[f"{optim}.lr_warmup_steps"] == 2
+    assert keys[f"{optim}.lr_scheduler_kwargs"] == {"num_decay_steps": 2, "num_stable_steps": 2}

@@ -91,6 +91,29 @@ def test_lora_actor_merged_weights_and_resume(tmp_path, sharp_model_dir, rl_data
     assert moved > 1e-2, moved
 
 
+def test_qlora_actor_pushes_the_dequantized_merge(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
+    """actor_rollout_ref.model.load_in_4bit: vLLM gets the 4-bit base dequantized with the adapters merged at each sync
+    (tiller.models.quant.dequantized_merge), so its log-probs are the trained 4-bit model's."""
+    pytest.importorskip("bitsandbytes")
+    from tiller.models.quant import dequantized_merge
+    from tiller.trainer.rl import RLTrainer
+
+    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "actor_rollout_ref.model.lora_rank=4",
+                   "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.load_in_4bit=true",
+                   "actor_rollout_ref.actor.optim.lr=3e-2", "data.val_files=[]")
+    trainer = RLTrainer(cfg)
+    try:
+        metrics = trainer.fit()
+        got, want = _agrees_with_actor(trainer, dequantized_merge(trainer.actor.worker.module))
+    finally:
+        trainer.shutdown()
+    # step 2's rollout ran on the synced weights after an update: vLLM's log-probs equal the 4-bit actor's
+    assert metrics["training/global_step"] == 2 and metrics["training/rollout_probs_diff_mean"] < 1e-4
+    assert got.response_ids == want.response_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow  # ~40 s (a vLLM start); .ci/run's lane runs "vllm and not slow": TRL's tool loop on vLLM
 # (tests/vllm_lane/test_vllm_trl_real.py) is in the lane, and verl's loop is the same engine calls on the native engine
 def test_multi_turn_tool_rollouts_on_vllm(tmp_path, sharp_model_dir, rl_data):  # noqa: F811

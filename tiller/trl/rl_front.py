@@ -257,6 +257,12 @@ def to_tiller_steps(logical: dict[str, Any], k: int) -> tuple[dict[str, Any], li
             out[key] = max(1, math.ceil(out[key] / k))
     if out.get("warmup_steps"):
         out["warmup_steps"] = math.ceil(out["warmup_steps"] / k)
+    kwargs = dict(out.get("lr_scheduler_kwargs") or {})
+    for key in ("num_decay_steps", "num_stable_steps", "timescale"):  # transformers' schedules count steps too
+        if kwargs.get(key):
+            kwargs[key] = math.ceil(kwargs[key] / k)
+    if kwargs:
+        out["lr_scheduler_kwargs"] = kwargs
     if out.get("lr_scheduler") != "constant" or out.get("warmup_steps"):
         notices.append(f"lr_scheduler_type: tiller moves the learning rate once per generation batch ({k} optimizer "
                        "steps), TRL once per optimizer step")
