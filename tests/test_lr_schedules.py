@@ -93,7 +93,8 @@ def test_a_job_runs_the_schedule(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["actor_rollout_ref.actor.optim.warmup_style=polynomial", "+actor_rollout_ref.actor.optim.lr_scheduler_kwargs.lr_end=1e-3"],
+    (["actor_rollout_ref.actor.optim.warmup_style=polynomial",
+      "+actor_rollout_ref.actor.optim.lr_scheduler_kwargs.lr_end=1e-3"],
      r"actor_rollout_ref\.actor\.optim\.lr_scheduler_kwargs\.lr_end=0\.001 must be below the peak lr"),
     (["critic.optim.warmup_style=cosine", "+critic.optim.lr_scheduler_kwargs.num_cycles=2"],
      r"critic\.optim\.lr_scheduler_kwargs\.num_cycles: not a keyword of the 'cosine' schedule \(it takes: none\)"),

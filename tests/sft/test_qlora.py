@@ -189,7 +189,8 @@ def test_rl_actor_rolls_out_what_it_trains(tmp_path, tiny_model_dir, bnb):
     cfg = make_cfg(tmp_path / "run", tiny_model_dir, data, "actor_rollout_ref.model.lora_rank=4",
                    "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.load_in_4bit=true",
                    "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.use_kl_loss=true",
-                   "data.val_files=[]", "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.actor.dtype=float32")
+                   "data.val_files=[]", "actor_rollout_ref.rollout.dtype=float32",
+                   "actor_rollout_ref.actor.dtype=float32")
     metrics, changed, _ = _train(cfg)
     # step 2 rolls out with the updated adapters on the 4-bit base: the engine's log-probs are the actor's
     assert changed and metrics["training/rollout_probs_diff_max"] < 1e-4
@@ -206,6 +207,8 @@ def test_refusals_name_the_key(tiny_model_dir, sft_file, tmp_path, monkeypatch):
         job(**{"model.load_in_4bit": True})
     with pytest.raises(ConfigError, match=r"model\.bnb_4bit_quant_type='int4': must be one of nf4, fp4"):
         job(**{"model.lora_rank": 4, "model.load_in_4bit": True, "model.bnb_4bit_quant_type": "int4"})
+    with pytest.raises(ConfigError, match=r"bnb_4bit_use_double_quant=True is only read with model\.load_in_4bit"):
+        job(**{"model.lora_rank": 4, "model.bnb_4bit_use_double_quant": True})
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.load_in_4bit=true runs in one process"):
         load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.model.lora_rank=4",
                      "actor_rollout_ref.model.load_in_4bit=true", "trainer.backend=ray"])

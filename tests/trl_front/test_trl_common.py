@@ -73,7 +73,8 @@ def test_classify_maps_notices_noops_and_refuses_by_field_name():
     _, notices = classify(cls(output_dir="o", logging_steps=1, dataloader_num_workers=4))
     assert [n.split(":")[0] for n in notices] == ["logging_steps=1", "dataloader_num_workers=4"]
     for field, value in (("push_to_hub", True), ("fp16", True), ("deepspeed", "ds.json"), ("optim", "lomo"),
-                         ("report_to", "comet_ml"), ("lr_scheduler_type", "reduce_lr_on_plateau"), ("save_strategy", "best")):
+                         ("report_to", "comet_ml"), ("lr_scheduler_type", "reduce_lr_on_plateau"),
+                         ("save_strategy", "best")):
         with pytest.raises(ConfigError, match=f"^{field}="):
             classify(cls(output_dir="o", **{field: value}))
 

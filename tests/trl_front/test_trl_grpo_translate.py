@@ -226,7 +226,9 @@ def test_token_masks_map_to_actor_keys(tiny_model_dir, tmp_path):
 
 def test_refused_arguments_and_unknown_keywords(tiny_model_dir, tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match=r"^GRPOTrainer\(callbacks=...\): refused"):
+    with pytest.raises(ConfigError, match=r"^GRPOTrainer\(optimizers=...\): refused"):
+        GRPOTrainer(str(tiny_model_dir), reward_len, args=args, train_dataset=rows(), optimizers=(object(), None))
+    with pytest.raises(ConfigError, match=r"^callbacks\[0\]: a object, not a transformers TrainerCallback"):
         GRPOTrainer(str(tiny_model_dir), reward_len, args=args, train_dataset=rows(), callbacks=[object()])
     with pytest.raises(ConfigError, match=r"^vllm_mode='server': refused"):
         GRPOTrainer(str(tiny_model_dir), reward_len, train_dataset=rows(),

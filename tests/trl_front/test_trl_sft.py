@@ -154,8 +154,9 @@ def test_refusals_name_the_field_or_argument(tiny_model_dir, tmp_path):
         make(loss_type="chunked_nll")
     with pytest.raises(ConfigError, match="dataset_kwargs=.*refused"):
         make(dataset_kwargs={"skip_prepare_dataset": True})
-    with pytest.raises(ConfigError, match=r"SFTTrainer\(callbacks=...\): refused"):
-        SFTTrainer(model=str(tiny_model_dir), train_dataset=rows, args=SFTConfig(output_dir="o"), callbacks=[object()])
+    with pytest.raises(ConfigError, match=r"SFTTrainer\(compute_metrics=...\): refused"):
+        SFTTrainer(model=str(tiny_model_dir), train_dataset=rows, args=SFTConfig(output_dir="o"),
+                   compute_metrics=lambda p: {})
     with pytest.raises(TypeError, match="did you mean 'max_length'"):
         SFTConfig(max_len=12)
     with pytest.raises(DataError, match="train_dataset is empty"):

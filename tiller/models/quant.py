@@ -15,9 +15,9 @@ LLM.int8 (TRL's load_in_8bit) is not offered: it quantizes the activations too, 
 trained function, and with bitsandbytes 0.50.2 on a CPU a training forward after an inference forward fails.
 
 bitsandbytes is optional (`pip install bitsandbytes`, or tiller's `quant` extra); asking for quantization without it
-is an error naming the key and the package. On a CPU, bitsandbytes >= 0.49 repacks a 4-bit weight in place at its first
-inference forward on an AVX-512-BF16 host, after which a training forward fails ("a view of a leaf Variable ... in an
-in-place operation"; seen with 0.50.2): `quantize_after_load` turns that repacking off, so evaluation and training
+is an error naming the key and the package. On a CPU, bitsandbytes (0.50.2 seen) repacks a 4-bit weight in place at its
+first inference forward on an AVX-512-BF16 host, after which a training forward fails ("a view of a leaf Variable ...
+in an in-place operation"): `quantize_after_load` turns that repacking off, so evaluation and training
 interleave (validation, the RL rollout) on every host alike.
 """
 
@@ -45,6 +45,9 @@ def check_quantization(section: Any, key: str, lora: bool) -> None:
     if quant_type not in QUANT_TYPES:
         raise ConfigError(f"{key}.bnb_4bit_quant_type={quant_type!r}: must be one of {', '.join(QUANT_TYPES)}")
     if not wants_quantization(section):
+        for name, default in (("bnb_4bit_quant_type", "nf4"), ("bnb_4bit_use_double_quant", False)):
+            if getattr(section, name, default) != default:
+                raise ConfigError(f"{key}.{name}={getattr(section, name)!r} is only read with {key}.load_in_4bit=true")
         return
     flag = f"{key}.load_in_4bit"
     if not lora:

@@ -40,6 +40,7 @@ from tiller.models.lora import merge_lora
 from tiller.models.neftune import neftune
 from tiller.models.optimizer import make_optimizer, param_groups
 from tiller.tracking import Tracker
+from tiller.trainer import hooks as step_hooks
 from tiller.trainer.data_parallel import DataParallel
 from tiller.workers.common import autocast, lr_lambda
 
@@ -203,7 +204,21 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                        config=to_dict(cfg), total_steps=total, resume_from_step=start or None)
                if par.rank == 0 else _NoTracker())
     last: dict[str, float] = {}
+    hooks = step_hooks.current()  # a front end's callbacks (tiller.trl), on rank 0 of one process
+
+    def save(done: int) -> None:
+        par.save(functools.partial(save_checkpoint, ckpt_root, done, extra_models=models or None),
+                 optimizer=optimizer, scheduler=scheduler,
+                 extra_state={"total_steps": total, **({"best": best.state} if best.state else {})},
+                 tokenizer=tokenizer, keep=tr.max_ckpt_to_keep, keep_step=best.step)
+        if hooks is not None:
+            hooks.saved(done, ckpt_root / f"global_step_{done}")
+
+    if hooks is not None:
+        hooks.begin({"total": total, "start": start, "model": model, "optimizer": optimizer,
+                     "lr_scheduler": scheduler, "tokenizer": tokenizer})
     model.train()
+    done = start
     try:
         with noise:  # NEFTune while training (off again for the export below)
             for step in range(start, total):
@@ -223,15 +238,27 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                     metrics.update({f"val/{k}": v for k, v in val.items()})
                 tracker.log(metrics, step=done)
                 last = metrics
-                if (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total:
-                    best.see(done, metrics)  # (every checkpoint was validated: trainer.best_metric's rule)
-                    par.save(functools.partial(save_checkpoint, ckpt_root, done, extra_models=models or None),
-                             optimizer=optimizer, scheduler=scheduler,
-                             extra_state={"total_steps": total, **({"best": best.state} if best.state else {})},
-                             tokenizer=tokenizer, keep=tr.max_ckpt_to_keep, keep_step=best.step)
+                asked = hooks.step(done, metrics) if hooks is not None else step_hooks.Requests()
+                if asked.evaluate and val_examples and not any(k.startswith("val/") for k in metrics):
+                    val = {f"val/{k}": v for k, v in evaluate(job, model, val_examples, batch_size, device,
+                                                                optim_cfg.dtype, par).items()}
+                    tracker.log(val, step=done)
+                    metrics.update(val)
+                    hooks.evaluated(done, val)
+                regular = (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total
+                if regular or asked.save or asked.stop:
+                    if regular or any(k.startswith("val/") for k in metrics):
+                        best.see(done, metrics)  # (every scheduled checkpoint was validated: best_metric's rule)
+                    save(done)
+                if asked.stop:
+                    if par.rank == 0:
+                        print(f"training stopped at step {done} of {total} (a callback asked)")
+                    break
+        if hooks is not None:
+            hooks.end(done, last)
     finally:
         tracker.close()
-    if best.step is not None and best.step != total:  # the best checkpoint's weights are the result
+    if best.step is not None and best.step != done:  # the best checkpoint's weights are the result
         par.load(_loader(models), ckpt_root / f"global_step_{best.step}", optimizer=optimizer, scheduler=scheduler)
         if par.rank == 0:
             print(f"the best {tr.best_metric} ({best.value:.6g}) was at step {best.step}: its model is the result")

@@ -77,6 +77,7 @@ from tiller.rollout.verl_agent_loop import build_rollout_loop
 from tiller.rollout.episodes import renumber_episodes
 from tiller.tracking import CONSOLE_KEYS, timer, Tracker
 from tiller.tracking.report import write_plots
+from tiller.trainer import hooks as step_hooks
 from tiller.trainer.async_rollout import RolloutProducer, ThreadSharing, staleness_filter, trainer_version
 from tiller.trainer.episode_merge import concat_episode_batches, merge_episode_parts
 from tiller.trainer.flops import actor_mfu, device_peak_flops
@@ -344,21 +345,45 @@ class RLTrainer:
                 if tr.val_only:
                     return last
             progress = self._progress_bar()
+            hooks = step_hooks.current()  # a front end's callbacks (tiller.trl)
+            if hooks is not None:
+                worker = getattr(self.actor, "worker", None)  # in-process actor: its live module and optimizer
+                hooks.begin({"total": self.total_steps, "start": self.global_step, "tokenizer": self.tokenizer,
+                             "model": getattr(worker, "module", None), "optimizer": getattr(worker, "optimizer", None),
+                             "lr_scheduler": getattr(worker, "scheduler", None)})
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 metrics = self.train_step()
                 progress.update(1)
                 is_last = self.global_step >= self.total_steps
+                validated = saved = None
                 if self.val_ds is not None and ((tr.test_freq > 0 and self.global_step % tr.test_freq == 0) or is_last):
                     with timer("testing", metrics):
-                        metrics.update(self.validate())
+                        validated = self.validate()
+                        metrics.update(validated)
                 if (tr.save_freq > 0 and self.global_step % tr.save_freq == 0) or is_last:
                     with timer("save_checkpoint", metrics):
-                        self.save_checkpoint()
+                        saved = self.save_checkpoint()
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self._sampler_state_now()["epoch"]
                 self.tracker.log(metrics, step=self.global_step)
                 last = metrics
+                if hooks is None:
+                    continue
+                if saved is not None:
+                    hooks.saved(self.global_step, saved)
+                asked = hooks.step(self.global_step, metrics)
+                if asked.evaluate and self.val_ds is not None and validated is None:
+                    validated = self.validate()
+                    self.tracker.log(validated, step=self.global_step)
+                    hooks.evaluated(self.global_step, validated)
+                if (asked.save or asked.stop) and saved is None:
+                    hooks.saved(self.global_step, self.save_checkpoint())
+                if asked.stop:
+                    print(f"training stopped at step {self.global_step} of {self.total_steps} (a callback asked)")
+                    break
+            if hooks is not None:
+                hooks.end(self.global_step, last)
             progress.close()
         finally:
             if self._board is not None:  # a pool worker still generating abandons it at its next question

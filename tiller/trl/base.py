@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tiller.errors import ConfigError, UserError
+from tiller.trainer.hooks import installed as installed_hooks
+from tiller.trl.callbacks import CallbackHooks, prepare_callbacks
 
 INPUT_MODEL_DIR = "input_model"  # a loaded model / tokenizer object is saved here, then loaded by path
 INPUT_TOKENIZER_DIR = "input_tokenizer"
@@ -37,6 +39,9 @@ class TrainerState:
     epoch: float = 0.0
     log_history: list[dict] = field(default_factory=list)
     best_model_checkpoint: str | None = None
+    best_metric: float | None = None
+    is_world_process_zero: bool = True  # (callbacks read these two)
+    is_local_process_zero: bool = True
 
 
 @dataclass
@@ -60,8 +65,6 @@ def refuse_arguments(trainer: str, **given: Any) -> None:
 
 
 _ARGUMENT_WHY = {
-    "callbacks": "tiller's trainers run no callbacks (metrics go to trainer.state.log_history, metrics.jsonl and "
-                 "report_to's trackers)",
     "optimizers": "tiller builds AdamW and the schedule from args (learning_rate, lr_scheduler_type, ...)",
     "optimizer_cls_and_kwargs": "tiller builds AdamW from args (learning_rate, weight_decay, adam_beta1, ...)",
     "compute_loss_func": "tiller's losses are set by args (loss_type, beta, ...)",
@@ -189,7 +192,7 @@ class TRLTrainerBase:
     loss_key: str = "actor/pg_loss"  # the tiller metric reported as TRL's "loss" (training_loss is its mean)
 
     def _set_up_common(self, model: Any, args: Any, processing_class: Any, peft_config: Any,
-                       quantization_config: Any = None) -> None:
+                       quantization_config: Any = None, callbacks: Any = None) -> None:
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{Path(str(name)).name}-{self.config_class.__name__[:-6]}")
@@ -214,6 +217,9 @@ class TRLTrainerBase:
             print(f"tiller.trl: {line}")
         self.state = TrainerState()
         self._trained = False
+        self.callbacks = prepare_callbacks(callbacks)  # transformers TrainerCallbacks on tiller's loops
+        if self.callbacks:
+            CallbackHooks(self, self.callbacks).call("on_init_end")
 
     # ------------------------------------------------------------------------------ model and tokenizer
     def _model_paths(self, model: Any, processing_class: Any) -> tuple[str, str | None]:
@@ -319,7 +325,9 @@ class TRLTrainerBase:
         else:
             resume = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(resume_from_checkpoint)}
         cfg = self._tiller_config(resume)
-        self._run(cfg)
+        self.state = TrainerState(log_history=[])  # (callbacks watch it grow)
+        with installed_hooks(CallbackHooks(self, self.callbacks) if self.callbacks else None):
+            self._run(cfg)
         self._trained, self._trained_model = True, None
         self.state = self._read_state()
         losses = [row["loss"] for row in self.state.log_history if isinstance(row.get("loss"), (int, float))]
@@ -339,6 +347,23 @@ class TRLTrainerBase:
         """TRL-named metrics of one logged row (tiller's metric names stay beside them)."""
         return {}
 
+    def trl_step(self, step: int) -> int:
+        """TRL's optimizer-step count of tiller step `step` (the RL front: k optimizer steps each)."""
+        return int(self._trl_metrics({"step": step}).get("step", step))
+
+    def _per_epoch(self, max_steps: int) -> int:
+        return max(1, int(getattr(self, "steps_per_epoch", max_steps) or max_steps or 1))
+
+    def history_entry(self, row: dict[str, Any], per_epoch: int | None = None) -> dict[str, Any]:
+        """The `state.log_history` entry of one metrics.jsonl row: tiller's names, TRL's beside them, and epoch."""
+        entry = dict(row)
+        if self.loss_key in row:
+            entry["loss"] = row[self.loss_key]
+        entry.update(self._trl_metrics(row))
+        per_epoch = per_epoch or self._per_epoch(int(getattr(self, "total_steps", 0) or 0))
+        entry.setdefault("epoch", round(float(entry.get("step", 0)) / per_epoch, 4))
+        return entry
+
     def _read_state(self) -> TrainerState:
         path = self.run_dir / "metrics.jsonl"
         rows = []
@@ -346,19 +371,11 @@ class TRLTrainerBase:
             for line in path.read_text().splitlines():
                 if line.strip():
                     rows.append(json.loads(line))
-        history = []
-        for row in rows:
-            entry = dict(row)
-            if self.loss_key in row:
-                entry["loss"] = row[self.loss_key]
-            entry.update(self._trl_metrics(row))
-            history.append(entry)
         steps = [int(r["step"]) for r in rows if "step" in r]
         step = max(steps) if steps else 0
         max_steps = int(getattr(self, "total_steps", step) or step)
-        per_epoch = max(1, int(getattr(self, "steps_per_epoch", max_steps) or max_steps or 1))
-        for entry in history:
-            entry.setdefault("epoch", round(float(entry.get("step", 0)) / per_epoch, 4))
+        per_epoch = self._per_epoch(max_steps)
+        history = [self.history_entry(row, per_epoch) for row in rows]
         return TrainerState(global_step=step, max_steps=max_steps, epoch=step / per_epoch, log_history=history)
 
     # -------------------------------------------------------------------------------------- save_model

@@ -347,7 +347,7 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "greater_is_better": mapped("trainer.best_metric_greater (read with load_best_model_at_end; None: False for a "
                                 "loss, else True)", lambda v, a: {}),
     "ignore_data_skip": noop("tiller resumes its seeded sampler exactly (nothing is skipped or replayed)"),
-    "restore_callback_states_from_checkpoint": noop("callbacks are refused, so there is no callback state"),
+    "restore_callback_states_from_checkpoint": refused("tiller's checkpoints hold no callback state"),
     "full_determinism": noop("tiller runs are seeded and deterministic on CPU without a switch"),
     "seed": mapped("trainer.seed (and the data order unless data_seed)", to("seed", int)),
     "data_seed": mapped("the data order's seed (data.seed; None: seed)", to("data_seed")),

@@ -113,7 +113,7 @@ class DistillationTrainer(TRLRLTrainer):
                  eval_dataset: Any = None, processing_class: Any = None, callbacks: Any = None,
                  optimizers: tuple = (None, None), quantization_config: Any = None, peft_config: Any = None,
                  tools: Any = None):
-        refuse_arguments("DistillationTrainer", callbacks=callbacks, optimizers=optimizers, tools=tools)
+        refuse_arguments("DistillationTrainer", optimizers=optimizers, tools=tools)
         if train_dataset is None:
             raise ConfigError("train_dataset: required (the prompts the student completes)")
         if eval_dataset is not None:
@@ -121,7 +121,7 @@ class DistillationTrainer(TRLRLTrainer):
                               "is not computed by tiller's validation, which scores rewards; evaluate the saved "
                               "model instead")
         self._set_up_rl(model, [_zero_reward], args, train_dataset, eval_dataset, processing_class, None,
-                        peft_config, quantization_config=quantization_config)
+                        peft_config, quantization_config=quantization_config, callbacks=callbacks)
         self.teacher_path = self._teacher_path(teacher_model)
 
     def _reward_functions(self, reward_funcs: Any, processing_classes: Any) -> TRLRewards:

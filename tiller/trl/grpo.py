@@ -215,10 +215,10 @@ class GRPOTrainer(TRLRLTrainer):
                  callbacks: Any = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
                  environment_factory: Any = None):
-        refuse_arguments("GRPOTrainer", callbacks=callbacks, optimizers=optimizers, rollout_func=rollout_func)
+        refuse_arguments("GRPOTrainer", optimizers=optimizers, rollout_func=rollout_func)
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                         reward_processing_classes, peft_config, tools=tools, environment_factory=environment_factory,
-                        quantization_config=quantization_config)
+                        quantization_config=quantization_config, callbacks=callbacks)
 
     def _algorithm_notices(self) -> list[str]:
         loss_type, args = self.logical["loss_type"], self.args

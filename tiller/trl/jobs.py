@@ -79,9 +79,10 @@ class JobTrainer(TRLTrainerBase):
     trl_metric_names: dict[str, str] = {}  # tiller metric -> TRL's name in log_history
 
     def _set_up_job(self, model: Any, args: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
-                    peft_config: Any, quantization_config: Any = None, **unsupported: Any) -> None:
+                    peft_config: Any, quantization_config: Any = None, callbacks: Any = None,
+                    **unsupported: Any) -> None:
         refuse_arguments(type(self).__name__, **unsupported)
-        self._set_up_common(model, args, processing_class, peft_config, quantization_config)
+        self._set_up_common(model, args, processing_class, peft_config, quantization_config, callbacks)
         self.settings, self.notices = classify(self.args)  # refusals raise here, as TRL raises in __init__
         for line in self.notices:
             print(f"tiller.trl: {line}")

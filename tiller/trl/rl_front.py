@@ -279,12 +279,15 @@ class TRLRLTrainer(TRLTrainerBase):
 
     def _set_up_rl(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
                    processing_class: Any, reward_processing_classes: Any, peft_config: Any, tools: Any = None,
-                   environment_factory: Any = None, quantization_config: Any = None) -> None:
-        self._set_up_common(model, args, processing_class, peft_config, quantization_config)
+                   environment_factory: Any = None, quantization_config: Any = None, callbacks: Any = None) -> None:
+        self._set_up_common(model, args, processing_class, peft_config, quantization_config, callbacks)
         self.logical, self.notices = classify(self.args)
         self.tools, self.environments = _tool_setup(tools, environment_factory)
         self.tool_loop = None
         self.arithmetic = self._batch_arithmetic()
+        if self.callbacks and self.arithmetic["k"] > 1:
+            print(f"tiller.trl: callbacks: on_step_end / on_log run once per generation batch ({self.arithmetic['k']} "
+                  "optimizer steps), state.global_step counting optimizer steps")
         self.train_rows = to_dataset_rows(train_dataset, "train_dataset")
         self.eval_rows = None
         if eval_dataset is not None:

@@ -65,9 +65,9 @@ class RLOOTrainer(TRLRLTrainer):
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: tuple = (None, None), peft_config: Any = None,
                  rollout_func: Any = None):
-        refuse_arguments("RLOOTrainer", callbacks=callbacks, optimizers=optimizers, rollout_func=rollout_func)
+        refuse_arguments("RLOOTrainer", optimizers=optimizers, rollout_func=rollout_func)
         self._set_up_rl(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                        reward_processing_classes, peft_config)
+                        reward_processing_classes, peft_config, callbacks=callbacks)
         if self.arithmetic["k"] != 1:
             raise ConfigError(f"num_iterations={self.args.num_iterations}, steps_per_generation="
                               f"{self.args.steps_per_generation}: refused: TRL's RLOO clips the sequence's "

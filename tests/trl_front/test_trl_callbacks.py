@@ -1,0 +1,116 @@
+"""TRL's `callbacks=[...]` on tiller's loops (tiller.trl.callbacks): transformers' TrainerCallback methods are called in
+transformers' order with its arguments, as TRL's own SFTTrainer calls them (the same script run on both); a callback
+stops training (control.should_training_stop) in the SFT job and in GRPO; a method tiller never calls is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trl_front.test_trl_sft import MEMO
+from tiller.errors import ConfigError
+from tiller.trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+ROWS = [{"prompt": p + " ", "completion": c} for p, c in MEMO]
+COMMON = dict(per_device_train_batch_size=4, max_steps=4, logging_steps=1, bf16=False, report_to="none",
+              learning_rate=1e-2, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, seed=0)
+
+
+class Recorder(transformers.TrainerCallback):
+    """Records the calls tiller makes (the methods it does not call are not overridden)."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.events, self.stop_at, self.kwargs = [], stop_at, {}
+
+    def _seen(self, name, state, **kw):
+        self.events.append((name, state.global_step))
+        self.kwargs.setdefault(name, set(kw))
+
+    def on_init_end(self, args, state, control, **kw):
+        self._seen("on_init_end", state, **kw)
+
+    def on_train_begin(self, args, state, control, **kw):
+        self._seen("on_train_begin", state, **kw)
+
+    def on_step_end(self, args, state, control, **kw):
+        self._seen("on_step_end", state, **kw)
+        if self.stop_at is not None and state.global_step >= self.stop_at:
+            control.should_training_stop = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self._seen("on_log", state, **kw)
+        self.logs = getattr(self, "logs", []) + [dict(logs)]
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        self._seen("on_evaluate", state, **kw)
+        self.metrics = dict(metrics)
+
+    def on_save(self, args, state, control, **kw):
+        self._seen("on_save", state, **kw)
+
+    def on_train_end(self, args, state, control, **kw):
+        self._seen("on_train_end", state, **kw)
+
+
+def _run(make_config, trainer_class, out, callback):
+    trainer = trainer_class(model=str(out[1]), args=make_config(output_dir=str(out[0]), **COMMON),
+                            train_dataset=datasets.Dataset.from_list(ROWS),
+                            eval_dataset=datasets.Dataset.from_list(ROWS[:4]), callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def test_sft_calls_the_methods_in_transformers_order(tiny_model_dir, tmp_path):
+    theirs, ours = Recorder(), Recorder()
+    _run(lambda **kw: trl.SFTConfig(use_cpu=True, **kw), trl.SFTTrainer, (tmp_path / "trl", tiny_model_dir), theirs)
+    trainer = _run(SFTConfig, SFTTrainer, (tmp_path / "tiller", tiny_model_dir), ours)
+    # transformers ends with one more on_log (the run's summary: train_runtime, train_loss, ...)
+    assert theirs.events[-2] == ("on_log", 4) and "train_runtime" in theirs.logs[-1]
+    assert ours.events == theirs.events[:-2] + theirs.events[-1:]
+    assert ours.events[:4] == [("on_init_end", 0), ("on_train_begin", 0), ("on_step_end", 1), ("on_log", 1)]
+    # step 2: the step's logs, the evaluation's logs, on_evaluate, on_save
+    assert [e for e in ours.events if e[1] == 2] == [("on_step_end", 2), ("on_log", 2), ("on_log", 2),
+                                                     ("on_evaluate", 2), ("on_save", 2)]
+    assert ours.kwargs["on_step_end"] >= {"model", "processing_class", "optimizer", "lr_scheduler"}
+    assert set(ours.metrics) >= {"eval_loss"} and all("loss" in logs for logs in ours.logs if "eval_loss" not in logs)
+    assert ours.logs[0]["loss"] == pytest.approx(trainer.state.log_history[0]["loss"])
+    assert trainer.state.global_step == 4
+
+
+def test_a_callback_stops_sft_and_the_model_saved_is_the_stopped_one(tiny_model_dir, tmp_path):
+    callback = Recorder(stop_at=3)
+    trainer = _run(SFTConfig, SFTTrainer, (tmp_path / "run", tiny_model_dir), callback)
+    assert trainer.state.global_step == 3 and ("on_step_end", 4) not in callback.events
+    assert (tmp_path / "run" / "checkpoints" / "global_step_3").is_dir()  # the stopped step is checkpointed
+    assert callback.events[-2:] == [("on_save", 3), ("on_train_end", 3)]
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").exists()
+
+
+def test_a_callback_stops_grpo(tiny_model_dir, tmp_path):
+    from tests.trl_front.test_trl_grpo_translate import reward_len, rows
+
+    callback = Recorder(stop_at=2)
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), bf16=False, max_steps=4, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, logging_steps=1, report_to="none",
+                      save_strategy="no")
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=args, train_dataset=rows(),
+                          callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 2 and [e for e in callback.events if e[0] == "on_step_end"] == \
+        [("on_step_end", 1), ("on_step_end", 2)]
+    assert all("reward" in logs or "loss" in logs for logs in callback.logs)
+
+
+def test_a_method_tiller_does_not_call_is_refused(tiny_model_dir, tmp_path):
+    class EpochEnd(transformers.TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kw):
+            return control
+
+    with pytest.raises(ConfigError, match=r"callbacks\[0\] \(EpochEnd\)\.on_epoch_end: refused: tiller's loops call"):
+        SFTTrainer(model=str(tiny_model_dir), args=SFTConfig(output_dir=str(tmp_path / "r"), report_to="none"),
+                   train_dataset=datasets.Dataset.from_list(ROWS), callbacks=[EpochEnd])
