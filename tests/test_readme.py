@@ -380,6 +380,7 @@ def test_readme_command_runs(index, workspace, artifacts):
             artifacts.made[path] = workspace / path
 
 
+@pytest.mark.slow  # ~30 s of subprocess imports and two trainers (CI time); bench/ scripts are run by hand
 def test_bench_against_trl_runs_or_names_its_extra(tmp_path):
     """`python bench/grpo_vs_trl.py --quick` (README, Against TRL): runs where the `bench` extra is installed,
     and elsewhere exits 2 with one line naming the extra to install, not a traceback."""

@@ -104,6 +104,9 @@ def test_a_callback_stops_grpo(tiny_model_dir, tmp_path):
     assert trainer.state.global_step == 2 and [e for e in callback.events if e[0] == "on_step_end"] == \
         [("on_step_end", 1), ("on_step_end", 2)]
     assert all("reward" in logs or "loss" in logs for logs in callback.logs)
+    # the stopped step is checkpointed (save_strategy="no" otherwise), after its step and log calls
+    assert callback.events[-4:] == [("on_step_end", 2), ("on_log", 2), ("on_save", 2), ("on_train_end", 2)]
+    assert (tmp_path / "run" / "checkpoints" / "global_step_2").is_dir()
 
 
 def test_a_method_tiller_does_not_call_is_refused(tiny_model_dir, tmp_path):

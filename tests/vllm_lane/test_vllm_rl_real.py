@@ -91,6 +91,8 @@ def test_lora_actor_merged_weights_and_resume(tmp_path, sharp_model_dir, rl_data
     assert moved > 1e-2, moved
 
 
+@pytest.mark.slow  # ~45 s (a vLLM start; CI time): the merge it pushes is tests/sft/test_qlora.py's, the push the LoRA
+# test's above; run by hand with the lane's venv
 def test_qlora_actor_pushes_the_dequantized_merge(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
     """actor_rollout_ref.model.load_in_4bit: vLLM gets the 4-bit base dequantized with the adapters merged at each sync
     (tiller.models.quant.dequantized_merge), so its log-probs are the trained 4-bit model's."""

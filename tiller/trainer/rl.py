@@ -370,15 +370,15 @@ class RLTrainer:
                 last = metrics
                 if hooks is None:
                     continue
-                if saved is not None:
-                    hooks.saved(self.global_step, saved)
-                asked = hooks.step(self.global_step, metrics)
+                asked = hooks.step(self.global_step, metrics)  # (transformers' order: step, log, evaluate, save)
                 if asked.evaluate and self.val_ds is not None and validated is None:
                     validated = self.validate()
                     self.tracker.log(validated, step=self.global_step)
                     hooks.evaluated(self.global_step, validated)
-                if (asked.save or asked.stop) and saved is None:
-                    hooks.saved(self.global_step, self.save_checkpoint())
+                if saved is None and (asked.save or asked.stop):
+                    saved = self.save_checkpoint()
+                if saved is not None:
+                    hooks.saved(self.global_step, saved)
                 if asked.stop:
                     print(f"training stopped at step {self.global_step} of {self.total_steps} (a callback asked)")
                     break
