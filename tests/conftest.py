@@ -70,10 +70,23 @@ def tiny_qwen3vl_dir(tmp_path_factory):
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen3vl", seed=0, model_type="qwen3_vl")
 
 
-@pytest.fixture(scope="session", params=["qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="session")
+def tiny_qwen3vl_moe_dir(tmp_path_factory):
+    """Path to a saved ~1.3M-parameter Qwen3-VL-MoE (the tiny Qwen3-VL with every layer's MLP 4 experts, top-2,
+    Qwen3-VL-30B-A3B's layout) with tokenizer and image processor (seed 0)."""
+    from tiller.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen3vlmoe", seed=0, model_type="qwen3_vl_moe")
+
+
+VLM_FIXTURES = {"qwen2_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3vl_dir", "qwen3_vl_moe": "tiny_qwen3vl_moe_dir"}
+
+
+@pytest.fixture(scope="session", params=list(VLM_FIXTURES))
 def any_vlm_dir(request):
-    """The tiny Qwen2-VL, then the tiny Qwen3-VL: a test taking this runs on both model types."""
-    return request.getfixturevalue("tiny_vlm_dir" if request.param == "qwen2_vl" else "tiny_qwen3vl_dir")
+    """The tiny Qwen2-VL, the tiny Qwen3-VL, then the tiny Qwen3-VL-MoE: a test taking this runs on each model
+    type."""
+    return request.getfixturevalue(VLM_FIXTURES[request.param])
 
 
 # The longest modules first (their share of a fast-lane run on a 2-core Xeon under `-n 2`: test_readme ~26%, the

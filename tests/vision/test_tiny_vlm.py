@@ -22,20 +22,27 @@ def _png(color=(255, 0, 0), size=(64, 64)) -> bytes:
 
 def test_tiny_vlm_loads_like_a_hub_model(any_vlm_dir):
     from transformers import AutoModelForImageTextToText
-    from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+                              Qwen3VLMoeForConditionalGeneration)
 
     model = AutoModelForImageTextToText.from_pretrained(any_vlm_dir)
-    cls = Qwen3VLForConditionalGeneration if model.config.model_type == "qwen3_vl" else Qwen2VLForConditionalGeneration
+    cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}.get(
+        model.config.model_type, Qwen2VLForConditionalGeneration)
     assert isinstance(model, cls) and is_vision_model(model)
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
     assert type(load_causal_lm(any_vlm_dir)) is cls
     proc = load_processor(any_vlm_dir)
     assert proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD) == model.config.image_token_id
     assert proc.image_processor.patch_size == model.config.vision_config.patch_size
-    if cls is Qwen3VLForConditionalGeneration:  # the hub model's patch, deepstack features into LM layers 0 and 1
+    if cls is not Qwen2VLForConditionalGeneration:  # the hub model's patch, deepstack features into LM layers 0, 1
         assert model.config.vision_config.patch_size == 16
         assert model.config.vision_config.deepstack_visual_indexes == [0, 1]
         assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
+    if cls is Qwen3VLMoeForConditionalGeneration:  # Qwen3-VL-30B-A3B's layout: every layer's MLP a mixture
+        text = model.config.text_config
+        assert (text.num_experts, text.num_experts_per_tok, text.decoder_sparse_step) == (4, 2, 1)
+        assert all(type(layer.mlp).__name__ == "Qwen3VLMoeTextSparseMoeBlock"
+                   for layer in model.model.language_model.layers)
 
 
 def test_image_prompt_expands_placeholders_per_merged_patch(any_vlm_dir):

@@ -112,7 +112,8 @@ def test_openrlhf_vlm_flags_translate():
 SCRIPT = Path(__file__).parents[1] / "data" / "verl_scripts" / "grpo_qwen2_5_vl_geo3k.txt"
 VERL010 = Path(__file__).parents[1] / "data" / "verl_examples" / "verl010"
 QWEN3_VL_SCRIPTS = {"qwen3_vl": "grpo_trainer__run_qwen3_vl_8b_fsdp",
-                    "qwen3_vl_distill": "on_policy_distillation_trainer__run_qwen3_vl_8b_fsdp"}
+                    "qwen3_vl_distill": "on_policy_distillation_trainer__run_qwen3_vl_8b_fsdp",
+                    "qwen3_vl_moe": "grpo_trainer__run_qwen3_vl_30b_a3b_fsdp"}
 
 
 def _script_overrides(name: str) -> list[str]:
@@ -124,12 +125,14 @@ def _script_overrides(name: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script, model", [("qwen2_5_vl", "tiny_vlm_dir"), ("qwen3_vl", "tiny_qwen3vl_dir"),
-                                           ("qwen3_vl_distill", "tiny_qwen3vl_dir")])
+                                           ("qwen3_vl_distill", "tiny_qwen3vl_dir"),
+                                           ("qwen3_vl_moe", "tiny_qwen3vl_moe_dir")])
 def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, script, model):
     """verl's run_qwen2_5_vl_7b_fsdp.sh (on the tiny Qwen2-VL), run_qwen3_vl_8b_fsdp.sh and the on-policy
-    distillation run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL, its own teacher) overrides, paths pointed at the tiny
-    VLM and shapes data (verl's schema), rollout.name=native in place of vllm, and sizes cut for a CPU (batch,
-    response length, one step, no wandb)."""
+    distillation run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL, its own teacher), run_qwen3_vl_30b_a3b_fsdp.sh (on the
+    tiny Qwen3-VL-MoE, with the router loss tiller adds on request) overrides, paths pointed at the tiny VLM and shapes
+    data (verl's schema), rollout.name=native in place of vllm, and sizes cut for a CPU (batch, response length, one
+    step, no wandb)."""
     from tiller.trainer.rl import RLTrainer
 
     model_dir = request.getfixturevalue(model)
@@ -141,9 +144,12 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
     args += ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=4",
              "trainer.total_training_steps=1", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
              "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable"]
+    if script == "qwen3_vl_moe":
+        args.append("actor_rollout_ref.actor.router_aux_loss_coef=0.001")
     trainer = RLTrainer(load_config(args))
     try:
-        assert trainer.actor.worker.module.config.model_type == ("qwen2_vl" if script == "qwen2_5_vl" else "qwen3_vl")
+        assert trainer.actor.worker.module.config.model_type == {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_moe"}\
+            .get(script, "qwen3_vl")
         trainer.fit()
     finally:
         trainer.shutdown()
@@ -153,13 +159,15 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
     assert step["training/rollout_probs_diff_max"] < 1e-3
     if script == "qwen3_vl_distill":  # the teacher (the same model) sees the pixels too: KL 0 (measured -1.8e-7)
         assert abs(step["distillation/reverse_kl"]) < 1e-5
+    if script == "qwen3_vl_moe":  # top-2 of 4 experts: 2 when balanced (measured 2.01)
+        assert 1.9 < step["actor/aux_loss"] < 4
 
 
-@pytest.mark.parametrize("model_type", ["glm4v", "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", ["glm4v"])
 def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_vlm_dir, shapes_data, model_type,
                                                                 capsys):
-    """verl's GLM-4.1V and Qwen3-VL-30B-A3B scripts: their checkpoints stop `tiller rl` (exit 2, one line naming the
-    model type) before any row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM traceback)."""
+    """verl's GLM-4.1V script: its checkpoint stops `tiller rl` (exit 2, one line naming the model type) before any
+    row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM traceback)."""
     import shutil
 
     from tiller.cli import main
@@ -177,7 +185,7 @@ def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_v
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan's info line
     assert code == 2 and err.startswith("tiller rl: error: actor_rollout_ref.model.path="), err
     assert f"model_type '{model_type}' is a vision-language model that tiller does not train yet" in err
-    assert "qwen2_vl, qwen2_5_vl, qwen3_vl" in err
+    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe" in err
     with pytest.raises(UserError, match=f"model_type '{model_type}' is a vision-language model"):
         load_causal_lm(model_dir)
 
@@ -215,3 +223,31 @@ def test_multi_turn_tool_rollouts_on_image_prompts(tmp_path, tiny_vlm_dir, shape
     assert engine.turns == [8, 8]  # 2 prompts x n=4: the tool call, then the answer, each with the images
     assert metrics["agent/turns/mean"] == 2.0 and metrics["agent/tool_calls/mean"] == 1.0
     assert metrics["training/rollout_probs_diff_max"] < 1e-4
+
+
+def test_the_router_loss_of_a_moe_vlm_update_is_transformers_own_with_the_pixels(tiny_qwen3vl_moe_dir):
+    """actor_rollout_ref.actor.router_aux_loss_coef on Qwen3-VL-MoE (verl's run_qwen3_vl_30b_a3b_fsdp.sh model): the
+    update's router loss is transformers' own over the micro-batch's forward with each row's pixels (image tokens
+    are routed too), and differs from the loss of the same tokens without them."""
+    from tests.vision.test_vlm_critic import _image_batch
+    from tiller.workers.actor import ActorRolloutRefWorker
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_qwen3vl_moe_dir}", "actor_rollout_ref.rollout.name=hf",
+                       "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                       "actor_rollout_ref.actor.router_aux_loss_coef=0.5"])
+    worker = ActorRolloutRefWorker(cfg, total_training_steps=1)
+    batch, _ = _image_batch(tiny_qwen3vl_moe_dir)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(0)) \
+        * batch["response_mask"]
+    batch.meta.update(mini_batch_size=4, temperature=1.0)
+    model = worker.module
+    ids, mask = batch["input_ids"][:, :-1], batch["attention_mask"][:, :-1]  # no response token follows the last
+    vision = {k: torch.cat([m[k] for m in batch["multi_modal_inputs"]]) for k in ("pixel_values", "image_grid_thw")}
+    with torch.no_grad():
+        want = float(model(input_ids=ids, attention_mask=mask, output_router_logits=True,
+                           mm_token_type_ids=(ids == model.config.image_token_id).int(), **vision).aux_loss)
+        text_only = float(model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss)
+    got = worker.update_actor(batch)["actor/aux_loss"]
+    assert got == pytest.approx(want, rel=1e-5) and abs(want - text_only) > 1e-4

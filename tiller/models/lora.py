@@ -13,8 +13,9 @@ model (the PPO critic's value model) is the same: peft task TOKEN_CLS, as verl's
 model, which peft >= 0.18 cannot wrap around a token-classification model; and with TOKEN_CLS + `all-linear` peft
 both adapts `score` and wraps it for saving, which it refuses: tiller leaves the head out of `all-linear`.)
 
-A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): `all-linear` adapts the language model's linear layers only,
-not the vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE): `all-linear` adapts the language model's
+linear layers only (of a Qwen3-VL-MoE: the attention's; its experts are 3-D parameters, not linear modules), not the
+vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
 names is the user's choice and is taken as given (Qwen2-VL's `q_proj` / `v_proj` / ... live in the language
 model only, its vision blocks use `qkv` / `proj` / `fc1` / `fc2`, so naming those adapts the vision tower).
 
@@ -34,6 +35,7 @@ from typing import Any, Sequence
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,7 +103,9 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         use_dora=bool(use_dora), **tying,
     )
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing (5.24)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as err:  # e.g. exclude_modules leaves no module to adapt
         raise ConfigError(f"{key}.target_modules={_show(target_modules)} / {key}.exclude_modules="
                           f"{_show(exclude_modules)}: {_first_line(err)}") from None

@@ -57,8 +57,9 @@ VL_CHAT_TEMPLATE = (
 )
 
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 8, 2, 2
-PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16}
-"""Vision patch size per model type (Qwen3-VL's hub models use 16)."""
+PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+"""Vision patch size per model type (Qwen3-VL's hub models, MoE ones too, use 16)."""
+FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
 MODEL_TYPES = tuple(PATCH_SIZES)
 VISION_INIT_STD = 0.1
 """Std of the random vision tower's weight matrices. At transformers' 0.02 the image tokens' features vary
@@ -92,8 +93,9 @@ def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vis
 
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {list(MODEL_TYPES)}, got {model_type!r}")
-    if model_type == "qwen3_vl":
-        return _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings)
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        return _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
+                                moe=model_type == "qwen3_vl_moe")
     head_dim = 32
     heads = max(1, hidden_size // head_dim)
     half = head_dim // 2  # mrope sections split the head's rotary half into (t, h, w)
@@ -114,10 +116,13 @@ def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vis
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
-def _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings):
+def _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
+                     moe: bool = False):
     """A `Qwen3VLConfig`: Qwen3 language model (2 kv heads, interleaved M-RoPE sections sized as the hub model's
-    [24, 20, 20] of 64), vision tower with deepstack mergers after its first two blocks."""
-    from transformers import Qwen3VLConfig
+    [24, 20, 20] of 64), vision tower with deepstack mergers after its first two blocks. `moe`: a
+    `Qwen3VLMoeConfig` (Qwen3-VL-30B-A3B's layout: every layer's MLP a mixture of 4 experts, 2 per token, each expert
+    a quarter of the dense MLP, the router load-balancing coefficient of the hub model)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     head_dim = 32
     heads = max(1, hidden_size // head_dim)
@@ -131,11 +136,14 @@ def _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_dept
                                  "mrope_interleaved": True},
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                 bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT))
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3 * hidden_size // 4,
+                    decoder_sparse_step=1, router_aux_loss_coef=0.001)
     vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * vision_dim,
                   num_heads=max(1, vision_dim // 32), patch_size=PATCH_SIZES["qwen3_vl"], spatial_merge_size=MERGE_SIZE,
                   temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=hidden_size, num_position_embeddings=64,
                   deepstack_visual_indexes=list(range(min(2, vision_depth))))
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(text_config=text, vision_config=vision, tie_word_embeddings=True,
                          image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
                          vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
 
@@ -144,13 +152,12 @@ def build_vlm(tokenizer, seed: int = 0, **shape):
     """A randomly initialised `Qwen2VLForConditionalGeneration` (`model_type="qwen3_vl"`:
     `Qwen3VLForConditionalGeneration`); same seed, same weights; caller's RNG kept.
     The vision tower's weight matrices are drawn with std `VISION_INIT_STD` (the language model keeps 0.02)."""
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, GenerationConfig
 
     config = build_vlm_config(tokenizer, **shape)
-    cls = Qwen3VLForConditionalGeneration if config.model_type == "qwen3_vl" else Qwen2VLForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls(config)
+        model = AutoModelForImageTextToText.from_config(config)
         with torch.no_grad():  # see VISION_INIT_STD
             for p in model.model.visual.parameters():
                 if p.dim() > 1:
@@ -184,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (Hugging Face format)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image-size", type=int, default=None,
-                        help="images are resized to about this squared (default 64; 128 for qwen3_vl)")
+                        help="images are resized to about this squared (default 64; 128 for qwen3_vl / qwen3_vl_moe)")
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="qwen2_vl")
     args = parser.parse_args(argv)
     path = make_tiny_vlm(args.out, seed=args.seed, image_size=args.image_size, model_type=args.model_type)
-    print(f"wrote tiny {'Qwen3-VL' if args.model_type == 'qwen3_vl' else 'Qwen2-VL'} to {path}")
+    print(f"wrote tiny {FAMILIES[args.model_type]} to {path}")
     return 0
 
 

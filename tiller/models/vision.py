@@ -1,4 +1,5 @@
-"""Vision-language models: load Qwen2-VL / Qwen2.5-VL / Qwen3-VL and turn image prompts into model inputs.
+"""Vision-language models: load Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE and turn image prompts into model
+inputs.
 
 A vision-language checkpoint (a hub Qwen2-VL dir, or one from `tiller.models.tiny_vlm`) holds a tokenizer
 with the vision special tokens (`<|vision_start|>`, `<|image_pad|>`, `<|vision_end|>`), an image processor
@@ -18,7 +19,9 @@ token ids plus `pixel_values [N_patches, C*T*P*P]`, `image_grid_thw [n_images, 3
 Qwen3-VL (`qwen3_vl`) takes the same path: the same vision special tokens and processor (patch 16 in its
 `preprocessor_config.json`), `get_rope_index` with the same arguments (its interleaved M-RoPE is the model's own
 rotary code), and its deepstack features computed by its own forward from the pixels (the rollout engines pass them
-with the vision outputs, `tiller.rollout.images.encoder_outputs`). Videos (Qwen3-VL's timestamped frames included)
+with the vision outputs, `tiller.rollout.images.encoder_outputs`). Qwen3-VL-MoE (`qwen3_vl_moe`, Qwen3-VL-30B-A3B) is
+Qwen3-VL with a mixture of experts in each language-model layer's MLP: the same processor, positions and deepstack
+path. Videos (Qwen3-VL's timestamped frames included)
 are refused.
 """
 
