@@ -400,3 +400,18 @@ def test_async_rollout_pool_partial_rollouts_take_new_weights_between_decode_ste
     # step 2: 4 prompts x 4 samples, each begun with version 0 and finished with version 1; none too old
     assert rows[1]["async/partial_samples"] == 16.0 and rows[1]["async/staleness_max"] == 1.0
     assert all(r["async/dropped_stale"] == 0.0 for r in rows)
+
+
+@pytest.mark.slow  # ~25 s
+def test_lora_on_moe_experts_on_two_fsdp_workers_equals_one_process(ray_session, tmp_path, rl_data,
+                                                                     tiny_moe_dir):  # noqa: F811
+    """LoRA all-linear on a Mixtral (peft adapts each expert's 3-D weights and the router through target_parameters,
+    tests/test_lora_moe.py) under FSDP2 on 2 workers: the expert adapters shard, gather for the rollout sync and step
+    as in one process."""
+    lora = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.optim.lr=1e-2")
+    local = train(make_cfg(tmp_path / "local", tiny_moe_dir, rl_data, *lora), seed_chunks=2)
+    ray_run = train(make_cfg(tmp_path / "ray", tiny_moe_dir, rl_data, *lora, *RAY,
+                             "actor_rollout_ref.actor.strategy=fsdp"))
+    assert_same(ray_run, local)
+    assert any(".mlp.experts." in k and "lora_" in k for k in local[1])  # the compared weights include the experts'

@@ -225,12 +225,13 @@ def test_datasets_mixture_eval_split_and_lora(tmp_path, tiny_model_dir):
     assert list(splits[2][0]["prompt"]) != list(train["prompt"])
     # --use_peft: TRL's get_peft_config -> tiller's LoRA settings; lora_* without it is a notice
     model = ModelConfig(model_name_or_path=str(tiny_model_dir), use_peft=True, lora_r=4, lora_dropout=0.0,
-                        lora_target_modules=["q_proj", "v_proj"], use_rslora=True, lora_modules_to_save=["lm_head"])
+                        lora_target_modules=["q_proj", "v_proj"], use_rslora=True, lora_modules_to_save=["lm_head"],
+                        lora_target_parameters=["mlp.experts.down_proj"])
     from tiller.trl.base import lora_settings
 
     assert lora_settings(peft_config(model, "grpo"), str(tiny_model_dir)) == {
         "lora_rank": 4, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
-        "use_rslora": True, "modules_to_save": ["lm_head"]}
+        "use_rslora": True, "modules_to_save": ["lm_head"], "target_parameters": ["mlp.experts.down_proj"]}
     assert classify(ModelConfig(lora_r=4))[1] == ["lora_r=4: no effect without use_peft (as in TRL)"]
 
 

@@ -163,6 +163,12 @@ def test_peft_lora_config_becomes_lora_settings(tiny_model_dir):
     assert saved["modules_to_save"] == ["lm_head"]
     assert common.lora_job_keys(saved)["model.modules_to_save"] == ["lm_head"]
     assert common.lora_rl_keys(saved)["actor_rollout_ref.model.modules_to_save"] == ["lm_head"]
+    # a mixture-of-experts model's expert weights (peft's target_parameters; tests/test_lora_moe.py trains them)
+    experts = lora_settings(peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), tiny_model_dir)
+    assert experts["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert common.lora_job_keys(experts)["model.target_parameters"] == experts["target_parameters"]
+    assert common.lora_rl_keys(experts)["actor_rollout_ref.model.target_parameters"] == experts["target_parameters"]
 
 
 def test_field_table_lists_every_field_once():

@@ -482,10 +482,10 @@ RULES.update({
     **{f"actor_rollout_ref.model.{_flag}": noop(
         "read only with LoRA", lambda cfg: cfg.actor_rollout_ref.model.lora_rank > 0
         or bool(cfg.actor_rollout_ref.model.lora_adapter_path), "actor_rollout_ref.model.lora_rank > 0")
-       for _flag in ("use_rslora", "use_dora", "modules_to_save")},
+       for _flag in ("use_rslora", "use_dora", "modules_to_save", "target_parameters")},
     **{f"critic.model.{_flag}": noop(
         "read only with LoRA", lambda cfg: cfg.critic.model.lora_rank > 0 or bool(cfg.critic.model.lora_adapter_path),
-        "critic.model.lora_rank > 0") for _flag in ("use_rslora", "use_dora", "modules_to_save")},
+        "critic.model.lora_rank > 0") for _flag in ("use_rslora", "use_dora", "modules_to_save", "target_parameters")},
     "actor_rollout_ref.ref.ref_model_sync_steps": noop(
         "read only with a reference (a KL)", lambda cfg: cfg.actor_rollout_ref.actor.use_kl_loss
         or cfg.algorithm.use_kl_in_reward, "actor.use_kl_loss or algorithm.use_kl_in_reward"),

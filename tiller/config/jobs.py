@@ -223,6 +223,11 @@ class JobModelConfig:
     """LoRA dropout."""
     target_modules: Any = "all-linear"
     """LoRA target modules: a list of module names or 'all-linear' (a vision-language model: its language model's)."""
+    target_parameters: Any = None
+    """tiller (peft's target_parameters, TRL's lora_target_parameters): with LoRA, parameters adapted by name besides
+    target_modules: a mixture-of-experts model's experts (transformers stores each layer's experts as 3-D parameters,
+    which 'all-linear' does not reach), e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]; a list of parameter
+    names (suffixes of full names)."""
     exclude_modules: Any = None
     """LoRA: modules left out of target_modules (peft's exclude_modules): a list of module names, or a regex string
     matched against full module names."""
@@ -574,7 +579,7 @@ def validate_job(cfg: Any) -> None:
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
     check_quantization(model, "model", model.lora_rank > 0 or bool(model.lora_adapter_path))
-    for flag in ("use_rslora", "use_dora", "modules_to_save"):
+    for flag in ("use_rslora", "use_dora", "modules_to_save", "target_parameters"):
         if getattr(model, flag) and not (model.lora_rank > 0 or model.lora_adapter_path):
             raise ConfigError(f"model.{flag}={getattr(model, flag)} needs LoRA (model.lora_rank > 0 or "
                               "model.lora_adapter_path)")

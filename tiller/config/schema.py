@@ -371,6 +371,11 @@ class ModelConfig:
     direction update), merged as peft merges them for the rollout and the export."""
     target_modules: Any = "all-linear"
     """LoRA target modules: a list of module names or 'all-linear'."""
+    target_parameters: Any = None
+    """tiller (peft's target_parameters, TRL's lora_target_parameters): with LoRA, parameters adapted by name besides
+    target_modules: a mixture-of-experts model's experts (transformers stores each layer's experts as 3-D parameters,
+    which 'all-linear' does not reach), e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]; a list of parameter
+    names (suffixes of full names)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """verl 0.8+'s LoRA section (the same settings as lora_rank / lora_alpha / target_modules)."""
     lora_adapter_path: Optional[str] = None
@@ -1071,6 +1076,11 @@ class CriticModelConfig:
     target_modules: Any = "all-linear"
     """LoRA targets of the critic: a list of module names or 'all-linear' (every linear layer of the body; the value
     head is never adapted, it trains in full)."""
+    target_parameters: Any = None
+    """tiller (peft's target_parameters, TRL's lora_target_parameters): with the critic's LoRA, parameters adapted by name besides
+    target_modules: a mixture-of-experts model's experts (transformers stores each layer's experts as 3-D parameters,
+    which 'all-linear' does not reach), e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]; a list of parameter
+    names (suffixes of full names)."""
     lora: dict[str, Any] = field(default_factory=lambda: {"rank": 0, "alpha": 32, "merge": False,
                                                            "adapter_path": None,
                                                            "target_modules": ["linear_qkv", "linear_proj",

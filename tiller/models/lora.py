@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import contextlib
 import json
 import re
 import warnings
@@ -56,7 +57,7 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: Any = "all-linear",
                dropout: float = 0.0, modules_to_save: Sequence[str] | None = None, exclude_modules: Any = None,
-               key: str = "model", use_rslora: bool = False, use_dora: bool = False):
+               key: str = "model", use_rslora: bool = False, use_dora: bool = False, target_parameters: Any = None):
     """Wrap `model` with LoRA adapters of rank `rank`; only adapter (and `modules_to_save`) weights train.
 
     target_modules: "all-linear" (every linear layer but the output head) or module-name suffixes
@@ -71,6 +72,9 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     `use_rslora`: the adapter scaled by alpha / sqrt(rank) (rank-stabilised LoRA, Kalajdzievski 2023, arXiv
     2312.03732) instead of alpha / rank.
     `use_dora`: DoRA (Liu et al. 2024, arXiv 2402.09353), peft's weight-decomposed adapters.
+    `target_parameters`: parameter names (suffixes of full names) adapted besides the modules, peft's
+    `target_parameters`: a mixture-of-experts model's fused 3-D expert weights (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`), each expert getting its own low-rank update.
     """
     from peft import LoraConfig, TaskType, get_peft_model
 
@@ -91,6 +95,10 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
                                                            if task == "TOKEN_CLS" else target_modules)
     if exclude_modules is not None and not isinstance(exclude_modules, str):
         exclude_modules = _known_names(model, exclude_modules, f"{key}.exclude_modules") or None
+    target_parameters = _known_parameters(model, target_parameters, f"{key}.target_parameters")
+    if target_parameters and use_dora:
+        raise ConfigError(f"{key}.target_parameters={_show(target_parameters)} with {key}.use_dora=true: peft's DoRA "
+                          "adapts modules only; use plain LoRA (or rsLoRA) for the expert parameters")
     tying = {"ensure_weight_tying": True} if set(modules_to_save or ()) & _tied_names(model) else {}
     if tying and "ensure_weight_tying" not in LoraConfig.__dataclass_fields__:
         raise ConfigError(f"{key}.modules_to_save={_show(modules_to_save)}: the model ties its input and output "
@@ -100,15 +108,27 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         r=int(rank), lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
         exclude_modules=exclude_modules, task_type=getattr(TaskType, task),
         modules_to_save=modules_to_save, use_rslora=bool(use_rslora),
-        use_dora=bool(use_dora), **tying,
+        use_dora=bool(use_dora), **tying, **({"target_parameters": target_parameters} if target_parameters else {}),
     )
     try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing (5.24)
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with _quiet_peft():
             return get_peft_model(model, config)
     except ValueError as err:  # e.g. exclude_modules leaves no module to adapt
         raise ConfigError(f"{key}.target_modules={_show(target_modules)} / {key}.exclude_modules="
                           f"{_show(exclude_modules)}: {_first_line(err)}") from None
+
+
+@contextlib.contextmanager
+def _quiet_peft():
+    """peft's warnings that say nothing to a tiller user: it reads transformers' deprecated
+    is_gradient_checkpointing (5.24), and its transformers-5 MoE conversion (a Mixtral's / Qwen3-MoE's w1 + w3 fused
+    into gate_up_proj at twice the rank) warns that its rank / alpha pattern matched no *module*, then applies it to
+    the expert parameters."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*",
+                                category=RuntimeWarning)
+        yield
 
 
 def _tied(model: torch.nn.Module) -> bool:
@@ -173,6 +193,22 @@ def _known_names(model: torch.nn.Module, names: Any, key: str) -> list[str]:
     return names
 
 
+def _known_parameters(model: torch.nn.Module, names: Any, key: str) -> list[str] | None:
+    """`target_parameters` as a list of parameter-name suffixes, each matching some parameter of `model` (else a
+    ConfigError naming `key` and the model's 3-D parameters, the experts' weights); None when empty."""
+    if not names:
+        return None
+    names = [str(t) for t in ([names] if isinstance(names, str) else names)]
+    params = [n for n, _ in model.named_parameters()]
+    unknown = [t for t in names if not any(n == t or n.endswith("." + t) for n in params)]
+    if unknown:
+        fused = sorted({n.split(".layers.")[-1].split(".", 1)[-1] for n, p in model.named_parameters()
+                        if p.dim() == 3})
+        raise ConfigError(f"{key}: no parameter named {unknown} in the model; its 3-D (expert) parameters: "
+                          f"{', '.join(fused) or 'none (not a mixture-of-experts model)'}")
+    return names
+
+
 def _show(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple, set)) else str(value)
 
@@ -190,7 +226,8 @@ def _first_line(err: BaseException) -> str:
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
 LORA_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
-                 "lora_dropout": 0.0, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+                 "lora_dropout": 0.0, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+                 "target_parameters": None}
 LORA_FLAGS = ("use_rslora", "use_dora")
 """peft's boolean LoraConfig options a section may set (tiller keys of the same names)."""
 """The LoRA keys' defaults (verl's, the same in every tiller section that has them): a key at its default takes the
@@ -218,7 +255,8 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
     if section.lora_adapter_path:
         user = {"lora_rank": section.lora_rank, "lora_alpha": section.lora_alpha,
                 "target_modules": section.target_modules, "exclude_modules": section.exclude_modules,
-                "modules_to_save": getattr(section, "modules_to_save", None), **_flags(section)}
+                "modules_to_save": getattr(section, "modules_to_save", None),
+                "target_parameters": getattr(section, "target_parameters", None), **_flags(section)}
         if hasattr(section, "lora_dropout"):  # the offline jobs' sections (the RL actor's adapters have no dropout)
             user["lora_dropout"] = dropout
         peft_model = load_lora_adapter(model, section.lora_adapter_path, f"{key}.lora_adapter_path", user, key)
@@ -232,7 +270,8 @@ def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: b
     if section.lora_rank > 0:
         return apply_lora(model, section.lora_rank, section.lora_alpha, section.target_modules, dropout,
                           exclude_modules=section.exclude_modules, key=key,
-                          modules_to_save=getattr(section, "modules_to_save", None), **_flags(section))
+                          modules_to_save=getattr(section, "modules_to_save", None),
+                          target_parameters=getattr(section, "target_parameters", None), **_flags(section))
     return model
 
 
@@ -268,6 +307,7 @@ def adapter_settings(path: str | Path, key: str) -> dict[str, Any]:
             "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
             "exclude_modules": config.get("exclude_modules"), "lora_dropout": float(config.get("lora_dropout") or 0),
             "modules_to_save": _user_saved(config.get("modules_to_save")),
+            "target_parameters": sorted(config["target_parameters"]) if config.get("target_parameters") else None,
             **{flag: bool(config.get(flag, False)) for flag in LORA_FLAGS}}
 
 
@@ -291,14 +331,18 @@ def adapter_contradictions(adapter: dict, user: dict[str, Any], model: torch.nn.
     theirs = {"lora_rank": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha"),
               "target_modules": adapter.get("target_modules"), "exclude_modules": adapter.get("exclude_modules"),
               "lora_dropout": adapter.get("lora_dropout", 0.0), "modules_to_save": adapter.get("modules_to_save"),
+              "target_parameters": sorted(adapter.get("target_parameters") or ()) or None,
               **{flag: bool(adapter.get(flag, False)) for flag in LORA_FLAGS}}
     for name, value in user.items():
-        if value == LORA_DEFAULTS[name] or (name in ("exclude_modules", "modules_to_save") and not value):
+        if value == LORA_DEFAULTS[name] or (name in ("exclude_modules", "modules_to_save", "target_parameters")
+                                            and not value):
             continue
         if name == "modules_to_save":
             same = _user_saved(value, model) == _user_saved(theirs[name], model)
         elif name in ("target_modules", "exclude_modules"):
             same = _module_set(value, model) == _module_set(theirs[name], model)
+        elif name == "target_parameters":
+            same = set(map(str, [value] if isinstance(value, str) else value)) == set(theirs[name] or ())
         elif name in LORA_FLAGS:
             same = bool(value) == theirs[name]
         else:
@@ -345,7 +389,8 @@ def load_lora_adapter(model: torch.nn.Module, path: str | Path, key: str, user: 
         raise ConfigError(f"{key}={path}: no adapter weights there ({' or '.join(ADAPTER_WEIGHTS)}), only its "
                           "adapter_config.json")
     try:
-        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
+        with _quiet_peft():
+            peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
         saved = load_peft_weights(str(path), device="cpu")
     except (ValueError, RuntimeError, KeyError, OSError) as err:  # no target module / shape mismatch / no weights
         raise ConfigError(f"{key}={path}: the adapter does not fit the base model {base_name}: "

@@ -26,8 +26,7 @@ INPUT_MODEL_DIR = "input_model"  # a loaded model / tokenizer object is saved he
 INPUT_TOKENIZER_DIR = "input_tokenizer"
 
 # peft.LoraConfig fields tiller cannot honour, with their default (checked by duck typing: peft is not imported)
-_LORA_REFUSED = {"bias": "none", "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-                 "target_parameters": None}
+_LORA_REFUSED = {"bias": "none", "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
 
 
 @dataclass
@@ -81,8 +80,8 @@ _ARGUMENT_WHY = {
 
 def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
     """Logical LoRA settings of a `peft.LoraConfig` (duck typed): lora_rank, lora_alpha, target_modules,
-    lora_dropout, exclude_modules, modules_to_save, use_rslora, use_dora. target_modules None is peft's default for
-    the model type (as peft resolves it)."""
+    lora_dropout, exclude_modules, modules_to_save, target_parameters, use_rslora, use_dora. target_modules None is
+    peft's default for the model type (as peft resolves it)."""
     if peft_config is None:
         return {}
     if type(peft_config).__name__ != "LoraConfig" or not hasattr(peft_config, "r"):
@@ -92,7 +91,8 @@ def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
         value = getattr(peft_config, name, default)
         if value not in (default, None) and not (default == {} and not value):
             raise ConfigError(f"peft_config.{name}={value!r}: refused: tiller's LoRA is plain LoRA (r, lora_alpha, "
-                              "target_modules, exclude_modules, modules_to_save, lora_dropout, use_rslora, use_dora)")
+                              "target_modules, target_parameters, exclude_modules, modules_to_save, lora_dropout, "
+                              "use_rslora, use_dora)")
     targets = peft_config.target_modules
     if targets is None:
         targets = _peft_default_targets(model_path)
@@ -109,6 +109,9 @@ def lora_settings(peft_config: Any, model_path: str) -> dict[str, Any]:
     saved = getattr(peft_config, "modules_to_save", None)
     if saved:
         out["modules_to_save"] = [saved] if isinstance(saved, str) else sorted(saved)
+    params = getattr(peft_config, "target_parameters", None)
+    if params:
+        out["target_parameters"] = [params] if isinstance(params, str) else sorted(params)
     return out
 
 
@@ -170,7 +173,7 @@ def lora_rl_keys(lora: dict[str, Any]) -> dict[str, Any]:
     m = "actor_rollout_ref.model"
     out = {f"{m}.lora_rank": lora["lora_rank"], f"{m}.lora_alpha": lora["lora_alpha"],
            f"{m}.target_modules": lora["target_modules"]}
-    for name in ("exclude_modules", "modules_to_save"):
+    for name in ("exclude_modules", "modules_to_save", "target_parameters"):
         if name in lora:
             out[f"{m}.{name}"] = lora[name]
     for flag in ("use_rslora", "use_dora"):

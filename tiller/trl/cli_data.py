@@ -108,7 +108,7 @@ def load_splits(script: Any, mixture: Any, args: Any) -> tuple[Any, Any]:
 
 def peft_config(model_args: Any, command: str) -> Any:
     """TRL's get_peft_config: a peft.LoraConfig when --use_peft (tiller.trl's trainers read r, lora_alpha,
-    lora_dropout, target_modules, modules_to_save, use_rslora, use_dora; the refused ModelConfig fields never reach
+    lora_dropout, target_modules, target_parameters, modules_to_save, use_rslora, use_dora; the refused ModelConfig fields never reach
     here)."""
     if not model_args.use_peft:
         return None
@@ -120,6 +120,7 @@ def peft_config(model_args: Any, command: str) -> Any:
     return LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
                       target_modules=model_args.lora_target_modules, bias="none",
                       modules_to_save=model_args.lora_modules_to_save,
+                      target_parameters=model_args.lora_target_parameters,
                       use_rslora=bool(model_args.use_rslora), use_dora=bool(model_args.use_dora))
 
 

@@ -33,8 +33,8 @@ REWARD_SCRIPT_RULES: dict[str, Rule] = {
                            "import path (the current dir on sys.path)", _READ),
 }
 
-_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora",
-                "use_dora")
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                "lora_modules_to_save", "use_rslora", "use_dora")
 
 
 def _use_peft(value: Any, args: Any) -> dict:
@@ -58,7 +58,9 @@ MODEL_RULES: dict[str, Rule] = {
     "lora_dropout": mapped("LoRA dropout (with use_peft; the RL actor's LoRA has none: grpo / rloo need 0)", _READ),
     "lora_target_modules": mapped("LoRA target modules (with use_peft; None: peft's default for the model type)",
                                   _READ),
-    "lora_target_parameters": refused("tiller's LoRA adapts modules (lora_target_modules), not parameters"),
+    "lora_target_parameters": mapped("parameters adapted besides the modules, a mixture-of-experts model's experts "
+                                     "(with use_peft: model.target_parameters / "
+                                     "actor_rollout_ref.model.target_parameters)", _READ),
     "lora_modules_to_save": mapped("modules trained in full beside the adapters and saved with them (with use_peft: "
                                    "model.modules_to_save / actor_rollout_ref.model.modules_to_save)", _READ),
     "lora_task_type": noop("tiller picks the head by the command (a sequence-classification head for `reward`)"),
