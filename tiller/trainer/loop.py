@@ -214,6 +214,23 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
         if hooks is not None:
             hooks.saved(done, ckpt_root / f"global_step_{done}")
 
+    def serve(asked: step_hooks.Requests, done: int, metrics: dict, regular: bool, saved: bool = False) -> bool:
+        """A validation / checkpoint of step `done` that is due (`regular`) or asked for and not made yet; whether
+        the step is checkpointed now."""
+        if asked.evaluate and val_examples and not any(k.startswith("val/") for k in metrics):
+            val = {f"val/{k}": v for k, v in evaluate(job, model, val_examples, batch_size, device,
+                                                        optim_cfg.dtype, par).items()}
+            tracker.log(val, step=done)
+            metrics.update(val)
+            hooks.evaluated(done, val)
+        if not saved and (regular or asked.save or asked.stop):
+            if regular or any(k.startswith("val/") for k in metrics):
+                best.see(done, metrics)  # (every scheduled checkpoint was validated: best_metric's rule)
+            save(done)
+            return True
+        return saved
+
+    per_epoch = steps_per_epoch(len(train_examples), batch_size)
     if hooks is not None:
         hooks.begin({"total": total, "start": start, "model": model, "optimizer": optimizer,
                      "lr_scheduler": scheduler, "tokenizer": tokenizer})
@@ -222,6 +239,10 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
     try:
         with noise:  # NEFTune while training (off again for the export below)
             for step in range(start, total):
+                if hooks is not None:
+                    if step == start or step % per_epoch == 0:
+                        hooks.epoch_begin(step // per_epoch)
+                    hooks.step_begin(step)
                 t0 = time.perf_counter()
                 idx = batch_indices(step, len(train_examples), batch_size, tr.seed, data.shuffle)
                 metrics = _train_step(job, model, [train_examples[i] for i in idx], optimizer, params,
@@ -230,7 +251,7 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                 if hasattr(job, "after_optimizer_step"):  # (TR-DPO: the reference follows the policy)
                     job.after_optimizer_step(model, step + 1)
                 metrics["train/lr"] = scheduler.get_last_lr()[0]
-                metrics["train/epoch"] = step // steps_per_epoch(len(train_examples), batch_size)
+                metrics["train/epoch"] = step // per_epoch
                 metrics["timing_s/step"] = time.perf_counter() - t0
                 done = step + 1
                 if val_examples and ((tr.test_freq > 0 and done % tr.test_freq == 0) or done == total):
@@ -239,17 +260,12 @@ def run_training(cfg, job: Job, model: torch.nn.Module, tokenizer, train_example
                 tracker.log(metrics, step=done)
                 last = metrics
                 asked = hooks.step(done, metrics) if hooks is not None else step_hooks.Requests()
-                if asked.evaluate and val_examples and not any(k.startswith("val/") for k in metrics):
-                    val = {f"val/{k}": v for k, v in evaluate(job, model, val_examples, batch_size, device,
-                                                                optim_cfg.dtype, par).items()}
-                    tracker.log(val, step=done)
-                    metrics.update(val)
-                    hooks.evaluated(done, val)
                 regular = (tr.save_freq > 0 and done % tr.save_freq == 0) or done == total
-                if regular or asked.save or asked.stop:
-                    if regular or any(k.startswith("val/") for k in metrics):
-                        best.see(done, metrics)  # (every scheduled checkpoint was validated: best_metric's rule)
-                    save(done)
+                saved = serve(asked, done, metrics, regular)
+                if hooks is not None and (done % per_epoch == 0 or done == total or asked.stop):
+                    more = hooks.epoch_end(done)  # (transformers: after the step's log / evaluate / save)
+                    serve(more, done, metrics, False, saved)
+                    asked.stop = asked.stop or more.stop
                 if asked.stop:
                     if par.rank == 0:
                         print(f"training stopped at step {done} of {total} (a callback asked)")

@@ -351,7 +351,12 @@ class RLTrainer:
                 hooks.begin({"total": self.total_steps, "start": self.global_step, "tokenizer": self.tokenizer,
                              "model": getattr(worker, "module", None), "optimizer": getattr(worker, "optimizer", None),
                              "lr_scheduler": getattr(worker, "scheduler", None)})
+            start, per_epoch = self.global_step, max(1, self.sampler.steps_per_epoch)
             while self.global_step < self.total_steps:
+                if hooks is not None:
+                    if self.global_step == start or self.global_step % per_epoch == 0:
+                        hooks.epoch_begin(self.global_step // per_epoch)
+                    hooks.step_begin(self.global_step)
                 self.global_step += 1
                 metrics = self.train_step()
                 progress.update(1)
@@ -371,14 +376,15 @@ class RLTrainer:
                 if hooks is None:
                     continue
                 asked = hooks.step(self.global_step, metrics)  # (transformers' order: step, log, evaluate, save)
-                if asked.evaluate and self.val_ds is not None and validated is None:
-                    validated = self.validate()
-                    self.tracker.log(validated, step=self.global_step)
-                    hooks.evaluated(self.global_step, validated)
-                if saved is None and (asked.save or asked.stop):
-                    saved = self.save_checkpoint()
+                validated, saved = self._serve(hooks, asked, validated, saved)
                 if saved is not None:
                     hooks.saved(self.global_step, saved)
+                if self.global_step % per_epoch == 0 or is_last or asked.stop:
+                    more = hooks.epoch_end(self.global_step)  # (then what it asks, as transformers does)
+                    validated, again = self._serve(hooks, more, validated, saved)
+                    if again is not saved:
+                        hooks.saved(self.global_step, again)
+                    asked.stop = asked.stop or more.stop
                 if asked.stop:
                     print(f"training stopped at step {self.global_step} of {self.total_steps} (a callback asked)")
                     break
@@ -585,6 +591,17 @@ class RLTrainer:
         if self._board is not None:
             meta["weights_board"] = self._board
         return self.rollouter, Batch(fields=dict(prompts.fields), meta=meta)
+
+    def _serve(self, hooks, asked, validated, saved) -> tuple:
+        """A front end's requests (`tiller.trainer.hooks.Requests`) after a step: a validation / checkpoint of the
+        step not made yet. Returns (validated, saved)."""
+        if asked.evaluate and self.val_ds is not None and validated is None:
+            validated = self.validate()
+            self.tracker.log(validated, step=self.global_step)
+            hooks.evaluated(self.global_step, validated)
+        if saved is None and (asked.save or asked.stop):
+            saved = self.save_checkpoint()
+        return validated, saved
 
     def _sampler_state_now(self) -> dict:
         """The prompt sampler's state as of the current step (async: the producer has drawn ahead)."""

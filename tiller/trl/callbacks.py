@@ -2,17 +2,22 @@
 (`tiller.trainer.hooks`).
 
 Called, with transformers' arguments `(args, state, control, **kwargs)` and a transformers `TrainerControl`:
-`on_init_end` (the trainer built), `on_train_begin`, `on_step_end` and `on_log` after every step (tiller logs every
-step: `logs` is the step's `state.log_history` entry without its validation keys), `on_evaluate` when the step
-validated (`metrics`: the `eval_*` entries), `on_save` after each checkpoint, `on_train_end`. kwargs: `model` (the live
+`on_init_end` (the trainer built), `on_train_begin`, `on_epoch_begin` before each epoch's first step, `on_step_begin`
+before every step, `on_step_end` and `on_log` after every step (tiller logs every step: `logs` is the step's
+`state.log_history` entry without its validation keys), `on_evaluate` when the step validated (`metrics`: the `eval_*`
+entries), `on_save` after each checkpoint, `on_epoch_end` after an epoch's last step (and after the run's last or a
+stopped step, as transformers ends its epoch loop there), `on_train_end`. kwargs: `model` (the live
 policy), `processing_class`, `optimizer`, `lr_scheduler` where the loop runs in this process. `state` is the trainer's
 `state`, its `log_history` growing as the run logs. `control.should_training_stop` ends training after that step (a
 checkpoint of it is saved, so `save_model()` writes the model as stopped), `should_save` saves a checkpoint,
-`should_evaluate` validates (with an eval_dataset); they are reset after each step, as transformers' flow does.
+`should_evaluate` validates (with an eval_dataset), read after `on_step_end` / `on_log` / `on_evaluate` and again after
+`on_epoch_end`; they are reset then, as transformers' flow does. `should_epoch_stop` (skip the rest of an epoch) stops
+the run with an error: tiller's loops count steps, not an epoch's batches.
 
-A callback that overrides a method tiller does not call (`on_epoch_begin`, `on_epoch_end`, `on_step_begin`,
-`on_substep_end`, `on_pre_optimizer_step`, `on_optimizer_step`, `on_predict`, `on_prediction_step`, `on_push_begin`)
-is refused naming it, rather than never called. GRPO / RLOO with k > 1 optimizer steps per generation batch: the
+A callback that overrides a method transformers calls while training and tiller does not (`on_substep_end`,
+`on_pre_optimizer_step`, `on_optimizer_step`: inside tiller's step; `on_prediction_step`: per evaluation batch) is
+refused naming it, rather than never called; `on_predict` / `on_push_begin` (transformers' `predict()` /
+`push_to_hub()` only) are taken and never called, as in a transformers run that does neither. GRPO / RLOO with k > 1 optimizer steps per generation batch: the
 step methods run once per generation batch, `state.global_step` counting optimizer steps (a notice says so).
 """
 
@@ -20,12 +25,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiller.errors import ConfigError
+from tiller.errors import ConfigError, UserError
 from tiller.trainer.hooks import Requests
 
-CALLED = ("on_init_end", "on_train_begin", "on_train_end", "on_step_end", "on_log", "on_evaluate", "on_save")
-NOT_CALLED = ("on_epoch_begin", "on_epoch_end", "on_step_begin", "on_substep_end", "on_pre_optimizer_step",
-              "on_optimizer_step", "on_predict", "on_prediction_step", "on_push_begin")
+CALLED = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+          "on_step_end", "on_log", "on_evaluate", "on_save")
+NOT_CALLED = ("on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_prediction_step")
+"""Called by transformers while it trains, not by tiller's loops: a callback overriding one is refused."""
+OUTSIDE_TRAINING = ("on_predict", "on_push_begin")
+"""Called by transformers only from `predict()` / `push_to_hub()`, which tiller's trainers do not have: never called
+while training there either, so a callback overriding them (WandbCallback: on_predict) is taken."""
 
 
 def prepare_callbacks(callbacks: Any) -> list:
@@ -85,6 +94,14 @@ class CallbackHooks:
         state.log_history.append(entry)
         return entry
 
+    def epoch_begin(self, epoch: int) -> None:
+        self.control.should_epoch_stop = False
+        self.call("on_epoch_begin")
+
+    def step_begin(self, step: int) -> None:
+        self.trainer.state.global_step = self.trainer.trl_step(step)
+        self.call("on_step_begin")
+
     def step(self, step: int, metrics: dict[str, Any]) -> Requests:
         entry = self._entry(step, metrics)
         self.call("on_step_end")
@@ -93,7 +110,19 @@ class CallbackHooks:
         if evals:  # transformers logs an evaluation's metrics, then calls on_evaluate
             self.call("on_log", logs=evals)
             self.call("on_evaluate", metrics=evals)
+        return self._requests()
+
+    def epoch_end(self, step: int) -> Requests:
+        self.call("on_epoch_end")
+        return self._requests()
+
+    def _requests(self) -> Requests:
+        """What the callbacks asked of the step (should_* flags), the flags then reset as transformers' flow does."""
         c = self.control
+        if c.should_epoch_stop:
+            raise UserError("a callback set control.should_epoch_stop: refused: tiller's loops count steps (an "
+                            "epoch is steps, not a stream of batches to cut short); set should_training_stop to end "
+                            "the run")
         asked = Requests(stop=bool(c.should_training_stop), save=bool(c.should_save), evaluate=bool(c.should_evaluate))
         c.should_save = c.should_evaluate = c.should_log = False
         return asked
