@@ -49,10 +49,12 @@ def test_ppo_batch_units_samples_vs_prompts():
     cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--lora_alpha", "16")
     assert (cfg.critic.model.lora_rank, cfg.critic.model.lora_alpha) == (8, 16)
     assert cfg.actor_rollout_ref.model.lora_rank == 8
-    # --load_in_4bit (QLoRA): OpenRLHF's nf4 + double quantization on the actor; tiller's critic stays full precision
+    # --load_in_4bit (QLoRA): OpenRLHF's nf4 + double quantization on the actor and the critic (OpenRLHF's
+    # get_llm_for_sequence_regression takes it too)
     pytest.importorskip("bitsandbytes")
-    model = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--load_in_4bit").actor_rollout_ref.model
-    assert (model.load_in_4bit, model.bnb_4bit_quant_type, model.bnb_4bit_use_double_quant) == (True, "nf4", True)
+    cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--load_in_4bit")
+    for model in (cfg.actor_rollout_ref.model, cfg.critic.model):
+        assert (model.load_in_4bit, model.bnb_4bit_quant_type, model.bnb_4bit_use_double_quant) == (True, "nf4", True)
 
 
 def test_ppo_async_flags_map_to_verls_async_keys(capsys):

@@ -216,3 +216,50 @@ def test_refusals_name_the_key(tiny_model_dir, sft_file, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"model\.load_in_4bit=true needs the bitsandbytes package"):
         job(**{"model.lora_rank": 4, "model.load_in_4bit": True})
 
+
+
+def test_critic_qlora_values_are_the_4bit_bodys_and_only_adapters_and_head_train(tiny_model_dir, bnb):
+    """critic.model.load_in_4bit (OpenRLHF's --load_in_4bit quantizes its critic too): the value model's body loads
+    4-bit, its head stays full precision; the first values are the 4-bit body's with that head (B = 0), not the
+    original body's; an update moves the adapters and the head only."""
+    from transformers import AutoModelForTokenClassification, BitsAndBytesConfig
+
+    from tests.trainer.test_dynamic_batches import _batch, _cfg
+    from tiller.models.quant import quantize_after_load
+    from tiller.workers.critic import CriticWorker
+
+    lora = ("critic.optim.lr=1e-2", "critic.model.lora_rank=4", "critic.model.lora_alpha=8")
+    full = CriticWorker(_cfg(tiny_model_dir, *lora), total_training_steps=1)
+    q = CriticWorker(_cfg(tiny_model_dir, *lora, "critic.model.load_in_4bit=true"), total_training_steps=1)
+    assert type(q.module.get_base_model().model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+    head = q.module.get_base_model().score
+    assert type(head.modules_to_save["default"]) is torch.nn.Linear  # the value head: full precision, trained
+    batch = _batch(seed=3)
+    values = q.compute_values(batch)["values"]
+    # the 4-bit body (quantized by transformers here too, the head left out) with the same fresh head, a forward per row
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                llm_int8_skip_modules=["score"])
+    body = quantize_after_load(AutoModelForTokenClassification.from_pretrained(
+        tiny_model_dir, num_labels=1, quantization_config=config, device_map={"": "cpu"}))
+    with torch.no_grad():
+        body.score.weight.copy_(head.modules_to_save["default"].weight)
+        body.score.bias.copy_(head.modules_to_save["default"].bias)
+    mask = batch["response_mask"].bool()
+    P = batch["prompts"].shape[1]
+    for i in range(len(batch["input_ids"])):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        with torch.no_grad():
+            v = body.eval()(input_ids=ids).logits[0, :, 0]
+        start = int((~batch["attention_mask"][i][:P].bool()).sum())  # left padding of the prompt
+        n = int(mask[i].sum())
+        torch.testing.assert_close(values[i, :n], v[P - start - 1:P - start - 1 + n], atol=1e-4, rtol=0)
+    assert (values - full.compute_values(batch)["values"])[mask].abs().max() > 1e-3  # not the original body's
+    before = {k: v.clone() for k, v in q.module.state_dict().items()}
+    q.update_critic(batch)
+    changed = {k for k, v in q.module.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all(".lora_" in k or "modules_to_save" in k for k in changed)
+    with pytest.raises(ConfigError, match=r"critic\.model\.load_in_4bit=true needs LoRA"):
+        _cfg(tiny_model_dir, "critic.model.load_in_4bit=true")
+    with pytest.raises(ConfigError, match=r"critic\.model\.load_in_4bit=true runs in one process"):
+        _cfg(tiny_model_dir, *lora, "critic.model.load_in_4bit=true", "trainer.backend=ray")

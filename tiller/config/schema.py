@@ -1067,6 +1067,14 @@ class CriticModelConfig:
     lora_rank: int = 0
     """LoRA rank of the critic's body (0 = the critic trains in full); with LoRA the value head trains in full, as in
     verl's FSDP critic, and the optimizer holds the adapters and the head only."""
+    load_in_4bit: bool = False
+    """tiller (OpenRLHF's --load_in_4bit quantizes the critic too): QLoRA on the critic, its body's linear layers
+    loaded as bitsandbytes 4-bit weights, frozen, LoRA adapters and the value head (full precision) training; needs
+    critic LoRA and the bitsandbytes package; one process (trainer.backend=local)."""
+    bnb_4bit_quant_type: str = "nf4"
+    """tiller: with load_in_4bit, nf4 (QLoRA's NormalFloat4) | fp4."""
+    bnb_4bit_use_double_quant: bool = False
+    """tiller: with load_in_4bit, the block scales quantized too."""
     lora_alpha: int = 16
     """LoRA alpha of the critic (scale = alpha / rank)."""
     use_rslora: bool = False

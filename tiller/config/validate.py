@@ -256,10 +256,11 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_diversity_classifier(cfg.reward_model.diversity)
     for key, section in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
         _validate_lora(key, section)
-    check_quantization(arr.model, "actor_rollout_ref.model", lora_enabled(arr.model))
-    if arr.model.load_in_4bit and cfg.trainer.backend == "ray":
-        raise ConfigError("actor_rollout_ref.model.load_in_4bit=true runs in one process (trainer.backend=local): "
-                          "FSDP2 shards do not hold bitsandbytes 4-bit weights")
+    for key, section in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
+        check_quantization(section, key, lora_enabled(section))
+        if section.load_in_4bit and cfg.trainer.backend == "ray":
+            raise ConfigError(f"{key}.load_in_4bit=true runs in one process (trainer.backend=local): FSDP2 shards do "
+                              "not hold bitsandbytes 4-bit weights")
     _validate_sandbox_fusion(cfg)
 
 

@@ -33,16 +33,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import contextlib
 import json
 import re
-import warnings
 from pathlib import Path
 
 import torch
 
 from tiller.errors import ConfigError
 from tiller.models.quant import dequantized_merge, is_quantized
+from tiller.models.quiet import quiet_peft
 from tiller.models.vision import is_vision_model
 
 
@@ -111,24 +110,11 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         use_dora=bool(use_dora), **tying, **({"target_parameters": target_parameters} if target_parameters else {}),
     )
     try:
-        with _quiet_peft():
+        with quiet_peft():
             return get_peft_model(model, config)
     except ValueError as err:  # e.g. exclude_modules leaves no module to adapt
         raise ConfigError(f"{key}.target_modules={_show(target_modules)} / {key}.exclude_modules="
                           f"{_show(exclude_modules)}: {_first_line(err)}") from None
-
-
-@contextlib.contextmanager
-def _quiet_peft():
-    """peft's warnings that say nothing to a tiller user: it reads transformers' deprecated
-    is_gradient_checkpointing (5.24), and its transformers-5 MoE conversion (a Mixtral's / Qwen3-MoE's w1 + w3 fused
-    into gate_up_proj at twice the rank) warns that its rank / alpha pattern matched no *module*, then applies it to
-    the expert parameters."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*",
-                                category=RuntimeWarning)
-        yield
 
 
 def _tied(model: torch.nn.Module) -> bool:
@@ -389,7 +375,7 @@ def load_lora_adapter(model: torch.nn.Module, path: str | Path, key: str, user: 
         raise ConfigError(f"{key}={path}: no adapter weights there ({' or '.join(ADAPTER_WEIGHTS)}), only its "
                           "adapter_config.json")
     try:
-        with _quiet_peft():
+        with quiet_peft():
             peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
         saved = load_peft_weights(str(path), device="cpu")
     except (ValueError, RuntimeError, KeyError, OSError) as err:  # no target module / shape mismatch / no weights

@@ -30,6 +30,7 @@ import copy
 import torch
 
 from tiller.errors import ConfigError
+from tiller.models.quiet import quiet_peft
 
 QUANT_TYPES = ("nf4", "fp4")
 
@@ -71,8 +72,9 @@ def _import_bitsandbytes():
     return bitsandbytes
 
 
-def bnb_config(section: Any, compute_dtype: torch.dtype):
-    """transformers' `BitsAndBytesConfig` for a model section, or None when it asks for no quantization."""
+def bnb_config(section: Any, compute_dtype: torch.dtype, keep: tuple[str, ...] | None = None):
+    """transformers' `BitsAndBytesConfig` for a model section, or None when it asks for no quantization. `keep`:
+    module names left unquantized (a value model's head `score`; default: transformers' own choice, the LM head)."""
     if not wants_quantization(section):
         return None
     _import_bitsandbytes()
@@ -80,7 +82,8 @@ def bnb_config(section: Any, compute_dtype: torch.dtype):
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=section.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=bool(section.bnb_4bit_use_double_quant),
-                              bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_compute_dtype=compute_dtype,
+                              **({"llm_int8_skip_modules": list(keep)} if keep else {}))
 
 
 def quantize_after_load(model: torch.nn.Module) -> torch.nn.Module:
@@ -161,7 +164,8 @@ def dequantized_merge(model: torch.nn.Module, dtype: torch.dtype = torch.float32
     (name, config), = configs.items()
     config = copy.deepcopy(config)
     config.inference_mode = False
-    wrapped = get_peft_model(plain, config, adapter_name=name)
+    with quiet_peft():
+        wrapped = get_peft_model(plain, config, adapter_name=name)
     prefix, source = "base_model.model.", inner.state_dict()
     wanted = [k for k in wrapped.state_dict() if "lora_" in k or ".modules_to_save." in k]
     lost = [k for k in wanted if k[len(prefix):] not in source]

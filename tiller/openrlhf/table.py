@@ -193,9 +193,9 @@ TABLE: tuple[Flag, ...] = (
        "(SFT: data.packing)"),
     _f("use_liger_kernel", HINT, "tiller uses its own chunked log-prob / entropy kernels", "ds.use_liger_kernel",
        "fsdp.use_liger_kernel"),
-    _f("load_in_4bit", MAPPED, "QLoRA (with --lora_rank): model.load_in_4bit / actor_rollout_ref.model.load_in_4bit, "
-       "nf4 with double quantization as OpenRLHF's BitsAndBytesConfig (bitsandbytes); the PPO critic stays in full "
-       "precision (a notice)", "ds.load_in_4bit"),
+    _f("load_in_4bit", MAPPED, "QLoRA (with --lora_rank): model.load_in_4bit / actor_rollout_ref.model.load_in_4bit "
+       "(and critic.model.load_in_4bit for the PPO critic, as OpenRLHF quantizes it too), nf4 with double "
+       "quantization as OpenRLHF's BitsAndBytesConfig (bitsandbytes)", "ds.load_in_4bit"),
     _f("lora_rank", MAPPED, "model.lora_rank", "ds.lora.rank", "fsdp.lora.rank"),
     _f("lora_alpha", MAPPED, "model.lora_alpha", "ds.lora.alpha", "fsdp.lora.alpha"),
     _f("target_modules", MAPPED, "model.target_modules", "ds.lora.target_modules", "fsdp.lora.target_modules"),

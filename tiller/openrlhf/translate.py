@@ -132,8 +132,8 @@ def _tracking(a: Args, o: dict, env: dict, keep_key: str) -> None:
     o["trainer.test_freq"] = a("eval_steps")
 
 
-def _lora(a: Args, o: dict, prefix: str, *, dropout_key: str | None, quantized: bool = True) -> None:
-    if quantized and a("load_in_4bit"):  # OpenRLHF's BitsAndBytesConfig: nf4, double quantization (QLoRA)
+def _lora(a: Args, o: dict, prefix: str, *, dropout_key: str | None) -> None:
+    if a("load_in_4bit"):  # OpenRLHF's BitsAndBytesConfig: nf4, double quantization (QLoRA)
         o.update({f"{prefix}.load_in_4bit": True, f"{prefix}.bnb_4bit_quant_type": "nf4",
                   f"{prefix}.bnb_4bit_use_double_quant": True})
     o[f"{prefix}.lora_rank"] = a("lora_rank")
@@ -474,13 +474,10 @@ def _models(a: Args, o: dict, notices: list[str]) -> None:
     critic = a("critic_pretrain") or (_csv(reward)[0] if reward else a("pretrain"))
     if a("advantage_estimator") == "gae":
         o["critic.model.path"] = critic
-        if a("lora_rank"):  # OpenRLHF builds its critic with the same --lora_* settings as the actor
-            _lora(a, o, "critic.model", dropout_key=None, quantized=False)
+        if a("lora_rank"):  # OpenRLHF builds its critic with the same --lora_* (and 4-bit) settings as the actor
+            _lora(a, o, "critic.model", dropout_key=None)
             notices.append(f"{a.flag('lora_rank')}: the critic gets LoRA adapters on its body too, its value head "
                            "trains in full (verl's critic LoRA; OpenRLHF's peft config has no modules_to_save)")
-        if a("load_in_4bit"):
-            notices.append(f"{a.flag('load_in_4bit')}: the actor's body loads 4-bit; the critic's stays in full "
-                           "precision (tiller's critic has no 4-bit loading)")
     buffer = a("overlong_buffer_len")
     factor = a("overlong_penalty_factor")
     if buffer is not None:

@@ -40,6 +40,7 @@ import torch
 
 from tiller.errors import DataError, UserError
 from tiller.models.checkpoint import save_pretrained_atomic
+from tiller.models.quiet import fresh_head
 from tiller.rewards.pair_classifier import ID2LABEL, encode_pairs, load_pair_rows, uses_token_types
 
 METRICS_FILE = "partitioner_metrics.json"
@@ -175,15 +176,12 @@ def train_pair_classifier(rows: list[dict], model: Any, tokenizer: Any, *, epoch
 
 def load_base(path: str, seed: int):
     """Tokenizer and a 2-label sequence classifier from `path` (a new head when the checkpoint has none)."""
-    import transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     if not (Path(path) / "config.json").is_file():
         raise UserError(f"--model {path}: not a model dir (no config.json)")
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # "newly initialized classifier weights" is the point here
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), fresh_head():  # "newly initialized classifier weights": the point
             torch.manual_seed(seed)
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForSequenceClassification.from_pretrained(
@@ -191,8 +189,6 @@ def load_base(path: str, seed: int):
                 ignore_mismatched_sizes=True, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise UserError(f"--model {path}: cannot load it as a sequence classifier: {err}") from err
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     return model, tokenizer
 
 

@@ -42,6 +42,7 @@ from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled
 from tiller.models.quant import bnb_config, quantize_after_load
+from tiller.models.quiet import fresh_head
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 from tiller.workers.ulysses import ulysses_token_forward
@@ -168,25 +169,21 @@ def load_seq_cls(path: str, tokenizer, trust_remote_code: bool = False, attn_imp
     """`AutoModelForSequenceClassification(num_labels=1)` from a causal-LM dir (the head starts random); with a
     `quantization_config` (tiller.models.quant.bnb_config) the body's linear layers load 4-bit."""
     from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
     kwargs = dict(num_labels=1, trust_remote_code=trust_remote_code, dtype=torch.float32)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": "cpu"})
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the fresh `score` head is expected, not worth a warning table
     try:
         if path.startswith((".", "/")) and not os.path.exists(path):
             raise UserError(f"model path not found: {path}")
-        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        with fresh_head():  # the fresh `score` head is expected, not worth a warning table
+            model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
     except Exception as err:
         if not is_load_error(err):
             raise
         raise UserError(f"cannot load {path!r} as a sequence-classification model: {err}") from err
-    finally:
-        hf_logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return quantize_after_load(model) if quantization_config is not None else model

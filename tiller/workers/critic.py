@@ -30,6 +30,8 @@ from tiller.errors import ConfigError, UserError
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.loading import is_vision_checkpoint, model_config as hf_model_config
 from tiller.models.lora import attach_lora, lora_enabled
+from tiller.models.quant import bnb_config, quantize_after_load
+from tiller.models.quiet import fresh_head
 from tiller.models.vision import is_vision_model
 from tiller.protocol import Batch
 from tiller.workers.common import (
@@ -76,10 +78,18 @@ class CriticWorker:
             attn = self.ccfg.model.override_config.get("attn_implementation")
             kwargs = dict(config=model_config, dtype=torch.float32, trust_remote_code=trust,
                           **({"attn_implementation": attn} if attn else {}))
+            quant = bnb_config(self.ccfg.model, torch.float32, keep=("score", "classifier"))  # QLoRA: a 4-bit body
+            if quant is not None and is_vision_checkpoint(path):
+                raise ConfigError("critic.model.load_in_4bit=true: a vision-language critic trains in full (no LoRA "
+                                  "on it), so its body cannot be 4-bit")
             if is_vision_checkpoint(path):
                 module = vision_value_model(path, **kwargs)
             else:
-                module = AutoModelForTokenClassification.from_pretrained(path, **kwargs)
+                with fresh_head():  # a policy checkpoint has no value head: the fresh one is expected
+                    module = AutoModelForTokenClassification.from_pretrained(
+                        path, **kwargs, **({"quantization_config": quant} if quant is not None else {}))
+                if quant is not None:
+                    module = quantize_after_load(module)
         except (OSError, ValueError) as err:
             raise UserError(f"critic.model.path: cannot load a value model from {path!r}: {err}") from err
         # a Qwen3-VL config keeps its token ids in text_config only (no top-level pad / eos attribute)
