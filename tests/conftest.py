@@ -120,3 +120,18 @@ def save_tiny_variant(out_dir, tokenizer_dir, **overrides):
 def tiny_even_heads_dir(tmp_path_factory, tiny_model_dir):
     """`save_tiny_variant` with its defaults: 4 query and 4 key / value heads."""
     return save_tiny_variant(tmp_path_factory.mktemp("tiny") / "qwen2_kv4", tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def layer_kind_dir(tmp_path_factory, tiny_model_dir):
+    """`get(model_type)`: the path of a saved tiny model of that family (`tests/layer_kinds.py`), built once."""
+    from tests.layer_kinds import build
+
+    built = {}
+
+    def get(model_type: str):
+        if model_type not in built:
+            built[model_type] = build(model_type, tiny_model_dir, tmp_path_factory.mktemp("kinds") / model_type)
+        return built[model_type]
+
+    return get

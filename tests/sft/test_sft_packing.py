@@ -98,3 +98,40 @@ def test_default_pack_length():
     assert default_pack_length(ex, 512) == 80
     assert default_pack_length(ex, 64) == 64
     assert default_pack_length([SFTExample([1] * 100, [-100] * 100)] + ex, 512) == 160  # mean 40 -> 160
+
+
+@pytest.mark.parametrize("model_type,attn", [("gpt_oss", "eager"), ("mistral", "sdpa"), ("mistral", "eager"),
+                                             ("gemma2", "eager")])
+def test_packed_rows_equal_each_sequence_alone_on_sliding_window_models(layer_kind_dir, model_type, attn):
+    """tiller builds the packed rows' mask itself (causal within each sequence, each layer kind's window): gpt-oss's
+    forward does not pass position ids to transformers' mask functions, so transformers' own packed-sequence
+    detection let its sequences see each other (logits off by 0.6 on this model)."""
+    from tiller.data.packing import forward_output
+
+    model = load_causal_lm(layer_kind_dir(model_type), attn_implementation=attn).eval()
+    seqs = [torch.randint(5, 400, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 9, 14)]
+    batch = {"input_ids": torch.cat(seqs)[None], "position_ids": torch.cat([torch.arange(len(s)) for s in seqs])[None]}
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
+        packed = forward_output(model, batch).logits[0]
+    assert float((alone - packed).abs().max()) < 2e-5
+
+
+def test_packing_is_refused_for_recurrent_layers(layer_kind_dir, tmp_path, capsys):
+    """Qwen3.5's Gated DeltaNet state would run from one packed sequence into the next: `tiller sft data.packing=true`
+    stops before training, naming the key (exit 2)."""
+    import pandas as pd
+
+    from tiller.cli import main
+
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(8)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    code = main(["sft", f"model.partial_pretrain={layer_kind_dir('qwen3_5_text')}",
+                 f"data.train_files=[{tmp_path / 'train.parquet'}]", "data.messages_key=messages", "data.packing=true",
+                 "data.micro_batch_size_per_gpu=4", "data.train_batch_size=8", "trainer.total_epochs=1",
+                 f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]"])
+    assert code == 2
+    assert "data.packing=True: model_type 'qwen3_5_text' has recurrent layers (linear_attention)" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.safetensors"))

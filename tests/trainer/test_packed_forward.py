@@ -70,6 +70,44 @@ def test_packed_forward_equals_padded_logprobs_and_gradients(arch, impl, request
         assert float((g_pack[name] - grad).abs().max()) <= 1e-5 * scale, name
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss", "gemma2"])
+def test_packed_forward_keeps_sliding_windows_sinks_and_soft_caps(layer_kind_dir, model_type):
+    """The packed attention applies what the layer asks beyond causal (`tests/layer_kinds.py`, window 6): Mistral's
+    window on every layer, gpt-oss's on every other layer with its attention sinks, Gemma 2's with its logit
+    soft-cap. Rows of up to 16 tokens cross the window; logprobs and gradients (the sinks' too) equal the padded
+    forward's. Without them the packed logprobs were off by 0.25 (Mistral) and 2.6 (Gemma 2), and gpt-oss's sinks
+    got no gradient."""
+    from tests.layer_kinds import attn_of
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(layer_kind_dir(model_type), attn_implementation=attn_of(model_type))
+    ids, mask, rmask, P = micro_batch([7, 3, 5, 1, 6], [9, 2, 5, 7, 1])
+    padded = lambda *a: response_forward(*a, logits_to_keep=True)
+    lp_pad, g_pad = _logp_and_grads(model, padded, ids, mask, rmask, P)
+    lp_pack, g_pack = _logp_and_grads(model, packed_response_forward, ids, mask, rmask, P)
+    torch.testing.assert_close(lp_pack, lp_pad, atol=2e-5, rtol=0)
+    for name, grad in g_pad.items():
+        if grad is None:  # a router's unused expert, say: none in either
+            assert g_pack[name] is None, name
+            continue
+        scale = float(grad.abs().max())
+        assert float((g_pack[name] - grad).abs().max()) <= 1e-5 * max(scale, 1e-6), name
+
+
+def test_recurrent_models_run_the_padded_update(layer_kind_dir, capsys):
+    """use_remove_padding on a model with recurrent layers: their state would run from one packed row into the next,
+    so the update runs the padded forward, said once naming the key."""
+    from transformers import AutoModelForCausalLM
+    from tiller.workers.packed import packs
+
+    model = AutoModelForCausalLM.from_pretrained(layer_kind_dir("qwen3_5_text"))
+    assert packs(model, "actor_rollout_ref.model.use_remove_padding", True) is False
+    assert "actor_rollout_ref.model.use_remove_padding=True: qwen3_5_text's recurrent layers (linear_attention)" \
+        in capsys.readouterr().err
+    plain = AutoModelForCausalLM.from_pretrained(layer_kind_dir("mistral"))
+    assert packs(plain, "k", True) is True and packs(model, "k", False) is False
+
+
 def test_rows_that_saw_each_other_would_be_caught(sharp_qwen):
     """Negative control: the same packed sequence with position ids that do not restart (one long sequence, every
     token attending to the rows before it) gives other logprobs, so the equality above is not vacuous."""

@@ -5,13 +5,13 @@ packing: sequences longest first, each into the first row with room; determinist
 TRL's `DataCollatorWithFlattening` / verl's `use_remove_padding`. Cross-contamination is prevented
 twice over:
 
-1. attention: `position_ids` restart at 0 at every sequence and the model is called with
-   `attention_mask=None, use_cache=False`. transformers (>= 4.44 for flash-attention, 5.x for sdpa
-   and eager through `masking_utils.find_packed_sequence_indices`) then builds a block-diagonal
-   causal mask, so a token attends only inside its own sequence. Measured on CPU with transformers
-   5.23, Qwen2 and Llama, sdpa and eager: packed logits equal per-sequence logits to 5e-7.
-   NOTE: with `use_cache=True` (the config default) the detection is skipped silently and sequences
-   see each other; `forward_packed` below always passes `use_cache=False`.
+1. attention: `position_ids` restart at 0 at every sequence and the model is called with `use_cache=False`
+   and, for the sdpa and eager implementations, tiller's own mask: causal within each sequence, with each layer
+   kind's sliding window (`tiller.models.layer_masks.packed_masks`). transformers can infer the sequences from
+   `position_ids` (`masking_utils.find_packed_sequence_indices`), but not in every model: gpt-oss's forward does
+   not pass them to its mask functions, and its packed logits were off by 0.6 that way. FlashAttention
+   implementations get `attention_mask=None` and read the boundaries from `position_ids`. A model with recurrent
+   layers (Qwen3.5's Gated DeltaNet, Mamba) is refused: their state would cross sequences.
 2. loss: the last token of a sequence has label -100 (`tiller.data.sft.shifted_labels`), so no
    position predicts the first token of the next sequence.
 
@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from tiller.data.sft import IGNORE, SFTExample
+from tiller.models.layer_masks import packed_masks
 from tiller.models.vision import vision_inputs
 
 
@@ -120,8 +121,8 @@ def forward_output(model, batch: dict, router_aux: bool = False):
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
                      use_cache=False, **vision, **extra)
     if "position_ids" in batch:
-        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
-                     use_cache=False, **extra)
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                     attention_mask=packed_masks(model, batch["position_ids"]), use_cache=False, **extra)
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **extra)
 
 

@@ -229,12 +229,16 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     attn_implementation = attn_implementation or overrides.get("attn_implementation")
     if overrides:
         kwargs["config"] = model_config(path, overrides, trust_remote_code=trust_remote_code, key=key)
+    if auto is AutoModelForCausalLM and _tied_at_top_only(path):
+        config = kwargs.get("config") or model_config(path, trust_remote_code=trust_remote_code, key=key)
+        config.get_text_config().tie_word_embeddings = True  # see head_from_embeddings
+        kwargs["config"] = config
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": str(device or "cpu")})
     try:
-        model = auto.from_pretrained(path, **kwargs)
+        model, info = auto.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as err:
         if attn_implementation and isinstance(err, (ImportError, ValueError)) and \
                 ("attn" in str(err).lower() or "attention" in str(err).lower()):
@@ -243,11 +247,34 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
         if not is_load_error(err):
             raise
         raise UserError(_load_failure("model", path, err)) from err
+    head_from_embeddings(model, path, info)
     if quantization_config is not None:
         return quantize_after_load(model)
     if device is not None:
         model = model.to(device)
     return model
+
+
+def _tied_at_top_only(path) -> bool:
+    """A vision-language checkpoint (Qwen3.5, Gemma 3: transformers maps their model types to a text-only causal LM
+    class) whose config.json ties the LM head to the embeddings at its top but not in its `text_config`: transformers
+    builds the causal LM from `text_config`, finds no `lm_head.weight` in the files and initialises the head at random
+    (its load report says MISSING); the checkpoint's own model ties it, so `load_causal_lm` ties it too."""
+    try:
+        top = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = top.get("text_config")
+    return bool(top.get("tie_word_embeddings")) and isinstance(text, dict) and not text.get("tie_word_embeddings")
+
+
+def head_from_embeddings(model, path, info: dict) -> None:
+    """Refuse a causal LM whose checkpoint has no LM head (transformers would train a random one, saying only
+    MISSING in its load report); a tied head is not missing."""
+    missing = set(info.get("missing_keys") or ())
+    if any(k == "lm_head.weight" or k.endswith(".lm_head.weight") for k in missing):
+        raise UserError(f"model {path}: its checkpoint has no lm_head.weight and its config does not tie the LM head "
+                        "to the embeddings (tie_word_embeddings), so the head would be random; check the checkpoint")
 
 
 @functools.lru_cache(maxsize=None)

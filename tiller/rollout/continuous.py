@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tiller.models.layer_masks import has_recurrent_layers, layout_of
 from tiller.models.loading import cache_keyword
 from tiller.rollout.base import (
     param_versions,
@@ -148,37 +149,60 @@ class _Row:
 
 class SlotCache(KVBuffer):
     """The slot cache (see the module docstring). In decode mode `update` writes each row's new key at its
-    own column `write_cols[r]` and returns keys / values of the live rows over columns [0, key_len)."""
+    own column `write_cols[r]` and returns keys / values of the live rows over columns [0, key_len). A recurrent
+    layer's (Qwen3.5's Gated DeltaNet, Mamba) per-slot state: the live rows' states are the first slots' (a view,
+    which the layer's one-token step updates in place)."""
 
     def __init__(self, slots: int, device: torch.device):
         super().__init__(slots, 0, device)
         self.write_cols: torch.Tensor | None = None
         self.key_len = 0
+        self.live = 0
+        self.states: dict[tuple, torch.Tensor] = {}
 
     def ensure(self, like: KVBuffer, columns: int) -> None:
         """Allocate (from a prefilled buffer's shapes) or grow to at least `columns` columns (doubling)."""
-        if not self.keys:
+        if not self.keys and not self.states:
             self.max_len = max(64, columns)
             for k in like.keys:
+                if k is None:  # a recurrent layer
+                    self.keys.append(None)
+                    self.values.append(None)
+                    continue
                 shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
                 self.keys.append(torch.zeros(shape, dtype=k.dtype, device=self.device))
                 self.values.append(torch.zeros(shape, dtype=k.dtype, device=self.device))
+            for key, state in like.__dict__.get("states", {}).items():
+                self.states[key] = torch.zeros((self.batch, *state.shape[1:]), dtype=state.dtype, device=self.device)
             return
         if columns <= self.max_len:
             return
         new_len = max(columns, 2 * self.max_len)
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):
+                if old is None:
+                    continue
                 new = torch.zeros((*old.shape[:2], new_len, old.shape[3]), dtype=old.dtype, device=old.device)
                 new[:, :, : self.max_len] = old
                 bufs[i] = new
         self.max_len = new_len
 
+    def _state(self, kind: str, layer_idx: int, state_idx: int):
+        state = self.states.get((kind, layer_idx, state_idx))
+        return None if state is None else state[: self.live]
+
+    def _store(self, kind: str, layer_idx: int, state_idx: int, state: torch.Tensor) -> torch.Tensor:
+        self.states[(kind, layer_idx, state_idx)][: self.live].copy_(state)
+        return state
+
     def set_write_cols(self, cols: torch.Tensor) -> None:
         """The decode step's write column per live row; its flat row index into a [S * H * L, D] view of every
         layer's buffer is computed here once per step (all layers share the shape)."""
-        self.write_cols = cols
-        b, (_, h, length, _) = cols.shape[0], self.keys[0].shape
+        self.write_cols, self.live = cols, cols.shape[0]
+        like = next((k for k in self.keys if k is not None), None)
+        if like is None:  # every layer recurrent: no keys to write
+            return
+        b, (_, h, length, _) = cols.shape[0], like.shape
         heads = torch.arange(h, device=cols.device)
         rows = torch.arange(b, device=cols.device)
         self._flat = ((rows[:, None] * h + heads[None, :]) * length + cols[:, None]).reshape(-1)
@@ -199,7 +223,10 @@ class SlotCache(KVBuffer):
         s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         for bufs in (self.keys, self.values):
             for buf in bufs:
-                buf[d, :, :columns] = buf[s, :, :columns]
+                if buf is not None:
+                    buf[d, :, :columns] = buf[s, :, :columns]
+        for state in self.states.values():
+            state[d] = state[s]
 
 
 class PromptCache:
@@ -299,7 +326,10 @@ class ContinuousBatcher:
                       "prefills_in_decode": 0, "prompt_cache_hits": 0, "prompt_cache_prefix_tokens": 0,
                       "idle_s": 0.0,
                       "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0, "static_steps": 0}
-        self.prompt_cache = PromptCache(int(prompt_cache_mb * (1 << 20)))
+        model = engine.weights.module
+        # a recurrent layer's state after a prompt is not cached (nor extended by a longer prompt): no prompt cache
+        self.prompt_cache = PromptCache(0 if has_recurrent_layers(model) else int(prompt_cache_mb * (1 << 20)))
+        self._layout = layout_of(model)  # each layer kind's mask (sliding windows, recurrent layers)
         self._waiting: _Job | None = None  # a job taken from the queue that did not fit yet
         self._rows: list[_Row] = []
         self._logits: torch.Tensor | None = None  # [B, V] of the live rows, to sample from next
@@ -592,7 +622,10 @@ class ContinuousBatcher:
         s = torch.tensor(src, device=self._device)
         for bufs, new in ((self._cache.keys, tmp.keys), (self._cache.values, tmp.values)):
             for buf, part in zip(bufs, new):
-                buf[dst, :, :width] = part[s]
+                if buf is not None:
+                    buf[dst, :, :width] = part[s]
+        for key, state in tmp.__dict__.get("states", {}).items():
+            self._cache.states[key][dst] = state[s]
         new_logits = torch.cat(logits)
         self._logits = new_logits if self._logits is None else torch.cat([self._logits, new_logits])
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self._rows))
@@ -605,7 +638,10 @@ class ContinuousBatcher:
             n = len(self._rows)
             for new_bufs, old_bufs in ((self._cache.keys, old.keys), (self._cache.values, old.values)):
                 for new, prev in zip(new_bufs, old_bufs):
-                    new[:n, :, : old.max_len] = prev[:n]
+                    if new is not None:
+                        new[:n, :, : old.max_len] = prev[:n]
+            for key, state in old.states.items():
+                self._cache.states[key][:n] = state[:n]
 
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
         """One token per live row: (tokens, logprobs, top-k pairs per row)."""
@@ -784,7 +820,10 @@ class ContinuousBatcher:
         cols = torch.arange(cache.key_len, device=dev)
         valid = ((cols[None, :] >= start[:, None]) & (cols[None, :] <= end[:, None]))[:, None, None, :]
         dtype = next(model.parameters()).dtype
-        mask = engine._mask(valid, dtype, model.config._attn_implementation)
+        impl = model.config._attn_implementation
+        # sequence positions: a row's token at column c is its (c - start)-th
+        mask = self._layout.masks(valid, (end - start)[:, None], cols[None, :] - start[:, None], None,
+                                  lambda m: engine._mask(m, dtype, impl))
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1 + r.position_offset] for r in rows], device=dev)
         fused = engine._fused if engine._fused is not None and engine._fused.model is model else None

@@ -49,6 +49,7 @@ import torch
 
 from tiller.errors import UserError
 from tiller.models.loading import cache_keyword
+from tiller.models.layer_masks import layout_of, to_attention_mask
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -167,14 +168,69 @@ class KVBuffer:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.write_pos
 
+    # Recurrent layers (Gated DeltaNet, Mamba, short convolutions: `tiller.models.layer_masks`) keep a state per
+    # row instead of keys: transformers' linear-attention cache API (`Cache.get_conv_state` ...). A prefill chunk
+    # starts from no state (its prompts are new) and its final states land in its rows (repeated n times); a
+    # one-token step reads the rows' states and the layer updates them (the conv state in place).
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def _state(self, kind: str, layer_idx: int, state_idx: int):
+        if self.prefill_rows is not None:
+            return None
+        return self.__dict__.get("states", {}).get((kind, layer_idx, state_idx))
+
+    def _store(self, kind: str, layer_idx: int, state_idx: int, state: torch.Tensor) -> torch.Tensor:
+        states = self.__dict__.setdefault("states", {})
+        key = (kind, layer_idx, state_idx)
+        if self.prefill_rows is None:
+            states[key] = state
+            return state
+        if key not in states:
+            states[key] = torch.zeros((self.batch, *state.shape[1:]), dtype=state.dtype, device=self.device)
+        states[key][self.prefill_rows] = state.repeat_interleave(self.repeat, dim=0) if self.repeat > 1 else state
+        return state
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._state("conv", layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._state("recurrent", layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """conv_states [B, C, T] (a multi-token forward's inputs) -> what the causal convolution runs over: the
+        previous state's columns then these (a prefill has none: zeros pad a T shorter than the kernel)."""
+        previous = self._state("conv", layer_idx, state_idx)
+        if previous is not None:
+            full = torch.cat([previous, conv_states], dim=-1)
+            size = previous.shape[-1]
+        else:
+            size = conv_kernel_size or conv_states.shape[-1]
+            full = conv_states
+            if full.shape[-1] < size:
+                full = torch.nn.functional.pad(full, (size - full.shape[-1], 0))
+        self._store("conv", layer_idx, state_idx, full[..., -size:].clone())
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        return self._store("recurrent", layer_idx, state_idx, recurrent_states)
+
     def select_rows(self, keep: torch.Tensor, upto: int) -> None:
         """Keep only rows `keep` (LongTensor [B']); columns >= `upto` are not copied (not written yet)."""
         for i in range(len(self.keys)):
             for bufs in (self.keys, self.values):
                 old = bufs[i]
+                if old is None:  # a recurrent layer's slot
+                    continue
                 new = torch.zeros((len(keep), *old.shape[1:]), dtype=old.dtype, device=old.device)
                 new[:, :, :upto] = old[keep, :, :upto]
                 bufs[i] = new
+        states = self.__dict__.get("states", {})
+        for key in states:
+            states[key] = states[key][keep]
         self.batch = len(keep)
 
 
@@ -322,10 +378,7 @@ class NativeRolloutEngine(InProcessEngine):
 
     def _mask(self, valid: torch.Tensor, dtype: torch.dtype, impl: str) -> torch.Tensor:
         """bool valid [..] -> the 4D mask the attention implementation wants (bool for sdpa, additive else)."""
-        if impl == "sdpa":
-            return valid
-        return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(
-            ~valid, torch.finfo(dtype).min)
+        return to_attention_mask(valid, dtype, impl)
 
     def _prefill(self, model, prompts, cache: KVBuffer, width: int, n: int, pad_id: int,
                  images: ImagePrompts | None = None) -> torch.Tensor:
@@ -349,7 +402,10 @@ class NativeRolloutEngine(InProcessEngine):
             if self._fused is not None and self._fused.model is model and not extra:  # prepacked weights
                 last = self._fused.forward(ids, pos, valid[:, None], cache)
             else:
-                last = model(input_ids=ids, attention_mask=self._mask(valid[:, None], dtype, impl),
+                # a pad query sees itself; the last column is a real token in every row, so its row is the pads
+                attn = layout_of(model).masks(valid[:, None], pos, pos, valid[:, -1, :],
+                                              lambda m: self._mask(m, dtype, impl))
+                last = model(input_ids=ids, attention_mask=attn,
                              **{"position_ids": pos, **extra}, use_cache=True, logits_to_keep=1,
                              **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
             logits = last.float().repeat_interleave(n, dim=0)
@@ -396,7 +452,10 @@ class NativeRolloutEngine(InProcessEngine):
         first_pos = torch.tensor(next_positions(model, prompts, multi_modal), device=device).repeat_interleave(n)
         columns = torch.arange(width + max_new, device=device)
         valid_all = (columns[None, :] >= (width - prompt_len)[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        mask_all = self._mask(valid_all, dtype, impl)
+        layout = layout_of(model)
+        # plain models: one mask for every layer; else per layer kind from each column's sequence position
+        mask_all = self._mask(valid_all, dtype, impl) if layout.plain else valid_all
+        seq_pos = columns[None, :] - (width - prompt_len)[:, None]  # [B, L]
         out_tokens = torch.zeros((rows_total, max_new), dtype=torch.long, device=device)
         out_logp = torch.zeros((rows_total, max_new), dtype=torch.float32, device=device)
         lengths = torch.full((rows_total,), max_new, dtype=torch.long)
@@ -441,7 +500,7 @@ class NativeRolloutEngine(InProcessEngine):
                 keep = alive.nonzero().squeeze(-1)
                 cache.select_rows(keep, width + t)
                 rows, tokens, alive = rows[keep], tokens[keep], alive[keep]
-                first_pos, mask_all = first_pos[keep], mask_all[keep]
+                first_pos, mask_all, seq_pos = first_pos[keep], mask_all[keep], seq_pos[keep]
                 if penalties is not None:
                     penalties.select(keep)
                 if grammar is not None:
@@ -451,6 +510,9 @@ class NativeRolloutEngine(InProcessEngine):
                 version = self._new_weights(weights_hook, version)
                 step_versions.append(version)
             mask, positions = mask_all[..., : width + t + 1], (first_pos + t)[:, None]
+            if not layout.plain:
+                mask = layout.masks(mask, seq_pos[:, width + t : width + t + 1], seq_pos[:, : width + t + 1], None,
+                                    lambda m: self._mask(m, dtype, impl))
             if self._fused is not None:
                 logits = self._fused.step(tokens[:, None], positions, mask, cache)
             else:

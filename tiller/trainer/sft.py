@@ -36,6 +36,7 @@ from tiller.config import load_config
 from tiller.config.args import add_config_args
 from tiller.config.jobs import SFTConfig, validate_job
 from tiller.data.packing import flatten_micro_batch, forward_output, make_micro_batches
+from tiller.models.layer_masks import refuse_packing
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import ConfigError, UserError
 from tiller.models.chat_template import set_chat_template
@@ -224,6 +225,8 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
         raise UserError("data.packing=True: the data has image conversations, and packing takes text only (a packed "
                         "row would need M-RoPE positions restarted per sequence, which the model's get_rope_index "
                         "does not do); set data.packing=false")
+    if data.packing:
+        refuse_packing(model)
     if cfg.ulysses_sequence_parallel_size < 1:
         raise ConfigError(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size} must be >= 1")
     if cfg.ulysses_sequence_parallel_size > 1 and (cfg.model.router_aux_loss_coef

@@ -91,7 +91,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
-from tiller.workers.packed import enable_checkpointing, packed_response_forward
+from tiller.workers.packed import enable_checkpointing, packed_response_forward, packs
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 from tiller.workers.prm import ImplicitPRM
 from tiller.workers.router_aux import RouterAux, micro_batch_aux
@@ -206,7 +206,8 @@ class ActorRolloutRefWorker:
         self._router_aux = RouterAux(module, "actor_rollout_ref.actor.router_aux_loss_coef") \
             if self.actor_cfg.router_aux_loss_coef else None
         # verl's use_remove_padding: rows packed into one sequence per micro-batch (tiller.workers.packed)
-        self._remove_padding = bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"]
+        self._remove_padding = packs(module, "actor_rollout_ref.model.use_remove_padding",
+                                     bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"])
         # Ulysses sequence parallelism: groups of ranks split each packed micro-batch (tiller.workers.ulysses)
         self._sp = self._seq_parallel(module) if dist_ctx.is_distributed() else None
         self.sp_size = self._sp.size if self._sp is not None else 1

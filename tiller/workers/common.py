@@ -24,6 +24,7 @@ import torch
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
+from tiller.models.layer_masks import has_recurrent_layers
 from tiller.models.loading import cache_keyword
 from tiller.models.optimizer import HF_SCHEDULES, hf_schedule_factor, make_optimizer, param_groups
 from tiller.models.vision import vision_inputs
@@ -346,7 +347,9 @@ def forward_options(module, share_prompts: bool) -> dict[str, bool]:
     name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"
     checkpointing = bool(getattr(base, name, False))
-    share = share_prompts and cache_keyword(base) is not None and not checkpointing
+    # a recurrent layer's state (Qwen3.5's Gated DeltaNet, Mamba) is overwritten in place by the response forward,
+    # which autograd cannot differentiate through: those models run each row's prompt itself
+    share = share_prompts and cache_keyword(base) is not None and not checkpointing and not has_recurrent_layers(base)
     return {"logits_to_keep": "logits_to_keep" in params, "share_prompts": share}
 
 

@@ -49,7 +49,7 @@ from tiller.workers.common import (
     run_in_lanes,
 )
 from tiller.workers.micro_batches import lane_rows, split_micro_batches
-from tiller.workers.packed import enable_checkpointing, packed_response_forward
+from tiller.workers.packed import enable_checkpointing, packed_response_forward, packs
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 
 
@@ -103,7 +103,8 @@ class CriticWorker:
                               f"critic ({type(module).__name__}) is not supported; train it in full (lora_rank=0)")
         module = attach_lora(module, self.ccfg.model, "critic.model", allow_dropout=False)
         # verl's critic.model.use_remove_padding: each micro-batch's rows packed into one sequence (as the actor's)
-        self._remove_padding = bool(self.ccfg.model.use_remove_padding) and not is_vision_model(module)
+        self._remove_padding = packs(module, "critic.model.use_remove_padding",
+                                     bool(self.ccfg.model.use_remove_padding) and not is_vision_model(module))
         if self.ccfg.model.enable_gradient_checkpointing:
             if self._remove_padding:
                 enable_checkpointing(module)  # its recompute keeps the packed forward's attention

@@ -34,11 +34,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from tiller.models.layer_masks import RECURRENT_KINDS, has_recurrent_layers, text_config
 from tiller.workers.common import position_ids_from_mask, trim_bounds
 
 IMPL = "tiller_packed"
@@ -63,13 +65,20 @@ def varlen_available(device: torch.device) -> bool:
     return True
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale) -> torch.Tensor:
-    """q [N, Hq, D], k / v [N, Hk, D] -> causal attention within each row of `cu`, [N, Hq, D]."""
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale,
+            window: int | None = None) -> torch.Tensor:
+    """q [N, Hq, D], k / v [N, Hk, D] -> causal attention within each row of `cu`, [N, Hq, D] (each query over its
+    last `window` keys when given: FlashAttention's window_size=(window - 1, 0))."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     kw = {"scale": scale}
-    kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if "window_size" in params:
+        kw["window_size"] = (-1 if window is None else window - 1, 0)
+    elif window is not None:
+        raise RuntimeError("this torch's varlen_attn has no window_size for a sliding-window layer")
+    else:
+        kw["is_causal"] = True
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
@@ -89,26 +98,79 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if running is None:
         raise RuntimeError(f"the {IMPL!r} attention runs only inside tiller.workers.packed.packed_response_forward")
     lengths, cu, longest = running[1]
+    # what the layer asks of its attention beyond causal: a sliding window (Mistral, Gemma 2 / 3, gpt-oss, ...),
+    # attention sinks (gpt-oss's `s_aux`), a logit soft-cap (Gemma 2)
+    window, sinks, softcap = kwargs.get("sliding_window"), kwargs.get("s_aux"), kwargs.get("softcap")
+    window = int(window) if window and window < longest else None
 
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device):
+        if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device) \
+                and sinks is None and softcap is None:
             global varlen_calls
             varlen_calls += 1
             out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest,
-                          scaling)
+                          scaling, window)
             return out.unsqueeze(0)
         gqa = query.shape[1] != key.shape[1]
         outs, start = [], 0
         for n in lengths:
             end = start + n
-            outs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end],
-                                                       value[:, :, start:end], dropout_p=dropout, is_causal=True,
-                                                       scale=scaling, enable_gqa=gqa))
+            q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+            if sinks is not None or softcap is not None:
+                outs.append(_eager_row(q, k, v, scaling, window, sinks, softcap, dropout, module.training))
+            elif window is not None and n > window:
+                i = torch.arange(n, device=q.device)
+                band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+                outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout, scale=scaling,
+                                                           enable_gqa=gqa))
+            else:
+                outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                                           enable_gqa=gqa))
             start = end
         return torch.cat(outs, dim=2).transpose(1, 2)
 
     sp = running[2]
     return (attend(query, key, value) if sp is None else sp.attention(query, key, value, attend)), None
+
+
+def _eager_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window: int | None, sinks, softcap,
+               dropout: float, training: bool) -> torch.Tensor:
+    """One row's causal attention as transformers' eager path computes it with a soft-cap (Gemma 2: scores ->
+    tanh(scores / cap) * cap) and / or attention sinks (gpt-oss: a per-head logit joining each softmax, then
+    dropped); q [1, Hq, n, D], k / v [1, Hk, n, D] -> [1, Hq, n, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    n = q.shape[2]
+    i = torch.arange(n, device=q.device)
+    allowed = i[:, None] >= i[None, :]
+    if window is not None:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(1, -1, n, 1).to(scores.dtype)
+        both = torch.cat([scores, sink], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        probs = both.softmax(dim=-1, dtype=both.dtype)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs.to(v.dtype), p=dropout, training=training)
+    return torch.matmul(probs, v)
+
+
+def packs(module, key: str, asked: bool) -> bool:
+    """Whether the update packs rows (`key`, verl's use_remove_padding, as `asked`): not for a model with recurrent
+    layers (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Mamba, LFM2's convolutions), whose state would run from one
+    packed row into the next; those run the padded forward, which gives the same logprobs, and say so once."""
+    if not (asked and has_recurrent_layers(module)):
+        return asked
+    config = text_config(module.config)
+    kinds = sorted(set(config.layer_types) & set(RECURRENT_KINDS))
+    print(f"{key}=True: {config.model_type}'s recurrent layers ({', '.join(kinds)}) would carry their state from one "
+          "packed row into the next; its update runs the padded forward (the same logprobs)", file=sys.stderr)
+    return False
 
 
 def _register() -> None:
