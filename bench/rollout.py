@@ -29,6 +29,7 @@ line with `skipped` and the measured bf16 / fp32 GEMM rates instead.
     python bench/rollout.py                      # 2M, 30M, 120M; fp32 and bf16; 64 x 128
     python bench/rollout.py --quick              # 2M and 30M, 16 x 32, one repeat
     python bench/rollout.py --sizes 30M --dtypes float32 --threads 2
+    python bench/rollout.py --arch qwen3_5 --sizes 30M --dtypes float32   # Qwen3.5's hybrid layers (ARCHS)
 """
 
 from __future__ import annotations
@@ -169,12 +170,45 @@ def cuda_rates(size: int = 8192, dtype=torch.bfloat16) -> tuple[float, float]:
     return flops, copy
 
 
-def build_sized(model_dir: Path, spec: dict) -> Path:
-    """The kit's model of `SIZES[...]` shape `spec` at `model_dir` (built once)."""
+ARCHS = ("qwen2", "qwen3_5")
+"""`--arch`: the kit's Qwen2, or Qwen3.5's hybrid text model (`qwen3_5_text`) at the same size: 3 Gated DeltaNet
+(linear attention, a recurrent state per row) layers to 1 gated full-attention layer as the hub models, head dim 64,
+the linear heads of Qwen3.5-2B's proportions (half as many key heads as value heads). HF `generate` keeps the
+recurrent states in transformers' own cache; the native engine in its `KVBuffer` slots (`tiller.models.layer_masks`),
+both through transformers' PyTorch fallbacks of the recurrence (no flash-linear-attention on a CPU)."""
+
+
+def build_hybrid(model_dir: Path, spec: dict) -> Path:
+    """A random-init Qwen3.5 text model with the kit's tokenizer, as wide and deep as the kit's Qwen2 of `spec`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiller.models.tiny import build_config, save_pretrained_atomic, train_tokenizer
+
+    tokenizer = train_tokenizer()
+    plain = build_config(tokenizer, "qwen2", **{k: v for k, v in spec.items() if k in ("n_params", "hidden_size",
+                                                                                     "num_layers")})
+    hidden, layers = plain.hidden_size, plain.num_hidden_layers
+    heads = max(2, hidden // 64)
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=plain.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=plain.intermediate_size, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        head_dim=64, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=64,
+        linear_value_head_dim=64, full_attention_interval=4, tie_word_embeddings=True,
+        pad_token_id=plain.pad_token_id, eos_token_id=plain.eos_token_id, bos_token_id=plain.bos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    return save_pretrained_atomic(model_dir, model, tokenizer)
+
+
+def build_sized(model_dir: Path, spec: dict, arch: str = "qwen2") -> Path:
+    """The kit's model of `SIZES[...]` shape `spec` at `model_dir` (built once); `arch` "qwen3_5": `build_hybrid`."""
     from tiller.models.tiny import build_model, make_tiny_model, save_pretrained_atomic, train_tokenizer
 
     if (model_dir / "config.json").exists():
         return model_dir
+    if arch == "qwen3_5":
+        return build_hybrid(model_dir, spec)
     extra = {k: v for k, v in spec.items() if k not in ("n_params", "hidden_size", "num_layers")}
     if not extra:
         return make_tiny_model(model_dir, arch="qwen2", seed=0, **spec)
@@ -245,7 +279,8 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
         for e in engines:
             wall, cpu = time_engine(built[e], prompts, sampling, kind == "fixed")
             rates[e], cpu_rates[e] = max(rates[e], wall), max(cpu_rates[e], cpu)
-    row = {"model": name, "params": params, "dtype": dtype, "workload": kind, "prompts": len(prompts),
+    row = {"model": name, "arch": getattr(args, "arch", "qwen2"), "params": params, "dtype": dtype, "workload": kind,
+           "prompts": len(prompts),
            "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
            "native_compiled": bool(args.native_compiled)}
     if args.device != "cpu":
@@ -288,6 +323,8 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2M,30M,120M", help=f"comma list of {sorted(SIZES)}")
+    parser.add_argument("--arch", default="qwen2", choices=ARCHS,
+                        help="qwen3_5: Qwen3.5's hybrid text model (Gated DeltaNet + attention) at each size")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--engines", default=None, help="comma list; default native,hf (+vllm when installed)")
     parser.add_argument("--prompts", default="64", help="prompt count; a comma list runs one row per count")
@@ -352,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bfloat16": gemm_gflops(torch.bfloat16) if bf16_fast else gemm_gflops(torch.bfloat16, 256, 1)}
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="tiller-bench-"))
     for name in sizes:
-        model_dir = build_sized(root / f"qwen2-{name}", SIZES[name])
+        model_dir = build_sized(root / f"{args.arch}-{name}", SIZES[name], args.arch)
         for dtype in args.dtypes.split(","):
             if dtype == "bfloat16" and not bf16_fast:
                 row = {"model": name, "dtype": dtype, "skipped": "this CPU has no fast bf16 matmul",

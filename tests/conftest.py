@@ -79,12 +79,31 @@ def tiny_qwen3vl_moe_dir(tmp_path_factory):
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen3vlmoe", seed=0, model_type="qwen3_vl_moe")
 
 
-VLM_FIXTURES = {"qwen2_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3vl_dir", "qwen3_vl_moe": "tiny_qwen3vl_moe_dir"}
+VLM_FIXTURES = {"qwen2_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3vl_dir", "qwen3_vl_moe": "tiny_qwen3vl_moe_dir",
+                "qwen3_5": "tiny_qwen3_5_vlm_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_vlm_dir"}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_vlm_dir(tmp_path_factory):
+    """Path to a saved tiny Qwen3.5 (`qwen3_5`: Gated DeltaNet and gated attention layers, Qwen3-VL's vision tower)
+    with tokenizer and image processor (patch 16, 128x128 images; seed 0)."""
+    from tiller.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen3_5", seed=0, model_type="qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_vlm_dir(tmp_path_factory):
+    """Path to a saved ~1.3M-parameter Qwen3.5-MoE (`qwen3_5_moe`: the tiny Qwen3.5 with every layer's MLP 4 experts,
+    top-2, and a shared expert) with tokenizer and image processor (seed 0)."""
+    from tiller.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "qwen3_5_moe", seed=0, model_type="qwen3_5_moe")
 
 
 @pytest.fixture(scope="session", params=list(VLM_FIXTURES))
 def any_vlm_dir(request):
-    """The tiny Qwen2-VL, the tiny Qwen3-VL, then the tiny Qwen3-VL-MoE: a test taking this runs on each model
+    """The tiny Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE: a test taking this runs on each model
     type."""
     return request.getfixturevalue(VLM_FIXTURES[request.param])
 

@@ -98,8 +98,16 @@ def gqa_model_dir(tmp_path_factory, tiny_model_dir):
     return save_tiny_variant(tmp_path_factory.mktemp("ulysses") / "qwen2_kv1", tiny_model_dir, num_key_value_heads=1)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_model_dir(layer_kind_dir):
+    """gpt-oss (`tests/layer_kinds.py`): a 6-token window on every other layer and a sink logit per query head, which
+    each rank takes for its share of the heads."""
+    return layer_kind_dir("gpt_oss")
+
+
 @pytest.mark.parametrize("case,arch,checkpointing", [
     ("mixed", "mha_model_dir", False), ("prompt_only_half", "mha_model_dir", False), ("odd", "gqa_model_dir", False),
+    ("mixed", "gpt_oss_model_dir", False),
     pytest.param("mixed", "mha_model_dir", True, marks=pytest.mark.slow)])  # gradient checkpointing: ~8 s
 def test_sequence_parallel_forward_and_gradients_equal_one_process(case, arch, checkpointing, request):
     path = str(request.getfixturevalue(arch))

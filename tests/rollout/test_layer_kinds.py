@@ -91,8 +91,8 @@ def test_recurrent_models_get_no_prompt_cache_and_unknown_layer_kinds_are_refuse
 
 
 def test_layout_masks_worked_example():
-    """Row of 5 tokens after one pad: the sliding (window 2) mask lets query 4 see keys 3-4 only, the chunked (3) one positions 3-5; the recurrent
-    layers get the padding mask; a plain model one tensor."""
+    """Row of 5 tokens after one pad: the sliding (window 2) mask lets query 4 see keys 3-4 only, the chunked (3) one
+    positions 3-5; the recurrent layers get the padding mask; a plain model one tensor."""
     from tiller.models.layer_masks import Layout
 
     valid = torch.tensor([[0, 1, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]

@@ -22,11 +22,13 @@ def _png(color=(255, 0, 0), size=(64, 64)) -> bytes:
 
 def test_tiny_vlm_loads_like_a_hub_model(any_vlm_dir):
     from transformers import AutoModelForImageTextToText
-    from transformers import (Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+    from transformers import (Qwen2VLForConditionalGeneration, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5MoeForConditionalGeneration, Qwen3VLForConditionalGeneration,
                               Qwen3VLMoeForConditionalGeneration)
 
     model = AutoModelForImageTextToText.from_pretrained(any_vlm_dir)
-    cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}.get(
+    cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+           "qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration}.get(
         model.config.model_type, Qwen2VLForConditionalGeneration)
     assert isinstance(model, cls) and is_vision_model(model)
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
@@ -36,8 +38,13 @@ def test_tiny_vlm_loads_like_a_hub_model(any_vlm_dir):
     assert proc.image_processor.patch_size == model.config.vision_config.patch_size
     if cls is not Qwen2VLForConditionalGeneration:  # the hub model's patch, deepstack features into LM layers 0, 1
         assert model.config.vision_config.patch_size == 16
-        assert model.config.vision_config.deepstack_visual_indexes == [0, 1]
         assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
+    if cls in (Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration):
+        assert model.config.vision_config.deepstack_visual_indexes == [0, 1]
+    if cls in (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration):  # Gated DeltaNet + attention
+        text = model.config.text_config
+        assert text.layer_types == ["linear_attention", "full_attention"] * 2
+        assert text.rope_parameters["partial_rotary_factor"] == 0.25
     if cls is Qwen3VLMoeForConditionalGeneration:  # Qwen3-VL-30B-A3B's layout: every layer's MLP a mixture
         text = model.config.text_config
         assert (text.num_experts, text.num_experts_per_tok, text.decoder_sparse_step) == (4, 2, 1)

@@ -75,8 +75,9 @@ def test_greedy_equals_hf_generate_on_image_prompts(any_setup):
             assert out.response_ids[row] == tokens
             # atol 1e-5: decode positions off by the rope delta move these by ~8e-3 (checked by hand)
             torch.testing.assert_close(torch.tensor(out.logprobs[row]), logp, atol=1e-5, rtol=0)
-    # Qwen2-VL / Qwen3-VL decode with the fused step (image prefill: the HF forward); Qwen3-VL-MoE with the HF forward
-    assert (engine._fused is not None) == (model.config.model_type != "qwen3_vl_moe")
+    # Qwen2-VL / Qwen3-VL decode with the fused step (image prefill: the HF forward); Qwen3-VL-MoE and Qwen3.5 (Gated
+    # DeltaNet layers) with the HF forward
+    assert (engine._fused is not None) == (model.config.model_type not in ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"))
     # waves of one prompt, and rows leaving early (prompt 0's first token made a stop token: the batch is compacted,
     # each remaining row keeps its own M-RoPE offset)
     stop = refs[0][0][0]
@@ -241,7 +242,7 @@ def test_compiled_decode_step_on_image_prompts(any_setup):
     engine = build_rollout_engine("native", model, proc.tokenizer, compile_decode=True)
     greedy = SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True)
     out = engine.generate([p.prompt_ids for p in prompts], greedy, multi_modal=_mm(prompts))
-    if model.config.model_type == "qwen3_vl_moe":  # no fused step for MoE layers: the HF forward, uncompiled
+    if model.config.model_type in ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # no fused step (MoE / Gated DeltaNet)
         assert engine._fused is None
     else:
         assert engine._fused.compiled is not None

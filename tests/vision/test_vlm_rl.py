@@ -113,7 +113,9 @@ SCRIPT = Path(__file__).parents[1] / "data" / "verl_scripts" / "grpo_qwen2_5_vl_
 VERL010 = Path(__file__).parents[1] / "data" / "verl_examples" / "verl010"
 QWEN3_VL_SCRIPTS = {"qwen3_vl": "grpo_trainer__run_qwen3_vl_8b_fsdp",
                     "qwen3_vl_distill": "on_policy_distillation_trainer__run_qwen3_vl_8b_fsdp",
-                    "qwen3_vl_moe": "grpo_trainer__run_qwen3_vl_30b_a3b_fsdp"}
+                    "qwen3_vl_moe": "grpo_trainer__run_qwen3_vl_30b_a3b_fsdp",
+                    "qwen3_5": "grpo_trainer__run_qwen3_5_27b_fsdp",
+                    "qwen3_5_moe": "grpo_trainer__run_qwen3_5_35b_fsdp"}
 
 
 def _script_overrides(name: str) -> list[str]:
@@ -126,11 +128,15 @@ def _script_overrides(name: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("script, model", [("qwen2_5_vl", "tiny_vlm_dir"), ("qwen3_vl", "tiny_qwen3vl_dir"),
                                            ("qwen3_vl_distill", "tiny_qwen3vl_dir"),
-                                           ("qwen3_vl_moe", "tiny_qwen3vl_moe_dir")])
+                                           ("qwen3_vl_moe", "tiny_qwen3vl_moe_dir"),
+                                           ("qwen3_5", "tiny_qwen3_5_vlm_dir"),
+                                           ("qwen3_5_moe", "tiny_qwen3_5_moe_vlm_dir")])
 def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, script, model):
     """verl's run_qwen2_5_vl_7b_fsdp.sh (on the tiny Qwen2-VL), run_qwen3_vl_8b_fsdp.sh and the on-policy
     distillation run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL, its own teacher), run_qwen3_vl_30b_a3b_fsdp.sh (on the
-    tiny Qwen3-VL-MoE, with the router loss tiller adds on request) overrides, paths pointed at the tiny VLM and shapes
+    tiny Qwen3-VL-MoE, with the router loss tiller adds on request) and run_qwen3_5_27b_fsdp.sh (on the tiny Qwen3.5:
+    Gated DeltaNet layers, use_remove_padding=True run padded) and run_qwen3_5_35b_fsdp.sh (on the tiny Qwen3.5-MoE)
+    overrides, paths pointed at the tiny VLM and shapes
     data (verl's schema), rollout.name=native in place of vllm, and sizes cut for a CPU (batch, response length, one
     step, no wandb)."""
     from tiller.trainer.rl import RLTrainer
@@ -148,8 +154,8 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
         args.append("actor_rollout_ref.actor.router_aux_loss_coef=0.001")
     trainer = RLTrainer(load_config(args))
     try:
-        assert trainer.actor.worker.module.config.model_type == {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_moe"}\
-            .get(script, "qwen3_vl")
+        own = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_moe", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
+        assert trainer.actor.worker.module.config.model_type == own.get(script, "qwen3_vl")
         trainer.fit()
     finally:
         trainer.shutdown()
@@ -185,7 +191,7 @@ def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_v
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan's info line
     assert code == 2 and err.startswith("tiller rl: error: actor_rollout_ref.model.path="), err
     assert f"model_type '{model_type}' is a vision-language model that tiller does not train yet" in err
-    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe" in err
+    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe" in err
     with pytest.raises(UserError, match=f"model_type '{model_type}' is a vision-language model"):
         load_causal_lm(model_dir)
 

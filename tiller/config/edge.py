@@ -193,8 +193,8 @@ _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, whic
 _PROFILER = "verl's nsys / npu / torch profiler hooks; tiller has no profiler integration (use py-spy or torch.profiler)"
 _LORA_VISION = ("verl's Megatron LoRA knob; tiller's LoRA adapts the modules named in lora.target_modules (the "
                 "language model's, by default) and actor.freeze_vision_tower freezes the vision tower")
-_VIDEO = ("tiller's vision-language path takes images only (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE image "
-          "prompts); a row with a non-empty 'videos' column is refused at load")
+_VIDEO = ("tiller's vision-language path takes images only (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / "
+          "Qwen3.5 image prompts); a row with a non-empty 'videos' column is refused at load")
 _ENGINE_KNOB = "a vLLM / SGLang server knob that tiller's vllm engine does not pass (vLLM's default applies)"
 _MEMORY = "a GPU memory tuning (recompute / offload / chunking) tiller does not have; the update is the same"
 _CKPT = ("tiller saves and loads model, optimizer and trainer state together, synchronously (a checkpoint is "

@@ -165,7 +165,7 @@ class DataConfig:
     """verl: trust_remote_code for the data tokenizer; tiller's tokenizer follows actor_rollout_ref.model.trust_remote_code."""
     image_key: str = "images"
     """Column of a row's images (a list of {"bytes"} / {"path"}; `<image>` placeholders in the prompt), read for
-    vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE)."""
+    vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5)."""
     video_key: str = "videos"
     """verl: column of the videos; refused unless "videos" (tiller takes images only; rows with videos are refused)."""
     image_patch_size: int = 14

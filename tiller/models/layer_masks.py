@@ -14,7 +14,8 @@ those names in place of one mask (`masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_
   mask of a multi-token forward (transformers' `create_recurrent_attention_mask`: pads are zeroed before they
   reach the state) and None for a one-token step;
 - `hybrid`: attention and a Mamba mixer side by side in one layer (Falcon-H1), which reads the `full_attention` and
-  `linear_attention` entries.
+  `linear_attention` entries;
+- `mlp` / `moe`: a layer that mixes no tokens (Nemotron-H's MLP and MoE blocks): nothing.
 
 Models without `layer_types` apply `config.sliding_window` to every layer when it is set (Mistral, Mixtral, Phi-3,
 Qwen3-MoE with `use_sliding_window`, Starcoder2: their forward picks `create_sliding_window_causal_mask` then).
@@ -34,6 +35,8 @@ from tiller.errors import UserError
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 RECURRENT_KINDS = ("linear_attention", "conv", "hybrid")
+MASKLESS_KINDS = ("mlp", "moe")
+"""Layers with no token mixing (Nemotron-H's MLP and MoE blocks): no mask, no cache."""
 
 
 def text_config(config):
@@ -55,7 +58,7 @@ class Layout:
     def plain(self) -> bool:
         """Every layer attends to the whole past: one causal mask serves them all."""
         if self.kinds:
-            return all(k == "full_attention" for k in self.kinds)
+            return all(k in ("full_attention", *MASKLESS_KINDS) for k in self.kinds)
         return self.window is None
 
     def masks(self, valid: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, padding: torch.Tensor | None,
@@ -110,7 +113,7 @@ def layout_of(model_or_config) -> Layout:
     config = text_config(getattr(model_or_config, "config", model_or_config))
     model_type = str(getattr(config, "model_type", "?"))
     kinds = tuple(getattr(config, "layer_types", None) or ())
-    unknown = sorted(set(kinds) - set(ATTENTION_KINDS) - set(RECURRENT_KINDS))
+    unknown = sorted(set(kinds) - set(ATTENTION_KINDS) - set(RECURRENT_KINDS) - set(MASKLESS_KINDS))
     if unknown:
         raise UserError(f"model_type {model_type!r} has layers of kind {unknown} (config.layer_types), whose attention "
                         f"tiller's engines do not reproduce; known kinds: {list(ATTENTION_KINDS + RECURRENT_KINDS)}; "

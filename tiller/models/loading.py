@@ -70,9 +70,9 @@ def _hub_reachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 """HF model types tiller trains as vision-language models (tiller.models.vision)."""
-VISION_FAMILIES = "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE"
+VISION_FAMILIES = "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE"
 """The families of VISION_MODEL_TYPES, for messages."""
 
 
@@ -219,7 +219,7 @@ def load_causal_lm(path, dtype="float32", trust_remote_code: bool = False,
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = check_model_path(path, "model")
-    # vision-language checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) load through the image-text-to-text class
+    # vision-language checkpoints (VISION_MODEL_TYPES) load through the image-text-to-text class
     reason = unsupported_vision_model(path)
     if reason is not None:
         raise UserError(reason)

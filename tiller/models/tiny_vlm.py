@@ -57,9 +57,10 @@ VL_CHAT_TEMPLATE = (
 )
 
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 8, 2, 2
-PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16}
-"""Vision patch size per model type (Qwen3-VL's hub models, MoE ones too, use 16)."""
-FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
+PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
+"""Vision patch size per model type (Qwen3-VL's and Qwen3.5's hub models, MoE ones too, use 16)."""
+FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_5": "Qwen3.5",
+            "qwen3_5_moe": "Qwen3.5-MoE"}
 MODEL_TYPES = tuple(PATCH_SIZES)
 VISION_INIT_STD = 0.1
 """Std of the random vision tower's weight matrices. At transformers' 0.02 the image tokens' features vary
@@ -93,6 +94,9 @@ def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vis
 
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {list(MODEL_TYPES)}, got {model_type!r}")
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_5_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
+                               moe=model_type == "qwen3_5_moe")
     if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         return _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
                                 moe=model_type == "qwen3_vl_moe")
@@ -146,6 +150,42 @@ def _qwen3_vl_config(tokenizer, hidden_size, num_layers, vision_dim, vision_dept
     return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(text_config=text, vision_config=vision, tie_word_embeddings=True,
                          image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
                          vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
+
+
+def _qwen3_5_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
+                    moe: bool = False):
+    """A `Qwen3_5Config` (the hub's Qwen3.5 dense line is this vision-language model): a hybrid language model whose
+    layers alternate Gated DeltaNet (linear attention with a recurrent state) and gated full attention (the hub's
+    3:1 pattern at 2:1 here, so 4 layers hold both kinds twice), interleaved M-RoPE on a quarter of each attention
+    head as the hub's (`partial_rotary_factor` 0.25, sections [11, 11, 10] of 32 scaled to [2, 1, 1] of 4), and
+    Qwen3-VL's vision tower without deepstack. `moe`: a `qwen3_5_moe` config (Qwen3.5-35B-A3B's layout: every layer's
+    MLP a mixture of 4 experts, 2 per token, plus a shared expert, each a quarter of the dense MLP; the hub model's
+    router load-balancing coefficient)."""
+    from transformers import AutoConfig
+
+    head_dim = 32
+    heads = max(1, hidden_size // head_dim)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers, head_dim=head_dim,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), intermediate_size=3 * hidden_size,
+                linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+                linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT))
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3 * hidden_size // 4,
+                    shared_expert_intermediate_size=3 * hidden_size // 4, router_aux_loss_coef=0.001)
+    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * vision_dim,
+                  num_heads=max(1, vision_dim // 32), patch_size=PATCH_SIZES["qwen3_5"], spatial_merge_size=MERGE_SIZE,
+                  temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=hidden_size, num_position_embeddings=64)
+    return AutoConfig.for_model("qwen3_5_moe" if moe else "qwen3_5", text_config=text, vision_config=vision,
+                                tie_word_embeddings=True,
+                                image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+                                vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
 
 
 def build_vlm(tokenizer, seed: int = 0, **shape):

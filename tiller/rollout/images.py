@@ -1,4 +1,5 @@
-"""Image prompts in the native engine and its continuous batcher (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE).
+"""Image prompts in the native engine and its continuous batcher (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE /
+Qwen3.5).
 
 The native engine runs a vision-language model's own HF forward, so the language model's layers, its M-RoPE
 and the image-token merge are the model's code; what this module adds is the engine's side of it:

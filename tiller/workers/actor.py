@@ -91,6 +91,7 @@ from tiller.workers.common import (
     prepare_process,
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
+from tiller.models.layer_masks import has_recurrent_layers, text_config
 from tiller.workers.packed import enable_checkpointing, packed_response_forward, packs
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 from tiller.workers.prm import ImplicitPRM
@@ -283,6 +284,9 @@ class ActorRolloutRefWorker:
         if size <= 1:
             return None
         key = f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size}"
+        if has_recurrent_layers(module):
+            raise ConfigError(f"{key}: {text_config(module.config).model_type}'s recurrent layers carry a state along "
+                              "the sequence, which is not split over ranks; set it to 1")
         if not self._remove_padding:
             raise ConfigError(f"{key} splits the packed sequence: set actor_rollout_ref.model.use_remove_padding=True "
                               "(verl requires it too)")

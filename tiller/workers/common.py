@@ -230,6 +230,7 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     multi_modal: per row None or {"pixel_values", "image_grid_thw"} (image prompts of a vision-language model):
         the pixels go into the forward with the model's M-RoPE positions (`tiller.models.vision`).
     """
+    share_prompts = share_prompts and not has_recurrent_layers(model)  # see forward_options
     split = None if dist_ctx.is_distributed() else split_long_responses(response_mask)
     if split is not None:
         outs = [_response_forward(model, input_ids[rows], attention_mask[rows], prompt_width, response_mask[rows],

@@ -49,6 +49,7 @@ from tiller.workers.common import (
     run_in_lanes,
 )
 from tiller.workers.micro_batches import lane_rows, split_micro_batches
+from tiller.models.layer_masks import has_recurrent_layers, text_config
 from tiller.workers.packed import enable_checkpointing, packed_response_forward, packs
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 
@@ -132,6 +133,10 @@ class CriticWorker:
         size = int(self.ccfg.ulysses_sequence_parallel_size or 1)
         if size <= 1:
             return None
+        if has_recurrent_layers(module):
+            raise ConfigError(f"critic.ulysses_sequence_parallel_size={size}: "
+                              f"{text_config(module.config).model_type}'s recurrent layers carry a state along the "
+                              "sequence, which is not split over ranks; set it to 1")
         if not self._remove_padding:
             raise ConfigError(f"critic.ulysses_sequence_parallel_size={size} splits the packed sequence: set "
                               "critic.model.use_remove_padding=True (a vision-language critic is not split)")

@@ -102,6 +102,9 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     # attention sinks (gpt-oss's `s_aux`), a logit soft-cap (Gemma 2)
     window, sinks, softcap = kwargs.get("sliding_window"), kwargs.get("s_aux"), kwargs.get("softcap")
     window = int(window) if window and window < longest else None
+    sp = running[2]
+    if sinks is not None and sp is not None:  # under sequence parallelism this rank attends with its share of heads
+        sinks = sinks.reshape(sp.size, -1)[sp.rank]
 
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device) \
@@ -129,7 +132,6 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             start = end
         return torch.cat(outs, dim=2).transpose(1, 2)
 
-    sp = running[2]
     return (attend(query, key, value) if sp is None else sp.attention(query, key, value, attend)), None
 
 
