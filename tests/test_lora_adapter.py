@@ -98,14 +98,15 @@ def test_bad_adapters_are_refused_by_key(tiny_model_dir, saved_adapter, tmp_path
     msg = refuse(_section(lora_adapter_path=path, lora_alpha=32), key="model")
     assert "model.lora_alpha=32 but the adapter" in msg and "has 8" in msg
     assert "target_modules=q_proj but" in refuse(_section(lora_adapter_path=path, target_modules=["q_proj"]))
-    # the RL actor trains without dropout: an adapter saved with dropout is refused there, naming its value
+    # an adapter saved with dropout trains with it (in train mode only); a contradicting lora_dropout is named
     dropped = tmp_path / "dropout"
     shutil.copytree(saved_adapter, dropped)
     config = json.loads((dropped / "adapter_config.json").read_text())
     (dropped / "adapter_config.json").write_text(json.dumps({**config, "lora_dropout": 0.1}))
-    with pytest.raises(ConfigError, match="lora_dropout=0.1"):
-        attach_lora(load_causal_lm(tiny_model_dir), _section(lora_adapter_path=str(dropped)),
-                    "actor_rollout_ref.model", allow_dropout=False)
+    model = attach_lora(load_causal_lm(tiny_model_dir), _section(lora_adapter_path=str(dropped)),
+                        "actor_rollout_ref.model")
+    assert {m.p for n, m in model.named_modules() if n.endswith("lora_dropout.default")} == {0.1}
+    assert "lora_dropout=0.2 but" in refuse(_section(lora_adapter_path=str(dropped), lora_dropout=0.2))
     # another peft method's adapter
     (dropped / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
     assert "a IA3 adapter" in refuse(_section(lora_adapter_path=str(dropped)))

@@ -46,9 +46,11 @@ def test_ppo_batch_units_samples_vs_prompts():
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_epochs == 2
     assert cfg.critic.model.lora_rank == 0
     # --lora_rank: OpenRLHF's critic takes the actor's LoRA settings
-    cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--lora_alpha", "16")
+    cfg = cfg_of(*PPO, "--advantage_estimator", "gae", "--lora_rank", "8", "--lora_alpha", "16", "--lora_dropout", "0.1")
     assert (cfg.critic.model.lora_rank, cfg.critic.model.lora_alpha) == (8, 16)
     assert cfg.actor_rollout_ref.model.lora_rank == 8
+    # --lora_dropout: both models' adapters, in their updates' forwards (tests/trainer/test_lora_dropout_rl.py)
+    assert cfg.actor_rollout_ref.model.lora_dropout == cfg.critic.model.lora_dropout == 0.1
     # --load_in_4bit (QLoRA): OpenRLHF's nf4 + double quantization on the actor and the critic (OpenRLHF's
     # get_llm_for_sequence_regression takes it too)
     pytest.importorskip("bitsandbytes")

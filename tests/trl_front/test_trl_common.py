@@ -147,10 +147,9 @@ def test_peft_lora_config_becomes_lora_settings(tiny_model_dir):
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"])
     lora = lora_settings(config, tiny_model_dir)
     assert lora == {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.05}
-    with pytest.raises(ConfigError, match="^peft_config.lora_dropout=0.05: refused"):
-        common.lora_rl_keys(lora)
-    keys = common.lora_rl_keys({**lora, "lora_dropout": 0.0})
-    assert keys["actor_rollout_ref.model.lora_rank"] == 4
+    keys = common.lora_rl_keys(lora)  # the RL actor's dropout: in its update's forward (tests/trainer)
+    assert keys["actor_rollout_ref.model.lora_rank"] == 4 and keys["actor_rollout_ref.model.lora_dropout"] == 0.05
+    assert "actor_rollout_ref.model.lora_dropout" not in common.lora_rl_keys({**lora, "lora_dropout": 0.0})
     # target_modules None: peft's default for the model type (qwen2: q_proj, v_proj)
     assert lora_settings(peft.LoraConfig(r=2), tiny_model_dir)["target_modules"] == ["q_proj", "v_proj"]
     with pytest.raises(ConfigError, match="^peft_config.bias='all': refused"):

@@ -313,3 +313,16 @@ def test_entropy_coef_maps_where_trls_bonus_is_tillers(tiny_model_dir, tmp_path)
         translate(tiny_model_dir, tmp_path / "b", use_adaptive_entropy=True, steps_per_generation=2)
     with pytest.raises(ConfigError, match="^entropy_coef=0.5: refused: the adaptive controller's start"):
         translate(tiny_model_dir, tmp_path / "c", use_adaptive_entropy=True, entropy_coef=0.5, entropy_coef_max=0.1)
+
+
+def test_lora_dropout_maps_to_the_actor_unless_dropout_is_disabled(tiny_model_dir, tmp_path):
+    """TRL's peft_config.lora_dropout (its CLI default 0.05) is the actor's LoRA dropout (in the update's forward,
+    tests/trainer/test_lora_dropout_rl.py); disable_dropout=True zeroes it, as TRL's disable_dropout_in_model zeroes
+    peft's dropout modules."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
+    for disable, want in ((False, 0.05), (True, None)):
+        args = GRPOConfig(output_dir=str(tmp_path / f"run{disable}"), bf16=False, disable_dropout=disable)
+        keys, _ = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=args, train_dataset=rows(),
+                              peft_config=lora).translate()
+        assert keys.get("actor_rollout_ref.model.lora_dropout") == want and keys["actor_rollout_ref.model.lora_rank"] == 4

@@ -240,7 +240,9 @@ RULES.update({
     "actor_rollout_ref.rollout.mtp": noop("verl's copy of model.mtp for the engine (mtp.enable is refused)"),
     "actor_rollout_ref.model.lora.type": refused("tiller trains plain LoRA adapters", use="type=lora",
                                                  allowed=("lora",)),
-    "actor_rollout_ref.model.lora.dropout": refused("tiller's LoRA adapters have no dropout", use="dropout=0",
+    "actor_rollout_ref.model.lora.dropout": refused("verl's Megatron LoRA section (its FSDP workers never read it); "
+                                                    "tiller's LoRA dropout is actor_rollout_ref.model.lora_dropout",
+                                                    use="dropout=0 and actor_rollout_ref.model.lora_dropout=P",
                                                     allowed=(0, 0.0)),
     "actor_rollout_ref.model.lora.freeze_language_model": noop("tiller always freezes the base weights under LoRA "
                                                                "adapters"),

@@ -363,6 +363,10 @@ class ModelConfig:
     """tiller (TRL's use_bnb_nested_quant): with load_in_4bit, the block scales quantized too."""
     lora_alpha: int = 16
     """LoRA alpha."""
+    lora_dropout: float = 0.0
+    """tiller (peft's lora_dropout; TRL's peft_config.lora_dropout, OpenRLHF's --lora_dropout): dropout on the
+    adapters' input in the update's forward only (the module trains in train mode); the logprob forwards (old,
+    reference) run in eval mode and the rollout on merged weights, both without it. Needs LoRA; in [0, 1)."""
     use_rslora: bool = False
     """tiller (peft's / TRL's use_rslora): rank-stabilised LoRA, the adapter scaled by lora_alpha / sqrt(rank)
     instead of lora_alpha / rank."""
@@ -1077,6 +1081,9 @@ class CriticModelConfig:
     """tiller: with load_in_4bit, the block scales quantized too."""
     lora_alpha: int = 16
     """LoRA alpha of the critic (scale = alpha / rank)."""
+    lora_dropout: float = 0.0
+    """tiller (OpenRLHF's --lora_dropout): dropout on the critic's adapters in its update's forward only; the values
+    the advantages use are computed in eval mode, without it. Needs critic LoRA; in [0, 1)."""
     use_rslora: bool = False
     """tiller (peft's use_rslora): the critic's adapters scaled by lora_alpha / sqrt(rank)."""
     use_dora: bool = False

@@ -271,6 +271,11 @@ def _validate_lora(key: str, model) -> None:
     if (model.lora_rank > 0 or model.lora_adapter_path) and not model.lora_alpha > 0:
         raise ConfigError(f"{key}.lora_alpha must be > 0 with LoRA (the adapters' scale is alpha / rank), "
                           f"got {model.lora_alpha!r}")
+    dropout = getattr(model, "lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"{key}.lora_dropout must be a number in [0, 1), got {dropout!r}")
+    if dropout and not (model.lora_rank > 0 or model.lora_adapter_path):
+        raise ConfigError(f"{key}.lora_dropout={dropout} needs LoRA ({key}.lora_rank > 0 or lora_adapter_path)")
 
 
 def _validate_sandbox_fusion(cfg: RLConfig) -> None:

@@ -232,28 +232,21 @@ def _flags(section: Any) -> dict[str, bool]:
             "use_dora": bool(getattr(section, "use_dora", False))}
 
 
-def attach_lora(model: torch.nn.Module, section: Any, key: str, allow_dropout: bool = True):
+def attach_lora(model: torch.nn.Module, section: Any, key: str):
     """`model` with the LoRA adapters its config section asks for: a saved adapter (`lora_adapter_path`, loaded
-    trainable), fresh ones (`lora_rank > 0`; `lora_alpha`, `target_modules`, `exclude_modules`, `lora_dropout` where
-    the section has it), or `model` itself (LoRA off). `key` names the section in errors (`model`,
-    `actor_rollout_ref.model`); `allow_dropout=False` (the RL actor, whose logprobs must be deterministic) refuses a
-    saved adapter with dropout."""
+    trainable, with its own dropout), fresh ones (`lora_rank > 0`; `lora_alpha`, `target_modules`, `exclude_modules`,
+    `lora_dropout`), or `model` itself (LoRA off). `key` names the section in errors (`model`,
+    `actor_rollout_ref.model`). Dropout acts in train mode only: the RL workers compute logprobs and values in eval
+    mode, so only their updates' forwards are random."""
     dropout = float(getattr(section, "lora_dropout", 0.0))
     if section.lora_adapter_path:
         user = {"lora_rank": section.lora_rank, "lora_alpha": section.lora_alpha,
                 "target_modules": section.target_modules, "exclude_modules": section.exclude_modules,
                 "modules_to_save": getattr(section, "modules_to_save", None),
                 "target_parameters": getattr(section, "target_parameters", None), **_flags(section)}
-        if hasattr(section, "lora_dropout"):  # the offline jobs' sections (the RL actor's adapters have no dropout)
+        if hasattr(section, "lora_dropout"):
             user["lora_dropout"] = dropout
-        peft_model = load_lora_adapter(model, section.lora_adapter_path, f"{key}.lora_adapter_path", user, key)
-        adapter_dropout = float(peft_model.peft_config["default"].lora_dropout or 0.0)
-        if not allow_dropout and adapter_dropout:
-            raise ConfigError(f"{key}.lora_adapter_path={section.lora_adapter_path}: the adapter has lora_dropout="
-                              f"{adapter_dropout}, and tiller's RL workers train adapters without dropout (the "
-                              "actor's logprobs and the critic's values must not be random); set lora_dropout to 0 "
-                              "in its adapter_config.json")
-        return peft_model
+        return load_lora_adapter(model, section.lora_adapter_path, f"{key}.lora_adapter_path", user, key)
     if section.lora_rank > 0:
         return apply_lora(model, section.lora_rank, section.lora_alpha, section.target_modules, dropout,
                           exclude_modules=section.exclude_modules, key=key,

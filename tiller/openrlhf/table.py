@@ -199,7 +199,8 @@ TABLE: tuple[Flag, ...] = (
     _f("lora_rank", MAPPED, "model.lora_rank", "ds.lora.rank", "fsdp.lora.rank"),
     _f("lora_alpha", MAPPED, "model.lora_alpha", "ds.lora.alpha", "fsdp.lora.alpha"),
     _f("target_modules", MAPPED, "model.target_modules", "ds.lora.target_modules", "fsdp.lora.target_modules"),
-    _f("lora_dropout", MAPPED, "model.lora_dropout (PPO: refused when not 0: the RL actor's LoRA has no dropout)",
+    _f("lora_dropout", MAPPED, "model.lora_dropout (PPO: actor_rollout_ref.model.lora_dropout and, with critic LoRA, "
+       "critic.model.lora_dropout: in the updates' forwards only)",
        "ds.lora.dropout", "fsdp.lora.dropout"),
     _f("zero_stage", MAPPED, "trainer.strategy: 0 / 1 -> ddp, 2 / 3 -> fsdp (FSDP2), used when the job runs under "
        "torchrun --nproc_per_node N", "ds.zero_stage",

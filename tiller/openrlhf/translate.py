@@ -132,7 +132,7 @@ def _tracking(a: Args, o: dict, env: dict, keep_key: str) -> None:
     o["trainer.test_freq"] = a("eval_steps")
 
 
-def _lora(a: Args, o: dict, prefix: str, *, dropout_key: str | None) -> None:
+def _lora(a: Args, o: dict, prefix: str) -> None:
     if a("load_in_4bit"):  # OpenRLHF's BitsAndBytesConfig: nf4, double quantization (QLoRA)
         o.update({f"{prefix}.load_in_4bit": True, f"{prefix}.bnb_4bit_quant_type": "nf4",
                   f"{prefix}.bnb_4bit_use_double_quant": True})
@@ -140,11 +140,7 @@ def _lora(a: Args, o: dict, prefix: str, *, dropout_key: str | None) -> None:
     o[f"{prefix}.lora_alpha"] = a("lora_alpha")
     targets = a("target_modules")
     o[f"{prefix}.target_modules"] = targets if isinstance(targets, str) else list(targets)
-    dropout = a("lora_dropout")
-    if dropout_key:
-        o[dropout_key] = dropout
-    elif dropout:
-        raise a.refuse("lora_dropout", "the RL actor's LoRA has no dropout")
+    o[f"{prefix}.lora_dropout"] = a("lora_dropout")  # in the update's forward only (RL: eval-mode logprobs)
 
 
 def _eps(a: Args, o: dict, name: str, key: str | None) -> None:
@@ -193,7 +189,7 @@ def _offline(a: Args, job: str, notices: list[str]) -> tuple[dict, dict]:
     o["optim.dtype"] = _dtype(a)
     _schedule(a, o, "optim", offline=True)
     o["model.enable_gradient_checkpointing"] = bool(a("gradient_checkpointing"))
-    _lora(a, o, "model", dropout_key="model.lora_dropout")
+    _lora(a, o, "model")
     if a("aux_loss_coef"):  # (train_rm refuses it by its table entry)
         o["model.router_aux_loss_coef"] = float(a("aux_loss_coef"))
     _tracking(a, o, env, "trainer.max_ckpt_to_keep")
@@ -365,7 +361,7 @@ def _ppo(a: Args, notices: list[str]) -> tuple[dict, dict]:
     o[f"{actor}.dtype"] = dtype
     o[f"{critic}.dtype"] = dtype
     o[f"{arr}.model.enable_gradient_checkpointing"] = bool(a("gradient_checkpointing"))
-    _lora(a, o, f"{arr}.model", dropout_key=None)
+    _lora(a, o, f"{arr}.model")
     # ---- models and rewards
     _models(a, o, notices)
     # ---- algorithm
@@ -475,7 +471,7 @@ def _models(a: Args, o: dict, notices: list[str]) -> None:
     if a("advantage_estimator") == "gae":
         o["critic.model.path"] = critic
         if a("lora_rank"):  # OpenRLHF builds its critic with the same --lora_* (and 4-bit) settings as the actor
-            _lora(a, o, "critic.model", dropout_key=None)
+            _lora(a, o, "critic.model")
             notices.append(f"{a.flag('lora_rank')}: the critic gets LoRA adapters on its body too, its value head "
                            "trains in full (verl's critic LoRA; OpenRLHF's peft config has no modules_to_save)")
     buffer = a("overlong_buffer_len")

@@ -164,15 +164,15 @@ def quant_settings(given: Any, args: Any) -> tuple[dict[str, Any], list[str]]:
 
 
 def lora_rl_keys(lora: dict[str, Any]) -> dict[str, Any]:
-    """RL keys of the LoRA settings: the actor's LoRA has no dropout, so a non-zero one is refused."""
+    """RL keys of the LoRA settings (the actor's; its lora_dropout acts in the update's forward, as TRL's model in
+    train mode applies it there)."""
     if not lora:
         return {}
-    if lora.get("lora_dropout"):
-        raise ConfigError(f"peft_config.lora_dropout={lora['lora_dropout']}: refused: tiller's RL actor LoRA has no "
-                          "dropout (set lora_dropout=0.0)")
     m = "actor_rollout_ref.model"
     out = {f"{m}.lora_rank": lora["lora_rank"], f"{m}.lora_alpha": lora["lora_alpha"],
            f"{m}.target_modules": lora["target_modules"]}
+    if lora.get("lora_dropout"):
+        out[f"{m}.lora_dropout"] = float(lora["lora_dropout"])
     for name in ("exclude_modules", "modules_to_save", "target_parameters"):
         if name in lora:
             out[f"{m}.{name}"] = lora[name]

@@ -112,9 +112,6 @@ def peft_config(model_args: Any, command: str) -> Any:
     here)."""
     if not model_args.use_peft:
         return None
-    if command in ("grpo", "rloo") and model_args.lora_dropout:
-        raise ConfigError(f"lora_dropout={model_args.lora_dropout}: refused: tiller's RL actor LoRA has no dropout "
-                          "(TRL's default is 0.05: add --lora_dropout 0)")
     from peft import LoraConfig
 
     return LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,

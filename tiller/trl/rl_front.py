@@ -144,8 +144,9 @@ RL_SHARED_RULES: dict[str, Rule] = {
     "router_aux_loss_coef": mapped("actor_rollout_ref.actor.router_aux_loss_coef (None: a mixture-of-experts "
                                    "model's config router_aux_loss_coef, as TRL; a dense model: off, and a coefficient "
                                    "refused, as TRL)", lambda v, a: {}),
-    "disable_dropout": noop("tiller's tiny and released models have no dropout in training; the actor trains in "
-                            "train mode as transformers' Trainer does"),
+    "disable_dropout": mapped("True: the actor's LoRA dropout off (TRL's disable_dropout_in_model zeroes every "
+                              "nn.Dropout, peft's lora_dropout too); the actor trains in train mode as transformers' "
+                              "Trainer does", lambda v, a: {}),
     "num_generations": mapped("actor_rollout_ref.rollout.n", to("num_generations", int)),
     "num_generations_eval": mapped("actor_rollout_ref.rollout.val_kwargs.n (None: num_generations)",
                                    lambda v, a: {"num_generations_eval": int(v or a.num_generations)}),
@@ -535,6 +536,8 @@ class TRLRLTrainer(TRLTrainerBase):
         keys.update(self._shared_keys())
         keys.update(self._algorithm_keys())
         keys.update(lora_rl_keys(self.lora))
+        if getattr(self.args, "disable_dropout", False):  # TRL's disable_dropout_in_model zeroes peft's dropout too
+            keys.pop("actor_rollout_ref.model.lora_dropout", None)
         keys.update({f"actor_rollout_ref.model.{k}": v for k, v in self.quant.items()})
         keys.update(self._router_keys())
         return keys, notices + self._algorithm_notices()

@@ -55,7 +55,8 @@ MODEL_RULES: dict[str, Rule] = {
                        "without it those are a notice", _use_peft),
     "lora_r": mapped("LoRA rank (with use_peft)", _READ),
     "lora_alpha": mapped("LoRA alpha (with use_peft)", _READ),
-    "lora_dropout": mapped("LoRA dropout (with use_peft; the RL actor's LoRA has none: grpo / rloo need 0)", _READ),
+    "lora_dropout": mapped("LoRA dropout (with use_peft; grpo / rloo: in the update's forward, as TRL's train-mode "
+                           "model applies it)", _READ),
     "lora_target_modules": mapped("LoRA target modules (with use_peft; None: peft's default for the model type)",
                                   _READ),
     "lora_target_parameters": mapped("parameters adapted besides the modules, a mixture-of-experts model's experts "

@@ -165,7 +165,7 @@ class ActorRolloutRefWorker:
                                 quantization_config=bnb_config(arr.model, compute))  # QLoRA: load_in_4bit
         # LoRA: fresh adapters (model.lora_rank > 0) or a saved adapter to continue from (model.lora_adapter_path)
         self.lora = lora_enabled(arr.model)
-        module = attach_lora(module, arr.model, "actor_rollout_ref.model", allow_dropout=False)
+        module = attach_lora(module, arr.model, "actor_rollout_ref.model")
         # weightless copy of the adapter-wrapped structure: peft merges the adapters into it at a vllm weight sync
         # (QLoRA: the 4-bit base is dequantized and the adapters merged at each sync instead, tiller.models.quant)
         self._lora_template = lora_template(module) if self.lora and arr.rollout.name == "vllm" and \

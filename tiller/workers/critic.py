@@ -102,7 +102,7 @@ class CriticWorker:
         if self.lora and is_vision_model(module):
             raise ConfigError("critic.model.lora_rank / critic.model.lora_adapter_path: LoRA on a vision-language "
                               f"critic ({type(module).__name__}) is not supported; train it in full (lora_rank=0)")
-        module = attach_lora(module, self.ccfg.model, "critic.model", allow_dropout=False)
+        module = attach_lora(module, self.ccfg.model, "critic.model")
         # verl's critic.model.use_remove_padding: each micro-batch's rows packed into one sequence (as the actor's)
         self._remove_padding = packs(module, "critic.model.use_remove_padding",
                                      bool(self.ccfg.model.use_remove_padding) and not is_vision_model(module))
