@@ -1,7 +1,8 @@
 """`tiller demo --task shapes`: a tiny vision-language model learns to count red squares with GRPO on a CPU.
 
 1. Starter model (cached under `~/.cache/tiller/demo/`): a ~1.1M-parameter Qwen2-VL (`--model-type qwen3_vl`: a
-   ~1.3M-parameter Qwen3-VL) from the tiny-VLM kit
+   ~1.3M-parameter Qwen3-VL; `qwen3_5`: a ~1.2M-parameter Qwen3.5, Gated DeltaNet and attention layers) from the
+   tiny-VLM kit
    (`tiller.models.tiny_vlm`: random vision tower and language model), given a short supervised warm-up on
    freshly drawn images (`tiller.tasks.shapes.draw` from its own seed stream, never an RL or held-out image;
    cross-entropy on the answer tokens, constant lr 3e-3) that stops once greedy accuracy on 256 dev images
@@ -28,7 +29,7 @@ import torch
 
 from tiller.config import load_config
 from tiller.models.checkpoint import save_pretrained_atomic
-from tiller.models.tiny_vlm import PATCH_SIZE, PATCH_SIZES, build_vlm, image_processor, vl_tokenizer
+from tiller.models.tiny_vlm import FAMILIES, PATCH_SIZE, PATCH_SIZES, build_vlm, image_processor, vl_tokenizer
 from tiller.models.vision import ImageTextProcessor, encode_image_prompt, split_placeholders, to_pil
 from tiller.rewards import default_compute_score
 from tiller.rollout import SamplingParams, build_rollout_engine
@@ -124,7 +125,7 @@ def starter_model(args, cache: Path, log=print) -> Path:
     if (out / "config.json").exists() and not args.rebuild:
         log(f"starter model: {out} (cached)")
         return out
-    family = "Qwen3-VL" if model_type == "qwen3_vl" else "Qwen2-VL"
+    family = FAMILIES[model_type]
     log(f"building the starter model (tiny {family}, supervised warm-up to {args.warmup_target:.2f} greedy accuracy)")
     t0 = time.time()
     tok = vl_tokenizer()
