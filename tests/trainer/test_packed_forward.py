@@ -106,6 +106,11 @@ def test_recurrent_models_run_the_padded_update(layer_kind_dir, capsys):
         in capsys.readouterr().err
     plain = AutoModelForCausalLM.from_pretrained(layer_kind_dir("mistral"))
     assert packs(plain, "k", True) is True and packs(model, "k", False) is False
+    import types  # Llama 4's chunked attention: not cut into chunks by the packed attention, so padded too
+
+    llama4 = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama4_text",
+                                                                layer_types=["chunked_attention", "full_attention"]))
+    assert packs(llama4, "k", True) is False and "chunked-attention layers" in capsys.readouterr().err
 
 
 def test_rows_that_saw_each_other_would_be_caught(sharp_qwen):

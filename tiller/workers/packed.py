@@ -165,10 +165,15 @@ def _eager_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window:
 def packs(module, key: str, asked: bool) -> bool:
     """Whether the update packs rows (`key`, verl's use_remove_padding, as `asked`): not for a model with recurrent
     layers (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Mamba, LFM2's convolutions), whose state would run from one
-    packed row into the next; those run the padded forward, which gives the same logprobs, and say so once."""
+    packed row into the next, nor with chunked attention (Llama 4, whose chunks the packed attention does not cut);
+    those run the padded forward, which gives the same logprobs, and say so once."""
+    config = text_config(module.config)
+    if asked and "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        print(f"{key}=True: {config.model_type}'s chunked-attention layers (Llama 4's) are not packed; its update runs "
+              "the padded forward (the same logprobs)", file=sys.stderr)
+        return False
     if not (asked and has_recurrent_layers(module)):
         return asked
-    config = text_config(module.config)
     kinds = sorted(set(config.layer_types) & set(RECURRENT_KINDS))
     print(f"{key}=True: {config.model_type}'s recurrent layers ({', '.join(kinds)}) would carry their state from one "
           "packed row into the next; its update runs the padded forward (the same logprobs)", file=sys.stderr)
