@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tiller.models import layer_masks
 from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
@@ -54,8 +55,7 @@ def decoder_stack(model):
 
 def text_config(model):
     """The language model's config (a vision-language model's `text_config`)."""
-    config = model.config
-    return getattr(config, "text_config", None) or config
+    return layer_masks.text_config(model.config)
 
 
 def supports(model) -> bool:
