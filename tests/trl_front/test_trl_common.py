@@ -23,9 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fields_module_is_what_the_generator_prints():
+    """Every field the installed TRL and transformers have, as the committed module lists them. The transformers
+    version the header names is left out: a release that adds no field (5.24 -> 5.25) must not fail a user's run
+    of the tests; one that adds a field does."""
+    import re
+
     pytest.importorskip("trl")
     generator = runpy.run_path(str(ROOT / "scripts" / "gen_trl_fields.py"))  # in-process: one trl import
-    assert generator["render"]() == (ROOT / "tiller" / "trl" / "fields.py").read_text()
+    unversioned = lambda text: re.sub(r"transformers [0-9][^ ]*'s", "transformers X's", text, count=1)  # noqa: E731
+    assert unversioned(generator["render"]()) == unversioned((ROOT / "tiller" / "trl" / "fields.py").read_text())
 
 
 def test_training_arguments_rules_cover_exactly_the_fields_every_trl_config_shares():

@@ -176,6 +176,15 @@ class KVBuffer:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """Intermediate recurrent states a layer should also return (transformers >= 5.25, for rolling back draft
+        tokens): none, nothing here is rolled back."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A layer updated its conv state in place for one token (transformers >= 5.25 counts tokens per linear
+        layer); the lengths here are `write_pos`, kept by the engine."""
+
     def _state(self, kind: str, layer_idx: int, state_idx: int):
         if self.prefill_rows is not None:
             return None
