@@ -9,8 +9,10 @@ from PIL import Image
 
 from tiller.errors import DataError
 from tiller.models import load_causal_lm
+from tests.vision.slots import for_model
 from tiller.models.vision import (
-    IMAGE_PAD, encode_image_prompt, is_vision_model, load_processor, mrope_position_ids, split_placeholders, to_pil,
+    IMAGE_PAD, encode_image_prompt, image_token, is_vision_model, load_processor, mrope_position_ids,
+    split_placeholders, to_pil,
 )
 
 
@@ -22,20 +24,28 @@ def _png(color=(255, 0, 0), size=(64, 64)) -> bytes:
 
 def test_tiny_vlm_loads_like_a_hub_model(any_vlm_dir):
     from transformers import AutoModelForImageTextToText
-    from transformers import (Qwen2VLForConditionalGeneration, Qwen3_5ForConditionalGeneration,
-                              Qwen3_5MoeForConditionalGeneration, Qwen3VLForConditionalGeneration,
-                              Qwen3VLMoeForConditionalGeneration)
+    from transformers import (Glm4vForConditionalGeneration, Qwen2VLForConditionalGeneration,
+                              Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration,
+                              Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration)
 
     model = AutoModelForImageTextToText.from_pretrained(any_vlm_dir)
     cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
-           "qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration}.get(
-        model.config.model_type, Qwen2VLForConditionalGeneration)
+           "qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
+           "glm4v": Glm4vForConditionalGeneration}.get(model.config.model_type, Qwen2VLForConditionalGeneration)
     assert isinstance(model, cls) and is_vision_model(model)
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
     assert type(load_causal_lm(any_vlm_dir)) is cls
     proc = load_processor(any_vlm_dir)
-    assert proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD) == model.config.image_token_id
+    assert proc.tokenizer.convert_tokens_to_ids(image_token(proc)) == model.config.image_token_id
     assert proc.image_processor.patch_size == model.config.vision_config.patch_size
+    if cls is Glm4vForConditionalGeneration:  # GLM-4.1V-9B's layout: patch 14, M-RoPE on half a head, untied head
+        assert image_token(proc) == "<|image|>" and model.config.vision_config.patch_size == 14
+        assert model.config.text_config.rope_parameters["partial_rotary_factor"] == 0.5
+        assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+        assert proc.apply_chat_template(turn, add_generation_prompt=True, tokenize=False) == \
+            "[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>hi<|assistant|>\n"
+        return
     if cls is not Qwen2VLForConditionalGeneration:  # the hub model's patch, deepstack features into LM layers 0, 1
         assert model.config.vision_config.patch_size == 16
         assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
@@ -57,11 +67,12 @@ def test_image_prompt_expands_placeholders_per_merged_patch(any_vlm_dir):
     patch = proc.image_processor.patch_size
     msgs = split_placeholders([{"role": "user", "content": "<image>count <image>"}], 2, "row 0")
     text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert text.count(IMAGE_PAD) == 2
+    assert text.count(image_token(proc)) == 2
     ip = encode_image_prompt(proc, text, [to_pil(_png()), to_pil({"bytes": _png(size=(64, 64))})])
-    pad = proc.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    pad = proc.tokenizer.convert_tokens_to_ids(image_token(proc))
     # 64x64 px at patch 8 -> 8x8 patches -> 16 tokens after the 2x2 merge, each image (min = max pixels = 64**2);
-    # Qwen3-VL: resized to 128x128 px (min = max pixels = 128**2), patch 16 -> the same grid
+    # Qwen3-VL: resized to 128x128 px (min = max pixels = 128**2), patch 16 -> the same grid; GLM-4.1V: 112x112 px,
+    # patch 14
     assert ip.image_grid_thw.tolist() == [[1, 8, 8], [1, 8, 8]]
     assert ip.prompt_ids.count(pad) == 32
     assert ip.pixel_values.shape == (128, 3 * 2 * patch * patch)
@@ -84,7 +95,8 @@ def test_official_processor_gives_the_same_ids(tiny_vlm_dir):
 def test_mrope_positions_follow_the_grid_and_left_padding(any_vlm_dir):
     model = load_causal_lm(any_vlm_dir)
     proc = load_processor(any_vlm_dir)
-    ip = encode_image_prompt(proc, "a<|vision_start|><|image_pad|><|vision_end|>b", [to_pil(_png(size=(64, 64)))])
+    ip = encode_image_prompt(proc, for_model(proc, "a<|vision_start|><|image_pad|><|vision_end|>b"),
+                             [to_pil(_png(size=(64, 64)))])
     n = len(ip.prompt_ids)
     ids = torch.tensor([[0, 0] + ip.prompt_ids])
     mask = torch.tensor([[0, 0] + [1] * n])

@@ -16,6 +16,7 @@ from tiller.errors import ConfigError
 from tiller.protocol import Batch
 from tiller.rollout.base import left_pad
 from tiller.tasks import shapes
+from tests.vision.slots import for_model
 
 TEXT = "<|vision_start|><|image_pad|><|vision_end|>how many?"
 
@@ -51,7 +52,7 @@ def _image_batch(model_dir) -> tuple[Batch, list]:
 
     proc = load_processor(model_dir)
     colours = [(255, 0, 0), (0, 0, 255), (255, 0, 0), (0, 200, 0)]
-    prompts = [encode_image_prompt(proc, TEXT, [Image.new("RGB", (64, 64), c)]) for c in colours]
+    prompts = [encode_image_prompt(proc, for_model(proc, TEXT), [Image.new("RGB", (64, 64), c)]) for c in colours]
     responses = [[5, 6, 7], [5, 6, 7], [9, 8, 7, 6], [5, 6, 7]]
     prompt, pmask = left_pad([p.prompt_ids for p in prompts], 0)
     T = 4

@@ -11,6 +11,7 @@ from tiller.models.loading import load_causal_lm
 from tiller.models.vision import encode_image_prompt, load_processor
 from tiller.rollout.base import left_pad
 from tiller.workers.common import response_forward
+from tests.vision.slots import for_model
 
 TEXT = "<|vision_start|><|image_pad|><|vision_end|>how many?"
 
@@ -20,9 +21,10 @@ def rows(any_vlm_dir):
     """6 rows: prompts A (red), B (blue: same text, other image), C (other text, wider image), 2 samples each."""
     model = load_causal_lm(any_vlm_dir).eval()
     proc = load_processor(any_vlm_dir)
-    prompts = [encode_image_prompt(proc, TEXT, [Image.new("RGB", (64, 64), (255, 0, 0))]),
-               encode_image_prompt(proc, TEXT, [Image.new("RGB", (64, 64), (0, 0, 255))]),
-               encode_image_prompt(proc, "say " + TEXT, [Image.new("RGB", (96, 48), (0, 200, 0))])]
+    text = for_model(proc, TEXT)
+    prompts = [encode_image_prompt(proc, text, [Image.new("RGB", (64, 64), (255, 0, 0))]),
+               encode_image_prompt(proc, text, [Image.new("RGB", (64, 64), (0, 0, 255))]),
+               encode_image_prompt(proc, "say " + text, [Image.new("RGB", (96, 48), (0, 200, 0))])]
     g = torch.Generator().manual_seed(0)
     samples = []
     for p in prompts:

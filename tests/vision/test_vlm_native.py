@@ -18,8 +18,11 @@ from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.rollout.base import left_pad
 from tiller.rollout.images import vision_token_ids
 from tiller.workers.common import response_forward
+from tests.vision.slots import for_model
 
 V = "<|vision_start|><|image_pad|><|vision_end|>"
+NO_FUSED_STEP = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v")
+"""Decoded by the HF forward: MoE layers, Gated DeltaNet layers, GLM-4's sandwich norms and fused gate-up."""
 # (text, image sizes): grids 8 x 10, 14 x 6, and two images (8 x 8, 12 x 6) -> 20, 21 and 16 + 18 image tokens
 SPECS = [("a" + V + "how many?", [(64, 48)]), (V, [(32, 96)]), ("count " + V + " and " + V + " now", [(64, 64), (40, 80)])]
 
@@ -39,8 +42,9 @@ def any_setup(any_vlm_dir):
 def _setup(model_dir):
     model = load_causal_lm(model_dir).eval()
     proc = load_processor(model_dir)
-    prompts = [encode_image_prompt(proc, text, [Image.new("RGB", size, (60 * i + 40 * j, 100, 200 - 50 * i))
-                                                for j, size in enumerate(sizes)])
+    prompts = [encode_image_prompt(proc, for_model(proc, text),
+                                   [Image.new("RGB", size, (60 * i + 40 * j, 100, 200 - 50 * i))
+                                    for j, size in enumerate(sizes)])
                for i, (text, sizes) in enumerate(SPECS)]
     text = proc.tokenizer("the sum of two and three", add_special_tokens=False)["input_ids"]
     return model, proc, prompts, text
@@ -75,9 +79,8 @@ def test_greedy_equals_hf_generate_on_image_prompts(any_setup):
             assert out.response_ids[row] == tokens
             # atol 1e-5: decode positions off by the rope delta move these by ~8e-3 (checked by hand)
             torch.testing.assert_close(torch.tensor(out.logprobs[row]), logp, atol=1e-5, rtol=0)
-    # Qwen2-VL / Qwen3-VL decode with the fused step (image prefill: the HF forward); Qwen3-VL-MoE and Qwen3.5 (Gated
-    # DeltaNet layers) with the HF forward
-    assert (engine._fused is not None) == (model.config.model_type not in ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"))
+    # Qwen2-VL / Qwen3-VL decode with the fused step (image prefill: the HF forward); NO_FUSED_STEP with the HF forward
+    assert (engine._fused is not None) == (model.config.model_type not in NO_FUSED_STEP)
     # waves of one prompt, and rows leaving early (prompt 0's first token made a stop token: the batch is compacted,
     # each remaining row keeps its own M-RoPE offset)
     stop = refs[0][0][0]
@@ -193,7 +196,9 @@ def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, any_
     finally:
         trainer.shutdown()
     step = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert step["step"] == 1 and step["prompt_length/mean"] == 38  # 16 image tokens + the question's text
+    # 16 image tokens + the question's text in the chat template (GLM's is two tokens shorter)
+    assert step["step"] == 1 and step["prompt_length/mean"] == (
+        36 if json.loads((any_vlm_dir / "config.json").read_text())["model_type"] == "glm4v" else 38)
     # the rollout's sampling probabilities and the actor's (old_log_prob) agree (measured 2.4e-5)
     assert step["training/rollout_probs_diff_max"] < 1e-4 and step["training/rollout_actor_probs_pearson_corr"] > 0.9999
 
@@ -207,7 +212,7 @@ def test_continuous_batcher_takes_image_prompts(any_setup):
     engine = build_rollout_engine("native", model, proc.tokenizer)
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=6, ignore_eos=True)
     want = engine.generate([p.prompt_ids for p in prompts] + [text], greedy, multi_modal=_mm(prompts) + [None])
-    green = encode_image_prompt(proc, SPECS[0][0], [Image.new("RGB", SPECS[0][1][0], (0, 255, 0))])
+    green = encode_image_prompt(proc, for_model(proc, SPECS[0][0]), [Image.new("RGB", SPECS[0][1][0], (0, 255, 0))])
     assert green.prompt_ids == prompts[0].prompt_ids
     other = _mm([green])[0]  # the same tokens, other pixels
     alone = engine.generate([prompts[0].prompt_ids], greedy, multi_modal=[other])
@@ -242,7 +247,7 @@ def test_compiled_decode_step_on_image_prompts(any_setup):
     engine = build_rollout_engine("native", model, proc.tokenizer, compile_decode=True)
     greedy = SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True)
     out = engine.generate([p.prompt_ids for p in prompts], greedy, multi_modal=_mm(prompts))
-    if model.config.model_type in ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # no fused step (MoE / Gated DeltaNet)
+    if model.config.model_type in NO_FUSED_STEP:
         assert engine._fused is None
     else:
         assert engine._fused.compiled is not None

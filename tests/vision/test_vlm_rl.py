@@ -115,7 +115,8 @@ QWEN3_VL_SCRIPTS = {"qwen3_vl": "grpo_trainer__run_qwen3_vl_8b_fsdp",
                     "qwen3_vl_distill": "on_policy_distillation_trainer__run_qwen3_vl_8b_fsdp",
                     "qwen3_vl_moe": "grpo_trainer__run_qwen3_vl_30b_a3b_fsdp",
                     "qwen3_5": "grpo_trainer__run_qwen3_5_27b_fsdp",
-                    "qwen3_5_moe": "grpo_trainer__run_qwen3_5_35b_fsdp"}
+                    "qwen3_5_moe": "grpo_trainer__run_qwen3_5_35b_fsdp",
+                    "glm4v": "grpo_trainer__run_glm4_1v_9b_fsdp"}
 
 
 def _script_overrides(name: str) -> list[str]:
@@ -130,13 +131,14 @@ def _script_overrides(name: str) -> list[str]:
                                            ("qwen3_vl_distill", "tiny_qwen3vl_dir"),
                                            ("qwen3_vl_moe", "tiny_qwen3vl_moe_dir"),
                                            ("qwen3_5", "tiny_qwen3_5_vlm_dir"),
-                                           ("qwen3_5_moe", "tiny_qwen3_5_moe_vlm_dir")])
+                                           ("qwen3_5_moe", "tiny_qwen3_5_moe_vlm_dir"),
+                                           ("glm4v", "tiny_glm4v_dir")])
 def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, script, model):
     """verl's run_qwen2_5_vl_7b_fsdp.sh (on the tiny Qwen2-VL), run_qwen3_vl_8b_fsdp.sh and the on-policy
     distillation run_qwen3_vl_8b_fsdp.sh (on the tiny Qwen3-VL, its own teacher), run_qwen3_vl_30b_a3b_fsdp.sh (on the
     tiny Qwen3-VL-MoE, with the router loss tiller adds on request) and run_qwen3_5_27b_fsdp.sh (on the tiny Qwen3.5:
-    Gated DeltaNet layers, use_remove_padding=True run padded) and run_qwen3_5_35b_fsdp.sh (on the tiny Qwen3.5-MoE)
-    overrides, paths pointed at the tiny VLM and shapes
+    Gated DeltaNet layers, use_remove_padding=True run padded), run_qwen3_5_35b_fsdp.sh (on the tiny Qwen3.5-MoE) and
+    run_glm4_1v_9b_fsdp.sh (on the tiny GLM-4.1V) overrides, paths pointed at the tiny VLM and shapes
     data (verl's schema), rollout.name=native in place of vllm, and sizes cut for a CPU (batch, response length, one
     step, no wandb)."""
     from tiller.trainer.rl import RLTrainer
@@ -154,7 +156,8 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
         args.append("actor_rollout_ref.actor.router_aux_loss_coef=0.001")
     trainer = RLTrainer(load_config(args))
     try:
-        own = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_moe", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
+        own = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_moe", "qwen3_5": "qwen3_5",
+               "qwen3_5_moe": "qwen3_5_moe", "glm4v": "glm4v"}
         assert trainer.actor.worker.module.config.model_type == own.get(script, "qwen3_vl")
         trainer.fit()
     finally:
@@ -169,11 +172,12 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
         assert 1.9 < step["actor/aux_loss"] < 4
 
 
-@pytest.mark.parametrize("model_type", ["glm4v"])
+@pytest.mark.parametrize("model_type", ["glm4v_moe"])
 def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_vlm_dir, shapes_data, model_type,
                                                                 capsys):
-    """verl's GLM-4.1V script: its checkpoint stops `tiller rl` (exit 2, one line naming the model type) before any
-    row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM traceback)."""
+    """A GLM-4.5V checkpoint (GLM-4.1V's vision tower, MoE language model): it stops `tiller rl` (exit 2, one line
+    naming the model type) before any row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM
+    traceback)."""
     import shutil
 
     from tiller.cli import main
@@ -191,7 +195,7 @@ def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_v
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan's info line
     assert code == 2 and err.startswith("tiller rl: error: actor_rollout_ref.model.path="), err
     assert f"model_type '{model_type}' is a vision-language model that tiller does not train yet" in err
-    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe" in err
+    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v" in err
     with pytest.raises(UserError, match=f"model_type '{model_type}' is a vision-language model"):
         load_causal_lm(model_dir)
 

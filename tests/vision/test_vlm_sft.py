@@ -50,17 +50,20 @@ def _examples(model_dir, path, **data):
 
 
 def test_image_conversation_tokens_and_loss_mask(any_vlm_dir, sft_parquet):
+    from tiller.models.vision import image_token, load_processor
+
     tok, examples = _examples(any_vlm_dir, sft_parquet)
-    pad_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    pad_id = tok.convert_tokens_to_ids(image_token(load_processor(any_vlm_dir)))
     e = examples[0]
     grid = e.multi_modal["image_grid_thw"]
     # 64 x 64 image, patch 8 -> an 8 x 8 grid, merged 2 x 2 -> 16 image tokens
     assert grid.tolist() == [[1, 8, 8]] and e.input_ids.count(pad_id) == 16
     assert e.multi_modal["pixel_values"].shape[0] == 64
-    # the loss is on the assistant's answer and its end-of-turn token only (never on image tokens)
+    # the loss is on the assistant's answer and its end-of-turn token only (never on image tokens): Qwen's
+    # <|im_end|>, the eos <|endoftext|> in the tiny GLM-4.1V's template
     targets = tok.decode([t for t in e.labels if t != -100])
     count = shapes_conversations(1)[0]["messages"][1]["content"]
-    assert targets == f"{count}<|im_end|>"
+    assert targets == f"{count}{tok.eos_token}" and tok.eos_token in ("<|im_end|>", "<|endoftext|>")
 
 
 def test_image_forward_is_micro_batch_invariant_and_reads_the_pixels(any_vlm_dir, sft_parquet):
@@ -88,7 +91,7 @@ def test_sft_on_shapes_learns_and_saves_a_vlm_with_its_processor(any_vlm_dir, sf
     import json
 
     from tiller.models.loading import is_vision_checkpoint, load_causal_lm
-    from tiller.models.vision import load_processor
+    from tiller.models.vision import image_token, load_processor
     from tiller.trainer.sft import train_sft
 
     run = tmp_path / "run"
@@ -100,7 +103,7 @@ def test_sft_on_shapes_learns_and_saves_a_vlm_with_its_processor(any_vlm_dir, sf
     model = load_causal_lm(out)
     assert type(model).__name__ == type(load_causal_lm(any_vlm_dir)).__name__  # Qwen2VL... / Qwen3VL...
     proc = load_processor(out)
-    assert proc.image_processor.merge_size == 2 and "<|image_pad|>" in proc.chat_template
+    assert proc.image_processor.merge_size == 2 and image_token(proc) in proc.chat_template
     # the checkpoint dir too carries the processor (a resumed / exported run keeps it)
     ckpt = next((run / "checkpoints").glob("global_step_*"))
     assert (ckpt / "model" / "preprocessor_config.json").is_file()

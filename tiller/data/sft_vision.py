@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tiller.errors import DataError
-from tiller.models.vision import IMAGE_PAD, IMAGE_PLACEHOLDER, encode_image_prompt
+from tiller.models.vision import IMAGE_PLACEHOLDER, encode_image_prompt, image_token
 
 
 def plain_messages(messages: Any) -> Any:
@@ -53,13 +53,14 @@ def count_placeholders(messages: Any) -> int:
 
 
 def expand_image_pads(ids: list[int], mask: list[int], image_pad_id: int, counts: list[int],
-                      where: str) -> tuple[list[int], list[int]]:
-    """Replace the k-th `<|image_pad|>` of `ids` by `counts[k]` copies (mask 0 on each)."""
+                      where: str, pad: str = "<|image_pad|>") -> tuple[list[int], list[int]]:
+    """Replace the k-th image placeholder (`pad`, id `image_pad_id`) of `ids` by `counts[k]` copies (mask 0 on
+    each)."""
     out_ids, out_mask, k = [], [], 0
     for t, m in zip(ids, mask):
         if t == image_pad_id:
             if k >= len(counts):
-                raise DataError(f"{where}: the rendered conversation has more {IMAGE_PAD} tokens than images "
+                raise DataError(f"{where}: the rendered conversation has more {pad} tokens than images "
                                 f"({len(counts)})")
             out_ids += [t] * counts[k]
             out_mask += [0] * counts[k]
@@ -68,7 +69,7 @@ def expand_image_pads(ids: list[int], mask: list[int], image_pad_id: int, counts
             out_ids.append(t)
             out_mask.append(m)
     if k != len(counts):
-        raise DataError(f"{where}: the rendered conversation has {k} {IMAGE_PAD} token(s) for {len(counts)} image(s)")
+        raise DataError(f"{where}: the rendered conversation has {k} {pad} token(s) for {len(counts)} image(s)")
     return out_ids, out_mask
 
 
@@ -81,7 +82,8 @@ def expand_images(parts: list[dict], ids: list[int], mask: list[int], images: li
     enc = encode_image_prompt(processor, text, images, where)
     merge = int(processor.image_processor.merge_size) ** 2
     counts = [int(g.prod()) // merge for g in enc.image_grid_thw]
-    ids, mask = expand_image_pads(ids, mask, tokenizer.convert_tokens_to_ids(IMAGE_PAD), counts, where)
+    pad = image_token(processor)
+    ids, mask = expand_image_pads(ids, mask, tokenizer.convert_tokens_to_ids(pad), counts, where, pad)
     if ids != enc.prompt_ids:
         raise DataError(f"{where}: the chat template's tokens differ from the processor's encoding of the same "
                         "conversation (a tokenizer / processor mismatch in the model dir)")

@@ -13,9 +13,9 @@ model (the PPO critic's value model) is the same: peft task TOKEN_CLS, as verl's
 model, which peft >= 0.18 cannot wrap around a token-classification model; and with TOKEN_CLS + `all-linear` peft
 both adapts `score` and wraps it for saving, which it refuses: tiller leaves the head out of `all-linear`.)
 
-A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5): `all-linear` adapts the
-language model's linear layers only (of a Qwen3-VL-MoE: the attention's; its experts are 3-D parameters, not linear
-modules; of a Qwen3.5: its Gated DeltaNet projections too), not the
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / GLM-4.1V): `all-linear` adapts
+the language model's linear layers only (of a Qwen3-VL-MoE: the attention's; its experts are 3-D parameters, not
+linear modules; of a Qwen3.5: its Gated DeltaNet projections too; of a GLM-4.1V: its fused `gate_up_proj`), not the
 vision tower's (patch embedding, blocks, merger), as verl and TRL do for VLM LoRA; a list of module
 names is the user's choice and is taken as given (Qwen2-VL's `q_proj` / `v_proj` / ... live in the language
 model only, its vision blocks use `qkv` / `proj` / `fc1` / `fc2`, so naming those adapts the vision tower).

@@ -56,11 +56,37 @@ VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# GLM-4.1V's chat template (`[gMASK]<sop>`, role tokens; image parts become
+# `<|begin_of_image|><|image|><|end_of_image|>`), an assistant turn closed by the eos token, with generation markers.
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '<|endoftext|>' }}{% endgeneration %}"
+    "{% else %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|begin_of_video|><|video|><|end_of_video|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+GLM_VISION_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                     "<|video|>"]
+GLM_ROLE_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 8, 2, 2
-PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
-"""Vision patch size per model type (Qwen3-VL's and Qwen3.5's hub models, MoE ones too, use 16)."""
+PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16,
+               "glm4v": 14}
+"""Vision patch size per model type (Qwen3-VL's and Qwen3.5's hub models, MoE ones too, use 16; GLM-4.1V 14)."""
 FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_5": "Qwen3.5",
-            "qwen3_5_moe": "Qwen3.5-MoE"}
+            "qwen3_5_moe": "Qwen3.5-MoE", "glm4v": "GLM-4.1V"}
 MODEL_TYPES = tuple(PATCH_SIZES)
 VISION_INIT_STD = 0.1
 """Std of the random vision tower's weight matrices. At transformers' 0.02 the image tokens' features vary
@@ -68,22 +94,34 @@ VISION_INIT_STD = 0.1
 600+ steps (lr 2e-3 and 1e-2); at 0.1 (lr 3e-3) its loss starts falling after ~250 steps."""
 
 
-def vl_tokenizer(corpus=None, vocab_size: int = 512):
-    """`train_tokenizer` plus the vision special tokens and the VL chat template."""
+def vl_tokenizer(corpus=None, vocab_size: int = 512, model_type: str = "qwen2_vl"):
+    """`train_tokenizer` plus the vision special tokens and the VL chat template (`glm4v`: GLM-4.1V's vision and
+    role tokens, its template, `<|endoftext|>` as eos as the hub tokenizer's)."""
     tok = train_tokenizer(corpus=corpus, vocab_size=vocab_size)
+    if model_type == "glm4v":
+        tok.add_tokens(GLM_VISION_TOKENS + GLM_ROLE_TOKENS, special_tokens=True)
+        tok.eos_token = ENDOFTEXT
+        tok.chat_template = GLM_CHAT_TEMPLATE
+        return tok
     tok.add_tokens(VISION_TOKENS, special_tokens=True)
     tok.chat_template = VL_CHAT_TEMPLATE
     return tok
 
 
-def image_processor(image_size: int = 64, patch_size: int = PATCH_SIZE):
-    """Qwen2-VL's image processor (PIL backend; Qwen3-VL uses it too) resizing every image to about
-    `image_size`**2 pixels."""
+def image_processor(image_size: int = 64, patch_size: int = PATCH_SIZE, model_type: str = "qwen2_vl"):
+    """Qwen2-VL's image processor (PIL backend; Qwen3-VL uses it too; `glm4v`: GLM-4.1V's, whose pixel bounds
+    count both temporal frames) resizing every image to about `image_size`**2 pixels."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     step = patch_size * MERGE_SIZE
     if image_size % step:
         raise ValueError(f"image_size must be a multiple of {step}, got {image_size}")
+    if model_type == "glm4v":
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+        pixels = TEMPORAL_PATCH * image_size * image_size
+        return Glm4vImageProcessorPil(patch_size=patch_size, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH,
+                                      size={"shortest_edge": pixels, "longest_edge": pixels})
     return Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH,
                                     min_pixels=image_size * image_size, max_pixels=image_size * image_size)
 
@@ -94,6 +132,8 @@ def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vis
 
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {list(MODEL_TYPES)}, got {model_type!r}")
+    if model_type == "glm4v":
+        return _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings)
     if model_type in ("qwen3_5", "qwen3_5_moe"):
         return _qwen3_5_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
                                moe=model_type == "qwen3_5_moe")
@@ -188,6 +228,31 @@ def _qwen3_5_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth
                                 vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
 
 
+def _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings):
+    """A `Glm4vConfig` in GLM-4.1V-9B's layout: GLM-4's language model (2 kv heads, q / k / v biases, extra norms after
+    attention and MLP, M-RoPE on half of each head with interleaved pairs, sections [8, 12, 12] of 32 scaled to
+    [2, 3, 3] of 8), an untied LM head, and its vision tower (learned position embeddings interpolated to each image's
+    grid, a 2 x 2 convolution merging patches, patch 14)."""
+    from transformers import Glm4vConfig
+
+    head_dim = 32
+    heads = max(1, hidden_size // head_dim)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GLM_VISION_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), intermediate_size=3 * hidden_size,
+                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "partial_rotary_factor": 0.5},
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * hidden_size,
+                  num_heads=max(1, vision_dim // 32), patch_size=PATCH_SIZES["glm4v"], image_size=112,
+                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=hidden_size)
+    return Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                       image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+                       image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+                       video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"])
+
+
 def build_vlm(tokenizer, seed: int = 0, **shape):
     """A randomly initialised `Qwen2VLForConditionalGeneration` (`model_type="qwen3_vl"`:
     `Qwen3VLForConditionalGeneration`); same seed, same weights; caller's RNG kept.
@@ -202,9 +267,11 @@ def build_vlm(tokenizer, seed: int = 0, **shape):
             for p in model.model.visual.parameters():
                 if p.dim() > 1:
                     p.normal_(0.0, VISION_INIT_STD)
-    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               bos_token_id=config.text_config.bos_token_id)
+    eos = tokenizer.eos_token_id
+    if config.model_type == "glm4v":  # the hub model's stops: end of text, or the next user / tool turn
+        eos = [eos] + tokenizer.convert_tokens_to_ids(["<|user|>", "<|observation|>"])
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                                               bos_token_id=getattr(config.text_config, "bos_token_id", None))
     return model.eval()
 
 
@@ -212,10 +279,10 @@ def make_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0, image_size: int | N
                   vocab_size: int = 512, model_type: str = "qwen2_vl", **shape) -> Path:
     """Tokenizer + image processor config + random Qwen2-VL (or Qwen3-VL), saved atomically to `out_dir`; returns
     the path. `image_size` (default: 64 for Qwen2-VL's patch 8, 128 for Qwen3-VL's patch 16)."""
-    tok = vl_tokenizer(corpus=corpus, vocab_size=vocab_size)
+    tok = vl_tokenizer(corpus=corpus, vocab_size=vocab_size, model_type=model_type)
     model = build_vlm(tok, seed=seed, model_type=model_type, **shape)
     patch = PATCH_SIZES[model_type]
-    proc = image_processor(image_size or 64 * patch // PATCH_SIZE, patch_size=patch)
+    proc = image_processor(image_size or 64 * patch // PATCH_SIZE, patch_size=patch, model_type=model_type)
     out = Path(out_dir)
     save_pretrained_atomic(out, model, tok, files={"preprocessor_config.json": proc.to_json_string()})
     return out

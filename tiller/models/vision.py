@@ -1,5 +1,5 @@
-"""Vision-language models: load Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE and turn image prompts into model
-inputs.
+"""Vision-language models: load Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / GLM-4.1V and turn image
+prompts into model inputs.
 
 A vision-language checkpoint (a hub Qwen2-VL dir, or one from `tiller.models.tiny_vlm`) holds a tokenizer
 with the vision special tokens (`<|vision_start|>`, `<|image_pad|>`, `<|vision_end|>`), an image processor
@@ -21,8 +21,10 @@ Qwen3-VL (`qwen3_vl`) takes the same path: the same vision special tokens and pr
 rotary code), and its deepstack features computed by its own forward from the pixels (the rollout engines pass them
 with the vision outputs, `tiller.rollout.images.encoder_outputs`). Qwen3-VL-MoE (`qwen3_vl_moe`, Qwen3-VL-30B-A3B) is
 Qwen3-VL with a mixture of experts in each language-model layer's MLP: the same processor, positions and deepstack
-path. Videos (Qwen3-VL's timestamped frames included)
-are refused.
+path. GLM-4.1V (`glm4v`) differs in its tokens: an image renders as `<|begin_of_image|><|image|><|end_of_image|>`
+and `<|image|>` is the placeholder the processor expands (`image_token(processor)`: the processor's `image_token`, or
+the token of the checkpoint's `config.image_token_id`); its `get_rope_index` and image features are the model's own as
+above. Videos (Qwen3-VL's timestamped frames included) are refused.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class ImageTextProcessor:
 
     image_processor: Any
     tokenizer: Any
+    image_token: str = IMAGE_PAD
+    """the model's image placeholder token (`<|image_pad|>`; GLM-4.1V: `<|image|>`)"""
 
     @property
     def chat_template(self):
@@ -71,7 +75,8 @@ class ImageTextProcessor:
         return self.tokenizer.save_pretrained(directory, **kwargs)
 
     def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt"):
-        image_pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        pad = self.image_token
+        image_pad_id = self.tokenizer.convert_tokens_to_ids(pad)
         merge = int(self.image_processor.merge_size) ** 2
         out: dict[str, Any] = {}
         grids: list = []
@@ -81,16 +86,16 @@ class ImageTextProcessor:
             grids = [int(g.prod()) // merge for g in vision["image_grid_thw"]]
         expanded, k = [], 0
         for t in text:
-            pieces = t.split(IMAGE_PAD)
+            pieces = t.split(pad)
             rebuilt = pieces[0]
             for piece in pieces[1:]:
                 if k >= len(grids):
-                    raise DataError(f"more {IMAGE_PAD} placeholders than images ({len(grids)})")
-                rebuilt += IMAGE_PAD * grids[k] + piece
+                    raise DataError(f"more {pad} placeholders than images ({len(grids)})")
+                rebuilt += pad * grids[k] + piece
                 k += 1
             expanded.append(rebuilt)
         if k != len(grids):
-            raise DataError(f"{len(grids)} images but {k} {IMAGE_PAD} placeholders in the text")
+            raise DataError(f"{len(grids)} images but {k} {pad} placeholders in the text")
         enc = self.tokenizer(expanded, add_special_tokens=False)
         ids = enc["input_ids"]
         out["input_ids"] = ids
@@ -119,7 +124,34 @@ def load_processor(path, tokenizer=None, trust_remote_code: bool = False):
                         f"{str(err).splitlines()[0]}") from err
     if tokenizer is None:
         tokenizer = load_tokenizer(path, padding_side="left", trust_remote_code=trust_remote_code)
-    return ImageTextProcessor(image_processor, tokenizer)
+    return ImageTextProcessor(image_processor, tokenizer, _image_token(path, tokenizer))
+
+
+def _image_token(path: str, tokenizer) -> str:
+    """The image placeholder token of the model dir `path`: its config's `image_token_id` in `tokenizer`."""
+    import json
+
+    try:
+        token_id = json.loads((Path(path) / "config.json").read_text()).get("image_token_id")
+    except (OSError, ValueError):
+        token_id = None
+    return tokenizer.convert_ids_to_tokens(int(token_id)) if token_id is not None else IMAGE_PAD
+
+
+def image_token(processor) -> str:
+    """The image placeholder token a processor expands (`<|image_pad|>`; GLM-4.1V's `<|image|>`)."""
+    return getattr(processor, "image_token", None) or IMAGE_PAD
+
+
+IMAGE_SLOTS = {IMAGE_PAD: VISION_START + IMAGE_PAD + VISION_END,
+               "<|image|>": "<|begin_of_image|><|image|><|end_of_image|>"}
+
+
+def image_slot(processor) -> str:
+    """The text one image part renders to in the processor's chat template, before expansion: Qwen's
+    `<|vision_start|><|image_pad|><|vision_end|>`, GLM-4.1V's `<|begin_of_image|><|image|><|end_of_image|>`."""
+    token = image_token(processor)
+    return IMAGE_SLOTS.get(token, token)
 
 
 def to_pil(image, where: str = "image"):

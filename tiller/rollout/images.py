@@ -1,5 +1,5 @@
 """Image prompts in the native engine and its continuous batcher (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE /
-Qwen3.5).
+Qwen3.5 / GLM-4.1V).
 
 The native engine runs a vision-language model's own HF forward, so the language model's layers, its M-RoPE
 and the image-token merge are the model's code; what this module adds is the engine's side of it:
@@ -7,7 +7,7 @@ and the image-token merge are the model's code; what this module adds is the eng
 - **Vision once per prompt.** `ImagePrompts(model, prompts, multi_modal)` runs the vision tower once over the
   pixels of every prompt of a wave (`get_image_features`) and keeps each prompt's per-image outputs (a Qwen3-VL's
   deepstack features too); the prefill passes them as `mm_encoder_outputs` (the model then merges them into the
-  `<|image_pad|>` slots, and adds a Qwen3-VL's deepstack features to those slots after its first layers), and
+  image-token slots (`<|image_pad|>`; GLM-4.1V's `<|image|>`), and adds a Qwen3-VL's deepstack features to those slots after its first layers), and
   the n samples of a prompt copy its prefilled keys / values, so nothing visual is repeated per sample.
 - **M-RoPE positions by the model's rule.** Each prompt's `[3, L]` (temporal, height, width) positions come
   from the model's `get_rope_index` on that prompt alone (image tokens take grid positions, text continues
@@ -15,12 +15,12 @@ and the image-token merge are the model's code; what this module adds is the eng
   position `max(prompt positions) + 1 + t` on all three axes, which is what `generate` computes
   (`len(prompt) + t + rope_delta`, `rope_delta = max + 1 - len(prompt)`); `next_position` holds that start.
 - **Vision special tokens are never sampled** (`suppress_vision_tokens`), as in the hf engine: a response
-  holding `<|image_pad|>` would be read as an image slot by every later forward.
+  holding an image token would be read as an image slot by every later forward.
 
 Decode: a response token's three M-RoPE positions are equal, where M-RoPE is the plain rotary embedding, so
 Qwen2-VL / Qwen3-VL decode with the fused step (`fused_decode`, also compiled with `compile_decode`) at per-row
-positions `next_position + t` (Qwen3-VL-MoE, whose MoE layers the fused step does not run, with the model's own
-forward at those positions); an image prompt's prefill always runs the HF forward (it needs the image outputs and the
+positions `next_position + t` (Qwen3-VL-MoE, Qwen3.5 and GLM-4.1V, whose layers the fused step does not run, with
+the model's own forward at those positions); an image prompt's prefill always runs the HF forward (it needs the image outputs and the
 3D positions). The static-shape / CUDA-graph step (`graphed_decode`) computes positions as `len(prompt) + t`
 and samples without the vision-token mask, so a vision-language model never takes it (`NativeRolloutEngine`
 warns when it was asked for).
@@ -164,7 +164,8 @@ def vision_token_ids(model) -> list[int]:
     if not is_vision_model(base):
         return []
     cfg = base.config
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+             "image_start_token_id", "image_end_token_id", "video_start_token_id", "video_end_token_id")  # GLM-4.1V
     return [int(getattr(cfg, n)) for n in names if getattr(cfg, n, None) is not None]
 
 

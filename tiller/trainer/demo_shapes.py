@@ -128,11 +128,11 @@ def starter_model(args, cache: Path, log=print) -> Path:
     family = FAMILIES[model_type]
     log(f"building the starter model (tiny {family}, supervised warm-up to {args.warmup_target:.2f} greedy accuracy)")
     t0 = time.time()
-    tok = vl_tokenizer()
+    tok = vl_tokenizer(model_type=model_type)
     model = build_vlm(tok, seed=args.seed, model_type=model_type)
     patch = PATCH_SIZES[model_type]  # 64-px images resized so that each 16-px cell is one image token
-    proc = image_processor(64 * patch // PATCH_SIZE, patch_size=patch)
-    processor = ImageTextProcessor(proc, tok)
+    proc = image_processor(64 * patch // PATCH_SIZE, patch_size=patch, model_type=model_type)
+    processor = ImageTextProcessor(proc, tok, tok.convert_ids_to_tokens(model.config.image_token_id))
     dev = shapes.make_splits(0, DEV_SIZE, seed=10_000 + args.seed)["test"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
