@@ -56,11 +56,13 @@ SIZES = {"2M": dict(n_params=2_000_000), "30M": dict(n_params=30_000_000),
 ENGINES = {"native": {}, "native-graphs": {"static_decode": True},
            "native-graphs-compiled": {"static_decode": True, "compile_decode": True},
            "native-graphs-flex": {"static_decode": True, "compile_decode": True, "static_attention": "flex"},
-           "hf": {}, "vllm": {}}
+           "native-unfused": {"fused_decode": False}, "hf": {}, "vllm": {}}
 """Engine rows: `native` decodes eagerly; `native-graphs` with the static-shape step (`tiller.rollout.graphed_decode`),
 captured in CUDA graphs per batch bucket on CUDA (on a CPU the same step runs eagerly); `native-graphs-compiled` the
 same with each layer's body compiled by Inductor inside the graphs (what `rollout.enforce_eager=False` runs on CUDA);
-`native-graphs-flex` that with FlexAttention reading each row's live blocks instead of masked SDPA."""
+`native-graphs-flex` that with FlexAttention reading each row's live blocks instead of masked SDPA; `native-unfused`
+the native engine decoding with the model's own layers (no `FusedDecoder`), what a model type the fused step does not
+run gets."""
 
 
 def best_seconds(fn, repeats: int = 3) -> float:
@@ -170,16 +172,19 @@ def cuda_rates(size: int = 8192, dtype=torch.bfloat16) -> tuple[float, float]:
     return flops, copy
 
 
-ARCHS = ("qwen2", "qwen3_5")
-"""`--arch`: the kit's Qwen2, or Qwen3.5's hybrid text model (`qwen3_5_text`) at the same size: 3 Gated DeltaNet
-(linear attention, a recurrent state per row) layers to 1 gated full-attention layer as the hub models, head dim 64,
-the linear heads of Qwen3.5-2B's proportions (half as many key heads as value heads). HF `generate` keeps the
-recurrent states in transformers' own cache; the native engine in its `KVBuffer` slots (`tiller.models.layer_masks`),
-both through transformers' PyTorch fallbacks of the recurrence (no flash-linear-attention on a CPU)."""
+ARCHS = ("qwen2", "qwen3_5", "qwen3", "glm4")
+"""`--arch`: the kit's Qwen2, or another family at the same width and depth, head dim 64, a quarter as many kv heads
+as query heads: Qwen3.5's hybrid text model (`qwen3_5_text`): 3 Gated DeltaNet (linear attention, a recurrent state
+per row) layers to 1 gated full-attention layer as the hub models, the linear heads of Qwen3.5-2B's proportions (half
+as many key heads as value heads); HF `generate` keeps the recurrent states in transformers' own cache, the native
+engine in its `KVBuffer` slots (`tiller.models.layer_masks`), both through transformers' PyTorch fallbacks of the
+recurrence (no flash-linear-attention on a CPU). Qwen3 (per-head q / k norms) and GLM-4 (post-attention / post-MLP
+norms, fused gate-up, rotary on half of each head), which the fused step runs."""
 
 
-def build_hybrid(model_dir: Path, spec: dict) -> Path:
-    """A random-init Qwen3.5 text model with the kit's tokenizer, as wide and deep as the kit's Qwen2 of `spec`."""
+def build_hybrid(model_dir: Path, spec: dict, model_type: str = "qwen3_5_text") -> Path:
+    """A random-init `model_type` text model with the kit's tokenizer, as wide and deep as the kit's Qwen2 of `spec`
+    (`ARCHS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiller.models.tiny import build_config, save_pretrained_atomic, train_tokenizer
@@ -189,12 +194,15 @@ def build_hybrid(model_dir: Path, spec: dict) -> Path:
                                                                                      "num_layers")})
     hidden, layers = plain.hidden_size, plain.num_hidden_layers
     heads = max(2, hidden // 64)
+    extra = {}
+    if model_type == "qwen3_5_text":
+        extra = dict(linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=64,
+                     linear_value_head_dim=64, full_attention_interval=4)
     config = AutoConfig.for_model(
-        "qwen3_5_text", vocab_size=plain.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+        model_type, vocab_size=plain.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
         intermediate_size=plain.intermediate_size, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-        head_dim=64, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=64,
-        linear_value_head_dim=64, full_attention_interval=4, tie_word_embeddings=True,
-        pad_token_id=plain.pad_token_id, eos_token_id=plain.eos_token_id, bos_token_id=plain.bos_token_id)
+        head_dim=64, tie_word_embeddings=True, pad_token_id=plain.pad_token_id, eos_token_id=plain.eos_token_id,
+        bos_token_id=plain.bos_token_id, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
@@ -202,13 +210,13 @@ def build_hybrid(model_dir: Path, spec: dict) -> Path:
 
 
 def build_sized(model_dir: Path, spec: dict, arch: str = "qwen2") -> Path:
-    """The kit's model of `SIZES[...]` shape `spec` at `model_dir` (built once); `arch` "qwen3_5": `build_hybrid`."""
+    """The kit's model of `SIZES[...]` shape `spec` at `model_dir` (built once); another `arch`: `build_hybrid`."""
     from tiller.models.tiny import build_model, make_tiny_model, save_pretrained_atomic, train_tokenizer
 
     if (model_dir / "config.json").exists():
         return model_dir
-    if arch == "qwen3_5":
-        return build_hybrid(model_dir, spec)
+    if arch != "qwen2":
+        return build_hybrid(model_dir, spec, {"qwen3_5": "qwen3_5_text"}.get(arch, arch))
     extra = {k: v for k, v in spec.items() if k not in ("n_params", "hidden_size", "num_layers")}
     if not extra:
         return make_tiny_model(model_dir, arch="qwen2", seed=0, **spec)
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2M,30M,120M", help=f"comma list of {sorted(SIZES)}")
     parser.add_argument("--arch", default="qwen2", choices=ARCHS,
-                        help="qwen3_5: Qwen3.5's hybrid text model (Gated DeltaNet + attention) at each size")
+                        help="another family at each size: qwen3_5 (Gated DeltaNet + attention), qwen3, glm4 (ARCHS)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--engines", default=None, help="comma list; default native,hf (+vllm when installed)")
     parser.add_argument("--prompts", default="64", help="prompt count; a comma list runs one row per count")

@@ -41,6 +41,9 @@ FAMILIES = {
     "bamba": dict(attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1,
                   mamba_chunk_size=8),
 }
+FULL = {"qwen3": dict(head_dim=16), "glm4": dict(head_dim=16)}
+"""Full-attention families the fused decode step runs (`tiller.rollout.fused_decode`): Qwen3's per-head q / k norms;
+GLM-4's post-attention / post-MLP norms, fused gate-up and paired rotary on half of each head."""
 EAGER = ("gpt_oss", "gemma2")  # no sdpa in transformers for these (sinks, soft-cap)
 SLIDING = ("mistral", "gpt_oss", "gemma2")
 RECURRENT = ("qwen3_5_text", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "bamba")
@@ -57,13 +60,15 @@ def build(model_type: str, tokenizer_dir, out: Path, seed: int = 1) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                                  **COMMON, **FAMILIES[model_type])
+                                  **COMMON, **{**FAMILIES, **FULL}[model_type])
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "A_log" not in name and "norm" not in name:  # keep the state decays and norms as initialised
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            elif model_type in FULL and "norm" in name:  # norm gains of their own: a norm applied in the wrong
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.2)  # place changes the output
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

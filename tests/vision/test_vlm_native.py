@@ -21,8 +21,8 @@ from tiller.workers.common import response_forward
 from tests.vision.slots import for_model
 
 V = "<|vision_start|><|image_pad|><|vision_end|>"
-NO_FUSED_STEP = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v")
-"""Decoded by the HF forward: MoE layers, Gated DeltaNet layers, GLM-4's sandwich norms and fused gate-up."""
+NO_FUSED_STEP = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+"""Decoded by the HF forward: MoE layers, Gated DeltaNet layers."""
 # (text, image sizes): grids 8 x 10, 14 x 6, and two images (8 x 8, 12 x 6) -> 20, 21 and 16 + 18 image tokens
 SPECS = [("a" + V + "how many?", [(64, 48)]), (V, [(32, 96)]), ("count " + V + " and " + V + " now", [(64, 64), (40, 80)])]
 
@@ -79,7 +79,8 @@ def test_greedy_equals_hf_generate_on_image_prompts(any_setup):
             assert out.response_ids[row] == tokens
             # atol 1e-5: decode positions off by the rope delta move these by ~8e-3 (checked by hand)
             torch.testing.assert_close(torch.tensor(out.logprobs[row]), logp, atol=1e-5, rtol=0)
-    # Qwen2-VL / Qwen3-VL decode with the fused step (image prefill: the HF forward); NO_FUSED_STEP with the HF forward
+    # Qwen2-VL / Qwen3-VL / GLM-4.1V decode with the fused step (image prefill: the HF forward); NO_FUSED_STEP with the
+    # HF forward
     assert (engine._fused is not None) == (model.config.model_type not in NO_FUSED_STEP)
     # waves of one prompt, and rows leaving early (prompt 0's first token made a stop token: the batch is compacted,
     # each remaining row keeps its own M-RoPE offset)

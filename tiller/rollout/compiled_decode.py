@@ -105,7 +105,7 @@ class CompiledStep:
         f, h = self.fused, self.handle
         inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
-        half, b = d // 2, x.shape[0]
+        b = x.shape[0]
         width = [(len_of(f.qkv[0])), len_of(f.o[0]), len_of(f.gate_up[0]), len_of(f.down[0])]
         for i, layer in enumerate(inner.layers):
             qkv = torch.ops.tiller.packed_linear(_rms(layer.input_layernorm, x), h, 4 * i, width[0])
@@ -113,21 +113,23 @@ class CompiledStep:
             if f.qk_norms[i]:  # Qwen3: RMSNorm over each query / key head
                 q, k = qk.split([n_q, n_kv], dim=1)
                 qk = torch.cat([_rms(f.qk_norms[i][0], q), _rms(f.qk_norms[i][1], k)], dim=1)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q, k = qk.split([n_q, n_kv], dim=1)
+            q, k = f.rotate(qk, cos, sin).split([n_q, n_kv], dim=1)
             v = qkv[:, (n_q + n_kv) * d :].view(b, n_kv, d)
             o = torch.ops.tiller.decode_attention(q, k, v, h, i)
-            x = x + torch.ops.tiller.packed_linear(o, h, 4 * i + 1, width[1])
+            o = torch.ops.tiller.packed_linear(o, h, 4 * i + 1, width[1])
+            post = f.post_norms[i]  # GLM-4: a norm on each branch before its residual add
+            x = x + (_rms(post[0], o) if post else o)
             gate, up = torch.ops.tiller.packed_linear(_rms(layer.post_attention_layernorm, x), h, 4 * i + 2,
                                                       width[2]).chunk(2, dim=-1)
-            x = x + torch.ops.tiller.packed_linear(layer.mlp.act_fn(gate) * up, h, 4 * i + 3, width[3])
+            mlp = torch.ops.tiller.packed_linear(f.acts[i](gate) * up, h, 4 * i + 3, width[3])
+            x = x + (_rms(post[1], mlp) if post else mlp)
         return torch.ops.tiller.packed_linear(_rms(inner.norm, x), h, 4 * len(inner.layers), len_of(f.head))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode step (the `FusedDecoder.step` contract): input_ids, position_ids [B, 1]. Returns [B, V]."""
         inner = self.fused.inner
         x = inner.embed_tokens(input_ids[:, 0])
-        cos, sin = inner.rotary_emb(x[:1], position_ids)  # [B, 1, D]: broadcast over the heads
+        cos, sin = self.fused.rope_tables(*inner.rotary_emb(x[:1], position_ids))  # [B, 1, D]: over the heads
         self._mask, self._cache = mask, cache
         try:
             return self._fn(x, cos, sin)

@@ -36,13 +36,21 @@ from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
-SUPPORTED = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4", "glm4v")
 """Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
 M-RoPE: at decode time a response token's (t, h, w) positions are equal, where M-RoPE (Qwen3-VL's interleaved
 M-RoPE too) is the 1D rotary embedding, and the model's own `rotary_emb` computes it from [B, T] positions; image
-prompts' prefill runs the HF forward (`tiller.rollout.images`). Qwen3-VL's language model is Qwen3's layers: an
-RMSNorm over each query / key head (`q_norm`, `k_norm`) before the rotary embedding, applied here too; its
-deepstack features only touch image tokens, which are all in the prompt."""
+prompts' prefill runs the HF forward (`tiller.rollout.images`). Qwen3's layers (Qwen3-VL's language model too) add an
+RMSNorm over each query / key head (`q_norm`, `k_norm`) before the rotary embedding, applied here too; Qwen3-VL's
+deepstack features only touch image tokens, which are all in the prompt. GLM-4's layers (GLM-4-0414, GLM-Z1; GLM-4.1V's
+language model, with M-RoPE as above) add an RMSNorm after attention and after the MLP, before each residual add,
+keep gate and up in one matrix (`gate_up_proj`), and rotate only the first part of each head (`partial_rotary_factor`)
+with adjacent pairs (dims 2i, 2i + 1) where Llama pairs halves (`ROPE`)."""
+ROPE = {"glm4": "pairs_from_half", "glm4v": "pairs"}
+"""How a model type's rotary embedding pairs dims (default "half": dim i with i + D / 2, over the whole head).
+"pairs": dims 2i and 2i + 1 over the first `cos.shape[-1]` dims, the rest passed through (GLM-4.1V, whose
+`rotary_emb` returns each frequency repeated for its pair); "pairs_from_half": the same after taking the first half of
+the model's `cos` / `sin` and repeating each frequency twice (GLM-4's `apply_rotary_pos_emb`)."""
 
 
 def decoder_stack(model):
@@ -59,8 +67,8 @@ def text_config(model):
 
 
 def supports(model) -> bool:
-    """True for a plain (no adapters) Llama / Qwen2 / Qwen2-VL / Qwen3-VL model with full attention in every
-    layer."""
+    """True for a plain (no adapters) Llama / Qwen2 / Qwen3 / Qwen2-VL / Qwen3-VL / GLM-4 / GLM-4.1V model with full
+    attention in every layer."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in SUPPORTED or decoder_stack(model) is None:
         return False
@@ -73,16 +81,38 @@ def supports(model) -> bool:
         return False
     linear_names = ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in decoder_stack(model).layers:
+        mlp = layer.mlp
+        mlp_names = ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj",
+                                                                                         "down_proj")
         mods = [getattr(layer.self_attn, n, None) for n in linear_names]
-        mods += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(m) is not torch.nn.Linear for m in mods):
+        mods += [getattr(mlp, n, None) for n in mlp_names]
+        if any(type(m) is not torch.nn.Linear for m in mods) or mlp_act(mlp) is None:
             return False
-        if layer.mlp.gate_proj.bias is not None or layer.mlp.up_proj.bias is not None:
+        if any(getattr(mlp, n).bias is not None for n in mlp_names[:-1]):
             return False
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms(layer)]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms(layer), *post_norms(layer)]
         if not all(hasattr(n, "variance_epsilon") for n in norms):
             return False
     return True
+
+
+def post_norms(layer) -> tuple:
+    """(after attention, after the MLP) RMSNorms of a GLM-4 decoder layer, applied before each residual add; ()
+    for a layer without (Llama, Qwen)."""
+    attn, mlp = getattr(layer, "post_self_attn_layernorm", None), getattr(layer, "post_mlp_layernorm", None)
+    return () if attn is None or mlp is None else (attn, mlp)
+
+
+def mlp_act(mlp):
+    """The MLP's activation: `act_fn` (Llama, Qwen), GLM-4's `activation_fn`; None if neither."""
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+
+
+def gate_up_weight(mlp) -> torch.Tensor:
+    """[W_gate; W_up]: a concatenation of `gate_proj` and `up_proj`, or GLM-4's `gate_up_proj` (already that)."""
+    if hasattr(mlp, "gate_up_proj"):
+        return mlp.gate_up_proj.weight
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
 
 
 def head_norms(layer) -> tuple:
@@ -126,6 +156,9 @@ class FusedDecoder:
         self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_q
         self.scaling = attn.scaling
         self.qk_norms = [head_norms(layer) for layer in self.inner.layers]  # () per layer without (Llama, Qwen2)
+        self.post_norms = [post_norms(layer) for layer in self.inner.layers]  # () per layer without (not GLM-4)
+        self.acts = [mlp_act(layer.mlp) for layer in self.inner.layers]
+        self.rope = ROPE.get(config.model_type, ROPE.get(getattr(model.config, "model_type", None), "half"))
         self._seen = None
         self.sync()
         self.compiled = None  # the one-token step compiled by Inductor (tiller.rollout.compiled_decode), opt-in
@@ -163,7 +196,7 @@ class FusedDecoder:
                 qkv_b = torch.cat(biases) if biases[0] is not None else None
                 self.qkv.append(self._linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b))
                 self.o.append(self._linear(a.o_proj.weight, a.o_proj.bias))
-                self.gate_up.append(self._linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None))
+                self.gate_up.append(self._linear(gate_up_weight(m), None))
                 self.down.append(self._linear(m.down_proj.weight, m.down_proj.bias))
             head = self.model.lm_head
             self.head = self._linear(head.weight, head.bias)
@@ -205,6 +238,30 @@ class FusedDecoder:
         q, k = qk.split([self.n_q, self.n_kv], dim=-2)
         return torch.cat([self._norm(q_norm, q), self._norm(k_norm, k)], dim=-2)
 
+    @property
+    def llama_layers(self) -> bool:
+        """Every layer is Llama's / Qwen2's (no per-head q / k norms, no post norms, rotary over whole heads): what
+        the static-shape step (`graphed_decode`) computes."""
+        return self.rope == "half" and not any(self.qk_norms) and not any(self.post_norms)
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's `rotary_emb` output -> the tables `rotate` multiplies by (`ROPE`)."""
+        if self.rope == "pairs_from_half":
+            n = cos.shape[-1] // 2
+            return cos[..., :n].repeat_interleave(2, dim=-1), sin[..., :n].repeat_interleave(2, dim=-1)
+        return cos, sin
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of q and k heads together, element for element as the model's
+        `apply_rotary_pos_emb`: qk [..., D], cos / sin broadcastable to [..., cos.shape[-1]]."""
+        if self.rope == "half":
+            half = qk.shape[-1] // 2
+            return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        d = cos.shape[-1]
+        rot, rest = qk[..., :d], qk[..., d:]
+        pairs = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat([rot * cos + pairs * sin, rest], dim=-1)
+
     @staticmethod
     def _apply(x: torch.Tensor, lin: tuple) -> torch.Tensor:
         weight, bias, packed = lin
@@ -231,14 +288,14 @@ class FusedDecoder:
         Returns each part's last-position logits [B, V]."""
         inner = self.inner
         d, n_q, n_kv = self.head_dim, self.n_q, self.n_kv
-        group, half = n_q // n_kv, d // 2
+        group = n_q // n_kv
         shapes = [p[0].shape for p in parts]
         counts = [b * t for b, t in shapes]
         flat_ids = torch.cat([p[0].reshape(-1) for p in parts]) if len(parts) > 1 else parts[0][0].reshape(-1)
         x = inner.embed_tokens(flat_ids)  # [N, E], N = all tokens of all parts
         rope = []
         for ids, pos, _, _ in parts:
-            cos, sin = inner.rotary_emb(x[:1], pos)
+            cos, sin = self.rope_tables(*inner.rotary_emb(x[:1], pos))
             rope.append((cos.unsqueeze(1), sin.unsqueeze(1)))  # [B, 1, T, D]: broadcast over heads
         for i, layer in enumerate(inner.layers):
             qkv = self._apply(self._norm(layer.input_layernorm, x), self.qkv[i])
@@ -249,8 +306,7 @@ class FusedDecoder:
                 qk = chunk[..., : (n_q + n_kv) * d].view(b, t, n_q + n_kv, d)
                 if self.qk_norms[i]:  # Qwen3: RMSNorm over each query / key head before the rotary embedding
                     qk = self.norm_heads(qk, i)
-                qk = qk.transpose(1, 2)
-                qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+                qk = self.rotate(qk.transpose(1, 2), cos, sin)
                 q, k = qk.split([n_q, n_kv], dim=1)
                 v = chunk[..., (n_q + n_kv) * d :].view(b, t, n_kv, d).transpose(1, 2)
                 k, v = cache.update(k, v, i)
@@ -262,10 +318,12 @@ class FusedDecoder:
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                                        enable_gqa=group > 1).transpose(1, 2)
                 outs.append(o.reshape(b * t, n_q * d))
-            o = torch.cat(outs) if len(outs) > 1 else outs[0]
-            x = x + self._apply(o, self.o[i])
+            o = self._apply(torch.cat(outs) if len(outs) > 1 else outs[0], self.o[i])
+            post = self.post_norms[i]  # GLM-4: a norm on each branch before its residual add
+            x = x + (self._norm(post[0], o) if post else o)
             gate, up = self._apply(self._norm(layer.post_attention_layernorm, x), self.gate_up[i]).chunk(2, dim=-1)
-            x = x + self._apply(layer.mlp.act_fn(gate) * up, self.down[i])
+            mlp = self._apply(self.acts[i](gate) * up, self.down[i])
+            x = x + (self._norm(post[1], mlp) if post else mlp)
         # each row's last token: offset of the part + (row + 1) * T - 1
         last, offset = [], 0
         for b, t in shapes:

@@ -569,10 +569,11 @@ def native_decode_options(enforce_eager: bool | None, device_type: str,
 
 def decoder_for(engine, model) -> GraphedDecoder | None:
     """The engine's static-shape decoder for `model` (kept across calls: its graphs and buffers are reused), or
-    None where it does not apply (static decode off, no fused decoder for this model, or one with per-head q / k
-    norms, which its layer step does not compute)."""
+    None where it does not apply (static decode off, no fused decoder for this model, or one whose layers are not
+    Llama's / Qwen2's: per-head q / k norms, GLM-4's post norms and paired rotary, which its layer step does not
+    compute)."""
     fused = engine._fused
-    if not engine.static_decode or fused is None or fused.model is not model or any(fused.qk_norms):
+    if not engine.static_decode or fused is None or fused.model is not model or not fused.llama_layers:
         return None
     graphed = getattr(engine, "_graphed", None)
     if graphed is None or graphed.fused is not fused:
