@@ -8,8 +8,8 @@ the logs of the CLI runs land in `--out`. `--device cpu` runs the same checks on
 Checks:
 - `env`: `tiller env` (CUDA device listed).
 - `algos`: tests/algos/test_algos_devices.py (loss / advantage functions on CUDA equal the CPU's).
-- `native_greedy`: the native engine equals HF `generate` token for token on the device (fp32, Qwen2 and
-  Llama), logprobs within 1e-4 of a teacher-forced forward; bf16 greedy agreement with fp32 is reported.
+- `native_greedy`: the native engine equals HF `generate` token for token on the device (fp32, Qwen2,
+  Llama, Qwen3 and GLM-4), logprobs within 1e-4 of a teacher-forced forward; bf16 greedy agreement with fp32 is reported.
 - `compiled_decode`: the decode step compiled by torch.compile on the device (rollout.enforce_eager=False) gives
   eager decoding's greedy rows and logprobs (1e-4).
 - `native_seeded`: a seeded sampling call repeats exactly, and differs under another seed.
@@ -23,8 +23,8 @@ Checks:
 - `async_rl`: `bench/async_rl.py` on the device, synchronous vs `async_training.staleness_threshold=1` (the rollout
   producer thread generating on the same GPU beside the update), two seeds: both learn, s/step ratio reported.
 - `speed`: native engine vs HF `generate`, 30M Qwen2, 64 prompts x 128 new tokens, fp32 and bf16 (tok/s).
-- `graphed_decode`: the static-shape decode step under CUDA graphs (`tiller.rollout.graphed_decode`, fp32, Qwen2
-  and Llama), with eager layers, Inductor-compiled layers and compiled layers with FlexAttention: greedy rows equal HF
+- `graphed_decode`: the static-shape decode step under CUDA graphs (`tiller.rollout.graphed_decode`, fp32, Qwen2,
+  Llama, Qwen3 and GLM-4), with eager layers, Inductor-compiled layers and compiled layers with FlexAttention: greedy rows equal HF
   `generate` and the same step run eagerly; logprobs within 1e-4 of a
   teacher-forced forward; stop tokens with compaction equal HF; padding rows change nothing (buckets [12] vs [64]);
   seeded sampling repeats and is batch-independent; weights updated in place after capture are the ones the
@@ -111,7 +111,13 @@ def c_algos(a):
     return {"summary": tail(log, 1)}
 
 
-def _models(a):
+def _models(a, families: bool = False):
+    """The kit's tiny Qwen2 and Llama; `families`: also a tiny Qwen3 (per-head q / k norms) and GLM-4 (post norms,
+    fused gate-up, paired rotary on half of each head) with the same tokenizer, the other layers the fused and static
+    steps run."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tiller.models.checkpoint import save_pretrained_atomic
     from tiller.models.tiny import make_tiny_model
 
     out = {}
@@ -120,6 +126,18 @@ def _models(a):
         if not (path / "config.json").exists():
             make_tiny_model(path, arch=arch, n_params=1_000_000, seed=0)
         out[arch] = path
+    for model_type in ("qwen3", "glm4") if families else ():
+        path = a.work / f"tiny-{model_type}"
+        if not (path / "config.json").exists():
+            tok = AutoTokenizer.from_pretrained(out["qwen2"])
+            config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=32, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                save_pretrained_atomic(path, AutoModelForCausalLM.from_config(config), tok)
+        out[model_type] = path
     return out
 
 
@@ -145,7 +163,7 @@ def c_native_greedy(a):
 
     info = {}
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=24, ignore_eos=True)
-    for arch, path in _models(a).items():
+    for arch, path in _models(a, families=True).items():
         model, tok = _load_sharp(path, a.device)
         prompts = [tok(t)["input_ids"] for t in PROMPTS]
         hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
@@ -393,7 +411,7 @@ def c_graphed_decode(a):
         print("graph capture skipped on cpu: the static-shape step runs eagerly (the same checks otherwise)")
     info = {"graphs": graphs}
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=24, ignore_eos=True)
-    for arch, path in _models(a).items():
+    for arch, path in _models(a, families=True).items():
         model, tok = _load_sharp(path, a.device)
         prompts = [tok(t)["input_ids"] for t in PROMPTS]
         hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)

@@ -238,12 +238,6 @@ class FusedDecoder:
         q, k = qk.split([self.n_q, self.n_kv], dim=-2)
         return torch.cat([self._norm(q_norm, q), self._norm(k_norm, k)], dim=-2)
 
-    @property
-    def llama_layers(self) -> bool:
-        """Every layer is Llama's / Qwen2's (no per-head q / k norms, no post norms, rotary over whole heads): what
-        the static-shape step (`graphed_decode`) computes."""
-        return self.rope == "half" and not any(self.qk_norms) and not any(self.post_norms)
-
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's `rotary_emb` output -> the tables `rotate` multiplies by (`ROPE`)."""
         if self.rope == "pairs_from_half":

@@ -188,16 +188,18 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     from transformers.activations import ACT2FN
 
     d, n_q, n_kv, scaling = fused.head_dim, fused.n_q, fused.n_kv, fused.scaling
-    group, half, qk_width = n_q // n_kv, d // 2, (n_q + n_kv) * d
+    group, qk_width = n_q // n_kv, (n_q + n_kv) * d
     layers = fused.inner.layers
     eps = {float(getattr(norm, "variance_epsilon", getattr(norm, "eps", -1.0)))
-           for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
+           for i, layer in enumerate(layers)
+           for norm in (layer.input_layernorm, layer.post_attention_layernorm, *fused.qk_norms[i],
+                        *fused.post_norms[i])}
     if len(eps) != 1 or min(eps) < 0:
         return None
     eps_value = eps.pop()
     act_name = getattr(text_config(fused.model), "hidden_act", None)
     # one activation object for every layer (a per-layer module would be a guard, hence a compile, per layer)
-    act = F.silu if act_name == "silu" else (ACT2FN[act_name] if act_name else layers[0].mlp.act_fn)
+    act = F.silu if act_name == "silu" else (ACT2FN[act_name] if act_name else fused.acts[0])
 
     def attend(q, k, v, attn, write):
         b = q.shape[0]
@@ -217,19 +219,24 @@ def layer_step_fn(fused, attention: str = "sdpa"):
         return flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=group > 1)
 
     def layer_step(x, cos, sin, attn, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w,
-                   down_b):
+                   down_b, q_norm=None, k_norm=None, post_attn=None, post_mlp=None):
+        """(q_norm, k_norm: Qwen3's per-head norm weights; post_attn, post_mlp: GLM-4's post norm weights; None
+        where the layers have none)"""
         b = x.shape[0]
         lb = attn[0].shape[-1] if attention == "sdpa" else attn[2].shape[-1] * FLEX_BLOCK
         qkv = F.linear(_rms(x, ln1, eps_value), qkv_w, qkv_b)
         qk = qkv[:, :qk_width].view(b, n_q + n_kv, d)
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-        q, k = qk.split([n_q, n_kv], dim=1)
+        if q_norm is not None:
+            q, k = qk.split([n_q, n_kv], dim=1)
+            qk = torch.cat([_rms(q, q_norm, eps_value), _rms(k, k_norm, eps_value)], dim=1)
+        q, k = fused.rotate(qk, cos, sin).split([n_q, n_kv], dim=1)
         kc[rows, :, write] = k
         vc[rows, :, write] = qkv[:, qk_width:].view(b, n_kv, d)
-        o = attend(q, kc[:b, :, :lb], vc[:b, :, :lb], attn, write)
-        x = x + F.linear(o.reshape(b, n_q * d), o_w, o_b)
+        o = F.linear(attend(q, kc[:b, :, :lb], vc[:b, :, :lb], attn, write).reshape(b, n_q * d), o_w, o_b)
+        x = x + (o if post_attn is None else _rms(o, post_attn, eps_value))
         gate, up = F.linear(_rms(x, ln2, eps_value), gate_up_w).chunk(2, dim=-1)
-        return x + F.linear(act(gate) * up, down_w, down_b)
+        mlp = F.linear(act(gate) * up, down_w, down_b)
+        return x + (mlp if post_mlp is None else _rms(mlp, post_mlp, eps_value))
 
     def flex_layer_step(*args):
         return layer_step(*args)
@@ -329,25 +336,28 @@ class GraphedDecoder:
         f, s = self.fused, self.state
         inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
-        half = d // 2
         write, rows = s["write"][:b], self.arange[:b]
         cols = self.columns[:lb]
         mask = ((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :]
         x = inner.embed_tokens(s["tokens"][:b])  # [b, E]
-        cos, sin = inner.rotary_emb(x[:1], s["positions"][:b, None])  # [b, 1, D]: broadcast over the heads
+        cos, sin = f.rope_tables(*inner.rotary_emb(x[:1], s["positions"][:b, None]))  # [b, 1, D]: over the heads
         for i, layer in enumerate(inner.layers):
             qkv = f._apply(f._norm(layer.input_layernorm, x), f.qkv[i])
             qk = qkv[:, : (n_q + n_kv) * d].view(b, n_q + n_kv, d)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q, k = qk.split([n_q, n_kv], dim=1)
+            if f.qk_norms[i]:  # Qwen3: RMSNorm over each query / key head
+                qk = f.norm_heads(qk, i)
+            q, k = f.rotate(qk, cos, sin).split([n_q, n_kv], dim=1)
             v = qkv[:, (n_q + n_kv) * d :].view(b, n_kv, d)
             self.kc[i][rows, :, write] = k
             self.vc[i][rows, :, write] = v
             o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
                                    self.vc[i][:b, :, :lb], mask)
-            x = x + f._apply(o.reshape(b, n_q * d), f.o[i])
+            o = f._apply(o.reshape(b, n_q * d), f.o[i])
+            post = f.post_norms[i]  # GLM-4: a norm on each branch before its residual add
+            x = x + (f._norm(post[0], o) if post else o)
             gate, up = f._apply(f._norm(layer.post_attention_layernorm, x), f.gate_up[i]).chunk(2, dim=-1)
-            x = x + f._apply(layer.mlp.act_fn(gate) * up, f.down[i])
+            mlp = f._apply(f.acts[i](gate) * up, f.down[i])
+            x = x + (f._norm(post[1], mlp) if post else mlp)
         return f._apply(f._norm(inner.norm, x), f.head)
 
     def _forward_compiled(self, b: int, lb: int) -> torch.Tensor:
@@ -365,11 +375,13 @@ class GraphedDecoder:
             cols = self.columns[:lb]
             attn = (((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :],)
         x = inner.embed_tokens(s["tokens"][:b])
-        cos, sin = inner.rotary_emb(x[:1], s["positions"][:b, None])
+        cos, sin = f.rope_tables(*inner.rotary_emb(x[:1], s["positions"][:b, None]))
         for i, layer in enumerate(inner.layers):
+            extra = [n.weight for n in f.qk_norms[i]] or [None, None]
+            extra += [n.weight for n in f.post_norms[i]] or [None, None]
             x = self._layer(x, cos, sin, attn, rows, write, self.kc[i], self.vc[i], layer.input_layernorm.weight,
                             f.qkv[i][0], f.qkv[i][1], f.o[i][0], f.o[i][1], layer.post_attention_layernorm.weight,
-                            f.gate_up[i][0], f.down[i][0], f.down[i][1])
+                            f.gate_up[i][0], f.down[i][0], f.down[i][1], *extra)
         return f._apply(f._norm(inner.norm, x), f.head)
 
     def _record(self, b: int, tokens: torch.Tensor, logp: torch.Tensor) -> None:
@@ -569,11 +581,9 @@ def native_decode_options(enforce_eager: bool | None, device_type: str,
 
 def decoder_for(engine, model) -> GraphedDecoder | None:
     """The engine's static-shape decoder for `model` (kept across calls: its graphs and buffers are reused), or
-    None where it does not apply (static decode off, no fused decoder for this model, or one whose layers are not
-    Llama's / Qwen2's: per-head q / k norms, GLM-4's post norms and paired rotary, which its layer step does not
-    compute)."""
+    None where it does not apply (static decode off, no fused decoder for this model)."""
     fused = engine._fused
-    if not engine.static_decode or fused is None or fused.model is not model or not fused.llama_layers:
+    if not engine.static_decode or fused is None or fused.model is not model:
         return None
     graphed = getattr(engine, "_graphed", None)
     if graphed is None or graphed.fused is not fused:
