@@ -23,6 +23,19 @@ def load(path, sharpen: float = 0.0):
     return model, tok
 
 
+def load_family(layer_kind_dir, model_type: str):
+    """Model + tokenizer of the tiny `model_type` model of `tests/layer_kinds.py` (fp32, eval)."""
+    path = layer_kind_dir(model_type)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def assert_same_rows(out, ref, atol: float) -> None:
+    """Two engines' outputs: the same tokens, logprobs within `atol`."""
+    assert out.response_ids == ref.response_ids
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def qwen(tiny_model_dir):
     return load(tiny_model_dir)

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS, assert_reads_new_weights, prompt_ids, reference_logprobs, staggered_greedy
+from tests.rollout.conftest import (PROMPTS, assert_reads_new_weights, assert_same_rows, load_family, prompt_ids,
+                                    reference_logprobs, staggered_greedy)
 from tiller.errors import UserError
 from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
 from tiller.rollout.graphed_decode import (bucket_for, capture_sizes, native_decode_options, row_keys,
@@ -76,11 +77,7 @@ def test_static_step_equals_the_eager_engine(arch, request):
 def test_static_step_runs_qwen3_and_glm4_layers(model_type, layer_kind_dir):
     """Qwen3's per-head q / k norms and GLM-4's post norms, fused gate-up and half-head paired rotary in the static
     step, eager and with the layer body compiled (what a GPU captures): greedy rows equal HF `generate`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = layer_kind_dir(model_type)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    model, tok = load_family(layer_kind_dir, model_type)
     prompts = prompt_ids(tok, MORE_PROMPTS)
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=12, ignore_eos=True)
     hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
@@ -90,9 +87,7 @@ def test_static_step_runs_qwen3_and_glm4_layers(model_type, layer_kind_dir):
     for engine in engines:
         out = engine.generate(prompts, greedy)
         assert engine._graphed is not None and engine._graphed.eager_steps == 11
-        assert out.response_ids == hf.response_ids
-        for a, b in zip(out.logprobs, hf.logprobs):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+        assert_same_rows(out, hf, atol=1e-4)
     assert len(engines) == 1 or (engines[1]._graphed._layer is not None and engines[1]._graphed.compile_error is None)
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS, prompt_ids
+from tests.rollout.conftest import PROMPTS, assert_same_rows, load_family, prompt_ids
 from tiller.rollout import SamplingParams, build_rollout_engine
 from tiller.rollout.fused_decode import FusedDecoder, can_pack
 from tiller.rollout.native import KVBuffer
@@ -35,13 +35,9 @@ def test_fused_step_on_qwen3_and_glm4_equals_hf_token_for_token(model_type, laye
     """Qwen3 (per-head q / k norms) and GLM-4 (post norms, fused gate-up, paired rotary on half of each head) decode
     on the fused step, eager and prepacked, and the same step compiled: greedy rows equal HF `generate`, logprobs to
     1e-5."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tiller.rollout import compiled_decode
 
-    path = layer_kind_dir(model_type)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    model, tok = load_family(layer_kind_dir, model_type)
     prompts = prompt_ids(tok, MORE_PROMPTS)
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=16, ignore_eos=True)
     hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
@@ -52,9 +48,7 @@ def test_fused_step_on_qwen3_and_glm4_equals_hf_token_for_token(model_type, laye
     for engine in engines:
         out = engine.generate(prompts, greedy)
         assert engine._fused is not None and (any(engine._fused.qk_norms) or any(engine._fused.post_norms))
-        assert out.response_ids == hf.response_ids
-        for a, b in zip(out.logprobs, hf.logprobs):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+        assert_same_rows(out, hf, atol=1e-5)
     assert engines[-1]._fused.compiled is not None or len(engines) == 1
 
 
