@@ -1,4 +1,5 @@
-"""A fused one-token decode step for Llama-family decoders (Llama, Qwen2), used by the native engine.
+"""A fused one-token decode step for Llama-family decoders (Llama, Qwen2, Qwen3, GLM-4: `SUPPORTED`), used by the
+native engine.
 
 Hugging Face's modules run q, k, v and gate, up as separate matmuls and go through generic attention
 dispatch each step. At decode time (one new token per row, `M = rows`), those matmuls are small and the
