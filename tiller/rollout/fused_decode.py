@@ -239,6 +239,12 @@ class FusedDecoder:
         q, k = qk.split([self.n_q, self.n_kv], dim=-2)
         return torch.cat([self._norm(q_norm, q), self._norm(k_norm, k)], dim=-2)
 
+    def add_branch(self, x: torch.Tensor, out: torch.Tensor, layer: int, branch: int) -> torch.Tensor:
+        """The residual add of layer `layer`'s attention (`branch` 0) or MLP (1) output: GLM-4 normalises the output
+        first (its post norms), the others add it as it is."""
+        post = self.post_norms[layer]
+        return x + (self._norm(post[branch], out) if post else out)
+
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's `rotary_emb` output -> the tables `rotate` multiplies by (`ROPE`)."""
         if self.rope == "pairs_from_half":
@@ -314,11 +320,9 @@ class FusedDecoder:
                                                        enable_gqa=group > 1).transpose(1, 2)
                 outs.append(o.reshape(b * t, n_q * d))
             o = self._apply(torch.cat(outs) if len(outs) > 1 else outs[0], self.o[i])
-            post = self.post_norms[i]  # GLM-4: a norm on each branch before its residual add
-            x = x + (self._norm(post[0], o) if post else o)
+            x = self.add_branch(x, o, i, 0)
             gate, up = self._apply(self._norm(layer.post_attention_layernorm, x), self.gate_up[i]).chunk(2, dim=-1)
-            mlp = self._apply(self.acts[i](gate) * up, self.down[i])
-            x = x + (self._norm(post[1], mlp) if post else mlp)
+            x = self.add_branch(x, self._apply(self.acts[i](gate) * up, self.down[i]), i, 1)
         # each row's last token: offset of the part + (row + 1) * T - 1
         last, offset = [], 0
         for b, t in shapes:

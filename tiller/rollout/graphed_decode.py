@@ -352,12 +352,9 @@ class GraphedDecoder:
             self.vc[i][rows, :, write] = v
             o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
                                    self.vc[i][:b, :, :lb], mask)
-            o = f._apply(o.reshape(b, n_q * d), f.o[i])
-            post = f.post_norms[i]  # GLM-4: a norm on each branch before its residual add
-            x = x + (f._norm(post[0], o) if post else o)
+            x = f.add_branch(x, f._apply(o.reshape(b, n_q * d), f.o[i]), i, 0)
             gate, up = f._apply(f._norm(layer.post_attention_layernorm, x), f.gate_up[i]).chunk(2, dim=-1)
-            mlp = f._apply(f.acts[i](gate) * up, f.down[i])
-            x = x + (f._norm(post[1], mlp) if post else mlp)
+            x = f.add_branch(x, f._apply(f.acts[i](gate) * up, f.down[i]), i, 1)
         return f._apply(f._norm(inner.norm, x), f.head)
 
     def _forward_compiled(self, b: int, lb: int) -> torch.Tensor:
