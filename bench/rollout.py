@@ -172,14 +172,16 @@ def cuda_rates(size: int = 8192, dtype=torch.bfloat16) -> tuple[float, float]:
     return flops, copy
 
 
-ARCHS = ("qwen2", "qwen3_5", "qwen3", "glm4")
+ARCHS = ("qwen2", "qwen3_5", "qwen3", "glm4", "qwen3_moe")
 """`--arch`: the kit's Qwen2, or another family at the same width and depth, head dim 64, a quarter as many kv heads
 as query heads: Qwen3.5's hybrid text model (`qwen3_5_text`): 3 Gated DeltaNet (linear attention, a recurrent state
 per row) layers to 1 gated full-attention layer as the hub models, the linear heads of Qwen3.5-2B's proportions (half
 as many key heads as value heads); HF `generate` keeps the recurrent states in transformers' own cache, the native
 engine in its `KVBuffer` slots (`tiller.models.layer_masks`), both through transformers' PyTorch fallbacks of the
 recurrence (no flash-linear-attention on a CPU). Qwen3 (per-head q / k norms) and GLM-4 (post-attention / post-MLP
-norms, fused gate-up, rotary on half of each head), which the fused step runs."""
+norms, fused gate-up, rotary on half of each head), which the fused step runs; Qwen3-MoE (Qwen3's attention, every
+MLP 32 experts of a quarter of the dense width, top-4, as Qwen3-30B-A3B's are 128 of 0.375x, top-8), whose experts
+blocks the fused step runs as the model's module."""
 
 
 def build_hybrid(model_dir: Path, spec: dict, model_type: str = "qwen3_5_text") -> Path:
@@ -195,6 +197,9 @@ def build_hybrid(model_dir: Path, spec: dict, model_type: str = "qwen3_5_text") 
     hidden, layers = plain.hidden_size, plain.num_hidden_layers
     heads = max(2, hidden // 64)
     extra = {}
+    if model_type == "qwen3_moe":
+        extra = dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=max(8, plain.intermediate_size // 4),
+                     norm_topk_prob=True)
     if model_type == "qwen3_5_text":
         extra = dict(linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=64,
                      linear_value_head_dim=64, full_attention_interval=4)
@@ -332,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2M,30M,120M", help=f"comma list of {sorted(SIZES)}")
     parser.add_argument("--arch", default="qwen2", choices=ARCHS,
-                        help="another family at each size: qwen3_5 (Gated DeltaNet + attention), qwen3, glm4 (ARCHS)")
+                        help="another family at each size: qwen3_5 (Gated DeltaNet + attention), qwen3, glm4, qwen3_moe (ARCHS)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--engines", default=None, help="comma list; default native,hf (+vllm when installed)")
     parser.add_argument("--prompts", default="64", help="prompt count; a comma list runs one row per count")

@@ -112,9 +112,10 @@ def c_algos(a):
 
 
 def _models(a, families: bool = False):
-    """The kit's tiny Qwen2 and Llama; `families`: also a tiny Qwen3 (per-head q / k norms) and GLM-4 (post norms,
-    fused gate-up, paired rotary on half of each head) with the same tokenizer, the other layers the fused and static
-    steps run."""
+    """The kit's tiny Qwen2 and Llama; `families`: also a tiny Qwen3 (per-head q / k norms), GLM-4 (post norms,
+    fused gate-up, paired rotary on half of each head) and Qwen3-MoE (8 experts, top-2: the experts block runs as the
+    model's module, under graphs transformers' `grouped_mm`) with the same tokenizer, the other layers the fused and
+    static steps run."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tiller.models.checkpoint import save_pretrained_atomic
@@ -126,14 +127,16 @@ def _models(a, families: bool = False):
         if not (path / "config.json").exists():
             make_tiny_model(path, arch=arch, n_params=1_000_000, seed=0)
         out[arch] = path
-    for model_type in ("qwen3", "glm4") if families else ():
+    experts = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)}
+    for model_type in ("qwen3", "glm4", "qwen3_moe") if families else ():
         path = a.work / f"tiny-{model_type}"
         if not (path / "config.json").exists():
             tok = AutoTokenizer.from_pretrained(out["qwen2"])
             config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=128, intermediate_size=256,
                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                           head_dim=32, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                          **experts.get(model_type, {}))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 save_pretrained_atomic(path, AutoModelForCausalLM.from_config(config), tok)

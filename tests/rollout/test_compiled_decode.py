@@ -54,3 +54,31 @@ def test_compile_refused_without_a_compiler(qwen, monkeypatch):
     monkeypatch.setattr(compiled_decode, "available", lambda device_type="cpu": False)
     with pytest.raises(UserError, match="C\\+\\+ compiler"):
         build_rollout_engine("native", model, tok, compile_decode=True)
+
+
+def test_each_compiled_step_has_its_own_dynamo_cache():
+    """Dynamo keeps at most `recompile_limit` graphs per code object: steps compiled for 9 engines on one code object
+    fail on the ninth under fullgraph=True; `own_code` gives each its own (backend "eager": Dynamo's caching alone)."""
+    import torch._dynamo
+
+    class Step:
+        def __init__(self, k: int):
+            self.kind = f"kind{k}"  # a string the graph branches on: each instance is another graph
+
+        def graph(self, x):
+            return x + 1 if self.kind == "kind0" else x * len(self.kind)
+
+    limit = torch._dynamo.config.recompile_limit
+    x = torch.ones(2)
+    torch._dynamo.reset()
+    try:
+        shared = [torch.compile(Step(k).graph, backend="eager", fullgraph=True) for k in range(limit + 1)]
+        for fn in shared[:limit]:
+            fn(x)
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            shared[limit](x)
+        own = [torch.compile(compiled_decode.own_code(Step(k).graph), backend="eager", fullgraph=True)
+               for k in range(limit + 1)]
+        assert [fn(x)[0].item() for fn in own] == [2.0] + [float(len(f"kind{k}")) for k in range(1, limit + 1)]
+    finally:
+        torch._dynamo.reset()

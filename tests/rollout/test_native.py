@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from tests.rollout.conftest import PROMPTS, assert_same_rows, load_family, prompt_ids
-from tiller.rollout import SamplingParams, build_rollout_engine
+from tests.layer_kinds import MOE
+from tests.rollout.conftest import PROMPTS, assert_same_rows, load_family, prompt_ids, staggered_greedy
+from tiller.rollout import SamplingParams, build_rollout_engine, fused_decode
 from tiller.rollout.fused_decode import FusedDecoder, can_pack
 from tiller.rollout.native import KVBuffer
 from tiller.rollout.sampling import draw_from, warp_logits
@@ -50,6 +51,36 @@ def test_fused_step_on_qwen3_and_glm4_equals_hf_token_for_token(model_type, laye
         assert engine._fused is not None and (any(engine._fused.qk_norms) or any(engine._fused.post_norms))
         assert_same_rows(out, hf, atol=1e-5)
     assert engines[-1]._fused.compiled is not None or len(engines) == 1
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_fused_step_runs_experts_layers_as_hf_does(model_type, layer_kind_dir):
+    """Qwen3-MoE (a dense first layer), Qwen2-MoE (a dense layer, a shared expert, q / k / v biases) and Mixtral (experts
+    in every layer): the fused step runs their attention fused and each experts block as the model's module, eager,
+    prepacked and (Qwen2-MoE) compiled, the block an opaque op; the continuous batcher on the same step. Greedy rows equal HF
+    `generate`, logprobs to 1e-5."""
+    from tiller.rollout import compiled_decode
+
+    model, tok = load_family(layer_kind_dir, model_type)
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=16, ignore_eos=True)
+    hf = build_rollout_engine("hf", model, tok).generate(prompts, greedy)
+    assert len(set(map(tuple, hf.response_ids))) == len(prompts)
+    engines = [build_rollout_engine("native", model, tok, prefill_tokens=16)]
+    if compiled_decode.available() and model_type == "qwen2_moe":  # (one family compiled: ~15 s each)
+        engines.append(build_rollout_engine("native", model, tok, compile_decode=True))
+    for engine in engines:
+        out = engine.generate(prompts, greedy)
+        experts = [lin is None for lin in engine._fused.gate_up]
+        assert any(experts) and experts == [fused_decode.is_experts(layer.mlp) for layer in model.model.layers]
+        # (1e-4: these logits reach ~|10|, and fp32 summation order moves a logprob by ~1e-5; an expert routed
+        # differently moves it by ~1e-1)
+        assert_same_rows(out, hf, atol=1e-4)
+    assert engines[-1]._fused.compiled is not None or len(engines) == 1
+    # rows joining and leaving the continuous batcher at different steps (its slot cache, the same fused step)
+    outs, _ = staggered_greedy(engines[0], prompts, 16, max_rows=3)
+    for k, out in enumerate(outs):
+        assert out.response_ids[0] == hf.response_ids[2 * k][: 16 - k]
 
 
 def test_rows_leaving_the_batch_do_not_change_others(sharp_qwen):

@@ -21,8 +21,8 @@ from tiller.workers.common import response_forward
 from tests.vision.slots import for_model
 
 V = "<|vision_start|><|image_pad|><|vision_end|>"
-NO_FUSED_STEP = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-"""Decoded by the HF forward: MoE layers, Gated DeltaNet layers."""
+NO_FUSED_STEP = ("qwen3_5", "qwen3_5_moe")
+"""Decoded by the HF forward: Gated DeltaNet layers. (Qwen3-VL-MoE's experts blocks run inside the fused step.)"""
 # (text, image sizes): grids 8 x 10, 14 x 6, and two images (8 x 8, 12 x 6) -> 20, 21 and 16 + 18 image tokens
 SPECS = [("a" + V + "how many?", [(64, 48)]), (V, [(32, 96)]), ("count " + V + " and " + V + " now", [(64, 64), (40, 80)])]
 

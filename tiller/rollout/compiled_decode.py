@@ -6,9 +6,10 @@ small ops per layer (RMSNorm, rotary, SiLU-times-up, residual adds, the cache wr
 dispatch, and right after a matmul that streamed megabytes of weights through the caches it runs cold: in eager
 mode they are ~15-20% of a 16-row step of a 30M model. Compiled, Inductor fuses them into a few C++ loops.
 
-The matmuls and the attention stay what they are in eager mode, wrapped as opaque custom ops
-(`tiller::packed_linear`, `tiller::decode_attention`) that look their weights / cache up in a registry by an
-integer handle, so Inductor never sees the oneDNN-prepacked tensors (it cannot trace them) and a weight sync
+The matmuls, the attention and any mixture-of-experts block stay what they are in eager mode, wrapped as opaque
+custom ops (`tiller::packed_linear`, `tiller::decode_attention`, `tiller::experts`) that look their weights / cache
+up in a registry by an integer handle, so Inductor never sees the oneDNN-prepacked tensors (it cannot trace them), nor
+an experts block's data-dependent routing, and a weight sync
 (new packed tensors under the same handle) needs no recompile. The graph is compiled once for any row count
 (`dynamic=True`; one row is a second, specialised graph); the first step of each compiles (~10-30 s on 2 cores,
 once per process). It needs a C++ compiler (Inductor's CPU backend) or Triton (CUDA); `available()` says whether
@@ -23,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import shutil
+import types
 import weakref
 
 import torch
@@ -63,6 +65,15 @@ def _define_ops() -> None:
     def _(q, k, v, handle, layer):
         return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
+    # a mixture-of-experts block (data-dependent routing) run as the model's module, opaque to the graph
+    @torch.library.custom_op("tiller::experts", mutates_args=())
+    def experts(h: torch.Tensor, handle: int, layer: int) -> torch.Tensor:
+        return _REGISTRY[handle].fused.mlp(h, layer)
+
+    @experts.register_fake
+    def _(h, handle, layer):
+        return torch.empty_like(h)
+
     _OPS_DEFINED = True
 
 
@@ -75,7 +86,7 @@ class CompiledStep:
         self.handle = next(_HANDLES)
         _REGISTRY[self.handle] = self
         self._mask = self._cache = None
-        self._fn = torch.compile(self._graph, dynamic=True, fullgraph=True)
+        self._fn = torch.compile(own_code(self._graph), dynamic=True, fullgraph=True)
 
     def close(self) -> None:
         _REGISTRY.pop(self.handle, None)
@@ -106,7 +117,9 @@ class CompiledStep:
         inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
         b = x.shape[0]
-        width = [(len_of(f.qkv[0])), len_of(f.o[0]), len_of(f.gate_up[0]), len_of(f.down[0])]
+        dense = next((i for i, lin in enumerate(f.gate_up) if lin is not None), None)
+        width = [len_of(f.qkv[0]), len_of(f.o[0])]
+        width += [len_of(f.gate_up[dense]), len_of(f.down[dense])] if dense is not None else [0, 0]
         for i, layer in enumerate(inner.layers):
             qkv = torch.ops.tiller.packed_linear(_rms(layer.input_layernorm, x), h, 4 * i, width[0])
             qk = qkv[:, : (n_q + n_kv) * d].view(b, n_q + n_kv, d)
@@ -119,9 +132,12 @@ class CompiledStep:
             o = torch.ops.tiller.packed_linear(o, h, 4 * i + 1, width[1])
             post = f.post_norms[i]  # GLM-4: a norm on each branch before its residual add
             x = x + (_rms(post[0], o) if post else o)
-            gate, up = torch.ops.tiller.packed_linear(_rms(layer.post_attention_layernorm, x), h, 4 * i + 2,
-                                                      width[2]).chunk(2, dim=-1)
-            mlp = torch.ops.tiller.packed_linear(f.acts[i](gate) * up, h, 4 * i + 3, width[3])
+            if f.gate_up[i] is None:  # an experts layer
+                mlp = torch.ops.tiller.experts(_rms(layer.post_attention_layernorm, x), h, i)
+            else:
+                gate, up = torch.ops.tiller.packed_linear(_rms(layer.post_attention_layernorm, x), h, 4 * i + 2,
+                                                          width[2]).chunk(2, dim=-1)
+                mlp = torch.ops.tiller.packed_linear(f.acts[i](gate) * up, h, 4 * i + 3, width[3])
             x = x + (_rms(post[1], mlp) if post else mlp)
         return torch.ops.tiller.packed_linear(_rms(inner.norm, x), h, 4 * len(inner.layers), len_of(f.head))
 
@@ -135,6 +151,19 @@ class CompiledStep:
             return self._fn(x, cos, sin)
         finally:
             self._mask = self._cache = None
+
+
+def own_code(fn):
+    """`fn` (a function or a bound method) running a copy of its code object. Dynamo keeps the graphs it compiles per
+    code object, at most `recompile_limit` (8) of them, and a step compiled for another model or engine is one more
+    graph of the same code: a process that compiled 8 engines' steps would fail on the ninth (a hard error under
+    `fullgraph=True`). With a code object of its own, each compiled step has its own cache, freed with it."""
+    func = getattr(fn, "__func__", fn)
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    bound = getattr(fn, "__self__", None)
+    return copy if bound is None else types.MethodType(copy, bound)
 
 
 def len_of(lin: tuple) -> int:

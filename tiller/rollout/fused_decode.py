@@ -1,5 +1,5 @@
-"""A fused one-token decode step for Llama-family decoders (Llama, Qwen2, Qwen3, GLM-4: `SUPPORTED`), used by the
-native engine.
+"""A fused one-token decode step for Llama-family decoders (Llama, Qwen2, Qwen3, GLM-4, and the mixture-of-experts
+Qwen2-MoE, Qwen3-MoE, Mixtral: `SUPPORTED`), used by the native engine.
 
 Hugging Face's modules run q, k, v and gate, up as separate matmuls and go through generic attention
 dispatch each step. At decode time (one new token per row, `M = rows`), those matmuls are small and the
@@ -37,7 +37,8 @@ from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4", "glm4v")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4", "glm4v", "qwen2_moe", "qwen3_moe",
+             "qwen3_vl_moe", "mixtral")
 """Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
 M-RoPE: at decode time a response token's (t, h, w) positions are equal, where M-RoPE (Qwen3-VL's interleaved
 M-RoPE too) is the 1D rotary embedding, and the model's own `rotary_emb` computes it from [B, T] positions; image
@@ -46,7 +47,11 @@ RMSNorm over each query / key head (`q_norm`, `k_norm`) before the rotary embedd
 deepstack features only touch image tokens, which are all in the prompt. GLM-4's layers (GLM-4-0414, GLM-Z1; GLM-4.1V's
 language model, with M-RoPE as above) add an RMSNorm after attention and after the MLP, before each residual add,
 keep gate and up in one matrix (`gate_up_proj`), and rotate only the first part of each head (`partial_rotary_factor`)
-with adjacent pairs (dims 2i, 2i + 1) where Llama pairs halves (`ROPE`)."""
+with adjacent pairs (dims 2i, 2i + 1) where Llama pairs halves (`ROPE`). The mixture-of-experts families (Qwen2-MoE,
+Qwen3-MoE, Qwen3-VL-MoE, Mixtral) are these attention layers with an experts block in place of the MLP in some or all
+layers: the step fuses their attention and dense MLPs and runs each experts block as the model's own module
+(`FusedDecoder.mlp`: its router, top-k and experts implementation, e.g. transformers' `grouped_mm`, which keeps the
+routing on the device, so a CUDA graph can record it)."""
 ROPE = {"glm4": "pairs_from_half", "glm4v": "pairs"}
 """How a model type's rotary embedding pairs dims (default "half": dim i with i + D / 2, over the whole head).
 "pairs": dims 2i and 2i + 1 over the first `cos.shape[-1]` dims, the rest passed through (GLM-4.1V, whose
@@ -68,13 +73,15 @@ def text_config(model):
 
 
 def supports(model) -> bool:
-    """True for a plain (no adapters) Llama / Qwen2 / Qwen3 / Qwen2-VL / Qwen3-VL / GLM-4 / GLM-4.1V model with full
-    attention in every layer."""
+    """True for a plain (no adapters) model of a `SUPPORTED` type with full attention in every layer."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in SUPPORTED or decoder_stack(model) is None:
         return False
     config = text_config(model)
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
+            and not getattr(config, "layer_types", None):  # e.g. a Mixtral with a window: every layer slides
         return False
     if getattr(config, "pretraining_tp", 1) != 1:
         return False
@@ -83,18 +90,28 @@ def supports(model) -> bool:
     linear_names = ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in decoder_stack(model).layers:
         mlp = layer.mlp
-        mlp_names = ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj",
-                                                                                         "down_proj")
         mods = [getattr(layer.self_attn, n, None) for n in linear_names]
-        mods += [getattr(mlp, n, None) for n in mlp_names]
-        if any(type(m) is not torch.nn.Linear for m in mods) or mlp_act(mlp) is None:
-            return False
-        if any(getattr(mlp, n).bias is not None for n in mlp_names[:-1]):
-            return False
+        if is_experts(mlp):
+            if any(type(m) is not torch.nn.Linear for m in mods):
+                return False
+        else:
+            mlp_names = ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj",
+                                                                                             "down_proj")
+            mods += [getattr(mlp, n, None) for n in mlp_names]
+            if any(type(m) is not torch.nn.Linear for m in mods) or mlp_act(mlp) is None:
+                return False
+            if any(getattr(mlp, n).bias is not None for n in mlp_names[:-1]):
+                return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms(layer), *post_norms(layer)]
         if not all(hasattr(n, "variance_epsilon") for n in norms):
             return False
     return True
+
+
+def is_experts(mlp) -> bool:
+    """A mixture-of-experts block (a router and `experts`, e.g. Qwen3-MoE's `Qwen3MoeSparseMoeBlock`), not a dense
+    MLP: the step runs it as the model's own module."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and not hasattr(mlp, "up_proj")
 
 
 def post_norms(layer) -> tuple:
@@ -197,8 +214,9 @@ class FusedDecoder:
                 qkv_b = torch.cat(biases) if biases[0] is not None else None
                 self.qkv.append(self._linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b))
                 self.o.append(self._linear(a.o_proj.weight, a.o_proj.bias))
-                self.gate_up.append(self._linear(gate_up_weight(m), None))
-                self.down.append(self._linear(m.down_proj.weight, m.down_proj.bias))
+                experts = is_experts(m)  # no fused copies: the block runs as the model's module (`mlp`)
+                self.gate_up.append(None if experts else self._linear(gate_up_weight(m), None))
+                self.down.append(None if experts else self._linear(m.down_proj.weight, m.down_proj.bias))
             head = self.model.lm_head
             self.head = self._linear(head.weight, head.bias)
             if old is not None and not self.pack:
@@ -209,9 +227,11 @@ class FusedDecoder:
         """Copy the rebuilt weights into the previous tensors and keep those: a CUDA graph captured on them
         (`tiller.rollout.graphed_decode`) then runs the synced weights without recapture."""
         new = [*self.qkv, *self.o, *self.gate_up, *self.down, self.head]
-        if len(old) != len(new) or any(not _same_layout(a, b) for o, n in zip(old, new) for a, b in zip(o[:2], n[:2])):
+        pairs = [(o, n) for o, n in zip(old, new) if o is not None or n is not None]  # (None: an experts layer)
+        if len(old) != len(new) or any(o is None or n is None for o, n in pairs) \
+                or any(not _same_layout(a, b) for o, n in pairs for a, b in zip(o[:2], n[:2])):
             return
-        for o, n in zip(old, new):
+        for o, n in pairs:
             for a, b in zip(o[:2], n[:2]):
                 if a is not None and a.data_ptr() != b.data_ptr():
                     a.copy_(b)
@@ -244,6 +264,15 @@ class FusedDecoder:
         first (its post norms), the others add it as it is."""
         post = self.post_norms[layer]
         return x + (self._norm(post[branch], out) if post else out)
+
+    def mlp(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer `layer`'s MLP on its normalised input h [N, E]: the fused gate-up and down matmuls, or an experts
+        block run as the model's own module (router, top-k, experts; each token on its own, as in HF's forward)."""
+        if self.gate_up[layer] is None:
+            out = self.inner.layers[layer].mlp(h.unsqueeze(0))
+            return (out[0] if isinstance(out, tuple) else out).squeeze(0)  # (blocks that return router logits too)
+        gate, up = self._apply(h, self.gate_up[layer]).chunk(2, dim=-1)
+        return self._apply(self.acts[layer](gate) * up, self.down[layer])
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's `rotary_emb` output -> the tables `rotate` multiplies by (`ROPE`)."""
@@ -321,8 +350,7 @@ class FusedDecoder:
                 outs.append(o.reshape(b * t, n_q * d))
             o = self._apply(torch.cat(outs) if len(outs) > 1 else outs[0], self.o[i])
             x = self.add_branch(x, o, i, 0)
-            gate, up = self._apply(self._norm(layer.post_attention_layernorm, x), self.gate_up[i]).chunk(2, dim=-1)
-            x = self.add_branch(x, self._apply(self.acts[i](gate) * up, self.down[i]), i, 1)
+            x = self.add_branch(x, self.mlp(self._norm(layer.post_attention_layernorm, x), i), i, 1)
         # each row's last token: offset of the part + (row + 1) * T - 1
         last, offset = [], 0
         for b, t in shapes:

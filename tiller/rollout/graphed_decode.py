@@ -221,7 +221,8 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     def layer_step(x, cos, sin, attn, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w,
                    down_b, q_norm=None, k_norm=None, post_attn=None, post_mlp=None):
         """(q_norm, k_norm: Qwen3's per-head norm weights; post_attn, post_mlp: GLM-4's post norm weights; None
-        where the layers have none)"""
+        where the layers have none. gate_up_w None: an experts layer, returned after attention's residual add; its
+        experts block runs after, as the model's module)"""
         b = x.shape[0]
         lb = attn[0].shape[-1] if attention == "sdpa" else attn[2].shape[-1] * FLEX_BLOCK
         qkv = F.linear(_rms(x, ln1, eps_value), qkv_w, qkv_b)
@@ -234,6 +235,8 @@ def layer_step_fn(fused, attention: str = "sdpa"):
         vc[rows, :, write] = qkv[:, qk_width:].view(b, n_kv, d)
         o = F.linear(attend(q, kc[:b, :, :lb], vc[:b, :, :lb], attn, write).reshape(b, n_q * d), o_w, o_b)
         x = x + (o if post_attn is None else _rms(o, post_attn, eps_value))
+        if gate_up_w is None:
+            return x
         gate, up = F.linear(_rms(x, ln2, eps_value), gate_up_w).chunk(2, dim=-1)
         mlp = F.linear(act(gate) * up, down_w, down_b)
         return x + (mlp if post_mlp is None else _rms(mlp, post_mlp, eps_value))
@@ -284,7 +287,7 @@ class GraphedDecoder:
             if body is None:
                 self.compile_error = "the layers' norms differ: no shared compiled layer"
             else:
-                self._layer = torch.compile(body, dynamic=True, fullgraph=True)
+                self._layer = torch.compile(compiled_decode.own_code(body), dynamic=True, fullgraph=True)
 
     # ------------------------------------------------------------------------------------- storage
     def _ensure(self, rows: int, cols: int, new_tokens: int, stop_ids: list[int]) -> None:
@@ -353,8 +356,7 @@ class GraphedDecoder:
             o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
                                    self.vc[i][:b, :, :lb], mask)
             x = f.add_branch(x, f._apply(o.reshape(b, n_q * d), f.o[i]), i, 0)
-            gate, up = f._apply(f._norm(layer.post_attention_layernorm, x), f.gate_up[i]).chunk(2, dim=-1)
-            x = f.add_branch(x, f._apply(f.acts[i](gate) * up, f.down[i]), i, 1)
+            x = f.add_branch(x, f.mlp(f._norm(layer.post_attention_layernorm, x), i), i, 1)
         return f._apply(f._norm(inner.norm, x), f.head)
 
     def _forward_compiled(self, b: int, lb: int) -> torch.Tensor:
@@ -376,9 +378,12 @@ class GraphedDecoder:
         for i, layer in enumerate(inner.layers):
             extra = [n.weight for n in f.qk_norms[i]] or [None, None]
             extra += [n.weight for n in f.post_norms[i]] or [None, None]
+            dense = f.gate_up[i] is not None  # else an experts layer: its block runs as the model's module
             x = self._layer(x, cos, sin, attn, rows, write, self.kc[i], self.vc[i], layer.input_layernorm.weight,
                             f.qkv[i][0], f.qkv[i][1], f.o[i][0], f.o[i][1], layer.post_attention_layernorm.weight,
-                            f.gate_up[i][0], f.down[i][0], f.down[i][1], *extra)
+                            *(f.gate_up[i][0], f.down[i][0], f.down[i][1]) if dense else (None, None, None), *extra)
+            if not dense:
+                x = f.add_branch(x, f.mlp(f._norm(layer.post_attention_layernorm, x), i), i, 1)
         return f._apply(f._norm(inner.norm, x), f.head)
 
     def _record(self, b: int, tokens: torch.Tensor, logp: torch.Tensor) -> None:
