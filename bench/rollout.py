@@ -9,7 +9,8 @@ lengths vary (stop ids), where sharing a prompt's prefill and dropping finished 
     {"model": "30M", "params": ..., "dtype": "float32", "native_tok_s": ..., "hf_tok_s": ...,
      "ratio_native_over_hf": ..., "native_gflops": ..., "hf_gflops": ..., "gemm_peak_gflops": ...}
 
-GFLOP/s is approximate: 2 x params x generated tokens / s (prefill and attention not counted).
+GFLOP/s is approximate: 2 x params x generated tokens / s (prefill and attention not counted; of a mixture-of-experts
+model the parameters a token runs through: `active_params`).
 Fixed rows also print `native_floor_tok_s`: the rate if the native engine did nothing but its matmuls (at the best
 rate its prepacked matmuls reach in this run, `floor_gemm_gflops`) and one read of each decode step's keys / values
 at this run's memory read rate (`floor_dram_gbs`); `floor_over_vllm` is that floor over vLLM's measured rate.
@@ -86,6 +87,22 @@ def dram_read_gbs(mbytes: int = 256, repeats: int = 3) -> float:
     """GB/s read from memory on this run's threads: a sum over a buffer far larger than the caches."""
     x = torch.ones(mbytes * 2**20 // 4)
     return x.numel() * 4 / best_seconds(x.sum, repeats) / 1e9
+
+
+def active_params(model) -> int:
+    """The parameters one token runs through: all of a dense model's; of an experts block only its top-k experts'
+    share (`num_experts_per_tok` / the expert count)."""
+    from tiller.rollout.fused_decode import is_experts, text_config
+
+    total = sum(p.numel() for p in model.parameters())
+    config = text_config(model)
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    if experts:
+        share = config.num_experts_per_tok / experts
+        for block in (m for m in model.modules() if is_experts(m)):
+            total -= round(sum(p.numel() for p in block.experts.parameters()) * (1 - share))
+    return total
 
 
 def layer_linears(fused) -> list[tuple]:
@@ -274,7 +291,7 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
-    params = sum(p.numel() for p in model.parameters())
+    params = active_params(model)
     prompts, sampling = workload(tokenizer, args, kind)
     built = {}
     for e in engines:
@@ -296,6 +313,9 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
            "prompts": len(prompts),
            "n": sampling.n, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
            "native_compiled": bool(args.native_compiled)}
+    total = sum(p.numel() for p in model.parameters())
+    if total != params:  # a mixture-of-experts model: "params" is what a token runs through
+        row["total_params"] = total
     if args.device != "cpu":
         row["device"] = args.device
     for e in engines:
@@ -316,6 +336,10 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
     if "native" in rates and "vllm" in rates:
         row["ratio_native_over_vllm"] = round(rates["native"] / rates["vllm"], 3)
     fused = getattr(built.get("native"), "_fused", None) or getattr(built.get("native-graphs"), "_fused", None)
+    if fused is not None and any(lin is None for lin in fused.gate_up):
+        # experts layers: a step reads the experts its rows route to, which the dense floor below does not model
+        row["floor"] = "not computed: experts layers"
+        fused = None
     if kind == "fixed" and fused is not None and args.device == "cuda":
         row.update(device_floor(fused, prompts, sampling, *args.cuda_rates))
         for e in engines:

@@ -46,12 +46,15 @@ FULL = {"qwen3": dict(head_dim=16), "glm4": dict(head_dim=16),
                           norm_topk_prob=True, mlp_only_layers=[0]),
         "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, mlp_only_layers=[1]),
-        "mixtral": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)}
+        "mixtral": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+        "glm4_moe": dict(head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         first_k_dense_replace=1, n_shared_experts=1, use_qk_norm=True, attention_bias=True)}
 """Full-attention families the fused decode step runs (`tiller.rollout.fused_decode`): Qwen3's per-head q / k norms;
 GLM-4's post-attention / post-MLP norms, fused gate-up and paired rotary on half of each head; experts blocks
 (Qwen3-MoE with a dense first layer, Qwen2-MoE with a dense second layer, a shared expert and q / k / v biases, Mixtral
-with experts in every layer; 4 experts, top-2)."""
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+with experts in every layer; GLM-4.5 with a dense first layer, sigmoid routing, a shared expert, q / k norms and
+biases, the rotary embedding on the first half of each head; 4 experts, top-2)."""
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 EAGER = ("gpt_oss", "gemma2")  # no sdpa in transformers for these (sinks, soft-cap)
 SLIDING = ("mistral", "gpt_oss", "gemma2")
 RECURRENT = ("qwen3_5_text", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "bamba")

@@ -1,5 +1,5 @@
 """A fused one-token decode step for Llama-family decoders (Llama, Qwen2, Qwen3, GLM-4, and the mixture-of-experts
-Qwen2-MoE, Qwen3-MoE, Mixtral: `SUPPORTED`), used by the native engine.
+Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5: `SUPPORTED`), used by the native engine.
 
 Hugging Face's modules run q, k, v and gate, up as separate matmuls and go through generic attention
 dispatch each step. At decode time (one new token per row, `M = rows`), those matmuls are small and the
@@ -38,7 +38,7 @@ from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4", "glm4v", "qwen2_moe", "qwen3_moe",
-             "qwen3_vl_moe", "mixtral")
+             "qwen3_vl_moe", "mixtral", "glm4_moe")
 """Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
 M-RoPE: at decode time a response token's (t, h, w) positions are equal, where M-RoPE (Qwen3-VL's interleaved
 M-RoPE too) is the 1D rotary embedding, and the model's own `rotary_emb` computes it from [B, T] positions; image
@@ -48,8 +48,9 @@ deepstack features only touch image tokens, which are all in the prompt. GLM-4's
 language model, with M-RoPE as above) add an RMSNorm after attention and after the MLP, before each residual add,
 keep gate and up in one matrix (`gate_up_proj`), and rotate only the first part of each head (`partial_rotary_factor`)
 with adjacent pairs (dims 2i, 2i + 1) where Llama pairs halves (`ROPE`). The mixture-of-experts families (Qwen2-MoE,
-Qwen3-MoE, Qwen3-VL-MoE, Mixtral) are these attention layers with an experts block in place of the MLP in some or all
-layers: the step fuses their attention and dense MLPs and runs each experts block as the model's own module
+Qwen3-MoE, Qwen3-VL-MoE, Mixtral; GLM-4.5 / 4.6, `glm4_moe`: Llama's halves rotated over the first half of each head,
+q / k norms where `use_qk_norm`, sigmoid routing with a shared expert, dense first layers) are these attention layers
+with an experts block in place of the MLP in some or all layers: the step fuses their attention and dense MLPs and runs each experts block as the model's own module
 (`FusedDecoder.mlp`: its router, top-k and experts implementation, e.g. transformers' `grouped_mm`, which keeps the
 routing on the device, so a CUDA graph can record it)."""
 ROPE = {"glm4": "pairs_from_half", "glm4v": "pairs"}
@@ -283,14 +284,17 @@ class FusedDecoder:
 
     def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The rotary embedding of q and k heads together, element for element as the model's
-        `apply_rotary_pos_emb`: qk [..., D], cos / sin broadcastable to [..., cos.shape[-1]]."""
-        if self.rope == "half":
-            half = qk.shape[-1] // 2
-            return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        `apply_rotary_pos_emb`: qk [..., D], cos / sin broadcastable to [..., cos.shape[-1]] (the first
+        cos.shape[-1] dims of each head rotated, the rest passed through: a partial rotary embedding)."""
         d = cos.shape[-1]
+        if self.rope == "half" and d == qk.shape[-1]:
+            return qk * cos + torch.cat((-qk[..., d // 2 :], qk[..., : d // 2]), dim=-1) * sin
         rot, rest = qk[..., :d], qk[..., d:]
-        pairs = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
-        return torch.cat([rot * cos + pairs * sin, rest], dim=-1)
+        if self.rope == "half":  # (GLM-4.5: halves of the first part)
+            turned = torch.cat((-rot[..., d // 2 :], rot[..., : d // 2]), dim=-1)
+        else:
+            turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat([rot * cos + turned * sin, rest], dim=-1)
 
     @staticmethod
     def _apply(x: torch.Tensor, lin: tuple) -> torch.Tensor:
