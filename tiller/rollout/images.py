@@ -18,9 +18,9 @@ and the image-token merge are the model's code; what this module adds is the eng
   holding an image token would be read as an image slot by every later forward.
 
 Decode: a response token's three M-RoPE positions are equal, where M-RoPE is the plain rotary embedding, so
-Qwen2-VL / Qwen3-VL / GLM-4.1V decode with the fused step (`fused_decode`, also compiled with `compile_decode`) at
-per-row positions `next_position + t` (Qwen3-VL-MoE and Qwen3.5, whose layers the fused step does not run, with the
-model's own forward at those positions); an image prompt's prefill always runs the HF forward (it needs the image outputs and the
+Qwen2-VL / Qwen3-VL / Qwen3-VL-MoE / GLM-4.1V decode with the fused step (`fused_decode`, also compiled with
+`compile_decode`) at per-row positions `next_position + t` (Qwen3.5, whose layers the fused step does not run, with
+the model's own forward at those positions); an image prompt's prefill always runs the HF forward (it needs the image outputs and the
 3D positions). The static-shape / CUDA-graph step (`graphed_decode`) computes positions as `len(prompt) + t`
 and samples without the vision-token mask, so a vision-language model never takes it (`NativeRolloutEngine`
 warns when it was asked for).

@@ -250,11 +250,12 @@ class NativeRolloutEngine(InProcessEngine):
     prompts run in waves), `prefill_tokens` (padded tokens per prefill chunk), `compact_fraction` (compact
     the batch once this fraction of its rows is done), `num_threads` (torch threads during generate),
     `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning),
-    `fused_decode` (Llama / Qwen2: decode with fused qkv and gate-up matmuls, `tiller.rollout.fused_decode`),
+    `fused_decode` (the `fused_decode.SUPPORTED` families: decode with fused qkv and gate-up matmuls,
+    `tiller.rollout.fused_decode`),
     `compile_decode` (that step compiled by Inductor, `tiller.rollout.compiled_decode`; verl's
     `rollout.enforce_eager=False`; needs a C++ compiler, the first decode step compiles for ~10-30 s),
     `decode_kernel` (on CPU, the fused step's one-token attention in a C kernel built once with the C compiler
-    on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply), `static_decode` (Llama / Qwen2: decode
+    on PATH, `tiller.rollout.decode_kernel`; SDPA where it does not apply), `static_decode` (the same families: decode
     with the static-shape step of `tiller.rollout.graphed_decode`, captured in CUDA graphs per batch-size bucket when
     `cuda_graphs`, each layer's body compiled by Inductor with `compile_decode`; without stop strings or a weights
     hook), `capture_sizes` (its buckets; default vLLM's), `static_attention` ("sdpa": masked SDPA over the live
