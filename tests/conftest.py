@@ -80,7 +80,8 @@ def tiny_qwen3vl_moe_dir(tmp_path_factory):
 
 
 VLM_FIXTURES = {"qwen2_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3vl_dir", "qwen3_vl_moe": "tiny_qwen3vl_moe_dir",
-                "qwen3_5": "tiny_qwen3_5_vlm_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_vlm_dir", "glm4v": "tiny_glm4v_dir"}
+                "qwen3_5": "tiny_qwen3_5_vlm_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_vlm_dir", "glm4v": "tiny_glm4v_dir",
+                "glm4v_moe": "tiny_glm4v_moe_dir"}
 
 
 @pytest.fixture(scope="session")
@@ -111,10 +112,20 @@ def tiny_glm4v_dir(tmp_path_factory):
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "glm4v", seed=0, model_type="glm4v")
 
 
+@pytest.fixture(scope="session")
+def tiny_glm4v_moe_dir(tmp_path_factory):
+    """Path to a saved ~1.5M-parameter GLM-4.5V (`glm4v_moe`: GLM-4.1V's vision tower before GLM-4.5-Air's language
+    model: a dense first layer, then 4 routed experts, top-2, sigmoid routing, a shared expert) with GLM's tokens,
+    chat template and image processor (112x112 images; seed 0)."""
+    from tiller.models.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "glm4v_moe", seed=0, model_type="glm4v_moe")
+
+
 @pytest.fixture(scope="session", params=list(VLM_FIXTURES))
 def any_vlm_dir(request):
-    """The tiny Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and GLM-4.1V: a test taking this runs on each
-    model type."""
+    """The tiny Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, GLM-4.1V and GLM-4.5V: a test taking this runs
+    on each model type."""
     return request.getfixturevalue(VLM_FIXTURES[request.param])
 
 

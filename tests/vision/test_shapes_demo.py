@@ -46,7 +46,7 @@ def test_shapes_rows_are_counted_right_and_splits_are_disjoint():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl", "qwen3_5", "glm4v"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl", "qwen3_5", "glm4v", "glm4v_moe"])
 def test_shapes_demo_runs_end_to_end(tmp_path, monkeypatch, model_type):
     from tiller.cli import main
 

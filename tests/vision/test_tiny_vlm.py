@@ -24,27 +24,32 @@ def _png(color=(255, 0, 0), size=(64, 64)) -> bytes:
 
 def test_tiny_vlm_loads_like_a_hub_model(any_vlm_dir):
     from transformers import AutoModelForImageTextToText
-    from transformers import (Glm4vForConditionalGeneration, Qwen2VLForConditionalGeneration,
+    from transformers import (Glm4vForConditionalGeneration, Glm4vMoeForConditionalGeneration,
+                              Qwen2VLForConditionalGeneration,
                               Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration,
                               Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration)
 
     model = AutoModelForImageTextToText.from_pretrained(any_vlm_dir)
     cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
            "qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
-           "glm4v": Glm4vForConditionalGeneration}.get(model.config.model_type, Qwen2VLForConditionalGeneration)
+           "glm4v": Glm4vForConditionalGeneration, "glm4v_moe": Glm4vMoeForConditionalGeneration}.get(model.config.model_type, Qwen2VLForConditionalGeneration)
     assert isinstance(model, cls) and is_vision_model(model)
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
     assert type(load_causal_lm(any_vlm_dir)) is cls
     proc = load_processor(any_vlm_dir)
     assert proc.tokenizer.convert_tokens_to_ids(image_token(proc)) == model.config.image_token_id
     assert proc.image_processor.patch_size == model.config.vision_config.patch_size
-    if cls is Glm4vForConditionalGeneration:  # GLM-4.1V-9B's layout: patch 14, M-RoPE on half a head, untied head
+    if cls in (Glm4vForConditionalGeneration, Glm4vMoeForConditionalGeneration):
+        # GLM-4.1V-9B's / GLM-4.5V's layout: patch 14, M-RoPE on half a head, untied head
         assert image_token(proc) == "<|image|>" and model.config.vision_config.patch_size == 14
         assert model.config.text_config.rope_parameters["partial_rotary_factor"] == 0.5
         assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
         assert proc.apply_chat_template(turn, add_generation_prompt=True, tokenize=False) == \
             "[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>hi<|assistant|>\n"
+        if cls is Glm4vMoeForConditionalGeneration:  # GLM-4.5-Air's language model: a dense first layer, then experts
+            assert [type(layer.mlp).__name__ for layer in model.model.language_model.layers] == \
+                ["Glm4vMoeTextMLP"] + ["Glm4vMoeTextMoE"] * 3
         return
     if cls is not Qwen2VLForConditionalGeneration:  # the hub model's patch, deepstack features into LM layers 0, 1
         assert model.config.vision_config.patch_size == 16

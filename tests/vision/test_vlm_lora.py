@@ -22,8 +22,12 @@ def test_all_linear_adapts_the_language_model_only(any_vlm_dir):
     # Qwen3.5: 2 attention layers x 7 and 2 Gated DeltaNet layers x (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
     # out_proj, gate, up, down); Qwen3.5-MoE: each layer's shared expert (gate, up, down) and its gate in place of
     # the dense MLP, the routed experts being 3-D parameters; GLM-4.1V: (q, k, v, o, gate_up, down), gate and up
-    # being one matrix
-    count = {"qwen3_vl_moe": 16, "qwen3_5": 2 * 7 + 2 * 8, "qwen3_5_moe": 2 * 8 + 2 * 9, "glm4v": 4 * 6}.get(
+    # being one matrix; GLM-4.5V: q, k, v, o and, in the 3 experts layers, the experts' fused 3-D parameters (peft
+    # 0.21 reads gate / up / down as the experts' pre-transformers-5 names for this model type and adapts
+    # `experts.gate_up_proj` / `experts.down_proj` in their place: the dense first layer's and the shared expert's MLP
+    # get none)
+    count = {"qwen3_vl_moe": 16, "qwen3_5": 2 * 7 + 2 * 8, "qwen3_5_moe": 2 * 8 + 2 * 9, "glm4v": 4 * 6,
+             "glm4v_moe": 4 * 4 + 3 * 2}.get(
         model.config.model_type, 28)
     assert len(adapted) == count and all(".language_model.layers." in n for n in adapted)
     # naming the vision blocks' layers adapts them: the user's list is taken as given

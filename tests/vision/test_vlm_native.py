@@ -199,7 +199,7 @@ def test_grpo_step_rolls_out_image_prompts_with_the_native_engine(tmp_path, any_
     step = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
     # 16 image tokens + the question's text in the chat template (GLM's is two tokens shorter)
     assert step["step"] == 1 and step["prompt_length/mean"] == (
-        36 if json.loads((any_vlm_dir / "config.json").read_text())["model_type"] == "glm4v" else 38)
+        36 if json.loads((any_vlm_dir / "config.json").read_text())["model_type"] in ("glm4v", "glm4v_moe") else 38)
     # the rollout's sampling probabilities and the actor's (old_log_prob) agree (measured 2.4e-5)
     assert step["training/rollout_probs_diff_max"] < 1e-4 and step["training/rollout_actor_probs_pearson_corr"] > 0.9999
 

@@ -172,12 +172,11 @@ def test_verls_vlm_scripts_run_on_the_tiny_vlms(tmp_path, shapes_data, request, 
         assert 1.9 < step["actor/aux_loss"] < 4
 
 
-@pytest.mark.parametrize("model_type", ["glm4v_moe"])
+@pytest.mark.parametrize("model_type", ["llava"])
 def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_vlm_dir, shapes_data, model_type,
                                                                 capsys):
-    """A GLM-4.5V checkpoint (GLM-4.1V's vision tower, MoE language model): it stops `tiller rl` (exit 2, one line
-    naming the model type) before any row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM
-    traceback)."""
+    """A LLaVA checkpoint (an image-text family tiller does not drive): it stops `tiller rl` (exit 2, one line naming
+    the model type) before any row is read, and `load_causal_lm` the same way (no AutoModelForCausalLM traceback)."""
     import shutil
 
     from tiller.cli import main
@@ -195,7 +194,7 @@ def test_a_vlm_tiller_does_not_train_is_refused_naming_its_type(tmp_path, tiny_v
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan's info line
     assert code == 2 and err.startswith("tiller rl: error: actor_rollout_ref.model.path="), err
     assert f"model_type '{model_type}' is a vision-language model that tiller does not train yet" in err
-    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v" in err
+    assert "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, glm4v_moe" in err
     with pytest.raises(UserError, match=f"model_type '{model_type}' is a vision-language model"):
         load_causal_lm(model_dir)
 

@@ -70,9 +70,10 @@ def _hub_reachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v",
+                      "glm4v_moe")
 """HF model types tiller trains as vision-language models (tiller.models.vision)."""
-VISION_FAMILIES = "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE / GLM-4.1V"
+VISION_FAMILIES = "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE / GLM-4.1V / GLM-4.5V"
 """The families of VISION_MODEL_TYPES, for messages."""
 
 
@@ -89,7 +90,7 @@ def is_vision_checkpoint(path) -> bool:
 
 def unsupported_vision_model(path) -> str | None:
     """A one-line reason when the model dir `path` holds an image-text model that tiller does not drive (e.g.
-    GLM-4.5V `glm4v_moe`, LLaVA `llava`) and that does not load as a causal LM either; else None."""
+    LLaVA `llava`) and that does not load as a causal LM either; else None."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 

@@ -83,10 +83,13 @@ GLM_ROLE_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"
 
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 8, 2, 2
 PATCH_SIZES = {"qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16,
-               "glm4v": 14}
-"""Vision patch size per model type (Qwen3-VL's and Qwen3.5's hub models, MoE ones too, use 16; GLM-4.1V 14)."""
+               "glm4v": 14, "glm4v_moe": 14}
+"""Vision patch size per model type (Qwen3-VL's and Qwen3.5's hub models, MoE ones too, use 16; GLM-4.1V and GLM-4.5V
+14)."""
 FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_5": "Qwen3.5",
-            "qwen3_5_moe": "Qwen3.5-MoE", "glm4v": "GLM-4.1V"}
+            "qwen3_5_moe": "Qwen3.5-MoE", "glm4v": "GLM-4.1V", "glm4v_moe": "GLM-4.5V"}
+GLM = ("glm4v", "glm4v_moe")
+"""GLM's vision-language models: GLM's tokens, chat template and image processor."""
 MODEL_TYPES = tuple(PATCH_SIZES)
 VISION_INIT_STD = 0.1
 """Std of the random vision tower's weight matrices. At transformers' 0.02 the image tokens' features vary
@@ -95,10 +98,10 @@ VISION_INIT_STD = 0.1
 
 
 def vl_tokenizer(corpus=None, vocab_size: int = 512, model_type: str = "qwen2_vl"):
-    """`train_tokenizer` plus the vision special tokens and the VL chat template (`glm4v`: GLM-4.1V's vision and
-    role tokens, its template, `<|endoftext|>` as eos as the hub tokenizer's)."""
+    """`train_tokenizer` plus the vision special tokens and the VL chat template (`glm4v` / `glm4v_moe`: GLM-4.1V's
+    vision and role tokens, its template, `<|endoftext|>` as eos as the hub tokenizer's)."""
     tok = train_tokenizer(corpus=corpus, vocab_size=vocab_size)
-    if model_type == "glm4v":
+    if model_type in GLM:
         tok.add_tokens(GLM_VISION_TOKENS + GLM_ROLE_TOKENS, special_tokens=True)
         tok.eos_token = ENDOFTEXT
         tok.chat_template = GLM_CHAT_TEMPLATE
@@ -116,7 +119,7 @@ def image_processor(image_size: int = 64, patch_size: int = PATCH_SIZE, model_ty
     step = patch_size * MERGE_SIZE
     if image_size % step:
         raise ValueError(f"image_size must be a multiple of {step}, got {image_size}")
-    if model_type == "glm4v":
+    if model_type in GLM:
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
         pixels = TEMPORAL_PATCH * image_size * image_size
@@ -132,8 +135,9 @@ def build_vlm_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, vis
 
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {list(MODEL_TYPES)}, got {model_type!r}")
-    if model_type == "glm4v":
-        return _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings)
+    if model_type in GLM:
+        return _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
+                             moe=model_type == "glm4v_moe")
     if model_type in ("qwen3_5", "qwen3_5_moe"):
         return _qwen3_5_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
                                moe=model_type == "qwen3_5_moe")
@@ -228,12 +232,16 @@ def _qwen3_5_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth
                                 vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
 
 
-def _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings):
+def _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, max_position_embeddings,
+                  moe: bool = False):
     """A `Glm4vConfig` in GLM-4.1V-9B's layout: GLM-4's language model (2 kv heads, q / k / v biases, extra norms after
     attention and MLP, M-RoPE on half of each head with interleaved pairs, sections [8, 12, 12] of 32 scaled to
     [2, 3, 3] of 8), an untied LM head, and its vision tower (learned position embeddings interpolated to each image's
-    grid, a 2 x 2 convolution merging patches, patch 14)."""
-    from transformers import Glm4vConfig
+    grid, a 2 x 2 convolution merging patches, patch 14). `moe`: a `Glm4vMoeConfig` in GLM-4.5V's layout, the same
+    vision tower before GLM-4.5-Air's language model (no norms after attention or MLP, M-RoPE on half of each head in
+    halves, a dense first layer, then 4 routed experts of a third of the width, top-2, sigmoid routing, one shared
+    expert)."""
+    from transformers import Glm4vConfig, Glm4vMoeConfig
 
     head_dim = 32
     heads = max(1, hidden_size // head_dim)
@@ -244,10 +252,13 @@ def _glm4v_config(tokenizer, hidden_size, num_layers, vision_dim, vision_depth, 
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                  "partial_rotary_factor": 0.5},
                 pad_token_id=tokenizer.pad_token_id)
+    if moe:
+        text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, n_shared_experts=1,
+                    first_k_dense_replace=1)
     vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * hidden_size,
                   num_heads=max(1, vision_dim // 32), patch_size=PATCH_SIZES["glm4v"], image_size=112,
                   spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=hidden_size)
-    return Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+    return (Glm4vMoeConfig if moe else Glm4vConfig)(text_config=text, vision_config=vision, tie_word_embeddings=False,
                        image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
                        image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
                        video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"])
@@ -268,7 +279,7 @@ def build_vlm(tokenizer, seed: int = 0, **shape):
                 if p.dim() > 1:
                     p.normal_(0.0, VISION_INIT_STD)
     eos = tokenizer.eos_token_id
-    if config.model_type == "glm4v":  # the hub model's stops: end of text, or the next user / tool turn
+    if config.model_type in GLM:  # the hub model's stops: end of text, or the next user / tool turn
         eos = [eos] + tokenizer.convert_tokens_to_ids(["<|user|>", "<|observation|>"])
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                                                bos_token_id=getattr(config.text_config, "bos_token_id", None))

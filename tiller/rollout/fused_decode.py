@@ -38,7 +38,7 @@ from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4", "glm4v", "qwen2_moe", "qwen3_moe",
-             "qwen3_vl_moe", "mixtral", "glm4_moe")
+             "qwen3_vl_moe", "mixtral", "glm4_moe", "glm4v_moe")
 """Model types whose decoder layers this step runs. Qwen2-VL's / Qwen2.5-VL's language model is Qwen2's layers with
 M-RoPE: at decode time a response token's (t, h, w) positions are equal, where M-RoPE (Qwen3-VL's interleaved
 M-RoPE too) is the 1D rotary embedding, and the model's own `rotary_emb` computes it from [B, T] positions; image

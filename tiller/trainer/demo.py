@@ -287,10 +287,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached starter model")
     parser.add_argument("--warmup-max-steps", type=int, default=1500, help="shapes: most supervised warm-up steps")
     parser.add_argument("--val-size", type=int, default=256, help="shapes: held-out images")
-    parser.add_argument("--model-type", choices=("qwen2_vl", "qwen3_vl", "qwen3_5", "glm4v"), default=None,
+    parser.add_argument("--model-type", choices=("qwen2_vl", "qwen3_vl", "qwen3_5", "glm4v", "glm4v_moe"), default=None,
                         help="shapes: the tiny vision-language model's family (default qwen2_vl; qwen3_vl: patch 16, "
                              "deepstack, Qwen3 language model; qwen3_5: Qwen3.5's Gated DeltaNet + attention layers; "
-                             "glm4v: GLM-4.1V, patch 14, GLM-4's language model)")
+                             "glm4v: GLM-4.1V, patch 14, GLM-4's language model; glm4v_moe: GLM-4.5V, experts)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="RL config overrides (verl keys)")
     args = parser.parse_args(argv)
     shapes = args.task == "shapes"

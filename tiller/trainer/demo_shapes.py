@@ -2,10 +2,10 @@
 
 1. Starter model (cached under `~/.cache/tiller/demo/`): a ~1.1M-parameter Qwen2-VL (`--model-type qwen3_vl`: a
    ~1.3M-parameter Qwen3-VL; `qwen3_5`: a ~1.2M-parameter Qwen3.5, Gated DeltaNet and attention layers; `glm4v`: a
-   ~1.2M-parameter GLM-4.1V) from the tiny-VLM kit
+   ~1.2M-parameter GLM-4.1V; `glm4v_moe`: a ~1.5M-parameter GLM-4.5V) from the tiny-VLM kit
    (`tiller.models.tiny_vlm`: random vision tower and language model), given a short supervised warm-up on
    freshly drawn images (`tiller.tasks.shapes.draw` from its own seed stream, never an RL or held-out image;
-   cross-entropy on the answer tokens, constant lr 3e-3; 1e-3 for GLM-4.1V, `WARMUP_LR`) that stops once greedy accuracy on 256 dev images
+   cross-entropy on the answer tokens, constant lr 3e-3; 1e-3 for GLM-4.1V / GLM-4.5V, `WARMUP_LR`) that stops once greedy accuracy on 256 dev images
    (checked every 10 steps) first reaches `--warmup-target` (0.45; answering one fixed count scores about 0.25).
 2. GRPO on `tiller/shapes` (verl's multimodal schema, `data.image_key=images`): the hf rollout engine with
    the images, n = 8 samples per prompt, DAPO's dynamic sampling (groups all right or all wrong dropped), no
@@ -41,7 +41,7 @@ DEV_SIZE = 256
 """Dev images the warm-up checks (its own seed stream): at 128 the 0.03-0.05 noise of one check picked
 noise peaks, and starters spread 0.39-0.54 held-out."""
 VAL_KEY = f"val-core/{shapes.DATA_SOURCE}/acc/mean@1"
-WARMUP_LR = {"glm4v": 1e-3}
+WARMUP_LR = {"glm4v": 1e-3, "glm4v_moe": 1e-3}
 """Warm-up lr per model type (default 3e-3). The tiny GLM-4.1V at 3e-3 learned to answer one count and never read
 the image (870 steps, dev accuracy 0.23-0.29, the gradient into its vision tower ~1e-3); at 1e-3 its loss fell from
 0.9 to 0.11 between steps 50 and 150 (seed 0, batch 32)."""
