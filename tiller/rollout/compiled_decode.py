@@ -157,7 +157,7 @@ def own_code(fn):
     """`fn` (a function or a bound method) running a copy of its code object. Dynamo keeps the graphs it compiles per
     code object, at most `recompile_limit` (8) of them, and a step compiled for another model or engine is one more
     graph of the same code: a process that compiled 8 engines' steps would fail on the ninth (a hard error under
-    `fullgraph=True`). With a code object of its own, each compiled step has its own cache, freed with it."""
+    `fullgraph=True`). With a code object of its own, each compiled step has a cache of its own."""
     func = getattr(fn, "__func__", fn)
     copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                               func.__closure__)
