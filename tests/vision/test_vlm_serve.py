@@ -31,10 +31,11 @@ def _served(model_dir, *flags):
     return served_model(model_dir, "--max-model-len", "512", *flags)
 
 
-@pytest.fixture(scope="module", params=["tiny_vlm_dir", "tiny_glm4v_dir"], ids=["qwen2_vl", "glm4v"])
+@pytest.fixture(scope="module", params=["tiny_vlm_dir", "tiny_glm4v_dir", "tiny_glm4v_moe_dir"],
+                ids=["qwen2_vl", "glm4v", "glm4v_moe"])
 def live(request):
-    """(openai client, served, model dir) of a uvicorn server on 127.0.0.1 serving the tiny Qwen2-VL or GLM-4.1V
-    (native engine)."""
+    """(openai client, served, model dir) of a uvicorn server on 127.0.0.1 serving the tiny Qwen2-VL, GLM-4.1V or
+    GLM-4.5V (native engine)."""
     model_dir = request.getfixturevalue(request.param)
     served = _served(model_dir)
     with serving(served) as port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
