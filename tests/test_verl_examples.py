@@ -200,7 +200,6 @@ def test_verls_whole_generated_yaml_loads_as_a_config_file(tmp_path, capsys, tra
     ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "checkpoint engines"),
     ("critic.strategy=megatron", "Megatron-Core"),
     ("actor_rollout_ref.model.mtp.enable=True", "multi-token-prediction"),
-    ("actor_rollout_ref.actor.router_replay.mode=R3", "router replay"),
     ("actor_rollout_ref.rollout.quantization=fp8", "unquantized"),
 ])
 def test_refused_verl_machinery_names_key_and_reason(item, phrase):

@@ -212,8 +212,6 @@ _ROLE_DICTS = {  # leaf name of a role section -> its rule (actor, ref, critic, 
     "sum_pi_squared_checkpointing": noop(_MEMORY),
     "data_loader_seed": noop("tiller seeds the mini-batch shuffle from trainer.seed"),
 }
-_ROUTER = refused("MoE router replay (R2 / R3) needs the rollout engine to record expert routing, which tiller's "
-                  "engines do not", use="leave it disabled", allowed=("disabled",))
 RULES.update({
     # strategy / data-parallel shape
     "actor_rollout_ref.ref.strategy": Rule(HONOURED, "verl's copy of actor.strategy: null or the actor's value "
@@ -255,8 +253,6 @@ RULES.update({
                                                       "tiller)"),
     "actor_rollout_ref.actor.use_remove_padding": noop(
         "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key tiller reads (set that one)"),
-    "actor_rollout_ref.actor.router_replay.mode": _ROUTER,
-    "actor_rollout_ref.ref.router_replay.mode": _ROUTER,
     # rollout
     "actor_rollout_ref.rollout.data_parallel_size": refused(
         "tiller runs one engine per actor worker (data parallelism = the workers)", use="1; more workers with "
@@ -275,8 +271,6 @@ RULES.update({
         "this pre-0.10 key's dump layout is not read (verl changed it twice)", allowed=(False,),
         use="verl 0.10's skip.rollout.enable=true skip.rollout.steps=[...] skip.rollout.dump_dir=DIR"),
     "actor_rollout_ref.rollout.skip_dump_dir": noop("only with rollout.skip_rollout, which is refused"),
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": refused(
-        "tiller's engines do not record MoE expert routing", use="leave it False", allowed=(False,)),
     "actor_rollout_ref.rollout.quantization": refused(
         "tiller's rollout engines run the actor's weights unquantized", use="leave it null", allowed=(None,)),
     "actor_rollout_ref.rollout.quantization_config_file": refused(
@@ -291,7 +285,8 @@ RULES.update({
     **{f"actor_rollout_ref.rollout.{k}": noop(_ENGINE_KNOB)
        for k in ("disable_log_stats", "enable_prefix_caching", "max_num_seqs",
                  "scheduling_policy")},
-    **{f"actor_rollout_ref.{role}.router_replay.{k}": noop("only with router_replay.mode, which is refused")
+    **{f"actor_rollout_ref.{role}.router_replay.{k}": noop("declared by verl, read by none of its code: the routing "
+                                                           "travels in the batch (routed_experts)")
        for role in ("actor", "ref") for k in ("record_file", "replay_file")},
     "actor_rollout_ref.rollout.checkpoint_engine.backend": refused(
         "verl's checkpoint engines (nccl, hccl, nixl, ...) move weights from trainer GPUs to separate rollout "

@@ -542,12 +542,13 @@ class AdaptiveEntropyConfig:
 @dataclass
 class RouterReplayConfig:
     mode: str = "disabled"
-    """verl: MoE router replay mode (disabled | R2 | R3); refused unless disabled (tiller's rollout does not record
-    expert routing)."""
+    """verl: MoE routing replay (`tiller.models.routing`): disabled; R2 (the actor's old-logprob pass records each
+    token's experts, the update replays them); R3 (the rollout engine records them, rollout.enable_rollout_routing_replay,
+    and the old-logprob pass and the update replay them; the reference too with ref.router_replay.mode=R3)."""
     record_file: Optional[str] = None
-    """verl: where to record the routing (only with router_replay.mode, refused)."""
+    """verl: declared, read by none of verl's code; the routing travels in the batch (`routed_experts`)."""
     replay_file: Optional[str] = None
-    """verl: routing to replay (only with router_replay.mode, refused)."""
+    """verl: declared, read by none of verl's code; the routing travels in the batch (`routed_experts`)."""
 
 
 @dataclass
@@ -681,7 +682,7 @@ class ActorConfig:
     profiler: dict[str, Any] = field(default_factory=_profiler)
     """verl's nsys / npu / torch profiler hooks of this role; tiller has no profiler integration."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
-    """verl: MoE router replay (record the rollout's expert routing, replay it in training)."""
+    """verl: MoE routing replay of the actor's forwards (R2 / R3, `tiller.models.routing`)."""
     entropy_from_logits_with_chunking: bool = False
     """verl: entropy in chunks to save memory; a memory tuning."""
     entropy_checkpointing: bool = False
@@ -734,7 +735,7 @@ class RefConfig:
     profiler: dict[str, Any] = field(default_factory=_profiler)
     """verl's profiler hooks of the reference; tiller has no profiler integration."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
-    """verl: MoE router replay of the reference forward."""
+    """verl: MoE routing replay of the reference forward: disabled or R3 (the rollout's routing)."""
     entropy_from_logits_with_chunking: bool = False
     """verl: entropy in chunks to save memory; a memory tuning."""
     entropy_checkpointing: bool = False
@@ -984,7 +985,8 @@ class RolloutConfig:
     skip_dump_dir: str = "/tmp/rollout_dump"
     """verl: the dump dir of skip_rollout (refused)."""
     enable_rollout_routing_replay: bool = False
-    """verl: record MoE routing in the engine for router replay; refused."""
+    """verl: the rollout engine records each token's experts (MoE models) for R3 routing replay
+    (actor.router_replay.mode=R3); the native engine, whose calls then decode with the fused or compiled step."""
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     """verl: the weight-transfer backend between trainer and rollout servers."""
     profiler: dict[str, Any] = field(default_factory=_rollout_profiler)

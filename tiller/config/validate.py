@@ -101,6 +101,7 @@ def validate_rl(cfg: RLConfig) -> None:
     _validate_distill(cfg)
     _validate_prime(cfg)
     _validate_agent(cfg)
+    _validate_router_replay(cfg)
     # verl's chat-template keys: a template that does not compile or render is refused before any model work
     check_chat_template_settings(arr.model.custom_chat_template, data.apply_chat_template_kwargs,
                                  template_key="actor_rollout_ref.model.custom_chat_template",
@@ -455,6 +456,46 @@ EPISODE_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "grp
                       "reinforce_plus_plus_baseline")
 """Estimators whose advantage is one number per sample: an agent episode's advantage is computed once and
 given to every segment (see `RLTrainer._compute_advantage`)."""
+
+
+def _validate_router_replay(cfg: RLConfig) -> None:
+    """MoE routing replay (`tiller.models.routing`): verl's actor / ref router_replay.mode and
+    rollout.enable_rollout_routing_replay, with what each mode needs."""
+    arr = cfg.actor_rollout_ref
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    mode, ref_mode, rollout = arr.actor.router_replay.mode, arr.ref.router_replay.mode, arr.rollout
+    _choice(key, mode, ("disabled", "R2", "R3"))
+    if ref_mode == "R2":
+        raise ConfigError("actor_rollout_ref.ref.router_replay.mode=R2: the reference only scores, so R2 would record "
+                          "a routing nothing replays; use disabled, or R3 (the rollout's routing)")
+    _choice("actor_rollout_ref.ref.router_replay.mode", ref_mode, ("disabled", "R3"))
+    record = rollout.enable_rollout_routing_replay
+    if mode == "R2" and record:
+        raise ConfigError(f"{key}=R2 and actor_rollout_ref.rollout.enable_rollout_routing_replay=True: R2 replays the "
+                          "old-logprob pass's routing, the rollout's is for R3 (verl refuses both together too)")
+    if "R3" in (mode, ref_mode) and not record:
+        raise ConfigError("router_replay.mode=R3 replays the rollout engine's routing: set "
+                          "actor_rollout_ref.rollout.enable_rollout_routing_replay=True")
+    if record and "R3" not in (mode, ref_mode):
+        raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True records the rollout's routing "
+                          f"for R3 replay: set {key}=R3 (or leave it False)")
+    if record and rollout.name != "native":
+        raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True: tiller's native engine "
+                          f"records the routing; rollout.name={rollout.name} does not (use native)")
+    if record and (rollout.agent.path or rollout.agent.env_path or rollout.multi_turn.enable
+                   or rollout.agent.agent_loop_config_path):
+        raise ConfigError("actor_rollout_ref.rollout.enable_rollout_routing_replay=True: agent, environment and "
+                          "multi-turn rollouts run on the continuous batcher, which does not record routing; R3 "
+                          "replays single-turn rollouts")
+    if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError(f"{key}=R2 replays the old-logprob pass's routing, which "
+                          "algorithm.rollout_correction.bypass_mode skips (the rollout's logprobs stand in); use R3")
+    tr = cfg.trainer
+    workers = tr.nnodes * tr.n_gpus_per_node if tr.backend == "ray" else 1
+    if (mode != "disabled" or ref_mode != "disabled") and workers > 1:
+        if (arr.actor.ulysses_sequence_parallel_size or 1) > 1:
+            raise ConfigError(f"{key} with actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1: each worker "
+                              "routes a slice of the sequence and routing replay does not split its table; set it to 1")
 
 
 def _validate_agent(cfg: RLConfig) -> None:

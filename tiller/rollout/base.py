@@ -118,6 +118,10 @@ class RolloutOutput:
     token_versions: list[list[int]] = field(default_factory=list)
     """Per row, the policy version that sampled each response token (only when the engine was given a
     weights hook: asynchronous RL); empty otherwise."""
+    routed_experts: list = field(default_factory=list)
+    """Per row (an engine recording routing: the native engine's `record_routing`), the experts each prompt and
+    response token was routed to: int16 [len(prompt) + len(response), MoE layers, top-k], -1 where no forward routed
+    it (the last response token); empty otherwise (`tiller.models.routing`)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -43,12 +43,14 @@ Letters: `B` live rows, `H` kv heads, `L` cache columns, `D` head dim, `V` vocab
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
 from tiller.errors import UserError
 from tiller.models.loading import cache_keyword
+from tiller.models import routing
 from tiller.models.layer_masks import layout_of, to_attention_mask
 from tiller.rollout.base import (
     RolloutOutput,
@@ -259,7 +261,10 @@ class NativeRolloutEngine(InProcessEngine):
     with the static-shape step of `tiller.rollout.graphed_decode`, captured in CUDA graphs per batch-size bucket when
     `cuda_graphs`, each layer's body compiled by Inductor with `compile_decode`; without stop strings or a weights
     hook), `capture_sizes` (its buckets; default vLLM's), `static_attention` ("sdpa": masked SDPA over the live
-    length rounded up to 256 columns; "flex": FlexAttention reading each row's live 128-column blocks only).
+    length rounded up to 256 columns; "flex": FlexAttention reading each row's live 128-column blocks only),
+    `record_routing` (a mixture-of-experts model: each row's experts per token and layer, prompt and response, in
+    `RolloutOutput.routed_experts`, for routing replay (verl's R3, `tiller.models.routing`); the calls decode with the
+    fused or compiled step, not the static / CUDA-graph one).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, dtype=None, seed: int = 0,
@@ -267,7 +272,7 @@ class NativeRolloutEngine(InProcessEngine):
                  num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True,
                  compile_decode: bool = False, decode_kernel: bool = True, static_decode: bool = False,
                  cuda_graphs: bool | None = None, capture_sizes: list[int] | None = None,
-                 static_attention: str = "sdpa"):
+                 static_attention: str = "sdpa", record_routing: bool = False):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -295,6 +300,7 @@ class NativeRolloutEngine(InProcessEngine):
                             f"{list(graphed_decode.ATTENTIONS)}; 'flex' (FlexAttention over each row's live blocks) "
                             "runs in the compiled static step only (static_decode and compile_decode)")
         self.static_attention = static_attention
+        self.record_routing = record_routing
         self.cuda_graphs = (device_type == "cuda") if cuda_graphs is None else cuda_graphs
         if static_decode and self.cuda_graphs and device_type != "cuda":
             raise UserError("CUDA graphs (rollout.enforce_eager=False) need the model on a CUDA device")
@@ -370,8 +376,9 @@ class NativeRolloutEngine(InProcessEngine):
                     wave = prompt_ids[start : start + per_wave]
                     wave_mm = None if multi_modal is None else multi_modal[start : start + per_wave]
                     wave_mm = wave_mm if wave_mm and any(m is not None for m in wave_mm) else None  # text-only wave
+                    routes = [] if self.record_routing else None
                     tokens, logprobs, versions = self._generate_wave(model, wave, sampling, stop_ids, watcher,
-                                                                     generator, weights_hook, wave_mm)
+                                                                     generator, weights_hook, wave_mm, routes)
                     for row, (toks, lps) in enumerate(zip(tokens, logprobs)):
                         ids, lp, reason = finalize_row(toks, lps, stop_ids, watcher)
                         result.prompt_ids.append(list(wave[row // sampling.n]))
@@ -380,6 +387,8 @@ class NativeRolloutEngine(InProcessEngine):
                         result.finish_reason.append(reason)
                         if weights_hook is not None:
                             result.token_versions.append(versions[row][:len(ids)])
+                        if routes is not None:  # (finalize_row may have cut a stop string's tail)
+                            result.routed_experts.append(routes[row][:len(result.prompt_ids[-1]) + len(ids)])
         finally:
             torch.set_num_threads(old_threads)
         return result
@@ -391,12 +400,13 @@ class NativeRolloutEngine(InProcessEngine):
         return to_attention_mask(valid, dtype, impl)
 
     def _prefill(self, model, prompts, cache: KVBuffer, width: int, n: int, pad_id: int,
-                 images: ImagePrompts | None = None) -> torch.Tensor:
+                 images: ImagePrompts | None = None, routes: routing.Recorder | None = None) -> torch.Tensor:
         """Run all prompts through the model in chunks, filling `cache`; returns first logits [G*n, V].
 
         Prompts go shortest first into chunks of similar lengths (`prefill_chunks`), so a chunk pads little;
         each chunk's keys / values land in its prompts' rows (n per prompt) at the right-aligned columns.
         `images` (image prompts): the chunk's vision outputs and M-RoPE positions go to the model's forward.
+        `routes`: the experts of each prompt token are recorded in its first row's slots, then copied to the others.
         """
         device, impl = cache.device, model.config._attn_implementation
         dtype = next(model.parameters()).dtype
@@ -409,22 +419,29 @@ class NativeRolloutEngine(InProcessEngine):
             rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
             extra = {} if images is None else images.chunk_inputs(chunk_idx, w, device)
-            if self._fused is not None and self._fused.model is model and not extra:  # prepacked weights
-                last = self._fused.forward(ids, pos, valid[:, None], cache)
-            else:
-                # a pad query sees itself; the last column is a real token in every row, so its row is the pads
-                attn = layout_of(model).masks(valid[:, None], pos, pos, valid[:, -1, :],
-                                              lambda m: self._mask(m, dtype, impl))
-                last = model(input_ids=ids, attention_mask=attn,
-                             **{"position_ids": pos, **extra}, use_cache=True, logits_to_keep=1,
-                             **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
+            firsts = torch.tensor(chunk_idx, device=device) * n
+            recording = routes.at(lambda g: g[firsts][:, width - w:width]) if routes is not None else contextlib.nullcontext()
+            with recording:
+                last = self._chunk_forward(model, ids, pos, valid, cache, extra, dtype, impl)
             logits = last.float().repeat_interleave(n, dim=0)
             if first_logits is None:
                 first_logits = torch.empty((len(prompts) * n, logits.shape[-1]), dtype=torch.float32, device=device)
             first_logits[rows] = logits
         cache.prefill_rows = cache.prefill_cols = None
         cache.repeat = 1
+        if routes is not None and n > 1:  # the n samples of a prompt share its prefill, and its routing
+            by_prompt = routes.by_row().view(len(prompts), n, *routes.by_row().shape[1:])
+            by_prompt[:, 1:, :width] = by_prompt[:, :1, :width]
         return first_logits
+
+    def _chunk_forward(self, model, ids, pos, valid, cache: KVBuffer, extra: dict, dtype, impl) -> torch.Tensor:
+        """One prefill chunk's forward (`_prefill`): its last position's logits [c, V]."""
+        if self._fused is not None and self._fused.model is model and not extra:  # prepacked weights
+            return self._fused.forward(ids, pos, valid[:, None], cache)
+        # a pad query sees itself; the last column is a real token in every row, so its row is the pads
+        attn = layout_of(model).masks(valid[:, None], pos, pos, valid[:, -1, :], lambda m: self._mask(m, dtype, impl))
+        return model(input_ids=ids, attention_mask=attn, **{"position_ids": pos, **extra}, use_cache=True,
+                     logits_to_keep=1, **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
 
     def _new_weights(self, weights_hook, version: int) -> int:
         """Call the hook; when it reports another version, re-read the weights it loaded (cast copy, fused)."""
@@ -436,12 +453,15 @@ class NativeRolloutEngine(InProcessEngine):
         return new
 
     def _generate_wave(self, model, prompts, sampling: SamplingParams, stop_ids, watcher, generator,
-                       weights_hook=None, multi_modal=None):
+                       weights_hook=None, multi_modal=None, routes_out: list | None = None):
         """Generate for one wave of prompts; returns raw (tokens, logprobs, versions) lists per row, row-major
-        (versions: the policy version of each token's logits, from `weights_hook`; empty lists without it)."""
+        (versions: the policy version of each token's logits, from `weights_hook`; empty lists without it).
+        `routes_out` (record_routing): each row's routing [prompt + response tokens, layers, top-k] is appended (the
+        last token's is -1: no forward reads it)."""
         vision_ids = vision_ids_tensor(model, next(model.parameters()).device)
         graphed = (graphed_decode.decoder_for(self, model) if weights_hook is None and not watcher
-                   and vision_ids is None and not sampling.penalized and sampling.regex is None else None)
+                   and vision_ids is None and not sampling.penalized and sampling.regex is None
+                   and routes_out is None else None)
         if graphed is not None:  # the static-shape step (CUDA graphs on a GPU)
             return graphed_decode.generate_wave(self, graphed, model, prompts, sampling, stop_ids, generator,
                                                 pad_token_id(model, self.tokenizer), KVBuffer)
@@ -455,7 +475,11 @@ class NativeRolloutEngine(InProcessEngine):
         version = self._new_weights(weights_hook, -1) if weights_hook is not None else -1
         step_versions = [version]  # the version of the logits each token t is sampled from
         images = ImagePrompts(model, prompts, multi_modal) if multi_modal is not None else None
-        logits = self._prefill(model, prompts, cache, width, n, pad_token_id(model, self.tokenizer), images)
+        routes = None
+        if routes_out is not None:
+            routes = routing.Recorder(model, rows_total, width + max_new,
+                                      "actor_rollout_ref.rollout.enable_rollout_routing_replay")
+        logits = self._prefill(model, prompts, cache, width, n, pad_token_id(model, self.tokenizer), images, routes)
 
         prompt_len = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(n)
         # each row's first response position: len(prompt), or past an image prompt's largest M-RoPE position
@@ -523,14 +547,20 @@ class NativeRolloutEngine(InProcessEngine):
             if not layout.plain:
                 mask = layout.masks(mask, seq_pos[:, width + t : width + t + 1], seq_pos[:, : width + t + 1], None,
                                     lambda m: self._mask(m, dtype, impl))
-            if self._fused is not None:
-                logits = self._fused.step(tokens[:, None], positions, mask, cache)
-            else:
-                logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
-                               use_cache=True, logits_to_keep=1,
-                               **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
+            recording = routes.at(lambda g: g[rows, width + t][:, None]) if routes is not None else contextlib.nullcontext()
+            with recording:
+                if self._fused is not None:
+                    logits = self._fused.step(tokens[:, None], positions, mask, cache)
+                else:
+                    logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                                   use_cache=True, logits_to_keep=1,
+                                   **{cache_keyword(model) or 'past_key_values': cache}).logits[:, -1, :]
         tokens_list, logp_list = out_tokens.tolist(), out_logp.tolist()
         lengths_list = lengths.tolist()
+        if routes is not None:
+            table = routes.by_row().cpu()
+            routes_out.extend(table[r, width - len(prompts[r // n]): width + lengths_list[r]]
+                              for r in range(rows_total))
         return ([tokens_list[r][: lengths_list[r]] for r in range(rows_total)],
                 [logp_list[r][: lengths_list[r]] for r in range(rows_total)],
                 [step_versions[: lengths_list[r]] if weights_hook is not None else [] for r in range(rows_total)])

@@ -1041,7 +1041,7 @@ class RLTrainer:
         keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                 "advantages", "returns"]
         keys += [k for k in ("old_log_probs", "ref_log_prob", "teacher_log_prob", "teacher_index", "values",
-                             "rollout_is_weights",
+                             "rollout_is_weights", "routed_experts",  # (MoE routing replay: the routing to use)
                              "multi_modal_inputs")  # image prompts: the updates' forwards take the pixels too
                  if k in batch]
         if "old_log_probs" not in batch or self._mismatch_in_update:  # the actor measures it in its update

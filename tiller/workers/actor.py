@@ -57,6 +57,7 @@ from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
 from tiller.rollout.graphed_decode import native_decode_options
+from tiller.models import routing
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import load_causal_lm, load_tokenizer
@@ -100,6 +101,18 @@ from tiller.workers.router_aux import RouterAux, micro_batch_aux
 
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
+
+
+def _routes_tensor(out, P: int, T: int) -> torch.Tensor:
+    """The rollout's routing (`RolloutOutput.routed_experts`) laid out as input_ids [B, P + T, layers, top-k]: prompts
+    left-padded, responses right-padded, -1 on padding (and on each row's last token, which no forward routed)."""
+    first = out.routed_experts[0]
+    table = torch.full((len(out), P + T, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, (p_ids, r_ids, routes) in enumerate(zip(out.prompt_ids, out.response_ids, out.routed_experts)):
+        p, r = min(len(p_ids), P), min(len(r_ids), T)
+        table[i, P - p:P] = routes[len(p_ids) - p:len(p_ids)]
+        table[i, P:P + r] = routes[len(p_ids):len(p_ids) + r]
+    return table
 
 
 def _version_tensor(per_row: list[list[int]], T: int) -> torch.Tensor:
@@ -206,6 +219,16 @@ class ActorRolloutRefWorker:
         # a mixture-of-experts policy's router load-balancing loss in the update (TRL's router_aux_loss_coef)
         self._router_aux = RouterAux(module, "actor_rollout_ref.actor.router_aux_loss_coef") \
             if self.actor_cfg.router_aux_loss_coef else None
+        # MoE routing replay (verl's router_replay R2 / R3, tiller.models.routing): the routers hooked; what a forward
+        # does with them is `_routing_mode` (None, "record" or "replay"), set by the pass that runs it
+        self._replay, self._ref_replay = self.actor_cfg.router_replay.mode, ref_cfg.router_replay.mode
+        self._routing_mode: str | None = None
+        self._recorded: list[torch.Tensor] = []
+        self._routing_stats: list[torch.Tensor] = []
+        if self._replay != "disabled" or (self._ref_replay != "disabled" and self.ref_module is None):
+            self._routes_shape = routing.install(module, "actor_rollout_ref.actor.router_replay.mode")
+        if self._ref_replay != "disabled" and self.ref_module is not None:
+            routing.install(self.ref_module, "actor_rollout_ref.ref.router_replay.mode")
         # verl's use_remove_padding: rows packed into one sequence per micro-batch (tiller.workers.packed)
         self._remove_padding = packs(module, "actor_rollout_ref.model.use_remove_padding",
                                      bool(arr.model.use_remove_padding) and self._forward_opts["logits_to_keep"])
@@ -334,6 +357,8 @@ class ActorRolloutRefWorker:
             engine.check_weight_sync()  # RL syncs weights every step: a sync vLLM gets wrong stops the run now
             return engine
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
+        if r.enable_rollout_routing_replay:  # R3: the engine records each token's experts (validated: native)
+            opts["record_routing"] = True
         if name == "native":  # CUDA graphs on a GPU, the compiled step on a CPU (tiller.rollout.graphed_decode)
             for key, value in native_decode_options(r.enforce_eager, self.device.type,
                                                     r.cudagraph_capture_sizes).items():
@@ -482,6 +507,8 @@ class ActorRolloutRefWorker:
                 batch["agent_state"] = list(out.states)
         if out.token_versions:  # asynchronous RL: the version that sampled each token
             batch["rollout_token_version"] = _version_tensor(out.token_versions, T)
+        if out.routed_experts:  # R3: the experts the rollout routed each token to
+            batch["routed_experts"] = _routes_tensor(out, P, T)
         return batch
 
     # ------------------------------------------------------------------------------- agent rollouts
@@ -699,8 +726,44 @@ class ActorRolloutRefWorker:
             close()
 
     # ------------------------------------------------------------------------------- log-probs
+    @contextlib.contextmanager
+    def _routing_phase(self, mode: str | None):
+        """Inside: the policy's (and reference's) forwards record their routing ("record"), replay the batch's
+        `routed_experts` ("replay") or route themselves (None)."""
+        self._routing_mode, self._recorded = mode, []
+        try:
+            yield
+        finally:
+            self._routing_mode = None
+
+    @contextlib.contextmanager
+    def _routing_session(self, mb: Batch):
+        """Around one micro-batch's forward: the routing session of `_routing_mode` over its [b, P + T] tokens."""
+        mode = self._routing_mode
+        if mode is None:
+            yield
+            return
+        b, width = mb["input_ids"].shape
+        if mode == "record":
+            table = routing.empty_table(b * width, *self._routes_shape, self.device)
+        elif "routed_experts" not in mb:
+            raise RuntimeError("routing replay: the batch has no routed_experts (R3: the rollout engine records them "
+                               "with rollout.enable_rollout_routing_replay; R2: the old-logprob pass does)")
+        else:
+            table = mb["routed_experts"].to(self.device).reshape(b * width, *mb["routed_experts"].shape[2:])
+        with routing.session(table, mode, torch.arange(b * width, device=self.device).view(b, width)) as s:
+            yield
+        if mode == "record":
+            self._recorded.append(table.view(b, width, *table.shape[1:]).cpu())
+        else:
+            self._routing_stats.append(torch.stack([s.routed, s.agreed]).cpu())
+
     def _response_logits(self, model, mb: Batch, temperature: float) -> tuple[torch.Tensor, int]:
         """Float logits / temperature at the first t response positions [b, t, V] of `model` on `mb`, and t."""
+        with self._routing_session(mb):
+            return self._forward_logits(model, mb, temperature)
+
+    def _forward_logits(self, model, mb: Batch, temperature: float) -> tuple[torch.Tensor, int]:
         P = mb["prompts"].shape[1]
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
         if self._sp is not None:
@@ -712,8 +775,8 @@ class ActorRolloutRefWorker:
                                                      mb["response_mask"].to(self.device))
         else:
             opts = self._forward_opts
-            if opts["share_prompts"] and RouterAux.collecting():  # the router loss of a forward over the whole rows
-                opts = {**opts, "share_prompts": False}
+            if opts["share_prompts"] and (RouterAux.collecting() or routing.active()):  # router loss or routing
+                opts = {**opts, "share_prompts": False}  # replay of a forward over the whole rows
             logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
                                               mb["attention_mask"].to(self.device), P,
                                               mb["response_mask"].to(self.device), multi_modal=mm, **opts)
@@ -790,8 +853,12 @@ class ActorRolloutRefWorker:
                                      key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
         # the optimal token baseline needs sum_v pi(v)^2 of the same forward (verl: calculate_sum_pi_squared)
         pi2: list | None = [] if "optimal_token_baseline" in self.cfg.algorithm.adv_estimator else None
-        logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype, sum_pi2_out=pi2)
-        return Batch({"old_log_probs": logp, **({"sum_pi_squared": pi2[0]} if pi2 else {})})
+        # routing replay: R2 records this pass's routing for the update to replay; R3 replays the rollout's
+        with self._routing_phase({"R2": "record", "R3": "replay"}.get(self._replay)):
+            logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype, sum_pi2_out=pi2)
+            recorded = micros.restore(self._recorded) if self._replay == "R2" else None
+        return Batch({"old_log_probs": logp, **({"sum_pi_squared": pi2[0]} if pi2 else {}),
+                      **({"routed_experts": recorded} if recorded is not None else {})})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Reference-policy logprobs: Batch with `ref_log_prob[B, T]`."""
@@ -799,13 +866,14 @@ class ActorRolloutRefWorker:
         micros = split_micro_batches(batch, rows=ref.log_prob_micro_batch_size_per_gpu,
                                      max_tokens=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
                                      else None, key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
-        if self.lora:
-            with dist_ctx.unwrap_model(self.module).disable_adapter():
-                logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype)
-        else:
-            if self.ref_module is None:
-                raise RuntimeError("compute_ref_log_prob: the worker was built with need_ref=False")
-            logp = self._batch_logp(self.ref_module, batch, micros, self.actor_cfg.dtype)
+        with self._routing_phase("replay" if self._ref_replay == "R3" else None):  # R3: the rollout's routing
+            if self.lora:
+                with dist_ctx.unwrap_model(self.module).disable_adapter():
+                    logp = self._batch_logp(self.model, batch, micros, self.actor_cfg.dtype)
+            else:
+                if self.ref_module is None:
+                    raise RuntimeError("compute_ref_log_prob: the worker was built with need_ref=False")
+                logp = self._batch_logp(self.ref_module, batch, micros, self.actor_cfg.dtype)
         return Batch({"ref_log_prob": logp})
 
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
@@ -876,15 +944,24 @@ class ActorRolloutRefWorker:
         self.model.train()
         shuffle_seed = (self.cfg.trainer.seed * 100_003 + int(batch.meta.get("global_step", 0)) * 31
                         if a.shuffle else None)
-        for data in epoch_passes(batch, a.ppo_epochs, shuffle_seed):
-            for mb in data.split(mini):
-                for k, v in self._update_mini_batch(mb, entropy_coeff).items():
-                    stats.setdefault(k, []).append(v)
-            if self._mismatch_parts is not None:  # after the first epoch (on-policy: the only one)
-                mismatch = self._global_mismatch(self._mismatch_parts)
-                self._mismatch_parts = None
+        # routing replay: R3 replays the rollout's routing; R2 the old-logprob pass's (none: the update's own routing
+        # is the old policy's, on-policy)
+        replay = self._replay == "R3" or (self._replay == "R2" and "routed_experts" in batch)
+        self._routing_stats = []
+        with self._routing_phase("replay" if replay else None):
+            for data in epoch_passes(batch, a.ppo_epochs, shuffle_seed):
+                for mb in data.split(mini):
+                    for k, v in self._update_mini_batch(mb, entropy_coeff).items():
+                        stats.setdefault(k, []).append(v)
+                if self._mismatch_parts is not None:  # after the first epoch (on-policy: the only one)
+                    mismatch = self._global_mismatch(self._mismatch_parts)
+                    self._mismatch_parts = None
         self.scheduler.step()
         metrics = {(k if k.startswith("distillation/") else f"actor/{k}"): _mean(v) for k, v in stats.items()}
+        if replay:  # the share of (token, layer) routes where the policy itself chose the replayed experts
+            routed, agreed = dist_ctx.all_reduce_sum(torch.stack(self._routing_stats).sum(0).double()) \
+                if dist_ctx.is_distributed() else torch.stack(self._routing_stats).sum(0)
+            metrics["actor/router_replay_agreement"] = float(agreed) / max(float(routed), 1.0)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics.update({f"training/{k}": float(v) for k, v in mismatch.items()})
         return metrics
@@ -941,8 +1018,8 @@ class ActorRolloutRefWorker:
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = micro["response_mask"].to(self.device).float()
             logits_out = [] if full_vocab else None  # gjsd: the student's logits, for the teacher's distribution
-            routing = self._router_aux.collect() if self._router_aux is not None else contextlib.nullcontext()
-            with autocast(a.dtype, self.device), routing as routed:
+            aux_sink = self._router_aux.collect() if self._router_aux is not None else contextlib.nullcontext()
+            with autocast(a.dtype, self.device), aux_sink as routed:
                 logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0,
                                                    logits_out=logits_out)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()

@@ -24,6 +24,7 @@ import torch
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
+from tiller.models import routing
 from tiller.models.layer_masks import has_recurrent_layers
 from tiller.models.loading import cache_keyword
 from tiller.models.optimizer import HF_SCHEDULES, hf_schedule_factor, make_optimizer, param_groups
@@ -233,8 +234,12 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     share_prompts = share_prompts and not has_recurrent_layers(model)  # see forward_options
     split = None if dist_ctx.is_distributed() else split_long_responses(response_mask)
     if split is not None:
-        outs = [_response_forward(model, input_ids[rows], attention_mask[rows], prompt_width, response_mask[rows],
-                                  logits_to_keep, share_prompts, _rows(multi_modal, rows)) for rows in split]
+        outs = []
+        for rows in split:
+            with routing.view(lambda g: g[rows.to(g.device)]):  # (routing replay: these rows' slots)
+                outs.append(_response_forward(model, input_ids[rows], attention_mask[rows], prompt_width,
+                                              response_mask[rows], logits_to_keep, share_prompts,
+                                              _rows(multi_modal, rows)))
         t_used = outs[1][1]
         short = torch.nn.functional.pad(outs[0][0], (0, 0, 0, t_used - outs[0][1]))
         order = torch.argsort(torch.cat(split))
@@ -287,7 +292,8 @@ def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                                         multi_modal=multi_modal if vision else None)
             return out[:, :t_used], t_used
     kwargs = {"logits_to_keep": t_used} if logits_to_keep else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **vision, **kwargs)
+    with routing.view(lambda g: g[:, left:cut]):  # (routing replay: the slots of these columns)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **vision, **kwargs)
     return out.logits[:, -t_used:], t_used  # the last t_used columns: P - 1 ... P + t_used - 2
 
 

@@ -40,6 +40,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from tiller.models import routing
 from tiller.models.layer_masks import RECURRENT_KINDS, has_recurrent_layers, text_config
 from tiller.workers.common import position_ids_from_mask, trim_bounds
 
@@ -215,11 +216,17 @@ def recompute_contexts():
     Gradient checkpointing reruns a layer's forward inside `backward()`, after `packed_response_forward` has left
     its attention switch: the rerun would use the model's own attention over the packed sequence (every row
     attending to the rows before it, and another count of saved tensors: torch's CheckpointError). The recompute
-    context re-enters the switch with the segments of the forward that saved the layer's inputs."""
+    context re-enters the switch with the segments of the forward that saved the layer's inputs, and a routing
+    replay's session and view (`tiller.models.routing.resume`: the rerun routes as the forward did)."""
     running = _SEGMENTS.get()
-    if running is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), attention_switch(*running)
+    attention = attention_switch(*running) if running is not None else contextlib.nullcontext()
+    return contextlib.nullcontext(), _both(attention, routing.resume())
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def enable_checkpointing(module) -> None:
@@ -262,6 +269,13 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prom
     return flat_ids, positions, predictor, predictor >= 0, lengths, t_used
 
 
+def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                  response_mask: torch.Tensor) -> torch.Tensor:
+    """The slots of `pack_micro_batch`'s packed tokens in a routing replay's grid [B, P + T] (`tiller.models.routing`)."""
+    left, right = trim_bounds(attention_mask, prompt_width, response_mask)
+    return grid[:, left: right - 1][attention_mask[:, left: right - 1].bool().to(grid.device)]
+
+
 def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                             response_mask: torch.Tensor, logits_to_keep: bool = True) -> tuple[torch.Tensor, int]:
     """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
@@ -270,7 +284,8 @@ def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torc
     flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
                                                                              response_mask)
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(flat_ids.device)
-    with attention_switch(model.config, (lengths, cu, max(lengths))):
+    with attention_switch(model.config, (lengths, cu, max(lengths))), routing.view(
+            lambda g: _packed_slots(g, attention_mask, prompt_width, response_mask)):
         logits = head_at(model, predictor[keep], logits_to_keep, input_ids=flat_ids, attention_mask=None,
                          position_ids=positions, use_cache=False)  # [K, V]
     full = logits.new_zeros((input_ids.shape[0], t_used, logits.shape[-1]))
