@@ -10,6 +10,10 @@ actor's old-logprob pass scores them twice: routing itself (R3 off) and replayin
 Prints one JSON line per seed and a summary: verl's mismatch metrics (`rollout_probs_diff_mean` / `_max`, |p_rollout
 - p_actor| over response tokens), the mean |logprob difference|, and how many (token, layer) routes the fp32 actor
 chooses differently from the bf16 rollout. With the same experts, what remains is the bf16 arithmetic itself.
+
+Measured (2026-12-04, 2-core AMD EPYC AVX-512 BF16, torch 2.13.0, defaults, seeds 0-2): 2.0% (1.94-2.05%) of the
+routes differ; mean |logprob difference| 0.00270 without R3, 0.00204 with it; rollout_probs_diff_max 1.00e-4 ->
+4.0e-5 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
