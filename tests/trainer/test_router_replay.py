@@ -271,7 +271,8 @@ def test_r3_with_lora_replays_through_peft_wrapped_routers(layer_kind_dir):
 
 @pytest.mark.parametrize("extra, message", [
     (("actor_rollout_ref.actor.router_replay.mode=R3",), "set actor_rollout_ref.rollout.enable_rollout_routing_replay"),
-    (("actor_rollout_ref.rollout.enable_rollout_routing_replay=True",), "set actor_rollout_ref.actor.router_replay.mode=R3"),
+    (("actor_rollout_ref.rollout.enable_rollout_routing_replay=True",),
+     "set actor_rollout_ref.actor.router_replay.mode=R3"),
     (("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
      "R2 replays the old-logprob pass"),
     ((*R3, "actor_rollout_ref.rollout.name=hf"), "rollout.name=hf does not"),
@@ -301,12 +302,14 @@ def test_grpo_with_r3_runs_through_the_trainer(layer_kind_dir, tmp_path):
 
     arithmetic.write_task(tmp_path / "data", n_train=16, n_test=4, seed=0)
     cfg = load_config([
-        f"actor_rollout_ref.model.path={layer_kind_dir('qwen3_moe')}", f"data.train_files={tmp_path / 'data/train.parquet'}",
+        f"actor_rollout_ref.model.path={layer_kind_dir('qwen3_moe')}",
+        f"data.train_files={tmp_path / 'data/train.parquet'}",
         "data.train_batch_size=2", "data.max_prompt_length=32", "data.max_response_length=6",
         "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_epochs=2",
         "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2", "trainer.logger=[jsonl]",
-        "trainer.resume_mode=disable", "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.resume_mode=disable", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
         *R3])
     trainer = RLTrainer(cfg)
     seen = []

@@ -19,9 +19,10 @@ slicing / packing applied to the grid), right around its model call. A router fi
 raises: a forward path that does not say where its tokens come from would replay the wrong experts.
 
 Routers: transformers' top-k routers that return (router_logits, weights, indices): softmax routing (Qwen2-MoE,
-Qwen3-MoE, Qwen3-VL-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: the probabilities at the chosen experts, renormalised under `norm_topk_prob`;
-Mixtral always) and sigmoid routing with a score-correction bias (GLM-4.5, GLM-4.5V: the sigmoid scores at the
-chosen experts, renormalised under `norm_topk_prob`, times `routed_scaling_factor`; the bias only chooses).
+Qwen3-MoE, Qwen3-VL-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: the probabilities at the chosen experts, renormalised
+under `norm_topk_prob`; Mixtral always) and sigmoid routing with a score-correction bias (GLM-4.5, GLM-4.5V: the
+sigmoid scores at the chosen experts, renormalised under `norm_topk_prob`, times `routed_scaling_factor`; the bias
+only chooses).
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def routers(model: torch.nn.Module, key: str) -> list[torch.nn.Module]:
         name = type(gate).__name__
         if name not in SOFTMAX | SIGMOID:
             raise ConfigError(f"{key}: {type(block).__name__}'s router ({name}) is not one tiller replays; it replays "
-                              f"{', '.join(sorted(SOFTMAX | SIGMOID))} (Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE, Qwen3-Next, "
-                              "Qwen3.5-MoE, Mixtral, GLM-4.5, GLM-4.5V)")
+                              f"{', '.join(sorted(SOFTMAX | SIGMOID))} (Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE, "
+                              "Qwen3-Next, Qwen3.5-MoE, Mixtral, GLM-4.5, GLM-4.5V)")
         out.append(gate)
     if len({g.top_k for g in out}) != 1:
         raise ConfigError(f"{key}: the routers of {type(model).__name__} choose different numbers of experts "
@@ -177,7 +178,8 @@ def view(fn):
 
 def resume():
     """A context that re-enters this thread's session and view as they are now (gradient checkpointing reruns a
-    layer's forward inside backward(), after the forward's session closed: `tiller.workers.packed.recompute_contexts`)."""
+    layer's forward inside backward(), after the forward's session closed: `tiller.workers.packed.recompute_contexts`).
+    """
     s = _SESSION.get()
     if s is None:
         return contextlib.nullcontext()

@@ -420,7 +420,8 @@ class NativeRolloutEngine(InProcessEngine):
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
             extra = {} if images is None else images.chunk_inputs(chunk_idx, w, device)
             firsts = torch.tensor(chunk_idx, device=device) * n
-            recording = routes.at(lambda g: g[firsts][:, width - w:width]) if routes is not None else contextlib.nullcontext()
+            recording = (routes.at(lambda g: g[firsts][:, width - w:width]) if routes is not None
+                         else contextlib.nullcontext())
             with recording:
                 last = self._chunk_forward(model, ids, pos, valid, cache, extra, dtype, impl)
             logits = last.float().repeat_interleave(n, dim=0)
@@ -547,7 +548,8 @@ class NativeRolloutEngine(InProcessEngine):
             if not layout.plain:
                 mask = layout.masks(mask, seq_pos[:, width + t : width + t + 1], seq_pos[:, : width + t + 1], None,
                                     lambda m: self._mask(m, dtype, impl))
-            recording = routes.at(lambda g: g[rows, width + t][:, None]) if routes is not None else contextlib.nullcontext()
+            recording = (routes.at(lambda g: g[rows, width + t][:, None]) if routes is not None
+                         else contextlib.nullcontext())
             with recording:
                 if self._fused is not None:
                     logits = self._fused.step(tokens[:, None], positions, mask, cache)

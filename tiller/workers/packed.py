@@ -271,7 +271,8 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prom
 
 def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                   response_mask: torch.Tensor) -> torch.Tensor:
-    """The slots of `pack_micro_batch`'s packed tokens in a routing replay's grid [B, P + T] (`tiller.models.routing`)."""
+    """The slots of `pack_micro_batch`'s packed tokens in a routing replay's grid [B, P + T]
+    (`tiller.models.routing`)."""
     left, right = trim_bounds(attention_mask, prompt_width, response_mask)
     return grid[:, left: right - 1][attention_mask[:, left: right - 1].bool().to(grid.device)]
 
