@@ -115,3 +115,56 @@ def test_cpu_calls_go_in_waves_that_prefill_whole():
         engine._waves([[0] * 60], 2)
     engine.prefill_budget = None
     assert engine._waves(prompts, 4) == [(0, 5)]
+
+
+def _engine_process(ready):
+    """Stands in for a vLLM engine process: it starts a child of its own, then waits to be killed."""
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sleep", "120"])
+    ready.put(child.pid)
+    time.sleep(120)
+
+
+def test_engine_shutdown_finishes_vllms_force_kill_when_a_child_vanished():
+    """vLLM 0.32's force-kill names each child of a slow-to-exit engine process before killing it; a child that
+    exits in between raises psutil.NoSuchProcess out of `shutdown()`, the tree left running. `shutdown_engine_core`
+    gives the processes 30 s to exit, and on that error kills the rest of each tree and releases the resources."""
+    import multiprocessing
+    import os
+    from types import SimpleNamespace
+
+    psutil = pytest.importorskip("psutil")  # (vLLM's dependency; here through peft and accelerate)
+
+    from tiller.rollout.vllm_engine import SHUTDOWN_GRACE_S, shutdown_engine_core
+
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(ready,), daemon=True)
+    proc.start()
+    child = ready.get(timeout=30)
+    calls = []
+
+    class Resources(SimpleNamespace):
+        def __call__(self):
+            calls.append("resources")
+
+    class Core:
+        resources = Resources(engine_manager=SimpleNamespace(processes=[proc]))
+
+        def shutdown(self, timeout=None):
+            calls.append(timeout)
+            raise psutil.NoSuchProcess(os.getpid() + 10**6)  # (vLLM's race)
+
+    shutdown_engine_core(Core())
+    assert calls == [SHUTDOWN_GRACE_S, "resources"]
+    assert not proc.is_alive()
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+    class Plain:  # an older client without a timeout, and any other error: passed through
+        def shutdown(self):
+            raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        shutdown_engine_core(Plain())

@@ -30,6 +30,7 @@ in-process engines do. Vision-language models are refused before vLLM is importe
 from __future__ import annotations
 
 import importlib
+import sys
 import tempfile
 from pathlib import Path
 
@@ -338,10 +339,51 @@ class VLLMRolloutEngine:
         llm, self.llm = getattr(self, "llm", None), None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            shutdown_engine_core(core)
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
+
+
+SHUTDOWN_GRACE_S = 30.0
+"""Seconds vLLM's engine processes get to exit after SIGTERM before they are force-killed (vLLM's own default, 5 s, is
+too short on a loaded CPU host: see `shutdown_engine_core`)."""
+
+
+def shutdown_engine_core(core) -> None:
+    """`core.shutdown()` (vLLM's engine-core client), with a grace period of `SHUTDOWN_GRACE_S`.
+
+    vLLM 0.32 force-kills an engine process that outlives the grace period by naming each of its children before
+    killing it (`kill_process_tree`), and a child that exits in between raises psutil's NoSuchProcess out of the
+    shutdown, the rest of the tree still running (seen at a test's teardown on a loaded 2-core host). Then this kills
+    what is left of each engine process's tree and releases the client's resources, as the shutdown would have."""
+    import inspect
+
+    takes_timeout = "timeout" in inspect.signature(core.shutdown).parameters
+    try:
+        core.shutdown(**({"timeout": SHUTDOWN_GRACE_S} if takes_timeout else {}))
+    except Exception as err:
+        if type(err).__name__ != "NoSuchProcess":
+            raise
+        psutil = sys.modules[type(err).__module__.split(".")[0]]  # (the psutil vLLM raised it from)
+
+        resources = getattr(core, "resources", None)
+        for proc in getattr(getattr(resources, "engine_manager", None), "processes", None) or []:
+            if proc.pid is None or not proc.is_alive():
+                continue
+            try:
+                root = psutil.Process(proc.pid)
+                tree = [*root.children(recursive=True), root]
+            except psutil.NoSuchProcess:
+                continue
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.join(SHUTDOWN_GRACE_S)
+        if callable(resources):
+            resources()
 
 
 def _on_cpu(vllm) -> bool:
