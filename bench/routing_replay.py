@@ -95,11 +95,7 @@ def main(argv=None) -> int:
             batch = r3.generate_sequences(prompts)
             own = plain.compute_log_prob(batch)["old_log_probs"]
             replayed = r3.compute_log_prob(batch)["old_log_probs"]
-            # how many routes the fp32 actor chooses otherwise: the update's agreement metric on an lr-0 pass
-            routes = batch["routed_experts"]
-            with r3._routing_phase("replay"):
-                r3._routing_stats = []
-                r3._batch_logp(r3.model, batch, _micros(batch), "float32")
+            # how many routes the fp32 actor chooses otherwise: the replaying pass's counts (the update's metric)
             routed, agreed = torch.stack(r3._routing_stats).sum(0).tolist()
             mask = batch["response_mask"]
             row = {"seed": seed, "routes": int(routed), "routes_differ": int(routed - agreed),
@@ -110,7 +106,6 @@ def main(argv=None) -> int:
                 row[f"{name}_probs_diff_max"] = float(m["rollout_probs_diff_max"])
                 row[f"{name}_logprob_diff_mean"] = float(((logp - batch["rollout_log_probs"]).abs() * mask).sum()
                                                          / mask.sum())
-            assert routes.shape[0] == len(batch)
             rows.append(row)
             print(json.dumps(row), flush=True)
         summary = {"host": compact_host_facts(), "model": "qwen3_moe 12M (16 experts, top-4), default init",
@@ -124,12 +119,6 @@ def main(argv=None) -> int:
                                                         / summary["r3_on_probs_diff_mean"]["mean"])
         print(json.dumps(summary))
     return 0
-
-
-def _micros(batch):
-    from tiller.workers.micro_batches import split_micro_batches
-
-    return split_micro_batches(batch, rows=32)
 
 
 if __name__ == "__main__":

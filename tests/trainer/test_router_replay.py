@@ -26,13 +26,13 @@ def _load(layer_kind_dir, model_type):
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def _teacher_routes(model, ids: torch.Tensor) -> torch.Tensor:
-    """The routing of `model`'s own forward of ids [b, s]: [b, s, layers, top-k]."""
+def _teacher_routes(model, ids: torch.Tensor, **inputs) -> torch.Tensor:
+    """The routing of `model`'s own forward of ids [b, s] (and `inputs`): [b, s, layers, top-k]."""
     layers, top_k = routing.install(model, "test")
     table = routing.empty_table(ids.numel(), layers, top_k, "cpu")
     grid = torch.arange(ids.numel()).view(ids.shape)
     with torch.no_grad(), routing.session(table, "record", grid), routing.view(lambda g: g):
-        model(input_ids=ids)
+        model(input_ids=ids, **inputs)
     return table.view(*ids.shape, layers, top_k)
 
 
@@ -139,15 +139,11 @@ def test_native_engine_records_the_routing_of_image_prompts(fixture, request):
     engine = build_rollout_engine("native", model, proc.tokenizer, dtype="float32", record_routing=True)
     out = engine.generate([p.prompt_ids for p in prompts], SamplingParams(n=2, max_new_tokens=6, seed=0,
                                                                           ignore_eos=True), multi_modal=mm)
-    layers, top_k = routing.install(model, "test")
     same = total = 0
     for row, (p, r, routes) in enumerate(zip(out.prompt_ids, out.response_ids, out.routed_experts)):
         ids = torch.tensor([p + r])
-        table = routing.empty_table(ids.numel(), layers, top_k, "cpu")
-        with torch.no_grad(), routing.session(table, "record", torch.arange(ids.numel())[None]), \
-                routing.view(lambda g: g):
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), **mm[row // 2],
-                  mm_token_type_ids=(ids == model.config.image_token_id).int())
+        table = _teacher_routes(model, ids, attention_mask=torch.ones_like(ids), **mm[row // 2],
+                                mm_token_type_ids=(ids == model.config.image_token_id).int())[0]
         assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all()
         same += int((routes[:-1].sort(-1).values == table[:-1].sort(-1).values).all(-1).sum())
         total += table[:-1, :, 0].numel()

@@ -131,12 +131,11 @@ def _route(layer: int, gate: torch.nn.Module, args, output):
     if layer >= s.table.shape[1] or idx.shape[1] != s.table.shape[2]:
         raise RuntimeError(f"routing replay: router {layer} chose {idx.shape[1]} experts; the table holds "
                            f"{s.table.shape[1]} layers x {s.table.shape[2]}")
-    live = origin >= 0  # (-1: a padding token of no slot)
-    if s.mode == "record":
-        s.table[origin[live], layer] = idx[live].to(s.table.dtype)
+    if s.mode == "record":  # (indexing only: no host sync inside the forward)
+        s.table[origin, layer] = idx.to(s.table.dtype)
         return None
-    target = s.table[origin.clamp_min(0), layer].long()
-    known = live & (target >= 0).all(dim=-1)
+    target = s.table[origin, layer].long()
+    known = (target >= 0).all(dim=-1)
     chosen = torch.where(known[:, None], target, idx)
     same = (idx.sort(dim=-1).values == chosen.sort(dim=-1).values).all(dim=-1)
     s.routed += known.sum()

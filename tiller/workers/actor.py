@@ -730,7 +730,7 @@ class ActorRolloutRefWorker:
     def _routing_phase(self, mode: str | None):
         """Inside: the policy's (and reference's) forwards record their routing ("record"), replay the batch's
         `routed_experts` ("replay") or route themselves (None)."""
-        self._routing_mode, self._recorded = mode, []
+        self._routing_mode, self._recorded, self._routing_stats = mode, [], []
         try:
             yield
         finally:
@@ -756,7 +756,7 @@ class ActorRolloutRefWorker:
         if mode == "record":
             self._recorded.append(table.view(b, width, *table.shape[1:]).cpu())
         else:
-            self._routing_stats.append(torch.stack([s.routed, s.agreed]).cpu())
+            self._routing_stats.append(torch.stack([s.routed, s.agreed]))  # (on the device: read once per pass)
 
     def _response_logits(self, model, mb: Batch, temperature: float) -> tuple[torch.Tensor, int]:
         """Float logits / temperature at the first t response positions [b, t, V] of `model` on `mb`, and t."""
@@ -947,7 +947,6 @@ class ActorRolloutRefWorker:
         # routing replay: R3 replays the rollout's routing; R2 the old-logprob pass's (none: the update's own routing
         # is the old policy's, on-policy)
         replay = self._replay == "R3" or (self._replay == "R2" and "routed_experts" in batch)
-        self._routing_stats = []
         with self._routing_phase("replay" if replay else None):
             for data in epoch_passes(batch, a.ppo_epochs, shuffle_seed):
                 for mb in data.split(mini):
