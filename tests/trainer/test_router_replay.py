@@ -277,6 +277,9 @@ def test_r3_with_lora_replays_through_peft_wrapped_routers(layer_kind_dir):
     (("actor_rollout_ref.actor.router_replay.mode=R4",), "router_replay.mode = 'R4' is not one of"),
     (("actor_rollout_ref.actor.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"),
      "bypass_mode skips"),
+    (("actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2",),
+     "counts the experts of the routing the rollout engine records"),
+    (("actor_rollout_ref.rollout.moe_load_balance_metrics_interval=-1",), "an integer >= 0"),
 ])
 def test_router_replay_settings_that_cannot_work_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -288,16 +291,12 @@ def test_a_dense_model_is_refused_naming_the_key(tiny_model_dir):
         _worker(tiny_model_dir, "actor_rollout_ref.actor.router_replay.mode=R2")
 
 
-def test_grpo_with_r3_runs_through_the_trainer(layer_kind_dir, tmp_path):
-    """`tiller rl` with verl's R3 keys on a tiny Qwen3-MoE: each step's batch carries the rollout's routing into the
-    old-logprob pass (two PPO epochs need it) and the update, and the step logs the update's routing agreement."""
-    import json
-
+def _rl_config(layer_kind_dir, tmp_path, *extra):
+    """`tiller rl` on a tiny Qwen3-MoE: 2 steps of 2 prompts x n=4, 2 PPO epochs, metrics to metrics.jsonl."""
     from tiller.tasks import arithmetic
-    from tiller.trainer.rl import RLTrainer
 
     arithmetic.write_task(tmp_path / "data", n_train=16, n_test=4, seed=0)
-    cfg = load_config([
+    return load_config([
         f"actor_rollout_ref.model.path={layer_kind_dir('qwen3_moe')}",
         f"data.train_files={tmp_path / 'data/train.parquet'}",
         "data.train_batch_size=2", "data.max_prompt_length=32", "data.max_response_length=6",
@@ -305,8 +304,17 @@ def test_grpo_with_r3_runs_through_the_trainer(layer_kind_dir, tmp_path):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_epochs=2",
         "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2", "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable", "trainer.val_before_train=false",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-        *R3])
+        f"trainer.default_local_dir={tmp_path / 'run'}", *extra])
+
+
+def test_grpo_with_r3_runs_through_the_trainer(layer_kind_dir, tmp_path):
+    """`tiller rl` with verl's R3 keys on a tiny Qwen3-MoE: each step's batch carries the rollout's routing into the
+    old-logprob pass (two PPO epochs need it) and the update, and the step logs the update's routing agreement."""
+    import json
+
+    from tiller.trainer.rl import RLTrainer
+
+    cfg = _rl_config(layer_kind_dir, tmp_path, *R3)
     trainer = RLTrainer(cfg)
     seen = []
     execute = trainer.actor.execute
@@ -325,3 +333,62 @@ def test_grpo_with_r3_runs_through_the_trainer(layer_kind_dir, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/router_replay_agreement" in r]
     assert len(steps) == 2 and all(0.5 < r["actor/router_replay_agreement"] <= 1.0 for r in steps)
+
+
+def test_moe_load_balance_counts_and_metrics_worked_numbers():
+    """verl's rollout/moe metrics on a hand-counted batch: 2 rows, 1 prompt + 3 response columns, 2 MoE layers,
+    top-2 of 3 experts. Counted: response tokens but each row's last (row 0: t0, t1; row 1: t0; its t2 is padding)."""
+    from tiller.trainer.rl_metrics import moe_expert_counts, moe_load_balance_metrics
+
+    x = [-1, -1]
+    routes = torch.tensor([
+        [[[1, 1], [1, 1]], [[0, 1], [0, 1]], [[0, 2], [1, 0]], [[2, 2], [2, 2]]],  # prompt, t0, t1, t2 (last)
+        [[[2, 2], [2, 2]], [[0, 1], [0, 1]], [[1, 1], [1, 1]], [x, x]],  # prompt, t0, t1 (last), padding
+    ], dtype=torch.int16)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    counts = moe_expert_counts(routes, mask, num_experts=3)
+    assert counts.tolist() == [[3, 2, 1], [3, 3, 0]]
+    m = moe_load_balance_metrics(counts)
+    # layer 0: shares (3, 2, 1) / 6 x 3 - 1 = (0.5, 0, -0.5); layer 1: (3, 3, 0) / 6 x 3 - 1 = (0.5, 0.5, -1)
+    want = {"max_vio/layer_0": 0.5, "min_vio/layer_0": -0.5, "avg_vio/layer_0": 1 / 3,
+            "max_vio/layer_1": 0.5, "min_vio/layer_1": -1.0, "avg_vio/layer_1": 2 / 3,
+            "max_vio/max": 0.5, "max_vio/avg": 0.5, "min_vio/max": -0.5, "min_vio/avg": -0.75,
+            "avg_vio/max": 2 / 3, "avg_vio/avg": 0.5, "routed_expert_assignments": 12.0, "routed_experts_found": 1.0}
+    assert m.keys() == {f"rollout/moe/{k}" for k in want}
+    for k, v in want.items():
+        assert m[f"rollout/moe/{k}"] == pytest.approx(v, abs=1e-12), k
+    with pytest.raises(ValueError, match="routed expert id 2 >= the model's 2 experts"):
+        moe_expert_counts(routes, mask, num_experts=2)
+
+
+@pytest.mark.parametrize("source", ["rollout", "R2"])
+def test_moe_load_balance_metrics_every_interval_steps(layer_kind_dir, tmp_path, source):
+    """rollout.moe_load_balance_metrics_interval=2 over 2 steps: nothing at step 1, at step 2 the counts of both
+    steps' response tokens (each row's last left out) x MoE layers x top-k, from the engine's recorded routing alone
+    (no replay) or from R2's old-logprob pass."""
+    import json
+
+    from transformers import AutoConfig
+
+    from tiller.trainer.rl import RLTrainer
+
+    extra = ("actor_rollout_ref.rollout.enable_rollout_routing_replay=True" if source == "rollout"
+             else "actor_rollout_ref.actor.router_replay.mode=R2")
+    cfg = _rl_config(layer_kind_dir, tmp_path, extra, "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2")
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+        layers = len(routing.moe_blocks(trainer.actor.worker.module))
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "response_length/mean" in r]
+    assert len(rows) == 2 and not any(k.startswith("rollout/moe/") for k in rows[0])
+    logged = rows[1]
+    assert {k for k in logged if k.startswith("rollout/moe/max_vio/layer_")} == \
+        {f"rollout/moe/max_vio/layer_{i}" for i in range(layers)}
+    top_k = AutoConfig.from_pretrained(layer_kind_dir("qwen3_moe")).num_experts_per_tok
+    samples = 2 * 4
+    tokens = sum(round(r["response_length/mean"] * samples) - samples for r in rows)
+    assert logged["rollout/moe/routed_expert_assignments"] == tokens * layers * top_k
+    assert 0 <= logged["rollout/moe/max_vio/max"] and -1 <= logged["rollout/moe/min_vio/avg"] <= 0

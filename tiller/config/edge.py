@@ -418,8 +418,6 @@ RULES.update({
     "actor_rollout_ref.rollout.full_determinism": noop("deterministic GPU inference kernels; tiller's CPU runs are "
                                                        "deterministic per seed"),
     "actor_rollout_ref.rollout.seed": noop("tiller seeds sampling from trainer.seed (per step and sample)"),
-    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval": noop(
-        "MoE expert-load metrics of verl's vLLM / SGLang server; tiller's engines do not report them"),
     "actor_rollout_ref.rollout.qat": noop("verl's copy of the actor's QAT settings (actor qat.enable is refused)"),
     "actor_rollout_ref.rollout.disaggregation": refused(
         "prefill / decode disaggregation over engine replicas is not built (tiller's engine prefills and decodes in "

@@ -1015,7 +1015,9 @@ class RolloutConfig:
     seed: int = 42
     """verl 0.10: the engine's seed; tiller seeds sampling from trainer.seed (per step and sample)."""
     moe_load_balance_metrics_interval: int = 0
-    """verl 0.10: log the engine's MoE expert load every N steps (0 = off)."""
+    """verl 0.10: every N steps (0 = off), log `rollout/moe/{max,min,avg}_vio/...`: each MoE layer's expert load
+    over the response tokens of the steps since the last log, against a uniform load (verl's formula). Counts the
+    routing the native engine records (enable_rollout_routing_replay=True, with or without R3), or R2's."""
     qat: Any = None
     """verl 0.10: the engine's copy of the actor's QAT settings (actor qat.enable is refused)."""
     disaggregation: dict[str, Any] = field(default_factory=v010.disaggregation)

@@ -476,9 +476,18 @@ def _validate_router_replay(cfg: RLConfig) -> None:
     if "R3" in (mode, ref_mode) and not record:
         raise ConfigError("router_replay.mode=R3 replays the rollout engine's routing: set "
                           "actor_rollout_ref.rollout.enable_rollout_routing_replay=True")
-    if record and "R3" not in (mode, ref_mode):
+    interval_key = "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"
+    interval = rollout.moe_load_balance_metrics_interval
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise ConfigError(f"{interval_key}={interval!r}: log the rollout's MoE expert load every N steps, an integer "
+                          ">= 0 (0 = off)")
+    if interval and not record and mode != "R2":
+        raise ConfigError(f"{interval_key}={interval} counts the experts of the routing the rollout engine records: set "
+                          "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (with router_replay.mode=R3 "
+                          "to replay it in training, or alone for the metrics), or use router_replay.mode=R2")
+    if record and "R3" not in (mode, ref_mode) and not interval:
         raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True records the rollout's routing "
-                          f"for R3 replay: set {key}=R3 (or leave it False)")
+                          f"for R3 replay or for {interval_key}: set {key}=R3, or the interval (or leave it False)")
     if record and rollout.name != "native":
         raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True: tiller's native engine "
                           f"records the routing; rollout.name={rollout.name} does not (use native)"

@@ -84,7 +84,8 @@ def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor]) -> dict[st
 
 
 def is_moe(model_or_path) -> bool:
-    """The model (or model dir) has mixture-of-experts layers (`num_experts` / `num_local_experts` in its config)."""
+    """The model (or model dir) has mixture-of-experts layers (`num_experts` / `num_local_experts` /
+    `n_routed_experts` in its config)."""
     if isinstance(model_or_path, torch.nn.Module):
         config = model_or_path.config
     else:
@@ -92,7 +93,7 @@ def is_moe(model_or_path) -> bool:
 
         config = AutoConfig.from_pretrained(model_or_path)
     config = getattr(config, "text_config", None) or config
-    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+    return any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 MOE_WITHOUT_RELOAD_REFUSED = (

@@ -83,7 +83,9 @@ from tiller.trainer.episode_merge import concat_episode_batches, merge_episode_p
 from tiller.trainer.flops import actor_mfu, device_peak_flops
 from tiller.trainer.generations import dump_generations, generation_rows, per_sample_extras
 from tiller.trainer.rollout_skip import RolloutSkip
-from tiller.trainer.rl_metrics import data_metrics, tool_metrics, TOOL_FIELDS, validation_metrics
+from tiller.trainer.rl_metrics import (
+    data_metrics, moe_expert_counts, moe_load_balance_metrics, tool_metrics, TOOL_FIELDS, validation_metrics,
+)
 from tiller.trainer.rundir import (
     acquire_run_dir, claim_run_dir, clear_records, release_run_dir, run_records, sampling_changes, sampling_settings,
 )
@@ -242,6 +244,7 @@ class RLTrainer:
         # one per rank by default; set it to N to reproduce an N-rank run's samples in one process
         self.rollout_seed_chunks = self.world_size
         self.global_step = 0
+        self._moe_counts: torch.Tensor | None = None  # rollout.moe_load_balance_metrics_interval: since the last log
         self.tracker = None
         self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
         if self._replaced_records:  # trainer.overwrite=true, once nothing above refused the run
@@ -1092,7 +1095,26 @@ class RLTrainer:
         mfu = self._actor_mfu(batch, m.get("timing_s/update_actor", 0.0))
         if mfu is not None:  # CUDA devices in verl's table only (tiller.trainer.flops)
             out["perf/mfu/actor"] = mfu
+        if self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval and "routed_experts" in batch:
+            out.update(self._moe_load_metrics(batch))
         return out
+
+    def _moe_load_metrics(self, batch: Batch) -> dict[str, float]:
+        """verl's `rollout/moe/*` load-balance metrics: this step's response tokens' experts (the recorded routing)
+        added to the counts since the last log; logged, and the counts reset, every
+        rollout.moe_load_balance_metrics_interval steps."""
+        if not hasattr(self, "_num_experts"):
+            m = self.cfg.actor_rollout_ref.model
+            config = model_config(m.path, m.override_config, trust_remote_code=m.trust_remote_code)
+            config = getattr(config, "text_config", None) or config
+            self._num_experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts",
+                                                                   "n_routed_experts") if getattr(config, k, None))
+        counts = moe_expert_counts(batch["routed_experts"], batch["response_mask"], self._num_experts)
+        self._moe_counts = counts if self._moe_counts is None else self._moe_counts + counts
+        if self.global_step % self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval:
+            return {}
+        counts, self._moe_counts = self._moe_counts, None
+        return moe_load_balance_metrics(counts)
 
     def _actor_mfu(self, batch: Batch, seconds: float) -> float | None:
         """verl's perf/mfu/actor for this step's update (None off CUDA or on a device verl's table does not name)."""

@@ -7,6 +7,8 @@ the step's limit; the driver adds `response_length/limit`, the multi-stage lengt
 Validation, per data source and N = val_kwargs.n: `val-core/<source>/acc/mean@N`, for N > 1 also
 `val-core/<source>/acc/best@N` (the best of N) and `val-core/<source>/acc/maj@N` (the accuracy of the
 most frequent prediction, ties broken by first appearance), and `val-aux/<source>/reward/mean@N`.
+Mixture-of-experts rollouts (`rollout.moe_load_balance_metrics_interval`): `rollout/moe/{max,min,avg}_vio/...`, each
+layer's expert load against the uniform one (`moe_expert_counts`, `moe_load_balance_metrics`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,49 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     out.update(_stats("prompt_length", prompt_len))
     if "finish_reason" in batch:
         out["response/finish_stop_ratio"] = float(np.mean([r == "stop" for r in batch["finish_reason"]]))
+    return out
+
+
+def moe_expert_counts(routed_experts: torch.Tensor, response_mask: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[layers, experts] counts of the experts each response token was routed to (every top-k choice counts once).
+
+    `routed_experts` is the batch's [B, P + T, layers, top-k] routing (the rollout engine's, or R2's old-logprob
+    pass's), `response_mask` its [B, T] response tokens. As verl counts: each row's last response token is left out
+    (sampled, never fed back through the model: the engine recorded no routing for it), and so is any slot without a
+    recorded routing (-1)."""
+    T = response_mask.shape[1]
+    routes = routed_experts[:, routed_experts.shape[1] - T:].long()
+    mask = response_mask.bool()
+    positions = torch.arange(T)
+    last = torch.where(mask, positions, -1).amax(-1, keepdim=True)
+    mask = mask & (positions != last)
+    chosen = routes[mask]  # [tokens, layers, top-k]
+    layers = routes.shape[2]
+    if chosen.numel() and int(chosen.max()) >= num_experts:
+        raise ValueError(f"routed expert id {int(chosen.max())} >= the model's {num_experts} experts")
+    chosen = chosen[(chosen >= 0).all(-1).all(-1)]
+    offsets = torch.arange(layers).view(1, layers, 1) * num_experts
+    flat = (chosen + offsets).reshape(-1)
+    return torch.bincount(flat, minlength=layers * num_experts).view(layers, num_experts)
+
+
+def moe_load_balance_metrics(counts: torch.Tensor, prefix: str = "rollout/moe") -> dict[str, float]:
+    """verl's rollout MoE load-balance metrics of [layers, experts] counts: per layer, each expert's share of the
+    layer's assignments times the number of experts, minus 1 (0 everywhere = a uniform load); `max_vio` the most
+    loaded expert's excess, `min_vio` the least loaded one's (-1: an expert never chosen), `avg_vio` the mean
+    absolute deviation; each `/layer_i`, and `/max` and `/avg` over the layers. Plus the assignments counted."""
+    share = counts.double() / counts.sum(-1, keepdim=True).clamp_min(1)
+    deviation = share * counts.shape[1] - 1.0
+    stats = {"max_vio": deviation.amax(-1), "min_vio": deviation.amin(-1), "avg_vio": deviation.abs().mean(-1)}
+    out: dict[str, float] = {}
+    for name, per_layer in stats.items():
+        for i, v in enumerate(per_layer.tolist()):
+            out[f"{prefix}/{name}/layer_{i}"] = v
+        out[f"{prefix}/{name}/max"] = float(per_layer.max())
+        out[f"{prefix}/{name}/avg"] = float(per_layer.mean())
+    total = int(counts.sum())
+    out[f"{prefix}/routed_expert_assignments"] = float(total)
+    out[f"{prefix}/routed_experts_found"] = float(total > 0)
     return out
 
 
