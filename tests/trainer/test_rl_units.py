@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiller.config import load_config
-from tiller.errors import UserError
+from tiller.errors import ConfigError, UserError
 from tiller.protocol import Batch
 from tiller.trainer.rl_metrics import validation_metrics
 from tiller.workers.common import lr_lambda, position_ids_from_mask, response_forward
@@ -345,3 +345,17 @@ def test_override_config_reaches_the_model_before_it_is_built(tiny_model_dir):
         _worker(tiny_model_dir, 8, "token-mean", f"+{ov}.attn_implementation=nope")
     with pytest.warns(UserWarning, match=rf"{ov}\.no_such_field: not a field of Qwen2Config"):
         _worker(tiny_model_dir, 8, "token-mean", f"+{ov}.no_such_field=1")
+
+
+def test_rollout_max_num_seqs_reaches_the_native_engine(tiny_model_dir):
+    """verl's rollout.max_num_seqs is the native engine's wave size (engine_kwargs.max_num_seqs wins where both are
+    set); 0 is refused naming the key."""
+    from tiller.workers.actor import ActorRolloutRefWorker
+
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.name=native"]
+    for extra, want in ((), 256), (("actor_rollout_ref.rollout.max_num_seqs=3",), 3), \
+            (("actor_rollout_ref.rollout.max_num_seqs=3", "+actor_rollout_ref.rollout.engine_kwargs.max_num_seqs=5"), 5):
+        worker = ActorRolloutRefWorker(load_config([*base, *extra]), total_training_steps=1)
+        assert worker.rollout.max_num_seqs == want, extra
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.max_num_seqs"):
+        load_config([*base, "actor_rollout_ref.rollout.max_num_seqs=0"])

@@ -44,6 +44,8 @@ def test_grpo_syncs_weights_and_sleeps_between_rollouts(tmp_path, tiny_model_dir
     # vLLM reads the model dir's config itself: the actor's config overrides go along; weights sync by name
     assert kw["hf_overrides"] == {"attention_dropout": 0.0} and kw["trust_remote_code"] is False
     assert kw["worker_extension_cls"] == "tiller.rollout.vllm_worker.TillerWorkerExtension"
+    # verl's rollout keys for vLLM (their defaults here; engine_kwargs.max_num_seqs above wins over rollout's)
+    assert (kw["enable_prefix_caching"], kw["scheduling_policy"], kw["disable_log_stats"]) == (True, "fcfs", True)
     before = trainer.actor.execute("state_dict")
     metrics = trainer.fit()
     after = trainer.actor.execute("state_dict")

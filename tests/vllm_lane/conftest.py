@@ -24,7 +24,7 @@ ENGINE = dict(dtype="float32", gpu_memory_utilization=0.1, max_num_batched_token
 RL_ENGINE = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
              "actor_rollout_ref.actor.dtype=float32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
              "actor_rollout_ref.rollout.max_num_batched_tokens=512",
-             "+actor_rollout_ref.rollout.engine_kwargs.max_num_seqs=32")
+             "actor_rollout_ref.rollout.max_num_seqs=32")
 
 
 @pytest.fixture(scope="session")

@@ -32,9 +32,12 @@ def test_grpo_three_steps_small_mismatch(tmp_path, sharp_model_dir, rl_data):  #
     from tiller.trainer.rl import RLTrainer
 
     cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "trainer.total_training_steps=3",
-                   "trainer.val_before_train=true")
+                   "trainer.val_before_train=true", "actor_rollout_ref.rollout.enable_prefix_caching=false")
     trainer = RLTrainer(cfg)
     try:
+        settings = trainer.actor.worker.rollout.settings()  # verl's rollout keys, as vLLM took them
+        assert (settings["max_num_seqs"], settings["enable_prefix_caching"]) == (32, False)
+        assert settings["scheduling_policy"] == "fcfs"
         before = trainer.actor.execute("state_dict")
         metrics = trainer.fit()
         after = trainer.actor.execute("state_dict")

@@ -178,10 +178,14 @@ RULES: dict[str, Rule] = {
                                   "trainer.backend=ray with more than one worker"),
 }
 for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache_engine",
-             "max_num_batched_tokens", "enable_chunked_prefill"):
+             "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
+             "disable_log_stats"):
     RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
 RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
     "vLLM's CUDA graphs / torch.compile, or the native engine's CUDA-graph decode (CUDA) / compiled decode step (CPU)",
+    lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
+RULES["actor_rollout_ref.rollout.max_num_seqs"] = noop(
+    "the rows an engine decodes together (vLLM's max_num_seqs; the native engine's waves and CUDA-graph sizes)",
     lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
 RULES["actor_rollout_ref.rollout.cudagraph_capture_sizes"] = noop(
     "the native engine's CUDA-graph batch sizes; tiller's vllm engine does not pass it",
@@ -195,7 +199,6 @@ _LORA_VISION = ("verl's Megatron LoRA knob; tiller's LoRA adapts the modules nam
                 "language model's, by default) and actor.freeze_vision_tower freezes the vision tower")
 _VIDEO = ("tiller's vision-language path takes images only (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / "
           "Qwen3.5 image prompts); a row with a non-empty 'videos' column is refused at load")
-_ENGINE_KNOB = "a vLLM / SGLang server knob that tiller's vllm engine does not pass (vLLM's default applies)"
 _MEMORY = "a GPU memory tuning (recompute / offload / chunking) tiller does not have; the update is the same"
 _CKPT = ("tiller saves and loads model, optimizer and trainer state together, synchronously (a checkpoint is "
          "always complete)")
@@ -282,9 +285,6 @@ RULES.update({
                                                     "length"),
     "actor_rollout_ref.rollout.skip_tokenizer_init": noop("tiller's engines decode with the actor's tokenizer"),
     "actor_rollout_ref.rollout.multi_stage_wake_up": noop(_MEMORY),
-    **{f"actor_rollout_ref.rollout.{k}": noop(_ENGINE_KNOB)
-       for k in ("disable_log_stats", "enable_prefix_caching", "max_num_seqs",
-                 "scheduling_policy")},
     **{f"actor_rollout_ref.{role}.router_replay.{k}": noop("declared by verl, read by none of its code: the routing "
                                                            "travels in the batch (routed_experts)")
        for role in ("actor", "ref") for k in ("record_file", "replay_file")},

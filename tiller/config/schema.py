@@ -964,16 +964,17 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     """verl: the engine's context limit; tiller's is prompt + response length."""
     max_num_seqs: int = 256
-    """verl: vLLM's concurrent sequences; an engine knob tiller's vllm engine does not pass."""
+    """verl: the sequences an engine decodes together: vLLM's max_num_seqs; the native engine decodes its rows in
+    waves of this many (and captures CUDA graphs up to it). engine_kwargs.max_num_seqs wins where both are set."""
     enable_prefix_caching: bool = True
-    """verl: vLLM prefix caching; tiller's vllm engine keeps vLLM's default (on)."""
+    """verl: vLLM prefix caching (rollout.name=vllm)."""
     logprobs_mode: str = "processed_logprobs"
     """verl: which logprobs the engine returns; tiller's engines return those of the distribution sampled from
     (after temperature / top-k / top-p): processed_logprobs, the only value accepted."""
     scheduling_policy: str = "fcfs"
-    """verl: vLLM scheduling policy; an engine knob tiller's vllm engine does not pass."""
+    """verl: vLLM's scheduling policy, fcfs or priority (rollout.name=vllm; tiller's requests carry no priority)."""
     disable_log_stats: bool = True
-    """verl: vLLM stats logging; an engine knob."""
+    """verl: turn vLLM's periodic stats logging off (rollout.name=vllm)."""
     over_sample_rate: float = 0.0
     """verl: abort the slowest fraction of a batch's generations; refused unless 0 (tiller waits for every sample)."""
     multi_stage_wake_up: bool = False

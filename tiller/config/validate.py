@@ -135,6 +135,8 @@ def validate_rl(cfg: RLConfig) -> None:
     _positive("data.max_prompt_length", data.max_prompt_length)
     _positive("data.max_response_length", data.max_response_length)
     _positive("actor_rollout_ref.rollout.n", rollout.n)
+    _positive("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs)
+    _choice("actor_rollout_ref.rollout.scheduling_policy", rollout.scheduling_policy, ("fcfs", "priority"))
     _positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
     _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
     _positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)

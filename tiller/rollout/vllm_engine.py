@@ -214,6 +214,10 @@ class VLLMRolloutEngine:
             out["compilation_mode"] = getattr(mode, "name", mode)
             out["cudagraph_mode"] = str(getattr(compilation, "cudagraph_mode", None))
             out["device"] = str(config.device_config.device)
+            scheduler, cache = config.scheduler_config, config.cache_config
+            out["max_num_seqs"] = int(scheduler.max_num_seqs)
+            out["scheduling_policy"] = str(scheduler.policy)
+            out["enable_prefix_caching"] = bool(cache.enable_prefix_caching)
         return out
 
     def _structured(self, sampling: SamplingParams) -> dict:

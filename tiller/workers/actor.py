@@ -340,7 +340,9 @@ class ActorRolloutRefWorker:
                 raise ConfigError(f"actor_rollout_ref.rollout.name=vllm: {VLM_REFUSED}; set "
                                   "actor_rollout_ref.rollout.name=native (the default) or hf")
             m = self.cfg.actor_rollout_ref.model
-            extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill)
+            extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill,
+                         max_num_seqs=r.max_num_seqs, enable_prefix_caching=r.enable_prefix_caching,
+                         scheduling_policy=r.scheduling_policy, disable_log_stats=r.disable_log_stats)
             # the same config changes the actor got (vLLM's own copy of the HF config); vLLM picks its own
             # attention backend, so the HF attention implementation stays with the actor
             overrides = {k: v for k, v in m.override_config.items() if k != "attn_implementation"}
@@ -360,6 +362,7 @@ class ActorRolloutRefWorker:
         if r.enable_rollout_routing_replay:  # R3: the engine records each token's experts (validated: native)
             opts["record_routing"] = True
         if name == "native":  # CUDA graphs on a GPU, the compiled step on a CPU (tiller.rollout.graphed_decode)
+            opts.setdefault("max_num_seqs", r.max_num_seqs)  # rows decoded together (vLLM's meaning)
             for key, value in native_decode_options(r.enforce_eager, self.device.type,
                                                     r.cudagraph_capture_sizes).items():
                 opts.setdefault(key, value)
@@ -368,7 +371,8 @@ class ActorRolloutRefWorker:
         except ModuleNotFoundError:
             if name != "native":
                 raise
-            for key in ("compile_decode", "static_decode", "capture_sizes", "cuda_graphs", "static_attention"):
+            for key in ("compile_decode", "static_decode", "capture_sizes", "cuda_graphs", "static_attention",
+                        "max_num_seqs"):
                 opts.pop(key, None)
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 
