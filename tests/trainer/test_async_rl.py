@@ -79,6 +79,12 @@ def test_staleness_filter_drops_by_oldest_token_and_counts():
     # with staleness 2 rows 0, 1, 2, 3 are kept: ages 2, 2, 1, 2 -> mean 7/4; rows 1 and 2 are partial
     kept, m = staleness_filter(batch, 1, 4, 2, 1)
     assert len(kept) == 4 and m["async/staleness_mean"] == 1.75 and m["async/partial_samples"] == 2
+    # verl's off-policy metrics: (oldest, newest) = (1, 1), (1, 2), (2, 3), (1, 1) against version 3
+    want = {"trajectory_spans": (1.5, 2, 1), "trajectory_staleness": (1.25, 2, 0),
+            "trajectory_staleness_worst": (1.75, 2, 1)}
+    for name, (mean, most, least) in want.items():
+        got = tuple(m[f"training/off_policy/{name}/{k}"] for k in ("mean", "max", "min"))
+        assert got == (mean, most, least), name
 
 
 @pytest.mark.parametrize("override,expect", [

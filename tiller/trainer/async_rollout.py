@@ -305,7 +305,9 @@ def staleness_filter(batch, start_version: int, step: int, staleness_threshold: 
     """Drop the samples more than `max_age` versions behind the trainer at `step` (by their oldest token);
     returns (kept batch, metrics): async/staleness_mean and _max (of the samples kept, in versions),
     async/dropped_stale (samples dropped), async/partial_samples (kept samples sampled by more than one
-    version), async/policy_version (the trainer's). Agent rollouts (field `episode`): the sample is the
+    version), async/policy_version (the trainer's), and verl's `training/off_policy/*` over the kept samples (each
+    /mean, /max, /min): trajectory_spans (versions a sample was sampled by, newest - oldest + 1),
+    trajectory_staleness (versions its newest token lags the trainer) and trajectory_staleness_worst (its oldest). Agent rollouts (field `episode`): the sample is the
     episode, over all its segments (rows): it is kept or dropped whole, its oldest token decides, and the
     episode ids of the kept rows are renumbered 0..k-1 in order (`renumber_episodes`)."""
     import torch
@@ -331,4 +333,11 @@ def staleness_filter(batch, start_version: int, step: int, staleness_threshold: 
         metrics["async/staleness_mean"] = float(age[keep].float().mean())
         metrics["async/staleness_max"] = float(age[keep].max())
         metrics["async/partial_samples"] = float((newest[keep] != oldest[keep]).sum())
+        off_policy = {"trajectory_spans": newest[keep] - oldest[keep] + 1, "trajectory_staleness": now - newest[keep],
+                      "trajectory_staleness_worst": age[keep]}
+        for name, values in off_policy.items():
+            values = values.double()
+            metrics.update({f"training/off_policy/{name}/mean": float(values.mean()),
+                            f"training/off_policy/{name}/max": float(values.max()),
+                            f"training/off_policy/{name}/min": float(values.min())})
     return batch, metrics
