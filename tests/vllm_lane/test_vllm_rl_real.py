@@ -28,22 +28,30 @@ def _agrees_with_actor(trainer, module) -> tuple[list, list]:
     return worker.rollout.generate(prompts, GREEDY), native.generate(prompts, GREEDY)
 
 
-def test_grpo_three_steps_small_mismatch(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
+def _fit(cfg):
+    """Run `cfg`: (vLLM's settings at start, final metrics, the actor's weights before and after, then (vLLM's,
+    native's) greedy outputs on the trained actor)."""
     from tiller.trainer.rl import RLTrainer
 
-    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "trainer.total_training_steps=3",
-                   "trainer.val_before_train=true", "actor_rollout_ref.rollout.enable_prefix_caching=false")
     trainer = RLTrainer(cfg)
     try:
-        settings = trainer.actor.worker.rollout.settings()  # verl's rollout keys, as vLLM took them
-        assert (settings["max_num_seqs"], settings["enable_prefix_caching"]) == (32, False)
-        assert settings["scheduling_policy"] == "fcfs"
+        settings = trainer.actor.worker.rollout.settings()
         before = trainer.actor.execute("state_dict")
         metrics = trainer.fit()
         after = trainer.actor.execute("state_dict")
         got, want = _agrees_with_actor(trainer, trainer.actor.worker.module)
     finally:
         trainer.shutdown()
+    return settings, metrics, before, after, got, want
+
+
+def test_grpo_three_steps_small_mismatch(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
+    cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "trainer.total_training_steps=3",
+                   "trainer.val_before_train=true", "actor_rollout_ref.rollout.enable_prefix_caching=false")
+    settings, metrics, before, after, got, want = _fit(cfg)
+    # verl's rollout keys, as vLLM took them
+    assert (settings["max_num_seqs"], settings["enable_prefix_caching"], settings["scheduling_policy"]) == \
+        (32, False, "fcfs")
     assert metrics["training/global_step"] == 3
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert "val-core/tiller/arithmetic/acc/mean@1" in metrics  # validation generated with vLLM too
@@ -57,19 +65,11 @@ def test_grpo_on_a_moe_model_keeps_vllm_on_the_actors_weights(tmp_path, tiny_mod
     """A Qwen3-MoE policy on vLLM: each step's sync reaches the experts as vLLM's CPU kernels pack them
     (`vllm_worker.rebuild_layer_moe_kernels`; without it the second step's rollouts were ~2 nats off the actor)."""
     from tests.vllm_lane.test_vllm_engine_real import MOE_KINDS, _kind_model
-    from tiller.trainer.rl import RLTrainer
 
     _kind_model(tmp_path, tiny_model_dir, "qwen3_moe", **MOE_KINDS["qwen3_moe"])
     cfg = make_cfg(tmp_path / "run", tmp_path / "qwen3_moe", rl_data, *RL_ENGINE, "trainer.total_training_steps=2",
                    "data.val_files=[]")
-    trainer = RLTrainer(cfg)
-    try:
-        before = trainer.actor.execute("state_dict")
-        metrics = trainer.fit()
-        after = trainer.actor.execute("state_dict")
-        got, want = _agrees_with_actor(trainer, trainer.actor.worker.module)
-    finally:
-        trainer.shutdown()
+    _, metrics, before, after, got, want = _fit(cfg)
     assert metrics["training/global_step"] == 2
     assert any(not torch.equal(before[k], after[k]) for k in before if "experts" in k)  # the experts trained
     assert metrics["training/rollout_probs_diff_mean"] < 1e-4, metrics["training/rollout_probs_diff_mean"]
