@@ -484,8 +484,8 @@ def _validate_router_replay(cfg: RLConfig) -> None:
         raise ConfigError(f"{interval_key}={interval!r}: log the rollout's MoE expert load every N steps, an integer "
                           ">= 0 (0 = off)")
     if interval and not record and mode != "R2":
-        raise ConfigError(f"{interval_key}={interval} counts the experts of the routing the rollout engine records: set "
-                          "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (with router_replay.mode=R3 "
+        raise ConfigError(f"{interval_key}={interval} counts the experts of the routing the rollout engine records: "
+                          "set actor_rollout_ref.rollout.enable_rollout_routing_replay=True (with router_replay.mode=R3 "
                           "to replay it in training, or alone for the metrics), or use router_replay.mode=R2")
     if record and "R3" not in (mode, ref_mode) and not interval:
         raise ConfigError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True records the rollout's routing "

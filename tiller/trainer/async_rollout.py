@@ -307,9 +307,10 @@ def staleness_filter(batch, start_version: int, step: int, staleness_threshold: 
     async/dropped_stale (samples dropped), async/partial_samples (kept samples sampled by more than one
     version), async/policy_version (the trainer's), and verl's `training/off_policy/*` over the kept samples (each
     /mean, /max, /min): trajectory_spans (versions a sample was sampled by, newest - oldest + 1),
-    trajectory_staleness (versions its newest token lags the trainer) and trajectory_staleness_worst (its oldest). Agent rollouts (field `episode`): the sample is the
-    episode, over all its segments (rows): it is kept or dropped whole, its oldest token decides, and the
-    episode ids of the kept rows are renumbered 0..k-1 in order (`renumber_episodes`)."""
+    trajectory_staleness (versions its newest token lags the trainer) and trajectory_staleness_worst (its oldest).
+    Agent rollouts (field `episode`): the sample is the episode, over all its segments (rows): it is kept or dropped
+    whole, its oldest token decides, and the episode ids of the kept rows are renumbered 0..k-1 in order
+    (`renumber_episodes`)."""
     import torch
 
     now = trainer_version(step, trigger)

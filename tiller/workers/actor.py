@@ -359,7 +359,7 @@ class ActorRolloutRefWorker:
             engine.check_weight_sync()  # RL syncs weights every step: a sync vLLM gets wrong stops the run now
             return engine
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
-        if r.enable_rollout_routing_replay:  # R3: the engine records each token's experts (validated: native)
+        if r.enable_rollout_routing_replay:  # the engine records each token's experts (R3, MoE load metrics; native)
             opts["record_routing"] = True
         if name == "native":  # CUDA graphs on a GPU, the compiled step on a CPU (tiller.rollout.graphed_decode)
             opts.setdefault("max_num_seqs", r.max_num_seqs)  # rows decoded together (vLLM's meaning)
