@@ -233,8 +233,10 @@ def test_effectively_synchronous_async_agent_run_equals_the_synchronous_one(tmp_
     a, b = _jsonl(tmp_path / "a" / "metrics.jsonl"), _jsonl(tmp_path / "b" / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [1, 2]
     for step in a:
-        assert {k: v for k, v in b[step].items() if not k.startswith("async/")} == a[step]
+        assert {k: v for k, v in b[step].items() if not k.startswith(("async/", "training/off_policy/"))} == a[step]
         assert b[step]["async/staleness_max"] == 0 and b[step]["async/policy_version"] == step - 1
+        assert b[step]["training/off_policy/trajectory_staleness_worst/max"] == 0
+        assert b[step]["training/off_policy/trajectory_spans/max"] == 1
         assert "rollout_corr/rollout_is_mean" in a[step] and "training/rollout_probs_diff_mean" in a[step]
 
 
