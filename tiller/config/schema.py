@@ -954,7 +954,8 @@ class RolloutConfig:
     """Extra keyword arguments for the engine (open-ended: use +key=value)."""
     cudagraph_capture_sizes: Optional[list[int]] = None
     """The batch sizes the native engine captures CUDA graphs for (null: vLLM's 1, 2, 4, then multiples of 8 up to
-    max_num_seqs); a batch runs at the smallest size holding it. tiller's vllm engine does not pass it."""
+    max_num_seqs); a batch runs at the smallest size holding it. rollout.name=vllm: vLLM's
+    compilation_config.cudagraph_capture_sizes, as verl passes it."""
     data_parallel_size: int = 1
     """verl: data-parallel rollout replicas inside one engine; refused unless 1 (one engine per worker)."""
     expert_parallel_size: int = 1
@@ -964,17 +965,19 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     """verl: the engine's context limit; tiller's is prompt + response length."""
     max_num_seqs: int = 256
-    """verl: the sequences an engine decodes together: vLLM's max_num_seqs; the native engine decodes its rows in
-    waves of this many (and captures CUDA graphs up to it). engine_kwargs.max_num_seqs wins where both are set."""
+    """verl: the sequences an engine decodes together: the native engine decodes its rows in waves of this many (and
+    captures CUDA graphs up to it); vLLM's max_num_seqs when set (unset: vLLM's default for its device, e.g. 256 on a
+    CPU, 1024 on an H100). engine_kwargs.max_num_seqs wins where both are set."""
     enable_prefix_caching: bool = True
-    """verl: vLLM prefix caching (rollout.name=vllm)."""
+    """verl: vLLM prefix caching (rollout.name=vllm; passed when set, else vLLM's default for the model)."""
     logprobs_mode: str = "processed_logprobs"
     """verl: which logprobs the engine returns; tiller's engines return those of the distribution sampled from
     (after temperature / top-k / top-p): processed_logprobs, the only value accepted."""
     scheduling_policy: str = "fcfs"
-    """verl: vLLM's scheduling policy, fcfs or priority (rollout.name=vllm; tiller's requests carry no priority)."""
+    """verl: vLLM's scheduling policy, fcfs or priority (rollout.name=vllm, when set; tiller's requests carry no
+    priority)."""
     disable_log_stats: bool = True
-    """verl: turn vLLM's periodic stats logging off (rollout.name=vllm)."""
+    """verl: turn vLLM's periodic stats logging off (rollout.name=vllm, when set)."""
     over_sample_rate: float = 0.0
     """verl: abort the slowest fraction of a batch's generations; refused unless 0 (tiller waits for every sample)."""
     multi_stage_wake_up: bool = False

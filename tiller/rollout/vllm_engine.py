@@ -213,6 +213,7 @@ class VLLMRolloutEngine:
             mode = getattr(compilation, "mode", getattr(compilation, "level", None))
             out["compilation_mode"] = getattr(mode, "name", mode)
             out["cudagraph_mode"] = str(getattr(compilation, "cudagraph_mode", None))
+            out["cudagraph_capture_sizes"] = list(getattr(compilation, "cudagraph_capture_sizes", None) or [])
             out["device"] = str(config.device_config.device)
             scheduler, cache = config.scheduler_config, config.cache_config
             out["max_num_seqs"] = int(scheduler.max_num_seqs)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import json
 import time
 from dataclasses import fields as dataclass_fields, replace
 
@@ -53,10 +54,11 @@ from tiller.algos.rollout_correction import (
     mismatch_sums,
 )
 from tiller.algos.utils import masked_mean
+from tiller.config.edge import given_under
 from tiller.distributed import context as dist_ctx
 from tiller.errors import ConfigError
 from tiller.hostinfo import bf16_compute_allowed
-from tiller.rollout.graphed_decode import native_decode_options
+from tiller.rollout.graphed_decode import capture_sizes, native_decode_options
 from tiller.models import routing
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
 from tiller.models.chat_template import set_chat_template
@@ -340,9 +342,13 @@ class ActorRolloutRefWorker:
                 raise ConfigError(f"actor_rollout_ref.rollout.name=vllm: {VLM_REFUSED}; set "
                                   "actor_rollout_ref.rollout.name=native (the default) or hf")
             m = self.cfg.actor_rollout_ref.model
-            extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill,
-                         max_num_seqs=r.max_num_seqs, enable_prefix_caching=r.enable_prefix_caching,
+            extra = dict(trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill)
+            # verl's vLLM knobs the user set (else vLLM's own defaults, which depend on the device and model: e.g.
+            # 1024 sequences on an H100, prefix caching off for models that cannot cache)
+            knobs = dict(max_num_seqs=r.max_num_seqs, enable_prefix_caching=r.enable_prefix_caching,
                          scheduling_policy=r.scheduling_policy, disable_log_stats=r.disable_log_stats)
+            extra.update({key: value for key, value in knobs.items()
+                          if given_under(self.cfg, f"actor_rollout_ref.rollout.{key}")})
             # the same config changes the actor got (vLLM's own copy of the HF config); vLLM picks its own
             # attention backend, so the HF attention implementation stays with the actor
             overrides = {k: v for k, v in m.override_config.items() if k != "attn_implementation"}
@@ -350,12 +356,19 @@ class ActorRolloutRefWorker:
                 extra["hf_overrides"] = overrides
             if m.tokenizer_path or self.cfg.data.tokenizer:  # vLLM decodes for stop strings with it
                 extra["tokenizer"] = m.tokenizer_path or self.cfg.data.tokenizer
+            kwargs = {**extra, **r.engine_kwargs}
+            if r.cudagraph_capture_sizes:  # verl's way: into vLLM's compilation_config (engine_kwargs' merged)
+                compilation = kwargs.get("compilation_config") or {}
+                if isinstance(compilation, str):
+                    compilation = json.loads(compilation)
+                kwargs["compilation_config"] = {
+                    **compilation, "cudagraph_capture_sizes": capture_sizes(r.max_num_seqs, r.cudagraph_capture_sizes)}
             engine = build_rollout_engine(
                 "vllm", m.path, self.tokenizer, dtype=r.dtype,
                 seed=self.cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager is not False,
                 enable_sleep_mode=bool(r.free_cache_engine) and self.device.type == "cuda",
-                max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs={**extra, **r.engine_kwargs})
+                max_num_batched_tokens=r.max_num_batched_tokens, engine_kwargs=kwargs)
             engine.check_weight_sync()  # RL syncs weights every step: a sync vLLM gets wrong stops the run now
             return engine
         opts = dict(dtype=r.dtype, seed=self.cfg.trainer.seed, **r.engine_kwargs)
