@@ -58,6 +58,14 @@ class Session:
 _SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("tiller_routing", default=None)
 
 
+def num_experts(config) -> int:
+    """Routed experts per MoE layer in an HF config (its text config for a VLM): `num_experts` (Qwen-MoE),
+    `num_local_experts` (Mixtral) or `n_routed_experts` (GLM-4.5); 0 for a dense model."""
+    config = getattr(config, "text_config", None) or config
+    return next((int(n) for n in (getattr(config, k, None) for k in ("num_experts", "num_local_experts",
+                                                                      "n_routed_experts")) if n), 0)
+
+
 def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` with `experts` (transformers' experts blocks), in model order."""
     return [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]

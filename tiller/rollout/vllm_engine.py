@@ -39,6 +39,7 @@ import torch
 
 from tiller.errors import ConfigError, UserError
 from tiller.models.loading import is_vision_checkpoint
+from tiller.models.routing import num_experts
 from tiller.models.vision import is_vision_model
 from tiller.rollout.base import (
     RolloutOutput,
@@ -84,16 +85,14 @@ def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor]) -> dict[st
 
 
 def is_moe(model_or_path) -> bool:
-    """The model (or model dir) has mixture-of-experts layers (`num_experts` / `num_local_experts` /
-    `n_routed_experts` in its config)."""
+    """The model (or model dir) has mixture-of-experts layers (`tiller.models.routing.num_experts`)."""
     if isinstance(model_or_path, torch.nn.Module):
         config = model_or_path.config
     else:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_or_path)
-    config = getattr(config, "text_config", None) or config
-    return any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return num_experts(config) > 0
 
 
 MOE_WITHOUT_RELOAD_REFUSED = (

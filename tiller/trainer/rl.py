@@ -65,6 +65,7 @@ from tiller.data.seqlen import balanced_order
 from tiller.distributed import create_worker_group, WorkerError
 from tiller.errors import ConfigError, DataError
 from tiller.models.checkpoint import list_checkpoints, resolve_checkpoint
+from tiller.models import routing
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import is_vision_checkpoint, load_tokenizer, model_config, unsupported_vision_model
 from tiller.models.vision import load_processor
@@ -1105,10 +1106,8 @@ class RLTrainer:
         rollout.moe_load_balance_metrics_interval steps."""
         if not hasattr(self, "_num_experts"):
             m = self.cfg.actor_rollout_ref.model
-            config = model_config(m.path, m.override_config, trust_remote_code=m.trust_remote_code)
-            config = getattr(config, "text_config", None) or config
-            self._num_experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts",
-                                                                   "n_routed_experts") if getattr(config, k, None))
+            self._num_experts = routing.num_experts(
+                model_config(m.path, m.override_config, trust_remote_code=m.trust_remote_code))
         counts = moe_expert_counts(batch["routed_experts"], batch["response_mask"], self._num_experts)
         self._moe_counts = counts if self._moe_counts is None else self._moe_counts + counts
         if self.global_step % self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval:
