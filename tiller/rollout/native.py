@@ -561,6 +561,10 @@ class NativeRolloutEngine(InProcessEngine):
         lengths_list = lengths.tolist()
         if routes is not None:
             table = routes.by_row().cpu()
+            # a row's last token has no routing: no forward reads it, except that a stopped row not yet compacted
+            # away is fed its stop token once more; clear that, so what is kept does not depend on compaction
+            fed = (lengths > 0).nonzero().squeeze(-1)
+            table[fed, width + lengths[fed] - 1] = -1
             routes_out.extend(table[r, width - len(prompts[r // n]): width + lengths_list[r]]
                               for r in range(rows_total))
         return ([tokens_list[r][: lengths_list[r]] for r in range(rows_total)],
