@@ -72,14 +72,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
+def compile_library(source: Path, defines: tuple[str, ...], stem: str, what: str,
+                    fallback: str) -> ctypes.CDLL | None:
+    """`source` compiled with `defines` into `$TILLER_CACHE/kernels/<stem>_<hash>.so` (built once per source, flags,
+    compiler and CPU; written atomically) and loaded; None without a C compiler, off Linux / macOS, or when the build
+    fails (a warning naming `what` and the `fallback` taken)."""
     cc = compiler()
     if cc is None or platform.system() not in ("Linux", "Darwin"):
         return None
-    source = _SOURCE.read_text()
-    defines = (f"-DKG={group}", f"-DKD={head_dim}")
-    key = hashlib.sha1("\n".join([source, *_FLAGS, *_LINK, *defines, cc, platform.machine(), _cpu_flags()]).encode())
-    out = cache_dir("kernels") / f"decode_attention_g{group}_d{head_dim}_{key.hexdigest()[:12]}.so"
+    text = source.read_text()
+    key = hashlib.sha1("\n".join([text, *_FLAGS, *_LINK, *defines, cc, platform.machine(), _cpu_flags()]).encode())
+    out = cache_dir("kernels") / f"{stem}_{key.hexdigest()[:12]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -89,27 +92,32 @@ def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
         if platform.system() == "Linux":
             link.append("-lmvec")  # glibc's vector math (the vectorised expf under -ffast-math)
         try:
-            for cmd in ([cc, *_FLAGS, *defines, "-c", "-o", obj, str(_SOURCE)], link):
+            for cmd in ([cc, *_FLAGS, *defines, "-c", "-o", obj, str(source)], link):
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
                 if proc.returncode != 0:
                     break
             if proc.returncode != 0:
-                warnings.warn(f"tiller: building the decode-attention kernel failed ({' '.join(cmd)}): "
-                              f"{proc.stderr.strip()[-500:]}; decoding with SDPA", stacklevel=3)
+                warnings.warn(f"tiller: building {what} failed ({' '.join(cmd)}): {proc.stderr.strip()[-500:]}; "
+                              f"{fallback}", stacklevel=4)
                 return None
             os.replace(tmp, out)
         except (OSError, subprocess.TimeoutExpired) as err:
-            warnings.warn(f"tiller: building the decode-attention kernel failed: {err}; decoding with SDPA",
-                          stacklevel=3)
+            warnings.warn(f"tiller: building {what} failed: {err}; {fallback}", stacklevel=4)
             return None
         finally:
             for path in (tmp, obj):
                 if os.path.exists(path):
                     os.unlink(path)
-    lib = ctypes.CDLL(str(out))
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = None, _ARGTYPES
+    return ctypes.CDLL(str(out))
+
+
+def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
+    lib = compile_library(_SOURCE, (f"-DKG={group}", f"-DKD={head_dim}"), f"decode_attention_g{group}_d{head_dim}",
+                          "the decode-attention kernel", "decoding with SDPA")
+    if lib is not None:
+        for name in ("decode_attention_f32", "decode_attention_bf16"):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = None, _ARGTYPES
     return lib
 
 
@@ -173,17 +181,23 @@ class DecodeAttention:
         def run(i: int) -> None:
             fn(*common, b * i // threads, b * (i + 1) // threads, hk, length, self.scaling, scratch[i].data_ptr())
 
-        if threads == 1:
-            run(0)
-        else:
-            pool = _POOLS.get(threads - 1)
-            if pool is None:
-                pool = _POOLS.setdefault(threads - 1, ThreadPoolExecutor(threads - 1, thread_name_prefix="tiller-attn"))
-            futures = [pool.submit(run, i) for i in range(1, threads)]
-            run(0)
-            for f in futures:
-                f.result()
+        run_parts(run, threads)
         return out
+
+
+def run_parts(run, threads: int) -> None:
+    """`run(i)` for i in range(threads): part 0 on the calling thread, the others on a shared pool (kernels called
+    through ctypes release the GIL)."""
+    if threads == 1:
+        run(0)
+        return
+    pool = _POOLS.get(threads - 1)
+    if pool is None:
+        pool = _POOLS.setdefault(threads - 1, ThreadPoolExecutor(threads - 1, thread_name_prefix="tiller-kernel"))
+    futures = [pool.submit(run, i) for i in range(1, threads)]
+    run(0)
+    for f in futures:
+        f.result()
 
 
 def attention_kernel(n_q: int, n_kv: int, head_dim: int, scaling: float, device: torch.device,

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tiller.models import layer_masks
+from tiller.rollout import packed_experts
 from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
 from tiller.rollout.decode_kernel import attention_kernel, DecodeAttention
@@ -50,9 +51,11 @@ keep gate and up in one matrix (`gate_up_proj`), and rotate only the first part 
 with adjacent pairs (dims 2i, 2i + 1) where Llama pairs halves (`ROPE`). The mixture-of-experts families (Qwen2-MoE,
 Qwen3-MoE, Qwen3-VL-MoE, Mixtral; GLM-4.5 / 4.6, `glm4_moe`: Llama's halves rotated over the first half of each head,
 q / k norms where `use_qk_norm`, sigmoid routing with a shared expert, dense first layers) are these attention layers
-with an experts block in place of the MLP in some or all layers: the step fuses their attention and dense MLPs and runs each experts block as the model's own module
-(`FusedDecoder.mlp`: its router, top-k and experts implementation, e.g. transformers' `grouped_mm`, which keeps the
-routing on the device, so a CUDA graph can record it)."""
+with an experts block in place of the MLP in some or all layers: the step fuses their attention and dense MLPs and
+runs each experts block as the model's own module (`FusedDecoder.mlp`: its router, top-k and experts implementation,
+e.g. transformers' `grouped_mm`, which keeps the routing on the device, so a CUDA graph can record it); on a CPU with
+packing, the block's expert matmuls run on packed copies of the experts (`tiller.rollout.packed_experts`), its router
+and shared experts as the model's."""
 ROPE = {"glm4": "pairs_from_half", "glm4v": "pairs"}
 """How a model type's rotary embedding pairs dims (default "half": dim i with i + D / 2, over the whole head).
 "pairs": dims 2i and 2i + 1 over the first `cos.shape[-1]` dims, the rest passed through (GLM-4.1V, whose
@@ -206,6 +209,7 @@ class FusedDecoder:
             return
         old = None if self._seen is None else [*self.qkv, *self.o, *self.gate_up, *self.down, self.head]
         self.qkv, self.o, self.gate_up, self.down = [], [], [], []
+        self.experts = []  # per layer: its experts' packed copies (`tiller.rollout.packed_experts`), or None
         with torch.no_grad():
             for layer in self.inner.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -218,6 +222,8 @@ class FusedDecoder:
                 experts = is_experts(m)  # no fused copies: the block runs as the model's module (`mlp`)
                 self.gate_up.append(None if experts else self._linear(gate_up_weight(m), None))
                 self.down.append(None if experts else self._linear(m.down_proj.weight, m.down_proj.bias))
+                packed = experts and self.pack and packed_experts.packable(m.experts)
+                self.experts.append(packed_experts.PackedExperts(m.experts) if packed else None)
             head = self.model.lm_head
             self.head = self._linear(head.weight, head.bias)
             if old is not None and not self.pack:
@@ -268,9 +274,11 @@ class FusedDecoder:
 
     def mlp(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer `layer`'s MLP on its normalised input h [N, E]: the fused gate-up and down matmuls, or an experts
-        block run as the model's own module (router, top-k, experts; each token on its own, as in HF's forward)."""
+        block run as the model's own module (router, top-k, experts; each token on its own, as in HF's forward), its
+        expert matmuls on packed weights where packing is on (`tiller.rollout.packed_experts`)."""
         if self.gate_up[layer] is None:
-            out = self.inner.layers[layer].mlp(h.unsqueeze(0))
+            block, packed = self.inner.layers[layer].mlp, self.experts[layer]
+            out = block(h.unsqueeze(0)) if packed is None else packed_experts.run_block(block, packed, h.unsqueeze(0))
             return (out[0] if isinstance(out, tuple) else out).squeeze(0)  # (blocks that return router logits too)
         gate, up = self._apply(h, self.gate_up[layer]).chunk(2, dim=-1)
         return self._apply(self.acts[layer](gate) * up, self.down[layer])
