@@ -183,3 +183,17 @@ def test_kernel_applies_where_it_can_and_onednn_elsewhere(monkeypatch):
     monkeypatch.setattr(packed_experts, "_LIB", [])
     monkeypatch.setenv("TILLER_EXPERTS_KERNEL", "0")
     assert packed_experts.PackedExperts(_random_experts()).lib is None
+
+
+def test_panel_layouts_worked():
+    """The kernel's weight layouts: 16-column panels, K-major (P[e, n, k, j] = W[e, 16 n + j, k]), and for AVX512-BF16
+    pairs of consecutive k (P[e, n, i, j, t] = W[e, 16 n + j, 2 i + t])."""
+    w = torch.arange(2 * 32 * 4, dtype=torch.float32).view(2, 32, 4)  # 2 experts, N = 32, K = 4
+    p = packed_experts.panels(w)
+    assert p.shape == (2, 2, 4, 16)
+    assert p[1, 1, 3, 5] == w[1, 21, 3] and p[0, 0, 2, 15] == w[0, 15, 2]
+    q = packed_experts.panels(w, pairs=True)
+    assert q.shape == (2, 2, 2, 16, 2)
+    assert q[1, 1, 1, 5, 0] == w[1, 21, 2] and q[1, 1, 1, 5, 1] == w[1, 21, 3] and q[0, 0, 0, 15, 1] == w[0, 15, 1]
+    # one panel row in memory: 16 columns of one k (or 16 columns x one pair of k)
+    assert torch.equal(p[0, 0, 1], w[0, :16, 1]) and torch.equal(q[0, 0, 1].flatten(), w[0, :16, 2:4].flatten())

@@ -13,17 +13,18 @@ step has no device to keep the routing on):
 
 Two ways to run the matmuls, both on weights packed once per sync:
 - the C kernel `kernels/experts.c` (a whole block's experts in one call: the weights in 16-column panels, each read
-  from memory once per call with software prefetch, the activation and the weighted scatter fused; fp32 accumulation,
-  bf16 inputs widened), where it applies: a C compiler (built as `tiller.rollout.decode_kernel`'s kernel is), SiLU
-  gating (every family above), widths that are multiples of 16, fp32 / bf16. Measured on 10 layers x 32 experts of
-  the 30M bench shape, 8 rows per expert, 1 thread, cold: 1.6x oneDNN's packed matmuls, 3x the row-major ones
-  (docs/benchmarks.md);
+  from memory once per call with software prefetch, the activation and the weighted scatter fused; fp32 accumulation;
+  bf16 by AVX512-BF16 dot products of k pairs where the CPU has them, else widened), where it applies: a C compiler
+  (built as `tiller.rollout.decode_kernel`'s kernel is), SiLU gating (every family above), widths that are multiples
+  of 16, fp32 / bf16. The expert matmuls of 10 layers x 32 experts of the 30M bench shape, 8 rows per expert, cold,
+  1 thread on a 2-core AMD EPYC (AVX-512 BF16): fp32 57 ms (oneDNN packed 89 ms, row-major 175 ms), bf16 28 ms
+  (oneDNN packed 51 ms, row-major 87 ms);
 - else oneDNN's packed matmul per expert (`torch.ops.mkldnn._linear_pointwise`, ~2x the row-major one).
 
 The router, any shared expert and the block's own arithmetic stay the model's: the block's `forward` runs with this
 object in place of its `experts` (`run_block`), so routing hooks (`tiller.models.routing`) see the same router calls.
 Results differ from transformers' experts by summation order (~1e-6 relative in fp32); in bf16 the kernel keeps the
-intermediate activations in fp32 where transformers rounds them to bf16. `TILLER_EXPERTS_KERNEL=0` keeps oneDNN.
+gate-up output in fp32 where transformers rounds it to bf16 (tests: at least as close to fp32 as transformers). `TILLER_EXPERTS_KERNEL=0` keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -79,13 +80,17 @@ def _library() -> ctypes.CDLL | None:
                 for name in ("experts_f32", "experts_bf16"):
                     fn = getattr(lib, name)
                     fn.restype, fn.argtypes = None, [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64]
+                lib.experts_bf16_pairs.restype, lib.experts_bf16_pairs.argtypes = ctypes.c_int, []
             _LIB.append(lib)
         return _LIB[0]
 
 
-def panels(weight: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] -> the kernel's panels [E, N / 16, K, 16]: P[e, n, k, j] = W[e, 16 n + j, k]."""
+def panels(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """[E, N, K] -> the kernel's panels [E, N / 16, K, 16]: P[e, n, k, j] = W[e, 16 n + j, k]; `pairs` (bf16 on a CPU
+    with AVX512-BF16): [E, N / 16, K / 2, 16, 2], P[e, n, i, j, t] = W[e, 16 n + j, 2 i + t]."""
     e, n, k = weight.shape
+    if pairs:
+        return weight.detach().view(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
     return weight.detach().view(e, n // 16, 16, k).transpose(2, 3).contiguous()
 
 
@@ -104,7 +109,8 @@ class PackedExperts:
                              "TILLER_EXPERTS_KERNEL=0) or not for this module (SiLU gating, widths multiple of 16)")
         with torch.no_grad():
             if self.lib is not None:
-                self.gate_up, self.down = panels(experts.gate_up_proj), panels(experts.down_proj)
+                pairs = experts.down_proj.dtype == torch.bfloat16 and bool(self.lib.experts_bf16_pairs())
+                self.gate_up, self.down = panels(experts.gate_up_proj, pairs), panels(experts.down_proj, pairs)
             else:
                 self.gate_up = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
                                 for w in experts.gate_up_proj]
@@ -143,7 +149,7 @@ class PackedExperts:
     def _kernel(self, rows, counts, weights, order, dtype) -> torch.Tensor:
         """Every slot's weighted expert output, fp32 [S, H] in slot order; the experts split over torch's threads
         by their row counts."""
-        hidden, inter = self.down.shape[1] * 16, self.down.shape[2]
+        hidden, inter = self.experts.down_proj.shape[1:]
         rows = rows.to(dtype).contiguous()
         off = torch.zeros(self.num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=off[1:])
@@ -156,7 +162,7 @@ class PackedExperts:
         cuts = [0] + [min(range(self.num_experts + 1), key=lambda e: abs(bounds[e] - total * i / threads))
                       for i in range(1, threads)] + [self.num_experts]
         largest = int(counts.max()) if total else 0
-        scratch = torch.empty(threads, max(1, largest) * (2 * inter + hidden), dtype=torch.float32)
+        scratch = torch.empty(threads, max(1, largest) * (3 * inter + hidden), dtype=torch.float32)
         order = order.contiguous()
 
         def run(i: int) -> None:
