@@ -81,6 +81,7 @@ def test_worked_numbers_and_a_bad_expert_id():
     expert0, expert1 = silu(x) * 2 * x, 3 * (silu(x) * -x)
     want = torch.stack([0.25 * expert0[0] + 0.75 * expert1[0], 0.5 * expert1[1] + 0.5 * expert0[1]])
     torch.testing.assert_close(packed(x, idx, w), want, atol=1e-6, rtol=1e-6)
+    assert packed(x[:0], idx[:0], w[:0]).shape == (0, 16)  # (no tokens: nothing to run)
     with pytest.raises(ValueError, match="expert id 2 beyond the block's 2 experts"):
         packed(x, torch.tensor([[0, 2], [1, 0]]), w)
 

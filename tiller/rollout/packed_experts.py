@@ -118,6 +118,8 @@ class PackedExperts:
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         n, k = top_k_index.shape
+        if n == 0:
+            return torch.zeros_like(hidden)
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -130,7 +132,7 @@ class PackedExperts:
             slots = self._kernel(rows, counts, weights.float(), order, self.experts.down_proj.dtype)
         else:
             slots = self._onednn(rows, counts.tolist(), weights, order)
-        return slots.view(n, k, -1).sum(dim=1).to(hidden.dtype)
+        return slots.view(n, k, hidden.shape[-1]).sum(dim=1).to(hidden.dtype)
 
     def _onednn(self, rows, counts: list[int], weights, order) -> torch.Tensor:
         apply_gate = self.experts._apply_gate
