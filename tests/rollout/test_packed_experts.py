@@ -84,6 +84,30 @@ def test_worked_numbers_and_a_bad_expert_id():
     assert packed(x[:0], idx[:0], w[:0]).shape == (0, 16)  # (no tokens: nothing to run)
     with pytest.raises(ValueError, match="expert id 2 beyond the block's 2 experts"):
         packed(x, torch.tensor([[0, 2], [1, 0]]), w)
+    with pytest.raises(ValueError, match="expert id -1 beyond the block's 2 experts"):
+        packed(x, torch.tensor([[0, -1], [1, 0]]), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_gates_stay_finite(dtype):
+    """Gate pre-activations of several hundred (silu's exp overflows below -88): the packed experts give the module's
+    output, finite (the C kernel once gave NaN there: an overflowed exp under -ffast-math)."""
+    module = _random_experts(dtype=dtype)
+    with torch.no_grad():
+        module.gate_up_proj.mul_(100)
+    torch.manual_seed(3)
+    x = (torch.randn(16, 64) * 10).to(dtype)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(16)])
+    w = torch.rand(16, 2).to(dtype)
+    with torch.no_grad():
+        want = module(x, idx, w).float()
+        gates = torch.einsum("nh,eih->nei", x.float(), module.gate_up_proj.float()[:, :48])
+    assert gates.min() < -200 and gates.max() > 200
+    for kernel in ([True, False] if packed_experts._library() is not None else [False]):
+        got = packed_experts.PackedExperts(module, kernel=kernel)(x, idx, w).float()
+        assert torch.isfinite(got).all()
+        rel = (got - want).abs().max() / want.abs().max()
+        assert rel < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_engine_packs_experts_and_repacks_after_a_weight_change(layer_kind_dir):

@@ -24,7 +24,8 @@ Two ways to run the matmuls, both on weights packed once per sync:
 The router, any shared expert and the block's own arithmetic stay the model's: the block's `forward` runs with this
 object in place of its `experts` (`run_block`), so routing hooks (`tiller.models.routing`) see the same router calls.
 Results differ from transformers' experts by summation order (~1e-6 relative in fp32); in bf16 the kernel keeps the
-gate-up output in fp32 where transformers rounds it to bf16 (tests: at least as close to fp32 as transformers). `TILLER_EXPERTS_KERNEL=0` keeps oneDNN.
+gate-up output in fp32 where transformers rounds it to bf16 (tests: at least as close to fp32 as transformers).
+`TILLER_EXPERTS_KERNEL=0` keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -121,11 +122,12 @@ class PackedExperts:
         if n == 0:
             return torch.zeros_like(hidden)
         flat = top_k_index.reshape(-1)
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0 or high >= self.num_experts:
+            bad = low if low < 0 else high
+            raise ValueError(f"experts: an expert id {bad} beyond the block's {self.num_experts} experts")
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if len(counts) > self.num_experts or (len(flat) and int(flat.min()) < 0):
-            bad = len(counts) - 1 if len(counts) > self.num_experts else int(flat.min())
-            raise ValueError(f"experts: an expert id {bad} beyond the block's {self.num_experts} experts")
         rows = hidden.index_select(0, order // k)
         weights = top_k_weights.reshape(-1)[order]
         if self.lib is not None:

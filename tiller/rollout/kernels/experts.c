@@ -155,12 +155,14 @@ DEFINE_GEMM(tile_dp, uint16_t, uint16_t)
 /* 1 where the bf16 panels hold k pairs ([N / 16][K / 2][16][2], the packing the caller must use), 0 otherwise. */
 int experts_bf16_pairs(void) { return PAIRS; }
 
-/* a[r][i] = silu(g) * u over gu [rows, 2I] (gate, up), written over the gate half (row stride 2I). */
+/* a[r][i] = silu(g) * u over gu [rows, 2I] (gate, up), written over the gate half (row stride 2I). exp's argument is
+   capped at 80 (exp(80) ~ 5.5e34, finite): -ffast-math assumes no infinities, and an overflowed exp of a gate below
+   -88 gave NaN where silu is -0. */
 static void silu_mul(float* gu, int64_t rows, int64_t I) {
     for (int64_t r = 0; r < rows; ++r) {
         float* g = gu + r * 2 * I;
         const float* u = g + I;
-        for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.0f + expf(fminf(-g[i], 80.0f))) * u[i];
     }
 }
 
