@@ -5,21 +5,21 @@
        gu = x[r] W13_e^T                         W13_e [2I, H]: gate rows then up rows
        a  = silu(gu[:I]) * gu[I:]
        y[dest[r]] = weight[r] * (a W2_e^T)       W2_e [H, I]
-   Accumulation is in fp32 (bf16 inputs widened on load) and y is fp32; the caller sums each token's slots.
+   Accumulation is in fp32 and y is fp32; the caller sums each token's slots.
 
    Weights are packed once per weight sync into panels of 16 output columns, each panel K-major:
    W [N, K] -> P [N / 16][K][16] (P[n][k][j] = W[16 n + j][k]), so a register tile of up to MR rows x 32 columns
    streams two panels front to back: per k, two 16-wide weight loads and 2 x MR fused multiply-adds against each row's
    broadcast x[r][k]. A panel pair (2 x K x 16 x 4 bytes, 64 KiB at K = 512) stays in L2 while every row tile of
    the expert runs over it, so the weights are read from memory once per call whatever the row count, and each
-   output element is summed over k in order (a row's result does not depend on the others; with AVX512-BF16, bf16
-   panels hold pairs of k, below). Panels are prefetched
-   PF k-steps ahead: a decode step's experts are read from DRAM with few rows each, where the hardware prefetchers
-   alone leave the loads waiting.
+   output element is summed over k in order: a row's result does not depend on the others. Panels are prefetched PF
+   k-steps ahead: a decode step's experts are read from DRAM with few rows each, where the hardware prefetchers alone
+   leave the loads waiting. bf16: widened to fp32 on load, or, with AVX512-BF16, panels of k pairs multiplied by its
+   dot-product instruction (below).
 
    Compiled at run time by tiller.rollout.packed_experts with -O3 -march=native -ffast-math (a vectorised expf from
-   libmvec); GCC / clang vector extensions, 512-bit vectors split by the compiler where the CPU has narrower ones
-   (MR is smaller there, to keep the tile in registers). */
+   libmvec); GCC / clang vector extensions: 512-bit vectors with AVX-512, else 256-bit ones and a smaller MR, which
+   keep the tile in registers. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -44,7 +44,10 @@ static inline vf wload_bf16(const uint16_t* p) {
     vf v; memcpy(&v, &u, sizeof v); return v;
 }
 static inline float xload_f32(const float* p) { return *p; }
-static inline float xload_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float xload_bf16(const uint16_t* p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f; memcpy(&f, &u, 4); return f;
+}
 static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* out[m][0:16 np] = x[m] . panels (np = 1 or 2 panels of 16 columns), for mr rows (a compile-time constant where
