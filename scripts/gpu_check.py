@@ -509,7 +509,7 @@ def c_graph_speed(a):
     cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *args, "--workloads", "fixed",
            "--engines", "native-graphs-compiled,native-graphs-flex,native-graphs,native,hf",
            "--model-dir", str(a.work / "bench")]
-    code = sh(cmd, log, 540)
+    code = sh(cmd, log, 330)
     print(tail(log, 4))
     assert code == 0, f"exit {code}: {tail(log, 8)}"
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
@@ -630,7 +630,7 @@ def c_grpo_speed(a):
                 "--max-new", "256", "--steps", "3", "--warmup", "1", "--threads", "8"]
     else:
         args = ["--quick", "--threads", "1"]
-    code = sh([sys.executable, str(ROOT / "bench" / "grpo_vs_trl.py"), *args], log, 480)
+    code = sh([sys.executable, str(ROOT / "bench" / "grpo_vs_trl.py"), *args], log, 210)
     print(tail(log, 3))
     assert code == 0, f"exit {code}: {tail(log, 8)}"
     row = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
