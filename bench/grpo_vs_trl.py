@@ -117,7 +117,10 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
         for step in range(1, args.steps + 1):
             trainer.global_step = step
             t0, c0 = time.perf_counter(), time.process_time()
-            m = trainer.train_step()
+            if args.profile and step == args.steps:  # the last step under torch.profiler (its time still counts)
+                m = profiled_step(trainer, Path(args.profile), args.device)
+            else:
+                m = trainer.train_step()
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             if step > args.warmup:
@@ -132,6 +135,35 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
     finally:
         trainer.shutdown()
     return times, cpu
+
+
+def profiled_step(trainer, out: Path, device: str) -> dict:
+    """One `train_step` under torch.profiler: torch's tables by device time and by host time in `out`, and a
+    summary (`update_profile.json`: device busy seconds, kernels, host syncs) beside them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        m = trainer.train_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if device == "cuda":
+        (out / "step_by_device_time.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50,
+                                                                  max_name_column_width=90))
+    (out / "step_by_host_time.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=50,
+                                                            max_name_column_width=90))
+    dev = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    by_name = {e.key: e for e in events}
+    summary = {"timing_s": {k[len("timing_s/"):]: round(v, 4) for k, v in m.items() if k.startswith("timing_s/")},
+               "device_busy_s": round(sum(e.self_device_time_total for e in dev) / 1e6, 4),
+               "kernels": sum(e.count for e in dev),
+               "host_syncs": sum(by_name[n].count for n in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                            "cudaEventSynchronize") if n in by_name)}
+    (out / "update_profile.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({"profile": summary}), file=sys.stderr)
+    return m
 
 
 def run_trl(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) -> tuple[list[float], list[float]]:
@@ -218,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # shared model/data of the subprocesses
     p.add_argument("--tiller-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="extra tiller config override (repeatable), e.g. actor_rollout_ref.actor.share_prompt_forward=false")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile tiller's last step (torch.profiler tables and a summary in DIR; with --only tiller)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 2M model, 4 prompts x n=4, 8 new tokens, 2 steps (1 timed); not a measurement")
     args = p.parse_args(argv)

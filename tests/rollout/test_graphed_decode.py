@@ -94,6 +94,23 @@ def test_static_step_runs_qwen3_glm4_and_experts_layers(model_type, layer_kind_d
     assert len(engines) == 1 or (engines[1]._graphed._layer is not None and engines[1]._graphed.compile_error is None)
 
 
+def test_experts_not_in_bf16_are_not_captured(layer_kind_dir, tiny_model_dir):
+    """torch's grouped matmul copies expert offsets to the host unless the experts are bf16 (an H200 refused the
+    capture of an fp32 Qwen3-MoE step): such a step is not captured, with the reason naming the layer and dtype; a
+    bf16 experts model and a dense one are."""
+    from transformers import AutoModelForCausalLM
+
+    from tiller.rollout.fused_decode import FusedDecoder
+    from tiller.rollout.graphed_decode import uncapturable_experts
+
+    model, _ = load_family(layer_kind_dir, "qwen3_moe")
+    reason = uncapturable_experts(FusedDecoder(model))
+    assert reason is not None and reason.startswith("layer 1's experts are torch.float32")  # (layer 0 dense)
+    assert uncapturable_experts(FusedDecoder(copy.deepcopy(model).to(torch.bfloat16))) is None
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert uncapturable_experts(FusedDecoder(dense)) is None
+
+
 def test_stop_tokens_and_compaction_equal_hf(sharp_qwen):
     """Rows stop at different steps (on the device), the host learns it every few steps and compacts the batch
     into smaller buckets; every row still equals HF generate's."""

@@ -249,6 +249,23 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     return flex_layer_step if attention == "flex" else layer_step
 
 
+def uncapturable_experts(fused) -> str | None:
+    """Why this model's decode step cannot be captured in a CUDA graph, or None. An experts layer runs as the
+    model's module through transformers' `grouped_mm` experts, and torch's grouped matmul runs its own kernel for
+    bfloat16 weights only: for other dtypes it loops over the experts with their offsets copied to the host, which a
+    capture refuses (seen on an H200, torch 2.11: "Cannot copy between CPU and CUDA tensors during CUDA graph
+    capture")."""
+    for i, gate_up in enumerate(fused.gate_up):
+        if gate_up is not None:
+            continue
+        stacked = [p for p in fused.inner.layers[i].mlp.parameters() if p.dim() == 3]
+        if stacked and any(p.dtype != torch.bfloat16 for p in stacked):
+            return (f"layer {i}'s experts are {stacked[0].dtype}: torch's grouped matmul syncs with the host for "
+                    "experts not in bfloat16, so the decode step runs without CUDA graphs (rollout dtype bfloat16 "
+                    "captures it)")
+    return None
+
+
 # --------------------------------------------------------------------------------------- the step
 class GraphedDecoder:
     """The static buffers and the captured decode steps of one `FusedDecoder` (one model's weights).
@@ -281,6 +298,11 @@ class GraphedDecoder:
         self.replays = self.captures = self.eager_steps = 0  # counters (tests and the GPU check read them)
         self.capture_error: str | None = None
         self.compile_error: str | None = None
+        if self.capture:
+            self.capture_error = uncapturable_experts(fused)
+            if self.capture_error is not None:  # the step runs eagerly (static shapes, no graphs); said once
+                self.capture = False
+                warnings.warn(f"tiller: {self.capture_error}", stacklevel=2)
         self._layer = None  # the compiled layer body, or None: the eager step
         if compile:
             body = layer_step_fn(fused, attention)
@@ -304,8 +326,15 @@ class GraphedDecoder:
         if stop_ids:
             self.stop[: len(stop_ids)] = torch.tensor(sorted(stop_ids), device=self.device)
 
-    def _allocate(self, c_rows: int, c_cols: int, c_out: int, c_t: int, n_stop: int) -> None:
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool: the next capture starts a new pool. (Capturing into
+        the old pool's id after its graphs are gone trips the CUDA allocator's `use_count > 0` assert when a
+        tensor made during a capture still lives there, e.g. a replay's output kept by the caller.)"""
         self.graphs.clear()
+        self._pool = None
+
+    def _allocate(self, c_rows: int, c_cols: int, c_out: int, c_t: int, n_stop: int) -> None:
+        self._drop_graphs()
         self.kc = self.vc = None
         f, dev = self.fused, self.device
         shape = (c_rows, f.n_kv, c_cols, f.head_dim)
@@ -529,7 +558,7 @@ class SlotStep(GraphedDecoder):
         ident = tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in zip(keys, values))
         if getattr(self, "_bound", None) == ident:
             return
-        self.graphs.clear()
+        self._drop_graphs()
         slots, cols = keys[0].shape[0], keys[0].shape[2]
         self.kc, self.vc = list(keys), list(values)
         long = dict(dtype=torch.long, device=self.device)
