@@ -582,6 +582,15 @@ def c_packed_update(a):
     assert info["bf16_max_logprob_diff"] < 0.1, f"bf16 packed logprobs differ by {info['bf16_max_logprob_diff']:.3f}"
     if info["varlen"]:
         assert info["bf16_varlen_calls"] > 0, "bf16 on CUDA did not run the varlen kernel"
+        # the trainer's way: fp32 weights under bf16 autocast (actor.dtype=bfloat16) must reach the varlen kernel too
+        from tiller.workers.common import autocast
+
+        model = model.float()
+        before = packed.varlen_calls
+        with torch.no_grad(), autocast("bfloat16", a.device):
+            packed_response_forward(model, ids, mask, P, rmask)
+        info["autocast_varlen_calls"] = packed.varlen_calls - before
+        assert info["autocast_varlen_calls"] > 0, "fp32 weights under bf16 autocast did not run the varlen kernel"
     log = a.out / "packed_update.log"
     cmd = [sys.executable, str(ROOT / "bench" / "packed_update.py"), "--device", a.device, "--size",
            "30M" if a.device == "cuda" else "2M", "--dtype", "bfloat16" if a.device == "cuda" else "float32",

@@ -70,6 +70,51 @@ def test_packed_forward_equals_padded_logprobs_and_gradients(arch, impl, request
         assert float((g_pack[name] - grad).abs().max()) <= 1e-5 * scale, name
 
 
+def test_packed_backward_cost_does_not_grow_with_rows_times_length(sharp_qwen):
+    """The per-row attention's rows are one split of the packed tensors: its backward concatenates the rows'
+    gradients once, instead of a zero tensor of the whole packed length per row, tensor and layer (slice backward:
+    B x 3 x layers of them, what made a 128-row update on a GPU crawl)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    model, _ = sharp_qwen
+
+    def backward_ops(prompt_lens, response_lens):
+        ids, mask, rmask, P = micro_batch(prompt_lens, response_lens)
+        model.zero_grad(set_to_none=True)
+        logits, t = packed_response_forward(model, ids, mask, P, rmask)
+        with Count() as counted:
+            (logprobs_from_logits(logits.float(), ids[:, P : P + t]) * rmask[:, :t]).sum().backward()
+        return counted.ops
+
+    two, eight = backward_ops([7, 3], [9, 2]), backward_ops([7, 3, 5, 1, 6, 4, 2, 8], [9, 2, 5, 7, 1, 3, 6, 4])
+    # the model's own slices (rotary halves, ...) are per layer; none per row (before: 3 x layers more per row)
+    assert eight.get("slice_backward", 0) == two.get("slice_backward", 0), (two, eight)
+    assert eight.get("zeros", 0) + eight.get("new_zeros", 0) == two.get("zeros", 0) + two.get("new_zeros", 0)
+
+
+def test_packed_attention_runs_in_autocasts_dtype():
+    """Under bf16 autocast the packed attention takes autocast's dtype for fp32 queries (as SDPA does in the padded
+    forward), which is what lets CUDA's varlen kernel run for an fp32-weight model; outside autocast, the query's."""
+    from tiller.workers.packed import attention_dtype
+
+    q = torch.zeros(1, 2, 3, 4)
+    assert attention_dtype(q) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_dtype(q) == torch.bfloat16
+        assert attention_dtype(q.double()) == torch.float64  # (only fp32 is cast, as autocast's own rule)
+    assert attention_dtype(q.to(torch.float16)) == torch.float16
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "gpt_oss", "gemma2"])
 def test_packed_forward_keeps_sliding_windows_sinks_and_soft_caps(layer_kind_dir, model_type):
     """The packed attention applies what the layer asks beyond causal (`tests/layer_kinds.py`, window 6): Mistral's

@@ -66,6 +66,20 @@ def varlen_available(device: torch.device) -> bool:
     return True
 
 
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype the packed attention runs in: the query's, or autocast's lower precision where autocast is on for
+    its device. A model with fp32 weights under bf16 autocast (tiller's actor.dtype=bfloat16) computes its queries in
+    fp32 after the rotary embedding (fp32 cos / sin); SDPA in the padded forward casts them to bf16 under autocast, and
+    so does this, which is what lets the varlen kernel run (before, such an update on an H200 fell back to one SDPA
+    call per row: 0.9% MFU)."""
+    device = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        if low in (torch.float16, torch.bfloat16):
+            return low
+    return query.dtype
+
+
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale,
             window: int | None = None) -> torch.Tensor:
     """q [N, Hq, D], k / v [N, Hk, D] -> causal attention within each row of `cu`, [N, Hq, D] (each query over its
@@ -108,18 +122,19 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         sinks = sinks.reshape(sp.size, -1)[sp.rank]
 
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device) \
+        dtype = attention_dtype(query)
+        if dropout == 0.0 and dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device) \
                 and sinks is None and softcap is None:
             global varlen_calls
             varlen_calls += 1
-            out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest,
-                          scaling, window)
-            return out.unsqueeze(0)
+            q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))
+            return _varlen(q, k, v, cu, longest, scaling, window).unsqueeze(0)
         gqa = query.shape[1] != key.shape[1]
-        outs, start = [], 0
-        for n in lengths:
-            end = start + n
-            q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        # the rows as views of one split (its backward is one concatenation; a slice per row would make each row's
+        # gradient a zero tensor of the whole packed length, B of them per layer)
+        outs = []
+        for q, k, v in zip(*(torch.split(x, lengths, dim=2) for x in (query, key, value))):
+            n = q.shape[2]
             if sinks is not None or softcap is not None:
                 outs.append(_eager_row(q, k, v, scaling, window, sinks, softcap, dropout, module.training))
             elif window is not None and n > window:
@@ -130,7 +145,6 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             else:
                 outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                            enable_gqa=gqa))
-            start = end
         return torch.cat(outs, dim=2).transpose(1, 2)
 
     return (attend(query, key, value) if sp is None else sp.attention(query, key, value, attend)), None
