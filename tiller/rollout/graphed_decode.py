@@ -41,8 +41,9 @@ cost, not the kernels; eagerly a layer is ~25 kernels (RMSNorm, rotary, residual
 cache write, attention, output matmul, residual, norm, gate-up, SiLU x up, down, residual) is one function compiled
 by Inductor once for any batch and width (`dynamic=True`; the same code for every layer, its weights and cache
 passed in), so the elementwise chains fuse into a few kernels around the matmuls and attention, and the graph
-records those. The embedding, rotary tables, mask, LM head and sampler stay eager (a few dozen kernels a step, not
-per layer). A compile that fails warns once and the step runs eagerly (`compile_error`).
+records those. On CUDA the sampler (its counter hash, filters and draw: ~80 elementwise kernels eagerly) is compiled
+too; the embedding, rotary tables, mask and LM head stay eager (a handful of kernels a step, not per layer). A compile
+that fails warns once and the step runs eagerly (`compile_error`).
 
 On a CPU the same step runs eagerly (no capture); tests check it against the eager engine (greedy tokens equal,
 logprobs close), that padding rows change nothing, and that seeded sampling is repeatable and batch-independent,
@@ -167,6 +168,12 @@ class Sampler:
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def _sample(sampler: Sampler, logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor):
+    """`sampler(logits, keys, counters)` as a function Dynamo compiles (the sampler's fields are constants of the
+    compiled graph: a new sampling setting compiles once more)."""
+    return sampler(logits, keys, counters)
+
+
 # ------------------------------------------------------------------------------ the compiled layer
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Qwen2 / Llama RMSNorm (fp32 statistics, the weight applied in the input's dtype)."""
@@ -275,7 +282,8 @@ class GraphedDecoder:
     attention `attention` (one of ATTENTIONS; "flex" needs `compile`)."""
 
     def __init__(self, fused, sizes: list[int], kv_block: int = KV_BLOCK, sync_every: int = SYNC_EVERY,
-                 capture: bool | None = None, compile: bool = False, attention: str = "sdpa"):
+                 capture: bool | None = None, compile: bool = False, attention: str = "sdpa",
+                 compile_sampler: bool | None = None):
         if attention not in ATTENTIONS or (attention == "flex" and not compile):
             raise UserError(f"static_attention={attention!r}: choose one of {list(ATTENTIONS)}; 'flex' runs "
                             "compiled only (rollout.enforce_eager=false / compile_decode=true)")
@@ -304,6 +312,11 @@ class GraphedDecoder:
                 self.capture = False
                 warnings.warn(f"tiller: {self.capture_error}", stacklevel=2)
         self._layer = None  # the compiled layer body, or None: the eager step
+        # the sampler compiled too (with `compile`; by default on CUDA only): its counter hash, filters and draw are
+        # ~80 one-kernel elementwise ops a step eagerly (a 3-layer step: 111 of its 244 ops on CPU), a few fused
+        self._sample = None
+        if compile and (self.device.type == "cuda" if compile_sampler is None else compile_sampler):
+            self._sample = torch.compile(compiled_decode.own_code(_sample), dynamic=True, fullgraph=True)
         if compile:
             body = layer_step_fn(fused, attention)
             if body is None:
@@ -431,9 +444,21 @@ class GraphedDecoder:
         s = self.state
         logits = self._forward(b, lb)
         s["counter"][:b] += 1
-        self._record(b, *sampler(logits, s["keys"][:b], s["counter"][:b]))
+        self._record(b, *self._draw(sampler, logits, s["keys"][:b], s["counter"][:b]))
         s["positions"][:b] += 1
         s["write"][:b] += 1
+
+    def _draw(self, sampler: Sampler, logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor):
+        """`sampler` on the step's logits: compiled where `_sample` is (a failed compile warns once and draws
+        eagerly from then on; the same math either way)."""
+        if self._sample is not None:
+            try:
+                return self._sample(sampler, logits, keys, counters)
+            except Exception as err:
+                self._sample = None
+                warnings.warn(f"tiller: compiling the decode step's sampler failed ({type(err).__name__}: {err}); "
+                              "it samples eagerly", stacklevel=3)
+        return sampler(logits, keys, counters)
 
     def run_step(self, b: int, lb: int, sampler: Sampler) -> None:
         """One decode step of rows [:b] over columns [:lb] (`_run`)."""
@@ -505,7 +530,7 @@ class GraphedDecoder:
         s["start"][:rows] = width - prompt_len
         s["write"][:rows] = width
         self.alive[:rows] = True
-        self._record(rows, *sampler(first_logits, s["keys"][:rows], s["counter"][:rows]))
+        self._record(rows, *self._draw(sampler, first_logits, s["keys"][:rows], s["counter"][:rows]))
 
     def decode(self, rows: int, width: int, new_tokens: int, sampler: Sampler, compact_fraction: float) -> None:
         """Decode tokens 1 .. new_tokens - 1 of the wave set up by `start_wave`, compacting finished rows away."""
