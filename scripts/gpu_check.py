@@ -28,7 +28,9 @@ Checks:
   `generate` and the same step run eagerly; logprobs within 1e-4 of a
   teacher-forced forward; stop tokens with compaction equal HF; padding rows change nothing (buckets [12] vs [64]);
   seeded sampling repeats and is batch-independent; weights updated in place after capture are the ones the
-  captured graphs use (no recapture). On `--device cpu` the graph parts are skipped (the step runs eagerly).
+  captured graphs use (no recapture). The tiny Qwen3-MoE in fp32 must be refused a capture (torch's grouped matmul
+  syncs for experts not in bf16), and in bf16 its graphed rows (eager and compiled layers) must equal the same step
+  uncaptured. On `--device cpu` the graph parts are skipped (the step runs eagerly).
 - `graph_speed`: `bench/rollout.py --device cuda` at GPU.md's shape (Qwen2.5-0.5B body, bf16, 64 / 128 / 256
   prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers (SDPA or FlexAttention), with
   graphs of eager layers, native eager, HF `generate`, and the floor from
@@ -41,7 +43,8 @@ Checks:
   `perf/mfu/actor`) against TRL's GRPOTrainer (HF `generate`), same model and settings (on `--device cpu`: the
   bench's `--quick` size).
 - `packed_update`: the update's forward without padding (`use_remove_padding`, torch's varlen attention on CUDA):
-  logprobs and gradients equal the padded forward's (fp32, Qwen2 and Llama); then `bench/packed_update.py` (30M,
+  logprobs and gradients equal the padded forward's (fp32, Qwen2 and Llama); bf16 weights, and fp32 weights under bf16
+  autocast (the trainer's `actor.dtype=bfloat16`), reach the varlen kernel; then `bench/packed_update.py` (30M,
   16 rows, bf16 on CUDA) times both and `mfu` reports what `perf/mfu/actor` would say for each.
 """
 
