@@ -117,7 +117,7 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
         for step in range(1, args.steps + 1):
             trainer.global_step = step
             t0, c0 = time.perf_counter(), time.process_time()
-            if args.profile and step == args.steps:  # the last step under torch.profiler (its time still counts)
+            if args.profile and step == args.steps:  # the last step under torch.profiler (counted: `profiled`)
                 m = profiled_step(trainer, Path(args.profile), args.device)
             else:
                 m = trainer.train_step()
@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"quick": args.quick, "task": args.task, "model_params": args.params, "prompts": args.prompts, "n": args.n,
               "max_new_tokens": args.max_new, "beta": args.beta, "steps_timed": args.steps - args.warmup,
               "threads": args.threads, "dtype": args.dtype, "device": args.device, "shape": args.shape}
+    if args.profile:  # the last timed step ran under the profiler: its overhead is in the times, not a measurement
+        result["profiled"] = True
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("bench/grpo_vs_trl.py --device cuda: torch sees no CUDA device", file=sys.stderr)
