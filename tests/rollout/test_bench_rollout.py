@@ -54,3 +54,17 @@ def test_bench_fixed_row_reports_a_floor_above_the_measured_rate(tiny_model_dir,
     # the engine does its matmuls and more: it never runs faster than the floor measured in the same run
     assert row["native_floor_tok_s"] > row["native_tok_s"] > 0
     assert "floor_over_vllm" not in row  # no vLLM in this run
+
+
+def test_gpu_profile_script_reports_a_decode_step(tmp_path):
+    """`bench/gpu_profile.py` (the next GPU session's profile) runs on a CPU: its summary counts the static step's
+    eager steps and a positive rate, and torch's table is written."""
+    out = tmp_path / "prof"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"), "--device", "cpu", "--engine",
+                           "native-graphs", "--rows", "3", "--new-tokens", "5", "--model-dir", str(tmp_path / "m"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads((out / "profile.json").read_text())
+    assert info["rows"] == 3 and info["tok_s"] > 0 and info["wall_s"] > 0
+    assert info["graphs"]["eager"] > 0 and info["graphs"]["captures"] == 0  # (no CUDA: the step runs uncaptured)
+    assert "Self CPU" in (out / "profile.txt").read_text()
