@@ -290,3 +290,26 @@ def test_function_tool_file_problems_exit_2_naming_key_and_file(tiny_model_dir, 
     assert code == 2 and "Traceback" not in err, err
     assert phrase.replace("{d}", str(tmp_path)) in err.strip().splitlines()[-1], err
     assert not (tmp_path / "eval.json").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_generation_honours_rollout_enforce_eager(monkeypatch):
+    """`tiller generate` / `eval` read rollout.enforce_eager as the trainer does: CUDA graphs by default on a GPU,
+    eager when True; the compiled step on a CPU when False; engine_kwargs given by the user win."""
+    from tiller.config import load_config
+    from tiller.evaluation import runner
+
+    seen = {}
+    monkeypatch.setattr(runner, "load_policy", lambda *a, **kw: seen.update(kw) or "policy")
+
+    def opts(*overrides):
+        seen.clear()
+        assert runner.policy_from_config(load_config(["actor_rollout_ref.model.path=m", *overrides])) == "policy"
+        return seen["engine_kwargs"]
+
+    assert opts() == {}
+    assert opts("actor_rollout_ref.rollout.enforce_eager=False") == {"compile_decode": True}
+    gpu = opts("trainer.device=cuda", "actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,8]")
+    assert gpu["static_decode"] and gpu["cuda_graphs"] and gpu["capture_sizes"] == [1, 8]
+    assert opts("trainer.device=cuda", "actor_rollout_ref.rollout.enforce_eager=True") == {}
+    assert opts("trainer.device=cuda", "+actor_rollout_ref.rollout.engine_kwargs.cuda_graphs=false")["cuda_graphs"] is False
+    assert opts("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.enforce_eager=False") == {}

@@ -34,7 +34,7 @@ def test_buckets_are_vllms_sizes():
 
 
 def test_enforce_eager_false_chooses_graphs_on_cuda_and_compile_on_cpu():
-    assert native_decode_options(None, "cuda") == {}  # eager until the GPU check has passed (#37)
+    assert native_decode_options(None, "cuda")["cuda_graphs"] is True  # vLLM's default on a GPU
     assert native_decode_options(False, "cuda", [8]) == {"static_decode": True, "cuda_graphs": True,
                                                         "capture_sizes": [8],
                                                         "compile_decode": compiled_decode.available("cuda")}

@@ -292,6 +292,8 @@ def test_tiller_serve_cli_refuses_native_only_flags_on_other_engines(tmp_path):
 
     assert cli(["serve", str(tmp_path), "--engine", "hf", "--prompt-cache-mb", "8"]) == 2
     assert cli(["serve", str(tmp_path), "--engine", "hf", "--compile"]) == 2
+    assert cli(["serve", str(tmp_path), "--engine", "hf", "--enforce-eager"]) == 2
+    assert cli(["serve", str(tmp_path), "--compile", "--enforce-eager"]) == 2
     assert cli(["serve", str(tmp_path), "--prompt-cache-mb", "-1"]) == 2
 
 

@@ -931,9 +931,10 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     """vLLM tensor parallel size."""
     enforce_eager: Optional[bool] = None
-    """vLLM: False enables CUDA graphs (and torch.compile); null = True (eager, tiller's vllm default). native on CUDA: False
-    decodes with the static-shape step captured in CUDA graphs per batch-size bucket
-    (tiller.rollout.graphed_decode), null or True decodes eagerly (graphs the default once the GPU checks of issue #37 pass). native on CPU: False compiles the fused decode step with
+    """vLLM: False enables CUDA graphs (and torch.compile); null = True (eager, tiller's vllm default). native on CUDA: null
+    (the default) or False decodes with the static-shape step captured in CUDA graphs per batch-size bucket, each
+    layer compiled by Inductor where Triton is installed (tiller.rollout.graphed_decode, vLLM's default), True decodes
+    eagerly. native on CPU: False compiles the fused decode step with
     torch.compile (tiller.rollout.compiled_decode: needs a C++ compiler; ~10-30 s to compile once per process,
     then a few % faster per step), null or True decodes eagerly. hf: no effect."""
     free_cache_engine: bool = True

@@ -21,6 +21,7 @@ from tiller.models.loading import is_vision_checkpoint, load_causal_lm, load_tok
 from tiller.models.vision import load_processor
 from tiller.rollout import build_rollout_engine, RolloutOutput, SamplingParams
 from tiller.rollout.base import effective_dtype, shaping_of
+from tiller.rollout.graphed_decode import native_decode_options
 
 
 @dataclass
@@ -191,9 +192,14 @@ def sampling_from_rollout(rollout_cfg, max_new_tokens: int, seed: int, *, val: b
 def policy_from_config(cfg) -> Policy:
     """`load_policy` with an RLConfig's model / rollout / trainer keys."""
     arr = cfg.actor_rollout_ref
+    opts = dict(arr.rollout.engine_kwargs)
+    if arr.rollout.name == "native":  # rollout.enforce_eager as the trainer's engine reads it: graphs on a GPU
+        for key, value in native_decode_options(arr.rollout.enforce_eager, cfg.trainer.device,
+                                                arr.rollout.cudagraph_capture_sizes).items():
+            opts.setdefault(key, value)
     return load_policy(arr.model.path, engine=arr.rollout.name, dtype=arr.rollout.dtype, seed=cfg.trainer.seed,
                        tokenizer_path=arr.model.tokenizer_path or cfg.data.tokenizer, device=cfg.trainer.device,
-                       trust_remote_code=arr.model.trust_remote_code, engine_kwargs=dict(arr.rollout.engine_kwargs),
+                       trust_remote_code=arr.model.trust_remote_code, engine_kwargs=opts,
                        chat_template=arr.model.custom_chat_template)
 
 

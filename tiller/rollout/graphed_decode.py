@@ -615,20 +615,20 @@ class SlotStep(GraphedDecoder):
 # ------------------------------------------------------------------------------------- the engine's use
 def native_decode_options(enforce_eager: bool | None, device_type: str,
                           sizes: list[int] | None = None) -> dict:
-    """The native engine's decode options for verl's `rollout.enforce_eager` on `device_type`: on CUDA, False captures
-    the static-shape step in CUDA graphs, each layer's body compiled by Inductor where Triton is installed (as vLLM
-    compiles then captures); null (the default) or True decodes eagerly (graphs become the default, as in vLLM,
-    once `scripts/gpu_check.py`'s graphed_decode check has passed on a GPU: issue #37); on a CPU, False compiles the
-    fused step with Inductor (`tiller.rollout.compiled_decode`, ~10-30 s of compiling, so not the default), null or
-    True decodes eagerly. `sizes` is `rollout.cudagraph_capture_sizes`.
+    """The native engine's decode options for verl's `rollout.enforce_eager` on `device_type`: on CUDA, null (the
+    default) or False captures the static-shape step in CUDA graphs, each layer's body compiled by Inductor where
+    Triton is installed (vLLM's default: compile, then capture; `scripts/gpu_check.py`'s graphed_decode and continuous
+    checks pass on an H200, docs/gpu.md), True decodes eagerly; on a CPU, False compiles the fused step with Inductor
+    (`tiller.rollout.compiled_decode`, ~10-30 s of compiling, so not the default), null or True decodes eagerly.
+    `sizes` is `rollout.cudagraph_capture_sizes`.
 
-    >>> native_decode_options(None, "cuda")
-    {}
-    >>> native_decode_options(False, "cpu"), native_decode_options(None, "cpu")
-    ({'compile_decode': True}, {})
+    >>> native_decode_options(None, "cuda") == native_decode_options(False, "cuda")
+    True
+    >>> native_decode_options(True, "cuda"), native_decode_options(False, "cpu"), native_decode_options(None, "cpu")
+    ({}, {'compile_decode': True}, {})
     """
     if device_type == "cuda":
-        if enforce_eager is not False:
+        if enforce_eager:
             return {}
         return {"static_decode": True, "cuda_graphs": True, "capture_sizes": sizes,
                 "compile_decode": compiled_decode.available("cuda")}

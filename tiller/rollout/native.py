@@ -308,8 +308,9 @@ class NativeRolloutEngine(InProcessEngine):
         if static_decode and vision_token_ids(model):
             import warnings
 
-            warnings.warn("rollout: the static-shape / CUDA-graph decode step (rollout.enforce_eager=False on a GPU) "
-                          "does not apply to a vision-language model (per-row M-RoPE offsets, vision tokens "
+            warnings.warn("rollout: the static-shape / CUDA-graph decode step (a GPU's default; "
+                          "rollout.enforce_eager=True turns it off) does not apply to a vision-language model "
+                          "(per-row M-RoPE offsets, vision tokens "
                           "suppressed): it decodes with the fused step instead (tiller.rollout.images)", stacklevel=2)
 
     def grammar_for(self, regex: str):

@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="native engine: compile the decode step with torch.compile (needs a C++ compiler; compiles "
                         "at start-up, ~10-30 s; vLLM's default, the inverse of its --enforce-eager); on --device "
                         "cuda the static decode step in CUDA graphs, its layers compiled where Triton is installed "
-                        "(as rollout.enforce_eager=false)")
+                        "(the default there; as rollout.enforce_eager=false)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="native engine on --device cuda: decode eagerly, without CUDA graphs (vLLM's flag)")
     p.add_argument("--prompt-cache-mb", type=float, default=None,
                    help="native engine: MiB of keys / values of recent prompts kept so the same prompt again needs "
                         "no prefill (default 64; 0 = off; emptied when the weights change)")
@@ -77,9 +79,15 @@ def build_served_model(args: argparse.Namespace):
     if args.compile and args.engine != "native":
         raise UserError(f"--compile compiles the native engine's decode step; --engine {args.engine} has none "
                         "(drop --compile or use --engine native)")
+    if args.enforce_eager and (args.compile or args.engine != "native"):
+        raise UserError("--enforce-eager turns off the native engine's CUDA graphs: drop it, or drop --compile"
+                        if args.compile else f"--enforce-eager: --engine {args.engine} takes no decode options")
+    # the native engine: CUDA graphs by default on a GPU (vLLM's default), the compiled step on CPU with --compile
+    eager = False if args.compile else (True if args.enforce_eager else None)
+    decode_opts = native_decode_options(eager, args.device) if args.engine == "native" else {}
     policy = load_policy(args.model, engine=args.engine, dtype=args.dtype, seed=args.seed,
                          tokenizer_path=args.tokenizer, device=args.device, trust_remote_code=args.trust_remote_code,
-                         engine_kwargs=native_decode_options(False, args.device) if args.compile else None)
+                         engine_kwargs=decode_opts or None)
     max_len = args.max_model_len
     if max_len is None:
         cfg = getattr(policy.model, "config", None)
@@ -96,13 +104,14 @@ def build_served_model(args: argparse.Namespace):
                          prompt_cache_mb=64.0 if args.prompt_cache_mb is None else args.prompt_cache_mb,
                          processor=policy.processor)
     served.tool_call_parser = args.tool_call_parser
-    if args.compile:
+    if decode_opts:  # compiled (CPU) or captured (CUDA) before the first request
         warm_up(served)
     return served
 
 
 def warm_up(served) -> None:
-    """Compile the decode step before the first request: one row and several rows are two graphs."""
+    """Compile (and on CUDA capture) the decode step before the first request: one row and several rows are two
+    graphs."""
     t0 = time.perf_counter()
     print("tiller serve: compiling the decode step (once per process) ...", flush=True)
     for rows in (2, 1):
