@@ -15,6 +15,7 @@ from tiller.algos import (
     entropy_from_logits,
     explained_variance,
     kl_penalty,
+    logprobs_and_entropy,
     logprobs_from_logits,
     value_loss,
 )
@@ -177,6 +178,84 @@ def test_entropy_and_logprobs_chunked_equal_unchunked_with_grads():
     torch.testing.assert_close(half.grad.double(), gh, atol=0.05, rtol=0.05)
     with pytest.raises(ValueError, match="disagree"):
         logprobs_from_logits(logits, labels[:, :3])
+
+
+def _direct(logits, labels, temperature):
+    z = logits / temperature
+    return (torch.log_softmax(z, -1).gather(-1, labels[:, None]).squeeze(-1),
+            -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1))
+
+
+def test_logprobs_and_entropy_in_one_pass_with_temperature_and_grads():
+    """The update's fused log-prob + entropy of logits / T: the plain formulas' values and gradients (float64),
+    the entropy's gradient only when asked; from bf16 logits it is bit for bit the unfused path's
+    `logprobs_from_logits(logits.float() / T)` (values and gradient), with no fp32 [N, V] tensor kept."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(21, 11, generator=g, dtype=D, requires_grad=True)
+    labels = torch.randint(0, 11, (21,), generator=g)
+    a, b = torch.randn(21, generator=g, dtype=D), torch.randn(21, generator=g, dtype=D)
+    lp0, h0 = _direct(logits, labels, 0.7)
+    g_both = torch.autograd.grad((a * lp0 + b * h0).sum(), logits, retain_graph=True)[0]
+    g_lp = torch.autograd.grad((a * lp0).sum(), logits)[0]
+    for chunk in (1, 4, 100):
+        lp, h = logprobs_and_entropy(logits, labels, 0.7, want_entropy=True, entropy_grad=True, chunk_size=chunk)
+        ref.assert_close(lp, lp0, atol=1e-12)
+        ref.assert_close(h, h0, atol=1e-12)
+        ref.assert_close(torch.autograd.grad((a * lp + b * h).sum(), logits)[0], g_both, atol=1e-12)
+        lp, h = logprobs_and_entropy(logits, labels, 0.7, want_entropy=True, chunk_size=chunk)
+        assert not h.requires_grad
+        ref.assert_close(torch.autograd.grad((a * lp).sum(), logits)[0], g_lp, atol=1e-12)
+        h_only = logprobs_and_entropy(logits, labels, 0.7, want_entropy=True, entropy_grad=True, chunk_size=chunk)[1]
+        ref.assert_close(torch.autograd.grad((b * h_only).sum(), logits)[0], g_both - g_lp, atol=1e-12)
+    assert logprobs_and_entropy(logits, labels)[1] is None
+    half = logits.detach().bfloat16().requires_grad_(True)
+    lp, _ = logprobs_and_entropy(half, labels, 0.7, chunk_size=8)
+    (lp * a.float()).sum().backward()
+    old = half.detach().clone().requires_grad_(True)
+    lp_old = logprobs_from_logits(old.float() / 0.7, labels)
+    (lp_old * a.float()).sum().backward()
+    assert lp.dtype == torch.float32 and half.grad.dtype == torch.bfloat16
+    assert torch.equal(lp, lp_old) and torch.equal(half.grad, old.grad)
+    with pytest.raises(ValueError, match="labels"):
+        logprobs_and_entropy(logits, labels[:3])
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_and_entropy(logits, labels, 0.0)
+
+
+def test_compiled_logprobs_and_entropy_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatch):
+    """On CUDA the chunks run compiled by Inductor (here its C++ backend): the same values and gradients as the
+    eager chunks; a compile that fails warns and the call still returns the eager numbers."""
+    from tiller.algos import entropy as ent_mod
+    from tiller.rollout import compiled_decode
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(37, 50, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    w = torch.randn(37, generator=g)
+
+    def run(**kw):
+        logits.grad = None
+        lp, h = logprobs_and_entropy(logits, labels, 0.9, want_entropy=True, entropy_grad=True, chunk_size=16, **kw)
+        (w * lp + h).sum().backward()
+        return lp.detach(), h.detach(), logits.grad.clone()
+
+    eager = run(compiled=False)
+    assert ent_mod.compile_logprobs(torch.device("cpu")) is False
+    if compiled_decode.available("cpu"):
+        for x, y in zip(run(compiled=True), eager):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+    def broken(fn, **kw):
+        def fail(*a, **k):
+            raise RuntimeError("no compiler here")
+        return fail
+
+    monkeypatch.setattr(ent_mod, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        again = run(compiled=True)
+    for x, y in zip(again, eager):
+        assert torch.equal(x, y)
 
 
 def test_adaptive_entropy_controller():

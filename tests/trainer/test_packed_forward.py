@@ -200,6 +200,40 @@ def test_actor_honours_use_remove_padding(tiny_model_dir, monkeypatch):
         assert float((grads[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name
 
 
+def test_packed_update_makes_no_padded_logits(tiny_model_dir):
+    """The packed update's log-probs and entropy come from the K response tokens' logits [K, V]: no tensor over the
+    vocabulary is larger (before, a zero-filled [B, t, V] copy, then its fp32 copy and the temperature's: 20 GB each
+    for 128 x 256 tokens of a 152k vocabulary on a GPU)."""
+    import tiller.workers.actor as actor_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tests.trainer.test_dynamic_batches import _batch, _cfg, _grads
+
+    class Largest(TorchDispatchMode):
+        def __init__(self, vocab):
+            super().__init__()
+            self.vocab, self.numel = vocab, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab and t.shape[0] != hidden:
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    batch = _batch()
+    batch["ref_log_prob"] = batch["old_log_probs"].clone()  # (the config's KL loss reads it)
+    w = actor_module.ActorRolloutRefWorker(
+        _cfg(tiny_model_dir, "actor_rollout_ref.model.use_remove_padding=true"), total_training_steps=1)
+    vocab, hidden = w.model.get_output_embeddings().weight.shape  # (the head's weight, transposed: not logits)
+    lengths = batch["response_mask"].sum(1)
+    B, t = len(lengths), int(lengths.max())
+    K = int((lengths + 1).clamp(max=t).sum())  # the packed positions: each row's tokens and the one after its last
+    assert B * t > K  # the batch has padding to leave out
+    with Largest(vocab) as seen:
+        grads = _grads(w, "update_actor", batch)
+    assert grads and seen.numel == K * vocab, (seen.numel, K, B * t)
+
+
 def test_critic_honours_use_remove_padding(tiny_model_dir, monkeypatch):
     """critic.model.use_remove_padding=true: the value model (no logits_to_keep: its one-column head runs on every
     packed position and the response-predicting ones are taken) gives the padded critic's values and gradients,

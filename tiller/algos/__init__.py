@@ -11,6 +11,7 @@ from tiller.algos.diversity import diversity_from_partition, fuse_diversity
 from tiller.algos.entropy import (
     AdaptiveEntropyController,
     entropy_from_logits,
+    logprobs_and_entropy,
     logprobs_from_logits,
     sum_pi_squared_from_logits,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "group_ids",
     "kl_penalty",
     "kto_loss",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -118,6 +118,122 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
     return _ChunkedLogProb.apply(flat, labels.reshape(-1).long(), chunk_size).reshape(labels.shape)
 
 
+def _lp_ent_forward(chunk: torch.Tensor, labels: torch.Tensor, temperature: float, want_entropy: bool):
+    """One chunk's (log p[label], entropy) of `chunk / temperature` in fp32 (fp64 stays fp64)."""
+    z = _upcast(chunk) / temperature
+    lse = torch.logsumexp(z, -1)
+    logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    if not want_entropy:
+        return logp, None
+    return logp, lse - (torch.softmax(z, -1) * z).sum(-1)
+
+
+def _lp_ent_backward(chunk: torch.Tensor, labels: torch.Tensor, temperature: float, go_logp: torch.Tensor,
+                     go_ent: torch.Tensor | None) -> torch.Tensor:
+    """d(go_logp . logp + go_ent . entropy) / d chunk for one chunk, in the chunk's dtype."""
+    z = _upcast(chunk) / temperature
+    p = torch.softmax(z, -1)
+    g = p * (-go_logp[:, None])
+    if go_ent is not None:  # dH/dz = -p (z - E_p[z])
+        g = g - p * (z - (p * z).sum(-1, keepdim=True)) * go_ent[:, None]
+    g = g.scatter_add(1, labels[:, None], go_logp[:, None].to(g.dtype))
+    return (g / temperature).to(chunk.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _run(fn, compiled: bool, *args):
+    """`fn(*args)`, compiled by Inductor when `compiled` (one compile for every chunk length; on CUDA the chunk's
+    softmax, gather and sums become a few reductions that read it once instead of ~10 fp32 [chunk, V] passes). A
+    compile that fails warns once and runs `fn` eagerly from then on."""
+    if not compiled:
+        return fn(*args)
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    try:
+        return _COMPILED[fn](*args)
+    except Exception as err:  # noqa: BLE001 - Inductor could not compile (or run) it here
+        if _COMPILED[fn] is fn:
+            raise
+        import warnings
+
+        warnings.warn(f"tiller: compiling {fn.__name__} failed ({type(err).__name__}: {err}); it runs eagerly",
+                      stacklevel=3)
+        _COMPILED[fn] = fn
+        return fn(*args)
+
+
+class _ChunkedLogProbEntropy(torch.autograd.Function):
+    """(log softmax(z / T)[y], H(z / T)) per row of the model's logits z, `chunk` rows at a time: the fp32 copy of
+    the logits (and of their gradient) is never made whole: each chunk is upcast, scaled and reduced, and the
+    backward writes each chunk's gradient in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, want_entropy, chunk, compiled):  # [N, V], [N]
+        dtype = _out_dtype(logits)
+        logp = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        ent = torch.empty(logits.shape[0] if want_entropy else 0, dtype=dtype, device=logits.device)
+        for s in range(0, logits.shape[0], chunk):
+            lp, h = _run(_lp_ent_forward, compiled, logits[s : s + chunk], labels[s : s + chunk], temperature,
+                         want_entropy)
+            logp[s : s + chunk] = lp
+            if want_entropy:
+                ent[s : s + chunk] = h
+        ctx.save_for_backward(logits, labels)
+        ctx.opts = (temperature, chunk, compiled)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, go_logp, go_ent):
+        logits, labels = ctx.saved_tensors
+        temperature, chunk, compiled = ctx.opts
+        if go_logp is None:
+            go_logp = torch.zeros(logits.shape[0], dtype=_out_dtype(logits), device=logits.device)
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], chunk):
+            grad[s : s + chunk] = _run(_lp_ent_backward, compiled, logits[s : s + chunk], labels[s : s + chunk],
+                                       temperature, go_logp[s : s + chunk],
+                                       None if go_ent is None else go_ent[s : s + chunk])
+        return grad, None, None, None, None, None
+
+
+def compile_logprobs(device: torch.device) -> bool:
+    """Whether `logprobs_and_entropy` compiles its chunks by default on `device`: on CUDA with Triton (on a CPU
+    the eager chunks are as fast and a compile costs seconds)."""
+    if device.type != "cuda":
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         want_entropy: bool = False, entropy_grad: bool = False, chunk_size: int | None = None,
+                         compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[labels] and (with `want_entropy`) the entropy of softmax(logits /
+    temperature), per row of logits [N, V] in the model's dtype, labels [N]: what `logprobs_from_logits` and
+    `entropy_from_logits` give for `logits.float() / temperature`, in one chunked pass that never makes the fp32
+    [N, V] copy (the update's largest tensors on a GPU: 128 x 256 tokens of a 152k vocabulary are 20 GB in fp32).
+    The entropy has a gradient only with `entropy_grad`. `compiled` (default: on CUDA with Triton) runs each chunk's
+    math compiled by Inductor (a compile that fails warns and runs eagerly). Chunks of `chunk_size` rows (default
+    1024 compiled, 256 eager)."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"logits [N, V] and labels [N] expected, got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if compiled is None:
+        compiled = compile_logprobs(logits.device)
+    chunk = chunk_size or (1024 if compiled else 256)
+    _check_chunk(chunk)
+    logp, ent = _ChunkedLogProbEntropy.apply(logits, labels.long(), float(temperature), want_entropy, chunk, compiled)
+    if not want_entropy:
+        return logp, None
+    return logp, (ent if entropy_grad else ent.detach())
+
+
 @torch.no_grad()
 def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
     """sum_v softmax(logits)_v^2 per position: logits [..., V] -> [...] float32 (no gradient)."""

@@ -42,7 +42,8 @@ import torch
 
 from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_loss
-from tiller.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
+from tiller.algos.entropy import (entropy_from_logits, logprobs_and_entropy, logprobs_from_logits,
+                                  sum_pi_squared_from_logits)
 from tiller.algos.token_masks import high_entropy_mask, off_policy_sequence_mask
 from tiller.algos.kl import importance_weighted_kl, kl_penalty
 from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, IS_WEIGHTS_INSIDE, bypass_loss_mask, get_policy_loss,
@@ -781,23 +782,29 @@ class ActorRolloutRefWorker:
             return self._forward_logits(model, mb, temperature)
 
     def _forward_logits(self, model, mb: Batch, temperature: float) -> tuple[torch.Tensor, int]:
-        P = mb["prompts"].shape[1]
-        mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
         if self._sp is not None:
             local, layout = self._sp_forward(model, mb)
             return layout.gather(local.float() / temperature), layout.t_used
-        if self._remove_padding and mm is None:  # image rows keep the padded forward (their M-RoPE positions)
-            logits, t_used = packed_response_forward(model, mb["input_ids"].to(self.device),
-                                                     mb["attention_mask"].to(self.device), P,
-                                                     mb["response_mask"].to(self.device))
-        else:
-            opts = self._forward_opts
-            if opts["share_prompts"] and (RouterAux.collecting() or routing.active()):  # router loss or routing
-                opts = {**opts, "share_prompts": False}  # replay of a forward over the whole rows
-            logits, t_used = response_forward(model, mb["input_ids"].to(self.device),
-                                              mb["attention_mask"].to(self.device), P,
-                                              mb["response_mask"].to(self.device), multi_modal=mm, **opts)
-        return logits.float() / temperature, t_used
+        logits, keep, t_used = self._model_logits(model, mb)
+        shape = (mb["responses"].shape[0], t_used, logits.shape[-1])
+        if keep is not None:
+            logits = logits.new_zeros(shape).index_put((keep,), logits)
+        return logits.view(shape).float() / temperature, t_used
+
+    def _model_logits(self, model, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The model's response logits as it computes them (its dtype, no temperature): packed (use_remove_padding):
+        ([K, V] of the K response tokens, keep [B, t_used] where they go, t_used); padded: ([B * t_used, V], None,
+        t_used)."""
+        P = mb["prompts"].shape[1]
+        ids, mask, rmask = (mb[k].to(self.device) for k in ("input_ids", "attention_mask", "response_mask"))
+        if self._remove_padding and "multi_modal_inputs" not in mb:
+            return packed_response_forward(model, ids, mask, P, rmask, packed=True)
+        opts = self._forward_opts
+        if opts["share_prompts"] and (RouterAux.collecting() or routing.active()):  # router loss or routing
+            opts = {**opts, "share_prompts": False}
+        mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
+        logits, t_used = response_forward(model, ids, mask, P, rmask, multi_modal=mm, **opts)
+        return logits.reshape(-1, logits.shape[-1]), None, t_used
 
     def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False,
                       sum_pi2_out: list | None = None, logits_out: list | None = None):
@@ -807,6 +814,18 @@ class ActorRolloutRefWorker:
         T = mb["responses"].shape[1]
         if self._sp is not None:
             return self._sp_logp_entropy(model, mb, temperature, want_entropy, entropy_grad, sum_pi2_out, logits_out)
+        if logits_out is None and sum_pi2_out is None:  # from the model's own logits: no fp32 [B, t, V] copy
+            with self._routing_session(mb):
+                logits, keep, t_used = self._model_logits(model, mb)
+            labels = mb["responses"][:, :t_used].to(self.device)
+            logp, entropy = logprobs_and_entropy(logits, labels[keep] if keep is not None else labels.reshape(-1),
+                                                 temperature, want_entropy, entropy_grad)
+            shape = labels.shape
+
+            def place(x):  # [K] or [B * t] -> [B, T]
+                return pad_right(x.new_zeros(shape).masked_scatter(keep, x) if keep is not None else x.view(shape), T)
+
+            return place(logp), (place(entropy) if entropy is not None else None)
         logits, t_used = self._response_logits(model, mb, temperature)
         if logits_out is not None:
             logits_out.append(logits)

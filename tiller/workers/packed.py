@@ -292,10 +292,12 @@ def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width
 
 
 def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                            response_mask: torch.Tensor, logits_to_keep: bool = True) -> tuple[torch.Tensor, int]:
+                            response_mask: torch.Tensor, logits_to_keep: bool = True, packed: bool = False):
     """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
     predicts response token j (a value model: V = 1, the value of the state before token j). input_ids,
-    attention_mask [B, P + T]; response_mask [B, T]. logits_to_keep: the model's forward takes it (causal LMs)."""
+    attention_mask [B, P + T]; response_mask [B, T]. logits_to_keep: the model's forward takes it (causal LMs).
+    `packed`: (logits [K, V] of the response tokens only, keep [B, t_used] (where they go, row-major), t_used),
+    without the zero-filled [B, t_used, V] tensor."""
     flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
                                                                              response_mask)
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(flat_ids.device)
@@ -303,6 +305,8 @@ def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torc
             lambda g: _packed_slots(g, attention_mask, prompt_width, response_mask)):
         logits = head_at(model, predictor[keep], logits_to_keep, input_ids=flat_ids, attention_mask=None,
                          position_ids=positions, use_cache=False)  # [K, V]
+    if packed:
+        return logits, keep, t_used
     full = logits.new_zeros((input_ids.shape[0], t_used, logits.shape[-1]))
     full[keep] = logits
     return full, t_used
