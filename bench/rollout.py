@@ -57,11 +57,13 @@ SIZES = {"2M": dict(n_params=2_000_000), "30M": dict(n_params=30_000_000),
 ENGINES = {"native": {}, "native-graphs": {"static_decode": True},
            "native-graphs-compiled": {"static_decode": True, "compile_decode": True},
            "native-graphs-flex": {"static_decode": True, "compile_decode": True, "static_attention": "flex"},
+           "native-graphs-triton": {"static_decode": True, "compile_decode": True, "static_attention": "triton"},
            "native-unfused": {"fused_decode": False}, "hf": {}, "vllm": {}}
 """Engine rows: `native` decodes eagerly; `native-graphs` with the static-shape step (`tiller.rollout.graphed_decode`),
 captured in CUDA graphs per batch bucket on CUDA (on a CPU the same step runs eagerly); `native-graphs-compiled` the
 same with each layer's body compiled by Inductor inside the graphs (what `rollout.enforce_eager=False` runs on CUDA);
-`native-graphs-flex` that with FlexAttention reading each row's live blocks instead of masked SDPA; `native-unfused`
+`native-graphs-flex` that with FlexAttention reading each row's live blocks instead of masked SDPA;
+`native-graphs-triton` with tiller's Triton split-KV kernel reading each row's live columns (CUDA); `native-unfused`
 the native engine decoding with the model's own layers (no `FusedDecoder`), what a model type the fused step does not
 run gets."""
 
@@ -324,7 +326,7 @@ def bench_case(name: str, model_dir: Path, dtype: str, engines: list[str], args,
         if e != "vllm" and args.device == "cpu":  # vLLM decodes in its own processes (not this one's CPU time)
             row[f"{key}_tok_per_cpu_s"] = round(cpu_rates[e], 1)
         row[f"{key}_gflops"] = round(2 * params * rates[e] / 1e9, 2)
-    for e in ("native-graphs", "native-graphs-compiled", "native-graphs-flex"):
+    for e in ("native-graphs", "native-graphs-compiled", "native-graphs-flex", "native-graphs-triton"):
         graphed = getattr(built.get(e), "_graphed", None)
         if graphed is not None:  # how the graphed rows ran: captures, replays, eager steps (first use / no bucket)
             row[f"{e.replace('-', '_')}_steps"] = {

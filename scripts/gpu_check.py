@@ -24,7 +24,8 @@ Checks:
   producer thread generating on the same GPU beside the update), two seeds: both learn, s/step ratio reported.
 - `speed`: native engine vs HF `generate`, 30M Qwen2, 64 prompts x 128 new tokens, fp32 and bf16 (tok/s).
 - `graphed_decode`: the static-shape decode step under CUDA graphs (`tiller.rollout.graphed_decode`, fp32, Qwen2,
-  Llama, Qwen3 and GLM-4), with eager layers, Inductor-compiled layers and compiled layers with FlexAttention: greedy rows equal HF
+  Llama, Qwen3 and GLM-4), with eager layers, Inductor-compiled layers, compiled layers with FlexAttention and
+  with tiller's Triton kernel over live columns (`static_attention="triton"`): greedy rows equal HF
   `generate` and the same step run eagerly; logprobs within 1e-4 of a
   teacher-forced forward; stop tokens with compaction equal HF; padding rows change nothing (buckets [12] vs [64]);
   seeded sampling repeats and is batch-independent; weights updated in place after capture are the ones the
@@ -32,8 +33,8 @@ Checks:
   syncs for experts not in bf16), and in bf16 its graphed rows (eager and compiled layers) must equal the same step
   uncaptured. On `--device cpu` the graph parts are skipped (the step runs eagerly).
 - `graph_speed`: `bench/rollout.py --device cuda` at GPU.md's shape (Qwen2.5-0.5B body, bf16, 256 / 128 / 64
-  prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers, with
-  graphs of eager layers, native eager, HF `generate`, and the floor from
+  prompts of 16-128 tokens x 256 new tokens): native with graphs of compiled layers (masked SDPA, or the Triton
+  kernel over live columns), with graphs of eager layers, native eager, HF `generate`, and the floor from
   this run's GEMM and copy rates (on `--device cpu`: the 2M model, 8 x 16, to test this script).
 - `mismatch`: issue #37's item 7: mean / max |rollout logprob - trainer logprob| (and of the probabilities, verl's
   `rollout_probs_diff_*`) for the same weights at bf16: the engine as `enforce_eager=false` runs it on CUDA samples
@@ -410,7 +411,7 @@ def c_speed(a):
 
 @check("graphed_decode")
 def c_graphed_decode(a):
-    from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine
+    from tiller.rollout import compiled_decode, SamplingParams, build_rollout_engine, triton_decode
 
     graphs = a.device == "cuda"
     if not graphs:
@@ -425,8 +426,12 @@ def c_graphed_decode(a):
         eager_out = eager_static.generate(prompts, greedy)
         # the graphed step as captured (eager kernels), then with each layer's body compiled by Inductor inside the
         # graphs (rollout.enforce_eager=False's choice on CUDA), then that with FlexAttention over live blocks
-        for variant, kw in (("", {}), ("_compiled", {"compile_decode": True}),
-                            ("_flex", {"compile_decode": True, "static_attention": "flex"})):
+        # and with tiller's Triton kernel over live columns (where Triton runs)
+        variants = [("", {}), ("_compiled", {"compile_decode": True}),
+                    ("_flex", {"compile_decode": True, "static_attention": "flex"})]
+        if triton_decode.available(a.device):
+            variants.append(("_triton", {"compile_decode": True, "static_attention": "triton"}))
+        for variant, kw in variants:
             name, compiled = arch + variant, bool(kw)
             engine = build_rollout_engine("native", model, tok, static_decode=True, **kw)
             out = engine.generate(prompts, greedy)
@@ -515,6 +520,21 @@ def c_graphed_decode(a):
     assert after.response_ids == fresh.response_ids, "the captured graphs did not use the synced weights"
     assert after.response_ids != before.response_ids, "the weight update changed nothing (a weak check)"
     assert engine._graphed.captures == captured, f"recaptured after a weight sync ({captured} -> {engine._graphed.captures})"
+    if a.device == "cuda" and triton_decode.available("cuda"):  # the kernel in bf16 (not on the interpreter:
+        # its bf16 dot is wrong)
+        g = torch.Generator(device=a.device).manual_seed(0)
+        worst = 0.0
+        for b, cols in ((256, 384), (8, 2048)):
+            q, k, v = (torch.randn(shape, generator=g, device=a.device).bfloat16()
+                       for shape in ((b, 2, 7, 64), (b, 2, cols, 64), (b, 2, cols, 64)))
+            start = torch.randint(0, cols // 2, (b,), generator=g, device=a.device)
+            end = torch.minimum(start + torch.randint(0, cols, (b,), generator=g, device=a.device),
+                                torch.tensor(cols - 1, device=a.device))
+            got = torch.ops.tiller.decode_attention_live(q, k, v, start, end, 0.125).float()
+            want = triton_decode.reference(q.float(), k.float(), v.float(), start, end, 0.125)
+            worst = max(worst, float((got - want).abs().max()))
+        info["triton_bf16_max_err"] = worst
+        assert worst < 2e-2, f"the Triton decode kernel in bf16 is off by {worst}"
     info["stops_rows"] = len(out.response_ids)
     info["padding_max_logprob_diff"] = lp_diff
     return info
@@ -525,10 +545,11 @@ def c_graph_speed(a):
     log = a.out / "graph_speed.log"
     engines = "native-graphs-compiled,native-graphs-flex,native-graphs,native,hf"
     if a.device == "cuda":  # the issue's row first (a run that runs out of time still has it); FlexAttention was
-        # measured slower than the masked SDPA at 64-256 rows on an H200 twice (docs/gpu.md): left out to fit the call
+        # measured slower than the masked SDPA at 64-256 rows on an H200 twice (docs/gpu.md): the Triton kernel
+        # over live columns takes its place
         args = ["--sizes", "0.5B", "--dtypes", "bfloat16", "--prompts", "256,128,64", "--prompt-lengths", "16,128",
                 "--new-tokens", "256", "--repeats", "2", "--device", "cuda"]
-        engines = engines.replace("native-graphs-flex,", "")
+        engines = engines.replace("native-graphs-flex,", "native-graphs-triton,")
     else:
         args = ["--sizes", "2M", "--dtypes", "float32", "--prompts", "8", "--new-tokens", "16", "--repeats", "1"]
     cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *args, "--workloads", "fixed", "--engines", engines,
@@ -537,10 +558,11 @@ def c_graph_speed(a):
     print(tail(log, 4))
     assert code == 0, f"exit {code}: {tail(log, 8)}"
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-    keep = ("prompts", "native_graphs_compiled_tok_s", "native_graphs_flex_tok_s", "native_graphs_tok_s", "native_tok_s",
-            "hf_tok_s", "floor_tok_s", "floor_ms_per_step", "native_graphs_compiled_floor_frac",
-            "native_graphs_flex_floor_frac", "native_graphs_floor_frac", "native_graphs_compiled_steps",
-            "native_graphs_flex_steps", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
+    keep = ("prompts", "native_graphs_compiled_tok_s", "native_graphs_flex_tok_s", "native_graphs_triton_tok_s",
+            "native_graphs_tok_s", "native_tok_s", "hf_tok_s", "floor_tok_s", "floor_ms_per_step",
+            "native_graphs_compiled_floor_frac", "native_graphs_flex_floor_frac", "native_graphs_triton_floor_frac",
+            "native_graphs_floor_frac", "native_graphs_compiled_steps", "native_graphs_flex_steps",
+            "native_graphs_triton_steps", "native_graphs_steps", "floor_gemm_tflops", "floor_hbm_gbs")
     return {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 

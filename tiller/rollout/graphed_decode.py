@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from tiller.errors import UserError
-from tiller.rollout import compiled_decode
+from tiller.rollout import compiled_decode, triton_decode
 from tiller.rollout.fused_decode import text_config
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
 
@@ -83,9 +83,10 @@ _MASK32 = 0xFFFFFFFF
 FLEX_BLOCK = 128
 """Columns per FlexAttention key block (`attention="flex"`): a row reads the blocks holding its live columns."""
 
-ATTENTIONS = ("sdpa", "flex")
-"""The compiled step's attention: SDPA over the first Lb columns under a mask, or FlexAttention over each row's
-live blocks (`rollout.engine_kwargs.static_attention`)."""
+ATTENTIONS = ("sdpa", "flex", "triton")
+"""The static step's attention: SDPA over the first Lb columns under a mask, FlexAttention over each row's live
+blocks (compiled step only), or tiller's Triton split-KV kernel over each row's live columns
+(`tiller.rollout.triton_decode`; CUDA, or Triton's interpreter) (`rollout.engine_kwargs.static_attention`)."""
 
 
 def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int]:
@@ -189,8 +190,9 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     at (rows, write) in kc / vc. `attn` is (mask [b, 1, 1, Lb],) for SDPA (every column < Lb read, masked), or
     (start [b], kv_blocks [b, 1, 1], kv_indices [b, 1, 1, Lb / FLEX_BLOCK]) for FlexAttention: each row reads
     only the 128-column blocks that hold its live columns [start, write] (the block lists are built once a step in
-    `GraphedDecoder._forward_compiled`). None when the layers are not alike enough to share one function (different
-    norm epsilons)."""
+    `GraphedDecoder._forward_compiled`), or (start [b], columns [Lb]) for the Triton kernel (rows read their live
+    columns [start, write] of the first Lb). None when the layers are not alike enough to share one function
+    (different norm epsilons)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from transformers.activations import ACT2FN
 
@@ -213,6 +215,9 @@ def layer_step_fn(fused, attention: str = "sdpa"):
         if attention == "sdpa":
             (mask,) = attn
             return F.scaled_dot_product_attention(q.reshape(b, n_kv, group, d), k, v, attn_mask=mask, scale=scaling)
+        if attention == "triton":
+            return torch.ops.tiller.decode_attention_live(q.reshape(b, n_kv, group, d), k, v, attn[0], write,
+                                                          scaling)
         start, kv_blocks, kv_indices = attn
 
         def live(bi, h, qi, kv):
@@ -231,7 +236,8 @@ def layer_step_fn(fused, attention: str = "sdpa"):
         where the layers have none. gate_up_w None: an experts layer, returned after attention's residual add; its
         experts block runs after, as the model's module)"""
         b = x.shape[0]
-        lb = attn[0].shape[-1] if attention == "sdpa" else attn[2].shape[-1] * FLEX_BLOCK
+        lb = attn[0].shape[-1] if attention == "sdpa" else (
+            attn[1].shape[-1] if attention == "triton" else attn[2].shape[-1] * FLEX_BLOCK)
         qkv = F.linear(_rms(x, ln1, eps_value), qkv_w, qkv_b)
         qk = qkv[:, :qk_width].view(b, n_q + n_kv, d)
         if q_norm is not None:
@@ -287,6 +293,10 @@ class GraphedDecoder:
         if attention not in ATTENTIONS or (attention == "flex" and not compile):
             raise UserError(f"static_attention={attention!r}: choose one of {list(ATTENTIONS)}; 'flex' runs "
                             "compiled only (rollout.enforce_eager=false / compile_decode=true)")
+        device_type = next(fused.model.parameters()).device.type
+        if attention == "triton" and not triton_decode.available(device_type):
+            raise UserError("static_attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 to "
+                            "run its interpreter on a CPU); use 'sdpa'")
         if attention == "flex" and kv_block % FLEX_BLOCK:
             raise ValueError(f"kv_block {kv_block} is not a multiple of FlexAttention's block {FLEX_BLOCK}")
         self.attention = attention
@@ -395,8 +405,12 @@ class GraphedDecoder:
             v = qkv[:, (n_q + n_kv) * d :].view(b, n_kv, d)
             self.kc[i][rows, :, write] = k
             self.vc[i][rows, :, write] = v
-            o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
-                                   self.vc[i][:b, :, :lb], mask)
+            if self.attention == "triton":
+                o = triton_decode.decode_attention_live(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
+                                                        self.vc[i][:b, :, :lb], s["start"][:b], write, f.scaling)
+            else:
+                o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
+                                       self.vc[i][:b, :, :lb], mask)
             x = f.add_branch(x, f._apply(o.reshape(b, n_q * d), f.o[i]), i, 0)
             x = f.add_branch(x, f.mlp(f._norm(layer.post_attention_layernorm, x), i), i, 1)
         return f._apply(f._norm(inner.norm, x), f.head)
@@ -412,6 +426,8 @@ class GraphedDecoder:
             blocks = torch.minimum(first[:, None] + self.columns[:nb][None, :], last[:, None])
             attn = (s["start"][:b], (last - first + 1).to(torch.int32)[:, None, None],
                     blocks.to(torch.int32)[:, None, None, :])
+        elif self.attention == "triton":
+            attn = (s["start"][:b], self.columns[:lb])
         else:
             cols = self.columns[:lb]
             attn = (((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :],)

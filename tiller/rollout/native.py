@@ -63,7 +63,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
-from tiller.rollout import compiled_decode, graphed_decode
+from tiller.rollout import compiled_decode, graphed_decode, triton_decode
 from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
 from tiller.rollout.images import vision_ids_tensor, vision_token_ids
 from tiller.rollout.fused_decode import FusedDecoder
@@ -261,7 +261,8 @@ class NativeRolloutEngine(InProcessEngine):
     with the static-shape step of `tiller.rollout.graphed_decode`, captured in CUDA graphs per batch-size bucket when
     `cuda_graphs`, each layer's body compiled by Inductor with `compile_decode`; without stop strings or a weights
     hook), `capture_sizes` (its buckets; default vLLM's), `static_attention` ("sdpa": masked SDPA over the live
-    length rounded up to 256 columns; "flex": FlexAttention reading each row's live 128-column blocks only),
+    length rounded up to 256 columns; "flex": FlexAttention reading each row's live 128-column blocks only;
+    "triton": tiller's split-KV Triton kernel reading each row's live columns only, `tiller.rollout.triton_decode`),
     `record_routing` (a mixture-of-experts model: each row's experts per token and layer, prompt and response, in
     `RolloutOutput.routed_experts`, for routing replay (verl's R3, `tiller.models.routing`); the calls decode with the
     fused or compiled step, not the static / CUDA-graph one).
@@ -299,6 +300,9 @@ class NativeRolloutEngine(InProcessEngine):
             raise UserError(f"rollout engine_kwargs.static_attention={static_attention!r}: choose one of "
                             f"{list(graphed_decode.ATTENTIONS)}; 'flex' (FlexAttention over each row's live blocks) "
                             "runs in the compiled static step only (static_decode and compile_decode)")
+        if static_attention == "triton" and not triton_decode.available(device_type):
+            raise UserError("rollout engine_kwargs.static_attention='triton' needs Triton and a CUDA device (or "
+                            "TRITON_INTERPRET=1 for Triton's interpreter on a CPU); use 'sdpa'")
         self.static_attention = static_attention
         self.record_routing = record_routing
         self.cuda_graphs = (device_type == "cuda") if cuda_graphs is None else cuda_graphs
