@@ -618,6 +618,24 @@ def c_packed_update(a):
             packed_response_forward(model, ids, mask, P, rmask)
         info["autocast_varlen_calls"] = packed.varlen_calls - before
         assert info["autocast_varlen_calls"] > 0, "fp32 weights under bf16 autocast did not run the varlen kernel"
+    # the update's log-prob + entropy chunks: compiled by Inductor on CUDA (the default there) vs eager, bf16 logits
+    from tiller.algos.entropy import compile_logprobs, logprobs_and_entropy
+
+    g = torch.Generator(device=a.device).manual_seed(0)
+    rows = 2500 if a.device == "cuda" else 40  # (a 152k vocabulary: Qwen2.5's)
+    z = (3 * torch.randn(rows, 151936, generator=g, device=a.device)).bfloat16().requires_grad_(True)
+    y = torch.randint(0, 151936, (z.shape[0],), generator=g, device=a.device)
+    w = torch.randn(z.shape[0], generator=g, device=a.device)
+    got = []
+    for compiled in (False, compile_logprobs(torch.device(a.device))):
+        z.grad = None
+        lp, h = logprobs_and_entropy(z, y, 0.7, want_entropy=True, entropy_grad=True, compiled=compiled)
+        (w * lp + 0.1 * h).sum().backward()
+        got.append((lp.detach(), h.detach(), z.grad.float()))
+    info["logprob_chunks_compiled"] = compile_logprobs(torch.device(a.device))
+    info["logprob_chunks_max_diff"] = [float((x - y).abs().max()) for x, y in zip(*got)]
+    assert max(info["logprob_chunks_max_diff"][:2]) < 1e-3, info["logprob_chunks_max_diff"]
+    assert info["logprob_chunks_max_diff"][2] < 1e-2 * float(got[0][2].abs().max()), info["logprob_chunks_max_diff"]
     log = a.out / "packed_update.log"
     cmd = [sys.executable, str(ROOT / "bench" / "packed_update.py"), "--device", a.device, "--size",
            "30M" if a.device == "cuda" else "2M", "--dtype", "bfloat16" if a.device == "cuda" else "float32",

@@ -141,6 +141,7 @@ def _lp_ent_backward(chunk: torch.Tensor, labels: torch.Tensor, temperature: flo
 
 
 _COMPILED: dict = {}
+COMPILE_BACKEND = "inductor"  # (the tests trace with "aot_eager": Dynamo and AOTAutograd without code generation)
 
 
 def _run(fn, compiled: bool, *args):
@@ -150,7 +151,7 @@ def _run(fn, compiled: bool, *args):
     if not compiled:
         return fn(*args)
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, backend=COMPILE_BACKEND)
     try:
         return _COMPILED[fn](*args)
     except Exception as err:  # noqa: BLE001 - Inductor could not compile (or run) it here

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from tiller.algos import aggregate_loss, logprobs_from_logits, sft_token_loss
+from tiller.algos import aggregate_loss, logprobs_and_entropy, sft_token_loss
 from tiller.algos.sft import label_smoothed_loss
 from tiller.config import load_config
 from tiller.config.args import add_config_args
@@ -48,6 +48,13 @@ from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
 from tiller.workers.ulysses import ulysses_token_forward
 
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[labels] [...] in fp32 from logits [..., V] in the model's dtype, without an fp32 copy of
+    the logits (`logprobs_and_entropy`'s chunks; the same numbers as `logprobs_from_logits(logits.float(), ...)`)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return logprobs_and_entropy(flat, labels.reshape(-1))[0].view(labels.shape)
 
 class SFTJob:
     """Token-mean NLL (or DFT) on response tokens (see the module docstring)."""
@@ -79,7 +86,7 @@ class SFTJob:
         out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
         labels = micro["labels"]
         mask = labels != IGNORE
-        logp = logprobs_from_logits(out.logits.float(), labels.clamp(min=0))
+        logp = token_logprobs(out.logits, labels.clamp(min=0))
         loss = aggregate_loss(self._token_loss(logp, out.logits), mask, "token-mean", global_tokens=normalizer)
         metrics = {"num_tokens": mask.sum()}
         if self.router_aux_coef:  # the MoE router's balance, this micro-batch's by its share of the step's tokens
@@ -94,7 +101,7 @@ class SFTJob:
         ids, positions, labels, lengths = flatten_micro_batch(micro)
         logits, (labels,) = ulysses_token_forward(model, ids, positions, lengths, self.sp, labels, fill=IGNORE)
         mask = (labels != IGNORE)[None]
-        logp = logprobs_from_logits(logits.float(), labels.clamp(min=0))[None]
+        logp = token_logprobs(logits, labels.clamp(min=0))[None]
         loss = aggregate_loss(self._token_loss(logp, logits[None]), mask, "token-mean", global_tokens=normalizer)
         metrics = {"num_tokens": mask.sum()}
         if self.loss_kind != "nll" or self.label_smoothing:
