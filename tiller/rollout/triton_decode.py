@@ -54,7 +54,7 @@ if triton is not None:
     def _partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, m_ptr, l_ptr, acc_ptr, scale,
                         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, n_splits,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -76,14 +76,14 @@ if triton is not None:
             live = (cols >= lo) & (cols < stop)
             kv_mask = live[:, None] & (d[None, :] < D)
             k = tl.load(k_ptr + b * s_kb + h * s_kh + cols[:, None] * s_kl + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, BLOCK] fp32
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, BLOCK] fp32
             scores = tl.where(live[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + b * s_vb + h * s_vh + cols[:, None] * s_vl + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
             n0 += BLOCK
         base = (b * tl.num_programs(1) + h) * n_splits + s
@@ -132,7 +132,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tens
     _partial_kernel[(b, hk, n_splits)](
         q, k, v, start, end, m, l_sum, acc, scale, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), n_splits,
-        G=group, G_PAD=g_pad, D=dim, D_PAD=d_pad, SPLIT=per, BLOCK=BLOCK_N)
+        G=group, G_PAD=g_pad, D=dim, D_PAD=d_pad, SPLIT=per, BLOCK=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # (fp32: no TF32 rounding of the scores)
     _merge_kernel[(b, hk)](m, l_sum, acc, out, out.stride(0), out.stride(1), out.stride(2),
                            G=group, G_PAD=g_pad, D=dim, D_PAD=d_pad, n_splits=n_splits,
                            S_PAD=triton.next_power_of_2(n_splits))
