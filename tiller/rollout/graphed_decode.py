@@ -392,8 +392,17 @@ class GraphedDecoder:
         inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
         write, rows = s["write"][:b], self.arange[:b]
-        cols = self.columns[:lb]
-        mask = ((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :]
+        if self.attention == "triton":  # each row's live columns [start, write]
+            start = s["start"][:b]
+
+            def attend(q, k, v):
+                return triton_decode.decode_attention_live(q, k, v, start, write, f.scaling)
+        else:  # the first lb columns, masked to each row's live ones
+            cols = self.columns[:lb]
+            mask = ((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :]
+
+            def attend(q, k, v):
+                return f.decode_attention(q, k, v, mask)
         x = inner.embed_tokens(s["tokens"][:b])  # [b, E]
         cos, sin = f.rope_tables(*inner.rotary_emb(x[:1], s["positions"][:b, None]))  # [b, 1, D]: over the heads
         for i, layer in enumerate(inner.layers):
@@ -405,12 +414,7 @@ class GraphedDecoder:
             v = qkv[:, (n_q + n_kv) * d :].view(b, n_kv, d)
             self.kc[i][rows, :, write] = k
             self.vc[i][rows, :, write] = v
-            if self.attention == "triton":
-                o = triton_decode.decode_attention_live(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
-                                                        self.vc[i][:b, :, :lb], s["start"][:b], write, f.scaling)
-            else:
-                o = f.decode_attention(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb],
-                                       self.vc[i][:b, :, :lb], mask)
+            o = attend(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb], self.vc[i][:b, :, :lb])
             x = f.add_branch(x, f._apply(o.reshape(b, n_q * d), f.o[i]), i, 0)
             x = f.add_branch(x, f.mlp(f._norm(layer.post_attention_layernorm, x), i), i, 1)
         return f._apply(f._norm(inner.norm, x), f.head)
