@@ -18,7 +18,7 @@ steps 1..warmup are not timed.
 
 On `--device cuda` both trainers run on the GPU (TRL: `use_cpu=False`); tiller with its GPU settings
 (`rollout.enforce_eager=false`: CUDA graphs of the compiled decode step; `model.use_remove_padding=true`: the
-packed update), which `--tiller-opt` can override, and the update's `perf/mfu/actor` (verl's formula) is
+packed update; `actor.use_torch_compile=true`: its decoder layers compiled), which `--tiller-opt` can override, and the update's `perf/mfu/actor` (verl's formula) is
 reported as `tiller_mfu`. `--shape 0.5B` is Qwen2.5-0.5B's body with the kit's 512-token vocabulary
 (`bench/rollout.py`'s SIZES, shared/GPU.md's shape).
 
@@ -61,8 +61,10 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import SIZES, build_sized  # noqa: E402  (bench/rollout.py: the model shapes)
 
-GPU_OPTS = ["actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.model.use_remove_padding=true"]
-"""tiller's settings on `--device cuda`: graphed + compiled decode, the packed update (before --tiller-opt)."""
+GPU_OPTS = ["actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.use_torch_compile=true"]
+"""tiller's settings on `--device cuda`: graphed + compiled decode, the packed update with compiled decoder layers
+(before --tiller-opt)."""
 
 
 def build_inputs(root: Path, args) -> tuple[Path, Path]:
@@ -132,6 +134,9 @@ def run_tiller(model_dir: Path, data_dir: Path, root: Path, args, phases: dict) 
                 phases.setdefault("update_gflops", []).append(6 * params * tokens / m["timing_s/update_actor"] / 1e9)
                 if "perf/mfu/actor" in m:  # verl's formula against the device's peak (CUDA only)
                     phases.setdefault("mfu", []).append(m["perf/mfu/actor"])
+        compiled = getattr(getattr(trainer.actor, "worker", None), "compiled", None)
+        if compiled is not None:  # actor.use_torch_compile: a compile that failed ran the layers eagerly
+            phases["compile_error"] = compiled.error
     finally:
         trainer.shutdown()
     return times, cpu
@@ -220,7 +225,10 @@ def measure(name: str, root: Path, args) -> dict[str, float]:
     t, cpu = {"tiller": run_tiller, "trl": run_trl}[name](model_dir, data_dir, root, args, phases)
     out = {f"{name}_s_per_step": statistics.mean(t[args.warmup:]),
            f"{name}_cpu_s_per_step": statistics.mean(cpu[args.warmup:])}
+    error = phases.pop("compile_error", False)
     out.update({f"{name}_{k}_s": statistics.mean(v) for k, v in phases.items()})
+    if error is not False:  # actor.use_torch_compile ran: null, or why the layers ran eagerly
+        out[f"{name}_compile_error"] = error
     return out
 
 

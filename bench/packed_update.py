@@ -17,6 +17,7 @@ cores were shared with other jobs). Packing with one SDPA call over a block-diag
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -49,9 +50,10 @@ def micro_batch(rows: int, seed: int, prompt: tuple[int, int], response: tuple[i
 
 def main(argv=None) -> int:
     from tiller.algos.entropy import logprobs_from_logits
+    from tiller.models.compile import compile_layers
     from tiller.models.tiny import make_tiny_model
     from tiller.trainer.flops import device_peak_flops, update_flops
-    from tiller.workers.common import response_forward
+    from tiller.workers.common import autocast, response_forward
     from tiller.workers.packed import packed_response_forward
     from transformers import AutoModelForCausalLM
 
@@ -64,17 +66,26 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompt", default="16,128")
     p.add_argument("--response", default="16,512")
+    p.add_argument("--autocast", action="store_true",
+                   help="fp32 weights, the forward under --dtype autocast (the trainer's actor.dtype=bfloat16 way)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="also time the packed way with each decoder layer compiled (actor.use_torch_compile=true); "
+                        "its compile is the untimed first call")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     path = Path(tempfile.mkdtemp(prefix="tiller-packed-")) / "m"
     make_tiny_model(path, n_params={"2M": 2_000_000, "30M": 30_000_000}[a.size], seed=0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).to(a.device)
+    weights = torch.float32 if a.autocast else getattr(torch, a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=weights).to(a.device)
     ids, mask, rmask, P = (t.to(a.device) if torch.is_tensor(t) else t for t in micro_batch(
         a.rows, 0, tuple(map(int, a.prompt.split(","))), tuple(map(int, a.response.split(",")))))
 
     def step(fn):
         model.zero_grad(set_to_none=True)
-        logits, t = fn()
+        if compiled is not None:
+            compiled.zero_grad(set_to_none=True)
+        with autocast(a.dtype if a.autocast else "float32", a.device):
+            logits, t = fn()
         logp = logprobs_from_logits(logits.float(), ids[:, P : P + t])
         (logp * rmask[:, :t]).sum().backward()
         if a.device == "cuda":
@@ -82,6 +93,11 @@ def main(argv=None) -> int:
 
     ways = {"padded": lambda: response_forward(model, ids, mask, P, rmask, logits_to_keep=True),
             "packed": lambda: packed_response_forward(model, ids, mask, P, rmask)}
+    compiled = None
+    if a.compile_layers:  # a copy (a deep copy is eager) with its layers compiled, as the actor compiles its own
+        compiled = copy.deepcopy(model)
+        state = compile_layers(compiled, "--compile-layers")
+        ways["packed_compiled"] = lambda: packed_response_forward(compiled, ids, mask, P, rmask)
     best = {}
     for name, fn in ways.items():
         step(fn)
@@ -90,10 +106,14 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             step(fn)
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-    row = {"size": a.size, "rows": a.rows, "device": a.device, "dtype": a.dtype, "threads": a.threads,
+    row = {"size": a.size, "rows": a.rows, "device": a.device, "dtype": a.dtype, "autocast": a.autocast,
+           "threads": a.threads,
            "real_tokens": int(mask.sum()), "padded_tokens": int(mask.shape[0] * (P + int(rmask.sum(1).max()) - 1)),
            "padded_s": round(best["padded"], 4), "packed_s": round(best["packed"], 4),
            "packed_speedup": round(best["padded"] / best["packed"], 3)}
+    if compiled is not None:
+        row.update(packed_compiled_s=round(best["packed_compiled"], 4), compile_error=state.error,
+                   compiled_speedup=round(best["packed"] / best["packed_compiled"], 3))
     # verl's FLOPs formula (tiller.trainer.flops) over the real tokens: the rate each way, and MFU on a GPU in its table
     flops = update_flops(model.config, mask.sum(1).tolist())
     peak = device_peak_flops(torch.cuda.get_device_name()) if a.device == "cuda" else None

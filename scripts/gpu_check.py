@@ -45,8 +45,10 @@ Checks:
   bench's `--quick` size).
 - `packed_update`: the update's forward without padding (`use_remove_padding`, torch's varlen attention on CUDA):
   logprobs and gradients equal the padded forward's (fp32, Qwen2 and Llama); bf16 weights, and fp32 weights under bf16
-  autocast (the trainer's `actor.dtype=bfloat16`), reach the varlen kernel; then `bench/packed_update.py` (30M,
-  16 rows, bf16 on CUDA) times both and `mfu` reports what `perf/mfu/actor` would say for each.
+  autocast (the trainer's `actor.dtype=bfloat16`), reach the varlen kernel; the Qwen2 with its decoder layers
+  compiled (`actor.use_torch_compile=true`, Inductor) gives the eager packed forward's numbers (fp32); then
+  `bench/packed_update.py` (30M, 16 rows, fp32 weights under bf16 autocast on CUDA) times padded, packed and packed
+  with compiled layers, and `mfu` reports what `perf/mfu/actor` would say for each.
 """
 
 from __future__ import annotations
@@ -581,20 +583,34 @@ def c_packed_update(a):
         model, _ = _load_sharp(path, a.device)
         ids, mask, rmask, P = (t.to(a.device) if torch.is_tensor(t) else t
                                for t in micro_batch(6, 0, (1, 12), (1, 16)))
-        results = []
-        for fn in (lambda: response_forward(model, ids, mask, P, rmask, logits_to_keep=True),
-                   lambda: packed_response_forward(model, ids, mask, P, rmask)):
+
+        def run(fn):
             model.zero_grad(set_to_none=True)
             logits, t = fn()
             logp = logprobs_from_logits(logits.float(), ids[:, P : P + t]) * rmask[:, :t]
             (logp.sum() + logp.square().sum()).backward()
-            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        (lp_pad, g_pad), (lp_pack, g_pack) = results
-        lp_err = float((lp_pack - lp_pad).abs().max())
-        grad_err = max(float((g_pack[n] - g).abs().max() / g.abs().max()) for n, g in g_pad.items())
+            return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        def errors(got, want):
+            return (float((got[0] - want[0]).abs().max()),
+                    max(float((got[1][n] - g).abs().max() / g.abs().max()) for n, g in want[1].items()))
+
+        packed_run = lambda: run(lambda: packed_response_forward(model, ids, mask, P, rmask))  # noqa: E731
+        padded = run(lambda: response_forward(model, ids, mask, P, rmask, logits_to_keep=True))
+        packed_eager = packed_run()
+        lp_err, grad_err = errors(packed_eager, padded)
         assert lp_err < 1e-4, f"{arch}: packed logprobs differ by {lp_err:.2e}"
         assert grad_err < 1e-4, f"{arch}: packed gradients differ by {grad_err:.2e} of their largest entry"
         info[arch] = {"max_logprob_err": lp_err, "max_rel_grad_err": grad_err}
+        if arch == "qwen2":  # actor.use_torch_compile: the layers compiled by Inductor give the eager numbers (fp32)
+            from tiller.models.compile import compile_layers
+
+            state = compile_layers(model, "actor_rollout_ref.actor.use_torch_compile")
+            lp_err, grad_err = errors(packed_run(), packed_eager)
+            info[arch].update(compiled_layers_logprob_err=lp_err, compiled_layers_rel_grad_err=grad_err,
+                              compiled_layers_error=state.error)
+            assert state.error is None, f"compiling the layers failed: {state.error}"
+            assert lp_err < 1e-4 and grad_err < 1e-4, f"compiled layers differ: {lp_err:.2e} / {grad_err:.2e}"
     # bf16: the varlen kernel on CUDA (fp32 above runs per-row SDPA); logprobs agree to bf16's precision
     from tiller.workers import packed
 
@@ -640,7 +656,7 @@ def c_packed_update(a):
     log = a.out / "packed_update.log"
     cmd = [sys.executable, str(ROOT / "bench" / "packed_update.py"), "--device", a.device, "--size",
            "30M" if a.device == "cuda" else "2M", "--dtype", "bfloat16" if a.device == "cuda" else "float32",
-           "--repeats", "3" if a.device == "cuda" else "1"]
+           "--repeats", "3" if a.device == "cuda" else "1", "--autocast", "--compile-layers"]
     code = sh(cmd, log, 300)
     assert code == 0, f"bench exit {code}: {tail(log, 8)}"
     info["bench"] = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
@@ -709,7 +725,7 @@ def c_grpo_speed(a):
     assert code == 0, f"exit {code}: {tail(log, 8)}"
     row = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
     keep = ("tiller_s_per_step", "trl_s_per_step", "speedup", "tiller_gen_s", "tiller_update_actor_s", "tiller_mfu",
-            "tiller_update_gflops", "model_params", "gpu", "torch")
+            "tiller_update_gflops", "tiller_compile_error", "model_params", "gpu", "torch")
     return {k: row[k] for k in keep if k in row}
 
 

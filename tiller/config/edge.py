@@ -221,8 +221,8 @@ RULES.update({
     # strategy / data-parallel shape
     "actor_rollout_ref.ref.strategy": Rule(HONOURED, "verl's copy of actor.strategy: null or the actor's value "
                                                      "(the reference runs in the actor's worker)"),
-    "actor_rollout_ref.ref.use_torch_compile": noop("the reference forward runs as the actor's "
-                                                    "(actor.use_torch_compile)"),
+    "actor_rollout_ref.ref.use_torch_compile": Rule(HONOURED, "null: the actor's use_torch_compile; true / false: "
+                                                              "the reference's decoder layers compiled or not"),
     "reward_model.strategy": noop("tiller runs the reward-model forward in the driver process (megatron is refused)"),
     "actor_rollout_ref.nccl_timeout": noop("tiller's process groups use torch.distributed's default timeout"),
     # model

@@ -633,7 +633,11 @@ class ActorConfig:
     unbiased KL estimate, arXiv 2512.02556; TRL's use_bias_correction_kl): per token, or per sequence with
     policy_loss.loss_mode=gspo. Changes the KL gradient even on-policy. Needs use_kl_loss."""
     use_torch_compile: bool = False
-    """torch.compile the actor forward."""
+    """Compile each decoder layer of the actor with torch.compile (regional compilation, one compiled graph shared
+    by every layer; tiller.models.compile): Inductor fuses the norms, rotary embedding, SiLU x up and residual adds
+    of the update's and log-prob forwards and backward. verl's default is true, where it compiles the entropy
+    function (tiller compiles its log-prob / entropy chunks on CUDA anyway). A compile that fails warns and runs
+    eagerly; refused under FSDP across processes."""
     calculate_sum_pi_squared: bool = False
     """verl: return sum_v pi(v)^2 from the old-logprob forward (optimal token baseline); tiller computes it whenever
     algorithm.adv_estimator needs it."""
@@ -731,7 +735,8 @@ class RefConfig:
     strategy: Optional[str] = None
     """verl's copy of actor.strategy (null = the actor's; the reference runs in the actor's worker)."""
     use_torch_compile: Optional[bool] = None
-    """verl's copy of actor.use_torch_compile; the reference forward runs as the actor's."""
+    """Compile the reference model's decoder layers (as actor.use_torch_compile does the actor's); null: the
+    actor's setting."""
     profiler: dict[str, Any] = field(default_factory=_profiler)
     """verl's profiler hooks of the reference; tiller has no profiler integration."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)

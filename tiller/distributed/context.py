@@ -29,6 +29,7 @@ from torch import nn
 
 from tiller import hostinfo
 from tiller.errors import ConfigError
+from tiller.models.compile import layer_classes
 
 STRATEGIES = ("none", "ddp", "fsdp")
 
@@ -151,12 +152,6 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _layer_classes(model: nn.Module) -> tuple[type, ...]:
-    """Classes of the repeated blocks to shard one by one (HF `_no_split_modules`)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
-
-
 def _sum_allreduce_hook(process_group, bucket):
     """DDP comm hook: all-reduce SUM (torch's default hook divides by the world size)."""
     group = process_group if process_group is not None else dist.group.WORLD
@@ -186,10 +181,10 @@ def wrap_model(model: nn.Module, strategy: str = "fsdp", param_dtype: torch.dtyp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    layer_classes = _layer_classes(model)
-    if layer_classes:
+    blocks = layer_classes(model)  # the repeated blocks, sharded one by one
+    if blocks:
         for module in model.modules():
-            if isinstance(module, layer_classes):
+            if isinstance(module, blocks):
                 fully_shard(module, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     for module in model.modules():

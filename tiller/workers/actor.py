@@ -62,6 +62,7 @@ from tiller.hostinfo import bf16_compute_allowed
 from tiller.rollout.graphed_decode import capture_sizes, native_decode_options
 from tiller.models import routing
 from tiller.models.checkpoint import load_checkpoint, save_checkpoint
+from tiller.models.compile import compile_layers
 from tiller.models.chat_template import set_chat_template
 from tiller.models.loading import load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_state_dict
@@ -254,9 +255,18 @@ class ActorRolloutRefWorker:
         bf16 = self.actor_cfg.dtype in ("bfloat16", "bf16") and bf16_compute_allowed(self.device.type,
                                                                                     "actor_rollout_ref.actor.dtype")
         param_dtype = torch.bfloat16 if bf16 else None
+        # use_torch_compile: each decoder layer compiled (tiller.models.compile); ref's follows the actor's by default
+        compile_ref = self.ref_module is not None and (self.actor_cfg.use_torch_compile if arr.ref.use_torch_compile
+                                                       is None else arr.ref.use_torch_compile)
+        if (self.actor_cfg.use_torch_compile or compile_ref) and strategy == "fsdp" and dist_ctx.is_distributed():
+            raise ConfigError("actor_rollout_ref.actor.use_torch_compile / ref.use_torch_compile=true: the compiled "
+                              "layers are not checked under FSDP across processes yet; set them to false or use "
+                              "actor_rollout_ref.actor.strategy=ddp")
+        self.compiled = compile_layers(module, "actor_rollout_ref.actor.use_torch_compile") \
+            if self.actor_cfg.use_torch_compile else None
+        if compile_ref:
+            compile_layers(self.ref_module, "actor_rollout_ref.ref.use_torch_compile")
         self.model = dist_ctx.wrap_model(module, strategy=strategy, param_dtype=param_dtype)
-        if self.actor_cfg.use_torch_compile:
-            self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, self.actor_cfg.optim, "actor_rollout_ref.actor.optim")
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_training_steps)
         if not lazy_rollout:

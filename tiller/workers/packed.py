@@ -198,7 +198,9 @@ def packs(module, key: str, asked: bool) -> bool:
 def _register() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(IMPL, packed_attention)
+    # opaque to torch.compile (compiled decoder layers, tiller.models.compile): it reads the running forward's rows
+    # from a context variable and picks its kernel on the host, so the layer's graph breaks here, once
+    AttentionInterface.register(IMPL, torch.compiler.disable(packed_attention))
 
 
 @contextlib.contextmanager
