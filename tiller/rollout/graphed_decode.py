@@ -191,7 +191,7 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     (start [b], kv_blocks [b, 1, 1], kv_indices [b, 1, 1, Lb / FLEX_BLOCK]) for FlexAttention: each row reads
     only the 128-column blocks that hold its live columns [start, write] (the block lists are built once a step in
     `GraphedDecoder._forward_compiled`), or (start [b], columns [Lb]) for the Triton kernel (rows read their live
-    columns [start, write] of the first Lb). None when the layers are not alike enough to share one function
+    columns [start, write] of the first Lb). (The SDPA mask is additive: 0 on live columns, -inf elsewhere.) None when the layers are not alike enough to share one function
     (different norm epsilons)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from transformers.activations import ACT2FN
@@ -432,9 +432,11 @@ class GraphedDecoder:
                     blocks.to(torch.int32)[:, None, None, :])
         elif self.attention == "triton":
             attn = (s["start"][:b], self.columns[:lb])
-        else:
+        else:  # an additive mask in the cache's dtype, made once a step (a bool mask: SDPA converts it in every layer)
             cols = self.columns[:lb]
-            attn = (((cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None]))[:, None, None, :],)
+            live = (cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None])
+            attn = (torch.zeros(live.shape, dtype=self.dtype, device=self.device).masked_fill_(~live, float("-inf"))
+                    [:, None, None, :],)
         x = inner.embed_tokens(s["tokens"][:b])
         cos, sin = f.rope_tables(*inner.rotary_emb(x[:1], s["positions"][:b, None]))
         for i, layer in enumerate(inner.layers):
