@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU measurement of issue #37, in two parts that each fit one call of the device tool (docs/gpu.md):
 #
-#   bash scripts/gpu_run.sh speed    # ~7 min, the GPU to itself: env, graph_speed (0.5B, 64/128/256 x 256), grpo_speed
-#   bash scripts/gpu_run.sh checks   # ~4 min: graphed_decode + mismatch | packed_update + continuous (in parallel),
+#   bash scripts/gpu_run.sh speed    # ~8 min, the GPU to itself: env, graph_speed (0.5B, 256/128 x 256), grpo_speed
+#   bash scripts/gpu_run.sh checks   # ~4.5 min: graphed_decode + mismatch | packed_update + continuous (in parallel),
 #                                    # then profiles of the compiled graphed step and of a GRPO step's update
 #
 # Wheels the machine lacks are installed from .whl/ (carried) into /tmp/site once per machine. Results go to $OUT
@@ -32,7 +32,7 @@ case "${1:-}" in
     # the speed part's out dir holds the 0.5B model the mismatch check and the profile use (else they build one)
     (timeout 170 python3 scripts/gpu_check.py --device cuda --out /tmp/speed --only graphed_decode,mismatch \
       > "$OUT/checks_graphs.log" 2>&1) &
-    (timeout 170 python3 scripts/gpu_check.py --device cuda --out /tmp/c2 --only packed_update,continuous \
+    (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/c2 --only packed_update,continuous \
       > "$OUT/checks_update.log" 2>&1) &
     wait
     python3 - "$OUT/checks.json" /tmp/speed/gpu_check.json /tmp/c2/gpu_check.json <<'EOF'
@@ -45,7 +45,7 @@ for path in sys.argv[2:]:
         pass
 json.dump(out, open(sys.argv[1], "w"), indent=1)
 EOF
-    timeout 60 python3 bench/gpu_profile.py --device cuda --engine native-graphs-compiled --rows 256 \
+    timeout 75 python3 bench/gpu_profile.py --device cuda --engine native-graphs-compiled --rows 256 \
       --new-tokens 64 --model-dir /tmp/speed/work/bench --out "$OUT" > /dev/null 2>&1
     timeout 100 python3 bench/grpo_vs_trl.py --device cuda --shape 0.5B --dtype bfloat16 --prompts 16 --n 8 \
       --max-new 256 --steps 2 --warmup 1 --threads 8 --only tiller --profile /tmp/gprof > "$OUT/grpo_profile.log" 2>&1
