@@ -135,3 +135,45 @@ def test_shared_prompt_forward_keeps_ranks_in_lockstep(tiny_model_dir, strategy)
     for rank in (0, 1):
         assert out[rank]["maxdiff"] < 1e-4, (strategy, out[rank])
     assert out[0]["grad_norm"] > 0 and abs(out[0]["grad_norm"] - out[1]["grad_norm"]) < 1e-4 * out[0]["grad_norm"]
+
+
+def _compiled_layers_rank(rank: int, port: int, model_dir: str, out: dict) -> None:
+    import torch
+
+    from tests.trainer.test_packed_forward import micro_batch
+    from tiller.algos.entropy import logprobs_from_logits
+    from tiller.distributed import context
+    from tiller.models.compile import compile_layers
+    from tiller.models.loading import load_causal_lm
+    from tiller.workers.packed import packed_response_forward
+
+    torch.set_num_threads(1)
+    context.init_distributed(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=120)
+    try:
+        ids, mask, rmask, P = micro_batch([7, 3, 5], [9, 2, 5], seed=rank)  # each rank its own rows
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            module = load_causal_lm(model_dir).train()
+            # the actor's order: the layers compiled, then sharded
+            state = compile_layers(module, "k", "aot_eager") if compiled else None
+            model = context.wrap_model(module, strategy="fsdp")
+            for _ in range(2):  # two micro-batches, gradients accumulated
+                logits, t = packed_response_forward(model, ids, mask, P, rmask)
+                loss = (logprobs_from_logits(logits.float(), ids[:, P:P + t]) * rmask[:, :t]).sum()
+                loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+            out[(rank, compiled)] = (float(loss.detach()), grad_norm, None if state is None else state.error)
+    finally:
+        context.destroy_distributed()
+
+
+def test_compiled_layers_under_fsdp2_equal_eager(tiny_model_dir):
+    """actor.use_torch_compile under FSDP2 across two processes: the compiled layers (traced with aot_eager), sharded
+    after compiling, give the eager run's loss and summed gradient norm on every rank."""
+    out = mp.Manager().dict()
+    mp.spawn(_compiled_layers_rank, args=(_free_port(), str(tiny_model_dir), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        (loss, norm, _), (c_loss, c_norm, error) = out[(rank, False)], out[(rank, True)]
+        assert error is None
+        assert abs(c_loss - loss) <= 1e-5 * abs(loss) and abs(c_norm - norm) <= 1e-5 * norm, (rank, out)
+    assert out[(0, False)][1] == out[(1, False)][1]  # (the norm of the summed gradient: the same on both ranks)

@@ -637,7 +637,7 @@ class ActorConfig:
     by every layer; tiller.models.compile): Inductor fuses the norms, rotary embedding, SiLU x up and residual adds
     of the update's and log-prob forwards and backward. verl's default is true, where it compiles the entropy
     function (tiller compiles its log-prob / entropy chunks on CUDA anyway). A compile that fails warns and runs
-    eagerly; refused under FSDP across processes."""
+    eagerly."""
     calculate_sum_pi_squared: bool = False
     """verl: return sum_v pi(v)^2 from the old-logprob forward (optimal token baseline); tiller computes it whenever
     algorithm.adv_estimator needs it."""

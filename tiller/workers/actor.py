@@ -255,13 +255,10 @@ class ActorRolloutRefWorker:
         bf16 = self.actor_cfg.dtype in ("bfloat16", "bf16") and bf16_compute_allowed(self.device.type,
                                                                                     "actor_rollout_ref.actor.dtype")
         param_dtype = torch.bfloat16 if bf16 else None
-        # use_torch_compile: each decoder layer compiled (tiller.models.compile); ref's follows the actor's by default
+        # use_torch_compile: each decoder layer compiled (tiller.models.compile), before FSDP2 shards them (torchtitan's
+        # order); the reference's key follows the actor's by default
         compile_ref = self.ref_module is not None and (self.actor_cfg.use_torch_compile if arr.ref.use_torch_compile
                                                        is None else arr.ref.use_torch_compile)
-        if (self.actor_cfg.use_torch_compile or compile_ref) and strategy == "fsdp" and dist_ctx.is_distributed():
-            raise ConfigError("actor_rollout_ref.actor.use_torch_compile / ref.use_torch_compile=true: the compiled "
-                              "layers are not checked under FSDP across processes yet; set them to false or use "
-                              "actor_rollout_ref.actor.strategy=ddp")
         self.compiled = compile_layers(module, "actor_rollout_ref.actor.use_torch_compile") \
             if self.actor_cfg.use_torch_compile else None
         if compile_ref:
