@@ -326,3 +326,14 @@ def test_lora_dropout_maps_to_the_actor_unless_dropout_is_disabled(tiny_model_di
         keys, _ = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=args, train_dataset=rows(),
                               peft_config=lora).translate()
         assert keys.get("actor_rollout_ref.model.lora_dropout") == want and keys["actor_rollout_ref.model.lora_rank"] == 4
+
+
+def test_torch_compile_maps_to_the_actors_compiled_layers(tiny_model_dir, tmp_path):
+    """TRL's torch_compile (or a backend / mode, which turn it on in transformers) compiles the policy's decoder
+    layers (actor.use_torch_compile); off by default, as TRL."""
+    key = "actor_rollout_ref.actor.use_torch_compile"
+    cases = [({}, False), ({"torch_compile": True}, True), ({"torch_compile_backend": "inductor"}, True),
+             ({"torch_compile_mode": "default"}, True)]
+    for i, (kw, want) in enumerate(cases):
+        keys, _, _ = translate(tiny_model_dir, tmp_path / str(i), **kw)
+        assert keys.get(key, False) is want, (kw, keys.get(key))
