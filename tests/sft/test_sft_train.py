@@ -225,3 +225,27 @@ def test_best_metric_names_the_metrics_a_job_logs(tiny_model_dir, sft_file, tmp_
                                           r"\(val/loss, val/num_tokens, val/perplexity\)"):
         train_sft(cfg)
     assert not (run / "checkpoints" / "global_step_1").exists()  # stopped before the first checkpoint
+
+
+def test_compiled_layers_give_the_same_steps(tiny_model_dir, sft_file, tmp_path, monkeypatch):
+    """model.use_torch_compile (TRL's torch_compile): the decoder layers compiled (traced with aot_eager here, see
+    tests/trainer/test_compiled_layers.py) train on the eager run's losses."""
+    import torch._dynamo as dynamo
+
+    from tiller.models import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    dynamo.reset()
+    losses, compiled = [], []
+    real = compile_module.compile_layers
+    monkeypatch.setattr("tiller.trainer.sft.compile_layers",
+                        lambda *a, **k: compiled.append(real(*a, **k)) or compiled[-1])
+    for flag in (False, True):
+        run = tmp_path / f"c{flag}"
+        train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, run, **{
+            "model.use_torch_compile": flag, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4,
+            "optim.lr": 1e-3, "trainer.total_training_steps": 2, "trainer.export_hf": False})))
+        losses.append([r["train/loss"] for r in _metrics(run)])
+    dynamo.reset()
+    assert len(compiled) == 1 and compiled[0].error is None and len(compiled[0].layers) >= 3
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -230,3 +230,13 @@ def test_resume_from_checkpoint_continues_the_same_run(tiny_model_dir, tmp_path)
     resumed, out = run("resumed", 4, resume=True)
     assert out.global_step == 4
     assert [r["loss"] for r in resumed.state.log_history] == [r["loss"] for r in straight.state.log_history]
+
+
+def test_torch_compile_maps_to_the_models_compiled_layers(tiny_model_dir, tmp_path):
+    """SFTConfig's torch_compile (or a backend, which turns it on in transformers) is model.use_torch_compile."""
+    rows = [{"prompt": p + " ", "completion": c} for p, c in MEMO]
+    for i, (kw, want) in enumerate([({}, False), ({"torch_compile": True}, True),
+                                    ({"torch_compile_backend": "inductor"}, True)]):
+        args = SFTConfig(output_dir=str(tmp_path / str(i)), **FAST, **kw)
+        trainer = SFTTrainer(model=str(tiny_model_dir), args=args, train_dataset=datasets.Dataset.from_list(rows))
+        assert trainer.tiller_keys().get("model.use_torch_compile", False) is want, kw

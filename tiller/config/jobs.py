@@ -205,6 +205,10 @@ class JobModelConfig:
     model.custom_chat_template): the data renders with it and the saved model keeps it; null = the tokenizer's own."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    use_torch_compile: bool = False
+    """Compile each decoder layer of the trained model with torch.compile (regional compilation, one graph shared by
+    every layer: tiller.models.compile; TRL's torch_compile): Inductor fuses the norms, rotary embedding, activation
+    and residual adds, forward and backward. A compile that fails warns and runs eagerly."""
     disable_dropout: bool = False
     """Set every dropout probability of the trained model to 0 (TRL's disable_dropout, its default for DPO / KTO /
     reward models): the policy's log-probs are then those the reference and the loss assume."""

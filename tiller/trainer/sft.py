@@ -40,6 +40,7 @@ from tiller.models.layer_masks import refuse_packing
 from tiller.data.sft import IGNORE, SFTExample, load_sft_examples
 from tiller.errors import ConfigError, UserError
 from tiller.models.chat_template import set_chat_template
+from tiller.models.compile import compile_layers
 from tiller.models.loading import is_load_error, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from tiller.models.lora import attach_lora, lora_enabled
 from tiller.models.quant import bnb_config, quantize_after_load
@@ -169,6 +170,8 @@ def build_model_and_tokenizer(cfg, head: str = "causal_lm"):
             raise ConfigError(f"model.freeze_vision_tower=True but {m.partial_pretrain} ({type(model).__name__}) has "
                               "no vision tower")
         vision_tower(model).requires_grad_(False)
+    if m.use_torch_compile:  # the trained model's decoder layers (a deep copy of it, e.g. a reference, is eager)
+        compile_layers(model, "model.use_torch_compile")
     return model, tokenizer
 
 

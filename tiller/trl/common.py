@@ -285,9 +285,15 @@ TRAINING_ARGS_RULES: dict[str, Rule] = {
     "gradient_checkpointing": mapped("model.enable_gradient_checkpointing (TRL's GRPO / RLOO default: on)",
                                      _checkpointing),
     "gradient_checkpointing_kwargs": noop("tiller uses transformers' non-reentrant checkpointing"),
-    "torch_compile": noop("this trainer runs its models eagerly (GRPO / RLOO compile the policy's decoder layers)"),
-    "torch_compile_backend": noop("this trainer runs its models eagerly"),
-    "torch_compile_mode": noop("this trainer runs its models eagerly"),
+    # (transformers' TrainingArguments turns torch_compile on when a backend or mode is given)
+    "torch_compile": mapped("the trained model's decoder layers compiled one by one with Inductor (TRL compiles the "
+                            "whole model): model.use_torch_compile; RL trainers: actor_rollout_ref.actor."
+                            "use_torch_compile", lambda v, a: {"torch_compile": bool(v) or a.torch_compile_backend
+                                                               is not None or a.torch_compile_mode is not None}),
+    "torch_compile_backend": noop("tiller compiles with Inductor, torch.compile's default backend (a backend given "
+                                  "turns torch_compile on, as in transformers)"),
+    "torch_compile_mode": noop("tiller compiles in torch.compile's default mode (a mode given turns torch_compile "
+                               "on, as in transformers)"),
     "use_liger_kernel": noop("tiller computes log-probs and entropy with its own chunked kernels"),
     "liger_kernel_config": noop("tiller computes log-probs and entropy with its own chunked kernels"),
     "use_cache": noop("training forwards run without a KV cache; generation always uses one"),
@@ -601,6 +607,7 @@ def job_keys(logical: dict[str, Any]) -> dict[str, Any]:
         "optim.warmup_steps_ratio": (warmup + 0.5) / total if warmup else 0.0,
         "optim.clip_grad": g("grad_clip"), "optim.dtype": g("dtype"),
         "model.enable_gradient_checkpointing": g("gradient_checkpointing"),
+        "model.use_torch_compile": g("torch_compile"),
         "data.micro_batch_size_per_gpu": micro, "data.train_batch_size": micro * int(g("grad_accum", 1)),
         "trainer.seed": g("seed"), "trainer.total_training_steps": total, "trainer.save_freq": g("save_freq"),
         "trainer.test_freq": g("test_freq"), "trainer.max_ckpt_to_keep": g("max_ckpt_to_keep"),

@@ -136,15 +136,6 @@ def _no_rl_best(value: Any) -> dict:
 
 
 RL_SHARED_RULES: dict[str, Rule] = {
-    # (transformers' TrainingArguments turns torch_compile on when a backend or mode is given)
-    "torch_compile": mapped("actor_rollout_ref.actor.use_torch_compile: the policy's (and reference's) decoder layers "
-                            "compiled one by one with Inductor (TRL compiles the whole model)",
-                            lambda v, a: {"torch_compile": bool(v) or a.torch_compile_backend is not None
-                                          or a.torch_compile_mode is not None}),
-    "torch_compile_backend": noop("tiller compiles with Inductor, torch.compile's default backend (a backend given "
-                                  "turns torch_compile on, as in transformers)"),
-    "torch_compile_mode": noop("tiller compiles in torch.compile's default mode (a mode given turns torch_compile "
-                               "on, as in transformers)"),
     "load_best_model_at_end": mapped("False: tiller's RL run keeps its last policy (its validation is the reward, "
                                      "not an eval loss); True refused", lambda v, a: {} if not v else _no_rl_best(v)),
     "neftune_noise_alpha": refused("NEFTune noise in the policy's training forward would perturb the log-probs its "
