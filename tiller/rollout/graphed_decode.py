@@ -191,8 +191,8 @@ def layer_step_fn(fused, attention: str = "sdpa"):
     (start [b], kv_blocks [b, 1, 1], kv_indices [b, 1, 1, Lb / FLEX_BLOCK]) for FlexAttention: each row reads
     only the 128-column blocks that hold its live columns [start, write] (the block lists are built once a step in
     `GraphedDecoder._forward_compiled`), or (start [b], columns [Lb]) for the Triton kernel (rows read their live
-    columns [start, write] of the first Lb). (The SDPA mask is additive: 0 on live columns, -inf elsewhere.) None when the layers are not alike enough to share one function
-    (different norm epsilons)."""
+    columns [start, write] of the first Lb). (The SDPA mask is additive: 0 on live columns, -inf elsewhere.) None
+    when the layers are not alike enough to share one function (different norm epsilons)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from transformers.activations import ACT2FN
 
