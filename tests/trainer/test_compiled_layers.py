@@ -74,10 +74,18 @@ def test_compiled_layers_equal_eager_and_one_graph_serves_every_layer(tiny_model
     assert copy.deepcopy(model).model.layers[0]._compiled_call_impl is None
 
 
-def test_a_failing_compile_warns_once_and_runs_eagerly(tiny_model_dir, monkeypatch):
-    def broken(gm, inputs):
+@pytest.mark.parametrize("part", ["forward", "backward"])
+def test_a_failing_compile_warns_once_and_runs_eagerly(tiny_model_dir, monkeypatch, part):
+    """A compile that fails, in the forward or in the backward (compiled with the forward, so the failure is caught
+    there and not in loss.backward()), warns once; the layers run eagerly with the eager numbers."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fails(gm, inputs):
         raise RuntimeError("no backend here")
 
+    works = lambda gm, inputs: gm  # noqa: E731
+    broken = aot_autograd(fw_compiler=fails if part == "forward" else works,
+                          bw_compiler=fails if part == "backward" else works)
     monkeypatch.setattr(compile_module, "BACKEND", broken)
     model, _ = load(tiny_model_dir, sharpen=0.1)
     batch = micro_batch([7, 3, 5], [9, 2, 5])

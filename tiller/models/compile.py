@@ -45,7 +45,10 @@ class _Fallback:
             if self.error is not None:
                 return layer._call_impl(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                # the backward compiled with the forward (AOTAutograd otherwise compiles it at the first backward,
+                # where a failure would escape this fallback)
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    return compiled(*args, **kwargs)
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # noqa: BLE001 - Inductor / Dynamo could not compile (or run) the layer here
