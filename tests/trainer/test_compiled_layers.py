@@ -137,6 +137,28 @@ def test_actor_honours_use_torch_compile_and_ref_follows(tiny_model_dir):
         _close_grads(grads, eager[3], 1e-5)
 
 
+def test_actor_compiles_a_lora_policys_layers(tiny_model_dir):
+    """With LoRA adapters (peft's layers inside each decoder layer): the compiled worker's logprobs and adapter
+    gradients equal the eager worker's."""
+    import tiller.workers.actor as actor_module
+    from tests.trainer.test_dynamic_batches import _batch, _cfg, _grads
+
+    batch = _batch()
+    batch["ref_log_prob"] = batch["old_log_probs"].clone()  # (the config's KL loss reads it)
+    out = []
+    for flag in ("false", "true"):
+        w = actor_module.ActorRolloutRefWorker(
+            _cfg(tiny_model_dir, "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4",
+                 f"actor_rollout_ref.actor.use_torch_compile={flag}"), total_training_steps=1)
+        out.append((w, w.compute_log_prob(batch)["old_log_probs"], _grads(w, "update_actor", batch)))
+    (_, lp, grads), (compiled, lp_c, grads_c) = out
+    assert compiled.compiled.error is None and len(compiled.compiled.layers) >= 3
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(lp_c[mask], lp[mask], atol=1e-6, rtol=0)
+    assert grads and all("lora_" in name for name in grads)
+    _close_grads(grads_c, grads, 1e-5)
+
+
 @pytest.mark.slow
 def test_inductor_layers_equal_eager_on_this_cpu(tiny_model_dir, monkeypatch):
     """Inductor's C++ kernels for the compiled layers (~40 s of compiling here): logprobs and gradients within
