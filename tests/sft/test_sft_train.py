@@ -160,14 +160,20 @@ def test_multiturn_messages_train(tiny_model_dir, tmp_path):
     assert rows[-1]["train/loss"] < 0.6 * rows[0]["train/loss"]
 
 
-def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, sft_file, tmp_path):
+def _two_steps_off_and_on(model_dir, sft_file, tmp_path, key: str) -> list[list[float]]:
+    """The losses of two SFT steps with the boolean `key` false, then true."""
     losses = []
-    for gc in (False, True):
-        run = tmp_path / f"gc{gc}"
-        train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, run, **{
-            "model.enable_gradient_checkpointing": gc, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4,
-            "optim.lr": 1e-3, "trainer.total_training_steps": 2, "trainer.export_hf": False})))
+    for flag in (False, True):
+        run = tmp_path / f"{key}-{flag}"
+        train_sft(_cfg(job_overrides(model_dir, sft_file, run, **{
+            key: flag, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4, "optim.lr": 1e-3,
+            "trainer.total_training_steps": 2, "trainer.export_hf": False})))
         losses.append([r["train/loss"] for r in _metrics(run)])
+    return losses
+
+
+def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, sft_file, tmp_path):
+    losses = _two_steps_off_and_on(tiny_model_dir, sft_file, tmp_path, "model.enable_gradient_checkpointing")
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
@@ -236,16 +242,10 @@ def test_compiled_layers_give_the_same_steps(tiny_model_dir, sft_file, tmp_path,
 
     monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
     dynamo.reset()
-    losses, compiled = [], []
-    real = compile_module.compile_layers
+    compiled, real = [], compile_module.compile_layers
     monkeypatch.setattr("tiller.trainer.sft.compile_layers",
                         lambda *a, **k: compiled.append(real(*a, **k)) or compiled[-1])
-    for flag in (False, True):
-        run = tmp_path / f"c{flag}"
-        train_sft(_cfg(job_overrides(tiny_model_dir, sft_file, run, **{
-            "model.use_torch_compile": flag, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 4,
-            "optim.lr": 1e-3, "trainer.total_training_steps": 2, "trainer.export_hf": False})))
-        losses.append([r["train/loss"] for r in _metrics(run)])
+    losses = _two_steps_off_and_on(tiny_model_dir, sft_file, tmp_path, "model.use_torch_compile")
     dynamo.reset()
     assert len(compiled) == 1 and compiled[0].error is None and len(compiled[0].layers) >= 3
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
