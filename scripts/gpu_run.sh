@@ -5,7 +5,8 @@
 #   bash scripts/gpu_run.sh checks   # ~4.5 min: graphed_decode + mismatch | packed_update + continuous (in parallel),
 #                                    # then profiles of the compiled graphed step and of a GRPO step's update
 #
-# Wheels the machine lacks are installed from .whl/ (carried) into /tmp/site once per machine. Results go to $OUT
+# Wheels the machine lacks are installed from .whl/ (carried; `bash scripts/gpu_wheels.sh` makes it) into /tmp/site
+# once per machine. Results go to $OUT
 # (at most 8 files come back: each part writes 8 or fewer). Each part stops its checks in time for them to return.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
