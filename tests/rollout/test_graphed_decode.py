@@ -141,6 +141,36 @@ def test_padding_rows_change_nothing(sharp_qwen):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
 
 
+def test_steps_warmed_before_each_wave_change_nothing(sharp_qwen, monkeypatch):
+    """A wave's graphs are captured before it starts (on CUDA): one step of every (bucket, KV width) it can reach,
+    on padding rows, before its prefill. Run eagerly here (precapture=True), those steps leave every row unchanged:
+    sampled, stopped at different steps and compacted down the buckets, in both waves of a call."""
+    from tiller.rollout.graphed_decode import GraphedDecoder
+
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)  # 6 prompts x 3 samples: two waves of at most 16 rows
+    sampled = dict(n=3, max_new_tokens=30, seed=5, temperature=0.8, top_p=0.95, ignore_eos=True)
+    free = static_engine(model, tok).generate(prompts, SamplingParams(**sampled))
+    stops = sorted({r[k] for r, k in zip(free.response_ids, [3, 7, 12, 20, 25])})
+    params = SamplingParams(**sampled, stop_token_ids=stops)
+    want = static_engine(model, tok, max_num_seqs=16, compact_fraction=0.01).generate(prompts, params)
+    warmed, real_warm, real_init = [], GraphedDecoder.warm, GraphedDecoder.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.precapture = True
+
+    monkeypatch.setattr(GraphedDecoder, "__init__", init)
+    monkeypatch.setattr(GraphedDecoder, "warm", lambda self, keys, sampler: warmed.append(keys) or real_warm(
+        self, keys, sampler))
+    got = static_engine(model, tok, max_num_seqs=16, compact_fraction=0.01).generate(prompts, params)
+    assert len(warmed) == 2 and max(b for b, _ in warmed[0]) == 16 and (1, 256) in warmed[0]
+    assert len({len(r) for r in got.response_ids}) >= 3 and "stop" in got.finish_reason
+    assert got.response_ids == want.response_ids and got.finish_reason == want.finish_reason
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+
+
 def test_seeded_sampling_repeats_is_batch_independent_and_reports_its_logprobs(sharp_qwen):
     model, tok = sharp_qwen
     prompts = prompt_ids(tok, MORE_PROMPTS)

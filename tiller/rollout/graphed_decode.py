@@ -321,6 +321,9 @@ class GraphedDecoder:
             if self.capture_error is not None:  # the step runs eagerly (static shapes, no graphs); said once
                 self.capture = False
                 warnings.warn(f"tiller: {self.capture_error}", stacklevel=2)
+        # `warm` every (bucket, KV width) of a wave before it starts: where capturing (then no wave stops to capture);
+        # True elsewhere runs those steps eagerly (the tests check they leave the wave's rows unchanged)
+        self.precapture = self.capture
         self._layer = None  # the compiled layer body, or None: the eager step
         # the sampler compiled too (with `compile`; by default on CUDA only): its counter hash, filters and draw are
         # ~80 one-kernel elementwise ops a step eagerly (a 3-layer step: 111 of its 244 ops on CPU), a few fused
@@ -519,6 +522,34 @@ class GraphedDecoder:
         self.graphs[key] = graph
         self.captures += 1
 
+    # ------------------------------------------------------------------------- capturing ahead of a wave
+    def wave_keys(self, rows: int, width: int, new_tokens: int) -> list[tuple[int, int]]:
+        """Every (bucket, KV width) a wave of `rows` rows, prompts right-aligned at `width` columns, can step at while
+        it decodes `new_tokens` tokens: each bucket up to its rows' (compaction moves the rows down the buckets), each
+        KV width (`decode`'s `lb`) from its first step's to its last's. Within the allocated buffers (`_ensure`)."""
+        if new_tokens < 2:  # (token 0 comes from the prefill: no decode step)
+            return []
+        top = bucket_for(rows, self.sizes) or rows
+        widths = sorted({min(self.cap[1], -(-(width + t) // self.kv_block) * self.kv_block)
+                         for t in (1, new_tokens - 1)})
+        widths = list(range(widths[0], widths[-1] + 1, self.kv_block))
+        return [(b, lb) for b in self.sizes if b <= top and b <= self.cap[0] for lb in widths]
+
+    def warm(self, keys: list[tuple[int, int]], sampler: Sampler) -> int:
+        """Run one step of each (bucket, KV width) in `keys` not yet captured for `sampler` (on CUDA: capture its
+        graph; elsewhere: the step eagerly), on padding rows: their writes go to cache column 0 and the dummy output
+        row, so this runs before a wave's prefill (which, with `start_wave`, writes and resets all a wave reads).
+        vLLM captures every size at start-up for the same reason: a wave never stops to capture. Returns the steps
+        run."""
+        todo = [(b, lb) for b, lb in keys if (b, lb, sampler) not in self.graphs]
+        capturing = self.capture
+        for i, (b, lb) in enumerate(todo):
+            if capturing and not self.capture:  # a capture failed (said once): the wave decodes eagerly
+                return i
+            self._pad_rows(0)  # (each step from a fresh state: counters stay inside the output buffer)
+            self.run_step(b, lb, sampler)
+        return len(todo)
+
     # ----------------------------------------------------------------------------- host bookkeeping
     def _pad_rows(self, live: int) -> None:
         """Rows [live:] become padding: never alive, recording to the dummy output row, writing column 0."""
@@ -680,13 +711,15 @@ def generate_wave(engine, graphed: GraphedDecoder, model, prompts: list[list[int
     n, new_tokens = sampling.n, sampling.max_new_tokens
     rows, width = len(prompts) * n, max(len(p) for p in prompts)
     graphed._ensure(rows, width + new_tokens, new_tokens, sorted(stop_ids))
+    sampler = Sampler.of(sampling)
+    if graphed.precapture:  # every graph this wave can replay, captured before it starts (and before its prefill)
+        graphed.warm(graphed.wave_keys(rows, width, new_tokens), sampler)
     cache = make_cache(rows, graphed.cap[1], graphed.device)
     cache.keys, cache.values = list(graphed.kc), list(graphed.vc)
     first_logits = engine._prefill(model, prompts, cache, width, n, pad_id)
     # the wave's seed: one draw from the call's generator, so waves differ and a seeded call repeats
     seed = int(torch.randint(2 ** 62, (1,), generator=generator, device=generator.device))
     prompt_len = torch.tensor([len(p) for p in prompts], device=graphed.device).repeat_interleave(n)
-    sampler = Sampler.of(sampling)
     graphed.start_wave(first_logits, prompt_len, width, seed, sampler)
     graphed.decode(rows, width, new_tokens, sampler, engine.compact_fraction)
     tokens, logprobs = graphed.results(rows, new_tokens)
