@@ -8,8 +8,9 @@ time summed), kernel launches and graph launches per decode step, host syncs (`c
 `cudaDeviceSynchronize`), the top kernels by GPU time (calls, us a call); and the decode steps alone, as this
 `generate` minus one of a single token (the prefill): `step_wall_ms` (unprofiled), `step_gpu_ms` (kernel time) and
 `step_kernels` a step, so a step's wall time splits into the GPU's work and what is not (launch gaps, the host).
-`DIR/profile.txt` holds torch's table. The first `generate` (captures, compiles) is untimed. `--engine` picks another row of `bench/rollout.py`'s ENGINES (`native` is the eager
-engine). On `--device cpu` the 2M model runs (to test this script).
+`DIR/profile.txt` holds torch's table. The first `generate` (captures, compiles) is untimed. `--engine` picks
+another row of `bench/rollout.py`'s ENGINES (`native` is the eager engine). On `--device cpu` the 2M model runs (to
+test this script).
 """
 
 from __future__ import annotations

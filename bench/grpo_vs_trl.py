@@ -19,8 +19,8 @@ steps 1..warmup are not timed.
 On `--device cuda` both trainers run on the GPU (TRL: `use_cpu=False`); tiller with its GPU settings
 (`rollout.enforce_eager=false`: CUDA graphs of the compiled decode step; `model.use_remove_padding=true`: the
 packed update; `actor.use_torch_compile=true`: its decoder layers compiled), which `--tiller-opt` can override,
-and the update's `perf/mfu/actor` (verl's formula) is reported as `tiller_mfu`. `--shape 0.5B` is Qwen2.5-0.5B's body with the kit's 512-token vocabulary
-(`bench/rollout.py`'s SIZES, shared/GPU.md's shape).
+and the update's `perf/mfu/actor` (verl's formula) is reported as `tiller_mfu`. `--shape 0.5B` is Qwen2.5-0.5B's
+body with the kit's 512-token vocabulary (`bench/rollout.py`'s SIZES, shared/GPU.md's shape).
 
 Prints one JSON line: {"tiller_s_per_step", "trl_s_per_step", "speedup" (= trl / tiller), the same three
 over process CPU seconds ("*_cpu_s_per_step", "cpu_speedup"), tiller's phases ("tiller_gen_s",
