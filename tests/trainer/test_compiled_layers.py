@@ -148,8 +148,9 @@ def test_actor_compiles_a_lora_policys_layers(tiny_model_dir):
     out = []
     for flag in ("false", "true"):
         w = actor_module.ActorRolloutRefWorker(
-            _cfg(tiny_model_dir, "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4",
-                 f"actor_rollout_ref.actor.use_torch_compile={flag}"), total_training_steps=1)
+            _cfg(tiny_model_dir, "actor_rollout_ref.model.use_remove_padding=true",
+                 "actor_rollout_ref.model.lora_rank=4", f"actor_rollout_ref.actor.use_torch_compile={flag}"),
+            total_training_steps=1)
         out.append((w, w.compute_log_prob(batch)["old_log_probs"], _grads(w, "update_actor", batch)))
     (_, lp, grads), (compiled, lp_c, grads_c) = out
     assert compiled.compiled.error is None and len(compiled.compiled.layers) >= 3
