@@ -159,7 +159,9 @@ def _run(fn, compiled: bool, *args):
             raise
         import warnings
 
-        warnings.warn(f"tiller: compiling {fn.__name__} failed ({type(err).__name__}: {err}); it runs eagerly",
+        from tiller.models.compile import compile_failure  # import cost: tiller.models loads transformers
+
+        warnings.warn(f"tiller: compiling {fn.__name__} failed ({compile_failure(err)}); it runs eagerly",
                       stacklevel=3)
         _COMPILED[fn] = fn
         return fn(*args)

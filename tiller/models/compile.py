@@ -33,6 +33,13 @@ def layer_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
+def compile_failure(err: BaseException) -> str:
+    """One line saying why a compile (or a compiled call) failed: the error's type and message, without torch's
+    debugging hints (`TORCHDYNAMO_VERBOSE=...`), for the warning and the `*_error` fields that report it."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    return f"{type(err).__name__}: " + " ".join(line for line in lines if line and "TORCHDYNAMO_VERBOSE" not in line)
+
+
 class _Fallback:
     """The compiled call of one layer: the first failure of any layer's compile warns once (naming `key`) and turns
     every layer back to eager; the failed call is rerun eagerly."""
@@ -52,9 +59,7 @@ class _Fallback:
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # noqa: BLE001 - Inductor / Dynamo could not compile (or run) the layer here
-                lines = [line.strip() for line in str(err).splitlines()]  # (without torch's debugging hints)
-                self.error = f"{type(err).__name__}: " + " ".join(
-                    line for line in lines if line and "TORCHDYNAMO_VERBOSE" not in line)
+                self.error = compile_failure(err)
                 for other in self.layers:
                     other._compiled_call_impl = None
                 warnings.warn(f"tiller: {self.key}: compiling the decoder layers failed ({self.error}); they run "

@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from tiller.errors import UserError
+from tiller.models.compile import compile_failure
 from tiller.rollout import compiled_decode, triton_decode
 from tiller.rollout.fused_decode import text_config
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
@@ -388,7 +389,7 @@ class GraphedDecoder:
                 return self._forward_compiled(b, lb)
             except Exception as err:  # Inductor could not compile (or run) the layer here: eager from now on
                 # (re-running the step is safe: its cache writes are the same values at the same columns)
-                self._layer, self.compile_error = None, f"{type(err).__name__}: {err}"
+                self._layer, self.compile_error = None, compile_failure(err)
                 warnings.warn(f"tiller: compiling the decode step's layer failed ({self.compile_error}); the step "
                               "runs eagerly", stacklevel=3)
         f, s = self.fused, self.state
@@ -481,7 +482,7 @@ class GraphedDecoder:
                 return self._sample(sampler, logits, keys, counters)
             except Exception as err:
                 self._sample = None
-                warnings.warn(f"tiller: compiling the decode step's sampler failed ({type(err).__name__}: {err}); "
+                warnings.warn(f"tiller: compiling the decode step's sampler failed ({compile_failure(err)}); "
                               "it samples eagerly", stacklevel=3)
         return sampler(logits, keys, counters)
 
@@ -513,7 +514,7 @@ class GraphedDecoder:
             with torch.cuda.graph(graph, pool=self._pool):
                 body()
         except Exception as err:  # an op that cannot be captured here: keep decoding eagerly, say so once
-            self.capture, self.capture_error = False, f"{type(err).__name__}: {err}"
+            self.capture, self.capture_error = False, compile_failure(err)
             warnings.warn(f"tiller: capturing the decode step in a CUDA graph failed ({self.capture_error}); "
                           "decoding eagerly", stacklevel=2)
             return

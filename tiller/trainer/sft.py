@@ -50,12 +50,12 @@ from tiller.trainer.loop import resolve_device, run_training, seed_everything
 from tiller.workers.ulysses import ulysses_token_forward
 
 
-
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[labels] [...] in fp32 from logits [..., V] in the model's dtype, without an fp32 copy of
     the logits (`logprobs_and_entropy`'s chunks; the same numbers as `logprobs_from_logits(logits.float(), ...)`)."""
     flat = logits.reshape(-1, logits.shape[-1])
     return logprobs_and_entropy(flat, labels.reshape(-1))[0].view(labels.shape)
+
 
 class SFTJob:
     """Token-mean NLL (or DFT) on response tokens (see the module docstring)."""
