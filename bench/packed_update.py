@@ -77,8 +77,9 @@ def main(argv=None) -> int:
     make_tiny_model(path, n_params={"2M": 2_000_000, "30M": 30_000_000}[a.size], seed=0)
     weights = torch.float32 if a.autocast else getattr(torch, a.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=weights).to(a.device)
-    ids, mask, rmask, P = (t.to(a.device) if torch.is_tensor(t) else t for t in micro_batch(
-        a.rows, 0, tuple(map(int, a.prompt.split(","))), tuple(map(int, a.response.split(",")))))
+    host = micro_batch(a.rows, 0, tuple(map(int, a.prompt.split(","))), tuple(map(int, a.response.split(","))))
+    ids, mask, rmask, P = (t.to(a.device) if torch.is_tensor(t) else t for t in host)
+    hids, hmask, hrmask = host[:3]  # the forwards get the host's tensors, as the trainer's: trimmed / packed there
 
     def step(fn):
         model.zero_grad(set_to_none=True)
@@ -91,13 +92,13 @@ def main(argv=None) -> int:
         if a.device == "cuda":
             torch.cuda.synchronize()
 
-    ways = {"padded": lambda: response_forward(model, ids, mask, P, rmask, logits_to_keep=True),
-            "packed": lambda: packed_response_forward(model, ids, mask, P, rmask)}
+    ways = {"padded": lambda: response_forward(model, hids, hmask, P, hrmask, logits_to_keep=True, device=a.device),
+            "packed": lambda: packed_response_forward(model, hids, hmask, P, hrmask, device=a.device)}
     compiled = None
     if a.compile_layers:  # a copy (a deep copy is eager) with its layers compiled, as the actor compiles its own
         compiled = copy.deepcopy(model)
         state = compile_layers(compiled, "--compile-layers")
-        ways["packed_compiled"] = lambda: packed_response_forward(compiled, ids, mask, P, rmask)
+        ways["packed_compiled"] = lambda: packed_response_forward(compiled, hids, hmask, P, hrmask, device=a.device)
     best = {}
     for name, fn in ways.items():
         step(fn)

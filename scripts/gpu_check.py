@@ -664,6 +664,76 @@ def c_packed_update(a):
     return info
 
 
+@check("syncs")
+def c_syncs(a):
+    """Issue #37 item 2 on the device: torch's sync debug mode counts the host syncs of an actor update of four
+    packed micro-batches (its metrics and gradient norm read once: 1 expected, ~15 a micro-batch before) and of the
+    graphed decode loop (its alive flags read by non-blocking copies: none expected, or one event wait every 8 steps).
+    On a CPU the same code runs without counting (tests/trainer/test_device_reads.py counts there)."""
+    import contextlib
+    import warnings
+
+    from tiller.config import load_config
+    from tiller.protocol import Batch
+    from tiller.rollout import SamplingParams, build_rollout_engine
+    from tiller.workers.actor import ActorRolloutRefWorker
+
+    def count(fn) -> int | None:
+        if a.device != "cuda":
+            fn()
+            return None
+        torch.cuda.synchronize()
+        before = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(before)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    path = _models(a)["qwen2"]
+    cfg = load_config([f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.rollout.name=hf",
+                       f"trainer.device={a.device}", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.max_prompt_length=6",
+                       "data.max_response_length=5", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                       "actor_rollout_ref.model.use_remove_padding=True"])
+    worker = ActorRolloutRefWorker(cfg, total_training_steps=2)
+    g = torch.Generator().manual_seed(0)
+    plen, rlen = torch.randint(2, 7, (8,), generator=g), torch.randint(1, 6, (8,), generator=g)
+    pmask = (torch.arange(6)[None] >= 6 - plen[:, None]).long()
+    rmask = (torch.arange(5)[None] < rlen[:, None]).long()
+    prompts, responses = torch.randint(5, 300, (8, 6), generator=g) * pmask, torch.randint(5, 300, (8, 5),
+                                                                                            generator=g) * rmask
+    attn = torch.cat([pmask, rmask], 1)
+    batch = Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                   "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0), "response_mask": rmask,
+                   "advantages": torch.randn(8, 5, generator=g) * rmask,
+                   "old_log_probs": -torch.rand(8, 5, generator=g) - 5.0},
+                  meta={"mini_batch_size": 8, "temperature": 1.0, "ppo_epochs": 1})
+    worker.update_actor(batch)  # (first: lazy allocations)
+    info = {"update_micro_batches": 4, "update_syncs": count(lambda: worker.update_actor(batch))}
+
+    model, tok = _load_sharp(path, a.device)
+    engine = build_rollout_engine("native", model, tok, static_decode=True)
+    params = SamplingParams(n=2, max_new_tokens=64, ignore_eos=True, seed=0)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    engine.generate(prompts, params)  # (first: captures)
+    graphed, inside = engine._graphed, []
+    real = graphed.decode
+    graphed.decode = lambda *args, **kw: inside.append(count(lambda: real(*args, **kw)))
+    info["generate_syncs_outside_decode"] = count(lambda: engine.generate(prompts, params))
+    info["decode_steps"], info["decode_loop_syncs"] = params.max_new_tokens - 1, inside[0] if inside else None
+    with contextlib.suppress(AttributeError):
+        del graphed.decode
+    print(info)
+    if a.device == "cuda":
+        assert info["update_syncs"] < info["update_micro_batches"], f"the update syncs per micro-batch: {info}"
+        assert info["decode_loop_syncs"] <= info["decode_steps"] // graphed.sync_every + 1, f"decode syncs: {info}"
+    return info
+
+
 @check("mismatch")
 def c_mismatch(a):
     """Issue #37 item 7: |rollout logprob - trainer logprob| for the same weights at bf16. The engine as
@@ -730,8 +800,8 @@ def c_grpo_speed(a):
     return {k: row[k] for k in keep if k in row}
 
 
-CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_continuous, c_demo, c_rl_gae, c_sft,
-          c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_mismatch, c_grpo_speed]
+CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_syncs, c_continuous, c_demo, c_rl_gae,
+          c_sft, c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_mismatch, c_grpo_speed]
 
 
 def main() -> int:

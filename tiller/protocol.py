@@ -65,6 +65,18 @@ def _values_equal(a, b) -> bool:
         return False
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` without waiting for the device: a host tensor goes through pinned memory, non-blocking, to a
+    GPU. (PyTorch synchronizes the stream after a blocking host-to-device copy: the host would wait for every kernel
+    queued before it, e.g. the last micro-batch's backward, and the device then for the host.)"""
+    device = torch.device(device)
+    if device.type == "cpu" and t.device.type != "cpu":  # back to the host: complete when it returns
+        return t.to(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class Batch:
     """Named tensors `[B, ...]` plus per-sample fields `[B]` and batch-level `meta`.
 

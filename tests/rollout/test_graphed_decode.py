@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from tests.device_reads import DEVICE, DeviceReads
 from tests.layer_kinds import MOE
 from tests.rollout.conftest import (PROMPTS, assert_reads_new_weights, assert_same_rows, load_family, prompt_ids,
                                     reference_logprobs, staggered_greedy)
@@ -169,6 +170,39 @@ def test_steps_warmed_before_each_wave_change_nothing(sharp_qwen, monkeypatch):
     assert got.response_ids == want.response_ids and got.finish_reason == want.finish_reason
     for a, b in zip(got.logprobs, want.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+
+
+def test_the_static_decode_loop_never_reads_the_device(sharp_qwen, monkeypatch):
+    """No host sync per step (`tests.device_reads`: on a CPU, the host's reads of device values and blocking copies
+    to the device, each a sync on a GPU). The static-shape decode loop (what CUDA graphs replay) keeps stop flags,
+    lengths and tokens on the device, the prefill's inputs go there without blocking copies: a generate's reads are
+    its results' one copy back, the same for 8 and for 40 new tokens (rows stopping at different steps, the batch
+    compacted)."""
+    from tiller.rollout.graphed_decode import GraphedDecoder
+
+    real_init = GraphedDecoder.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.device = DEVICE  # its buffers are made there
+
+    monkeypatch.setattr(GraphedDecoder, "__init__", init)
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    counts, lengths = [], set()
+    for new in (8, 40):
+        engine = static_engine(model, tok, compact_fraction=0.01)
+        with DeviceReads(model) as reads:
+            free = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=new, seed=1, ignore_eos=True))
+            stops = sorted({r[k] for r, k in zip(free.response_ids, [2, 4, 6])})
+            reads.reads.clear()
+            out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=new, seed=1, ignore_eos=True,
+                                                          stop_token_ids=stops))
+        assert engine._graphed is not None and engine._graphed.device == DEVICE
+        lengths |= {len(r) for r in out.response_ids}
+        counts.append(reads.reads)
+    assert len(lengths) >= 4 and "stop" in out.finish_reason  # rows stopped at different steps
+    assert counts[0] == counts[1] == {("cpu", "rollout/graphed_decode.py:results"): 1}, counts  # its results, once
 
 
 def test_seeded_sampling_repeats_is_batch_independent_and_reports_its_logprobs(sharp_qwen):

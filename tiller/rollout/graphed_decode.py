@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from tiller.errors import UserError
 from tiller.models.compile import compile_failure
+from tiller.protocol import to_device
 from tiller.rollout import compiled_decode, triton_decode
 from tiller.rollout.fused_decode import text_config
 from tiller.rollout.sampling import draw_with_uniforms, warp_logits
@@ -351,7 +352,7 @@ class GraphedDecoder:
             self._allocate(c_rows, c_cols, c_out, c_t, n_stop)
         self.stop.fill_(-1)
         if stop_ids:
-            self.stop[: len(stop_ids)] = torch.tensor(sorted(stop_ids), device=self.device)
+            self.stop[: len(stop_ids)] = to_device(torch.tensor(sorted(stop_ids)), self.device)
 
     def _drop_graphs(self) -> None:
         """Forget every captured graph and their memory pool: the next capture starts a new pool. (Capturing into
@@ -578,7 +579,7 @@ class GraphedDecoder:
         s = self.state
         self._pad_rows(0)
         self.lengths.fill_(self.cap[3])
-        s["keys"][:rows] = row_keys(seed, rows).to(self.device)
+        s["keys"][:rows] = to_device(row_keys(seed, rows), self.device)
         s["row_id"][:rows] = self.arange[:rows]
         s["positions"][:rows] = prompt_len
         s["start"][:rows] = width - prompt_len
@@ -603,7 +604,7 @@ class GraphedDecoder:
                         return
                     if count - n_alive >= max(1, compact_fraction * count):
                         keep = alive.nonzero().squeeze(-1)
-                        self._compact(keep.to(self.device, non_blocking=True), width + t - 1)
+                        self._compact(to_device(keep, self.device), width + t - 1)
                         live = n_alive
                 host_alive[:live].copy_(self.alive[:live], non_blocking=True)
                 event = None
@@ -616,10 +617,12 @@ class GraphedDecoder:
             self.run_step(b, lb, sampler)
 
     def results(self, rows: int, new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Each row's tokens and logprobs, cut at its length (one device-to-host copy of each)."""
-        tokens = self.out_tokens[:rows, :new_tokens].tolist()
-        logp = self.out_logp[:rows, :new_tokens].tolist()
-        lengths = self.lengths[:rows].clamp_max(new_tokens).tolist()
+        """Each row's tokens and logprobs, cut at its length (one device-to-host copy: float64 holds both exactly)."""
+        both = torch.cat([self.out_tokens[:rows, :new_tokens].double(), self.out_logp[:rows, :new_tokens].double(),
+                          self.lengths[:rows, None].clamp_max(new_tokens).double()], dim=1).cpu()
+        tokens = both[:, :new_tokens].long().tolist()
+        logp = both[:, new_tokens: 2 * new_tokens].float().tolist()
+        lengths = both[:, -1].long().tolist()
         return [t[:n] for t, n in zip(tokens, lengths)], [lp[:n] for lp, n in zip(logp, lengths)]
 
 
@@ -720,7 +723,7 @@ def generate_wave(engine, graphed: GraphedDecoder, model, prompts: list[list[int
     first_logits = engine._prefill(model, prompts, cache, width, n, pad_id)
     # the wave's seed: one draw from the call's generator, so waves differ and a seeded call repeats
     seed = int(torch.randint(2 ** 62, (1,), generator=generator, device=generator.device))
-    prompt_len = torch.tensor([len(p) for p in prompts], device=graphed.device).repeat_interleave(n)
+    prompt_len = to_device(torch.tensor([len(p) for p in prompts]), graphed.device).repeat_interleave(n)
     graphed.start_wave(first_logits, prompt_len, width, seed, sampler)
     graphed.decode(rows, width, new_tokens, sampler, engine.compact_fraction)
     tokens, logprobs = graphed.results(rows, new_tokens)

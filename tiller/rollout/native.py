@@ -52,6 +52,7 @@ from tiller.errors import UserError
 from tiller.models.loading import cache_keyword
 from tiller.models import routing
 from tiller.models.layer_masks import layout_of, to_attention_mask
+from tiller.protocol import to_device
 from tiller.rollout.base import (
     RolloutOutput,
     SamplingParams,
@@ -113,7 +114,7 @@ def prefill_inputs(prompts: list[list[int]], pad_id: int, device) -> tuple[torch
     for i, p in enumerate(prompts):
         ids[i, w - len(p) :] = torch.tensor(p)
         valid_k[i, w - len(p) :] = True
-    ids, valid_k = ids.to(device), valid_k.to(device)
+    ids, valid_k = to_device(ids, device), to_device(valid_k, device)  # (no stream sync)
     pos = (valid_k.long().cumsum(-1) - 1).clamp_min(0)
     causal = torch.ones((w, w), dtype=torch.bool, device=device).tril()
     eye = torch.eye(w, dtype=torch.bool, device=device)
@@ -421,10 +422,10 @@ class NativeRolloutEngine(InProcessEngine):
             chunk = [prompts[i] for i in chunk_idx]
             w = max(len(p) for p in chunk)
             ids, pos, valid = prefill_inputs(chunk, pad_id, device)
-            rows = (torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1).to(device)
+            rows = to_device((torch.tensor(chunk_idx)[:, None] * n + torch.arange(n)[None]).reshape(-1), device)
             cache.prefill_rows, cache.prefill_cols, cache.repeat = rows, slice(width - w, width), n
             extra = {} if images is None else images.chunk_inputs(chunk_idx, w, device)
-            firsts = torch.tensor(chunk_idx, device=device) * n
+            firsts = to_device(torch.tensor(chunk_idx), device) * n
             recording = (routes.at(lambda g: g[firsts][:, width - w:width]) if routes is not None
                          else contextlib.nullcontext())
             with recording:

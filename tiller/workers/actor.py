@@ -69,7 +69,7 @@ from tiller.models.lora import attach_lora, lora_enabled, lora_template, merged_
 from tiller.models.quant import bnb_config, dequantized_merge, is_quantized
 from tiller.models.ref_sync import RefSync
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
-from tiller.protocol import Batch
+from tiller.protocol import Batch, to_device
 from tiller.rollout import build_rollout_engine, SamplingParams
 from tiller.rollout.agent import tools_kwargs_of
 from tiller.rollout.verl_agent_loop import build_rollout_loop
@@ -79,6 +79,8 @@ from tiller.rollout.episodes import load_agent_function, rows_from_episodes
 from tiller.rollout.vllm_engine import VLM_REFUSED
 from tiller.workers.common import (
     autocast,
+    read_metrics,
+    read_update_metrics,
     fp32_lm_head,
     epoch_passes,
     counted_rows,
@@ -97,7 +99,7 @@ from tiller.workers.common import (
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
 from tiller.models.layer_masks import has_recurrent_layers, text_config
-from tiller.workers.packed import enable_checkpointing, packed_response_forward, packs
+from tiller.workers.packed import PackedRows, enable_checkpointing, packed_response_forward, packs, scatter_rows
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 from tiller.workers.prm import ImplicitPRM
 from tiller.workers.router_aux import RouterAux, micro_batch_aux
@@ -792,25 +794,26 @@ class ActorRolloutRefWorker:
         if self._sp is not None:
             local, layout = self._sp_forward(model, mb)
             return layout.gather(local.float() / temperature), layout.t_used
-        logits, keep, t_used = self._model_logits(model, mb)
-        shape = (mb["responses"].shape[0], t_used, logits.shape[-1])
-        if keep is not None:
-            logits = logits.new_zeros(shape).index_put((keep,), logits)
-        return logits.view(shape).float() / temperature, t_used
+        logits, rows, t_used = self._model_logits(model, mb)
+        if rows is not None:
+            return scatter_rows(logits, rows).float() / temperature, t_used
+        return logits.view(mb["responses"].shape[0], t_used, logits.shape[-1]).float() / temperature, t_used
 
-    def _model_logits(self, model, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def _model_logits(self, model, mb: Batch) -> tuple[torch.Tensor, PackedRows | None, int]:
         """The model's response logits as it computes them (its dtype, no temperature): packed (use_remove_padding):
-        ([K, V] of the K response tokens, keep [B, t_used] where they go, t_used); padded: ([B * t_used, V], None,
-        t_used)."""
+        ([K, V] of the K response tokens, the `PackedRows` saying where they go, t_used; packed where the batch is, the
+        host); padded: ([B * t_used, V], None, t_used)."""
         P = mb["prompts"].shape[1]
-        ids, mask, rmask = (mb[k].to(self.device) for k in ("input_ids", "attention_mask", "response_mask"))
         if self._remove_padding and "multi_modal_inputs" not in mb:
-            return packed_response_forward(model, ids, mask, P, rmask, packed=True)
+            logits, rows = packed_response_forward(model, mb["input_ids"], mb["attention_mask"], P, mb["response_mask"],
+                                                   packed=True, device=self.device)
+            return logits, rows, rows.t_used
         opts = self._forward_opts
         if opts["share_prompts"] and (RouterAux.collecting() or routing.active()):  # router loss or routing
             opts = {**opts, "share_prompts": False}
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None
-        logits, t_used = response_forward(model, ids, mask, P, rmask, multi_modal=mm, **opts)
+        logits, t_used = response_forward(model, mb["input_ids"], mb["attention_mask"], P, mb["response_mask"],
+                                          multi_modal=mm, device=self.device, **opts)  # trimmed on the host
         return logits.reshape(-1, logits.shape[-1]), None, t_used
 
     def _logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool = False,
@@ -823,20 +826,20 @@ class ActorRolloutRefWorker:
             return self._sp_logp_entropy(model, mb, temperature, want_entropy, entropy_grad, sum_pi2_out, logits_out)
         if logits_out is None and sum_pi2_out is None:  # from the model's own logits: no fp32 [B, t, V] copy
             with self._routing_session(mb):
-                logits, keep, t_used = self._model_logits(model, mb)
-            labels = mb["responses"][:, :t_used].to(self.device)
-            logp, entropy = logprobs_and_entropy(logits, labels[keep] if keep is not None else labels.reshape(-1),
-                                                 temperature, want_entropy, entropy_grad)
-            shape = labels.shape
+                logits, rows, t_used = self._model_logits(model, mb)
+            labels = mb["responses"][:, :t_used]  # (the packed rows' picked on the host: no sync)
+            labels = to_device(labels[rows.keep_host] if rows is not None else labels.reshape(-1), self.device)
+            logp, entropy = logprobs_and_entropy(logits, labels, temperature, want_entropy, entropy_grad)
+            shape = (len(mb), t_used)
 
             def place(x):  # [K] or [B * t] -> [B, T]
-                return pad_right(x.new_zeros(shape).masked_scatter(keep, x) if keep is not None else x.view(shape), T)
+                return pad_right(scatter_rows(x, rows) if rows is not None else x.view(shape), T)
 
             return place(logp), (place(entropy) if entropy is not None else None)
         logits, t_used = self._response_logits(model, mb, temperature)
         if logits_out is not None:
             logits_out.append(logits)
-        labels = mb["responses"][:, :t_used].to(self.device)
+        labels = to_device(mb["responses"][:, :t_used], self.device)
         logp = pad_right(logprobs_from_logits(logits, labels), T)
         entropy = None
         if want_entropy:
@@ -1005,7 +1008,7 @@ class ActorRolloutRefWorker:
                 if dist_ctx.is_distributed() else torch.stack(self._routing_stats).sum(0)
             metrics["actor/router_replay_agreement"] = float(agreed) / max(float(routed), 1.0)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics.update({f"training/{k}": float(v) for k, v in mismatch.items()})
+        metrics.update({f"training/{k}": v for k, v in read_metrics(mismatch).items()})
         return metrics
 
     @staticmethod
@@ -1058,19 +1061,20 @@ class ActorRolloutRefWorker:
             self._poll()
             part: dict[str, float] = {}
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
-            mask = micro["response_mask"].to(self.device).float()
+            mask = to_device(micro["response_mask"], self.device).float()
             logits_out = [] if full_vocab else None  # gjsd: the student's logits, for the teacher's distribution
             aux_sink = self._router_aux.collect() if self._router_aux is not None else contextlib.nullcontext()
             with autocast(a.dtype, self.device), aux_sink as routed:
                 logp, entropy = self._logp_entropy(self.model, micro, temperature, True, entropy_coeff != 0.0,
                                                    logits_out=logits_out)
-            old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else logp.detach()
+            old = to_device(micro["old_log_probs"], self.device) if "old_log_probs" in micro else logp.detach()
             mismatch = None
             if self._mismatch_parts is not None:
-                mismatch = mismatch_sums(logp.detach().cpu(), micro["rollout_log_probs"], micro["response_mask"])
-            adv = micro["advantages"].to(self.device)
-            is_weights = micro["rollout_is_weights"].to(self.device, logp.dtype) if "rollout_is_weights" in micro \
-                else None
+                mismatch = mismatch_sums(logp.detach(), to_device(micro["rollout_log_probs"], self.device),
+                                         mask)
+            adv = to_device(micro["advantages"], self.device)
+            is_weights = (to_device(micro["rollout_is_weights"], self.device).to(logp.dtype)
+                          if "rollout_is_weights" in micro else None)
             inside = {"rollout_is_weights": is_weights} if loss_mode in IS_WEIGHTS_INSIDE and is_weights is not None \
                 else {}
             pg_tok, pg_metrics = policy_loss(logp, old, adv, mask, **hyper, **inside)
@@ -1078,12 +1082,12 @@ class ActorRolloutRefWorker:
             if a.top_entropy_quantile < 1.0:  # only the high-entropy ("forking") tokens learn (TRL's 80/20 option)
                 bonus_mask = mask * high_entropy_mask(entropy, mask, a.top_entropy_quantile)
                 pg_tok = pg_tok * bonus_mask
-                part["entropy_mask_frac"] = float(bonus_mask.sum()) / max(n_tok, 1.0)
+                part["entropy_mask_frac"] = bonus_mask.sum() / max(n_tok, 1.0)
             if a.off_policy_mask_threshold is not None:  # OPSM: far-off-policy negative samples leave the gradient
-                behaviour = micro["rollout_log_probs"].to(self.device) if "rollout_log_probs" in micro else old
+                behaviour = to_device(micro["rollout_log_probs"], self.device) if "rollout_log_probs" in micro else old
                 keep = off_policy_sequence_mask(adv, logp, behaviour, mask, a.off_policy_mask_threshold)
                 pg_tok = pg_tok * keep
-                part["opsm_dropped_frac"] = float(((1 - keep) * mask).sum()) / max(n_tok, 1.0)
+                part["opsm_dropped_frac"] = ((1 - keep) * mask).sum() / max(n_tok, 1.0)
             if is_weights is not None and not inside:  # TIS: constant per-token weights on the policy gradient
                 pg_tok = pg_tok * rollout_is_weights_for(loss_mode, is_weights.to(pg_tok.dtype), mask)
             pg_mask = bypass_loss_mask(logp, old, mask, **hyper) if loss_mode == "bypass_mode" else mask  # verl's
@@ -1099,26 +1103,27 @@ class ActorRolloutRefWorker:
             if entropy_coeff != 0.0:  # (with top_entropy_quantile: over the kept tokens, as TRL)
                 loss = loss - entropy_coeff * aggregate_loss(entropy, bonus_mask, a.entropy_agg_mode or agg_mode, **agg)
             if a.use_kl_loss:
-                kl = kl_penalty(logp, micro["ref_log_prob"].to(self.device), a.kl_loss_type)
+                kl = kl_penalty(logp, to_device(micro["ref_log_prob"], self.device), a.kl_loss_type)
                 if a.kl_loss_importance_weight:  # DeepSeek-V3.2's unbiased estimate (TRL: use_bias_correction_kl)
                     kl = importance_weighted_kl(kl, logp, old, mask, "sequence" if loss_mode == "gspo" else "token")
                 kl_loss = aggregate_loss(kl, mask, agg_mode, **agg)
                 loss = loss + a.kl_loss_coef * kl_loss
-                part["kl_loss"] = float(kl_loss.detach())
+                part["kl_loss"] = kl_loss.detach()
             if routed is not None:  # the MoE router's balance, this micro-batch's by its share of the sequences
                 share = counted_rows(micro) / max(agg["global_seqs"], 1.0)
                 aux = micro_batch_aux(routed)
                 loss = loss + a.router_aux_loss_coef * share * aux
-                part["aux_loss"] = share * float(aux.detach())
+                part["aux_loss"] = share * aux.detach()
             loss.backward()
-            w = float(mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metric means
-            part["pg_loss"] = float(pg_loss.detach())
-            part["entropy"] = float(ent.detach())
+            # metrics stay on the device (0-dim tensors), read once after the last micro-batch (`read_metrics`)
+            w = mask.sum() / max(n_tok, 1.0)  # token share of this micro-batch, for metric means
+            part["pg_loss"] = pg_loss.detach()
+            part["entropy"] = ent.detach()
             for k, v in pg_metrics.items():
                 if loss_mode == "bypass_mode" and k not in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # its
                     # correction's metrics (vespo's vespo_phi_mean stays actor/)
                     k = f"rollout_corr/{k}"
-                part[k] = w * float(v)
+                part[k] = w * (v.detach() if isinstance(v, torch.Tensor) else v)
             return part, mismatch
 
         self._in_lanes = lanes > 1 and len(micros) > 1  # each lane keeps its thread count: no borrowing polls
@@ -1126,14 +1131,12 @@ class ActorRolloutRefWorker:
             parts = run_in_lanes(micro_step, micros, lanes, threads)
         finally:
             self._in_lanes = False
-        sums: dict[str, float] = {}
-        for part, mismatch in parts:  # in micro-batch order
-            for k, v in part.items():
-                sums[k] = sums.get(k, 0.0) + v
+        for _, mismatch in parts:  # in micro-batch order
             if mismatch is not None:
                 self._mismatch_parts.append(mismatch)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # the update's one host read: its metrics and the gradient norm (whether to step on it)
+        sums, grad_norm = read_update_metrics((part for part, _ in parts), grad_norm)
         if np.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -1153,13 +1156,14 @@ class ActorRolloutRefWorker:
         (verl's use_task_rewards); `distillation/*` sums (token-weighted means over the mini-batch)."""
         d, a = self.cfg.algorithm.distill, self.actor_cfg
         tok, metrics = distillation_loss(
-            logp, old, micro["teacher_log_prob"].to(self.device), mask, loss_mode=d.loss_mode,
+            logp, old, to_device(micro["teacher_log_prob"], self.device), mask, loss_mode=d.loss_mode,
             use_policy_gradient=d.use_policy_gradient, log_prob_min_clamp=d.log_prob_min_clamp,
             loss_max_clamp=d.loss_max_clamp, clip_ratio=a.clip_ratio,
             clip_ratio_low=d.clip_ratio_low if d.clip_ratio_low is not None else a.clip_ratio_low,
             clip_ratio_high=d.clip_ratio_high if d.clip_ratio_high is not None else a.clip_ratio_high,
             clip_ratio_c=3.0,  # verl: DistillationLossConfig has no clip_ratio_c, its vanilla loss falls back to 3.0
-            rollout_is_weights=micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None)
+            rollout_is_weights=(to_device(micro["rollout_is_weights"], self.device) if "rollout_is_weights" in micro
+                                else None))
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
         return self._distill_total(pg_loss, distill, metrics, mask, agg, sums)
 
@@ -1179,17 +1183,18 @@ class ActorRolloutRefWorker:
         tok, metrics = gjsd_loss(logits, teacher_logits, mask[:, :t_used], beta=d.beta, temperature=1.0)
         tok = pad_right(tok, mask.shape[1])  # logits are already divided by the temperature
         distill = aggregate_loss(tok, mask, agg_mode, **agg)
-        metrics["reverse_kl"] = masked_mean((logp - micro["teacher_log_prob"].to(self.device)).detach(), mask)
+        metrics["reverse_kl"] = masked_mean((logp - to_device(micro["teacher_log_prob"], self.device)).detach(), mask)
         return self._distill_total(pg_loss, distill, metrics, mask, agg, sums)
 
     def _distill_total(self, pg_loss, distill, metrics, mask, agg, sums):
         """The micro-batch's distillation metrics into `sums` (token-weighted), and its loss: the distillation
         loss alone, or beside the outcome reward's policy loss (verl's use_task_rewards)."""
         d = self.cfg.algorithm.distill
-        share = float(mask.sum()) / max(agg["global_tokens"], 1.0)
-        sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(distill.detach())
+        share = mask.sum() / max(agg["global_tokens"], 1.0)  # (device scalars: read once, `read_metrics`)
+        sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + distill.detach()
         for k, v in metrics.items():
-            sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * float(v)
+            sums[f"distillation/{k}"] = sums.get(f"distillation/{k}", 0.0) + share * (
+                v.detach() if isinstance(v, torch.Tensor) else v)
         if d.use_outcome_reward:
             return d.outcome_coef * pg_loss + d.coef * distill
         return distill

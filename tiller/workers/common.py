@@ -29,6 +29,7 @@ from tiller.models.layer_masks import has_recurrent_layers
 from tiller.models.loading import cache_keyword
 from tiller.models.optimizer import HF_SCHEDULES, hf_schedule_factor, make_optimizer, param_groups
 from tiller.models.vision import vision_inputs
+from tiller.protocol import to_device
 
 BF16 = ("bfloat16", "bf16")
 
@@ -214,8 +215,11 @@ def split_long_responses(response_mask: torch.Tensor, min_saving: float = 0.2):
 
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                      response_mask: torch.Tensor, *, logits_to_keep: bool = False,
-                     share_prompts: bool = False, multi_modal=None) -> tuple[torch.Tensor, int]:
+                     share_prompts: bool = False, multi_modal=None, device=None) -> tuple[torch.Tensor, int]:
     """Run `model` on the trimmed micro-batch; returns (output tensor over the response slots, t_used).
+    The inputs are on `device` (default: theirs) or on the host: then the trimming, splitting and prompt sharing
+    read them there and only the trimmed tensors move to `device` (reading those values from a GPU would be a host
+    sync per micro-batch).
     When a few rows have much longer responses than the rest (`split_long_responses`), they run as a second
     trimmed forward and the others' outputs are zero-padded to t_used (not under torch.distributed, where
     every rank must run the same forwards).
@@ -232,6 +236,7 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         the pixels go into the forward with the model's M-RoPE positions (`tiller.models.vision`).
     """
     share_prompts = share_prompts and not has_recurrent_layers(model)  # see forward_options
+    device = input_ids.device if device is None else torch.device(device)
     split = None if dist_ctx.is_distributed() else split_long_responses(response_mask)
     if split is not None:
         outs = []
@@ -239,13 +244,13 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
             with routing.view(lambda g: g[rows.to(g.device)]):  # (routing replay: these rows' slots)
                 outs.append(_response_forward(model, input_ids[rows], attention_mask[rows], prompt_width,
                                               response_mask[rows], logits_to_keep, share_prompts,
-                                              _rows(multi_modal, rows)))
+                                              _rows(multi_modal, rows), device))
         t_used = outs[1][1]
         short = torch.nn.functional.pad(outs[0][0], (0, 0, 0, t_used - outs[0][1]))
-        order = torch.argsort(torch.cat(split))
+        order = to_device(torch.argsort(torch.cat(split)), device)
         return torch.cat([short, outs[1][0]])[order], t_used
     return _response_forward(model, input_ids, attention_mask, prompt_width, response_mask, logits_to_keep,
-                             share_prompts, multi_modal)
+                             share_prompts, multi_modal, device)
 
 
 def _rows(multi_modal, rows: torch.Tensor):
@@ -269,8 +274,9 @@ def image_keys(multi_modal, n: int, device) -> torch.Tensor:
 
 def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                       response_mask: torch.Tensor, logits_to_keep: bool, share_prompts: bool,
-                      multi_modal=None) -> tuple[torch.Tensor, int]:
-    left, right = trim_bounds(attention_mask, prompt_width, response_mask)
+                      multi_modal=None, device=None) -> tuple[torch.Tensor, int]:
+    device = input_ids.device if device is None else device
+    left, right = trim_bounds(attention_mask, prompt_width, response_mask)  # (where the inputs are: the host)
     t_used = right - prompt_width
     # Under torch.distributed every rank must run the same number of forwards (FSDP2 all-gathers and DDP
     # broadcasts buffers in each one), so there ranks share prompts even when none repeats, and a
@@ -278,15 +284,17 @@ def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     lockstep = share_prompts and dist_ctx.is_distributed()
     # the output at column P + t - 1 is the one for response token t: the last response column is not input
     cut = right if lockstep and t_used == 1 else right - 1
-    ids, mask = input_ids[:, left:cut], attention_mask[:, left:cut]
+    host_ids, host_mask = input_ids[:, left:cut], attention_mask[:, left:cut]
+    ids, mask = to_device(host_ids, device), to_device(host_mask, device)
     p = prompt_width - left
     vision, positions = vision_inputs(model, ids, mask, multi_modal)
     if share_prompts:
-        prompt_key = torch.cat([ids[:, :p], mask[:, :p]], dim=1)
+        prompt_key = torch.cat([host_ids[:, :p], host_mask[:, :p]], dim=1)
         if vision:
-            prompt_key = torch.cat([prompt_key, image_keys(multi_modal, len(ids), ids.device)], dim=1)
+            prompt_key = torch.cat([prompt_key, image_keys(multi_modal, len(ids), prompt_key.device)], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
         if len(unique) < len(ids) or lockstep:
+            unique, inverse = to_device(unique, device), to_device(inverse, device)
             out = shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:2 * p], inverse,
                                         logits_to_keep=logits_to_keep, position_ids=positions if vision else None,
                                         multi_modal=multi_modal if vision else None)
@@ -495,6 +503,36 @@ def prepare_process(trainer_cfg) -> None:
     set_num_threads(trainer_cfg.num_threads)
     if trainer_cfg.tune_cpu_malloc and torch.device(trainer_cfg.device).type == "cpu":
         tune_cpu_malloc()
+
+
+def read_metrics(values: dict) -> dict[str, float]:
+    """Metric values, some device scalars (0-dim tensors), as floats read back in one copy. A micro-batch's
+    `float(loss)` on a GPU is a host sync: the host waits for its backward, and the device for the host's launches of
+    the next micro-batch's forward, once per metric per micro-batch; the update keeps its metrics on the device and
+    reads them here, once per mini-batch.
+
+    >>> read_metrics({"a": torch.tensor(0.5), "b": 2, "c": torch.tensor([1.25])})
+    {'a': 0.5, 'b': 2.0, 'c': 1.25}
+    """
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    out = {k: float(v) for k, v in values.items() if k not in tensors}
+    if tensors:
+        device = next(iter(tensors.values())).device
+        out.update(zip(tensors, torch.stack([v.detach().reshape(()).to(device, torch.float64)
+                                             for v in tensors.values()]).tolist()))
+    return {k: out[k] for k in values}
+
+
+def read_update_metrics(parts, grad_norm: torch.Tensor) -> tuple[dict[str, float], float]:
+    """The micro-batches' metric parts (dicts of device scalars or floats), summed in micro-batch order in float64,
+    and the gradient norm (a DTensor's in full), read back in one copy (`read_metrics`): (sums, gradient norm)."""
+    sums: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            sums[k] = sums.get(k, 0.0) + (v.double() if isinstance(v, torch.Tensor) else v)
+    sums["grad_norm"] = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    sums = read_metrics(sums)
+    return sums, sums.pop("grad_norm")
 
 
 def counted_rows(batch) -> float:

@@ -33,9 +33,10 @@ from tiller.models.lora import attach_lora, lora_enabled
 from tiller.models.quant import bnb_config, quantize_after_load
 from tiller.models.quiet import fresh_head
 from tiller.models.vision import is_vision_model
-from tiller.protocol import Batch
+from tiller.protocol import Batch, to_device
 from tiller.workers.common import (
     autocast,
+    read_update_metrics,
     build_optimizer,
     build_scheduler,
     epoch_passes,
@@ -151,14 +152,16 @@ class CriticWorker:
     def _values(self, mb: Batch) -> torch.Tensor:
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None  # image prompts: their pixels
-        ids, mask, rmask = (mb[k].to(self.device) for k in ("input_ids", "attention_mask", "response_mask"))
+        ids, mask, rmask = (to_device(mb[k], self.device) for k in ("input_ids", "attention_mask", "response_mask"))
         if self._sp is not None:
             local, layout = ulysses_response_forward(self.model, ids, mask, P, rmask, self._sp, logits_to_keep=False)
             out = layout.gather(local.float())
         elif self._remove_padding and mm is None:
-            out, _ = packed_response_forward(self.model, ids, mask, P, rmask, logits_to_keep=False)
+            out, _ = packed_response_forward(self.model, mb["input_ids"], mb["attention_mask"], P, mb["response_mask"],
+                                             logits_to_keep=False, device=self.device)  # packed on the host
         else:
-            out, _ = response_forward(self.model, ids, mask, P, rmask, multi_modal=mm, **self._forward_opts)
+            out, _ = response_forward(self.model, mb["input_ids"], mb["attention_mask"], P, mb["response_mask"],
+                                      multi_modal=mm, device=self.device, **self._forward_opts)  # trimmed on the host
         return pad_right(out.squeeze(-1).float(), T) * rmask
 
     @torch.no_grad()
@@ -210,24 +213,23 @@ class CriticWorker:
                                      else None,
                                      key="critic.ppo_max_token_len_per_gpu").batches
 
-        def micro_step(i: int, micro: Batch) -> tuple[float, float, float]:
+        def micro_step(i: int, micro: Batch) -> tuple[torch.Tensor, ...]:
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
-            mask = micro["response_mask"].to(self.device).float()
+            mask = to_device(micro["response_mask"], self.device).float()
             with autocast(c.dtype, self.device, key="critic.dtype"):
                 vpreds = self._values(micro)
-            tok_loss, m = value_loss(vpreds, micro["returns"].to(self.device), micro["values"].to(self.device),
-                                     mask, c.cliprange_value)
+            tok_loss, m = value_loss(vpreds, to_device(micro["returns"], self.device),
+                                     to_device(micro["values"], self.device), mask, c.cliprange_value)
             loss = aggregate_loss(tok_loss, mask, c.loss_agg_mode, **agg)
             loss.backward()
-            w = float(mask.sum()) / max(agg["global_tokens"], 1.0)
-            return float(loss.detach()), w * float(m["vf_clipfrac"]), w * float(m["vpred_mean"])
+            w = mask.sum() / max(agg["global_tokens"], 1.0)  # (device scalars, read once: `read_metrics`)
+            return loss.detach(), w * m["vf_clipfrac"].detach(), w * m["vpred_mean"].detach()
 
-        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
-        for part in run_in_lanes(micro_step, micros, lanes, threads):  # added in micro-batch order
-            for k, v in zip(("vf_loss", "vf_clipfrac", "vpred_mean"), part):
-                sums[k] += v
+        parts = run_in_lanes(micro_step, micros, lanes, threads)  # (in micro-batch order)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # the update's one host read: its metrics and the gradient norm (whether to step on it)
+        sums, grad_norm = read_update_metrics((dict(zip(("vf_loss", "vf_clipfrac", "vpred_mean"), part))
+                                               for part in parts), grad_norm)
         if np.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

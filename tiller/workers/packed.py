@@ -36,12 +36,14 @@ import contextvars
 import inspect
 import sys
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tiller.models import routing
 from tiller.models.layer_masks import RECURRENT_KINDS, has_recurrent_layers, text_config
+from tiller.protocol import to_device
 from tiller.workers.common import position_ids_from_mask, trim_bounds
 
 IMPL = "tiller_packed"
@@ -285,6 +287,33 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prom
     return flat_ids, positions, predictor, predictor >= 0, lengths, t_used
 
 
+class PackedRows(NamedTuple):
+    """A micro-batch packed where its tensors are (the host: its bookkeeping reads values, no device sync) and moved
+    to the device: ids / positions [1, N], kept [K] (the packed positions predicting a response token), keep [B, t],
+    cu [B + 1] int32 on `device`; keep_host [B, t] and lengths (the rows' token counts) where the inputs were."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    kept: torch.Tensor
+    keep: torch.Tensor
+    cu: torch.Tensor
+    keep_host: torch.Tensor
+    lengths: list[int]
+    t_used: int
+
+
+def pack_to(device, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+            response_mask: torch.Tensor) -> PackedRows:
+    """`pack_micro_batch` on the inputs' device, its results copied to `device` without waiting for it (a packing
+    done on the GPU reads lengths and bounds back to the host: a sync per micro-batch, which stalls the update
+    between the last micro-batch's backward and this forward)."""
+    flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
+                                                                             response_mask)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ids, positions, kept, keep_d, cu = (to_device(x, device) for x in (flat_ids, positions, predictor[keep], keep, cu))
+    return PackedRows(ids, positions, kept, keep_d, cu, keep, lengths, t_used)
+
+
 def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                   response_mask: torch.Tensor) -> torch.Tensor:
     """The slots of `pack_micro_batch`'s packed tokens in a routing replay's grid [B, P + T]
@@ -294,21 +323,27 @@ def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width
 
 
 def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                            response_mask: torch.Tensor, logits_to_keep: bool = True, packed: bool = False):
+                            response_mask: torch.Tensor, logits_to_keep: bool = True, packed: bool = False,
+                            device=None):
     """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
     predicts response token j (a value model: V = 1, the value of the state before token j). input_ids,
-    attention_mask [B, P + T]; response_mask [B, T]. logits_to_keep: the model's forward takes it (causal LMs).
-    `packed`: (logits [K, V] of the response tokens only, keep [B, t_used] (where they go, row-major), t_used),
-    without the zero-filled [B, t_used, V] tensor."""
-    flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
-                                                                             response_mask)
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(flat_ids.device)
-    with attention_switch(model.config, (lengths, cu, max(lengths))), routing.view(
+    attention_mask [B, P + T]; response_mask [B, T]: on the host (packed there: `pack_to`) or on `device` (default:
+    theirs). logits_to_keep: the model's forward takes it (causal LMs). `packed`: (logits [K, V] of the response
+    tokens only, the `PackedRows`: where they go), without the zero-filled [B, t_used, V] tensor."""
+    rows = pack_to(input_ids.device if device is None else device, input_ids, attention_mask, prompt_width,
+                   response_mask)
+    with attention_switch(model.config, (rows.lengths, rows.cu, max(rows.lengths))), routing.view(
             lambda g: _packed_slots(g, attention_mask, prompt_width, response_mask)):
-        logits = head_at(model, predictor[keep], logits_to_keep, input_ids=flat_ids, attention_mask=None,
-                         position_ids=positions, use_cache=False)  # [K, V]
+        logits = head_at(model, rows.kept, logits_to_keep, input_ids=rows.ids, attention_mask=None,
+                         position_ids=rows.positions, use_cache=False)  # [K, V]
     if packed:
-        return logits, keep, t_used
-    full = logits.new_zeros((input_ids.shape[0], t_used, logits.shape[-1]))
-    full[keep] = logits
-    return full, t_used
+        return logits, rows
+    return scatter_rows(logits, rows), rows.t_used
+
+
+def scatter_rows(packed: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+    """Per-token values [K, ...] of the packed response tokens -> [B, t_used, ...], zeros where no token is
+    (`masked_scatter`: no host sync, where boolean indexing asks the device for its count)."""
+    shape = (*rows.keep.shape, *packed.shape[1:])
+    mask = rows.keep.view(*rows.keep.shape, *(1,) * (packed.dim() - 1)).expand(shape)
+    return packed.new_zeros(shape).masked_scatter(mask, packed)
