@@ -81,7 +81,8 @@ class DeviceReads(TorchFunctionMode):
         if func is T.to and to_device and not device_in and isinstance(out, torch.Tensor) and out is args[0]:
             out = out.clone()  # a copy to the device: another tensor than the host's
         in_place = getattr(func, "__name__", "").endswith("_") or func is T.__setitem__
-        if in_place and not self.marked(args[0]):  # a host tensor written (a copy back): stays the host's
+        target = args[0] if args else next(iter(kwargs.values()), None)
+        if in_place and not self.marked(target):  # a host tensor written (a copy back): stays the host's
             return out
         if device_in or to_device:
             for t in tree_flatten(out)[0]:

@@ -64,3 +64,27 @@ def test_the_update_reads_its_metrics_once_per_mini_batch(tiny_model_dir, packed
         assert metrics["actor/pg_loss"] != 0 and metrics["actor/grad_norm"] > 0
         critic = CriticWorker(cfg, total_training_steps=1)
         assert _reads(critic, "update_critic", batch) == {METRICS_READ: 1}, micro
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_an_sft_step_reads_its_metrics_once(tiny_model_dir, tmp_path, packing):
+    """The SFT / reward-model / DPO / KTO loop (`tiller.trainer.loop`): one read a step (its metrics and gradient
+    norm together), with one micro-batch or four; the run on `cpu:0` learns the same as on the host."""
+    from tests.sft.conftest import MEMO, job_overrides, write_jsonl
+    from tiller.config import load_config
+    from tiller.config.jobs import SFTConfig, validate_job
+    from tiller.trainer.sft import train_sft
+
+    data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": r} for p, r in MEMO])
+    losses = []
+    for micro, device in ((8, "cpu"), (8, "cpu:0"), (2, "cpu:0")):
+        cfg = load_config(job_overrides(tiny_model_dir, data, tmp_path / f"run-{micro}-{device}", **{
+            "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": micro, "data.packing": packing,
+            "trainer.total_training_steps": 2, "trainer.device": device, "trainer.save_freq": 0,
+            "trainer.export_hf": False}), schema=SFTConfig, validate=validate_job)
+        with DeviceReads() as reads:
+            losses.append(train_sft(cfg)["train/loss"])
+        if device == "cpu:0":
+            mine = {k: v for k, v in reads.reads.items() if not k[1].endswith("(in transformers)")}
+            assert mine == {METRICS_READ: 2}, (micro, mine)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-5)

@@ -42,7 +42,8 @@ from tiller.models.optimizer import make_optimizer, param_groups
 from tiller.tracking import Tracker
 from tiller.trainer import hooks as step_hooks
 from tiller.trainer.data_parallel import DataParallel
-from tiller.workers.common import autocast, lr_lambda
+from tiller.protocol import to_device as tensor_to_device
+from tiller.workers.common import autocast, lr_lambda, read_metrics, read_update_metrics
 
 
 class Job(Protocol):
@@ -76,9 +77,9 @@ def seed_everything(seed: int) -> None:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """Move tensors inside dicts / lists / tuples to `device`."""
+    """Move tensors inside dicts / lists / tuples to `device` (`tiller.protocol.to_device`: no stream sync)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return tensor_to_device(obj, device)
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -127,6 +128,7 @@ def evaluate(job: Job, model: torch.nn.Module, examples: Sequence[Any], batch_si
                     _accumulate(sums, {"loss": loss, **metrics}, weight)
     finally:
         model.train(was_training)
+    sums = read_metrics(sums)  # (one host read)
     return job.summarize(par.sum_metrics(sums) if par is not None else sums)
 
 
@@ -138,9 +140,11 @@ def _shard(par: Any, micros: list) -> tuple[list, list[float]]:
     return [dict(m, pad=True) if w == 0 and isinstance(m, dict) else m for m, w in zip(mine, weights)], weights
 
 
-def _accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+def _accumulate(sums: dict, metrics: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+    """Add a micro-batch's metrics to `sums`, device scalars kept on the device in float64 (a `.item()` each would
+    make the host wait for the micro-batch's backward: `read_metrics` reads them all once)."""
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + weight * float(v.detach().float().item() if torch.is_tensor(v) else v)
+        sums[k] = sums.get(k, 0.0) + weight * (v.detach().double() if torch.is_tensor(v) else v)
 
 
 # ----------------------------------------------------------------------------------------- export
@@ -344,13 +348,13 @@ def _train_step(job: Job, model, examples: list, optimizer, params, optim_cfg, d
             _accumulate(sums, {"loss": loss, **metrics}, weight)
     clip = optim_cfg.clip_grad if optim_cfg.clip_grad > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-        grad_norm = grad_norm.full_tensor()
-    if not torch.isfinite(grad_norm):
+    # the step's one host read: its metrics and the gradient norm (whether to step on it)
+    sums, grad_norm = read_update_metrics([sums], grad_norm)
+    if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)  # skip a step with inf / NaN gradients
     else:
         optimizer.step()
     sums = par.sum_metrics(sums) if par is not None else sums
     out = {f"train/{k}": v for k, v in job.summarize(sums).items()}
-    out["train/grad_norm"] = float(grad_norm)
+    out["train/grad_norm"] = grad_norm
     return out
