@@ -827,7 +827,7 @@ class ActorRolloutRefWorker:
         if logits_out is None and sum_pi2_out is None:  # from the model's own logits: no fp32 [B, t, V] copy
             with self._routing_session(mb):
                 logits, rows, t_used = self._model_logits(model, mb)
-            labels = mb["responses"][:, :t_used]  # (the packed rows' picked on the host: no sync)
+            labels = mb["responses"][:, :t_used]  # (the packed tokens' labels picked on the host: no sync)
             labels = to_device(labels[rows.keep_host] if rows is not None else labels.reshape(-1), self.device)
             logp, entropy = logprobs_and_entropy(logits, labels, temperature, want_entropy, entropy_grad)
             shape = (len(mb), t_used)
@@ -1057,9 +1057,9 @@ class ActorRolloutRefWorker:
                                      else None,
                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu").batches
 
-        def micro_step(i: int, micro: Batch) -> tuple[dict[str, float], dict | None]:
+        def micro_step(i: int, micro: Batch) -> tuple[dict, dict | None]:
             self._poll()
-            part: dict[str, float] = {}
+            part: dict = {}  # metric -> a device scalar (or a float)
             dist_ctx.set_grad_sync(self.model, i == len(micros) - 1)  # reduce once, after the last
             mask = to_device(micro["response_mask"], self.device).float()
             logits_out = [] if full_vocab else None  # gjsd: the student's logits, for the teacher's distribution
@@ -1070,8 +1070,7 @@ class ActorRolloutRefWorker:
             old = to_device(micro["old_log_probs"], self.device) if "old_log_probs" in micro else logp.detach()
             mismatch = None
             if self._mismatch_parts is not None:
-                mismatch = mismatch_sums(logp.detach(), to_device(micro["rollout_log_probs"], self.device),
-                                         mask)
+                mismatch = mismatch_sums(logp.detach(), to_device(micro["rollout_log_probs"], self.device), mask)
             adv = to_device(micro["advantages"], self.device)
             is_weights = (to_device(micro["rollout_is_weights"], self.device).to(logp.dtype)
                           if "rollout_is_weights" in micro else None)

@@ -290,12 +290,14 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prom
 class PackedRows(NamedTuple):
     """A micro-batch packed where its tensors are (the host: its bookkeeping reads values, no device sync) and moved
     to the device: ids / positions [1, N], kept [K] (the packed positions predicting a response token), keep [B, t],
-    cu [B + 1] int32 on `device`; keep_host [B, t] and lengths (the rows' token counts) where the inputs were."""
+    slots [K] (where in the flattened [B * t] each of those tokens goes), cu [B + 1] int32 on `device`; keep_host
+    [B, t] and lengths (the rows' token counts) where the inputs were."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     kept: torch.Tensor
     keep: torch.Tensor
+    slots: torch.Tensor
     cu: torch.Tensor
     keep_host: torch.Tensor
     lengths: list[int]
@@ -310,8 +312,9 @@ def pack_to(device, input_ids: torch.Tensor, attention_mask: torch.Tensor, promp
     flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
                                                                              response_mask)
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    ids, positions, kept, keep_d, cu = (to_device(x, device) for x in (flat_ids, positions, predictor[keep], keep, cu))
-    return PackedRows(ids, positions, kept, keep_d, cu, keep, lengths, t_used)
+    slots = keep.reshape(-1).nonzero().squeeze(-1)
+    moved = (to_device(x, device) for x in (flat_ids, positions, predictor[keep], keep, slots, cu))
+    return PackedRows(*moved, keep, lengths, t_used)
 
 
 def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
@@ -342,8 +345,9 @@ def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torc
 
 
 def scatter_rows(packed: torch.Tensor, rows: PackedRows) -> torch.Tensor:
-    """Per-token values [K, ...] of the packed response tokens -> [B, t_used, ...], zeros where no token is
-    (`masked_scatter`: no host sync, where boolean indexing asks the device for its count)."""
-    shape = (*rows.keep.shape, *packed.shape[1:])
-    mask = rows.keep.view(*rows.keep.shape, *(1,) * (packed.dim() - 1)).expand(shape)
-    return packed.new_zeros(shape).masked_scatter(mask, packed)
+    """Per-token values [K, ...] of the packed response tokens -> [B, t_used, ...], zeros where no token is: an
+    `index_copy` at the slots found on the host (boolean indexing, or a masked scatter's backward, would ask the device
+    for its count: a host sync)."""
+    b, t = rows.keep.shape
+    flat = packed.new_zeros((b * t, *packed.shape[1:])).index_copy(0, rows.slots, packed)
+    return flat.view(b, t, *packed.shape[1:])
