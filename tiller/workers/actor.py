@@ -850,8 +850,8 @@ class ActorRolloutRefWorker:
 
     def _sp_forward(self, model, mb: Batch):
         """This rank's share of the packed forward under sequence parallelism (`ulysses_response_forward`)."""
-        return ulysses_response_forward(model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                                        mb["prompts"].shape[1], mb["response_mask"].to(self.device), self._sp)
+        return ulysses_response_forward(model, mb["input_ids"], mb["attention_mask"], mb["prompts"].shape[1],
+                                        mb["response_mask"], self._sp, device=self.device)  # (packed on the host)
 
     def _sp_logp_entropy(self, model, mb: Batch, temperature: float, want_entropy: bool, entropy_grad: bool,
                          sum_pi2_out: list | None, logits_out: list | None):
@@ -860,7 +860,7 @@ class ActorRolloutRefWorker:
         T = mb["responses"].shape[1]
         local, layout = self._sp_forward(model, mb)
         local = local.float() / temperature  # [k, V]
-        labels = layout.local(mb["responses"][:, :layout.t_used].to(self.device))
+        labels = layout.local(to_device(mb["responses"][:, :layout.t_used], self.device))
         cols = [logprobs_from_logits(local, labels)]
         if want_entropy:
             cols.append(entropy_from_logits(local if entropy_grad else local.detach()))

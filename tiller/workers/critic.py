@@ -152,9 +152,11 @@ class CriticWorker:
     def _values(self, mb: Batch) -> torch.Tensor:
         P, T = mb["prompts"].shape[1], mb["responses"].shape[1]
         mm = list(mb["multi_modal_inputs"]) if "multi_modal_inputs" in mb else None  # image prompts: their pixels
-        ids, mask, rmask = (to_device(mb[k], self.device) for k in ("input_ids", "attention_mask", "response_mask"))
+        rmask = to_device(mb["response_mask"], self.device)
         if self._sp is not None:
-            local, layout = ulysses_response_forward(self.model, ids, mask, P, rmask, self._sp, logits_to_keep=False)
+            local, layout = ulysses_response_forward(self.model, mb["input_ids"], mb["attention_mask"], P,
+                                                     mb["response_mask"], self._sp, logits_to_keep=False,
+                                                     device=self.device)  # (packed on the host)
             out = layout.gather(local.float())
         elif self._remove_padding and mm is None:
             out, _ = packed_response_forward(self.model, mb["input_ids"], mb["attention_mask"], P, mb["response_mask"],

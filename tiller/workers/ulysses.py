@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from tiller.distributed import context
 from tiller.errors import ConfigError
+from tiller.protocol import to_device
 from tiller.workers.packed import attention_switch, head_at, pack_micro_batch
 
 
@@ -147,9 +148,12 @@ class _Gather(torch.autograd.Function):
 @dataclass
 class SeqLayout:
     """Where this rank's LM-head outputs sit in the micro-batch: `keep [B, t]` the response slots that have a
-    predicting position (row-major order = packed order), `counts[i]` how many of them rank i holds."""
+    predicting position (row-major order = packed order), `slots [K]` their indices in the flattened [B * t] (on the
+    device: indexing by them asks the device for nothing, where a boolean index syncs), `counts[i]` how many of them
+    rank i holds."""
 
     keep: torch.Tensor
+    slots: torch.Tensor
     t_used: int
     counts: list[int]
     sp: SeqParallel
@@ -157,9 +161,9 @@ class SeqLayout:
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, t, ...] -> this rank's kept slots [k, ...] (one placeholder row when it holds none, as the LM head
         ran on one placeholder position there)."""
-        first = sum(self.counts[: self.sp.rank])
-        mine = x[self.keep][first: first + self.counts[self.sp.rank]]
-        return mine if len(mine) else x.reshape(-1, *x.shape[2:])[:1]
+        first, count = sum(self.counts[: self.sp.rank]), self.counts[self.sp.rank]
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat.index_select(0, self.slots[first: first + count]) if count else flat[:1]
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """values [k, ...] (this rank's kept slots, as `local`) -> [B, t, ...] over the whole micro-batch (zeros at
@@ -168,18 +172,19 @@ class SeqLayout:
         padded = F.pad(values, (0, 0) * (values.dim() - 1) + (0, width - len(values)))
         parts = _Gather.apply(padded, self.sp)
         kept = torch.cat([parts[i, :c] for i, c in enumerate(self.counts)])
-        full = kept.new_zeros((*self.keep.shape, *kept.shape[1:]))
-        full[self.keep] = kept
-        return full
+        b, t = self.keep.shape
+        return kept.new_zeros((b * t, *kept.shape[1:])).index_copy(0, self.slots, kept).view(b, t, *kept.shape[1:])
 
 
 def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                              response_mask: torch.Tensor, sp: SeqParallel,
-                             logits_to_keep: bool = True) -> tuple[torch.Tensor, SeqLayout]:
+                             logits_to_keep: bool = True, device=None) -> tuple[torch.Tensor, SeqLayout]:
     """`packed_response_forward` on this rank's slice of the packed micro-batch: (logits [k, V] of the slice's
     response-predicting positions, in packed order; one placeholder row when it has none, and the layout to gather
-    per-token results with). input_ids, attention_mask [B, P + T] (the same on every rank of the group).
+    per-token results with). input_ids, attention_mask [B, P + T] (the same on every rank of the group), on the
+    host (packed and sliced there, the slice moved to `device`) or on `device` (default: theirs).
     A value model (logits_to_keep False): V = 1, its values at those positions."""
+    device = input_ids.device if device is None else device
     flat_ids, positions, predictor, keep, lengths, t_used = pack_micro_batch(input_ids, attention_mask, prompt_width,
                                                                              response_mask)
     total = flat_ids.shape[1]
@@ -188,7 +193,7 @@ def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: tor
     lengths = lengths + ([pad] if pad else [])  # the padding: a row of its own
     flat_ids = F.pad(flat_ids, (0, pad))
     positions = torch.cat([positions, torch.arange(pad, device=positions.device)[None]], dim=1)
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(flat_ids.device)
+    cu = to_device(torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
     kept = predictor[keep]  # increasing packed positions
     bounds = torch.searchsorted(kept, torch.arange(sp.size + 1, device=kept.device) * n).tolist()
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -196,10 +201,12 @@ def ulysses_response_forward(model, input_ids: torch.Tensor, attention_mask: tor
     mine = kept[bounds[sp.rank]: bounds[sp.rank + 1]] - lo
     if not len(mine):  # a slice of prompt tokens only: one placeholder position keeps the LM head in the graph
         mine = torch.zeros(1, dtype=torch.long, device=flat_ids.device)
+    mine, ids, pos, slots = (to_device(x, device) for x in (mine, flat_ids[:, lo: lo + n], positions[:, lo: lo + n],
+                                                            keep.reshape(-1).nonzero().squeeze(-1)))
     with attention_switch(model.config, (lengths, cu, max(lengths)), sp):
-        out = head_at(model, mine, logits_to_keep, input_ids=flat_ids[:, lo: lo + n], attention_mask=None,
-                      position_ids=positions[:, lo: lo + n], use_cache=False)
-    return out, SeqLayout(keep, t_used, counts, sp)
+        out = head_at(model, mine, logits_to_keep, input_ids=ids, attention_mask=None, position_ids=pos,
+                      use_cache=False)
+    return out, SeqLayout(keep, slots, t_used, counts, sp)
 
 
 def ulysses_token_forward(model, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], sp: SeqParallel,
