@@ -8,7 +8,9 @@ tensor, so this mode tells them apart: code under test runs with its device set 
 the tests can tell from the host's plain `cpu`); what is made there (`device=DEVICE`, `.to(DEVICE)`, the marked
 model's parameters) and everything computed from it is a "device" tensor, and each read of one is recorded with the
 tiller function that made it. Not seen: `.to("cpu")` of a device tensor (its `.device` is the host's `cpu` here, and
-code moves tensors `.to(x.device)` all the time), nor a host tensor copied `.to(x.device)`.
+code moves tensors `.to(x.device)` all the time), nor a host tensor copied `.to(x.device)`; a tensor made with
+`device=x.device` counts as the device's once device values are written into it (a blocking copy back into a host
+tensor is taken for that too; an asynchronous `copy_(..., non_blocking=True)` stays the host's).
 """
 
 from __future__ import annotations
@@ -82,7 +84,13 @@ class DeviceReads(TorchFunctionMode):
             out = out.clone()  # a copy to the device: another tensor than the host's
         in_place = getattr(func, "__name__", "").endswith("_") or func is T.__setitem__
         target = args[0] if args else next(iter(kwargs.values()), None)
-        if in_place and not self.marked(target):  # a host tensor written (a copy back): stays the host's
+        if in_place and not self.marked(target):
+            if func is T.copy_ and (kwargs.get("non_blocking") or len(args) > 2 and args[2]):
+                return out  # an asynchronous copy back to a host tensor: it stays the host's
+            if device_in and isinstance(target, torch.Tensor):  # device values written into it: a device buffer
+                self._mark(target)  # (made with `device=x.device`, which reads as the host's `cpu` here)
+                if target._base is not None:
+                    self._mark(target._base)
             return out
         if device_in or to_device:
             for t in tree_flatten(out)[0]:

@@ -31,14 +31,21 @@ def test_the_harness_sees_reads_of_device_values_only():
         float(host.sum())
         z = torch.zeros(3, device=DEVICE)
         z[torch.tensor([0, 2]).to(DEVICE, non_blocking=True)] = 1.0  # index by a device long tensor: no read
+        buf = torch.empty(2, device=y.device)  # (`cpu` here: a host tensor until device values are written in)
+        buf[:1] = y
+        buf.tolist()
     kinds = collections.Counter(k for k, _ in reads.reads.elements())
-    assert kinds == {"blocking copy to the device": 1, "__float__": 1, "__getitem__": 1, "tolist": 1, "__bool__": 1}
+    assert kinds == {"blocking copy to the device": 1, "__float__": 1, "__getitem__": 1, "tolist": 2, "__bool__": 1}
 
 
-def _reads(worker, update: str, batch) -> collections.Counter:
+def _reads(worker, call: str, batch, micro_batches: int) -> collections.Counter:
+    """tiller's own reads of one call; transformers' (its SDPA mask check, when a forward's prompts are padded: the
+    mask is passed as None when none is) at most two a micro-batch."""
     worker.device = DEVICE
     with DeviceReads(worker.model) as reads:
-        getattr(worker, update)(batch)
+        getattr(worker, call)(batch)
+    theirs = sum(v for k, v in reads.reads.items() if k[1].endswith("(in transformers)"))
+    assert theirs <= 2 * micro_batches, reads.reads
     return collections.Counter({k: v for k, v in reads.reads.items() if not k[1].endswith("(in transformers)")})
 
 
@@ -46,8 +53,8 @@ def _reads(worker, update: str, batch) -> collections.Counter:
 def test_the_update_reads_its_metrics_once_per_mini_batch(tiny_model_dir, packed):
     """Actor and critic, one micro-batch or four: the host reads the device once per mini-batch (its metrics and
     gradient norm, together), whatever the micro-batch count; the batch's tensors reach the device without a
-    blocking copy, and the packing / trimming reads the host's copy. (transformers' own mask checks inside the padded
-    forward of shared prompts are the model's, not counted.)"""
+    blocking copy, the packing / trimming reads the host's copy; the log-prob and value passes read their result
+    once."""
     from tiller.workers.actor import ActorRolloutRefWorker
     from tiller.workers.critic import CriticWorker
 
@@ -60,10 +67,14 @@ def test_the_update_reads_its_metrics_once_per_mini_batch(tiny_model_dir, packed
         actor = ActorRolloutRefWorker(cfg, total_training_steps=1, need_ref=True)
         batch["ref_log_prob"] = actor.compute_ref_log_prob(batch)["ref_log_prob"]
         metrics = actor.update_actor(batch)
-        assert _reads(actor, "update_actor", batch) == {METRICS_READ: 1}, micro
+        assert _reads(actor, "update_actor", batch, 8 // micro) == {METRICS_READ: 1}, micro
         assert metrics["actor/pg_loss"] != 0 and metrics["actor/grad_norm"] > 0
+        logp_read = {("cpu", "workers/actor.py:_batch_logp"): 1}
+        assert _reads(actor, "compute_log_prob", batch, 8 // micro) == logp_read, micro
         critic = CriticWorker(cfg, total_training_steps=1)
-        assert _reads(critic, "update_critic", batch) == {METRICS_READ: 1}, micro
+        assert _reads(critic, "update_critic", batch, 8 // micro) == {METRICS_READ: 1}, micro
+        values_read = {("cpu", "workers/critic.py:compute_values"): 1}
+        assert _reads(critic, "compute_values", batch, 8 // micro) == values_read, micro
 
 
 @pytest.mark.parametrize("packing", [False, True])

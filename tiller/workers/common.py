@@ -272,6 +272,14 @@ def image_keys(multi_modal, n: int, device) -> torch.Tensor:
     return torch.tensor(ids, device=device).unsqueeze(1)
 
 
+def decided_mask(host_mask: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """The `attention_mask` of a forward without a cache over `mask` [B, L] (`host_mask`: the same on the host): None
+    where no token is padded (causal, what transformers would choose; its SDPA path would first ask the device
+    whether any is, `padding_mask.all()`: a host sync per forward), else `mask`. (With padding transformers still asks;
+    a 4D mask made here would spare that but not models that read the 2D one for more, e.g. Mixtral's router loss.)"""
+    return None if bool(host_mask.all()) else mask
+
+
 def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                       response_mask: torch.Tensor, logits_to_keep: bool, share_prompts: bool,
                       multi_modal=None, device=None) -> tuple[torch.Tensor, int]:
@@ -294,20 +302,25 @@ def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tens
             prompt_key = torch.cat([prompt_key, image_keys(multi_modal, len(ids), prompt_key.device)], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
         if len(unique) < len(ids) or lockstep:
+            host_prompt_mask = unique[:, p:2 * p]
             unique, inverse = to_device(unique, device), to_device(inverse, device)
+            prompt_attention = unique[:, p:2 * p] if vision else decided_mask(host_prompt_mask, unique[:, p:2 * p])
             out = shared_prompt_forward(model, ids, mask, p, unique[:, :p], unique[:, p:2 * p], inverse,
                                         logits_to_keep=logits_to_keep, position_ids=positions if vision else None,
-                                        multi_modal=multi_modal if vision else None)
+                                        multi_modal=multi_modal if vision else None,
+                                        prompt_attention=prompt_attention)
             return out[:, :t_used], t_used
     kwargs = {"logits_to_keep": t_used} if logits_to_keep else {}
     with routing.view(lambda g: g[:, left:cut]):  # (routing replay: the slots of these columns)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **vision, **kwargs)
+        out = model(input_ids=ids, attention_mask=mask if vision else decided_mask(host_mask, mask),
+                    position_ids=positions, use_cache=False, **vision, **kwargs)
     return out.logits[:, -t_used:], t_used  # the last t_used columns: P - 1 ... P + t_used - 2
 
 
 def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, prompt_ids: torch.Tensor,
                           prompt_mask: torch.Tensor, inverse: torch.Tensor, logits_to_keep: bool = False,
-                          position_ids: torch.Tensor | None = None, multi_modal=None) -> torch.Tensor:
+                          position_ids: torch.Tensor | None = None, multi_modal=None,
+                          prompt_attention="prompt_mask") -> torch.Tensor:
     """Outputs over the response slots with each distinct prompt run once (exact, differentiable).
 
     ids, mask: `[B, p + t - 1]` trimmed input (p prompt columns, left-padded, then t - 1 response columns).
@@ -319,6 +332,7 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
     in place, so models whose output does not return it (token classification) share prompts too.
     Image prompts: `position_ids` `[3, B, p + t - 1]` (M-RoPE, of the whole rows) and `multi_modal` (per row);
     the prompt forward takes the pixels of each distinct prompt's first row, the response forward none.
+    `prompt_attention`: the prompt forward's `attention_mask` when not `prompt_mask` itself (`decided_mask`).
     """
     from transformers import DynamicCache
 
@@ -336,7 +350,8 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
             vision = {"pixel_values": torch.cat([m["pixel_values"] for m in with_images]).to(ids.device),
                       "image_grid_thw": torch.cat([m["image_grid_thw"] for m in with_images]).to(ids.device)}
         prompt_pos, rest_pos = position_ids[:, first_row, :p], position_ids[:, :, p:]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
+    attention = prompt_mask if isinstance(prompt_attention, str) else prompt_attention
+    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=prompt_pos,
                 **{kw: cache}, use_cache=True, **keep, **vision)
     first = out.logits[:, -1:][inverse]  # [B, 1, V]
     if ids.shape[1] == p:  # one-token responses: nothing after the prompt
