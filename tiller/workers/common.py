@@ -320,7 +320,7 @@ def _response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, prompt_ids: torch.Tensor,
                           prompt_mask: torch.Tensor, inverse: torch.Tensor, logits_to_keep: bool = False,
                           position_ids: torch.Tensor | None = None, multi_modal=None,
-                          prompt_attention="prompt_mask") -> torch.Tensor:
+                          prompt_attention=...) -> torch.Tensor:
     """Outputs over the response slots with each distinct prompt run once (exact, differentiable).
 
     ids, mask: `[B, p + t - 1]` trimmed input (p prompt columns, left-padded, then t - 1 response columns).
@@ -350,7 +350,7 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, p: int, 
             vision = {"pixel_values": torch.cat([m["pixel_values"] for m in with_images]).to(ids.device),
                       "image_grid_thw": torch.cat([m["image_grid_thw"] for m in with_images]).to(ids.device)}
         prompt_pos, rest_pos = position_ids[:, first_row, :p], position_ids[:, :, p:]
-    attention = prompt_mask if isinstance(prompt_attention, str) else prompt_attention
+    attention = prompt_mask if prompt_attention is ... else prompt_attention
     out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=prompt_pos,
                 **{kw: cache}, use_cache=True, **keep, **vision)
     first = out.logits[:, -1:][inverse]  # [B, 1, V]
@@ -531,8 +531,8 @@ def read_metrics(values: dict) -> dict[str, float]:
     """
     tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
     out = {k: float(v) for k, v in values.items() if k not in tensors}
-    if tensors:
-        device = next(iter(tensors.values())).device
+    if tensors:  # gathered where most live: a device's (one copy back), not a host scalar's (a copy per tensor)
+        device = next((v.device for v in tensors.values() if v.device.type != "cpu"), torch.device("cpu"))
         out.update(zip(tensors, torch.stack([v.detach().reshape(()).to(device, torch.float64)
                                              for v in tensors.values()]).tolist()))
     return {k: out[k] for k in values}
