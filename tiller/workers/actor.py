@@ -828,7 +828,7 @@ class ActorRolloutRefWorker:
             with self._routing_session(mb):
                 logits, rows, t_used = self._model_logits(model, mb)
             labels = mb["responses"][:, :t_used]  # (the packed tokens' labels picked on the host: no sync)
-            labels = to_device(labels[rows.keep_host] if rows is not None else labels.reshape(-1), self.device)
+            labels = to_device(labels[rows.keep] if rows is not None else labels.reshape(-1), self.device)
             logp, entropy = logprobs_and_entropy(logits, labels, temperature, want_entropy, entropy_grad)
             shape = (len(mb), t_used)
 

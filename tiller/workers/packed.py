@@ -289,17 +289,16 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prom
 
 class PackedRows(NamedTuple):
     """A micro-batch packed where its tensors are (the host: its bookkeeping reads values, no device sync) and moved
-    to the device: ids / positions [1, N], kept [K] (the packed positions predicting a response token), keep [B, t],
-    slots [K] (where in the flattened [B * t] each of those tokens goes), cu [B + 1] int32 on `device`; keep_host
-    [B, t] and lengths (the rows' token counts) where the inputs were."""
+    to the device: ids / positions [1, N], kept [K] (the packed positions predicting a response token), slots [K]
+    (where in the flattened [B * t] each of those tokens goes), cu [B + 1] int32 on `device`; keep [B, t] (the
+    response slots that have one) and lengths (the rows' token counts) where the inputs were."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     kept: torch.Tensor
-    keep: torch.Tensor
     slots: torch.Tensor
     cu: torch.Tensor
-    keep_host: torch.Tensor
+    keep: torch.Tensor
     lengths: list[int]
     t_used: int
 
@@ -313,7 +312,7 @@ def pack_to(device, input_ids: torch.Tensor, attention_mask: torch.Tensor, promp
                                                                              response_mask)
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     slots = keep.reshape(-1).nonzero().squeeze(-1)
-    moved = (to_device(x, device) for x in (flat_ids, positions, predictor[keep], keep, slots, cu))
+    moved = (to_device(x, device) for x in (flat_ids, positions, predictor[keep], slots, cu))
     return PackedRows(*moved, keep, lengths, t_used)
 
 
