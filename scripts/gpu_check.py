@@ -573,8 +573,9 @@ def c_graph_speed(a):
 @check("packed_update")
 def c_packed_update(a):
     from tiller.algos.entropy import logprobs_from_logits
+    from tiller.models.varlen import varlen_available
     from tiller.workers.common import response_forward
-    from tiller.workers.packed import packed_response_forward, varlen_available
+    from tiller.workers.packed import packed_response_forward
 
     info = {"varlen": varlen_available(torch.device(a.device))}
     sys.path.insert(0, str(ROOT / "bench"))
@@ -613,17 +614,17 @@ def c_packed_update(a):
             assert state.error is None, f"compiling the layers failed: {state.error}"
             assert lp_err < 1e-4 and grad_err < 1e-4, f"compiled layers differ: {lp_err:.2e} / {grad_err:.2e}"
     # bf16: the varlen kernel on CUDA (fp32 above runs per-row SDPA); logprobs agree to bf16's precision
-    from tiller.workers import packed
+    from tiller.models import varlen
 
     model, _ = _load_sharp(_models(a)["qwen2"], a.device)
     model = model.to(torch.bfloat16)
-    before = packed.varlen_calls
+    before = varlen.calls
     with torch.no_grad():
         pad, t = response_forward(model, ids, mask, P, rmask, logits_to_keep=True)
         pack, _ = packed_response_forward(model, ids, mask, P, rmask)
     lp = [logprobs_from_logits(x.float(), ids[:, P : P + t]) * rmask[:, :t] for x in (pad, pack)]
     info["bf16_max_logprob_diff"] = float((lp[0] - lp[1]).abs().max())
-    info["bf16_varlen_calls"] = packed.varlen_calls - before
+    info["bf16_varlen_calls"] = varlen.calls - before
     assert info["bf16_max_logprob_diff"] < 0.1, f"bf16 packed logprobs differ by {info['bf16_max_logprob_diff']:.3f}"
     if info["varlen"]:
         assert info["bf16_varlen_calls"] > 0, "bf16 on CUDA did not run the varlen kernel"
@@ -631,10 +632,10 @@ def c_packed_update(a):
         from tiller.workers.common import autocast
 
         model = model.float()
-        before = packed.varlen_calls
+        before = varlen.calls
         with torch.no_grad(), autocast("bfloat16", a.device):
             packed_response_forward(model, ids, mask, P, rmask)
-        info["autocast_varlen_calls"] = packed.varlen_calls - before
+        info["autocast_varlen_calls"] = varlen.calls - before
         assert info["autocast_varlen_calls"] > 0, "fp32 weights under bf16 autocast did not run the varlen kernel"
     # the update's log-prob + entropy chunks: compiled by Inductor on CUDA (the default there) vs eager, bf16 logits
     from tiller.algos.entropy import compile_logprobs, logprobs_and_entropy
@@ -781,6 +782,61 @@ def c_mismatch(a):
     return info
 
 
+@check("packed_prefill")
+def c_packed_prefill(a):
+    """The rollout's prefill packed end to end (issue #37 item 3; the native engine's default on CUDA in bf16 / fp16:
+    torch's varlen kernel) against the padded chunks: the sharpened tiny Qwen2 in bf16 gives the padded first logits
+    to bf16's precision and runs the varlen kernel; then the prefill alone of 256 prompts of 16-128 tokens, the 0.5B
+    model graph_speed built (else the tiny one), bf16, each way timed (best of 3) with its kernels' share of it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiller.models import varlen
+    from tiller.rollout import build_rollout_engine
+    from tiller.rollout.native import KVBuffer
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rollout import make_prompts
+
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def prefill(model, prompts, packed: bool, n: int = 1):
+        """(first logits, seconds) of `prompts`' prefill, padded or packed."""
+        engine = build_rollout_engine("native", model, None, packed_prefill=packed)
+        engine.fused_for(model)
+        width = max(map(len, prompts))
+        cache = KVBuffer(len(prompts) * n, width + 1, torch.device(a.device))
+        with torch.inference_mode():
+            engine._prefill(model, prompts, cache, width, n, 0)  # (warm: allocates the cache)
+            sync()
+            t = time.perf_counter()
+            logits = engine._prefill(model, prompts, cache, width, n, 0)
+            sync()
+        return logits, time.perf_counter() - t
+
+    model, tok = _load_sharp(_models(a)["qwen2"], a.device)
+    model = model.to(dtype)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    before = varlen.calls
+    (pad, _), (pack, _) = (prefill(model, prompts, p, n=2) for p in (False, True))
+    lp = [torch.log_softmax(x.float(), -1) for x in (pad, pack)]
+    info = {"tiny_max_logprob_diff": float((lp[0] - lp[1]).abs().max()),
+            "tiny_same_argmax": bool(torch.equal(lp[0].argmax(-1), lp[1].argmax(-1))),
+            "varlen_calls": varlen.calls - before}
+    assert info["tiny_max_logprob_diff"] < (0.1 if dtype == torch.bfloat16 else 1e-4), info
+    if a.device == "cuda":
+        assert info["varlen_calls"] > 0, "the packed prefill in bf16 on CUDA did not run the varlen kernel"
+    big = a.work / "bench" / "qwen2-0.5B"
+    path = big if (big / "config.json").exists() and a.device == "cuda" else _models(a)["qwen2"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(a.device).eval()
+    prompts = make_prompts(AutoTokenizer.from_pretrained(path), 256 if a.device == "cuda" else 16, lengths=(16, 128))
+    times = {p: min(prefill(model, prompts, p)[1] for _ in range(3)) for p in (False, True)}
+    info.update(model=path.name, prompts=len(prompts), tokens=sum(map(len, prompts)),
+                padded_ms=round(times[False] * 1e3, 2), packed_ms=round(times[True] * 1e3, 2),
+                packed_speedup=round(times[False] / times[True], 3))
+    return info
+
+
 @check("grpo_speed")
 def c_grpo_speed(a):
     """bench/grpo_vs_trl.py: a GRPO step of tiller (graphed + compiled decode, packed update) against TRL's, same
@@ -801,7 +857,8 @@ def c_grpo_speed(a):
 
 
 CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_syncs, c_continuous, c_demo, c_rl_gae,
-          c_sft, c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_mismatch, c_grpo_speed]
+          c_sft, c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_mismatch, c_packed_prefill,
+          c_grpo_speed]
 
 
 def main() -> int:

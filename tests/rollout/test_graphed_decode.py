@@ -172,12 +172,13 @@ def test_steps_warmed_before_each_wave_change_nothing(sharp_qwen, monkeypatch):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
 
 
-def test_the_static_decode_loop_never_reads_the_device(sharp_qwen, monkeypatch):
+@pytest.mark.parametrize("packed_prefill", [False, True])
+def test_the_static_decode_loop_never_reads_the_device(sharp_qwen, monkeypatch, packed_prefill):
     """No host sync per step (`tests.device_reads`: on a CPU, the host's reads of device values and blocking copies
     to the device, each a sync on a GPU). The static-shape decode loop (what CUDA graphs replay) keeps stop flags,
-    lengths and tokens on the device, the prefill's inputs go there without blocking copies: a generate's reads are
-    its results' one copy back, the same for 8 and for 40 new tokens (rows stopping at different steps, the batch
-    compacted)."""
+    lengths and tokens on the device, the prefill's inputs (padded chunks or packed prompts) go there without blocking
+    copies: a generate's reads are its results' one copy back, the same for 8 and for 40 new tokens (rows stopping at
+    different steps, the batch compacted)."""
     from tiller.rollout.graphed_decode import GraphedDecoder
 
     real_init = GraphedDecoder.__init__
@@ -191,7 +192,7 @@ def test_the_static_decode_loop_never_reads_the_device(sharp_qwen, monkeypatch):
     prompts = prompt_ids(tok, MORE_PROMPTS)
     counts, lengths = [], set()
     for new in (8, 40):
-        engine = static_engine(model, tok, compact_fraction=0.01)
+        engine = static_engine(model, tok, compact_fraction=0.01, packed_prefill=packed_prefill, prefill_tokens=16)
         with DeviceReads(model) as reads:
             free = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=new, seed=1, ignore_eos=True))
             stops = sorted({r[k] for r, k in zip(free.response_ids, [2, 4, 6])})

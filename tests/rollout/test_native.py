@@ -234,3 +234,63 @@ def test_prefill_chunks_group_similar_lengths():
         padded = max(lengths[i] for i in c) * len(c)
         assert padded <= 256 or len(c) == 1
         assert padded - sum(lengths[i] for i in c) <= padded / 8
+
+
+def test_packed_chunks_keep_order_within_the_token_budget():
+    from tiller.rollout.native import packed_chunks
+
+    assert packed_chunks([30, 10, 11, 29, 12], 60) == [[0, 1, 2], [3, 4]]
+    assert packed_chunks([70, 5, 5], 60) == [[0], [1, 2]]  # a prompt over the budget is a chunk of its own
+    lengths = [(7 * i) % 41 + 1 for i in range(64)]
+    chunks = packed_chunks(lengths, 256)
+    assert [i for c in chunks for i in c] == list(range(64))
+    assert all(sum(lengths[i] for i in c) <= 256 for c in chunks)
+    assert all(sum(lengths[i] for i in a) + lengths[b[0]] > 256 for a, b in zip(chunks, chunks[1:]))
+
+
+def _prefills(model, prompts, n: int, width: int, budget: int):
+    """(first logits, keys, values) of the padded and the packed prefill of `prompts` (n rows each)."""
+    out = []
+    for packed in (False, True):
+        engine = build_rollout_engine("native", model, None, packed_prefill=packed, prefill_tokens=budget)
+        engine.fused_for(model)
+        assert engine.packs_prefill(model, "cpu", torch.float32) is packed
+        cache = KVBuffer(len(prompts) * n, width + 4, torch.device("cpu"))
+        with torch.no_grad():
+            logits = engine._prefill(model, prompts, cache, width, n, 0)
+        out.append((logits, cache.keys, cache.values))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "glm4", "qwen2_moe"])
+def test_packed_prefill_equals_the_padded_one(model_type, layer_kind_dir, tiny_model_dir):
+    """Prompts prefilled end to end without padding (a GPU's default: torch's varlen kernel; here SDPA per prompt)
+    give the padded chunks' first logits and write the same keys / values at the same cells of every row, zeros
+    elsewhere; Qwen3's head norms, GLM-4's post norms and pair rotary, an experts layer; chunks cut by the budget."""
+    from tests.rollout.conftest import load
+
+    model, _ = load(tiny_model_dir) if model_type == "qwen2" else load_family(layer_kind_dir, model_type)
+    prompts = [[5, 6, 7, 8], [9, 10], [11], list(range(20, 45)), [3, 4, 5, 6, 7, 8, 9], [12, 13, 14]]
+    width, n = 25, 3
+    for budget in (4096, 30):  # one chunk; four ([0-3 tokens..]: 4+2+1 | 25 | 7+3)
+        (want, wk, wv), (got, gk, gv) = _prefills(model, prompts, n, width, budget)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+        for a, b in zip([*gk, *gv], [*wk, *wv]):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+        # each prompt's n rows hold its keys at its last len(p) columns; nothing before them
+        first_layer = gk[0]
+        for i, p in enumerate(prompts):
+            rows = first_layer[i * n : (i + 1) * n]
+            assert rows[:, :, : width - len(p)].abs().sum() == 0 and rows[:, :, width - len(p) : width].abs().min() > 0
+            assert torch.equal(rows[0], rows[-1])
+
+
+def test_packed_prefill_generates_what_the_padded_one_does(sharp_qwen):
+    """The whole generate, eager and static-shape decode: the same greedy rows and logprobs either way."""
+    model, tok = sharp_qwen
+    prompts = prompt_ids(tok, MORE_PROMPTS)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=10, ignore_eos=True)
+    for static in (False, True):
+        padded, packed = (build_rollout_engine("native", model, tok, packed_prefill=p, static_decode=static,
+                                               prefill_tokens=12).generate(prompts, greedy) for p in (False, True))
+        assert_same_rows(packed, padded, atol=1e-5)

@@ -105,7 +105,7 @@ def test_packed_backward_cost_does_not_grow_with_rows_times_length(sharp_qwen):
 def test_packed_attention_runs_in_autocasts_dtype():
     """Under bf16 autocast the packed attention takes autocast's dtype for fp32 queries (as SDPA does in the padded
     forward), which is what lets CUDA's varlen kernel run for an fp32-weight model; outside autocast, the query's."""
-    from tiller.workers.packed import attention_dtype
+    from tiller.models.varlen import attention_dtype
 
     q = torch.zeros(1, 2, 3, 4)
     assert attention_dtype(q) == torch.float32

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tiller.models import layer_masks
+from tiller.models import layer_masks, varlen
 from tiller.rollout import packed_experts
 from tiller.rollout.base import param_versions
 from tiller.rollout.compiled_decode import CompiledStep
@@ -322,6 +322,32 @@ class FusedDecoder:
         """T tokens per row (prefill, T >= 1): input_ids, position_ids [B, T]; mask [B, 1, T, L] over the keys
         `cache.update` returns. Returns the logits of each row's last position, [B, V]."""
         return self.forward_parts([(input_ids, position_ids, mask, cache)])[0]
+
+    def forward_packed(self, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], cu: torch.Tensor,
+                       cache) -> torch.Tensor:
+        """A prefill of new prompts packed end to end, without padding: ids, positions [N] (each prompt's from 0),
+        `lengths` its prompts' lengths (host), `cu` their offsets [c + 1] int32 on the device. Each prompt attends
+        causally to its own tokens (`tiller.models.varlen.causal_rows`: torch's varlen kernel on CUDA in bf16 / fp16);
+        each layer's keys / values go to `cache.write_packed`. Returns each prompt's last-token logits [c, V]."""
+        inner = self.inner
+        d, n_q, n_kv = self.head_dim, self.n_q, self.n_kv
+        n = ids.shape[0]
+        x = inner.embed_tokens(ids)  # [N, E]
+        cos, sin = self.rope_tables(*inner.rotary_emb(x[None, :1], positions[None]))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]: broadcast over heads
+        longest = max(lengths)
+        for i, layer in enumerate(inner.layers):
+            qkv = self._apply(self._norm(layer.input_layernorm, x), self.qkv[i])
+            qk = qkv[:, : (n_q + n_kv) * d].view(n, n_q + n_kv, d)
+            if self.qk_norms[i]:
+                qk = self.norm_heads(qk, i)
+            q, k = self.rotate(qk, cos, sin).split([n_q, n_kv], dim=1)
+            v = qkv[:, (n_q + n_kv) * d :].view(n, n_kv, d)
+            cache.write_packed(k, v, i)
+            o = varlen.causal_rows(q, k, v, lengths, cu, longest, self.scaling)
+            x = self.add_branch(x, self._apply(o.reshape(n, n_q * d), self.o[i]), i, 0)
+            x = self.add_branch(x, self.mlp(self._norm(layer.post_attention_layernorm, x), i), i, 1)
+        return self._apply(self._norm(inner.norm, x[cu[1:].long() - 1]), self.head)
 
     def forward_parts(self, parts: list[tuple]) -> list[torch.Tensor]:
         """Several batches in one pass, e.g. the decode rows and a new request's prefill: each part is

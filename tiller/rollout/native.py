@@ -3,9 +3,10 @@
 What it does, per call (Kwon et al. 2023 "PagedAttention" and nanochat's engine are the models; this is
 the single-device, no-paging version):
 
-1. Prefill each prompt once, in left-padded chunks of similar lengths (shortest first), and write its
-   keys / values into a preallocated cache *n times* (the n samples of a prompt share its prefill; only
-   the first token's logits are kept).
+1. Prefill each prompt once, in left-padded chunks of similar lengths (shortest first), or packed end to end
+   without padding where torch's varlen attention kernel runs them (`packed_prefill`; a GPU's default), and write
+   its keys / values into a preallocated cache *n times* (the n samples of a prompt share its prefill; only the
+   first token's logits are kept).
 2. Decode all rows together, one token per step: the HF module's own forward runs with our `KVBuffer`
    as `past_key_values` (keys / values written in place, attention over the filled prefix only), an
    explicit 4D padding mask and explicit position ids, and `logits_to_keep=1`. For Llama / Qwen2 the
@@ -64,6 +65,7 @@ from tiller.rollout.base import (
     pad_token_id,
     stop_ids_for,
 )
+from tiller.models import varlen
 from tiller.rollout import compiled_decode, graphed_decode, triton_decode
 from tiller.rollout.images import ImagePrompts, check_multi_modal, next_positions, suppress_vision_tokens
 from tiller.rollout.images import vision_ids_tensor, vision_token_ids
@@ -121,6 +123,42 @@ def prefill_inputs(prompts: list[list[int]], pad_id: int, device) -> tuple[torch
     return ids, pos, (causal[None] & valid_k[:, None, :]) | eye[None]
 
 
+def packed_chunks(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group prompt indices, in order, into packed prefill chunks of at most `token_budget` tokens (a longer prompt
+    is a chunk of its own).
+
+    >>> packed_chunks([30, 10, 11, 29, 12], 60)
+    [[0, 1, 2], [3, 4]]
+    """
+    chunks: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if not chunks or total + n > token_budget:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += n
+    return chunks
+
+
+def packed_prefill_inputs(prompts: list[list[int]], width: int, n: int, device):
+    """Prompts end to end for `FusedDecoder.forward_packed`, their cache rows being those of prompt indices
+    `0 .. len(prompts) - 1` with `n` samples each, right-aligned at `width` columns: (ids [N], positions [N], cu
+    [c + 1] int32, (rows, columns, source tokens) [N x n] of each key / value, on `device`; lengths on the host)."""
+    lengths = [len(p) for p in prompts]
+    counts = torch.tensor(lengths)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    positions = torch.cat([torch.arange(k) for k in lengths])
+    cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
+    cu[1:] = counts.cumsum(0)
+    prompt = torch.arange(len(prompts)).repeat_interleave(counts)  # [N]: each token's prompt
+    rows = (prompt[:, None] * n + torch.arange(n)[None]).reshape(-1)
+    cols = (width - counts[prompt] + positions).repeat_interleave(n)
+    src = torch.arange(len(ids)).repeat_interleave(n)
+    ids, positions, cu, rows, cols, src = (to_device(t, device) for t in (ids, positions, cu, rows, cols, src))
+    return ids, positions, lengths, cu, (rows, cols, src)
+
+
 class KVBuffer:
     """A preallocated key / value cache that HF attention layers write into through `update()`.
 
@@ -141,6 +179,7 @@ class KVBuffer:
         self.prefill_rows: torch.Tensor | None = None
         self.prefill_cols: slice | None = None
         self.repeat = 1
+        self.packed_dest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `write_packed`'s cells
 
     def _alloc(self, layer: int, like: torch.Tensor) -> None:
         while len(self.keys) <= layer:
@@ -167,6 +206,15 @@ class KVBuffer:
         k_buf[:, :, self.write_pos : end] = key_states
         v_buf[:, :, self.write_pos : end] = value_states
         return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def write_packed(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """A packed prefill's keys / values [N, H, D] (`FusedDecoder.forward_packed`) into the cells `packed_dest`
+        names: (rows [M], columns [M], source tokens [M]), M = N x the samples per prompt."""
+        if layer_idx >= len(self.keys) or self.keys[layer_idx] is None:
+            self._alloc(layer_idx, key_states.transpose(0, 1)[None])
+        rows, cols, src = self.packed_dest
+        self.keys[layer_idx][rows, :, cols] = key_states[src]
+        self.values[layer_idx][rows, :, cols] = value_states[src]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.write_pos
@@ -250,7 +298,10 @@ class NativeRolloutEngine(InProcessEngine):
     """Batched sampling with a static KV cache; shares the actor module (or a dtype-cast copy of it).
 
     Options: `dtype` ("bfloat16" | "float32" | None), `seed`, `max_num_seqs` (rows decoded together; more
-    prompts run in waves), `prefill_tokens` (padded tokens per prefill chunk), `compact_fraction` (compact
+    prompts run in waves), `prefill_tokens` (tokens per prefill chunk, padding included), `packed_prefill` (prompts
+    prefilled end to end without padding, `FusedDecoder.forward_packed`; None, the default: where torch's varlen
+    attention kernel runs them, CUDA in bf16 / fp16; on a CPU the padded chunks of similar lengths are faster for
+    models of 30M+ parameters, `PREFILL_WASTE`), `compact_fraction` (compact
     the batch once this fraction of its rows is done), `num_threads` (torch threads during generate),
     `dtype_fallback` (bf16 on a CPU without fast bf16 matmuls runs fp32 instead, with a warning),
     `fused_decode` (the `fused_decode.SUPPORTED` families: decode with fused qkv and gate-up matmuls,
@@ -274,7 +325,7 @@ class NativeRolloutEngine(InProcessEngine):
                  num_threads: int | None = None, dtype_fallback: bool = True, fused_decode: bool = True,
                  compile_decode: bool = False, decode_kernel: bool = True, static_decode: bool = False,
                  cuda_graphs: bool | None = None, capture_sizes: list[int] | None = None,
-                 static_attention: str = "sdpa", record_routing: bool = False):
+                 static_attention: str = "sdpa", record_routing: bool = False, packed_prefill: bool | None = None):
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):
             raise UserError(
@@ -284,6 +335,7 @@ class NativeRolloutEngine(InProcessEngine):
         super().__init__(model, tokenizer, dtype=dtype, seed=seed, dtype_fallback=dtype_fallback)
         self.max_num_seqs = max_num_seqs
         self.prefill_tokens = prefill_tokens
+        self.packed_prefill = packed_prefill
         self.compact_fraction = compact_fraction
         self.num_threads = num_threads
         self.fused_decode = fused_decode
@@ -416,6 +468,8 @@ class NativeRolloutEngine(InProcessEngine):
         """
         device, impl = cache.device, model.config._attn_implementation
         dtype = next(model.parameters()).dtype
+        if self.packs_prefill(model, device, dtype) and images is None and routes is None:
+            return self._prefill_packed(prompts, cache, width, n)
         first_logits: torch.Tensor | None = None
         waste = PREFILL_WASTE.get(torch.device(device).type, MAX_WASTE)
         for chunk_idx in prefill_chunks([len(p) for p in prompts], self.prefill_tokens, waste):
@@ -439,6 +493,32 @@ class NativeRolloutEngine(InProcessEngine):
         if routes is not None and n > 1:  # the n samples of a prompt share its prefill, and its routing
             by_prompt = routes.by_row().view(len(prompts), n, *routes.by_row().shape[1:])
             by_prompt[:, 1:, :width] = by_prompt[:, :1, :width]
+        return first_logits
+
+    def packs_prefill(self, model, device, dtype: torch.dtype) -> bool:
+        """Whether prompts are prefilled packed, without padding (`packed_prefill`; by default where torch's varlen
+        attention kernel runs them: CUDA, bf16 / fp16): through the fused decoder only."""
+        if self._fused is None or self._fused.model is not model:
+            return False
+        if self.packed_prefill is None:
+            return varlen.uses_varlen(dtype, torch.device(device))
+        return self.packed_prefill
+
+    def _prefill_packed(self, prompts, cache: KVBuffer, width: int, n: int) -> torch.Tensor:
+        """`_prefill` with prompts packed end to end in chunks of up to `prefill_tokens` tokens: no padding, no mask
+        (`FusedDecoder.forward_packed`); each prompt's keys / values go to its n rows at right-aligned columns."""
+        first_logits: torch.Tensor | None = None
+        for chunk_idx in packed_chunks([len(p) for p in prompts], self.prefill_tokens):
+            ids, pos, lengths, cu, dest = packed_prefill_inputs([prompts[i] for i in chunk_idx], width, n,
+                                                                cache.device)
+            first = chunk_idx[0] * n  # (a chunk's prompts are consecutive: so are their rows)
+            cache.packed_dest = (dest[0] + first, dest[1], dest[2])
+            logits = self._fused.forward_packed(ids, pos, lengths, cu, cache).float().repeat_interleave(n, dim=0)
+            if first_logits is None:
+                first_logits = torch.empty((len(prompts) * n, logits.shape[-1]), dtype=torch.float32,
+                                           device=logits.device)
+            first_logits[first : first + len(logits)] = logits
+        cache.packed_dest = None
         return first_logits
 
     def _chunk_forward(self, model, ids, pos, valid, cache: KVBuffer, extra: dict, dtype, impl) -> torch.Tensor:

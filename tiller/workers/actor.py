@@ -395,7 +395,7 @@ class ActorRolloutRefWorker:
             if name != "native":
                 raise
             for key in ("compile_decode", "static_decode", "capture_sizes", "cuda_graphs", "static_attention",
-                        "max_num_seqs"):
+                        "max_num_seqs", "packed_prefill"):
                 opts.pop(key, None)
             return build_rollout_engine("hf", module or self.rollout_module, self.tokenizer, **opts)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import sys
 import threading
 from typing import NamedTuple
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 
 from tiller.models import routing
 from tiller.models.layer_masks import RECURRENT_KINDS, has_recurrent_layers, text_config
+from tiller.models.varlen import attention_dtype, uses_varlen, varlen_attention
 from tiller.protocol import to_device
 from tiller.workers.common import position_ids_from_mask, trim_bounds
 
@@ -54,55 +54,6 @@ IMPL = "tiller_packed"
 _SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("tiller_packed_segments", default=None)
 _SWITCH = threading.Lock()
 _ACTIVE: dict[int, list] = {}  # id(config) -> [packed forwards running, the implementation to restore]
-varlen_calls = 0  # attention calls that ran torch's varlen kernel (the GPU check reads it)
-
-
-def varlen_available(device: torch.device) -> bool:
-    """torch's varlen attention (FlashAttention) is there and applies: CUDA only."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def attention_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype the packed attention runs in: the query's, or autocast's lower precision where autocast is on for
-    its device. A model with fp32 weights under bf16 autocast (tiller's actor.dtype=bfloat16) computes its queries in
-    fp32 after the rotary embedding (fp32 cos / sin); SDPA in the padded forward casts them to bf16 under autocast, and
-    so does this, which is what lets the varlen kernel run (before, such an update on an H200 fell back to one SDPA
-    call per row: 0.9% MFU)."""
-    device = query.device.type
-    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        if low in (torch.float16, torch.bfloat16):
-            return low
-    return query.dtype
-
-
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale,
-            window: int | None = None) -> torch.Tensor:
-    """q [N, Hq, D], k / v [N, Hk, D] -> causal attention within each row of `cu`, [N, Hq, D] (each query over its
-    last `window` keys when given: FlashAttention's window_size=(window - 1, 0))."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"scale": scale}
-    if "window_size" in params:
-        kw["window_size"] = (-1 if window is None else window - 1, 0)
-    elif window is not None:
-        raise RuntimeError("this torch's varlen_attn has no window_size for a sliding-window layer")
-    else:
-        kw["is_causal"] = True
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
 
 
 def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -125,12 +76,9 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         dtype = attention_dtype(query)
-        if dropout == 0.0 and dtype in (torch.float16, torch.bfloat16) and varlen_available(query.device) \
-                and sinks is None and softcap is None:
-            global varlen_calls
-            varlen_calls += 1
+        if dropout == 0.0 and uses_varlen(dtype, query.device) and sinks is None and softcap is None:
             q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))
-            return _varlen(q, k, v, cu, longest, scaling, window).unsqueeze(0)
+            return varlen_attention(q, k, v, cu, longest, scaling, window).unsqueeze(0)
         gqa = query.shape[1] != key.shape[1]
         # the rows as views of one split (its backward is one concatenation; a slice per row would make each row's
         # gradient a zero tensor of the whole packed length, B of them per layer)
