@@ -22,10 +22,14 @@ def _ids(policy, text):
     return policy.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_greedy_rows_joining_at_different_steps_match_the_native_engine(policy):
+@pytest.mark.parametrize("packed_prefill", [False, True])
+def test_greedy_rows_joining_at_different_steps_match_the_native_engine(policy, monkeypatch, packed_prefill):
+    """(packed_prefill: the requests admitted alone are prefilled packed, a GPU's default; the reference padded)"""
     prompts = [_ids(policy, t) for t in ("1+2=", "The quick brown fox", "hello", "7*8=56, 9*9=")]
     greedy = SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True)
+    monkeypatch.setattr(policy.engine, "packed_prefill", False)
     ref = policy.engine.generate(prompts, greedy)
+    monkeypatch.setattr(policy.engine, "packed_prefill", packed_prefill)
     outs, stats = staggered_greedy(policy.engine, prompts, 10, max_rows=3)  # 4 requests, 3 rows: one waits
     for k, out in enumerate(outs):
         assert out.response_ids[0] == ref.response_ids[k][: 10 - k]
