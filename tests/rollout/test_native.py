@@ -184,6 +184,27 @@ def test_draw_from_matches_the_distribution():
     assert torch.equal(tokens, again)
 
 
+def test_the_draw_by_blocks_picks_the_inverse_cdfs_tokens():
+    """`draw_blocked` (the static decode step's draw) picks the token `draw_with_uniforms` picks for the same uniform:
+    vocabularies that blocks do and do not divide, filtered (-inf) tokens, a row with one token left, uniforms at
+    the edges; never a zero-probability token."""
+    from tiller.rollout.sampling import draw_blocked, draw_with_uniforms
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, block in ((512, 1024), (5000, 1024), (5000, 64), (3000, 7)):
+        scores = torch.randn(64, vocab, generator=g) * 3
+        scores[:, ::3] = float("-inf")
+        scores[0, :] = float("-inf")
+        scores[0, vocab - 2] = 1.0  # one token left, in the last block
+        lse = torch.logsumexp(scores, -1, keepdim=True)
+        u = torch.cat([torch.rand(64, 40, generator=g, dtype=torch.float64),
+                       torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64).expand(64, 2)], dim=1)
+        for col in range(u.shape[1]):
+            got = draw_blocked(scores, lse, u[:, col : col + 1], block)
+            assert torch.equal(got, draw_with_uniforms(torch.exp(scores - lse), u[:, col : col + 1]))
+            assert torch.isfinite(scores.gather(1, got[:, None])).all() and got[0] == vocab - 2
+
+
 def test_top_p_min_p_logprobs_match_hf_warpers(sharp_qwen):
     """Native logprobs with temperature + top-p + min-p equal HF's own warpers applied to a teacher-forced
     forward of the same tokens (both engines then sample from one distribution)."""

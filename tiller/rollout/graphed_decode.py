@@ -69,7 +69,7 @@ from tiller.models.compile import compile_failure
 from tiller.protocol import to_device
 from tiller.rollout import compiled_decode, triton_decode
 from tiller.rollout.fused_decode import text_config
-from tiller.rollout.sampling import draw_with_uniforms, warp_logits
+from tiller.rollout.sampling import draw_blocked, warp_logits
 
 KV_BLOCK = 256
 """Columns a step reads beyond the live ones at most: the attention width is the live length rounded up to this."""
@@ -161,14 +161,17 @@ class Sampler:
                    float(sampling.min_p))
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor):
-        """logits [b, V] -> (tokens [b] long, logprobs [b] fp32); `sample_tokens`' math with per-row uniforms."""
-        if not self.do_sample:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            tokens = logp.argmax(dim=-1)
+        """logits [b, V] -> (tokens [b] long, logprobs [b] fp32); `sample_tokens`' math with per-row uniforms, the
+        draw by blocks (`draw_blocked`: no [b, V] tensor written where compiled) and the logprob as score - logsumexp.
+        """
+        if self.do_sample:
+            scores = warp_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p)
         else:
-            logp = torch.log_softmax(warp_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p), dim=-1)
-            tokens = draw_with_uniforms(logp.exp(), row_uniforms(keys, counters))
-        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            scores = logits.float()
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        tokens = (draw_blocked(scores, lse, row_uniforms(keys, counters)) if self.do_sample
+                  else scores.argmax(dim=-1))
+        return tokens, (scores.gather(-1, tokens.unsqueeze(-1)) - lse).squeeze(-1)
 
 
 def _sample(sampler: Sampler, logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor):
