@@ -2,8 +2,8 @@
 # The prepared GPU measurement of issue #37, in two parts that each fit one call of the device tool (docs/gpu.md):
 #
 #   bash scripts/gpu_run.sh speed    # ~8 min, the GPU to itself: env, graph_speed (0.5B, 256/128 x 256), grpo_speed
-#   bash scripts/gpu_run.sh checks   # ~4.5 min: graphed_decode + mismatch + packed_prefill | syncs +
-#                                    # packed_update + continuous (in parallel),
+#   bash scripts/gpu_run.sh checks   # ~4.5 min: graphed_decode + mismatch + packed_prefill + sampler_speed |
+#                                    # syncs + packed_update + continuous (in parallel),
 #                                    # then profiles of the compiled graphed step and of a GRPO step's update
 #
 # Wheels the machine lacks are installed from .whl/ (carried; `bash scripts/gpu_wheels.sh` makes it) into /tmp/site
@@ -32,7 +32,8 @@ case "${1:-}" in
     ;;
   checks)
     # the speed part's out dir holds the 0.5B model the mismatch check and the profile use (else they build one)
-    (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/speed --only graphed_decode,mismatch,packed_prefill \
+    (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/speed \
+      --only graphed_decode,mismatch,packed_prefill,sampler_speed \
       > "$OUT/checks_graphs.log" 2>&1) &
     (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/c2 --only syncs,packed_update,continuous \
       > "$OUT/checks_update.log" 2>&1) &
