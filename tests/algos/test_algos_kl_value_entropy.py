@@ -222,6 +222,60 @@ def test_logprobs_and_entropy_in_one_pass_with_temperature_and_grads():
         logprobs_and_entropy(logits, labels, 0.0)
 
 
+def test_the_lm_head_run_with_the_logprobs_gives_the_logits_path_numbers():
+    """`head_logprobs_and_entropy` (model.use_fused_kernels): the LM head's matmul run chunk by chunk with the
+    log-probs and entropy gives `logprobs_and_entropy(F.linear(hidden, weight, bias))`'s values and the gradients of
+    hidden, weight and bias (float64 to 1e-12, any chunking; the entropy's gradient only when asked); under bf16
+    autocast the matmul runs in bf16 as F.linear does (values equal; the weight's gradient summed over chunks in fp32
+    where the unfused path rounds it once to bf16: within bf16's precision); `fp32` runs it in float32 under
+    autocast (a Float32Head: the fp32 path's numbers)."""
+    from tiller.algos.entropy import head_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    n, e, v = 23, 6, 13
+    hidden = torch.randn(n, e, generator=g, dtype=D, requires_grad=True)
+    weight = torch.randn(v, e, generator=g, dtype=D, requires_grad=True)
+    bias = torch.randn(v, generator=g, dtype=D, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    a, b = torch.randn(n, generator=g, dtype=D), torch.randn(n, generator=g, dtype=D)
+    params = (hidden, weight, bias)
+
+    def grads(lp, h):
+        return torch.autograd.grad((a.to(lp.dtype) * lp + b.to(lp.dtype) * h).sum(), params)
+
+    lp0, h0 = logprobs_and_entropy(torch.nn.functional.linear(hidden, weight, bias), labels, 0.7, True, True)
+    want = grads(lp0, h0)
+    for chunk in (1, 5, 100):
+        lp, h = head_logprobs_and_entropy(hidden, weight, bias, labels, 0.7, True, True, chunk_size=chunk)
+        ref.assert_close(lp, lp0, atol=1e-12)
+        ref.assert_close(h, h0, atol=1e-12)
+        for x, y in zip(grads(lp, h), want):
+            ref.assert_close(x, y, atol=1e-12)
+    lp, h = head_logprobs_and_entropy(hidden, weight, None, labels, 0.7, want_entropy=True, chunk_size=5)
+    assert not h.requires_grad and head_logprobs_and_entropy(hidden, weight, None, labels)[1] is None
+    lp_nb = logprobs_and_entropy(torch.nn.functional.linear(hidden, weight), labels, 0.7)[0]
+    ref.assert_close(lp, lp_nb, atol=1e-12)
+    h32, w32, b32 = (x.detach().float().requires_grad_(True) for x in params)
+    outs = []
+    for fused in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                lp, h = head_logprobs_and_entropy(h32, w32, b32, labels, 0.7, True, True, chunk_size=8)
+            else:
+                lp, h = logprobs_and_entropy(torch.nn.functional.linear(h32, w32, b32), labels, 0.7, True, True)
+        outs.append((lp, h, torch.autograd.grad((a.float() * lp + b.float() * h).sum(), (h32, w32, b32))))
+    (lp_a, h_a, g_a), (lp_b, h_b, g_b) = outs
+    assert torch.equal(lp_a, lp_b) and torch.equal(h_a, h_b) and torch.equal(g_a[0], g_b[0])
+    for x, y in zip(g_b[1:], g_a[1:]):
+        assert x.dtype == torch.float32 and float((x - y).abs().max() / y.abs().max()) < 2 ** -6
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp_fp32, _ = head_logprobs_and_entropy(h32, w32, b32, labels, 0.7, fp32=True)
+    torch.testing.assert_close(lp_fp32, logprobs_and_entropy(torch.nn.functional.linear(h32, w32, b32), labels,
+                                                             0.7)[0], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="hidden"):
+        head_logprobs_and_entropy(hidden, weight[:, :3], None, labels)
+
+
 def test_compiled_logprobs_and_entropy_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatch):
     """On CUDA the chunks run compiled by Inductor: traced by Dynamo and AOTAutograd here (the "aot_eager" backend;
     Inductor's CPU code and its cache are not what users run, and its cache returned garbage across an

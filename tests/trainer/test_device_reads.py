@@ -49,17 +49,18 @@ def _reads(worker, call: str, batch, micro_batches: int) -> collections.Counter:
     return collections.Counter({k: v for k, v in reads.reads.items() if not k[1].endswith("(in transformers)")})
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True, "fused"])
 def test_the_update_reads_its_metrics_once_per_mini_batch(tiny_model_dir, packed):
     """Actor and critic, one micro-batch or four: the host reads the device once per mini-batch (its metrics and
     gradient norm, together), whatever the micro-batch count; the batch's tensors reach the device without a
     blocking copy, the packing / trimming reads the host's copy; the log-prob and value passes read their result
-    once."""
+    once. ("fused": packed, the LM head run with the log-probs, model.use_fused_kernels.)"""
     from tiller.workers.actor import ActorRolloutRefWorker
     from tiller.workers.critic import CriticWorker
 
     extra = ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"] if packed \
         else []
+    extra += ["actor_rollout_ref.model.use_fused_kernels=True"] if packed == "fused" else []
     batch = _batch()
     for micro in (8, 2):
         cfg = _cfg(tiny_model_dir, f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",

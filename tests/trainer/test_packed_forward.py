@@ -291,3 +291,72 @@ def test_packed_forward_under_gradient_checkpointing(model_dir, request, monkeyp
             assert g_ckpt[name] is None, name
             continue
         assert float((g_ckpt[name] - grad).abs().max()) <= 1e-6 * float(grad.abs().max()) + 1e-12, name
+
+
+def test_actor_honours_use_fused_kernels(tiny_model_dir, monkeypatch, capsys):
+    """actor_rollout_ref.model.use_fused_kernels=true (with use_remove_padding): the LM head runs with the log-probs
+    chunk by chunk (`head_logprobs_and_entropy`), the old / ref logprobs and the update's gradient (the tied head and
+    embedding's too) equal the unfused packed worker's, and no tensor over the vocabulary is larger than a chunk's
+    logits; without use_remove_padding the logits are computed whole, said once."""
+    import tiller.workers.actor as actor_module
+    from tests.trainer.test_dynamic_batches import _batch, _cfg, _grads
+    from tiller.algos.entropy import head_logprobs_and_entropy
+
+    calls = []
+    monkeypatch.setattr(actor_module, "head_logprobs_and_entropy",
+                        lambda *a, **k: calls.append(1) or head_logprobs_and_entropy(*a, **k, chunk_size=8))
+    batch = _batch()
+    logps, grads, counts = [], [], []
+    for flag in ("false", "true"):
+        w = actor_module.ActorRolloutRefWorker(
+            _cfg(tiny_model_dir, "actor_rollout_ref.model.use_remove_padding=true",
+                 f"actor_rollout_ref.model.use_fused_kernels={flag}"), total_training_steps=1, need_ref=True)
+        batch["ref_log_prob"] = w.compute_ref_log_prob(batch)["ref_log_prob"]
+        logps.append(w.compute_log_prob(batch)["old_log_probs"])
+        vocab, hidden = w.model.get_output_embeddings().weight.shape
+        seen = []  # (the head's weight, transposed, is [hidden, V]: not logits)
+        with _Largest(lambda t: t.shape[-1] == vocab and t.dim() == 2 and t.shape[0] != hidden, seen):
+            grads.append(_grads(w, "update_actor", batch))
+        counts.append((len(calls), max(seen)))
+    assert w.model.get_output_embeddings().weight is w.model.get_input_embeddings().weight  # (tied)
+    K = int((batch["response_mask"].sum(1) + 1).clamp(max=batch["response_mask"].shape[1]).sum())
+    assert counts[0] == (0, K * vocab) and counts[1][0] >= 3 and counts[1][1] <= 8 * vocab < K * vocab, counts
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(logps[1][mask], logps[0][mask], atol=1e-5, rtol=0)
+    for name, grad in grads[0].items():
+        assert float((grads[1][name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()) + 1e-9, name
+    capsys.readouterr()
+    actor_module.ActorRolloutRefWorker(_cfg(tiny_model_dir, "actor_rollout_ref.model.use_fused_kernels=true"),
+                                       total_training_steps=1)
+    assert "use_fused_kernels=True: the LM head runs fused" in capsys.readouterr().err
+
+
+def test_fused_head_fits_causal_lms_whose_head_is_applied_as_is(layer_kind_dir, tiny_model_dir):
+    """`fused_head`: a plain causal LM's (decoder, head); a model whose forward transforms the head's logits (Gemma
+    2's soft-cap) or whose head is no Linear is refused with the reason."""
+    from transformers import AutoModelForCausalLM
+
+    from tiller.workers.packed import fused_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    decoder, head = fused_head(model)
+    assert decoder is model.model and head is model.lm_head
+    gemma = AutoModelForCausalLM.from_pretrained(layer_kind_dir("gemma2"))
+    assert "transforms the head's logits" in fused_head(gemma)
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    assert "not a plain Linear" in fused_head(model)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records into `seen` the numel of every op output `which(t)` picks."""
+
+    def __init__(self, which, seen):
+        super().__init__()
+        self.which, self.seen = which, seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and self.which(t):
+                self.seen.append(t.numel())
+        return out

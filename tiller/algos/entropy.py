@@ -203,6 +203,98 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def head_dtype(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> torch.dtype:
+    """The dtype `F.linear(hidden, weight)` computes in here: autocast's where it is on for the device (its lower
+    precision for fp32 / half inputs), else the inputs' promoted dtype; float32 with `fp32` (a `Float32Head`)."""
+    if fp32:
+        return torch.float32
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              labels: torch.Tensor, temperature: float = 1.0, want_entropy: bool = False,
+                              entropy_grad: bool = False, fp32: bool = False, chunk_size: int | None = None,
+                              compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logprobs_and_entropy(F.linear(hidden, weight, bias), labels, ...)` without the [N, V] logits (verl's
+    `use_fused_kernels`, its torch backend): each chunk of `chunk_size` rows runs the LM head's matmul, then the
+    log-prob / entropy math of `logprobs_and_entropy`; the backward recomputes the chunk's logits and gives hidden's,
+    weight's and bias's gradients chunk by chunk. hidden [N, E], weight [V, E], bias [V] or None, labels [N]. The
+    matmul runs in `head_dtype` (autocast's dtype under autocast, as F.linear would; float32 with `fp32`), the
+    weight's gradient summed over the chunks in float32. Neither the logits nor their gradient exists whole: at 32k
+    response tokens of a 152k vocabulary that is 10 GB each in bf16, and the micro-batch can grow instead. The price is
+    the head's matmul once more in the backward (its FLOPs are ~2 / 3 more)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden [N, E], weight [V, E] and labels [N] expected, got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(labels.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if compiled is None:
+        compiled = compile_logprobs(hidden.device)
+    chunk = chunk_size or (1024 if compiled else 256)
+    _check_chunk(chunk)
+    dtype = head_dtype(hidden, weight, fp32)
+    logp, ent = _FusedHeadLogProbEntropy.apply(hidden, weight, bias, labels.long(), float(temperature), want_entropy,
+                                               chunk, compiled, dtype)
+    if not want_entropy:
+        return logp, None
+    return logp, (ent if entropy_grad else ent.detach())
+
+
+class _FusedHeadLogProbEntropy(torch.autograd.Function):
+    """`_ChunkedLogProbEntropy` over the LM head's output, each chunk's logits made (and remade in the backward) from
+    the hidden states: the [N, V] logits never exist whole."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, want_entropy, chunk, compiled, dtype):
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32 if dtype != torch.float64 else dtype, device=hidden.device)
+        ent = torch.empty(n if want_entropy else 0, dtype=logp.dtype, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                z = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w, b)
+                lp, h = _run(_lp_ent_forward, compiled, z, labels[s : s + chunk], temperature, want_entropy)
+                logp[s : s + chunk] = lp
+                if want_entropy:
+                    ent[s : s + chunk] = h
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.opts = (temperature, chunk, compiled, dtype)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, go_logp, go_ent):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        temperature, chunk, compiled, dtype = ctx.opts
+        n = hidden.shape[0]
+        if go_logp is None:
+            go_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = torch.promote_types(dtype, torch.float32)  # the weight's and bias's gradient summed in (fp64 stays)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) \
+            if bias is not None and ctx.needs_input_grad[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                h = hidden[s : s + chunk].to(dtype)
+                z = torch.nn.functional.linear(h, w, b)
+                g = _run(_lp_ent_backward, compiled, z, labels[s : s + chunk], temperature, go_logp[s : s + chunk],
+                         None if go_ent is None else go_ent[s : s + chunk])  # d / d logits, [c, V] in `dtype`
+                if grad_h is not None:
+                    grad_h[s : s + chunk] = (g @ w).to(hidden.dtype)
+                if grad_w is not None:
+                    grad_w += (g.t() @ h).to(acc)
+                if grad_b is not None:
+                    grad_b += g.to(acc).sum(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
+
+
 def compile_logprobs(device: torch.device) -> bool:
     """Whether `logprobs_and_entropy` compiles its chunks by default on `device`: on CUDA with Triton (on a CPU
     the eager chunks are as fast and a compile costs seconds)."""

@@ -131,8 +131,6 @@ RULES: dict[str, Rule] = {
                                             "otherwise)"),
     "reward_model.model.use_remove_padding": noop(_PADDING),
     "actor_rollout_ref.model.use_shm": noop("tiller loads the model from model.path (no /dev/shm copy)"),
-    "actor_rollout_ref.model.use_fused_kernels": noop("tiller computes logprobs chunk by chunk from the logits (no "
-                                                      "fused LM-head kernels)"),
     "actor_rollout_ref.actor.calculate_sum_pi_squared": noop(
         "tiller's old-logprob forward returns sum pi^2 whenever algorithm.adv_estimator is an optimal token "
         "baseline (the only user), set or not"),
@@ -234,7 +232,9 @@ RULES.update({
     "critic.model.enable_activation_offload": noop(_MEMORY),
     "actor_rollout_ref.model.use_liger": noop("tiller runs the Hugging Face modelling code (no Liger kernels); the "
                                               "math is the same"),
-    "actor_rollout_ref.model.fused_kernel_options": noop("no fused kernels in tiller (model.use_fused_kernels)"),
+    "actor_rollout_ref.model.fused_kernel_options": noop(
+        "model.use_fused_kernels runs tiller's one implementation (torch chunks, compiled by Inductor on CUDA), "
+        "whatever impl_backend names"),
     "actor_rollout_ref.model.tiled_mlp": noop(_MEMORY),
     "critic.model.tiled_mlp": noop(_MEMORY),
     "actor_rollout_ref.model.mtp.enable": refused(
@@ -254,8 +254,7 @@ RULES.update({
     "actor_rollout_ref.actor.use_prefix_grouper": noop(
         "tiller's actor.share_prompt_forward (on by default) runs each group's shared prompt once, as the prefix "
         "grouper does"),
-    "actor_rollout_ref.actor.use_fused_kernels": noop("verl's copy of model.use_fused_kernels (no fused kernels in "
-                                                      "tiller)"),
+    "actor_rollout_ref.actor.use_fused_kernels": noop("verl's copy of model.use_fused_kernels, which tiller reads"),
     "actor_rollout_ref.actor.use_remove_padding": noop(
         "verl's copy of actor_rollout_ref.model.use_remove_padding, which is the key tiller reads (set that one)"),
     # rollout

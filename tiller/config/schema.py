@@ -347,7 +347,11 @@ class ModelConfig:
     use_shm: bool = False
     """verl: copy the model to /dev/shm before loading; tiller loads from model.path."""
     use_fused_kernels: bool = False
-    """verl: fused LM-head + logprob kernels; tiller computes logprobs chunk by chunk from the logits."""
+    """The LM head run with the log-probs and entropy, chunk by chunk, so the [tokens, vocabulary] logits and their
+    gradient never exist whole (verl's fused kernels; tiller.algos.entropy.head_logprobs_and_entropy): actor,
+    reference and old-logprob forwards, in the packed forward (model.use_remove_padding=True) without sequence
+    parallelism, for causal LMs whose head is a plain Linear applied as is (not under FSDP2 sharding); elsewhere the
+    logits are computed whole, said once. Costs the head's matmul once more in the backward."""
     trust_remote_code: bool = False
     """Pass trust_remote_code to from_pretrained."""
     lora_rank: int = 0
@@ -404,7 +408,7 @@ class ModelConfig:
     use_liger: bool = False
     """verl: Liger fused kernels; tiller runs the Hugging Face modelling code."""
     fused_kernel_options: dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
-    """verl: backend of use_fused_kernels (no fused kernels in tiller)."""
+    """verl: backend of use_fused_kernels (tiller has one: torch chunks, compiled by Inductor on CUDA)."""
     tiled_mlp: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "num_shards": 4})
     """verl: tiled MLP to save activation memory; a memory tuning tiller does not have."""
     mtp: MtpConfig = field(default_factory=MtpConfig)
@@ -680,7 +684,7 @@ class ActorConfig:
     """verl: {save_contents, load_contents, async_save}; tiller saves and loads model, optimizer and trainer state
     together, synchronously."""
     use_fused_kernels: bool = False
-    """verl's copy of model.use_fused_kernels (no fused kernels in tiller)."""
+    """verl's copy of model.use_fused_kernels (tiller reads model.use_fused_kernels)."""
     use_remove_padding: bool = False
     """verl's copy of model.use_remove_padding (tiller pads, trimmed per micro-batch)."""
     profiler: dict[str, Any] = field(default_factory=_profiler)
@@ -1138,7 +1142,7 @@ class CriticModelConfig:
     use_fused_kernels: bool = False
     """verl: fused kernels for the critic; none in tiller."""
     fused_kernel_options: dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
-    """verl: backend of use_fused_kernels (no fused kernels in tiller)."""
+    """verl: backend of use_fused_kernels (no fused kernels in tiller's critic)."""
     mtp: MtpConfig = field(default_factory=MtpConfig)
     """verl: multi-token prediction settings copied into the critic's model config; a value model has no MTP."""
 
@@ -1239,7 +1243,7 @@ class RewardModelModelConfig:
     use_shm: bool = False
     """verl: copy the model to /dev/shm before loading; tiller loads from the path."""
     use_fused_kernels: bool = False
-    """verl's copy of actor_rollout_ref.model.use_fused_kernels (no fused kernels in tiller)."""
+    """verl's copy of actor_rollout_ref.model.use_fused_kernels (no fused kernels in tiller's reward model)."""
 
 
 @dataclass

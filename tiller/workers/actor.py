@@ -34,6 +34,7 @@ import contextlib
 import copy
 import inspect
 import json
+import sys
 import time
 from dataclasses import fields as dataclass_fields, replace
 
@@ -42,8 +43,8 @@ import torch
 
 from tiller.algos.aggregate import aggregate_loss
 from tiller.algos.distill import FULL_VOCAB_LOSS_MODES, distillation_loss, gjsd_loss
-from tiller.algos.entropy import (entropy_from_logits, logprobs_and_entropy, logprobs_from_logits,
-                                  sum_pi_squared_from_logits)
+from tiller.algos.entropy import (entropy_from_logits, head_logprobs_and_entropy, logprobs_and_entropy,
+                                  logprobs_from_logits, sum_pi_squared_from_logits)
 from tiller.algos.token_masks import high_entropy_mask, off_policy_sequence_mask
 from tiller.algos.kl import importance_weighted_kl, kl_penalty
 from tiller.algos.policy_losses import (FORCED_LOSS_AGG_MODE, IS_WEIGHTS_INSIDE, bypass_loss_mask, get_policy_loss,
@@ -78,6 +79,7 @@ from tiller.rollout.environments import load_environment, run_env_episodes
 from tiller.rollout.episodes import load_agent_function, rows_from_episodes
 from tiller.rollout.vllm_engine import VLM_REFUSED
 from tiller.workers.common import (
+    Float32Head,
     autocast,
     read_metrics,
     read_update_metrics,
@@ -99,7 +101,8 @@ from tiller.workers.common import (
 )
 from tiller.workers.micro_batches import MicroBatches, lane_rows, split_micro_batches
 from tiller.models.layer_masks import has_recurrent_layers, text_config
-from tiller.workers.packed import PackedRows, enable_checkpointing, packed_response_forward, packs, scatter_rows
+from tiller.workers.packed import (PackedRows, enable_checkpointing, fused_head, packed_response_forward, packs,
+                                  scatter_rows)
 from tiller.workers.ulysses import check_heads, seq_parallel_groups, ulysses_response_forward
 from tiller.workers.prm import ImplicitPRM
 from tiller.workers.router_aux import RouterAux, micro_batch_aux
@@ -241,6 +244,13 @@ class ActorRolloutRefWorker:
         # Ulysses sequence parallelism: groups of ranks split each packed micro-batch (tiller.workers.ulysses)
         self._sp = self._seq_parallel(module) if dist_ctx.is_distributed() else None
         self.sp_size = self._sp.size if self._sp is not None else 1
+        # verl's use_fused_kernels: the LM head run with the log-probs, chunk by chunk (`_fused_head`)
+        self._fused_kernels = bool(arr.model.use_fused_kernels)
+        self._fused_heads: dict[int, tuple | None] = {}
+        if self._fused_kernels and not (self._remove_padding and self._sp is None):
+            print("actor_rollout_ref.model.use_fused_kernels=True: the LM head runs fused with the log-probs in the "
+                  "packed forward without sequence parallelism (model.use_remove_padding=True, "
+                  "ulysses_sequence_parallel_size=1); this run's forwards compute the logits whole", file=sys.stderr)
         self._thread_poll, self._poll_hooks = None, []  # async RL: set_thread_poll
         self._lent_lanes, self._lane_threads, self._in_lanes = 0, None, False  # set_lent_lanes
         refuse_lanes_under_distributed("actor_rollout_ref.actor.update_lanes", self.actor_cfg.update_lanes)
@@ -799,6 +809,20 @@ class ActorRolloutRefWorker:
             return scatter_rows(logits, rows).float() / temperature, t_used
         return logits.view(mb["responses"].shape[0], t_used, logits.shape[-1]).float() / temperature, t_used
 
+    def _fused_head(self, model) -> tuple | None:
+        """(decoder, LM head) of `model` where model.use_fused_kernels runs its head with the log-probs
+        (`tiller.workers.packed.fused_head`, in the packed forward), else None (a model it does not fit: said once)."""
+        if not (self._fused_kernels and self._remove_padding and self._sp is None):
+            return None
+        if id(model) not in self._fused_heads:
+            parts = fused_head(model)
+            if isinstance(parts, str):
+                print(f"actor_rollout_ref.model.use_fused_kernels=True: {parts}; its forwards compute the logits "
+                      "whole", file=sys.stderr)
+                parts = None
+            self._fused_heads[id(model)] = parts
+        return self._fused_heads[id(model)]
+
     def _model_logits(self, model, mb: Batch) -> tuple[torch.Tensor, PackedRows | None, int]:
         """The model's response logits as it computes them (its dtype, no temperature): packed (use_remove_padding):
         ([K, V] of the K response tokens, the `PackedRows` saying where they go, t_used; packed where the batch is, the
@@ -825,11 +849,24 @@ class ActorRolloutRefWorker:
         if self._sp is not None:
             return self._sp_logp_entropy(model, mb, temperature, want_entropy, entropy_grad, sum_pi2_out, logits_out)
         if logits_out is None and sum_pi2_out is None:  # from the model's own logits: no fp32 [B, t, V] copy
+            parts = self._fused_head(model) if "multi_modal_inputs" not in mb else None
             with self._routing_session(mb):
-                logits, rows, t_used = self._model_logits(model, mb)
+                if parts is not None:  # the last hidden states: the head runs with the log-probs
+                    hidden, rows = packed_response_forward(model, mb["input_ids"], mb["attention_mask"],
+                                                           mb["prompts"].shape[1], mb["response_mask"], packed=True,
+                                                           device=self.device, decoder=parts[0])
+                    t_used = rows.t_used
+                else:
+                    logits, rows, t_used = self._model_logits(model, mb)
             labels = mb["responses"][:, :t_used]  # (the packed tokens' labels picked on the host: no sync)
             labels = to_device(labels[rows.keep] if rows is not None else labels.reshape(-1), self.device)
-            logp, entropy = logprobs_and_entropy(logits, labels, temperature, want_entropy, entropy_grad)
+            if parts is not None:
+                head = parts[1]
+                logp, entropy = head_logprobs_and_entropy(hidden, head.weight, head.bias, labels, temperature,
+                                                          want_entropy, entropy_grad,
+                                                          fp32=isinstance(head, Float32Head))
+            else:
+                logp, entropy = logprobs_and_entropy(logits, labels, temperature, want_entropy, entropy_grad)
             shape = (len(mb), t_used)
 
             def place(x):  # [K] or [B * t] -> [B, T]

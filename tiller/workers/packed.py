@@ -44,7 +44,7 @@ from tiller.models import routing
 from tiller.models.layer_masks import RECURRENT_KINDS, has_recurrent_layers, text_config
 from tiller.models.varlen import attention_dtype, uses_varlen, varlen_attention
 from tiller.protocol import to_device
-from tiller.workers.common import position_ids_from_mask, trim_bounds
+from tiller.workers.common import Float32Head, position_ids_from_mask, trim_bounds
 
 IMPL = "tiller_packed"
 """The attention implementation name the packed forward switches the model to while it runs."""
@@ -212,6 +212,30 @@ def pack_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
     return ids[valid][None], position_ids_from_mask(mask)[valid][None], index
 
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config fields of causal LMs whose forward transforms the head's output (Gemma 2 / 3's soft-cap, Cohere's scale,
+Granite's divisor): their logits are not the head's, so their head does not run fused (`fused_head`)."""
+
+
+def fused_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | str:
+    """(the decoder, the LM head) of `model` where its forward is the decoder then the head alone, so the head can run
+    fused with the log-probs (`tiller.algos.entropy.head_logprobs_and_entropy`, verl's use_fused_kernels): a causal
+    LM (a PEFT model's base) whose `.model` holds the decoder layers and whose head is a plain Linear (or a
+    `Float32Head`), not sharded (FSDP2's DTensor) and with no logit transform (`LOGIT_TRANSFORMS`); else why not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, head = getattr(base, "model", None), base.get_output_embeddings()
+    config = text_config(base.config)
+    if decoder is None or not hasattr(decoder, "layers"):
+        return f"{type(base).__name__} has no decoder stack at .model"
+    if type(head) not in (torch.nn.Linear, Float32Head):
+        return f"its LM head is a {type(head).__name__}, not a plain Linear"
+    if any(getattr(config, k, None) not in (None, 1.0) for k in LOGIT_TRANSFORMS):
+        return f"{config.model_type} transforms the head's logits ({', '.join(LOGIT_TRANSFORMS)})"
+    if hasattr(head.weight, "full_tensor"):
+        return "its LM head is sharded (FSDP2)"
+    return decoder, head
+
+
 def head_at(model, keep: torch.Tensor, logits_to_keep: bool = True, **inputs) -> torch.Tensor:
     """`model(**inputs)`'s head output [K, C] at packed positions `keep` [K] (batch 1): through HF's `logits_to_keep`
     where the forward takes it (a causal LM's LM head then runs on those positions only), else the whole output
@@ -274,18 +298,21 @@ def _packed_slots(grid: torch.Tensor, attention_mask: torch.Tensor, prompt_width
 
 def packed_response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                             response_mask: torch.Tensor, logits_to_keep: bool = True, packed: bool = False,
-                            device=None):
+                            device=None, decoder=None):
     """`response_forward`'s contract, packed: (logits [B, t_used, V] over the response slots, t_used); column j
     predicts response token j (a value model: V = 1, the value of the state before token j). input_ids,
     attention_mask [B, P + T]; response_mask [B, T]: on the host (packed there: `pack_to`) or on `device` (default:
     theirs). logits_to_keep: the model's forward takes it (causal LMs). `packed`: (logits [K, V] of the response
-    tokens only, the `PackedRows`: where they go), without the zero-filled [B, t_used, V] tensor."""
+    tokens only, the `PackedRows`: where they go), without the zero-filled [B, t_used, V] tensor. `decoder` (the
+    model's, `fused_head`; with `packed`): its last hidden states [K, E] at those tokens instead of the logits."""
     rows = pack_to(input_ids.device if device is None else device, input_ids, attention_mask, prompt_width,
                    response_mask)
     with attention_switch(model.config, (rows.lengths, rows.cu, max(rows.lengths))), routing.view(
             lambda g: _packed_slots(g, attention_mask, prompt_width, response_mask)):
-        logits = head_at(model, rows.kept, logits_to_keep, input_ids=rows.ids, attention_mask=None,
-                         position_ids=rows.positions, use_cache=False)  # [K, V]
+        inputs = dict(input_ids=rows.ids, attention_mask=None, position_ids=rows.positions, use_cache=False)
+        if decoder is not None:
+            return decoder(**inputs).last_hidden_state[0, rows.kept], rows  # [K, E]
+        logits = head_at(model, rows.kept, logits_to_keep, **inputs)  # [K, V]
     if packed:
         return logits, rows
     return scatter_rows(logits, rows), rows.t_used
