@@ -881,6 +881,21 @@ def c_sampler_speed(a):
     return info
 
 
+@check("fused_head")
+def c_fused_head(a):
+    """bench/fused_head.py: the LM head run with the log-probs (model.use_fused_kernels) against the [K, V] logits
+    made whole, forward + backward with the entropy's gradient: on CUDA 8,192 tokens of Qwen2.5-0.5B's head (E 896,
+    V 151,936) in bf16, seconds and peak memory each way (on a CPU a small shape)."""
+    log = a.out / "fused_head.log"
+    args = (["--device", "cuda", "--dtype", "bfloat16", "--tokens", "8192"] if a.device == "cuda"
+            else ["--tokens", "512", "--vocab", "8192", "--hidden", "64", "--repeats", "1"])
+    code = sh([sys.executable, str(ROOT / "bench" / "fused_head.py"), *args], log, 120)
+    assert code == 0, f"exit {code}: {tail(log, 8)}"
+    row = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")][-1]
+    assert row["fused_largest_vocab_tensor"] < row["unfused_largest_vocab_tensor"], row
+    return row
+
+
 @check("grpo_speed")
 def c_grpo_speed(a):
     """bench/grpo_vs_trl.py: a GRPO step of tiller (graphed + compiled decode, packed update) against TRL's, same
@@ -902,7 +917,7 @@ def c_grpo_speed(a):
 
 CHECKS = [c_env, c_algos, c_native_greedy, c_compiled_decode, c_native_seeded, c_syncs, c_continuous, c_demo, c_rl_gae,
           c_sft, c_async, c_speed, c_graphed_decode, c_packed_update, c_graph_speed, c_mismatch, c_packed_prefill,
-          c_sampler_speed, c_grpo_speed]
+          c_sampler_speed, c_fused_head, c_grpo_speed]
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_run.sh speed    # ~8 min, the GPU to itself: env, graph_speed (0.5B, 256/128 x 256), grpo_speed
 #   bash scripts/gpu_run.sh checks   # ~4.5 min: graphed_decode + mismatch + packed_prefill + sampler_speed |
-#                                    # syncs + packed_update + continuous (in parallel),
+#                                    # syncs + packed_update + continuous + fused_head (in parallel),
 #                                    # then profiles of the compiled graphed step and of a GRPO step's update
 #
 # Wheels the machine lacks are installed from .whl/ (carried; `bash scripts/gpu_wheels.sh` makes it) into /tmp/site
@@ -35,7 +35,8 @@ case "${1:-}" in
     (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/speed \
       --only graphed_decode,mismatch,packed_prefill,sampler_speed \
       > "$OUT/checks_graphs.log" 2>&1) &
-    (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/c2 --only syncs,packed_update,continuous \
+    (timeout 200 python3 scripts/gpu_check.py --device cuda --out /tmp/c2 \
+      --only syncs,packed_update,continuous,fused_head \
       > "$OUT/checks_update.log" 2>&1) &
     wait
     python3 - "$OUT/checks.json" /tmp/speed/gpu_check.json /tmp/c2/gpu_check.json <<'EOF'
