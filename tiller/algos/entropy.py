@@ -225,7 +225,7 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     matmul runs in `head_dtype` (autocast's dtype under autocast, as F.linear would; float32 with `fp32`), the
     weight's gradient summed over the chunks in float32. Neither the logits nor their gradient exists whole: at 32k
     response tokens of a 152k vocabulary that is 10 GB each in bf16, and the micro-batch can grow instead. The price is
-    the head's matmul once more in the backward (its FLOPs are ~2 / 3 more)."""
+    the head's matmul once more in the backward (a third more of the head's FLOPs)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden [N, E], weight [V, E] and labels [N] expected, got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(labels.shape)}")
