@@ -220,6 +220,10 @@ def test_token_masks_map_to_actor_keys(tiny_model_dir, tmp_path):
     assert "actor_rollout_ref.model.lm_head_fp32" not in keys
     keys, _, _ = translate(tiny_model_dir, tmp_path / "h", cast_lm_head_to_fp32=True)  # ScaleRL's fp32 head
     assert keys["actor_rollout_ref.model.lm_head_fp32"] is True
+    assert "actor_rollout_ref.model.use_fused_kernels" not in keys
+    keys, _, _ = translate(tiny_model_dir, tmp_path / "l", use_liger_kernel=True)  # the head fused with the loss
+    assert keys["actor_rollout_ref.model.use_fused_kernels"] is True
+    assert keys["actor_rollout_ref.model.use_remove_padding"] is True
     with pytest.raises(ConfigError, match="load_best_model_at_end=True: refused: tiller's RL trainers keep the last"):
         translate(tiny_model_dir, tmp_path / "b", load_best_model_at_end=True)
 

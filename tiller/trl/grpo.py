@@ -127,6 +127,9 @@ GRPO_RULES: dict[str, Rule] = {
     **RL_SHARED_RULES,
     "cast_lm_head_to_fp32": mapped("actor_rollout_ref.model.lm_head_fp32 (the policy's and the reference's LM head in "
                                    "float32 under bf16)", to("cast_lm_head_to_fp32", bool)),
+    "use_liger_kernel": mapped("actor_rollout_ref.model.use_fused_kernels and model.use_remove_padding (the LM head "
+                               "run with the log-probs chunk by chunk: the logits never whole, what Liger's fused "
+                               "linear GRPO loss saves)", to("use_liger_kernel", bool)),
     "delta": mapped("actor.clip_ratio_c (dual clip; None: off)", _delta),
     "sapo_temperature_neg": mapped("actor.tau_neg (loss_type sapo)", to("sapo_temperature_neg", float)),
     "sapo_temperature_pos": mapped("actor.tau_pos (loss_type sapo)", to("sapo_temperature_pos", float)),
@@ -282,6 +285,9 @@ class GRPOTrainer(TRLRLTrainer):
             keys[f"{actor}.off_policy_mask_threshold"] = float(lg["off_policy_mask_threshold"])
         if lg.get("cast_lm_head_to_fp32"):
             keys["actor_rollout_ref.model.lm_head_fp32"] = True
+        if lg.get("use_liger_kernel"):
+            keys.update({"actor_rollout_ref.model.use_fused_kernels": True,
+                         "actor_rollout_ref.model.use_remove_padding": True})
         return keys
 
 
