@@ -229,18 +229,11 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden [N, E], weight [V, E] and labels [N] expected, got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(labels.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if compiled is None:
-        compiled = compile_logprobs(hidden.device)
-    chunk = chunk_size or (1024 if compiled else 256)
-    _check_chunk(chunk)
+    chunk, compiled = _chunking(hidden.device, temperature, chunk_size, compiled)
     dtype = head_dtype(hidden, weight, fp32)
     logp, ent = _FusedHeadLogProbEntropy.apply(hidden, weight, bias, labels.long(), float(temperature), want_entropy,
                                                chunk, compiled, dtype)
-    if not want_entropy:
-        return logp, None
-    return logp, (ent if entropy_grad else ent.detach())
+    return logp, (None if not want_entropy else ent if entropy_grad else ent.detach())
 
 
 class _FusedHeadLogProbEntropy(torch.autograd.Function):
@@ -317,16 +310,22 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature
     1024 compiled, 256 eager)."""
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"logits [N, V] and labels [N] expected, got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    chunk, compiled = _chunking(logits.device, temperature, chunk_size, compiled)
+    logp, ent = _ChunkedLogProbEntropy.apply(logits, labels.long(), float(temperature), want_entropy, chunk, compiled)
+    return logp, (None if not want_entropy else ent if entropy_grad else ent.detach())
+
+
+def _chunking(device: torch.device, temperature: float, chunk_size: int | None,
+              compiled: bool | None) -> tuple[int, bool]:
+    """(rows a chunk, compiled) of `logprobs_and_entropy` / `head_logprobs_and_entropy`: compiled by default where
+    `compile_logprobs` says, chunks of 1,024 rows compiled and 256 eager; the temperature checked."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if compiled is None:
-        compiled = compile_logprobs(logits.device)
+        compiled = compile_logprobs(device)
     chunk = chunk_size or (1024 if compiled else 256)
     _check_chunk(chunk)
-    logp, ent = _ChunkedLogProbEntropy.apply(logits, labels.long(), float(temperature), want_entropy, chunk, compiled)
-    if not want_entropy:
-        return logp, None
-    return logp, (ent if entropy_grad else ent.detach())
+    return chunk, compiled
 
 
 @torch.no_grad()
