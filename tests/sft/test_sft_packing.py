@@ -135,3 +135,46 @@ def test_packing_is_refused_for_recurrent_layers(layer_kind_dir, tmp_path, capsy
     assert "data.packing=True: model_type 'qwen3_5_text' has recurrent layers (linear_attention)" in \
         capsys.readouterr().err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("loss_kind", ["nll", "dft"])
+def test_use_liger_runs_the_head_with_the_logprobs_and_gives_the_same_step(tiny_model_dir, packing, loss_kind,
+                                                                             monkeypatch, capsys):
+    """model.use_liger: the LM head runs with the log-probs of the labelled tokens only (`head_logprobs_and_entropy`,
+    chunks of 8 here): the step's loss and every gradient (the tied head's too) equal the logits path's, and no tensor
+    over the vocabulary is larger than a chunk's logits (the logits path makes [rows, length, V]); a model it does not
+    fit says so once and computes the logits whole; refused with label smoothing and in the other jobs."""
+    import tiller.trainer.sft as sft_module
+    from tests.trainer.test_packed_forward import _Largest
+    from tiller.algos.entropy import head_logprobs_and_entropy
+    from tiller.config import load_config
+    from tiller.config.jobs import DPOConfig, validate_job
+    from tiller.errors import ConfigError
+
+    monkeypatch.setattr(sft_module, "head_logprobs_and_entropy",
+                        lambda *a, **k: head_logprobs_and_entropy(*a, **k, chunk_size=8))
+    model = load_causal_lm(tiny_model_dir).train()
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    examples = _examples(6, seed=3)
+    runs = []
+    for fused in (False, True):
+        job = SFTJob(0, micro_batch_size=3, packing=packing, pack_length=32, loss_kind=loss_kind, fused_head=fused)
+        seen = []
+        with _Largest(lambda t: t.shape[-1] == vocab and t.shape[-2] != hidden, seen):
+            runs.append((*_loss_and_grads(model, job, examples), max(seen)))
+    (loss_a, grads_a, big_a), (loss_b, grads_b, big_b) = runs
+    assert abs(loss_a - loss_b) < 1e-5 and big_b <= 8 * vocab < big_a
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-4)
+    model.lm_head = torch.nn.Sequential(model.lm_head)  # no plain Linear: the logits path, said once
+    job = SFTJob(0, micro_batch_size=3, fused_head=True)
+    micro = job.micro_batches(examples)[0]
+    job.loss(model, micro, 10.0)
+    job.loss(model, micro, 10.0)
+    assert capsys.readouterr().err.count("model.use_liger=True: its LM head is a Sequential") == 1
+    with pytest.raises(ConfigError, match="label_smoothing"):
+        SFTJob(0, 3, fused_head=True, label_smoothing=0.1)
+    with pytest.raises(ConfigError, match="model.use_liger=True: the LM head run with the log-probs is SFT's"):
+        load_config(["model.partial_pretrain=x", "data.train_files=[y]", "model.use_liger=true"], schema=DPOConfig,
+                    validate=validate_job)

@@ -174,9 +174,11 @@ def test_eos_token_chat_template_path_and_dft_map_to_tiller_keys(tiny_model_dir,
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     trainer = SFTTrainer(model=str(tiny_model_dir), train_dataset=[{"text": "a b"}] * 4, args=SFTConfig(
         output_dir=str(tmp_path / "k"), eos_token="<|endoftext|>", chat_template_path=str(template),
-        loss_type="dft", packing=True, max_length=64, truncation_mode="keep_end", neftune_noise_alpha=5))
+        loss_type="dft", packing=True, max_length=64, truncation_mode="keep_end", neftune_noise_alpha=5,
+        use_liger_kernel=True))
     keys = trainer.tiller_keys()
     assert keys["model.custom_chat_template"] == template.read_text() and keys["model.neftune_noise_alpha"] == 5.0
+    assert keys["model.use_liger"] is True  # the LM head run with the log-probs (Liger's fused linear loss)
     assert keys["algorithm.loss"] == "dft" and keys["data.truncation"] == "left"
     assert keys["data.packing"] is True and keys["data.pack_length"] == 64 and keys["data.max_length"] == 64
     assert load_tokenizer(keys["model.tokenizer_path"]).eos_token == "<|endoftext|>"

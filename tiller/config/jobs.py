@@ -209,6 +209,13 @@ class JobModelConfig:
     """Compile each decoder layer of the trained model with torch.compile (regional compilation, one graph shared by
     every layer: tiller.models.compile; TRL's torch_compile): Inductor fuses the norms, rotary embedding, activation
     and residual adds, forward and backward. A compile that fails warns and runs eagerly."""
+    use_liger: bool = False
+    """SFT (verl's SFT key, TRL's use_liger_kernel): the LM head run with the log-probs of the labelled tokens only,
+    chunk by chunk (tiller.algos.entropy.head_logprobs_and_entropy, not Liger's kernels; what its fused linear
+    cross-entropy saves): the [tokens, vocabulary] logits and their gradient never exist whole, and prompt tokens cost
+    no head matmul. For causal LMs whose head is a plain Linear applied as is (not an FSDP2-sharded one), text rows,
+    no sequence parallelism; elsewhere the logits are computed whole, said once. Refused with
+    model.router_aux_loss_coef, algorithm.label_smoothing and in the other jobs."""
     disable_dropout: bool = False
     """Set every dropout probability of the trained model to 0 (TRL's disable_dropout, its default for DPO / KTO /
     reward models): the policy's log-probs are then those the reference and the loss assume."""
@@ -582,6 +589,9 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError("model.router_aux_loss_coef: the router loss is added in SFT, DPO and KTO (not here)")
     if model.neftune_noise_alpha is not None:
         _positive("model.neftune_noise_alpha", model.neftune_noise_alpha)
+    if model.use_liger and not isinstance(cfg, SFTConfig):
+        raise ConfigError("model.use_liger=True: the LM head run with the log-probs is SFT's (tiller sft); this job "
+                          "computes its logits whole")
     check_quantization(model, "model", model.lora_rank > 0 or bool(model.lora_adapter_path))
     for flag in ("use_rslora", "use_dora", "modules_to_save", "target_parameters"):
         if getattr(model, flag) and not (model.lora_rank > 0 or model.lora_adapter_path):

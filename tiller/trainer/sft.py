@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from typing import Sequence
 
 import torch
 
 from tiller.algos import aggregate_loss, logprobs_and_entropy, sft_token_loss
+from tiller.algos.entropy import head_logprobs_and_entropy
 from tiller.algos.sft import label_smoothed_loss
 from tiller.config import load_config
 from tiller.config.args import add_config_args
@@ -47,6 +49,8 @@ from tiller.models.quant import bnb_config, quantize_after_load
 from tiller.models.quiet import fresh_head
 from tiller.models.vision import is_vision_model, load_processor, vision_tower
 from tiller.trainer.loop import resolve_device, run_training, seed_everything
+from tiller.workers.common import Float32Head
+from tiller.workers.packed import fused_head
 from tiller.workers.ulysses import ulysses_token_forward
 
 
@@ -61,10 +65,17 @@ class SFTJob:
     """Token-mean NLL (or DFT) on response tokens (see the module docstring)."""
 
     def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None,
-                 loss_kind: str = "nll", router_aux_coef: float = 0.0, label_smoothing: float = 0.0):
+                 loss_kind: str = "nll", router_aux_coef: float = 0.0, label_smoothing: float = 0.0,
+                 fused_head: bool = False):
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
         self.packing, self.pack_length, self.loss_kind = packing, pack_length, loss_kind
         self.router_aux_coef, self.label_smoothing = router_aux_coef, label_smoothing
+        if fused_head and (router_aux_coef or label_smoothing):
+            raise ConfigError("model.use_liger=True runs the LM head with the log-probs of the labelled tokens only: "
+                              "not with model.router_aux_loss_coef or algorithm.label_smoothing (they need the "
+                              "model's whole output)")
+        self.fused_head = fused_head  # model.use_liger: the head run with the log-probs (`_fused_loss`)
+        self._head_parts: dict[int, tuple | None] = {}
         self.sp = None  # Ulysses sequence parallelism: this rank's group (set by run_training under torchrun)
 
     def _token_loss(self, logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -73,7 +84,11 @@ class SFTJob:
         return sft_token_loss(logp, self.loss_kind)
 
     def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
-        return make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
+        micros = make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
+        if self.fused_head:  # the labelled positions, found here on the host (on the device: a sync per micro-batch)
+            for micro in micros:
+                micro["label_index"] = (micro["labels"].reshape(-1) != IGNORE).nonzero().squeeze(-1)
+        return micros
 
     def normalizer(self, examples: Sequence[SFTExample]) -> float:
         return float(sum(e.num_loss_tokens for e in examples))
@@ -83,7 +98,14 @@ class SFTJob:
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
         if self.sp is not None:
+            if self.fused_head and not self._head_parts:
+                print("model.use_liger=True: not under sequence parallelism; its forwards compute the logits whole",
+                      file=sys.stderr)
+                self._head_parts[None] = None
             return self._split_loss(model, micro, normalizer)
+        parts = self._fused_parts(model) if "label_index" in micro else None
+        if parts is not None and micro.get("multi_modal") is None:
+            return self._fused_loss(parts, micro, normalizer)
         out = forward_output(model, micro, router_aux=bool(self.router_aux_coef))
         labels = micro["labels"]
         mask = labels != IGNORE
@@ -94,6 +116,35 @@ class SFTJob:
             loss, metrics["aux_loss"] = add_router_aux(loss, out, self.router_aux_coef, mask.sum() / normalizer)
         if self.loss_kind != "nll" or self.label_smoothing:  # the NLL stays reported (perplexity is exp of it)
             metrics["nll"] = aggregate_loss(-logp.detach(), mask, "token-mean", global_tokens=normalizer)
+        return loss, metrics
+
+    def _fused_parts(self, model) -> tuple | None:
+        """(decoder, LM head) where model.use_liger runs the head with the log-probs (`fused_head`), else None: a
+        model it does not fit computes its logits whole, said once."""
+        if id(model) not in self._head_parts:
+            parts = fused_head(model)
+            if isinstance(parts, str):
+                print(f"model.use_liger=True: {parts}; its forwards compute the logits whole", file=sys.stderr)
+                parts = None
+            self._head_parts[id(model)] = parts
+        return self._head_parts[id(model)]
+
+    def _fused_loss(self, parts: tuple, micro: dict[str, torch.Tensor], normalizer: float):
+        """`loss` with the LM head run with the log-probs on the labelled tokens only
+        (`head_logprobs_and_entropy`): the decoder's hidden states at `label_index`, no [tokens, V] logits."""
+        decoder, head = parts
+        index = micro["label_index"]
+        hidden = forward_output(decoder, micro).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        labels = micro["labels"].reshape(-1).index_select(0, index)
+        logp, _ = head_logprobs_and_entropy(hidden, head.weight, head.bias, labels,
+                                            fp32=isinstance(head, Float32Head))
+        logp = logp[None]  # [1, M]: the labelled tokens as one row (a token mean over the step's normalizer)
+        ones = torch.ones_like(logp)
+        loss = aggregate_loss(sft_token_loss(logp, self.loss_kind), ones, "token-mean", global_tokens=normalizer)
+        metrics = {"num_tokens": float(index.numel())}
+        if self.loss_kind != "nll":
+            metrics["nll"] = aggregate_loss(-logp.detach(), ones, "token-mean", global_tokens=normalizer)
         return loss, metrics
 
     def _split_loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
@@ -246,7 +297,7 @@ def train_sft(cfg: SFTConfig) -> dict[str, float]:
                           "whole batch) are not split; set it to 1")
     job = SFTJob(tokenizer.pad_token_id, data.micro_batch_size_per_gpu, data.packing,
                  data.pack_length or default_pack_length(train, data.max_length), cfg.algorithm.loss,
-                 cfg.model.router_aux_loss_coef, cfg.algorithm.label_smoothing)
+                 cfg.model.router_aux_loss_coef, cfg.algorithm.label_smoothing, cfg.model.use_liger)
     return run_training(cfg, job, model, processor or tokenizer, train, val, device=device)
 
 

@@ -129,6 +129,9 @@ SFT_RULES = {
                                    "(False)", lambda v, a: {}),
     "assistant_only_loss": mapped("data.assistant_only_loss (conversations: loss on the assistant turns only)",
                                   lambda v, a: {"data.assistant_only_loss": bool(v)}),
+    "use_liger_kernel": mapped("model.use_liger (the LM head run with the log-probs of the completion tokens, chunk "
+                               "by chunk: the logits never whole, what Liger's fused linear cross-entropy saves)",
+                               lambda v, a: {"model.use_liger": bool(v)}),
     "loss_type": mapped("algorithm.loss: nll | dft", _loss_type),
     "label_smoothing_factor": mapped("algorithm.label_smoothing (transformers' LabelSmoother, which TRL's SFTTrainer "
                                      "applies with loss_type nll; with dft refused)", _label_smoothing),
