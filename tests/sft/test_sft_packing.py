@@ -159,7 +159,7 @@ def test_use_liger_runs_the_head_with_the_logprobs_and_gives_the_same_step(tiny_
     examples = _examples(6, seed=3)
     runs = []
     for fused in (False, True):
-        job = SFTJob(0, micro_batch_size=3, packing=packing, pack_length=32, loss_kind=loss_kind, fused_head=fused)
+        job = SFTJob(0, micro_batch_size=3, packing=packing, pack_length=32, loss_kind=loss_kind, fuse_head=fused)
         seen = []
         with _Largest(lambda t: t.shape[-1] == vocab and t.shape[-2] != hidden, seen):
             runs.append((*_loss_and_grads(model, job, examples), max(seen)))
@@ -168,13 +168,13 @@ def test_use_liger_runs_the_head_with_the_logprobs_and_gives_the_same_step(tiny_
     for name, g in grads_a.items():
         torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-4)
     model.lm_head = torch.nn.Sequential(model.lm_head)  # no plain Linear: the logits path, said once
-    job = SFTJob(0, micro_batch_size=3, fused_head=True)
+    job = SFTJob(0, micro_batch_size=3, fuse_head=True)
     micro = job.micro_batches(examples)[0]
     job.loss(model, micro, 10.0)
     job.loss(model, micro, 10.0)
     assert capsys.readouterr().err.count("model.use_liger=True: its LM head is a Sequential") == 1
     with pytest.raises(ConfigError, match="label_smoothing"):
-        SFTJob(0, 3, fused_head=True, label_smoothing=0.1)
+        SFTJob(0, 3, fuse_head=True, label_smoothing=0.1)
     with pytest.raises(ConfigError, match="model.use_liger=True: the LM head run with the log-probs is SFT's"):
         load_config(["model.partial_pretrain=x", "data.train_files=[y]", "model.use_liger=true"], schema=DPOConfig,
                     validate=validate_job)

@@ -66,15 +66,15 @@ class SFTJob:
 
     def __init__(self, pad_id: int, micro_batch_size: int, packing: bool = False, pack_length: int | None = None,
                  loss_kind: str = "nll", router_aux_coef: float = 0.0, label_smoothing: float = 0.0,
-                 fused_head: bool = False):
+                 fuse_head: bool = False):
         self.pad_id, self.micro_batch_size = pad_id, micro_batch_size
         self.packing, self.pack_length, self.loss_kind = packing, pack_length, loss_kind
         self.router_aux_coef, self.label_smoothing = router_aux_coef, label_smoothing
-        if fused_head and (router_aux_coef or label_smoothing):
+        if fuse_head and (router_aux_coef or label_smoothing):
             raise ConfigError("model.use_liger=True runs the LM head with the log-probs of the labelled tokens only: "
                               "not with model.router_aux_loss_coef or algorithm.label_smoothing (they need the "
                               "model's whole output)")
-        self.fused_head = fused_head  # model.use_liger: the head run with the log-probs (`_fused_loss`)
+        self.fuse_head = fuse_head  # model.use_liger: the head run with the log-probs (`_fused_loss`)
         self._head_parts: dict[int, tuple | None] = {}
         self.sp = None  # Ulysses sequence parallelism: this rank's group (set by run_training under torchrun)
 
@@ -85,7 +85,7 @@ class SFTJob:
 
     def micro_batches(self, examples: Sequence[SFTExample]) -> list[dict[str, torch.Tensor]]:
         micros = make_micro_batches(examples, self.micro_batch_size, self.pad_id, self.packing, self.pack_length)
-        if self.fused_head:  # the labelled positions, found here on the host (on the device: a sync per micro-batch)
+        if self.fuse_head:  # the labelled positions, found here on the host (on the device: a sync per micro-batch)
             for micro in micros:
                 micro["label_index"] = (micro["labels"].reshape(-1) != IGNORE).nonzero().squeeze(-1)
         return micros
@@ -98,7 +98,7 @@ class SFTJob:
 
     def loss(self, model, micro: dict[str, torch.Tensor], normalizer: float):
         if self.sp is not None:
-            if self.fused_head and not self._head_parts:
+            if self.fuse_head and not self._head_parts:
                 print("model.use_liger=True: not under sequence parallelism; its forwards compute the logits whole",
                       file=sys.stderr)
                 self._head_parts[None] = None
