@@ -12,6 +12,7 @@ Letters: `N` packed tokens, `Hq` / `Hk` query / key-value heads, `D` head dim.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -50,6 +51,15 @@ def uses_varlen(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in (torch.float16, torch.bfloat16) and varlen_available(device)
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword names this torch's `varlen_attn` takes (read once: `inspect.signature` costs ~10 us, and the
+    attention runs once per layer per forward)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale,
                      window: int | None = None) -> torch.Tensor:
     """q [N, Hq, D], k / v [N, Hk, D] -> causal attention within each row of `cu`, [N, Hq, D] (each query over its
@@ -58,7 +68,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
 
     global calls
     calls += 1
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_params()
     kw = {"scale": scale}
     if "window_size" in params:
         kw["window_size"] = (-1 if window is None else window - 1, 0)
