@@ -460,7 +460,9 @@ def c_graphed_decode(a):
                 assert g.captures > 0 and g.replays > 0, \
                     f"{name}: no graph captured / replayed ({g.captures}, {g.replays})"
             info[name] = {"rows_equal": same, "max_logprob_err": worst, "captures": g.captures, "replays": g.replays,
-                          "eager_steps": g.eager_steps, "compiled": g._layer is not None}
+                          "eager_steps": g.eager_steps, "compiled": g._layer is not None,
+                          # the step's inputs and tail compiled with the layers (a failed compile: None, said once)
+                          "compiled_edges": [g._inputs is not None, g._tail is not None]}
 
     if graphs:  # bf16 experts (torch's grouped-mm kernel) under graphs: each variant equals itself uncaptured
         model, tok = _load_sharp(_models(a, families=True)["qwen3_moe"], a.device)

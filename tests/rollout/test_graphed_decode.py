@@ -224,9 +224,9 @@ def test_seeded_sampling_repeats_is_batch_independent_and_reports_its_logprobs(s
 
 
 @pytest.mark.skipif(not compiled_decode.available(), reason="needs Inductor's C++ backend (a C++ compiler)")
-def test_compiled_sampler_draws_the_eager_samplers_tokens(sharp_qwen):
-    """The sampler compiled by Inductor (what the graphed step runs on CUDA) draws the eager sampler's tokens with its
-    logprobs (temperature, top-k, top-p and min-p), and a static step that samples through it gives the same rows."""
+def test_compiled_sampler_draws_the_eager_samplers_tokens():
+    """The sampler compiled by Inductor (what the graphed step's tail runs on CUDA) draws the eager sampler's tokens
+    with its logprobs (temperature, top-k, top-p and min-p)."""
     from tiller.rollout.graphed_decode import Sampler, _sample
 
     compiled = torch.compile(_sample, dynamic=True, fullgraph=True)
@@ -238,18 +238,39 @@ def test_compiled_sampler_draws_the_eager_samplers_tokens(sharp_qwen):
         want, got = sampler(logits, keys, counters), compiled(sampler, logits, keys, counters)
     assert got[0].tolist() == want[0].tolist()
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not compiled_decode.available(), reason="needs Inductor's C++ backend (a C++ compiler)")
+def test_compiled_step_edges_equal_the_eager_static_step(sharp_qwen):
+    """The step's edges compiled with its layers (what CUDA runs by default: the inputs with their rotary tables and
+    mask, and the tail: last residual add, final norm, head, sampler, bookkeeping): seeded samples with every filter,
+    their logprobs, and greedy rows ended by stop tokens (lengths set on the device by the compiled tail) equal the
+    eager static step's."""
+    from tiller.rollout.graphed_decode import GraphedDecoder
+
     model, tok = sharp_qwen
     prompts = prompt_ids(tok, MORE_PROMPTS)
     sampled = SamplingParams(n=3, max_new_tokens=10, ignore_eos=True, seed=11, temperature=0.7, top_k=20, top_p=0.9,
                              min_p=0.05)
-    engine = static_engine(model, tok)
-    eager = engine.generate(prompts, sampled)
-    engine._graphed._sample = compiled  # (the sampler's settings above: compiled already)
-    through = engine.generate(prompts, sampled)
-    assert engine._graphed._sample is compiled  # (a failed compile would have dropped it)
-    assert through.response_ids == eager.response_ids
-    for a, b in zip(through.logprobs, eager.logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=12, ignore_eos=True)
+    eager = static_engine(model, tok)
+    want_sampled, want_greedy = eager.generate(prompts, sampled), eager.generate(prompts, greedy)
+    stops = sorted({want_greedy.response_ids[0][4], want_greedy.response_ids[3][6]})
+    stopped = SamplingParams(n=2, do_sample=False, max_new_tokens=12, ignore_eos=True, stop_token_ids=stops)
+    want_stopped = eager.generate(prompts, stopped)
+    assert any(len(r) < 12 for r in want_stopped.response_ids)  # (the stop ids end rows early)
+    engine = static_engine(model, tok, compile_decode=True)
+    engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=2))  # (makes its decoder)
+    edged = GraphedDecoder(engine._fused, engine._graphed.sizes, compile=True, compile_edges=True)
+    assert edged._inputs is not None and edged._tail is not None and edged.table_rope
+    engine._graphed = edged
+    for params, want in ((sampled, want_sampled), (greedy, want_greedy), (stopped, want_stopped)):
+        got = engine.generate(prompts, params)
+        assert got.response_ids == want.response_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    assert engine._graphed is edged and edged.compile_error is None  # (no failed compile fell back to eager)
+    assert edged._tail is not None and edged._inputs is not None and edged.replays == 0 and edged.eager_steps > 0
 
 
 def test_weight_sync_lands_in_the_captured_tensors(sharp_qwen):

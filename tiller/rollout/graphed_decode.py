@@ -41,9 +41,13 @@ cost, not the kernels; eagerly a layer is ~25 kernels (RMSNorm, rotary, residual
 cache write, attention, output matmul, residual, norm, gate-up, SiLU x up, down, residual) is one function compiled
 by Inductor once for any batch and width (`dynamic=True`; the same code for every layer, its weights and cache
 passed in), so the elementwise chains fuse into a few kernels around the matmuls and attention, and the graph
-records those. On CUDA the sampler (its counter hash, filters and draw: ~80 elementwise kernels eagerly) is compiled
-too; the embedding, rotary tables, mask and LM head stay eager (a handful of kernels a step, not per layer). A compile
-that fails warns once and the step runs eagerly (`compile_error`).
+records those. A layer returns its MLP output unadded: the next layer adds it inside its first RMSNorm's kernel
+(vLLM's fused add + RMSNorm), the last one's goes to the tail. On CUDA the step's edges are compiled too: its inputs
+(`step_inputs`: the embedding, rotary cos / sin looked up in tables of every column, the attention mask: one kernel
+on CPU for ~15 eager ops) and its tail (`tail_fn`: the last add with the final norm, the LM head, the sampler's
+counter hash, filters and draw, and the bookkeeping: ~100 one-kernel ops eagerly, a few fused, the bookkeeping one
+kernel writing the recorded tokens in place). A compile that fails warns once and that part runs eagerly
+(`compile_error`).
 
 On a CPU the same step runs eagerly (no capture); tests check it against the eager engine (greedy tokens equal,
 logprobs close), that padding rows change nothing, and that seeded sampling is repeatable and batch-independent,
@@ -188,10 +192,53 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def record_rows(tok, logp, counter, row_id, alive, stop, tokens, out_tokens, out_logp, lengths) -> None:
+    """Record a step's sampled tokens / logprobs [b] at (row_id, counter) [b]; rows that drew a stop id end there
+    (their length set, `alive` cleared); `tokens` [b] (the next step's inputs) becomes `tok`. In place, device only."""
+    out_tokens[row_id, counter] = tok
+    out_logp[row_id, counter] = logp
+    hit = (tok[:, None] == stop[None, :]).any(-1) & alive
+    lengths[row_id] = torch.where(hit, counter + 1, lengths[row_id])
+    alive &= ~hit
+    tokens.copy_(tok)
+
+
+def step_inputs(tokens, positions, start, write, embed_w, cos_table, sin_table, columns, mask_dtype):
+    """The step's inputs from its rows' state [b]: embeddings [b, E], rotary cos / sin [b, 1, D] looked up in tables
+    made once per allocation (`GraphedDecoder._rope_tables`: the model's own rotary embedding at every column), and,
+    with `mask_dtype`, the additive attention mask [b, 1, 1, len(columns)] (0 on each row's live columns [start, write],
+    -inf elsewhere); None for the others' attention. Compiled on CUDA: ~15 one-kernel ops eagerly, a few fused."""
+    x = F.embedding(tokens, embed_w)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    if mask_dtype is None:
+        return x, cos, sin, None
+    live = (columns[None, :] >= start[:, None]) & (columns[None, :] <= write[:, None])
+    return x, cos, sin, torch.zeros_like(live, dtype=mask_dtype).masked_fill(~live, float("-inf"))[:, None, None, :]
+
+
+def tail_fn(eps: float):
+    """The step after the last layer as one function (compiled on CUDA with the layers: eagerly ~25 one-kernel ops a
+    step, plus the sampler's ~80): the last residual add with the final RMSNorm, the LM head, the row counters, the
+    sampler (its settings constants of the compiled graph), `record_rows`, and the positions / write columns
+    advanced; every state tensor [b] updated in place."""
+
+    def tail(sampler, x, delta, norm_w, head_w, head_b, keys, counter, row_id, alive, stop, tokens, positions, write,
+             out_tokens, out_logp, lengths):
+        logits = F.linear(_rms(x + delta, norm_w, eps), head_w, head_b)
+        counter += 1
+        tok, logp = sampler(logits, keys, counter)
+        record_rows(tok, logp, counter, row_id, alive, stop, tokens, out_tokens, out_logp, lengths)
+        positions += 1
+        write += 1
+
+    return tail
+
+
 def layer_step_fn(fused, attention: str = "sdpa"):
     """One decoder layer of the static step as a pure function of tensors (the weights and cache passed in), so a
-    single compiled function serves every layer: (x [b, E], cos / sin [b, 1, D], attn, rows [b], write [b],
-    kc / vc [C, Hk, Lcap, D], then the layer's norm and linear weights) -> x [b, E]; writes the rows' keys / values
+    single compiled function serves every layer: (x [b, E], delta [b, E], cos / sin [b, 1, D], attn, rows [b],
+    write [b], kc / vc [C, Hk, Lcap, D], then the layer's norm and linear weights) -> (x, delta) [b, E] each (the
+    residual stream before and the MLP output to add: `layer_step`); writes the rows' keys / values
     at (rows, write) in kc / vc. `attn` is (mask [b, 1, 1, Lb],) for SDPA (every column < Lb read, masked), or
     (start [b], kv_blocks [b, 1, 1], kv_indices [b, 1, 1, Lb / FLEX_BLOCK]) for FlexAttention: each row reads
     only the 128-column blocks that hold its live columns [start, write] (the block lists are built once a step in
@@ -235,11 +282,14 @@ def layer_step_fn(fused, attention: str = "sdpa"):
         q = q.unsqueeze(2).clone(memory_format=torch.contiguous_format)
         return flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=group > 1)
 
-    def layer_step(x, cos, sin, attn, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w,
-                   down_b, q_norm=None, k_norm=None, post_attn=None, post_mlp=None):
-        """(q_norm, k_norm: Qwen3's per-head norm weights; post_attn, post_mlp: GLM-4's post norm weights; None
-        where the layers have none. gate_up_w None: an experts layer, returned after attention's residual add; its
-        experts block runs after, as the model's module)"""
+    def layer_step(x, delta, cos, sin, attn, rows, write, kc, vc, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w,
+                   down_w, down_b, q_norm=None, k_norm=None, post_attn=None, post_mlp=None):
+        """(delta: the previous layer's MLP output, added here, so the residual add and this layer's first norm are
+        one kernel (vLLM's fused add + RMSNorm); zeros before the first layer. Returns (x, the MLP output), the add
+        left to the next layer or the step's tail. q_norm, k_norm: Qwen3's per-head norm weights; post_attn,
+        post_mlp: GLM-4's post norm weights; None where the layers have none. gate_up_w None: an experts layer,
+        returned after attention's residual add (x only); its experts block runs after, as the model's module)"""
+        x = x + delta
         b = x.shape[0]
         lb = attn[0].shape[-1] if attention == "sdpa" else (
             attn[1].shape[-1] if attention == "triton" else attn[2].shape[-1] * FLEX_BLOCK)
@@ -257,7 +307,7 @@ def layer_step_fn(fused, attention: str = "sdpa"):
             return x
         gate, up = F.linear(_rms(x, ln2, eps_value), gate_up_w).chunk(2, dim=-1)
         mlp = F.linear(act(gate) * up, down_w, down_b)
-        return x + (mlp if post_mlp is None else _rms(mlp, post_mlp, eps_value))
+        return x, (mlp if post_mlp is None else _rms(mlp, post_mlp, eps_value))
 
     def flex_layer_step(*args):
         return layer_step(*args)
@@ -294,7 +344,7 @@ class GraphedDecoder:
 
     def __init__(self, fused, sizes: list[int], kv_block: int = KV_BLOCK, sync_every: int = SYNC_EVERY,
                  capture: bool | None = None, compile: bool = False, attention: str = "sdpa",
-                 compile_sampler: bool | None = None):
+                 compile_edges: bool | None = None):
         if attention not in ATTENTIONS or (attention == "flex" and not compile):
             raise UserError(f"static_attention={attention!r}: choose one of {list(ATTENTIONS)}; 'flex' runs "
                             "compiled only (rollout.enforce_eager=false / compile_decode=true)")
@@ -330,17 +380,29 @@ class GraphedDecoder:
         # True elsewhere runs those steps eagerly (the tests check they leave the wave's rows unchanged)
         self.precapture = self.capture
         self._layer = None  # the compiled layer body, or None: the eager step
-        # the sampler compiled too (with `compile`; by default on CUDA only): its counter hash, filters and draw are
-        # ~80 one-kernel elementwise ops a step eagerly (a 3-layer step: 111 of its 244 ops on CPU), a few fused
-        self._sample = None
-        if compile and (self.device.type == "cuda" if compile_sampler is None else compile_sampler):
-            self._sample = torch.compile(compiled_decode.own_code(_sample), dynamic=True, fullgraph=True)
+        # rotary cos / sin looked up per row in tables of every column (made in `_allocate`) where the model's
+        # rotary embedding depends on the position alone (not dynamic / longrope, whose frequencies follow the
+        # batch's longest position) and the embedding is a plain lookup: ~10 one-kernel ops a step fewer
+        inner = fused.inner
+        self.table_rope = (getattr(inner.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
+                           and type(inner.embed_tokens) is torch.nn.Embedding)
+        self.cos_table = self.sin_table = None
+        # with `compile` (the step's edges by default on CUDA only): its inputs (`step_inputs`) and its tail (final
+        # norm, head, sampler, bookkeeping: `tail_fn`) compiled too, each a few fused kernels for ~120 one-kernel ops
+        # eagerly (a 3-layer step on CPU: 111 of its 244 ops are the sampler's)
+        self._inputs = self._tail = None
         if compile:
             body = layer_step_fn(fused, attention)
             if body is None:
                 self.compile_error = "the layers' norms differ: no shared compiled layer"
             else:
                 self._layer = torch.compile(compiled_decode.own_code(body), dynamic=True, fullgraph=True)
+        if self._layer is not None and (self.device.type == "cuda" if compile_edges is None else compile_edges):
+            if self.table_rope:
+                self._inputs = torch.compile(compiled_decode.own_code(step_inputs), dynamic=True, fullgraph=True)
+            if type(inner.norm) is type(inner.layers[0].input_layernorm):  # (the RMSNorm `_rms` writes out)
+                eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
+                self._tail = torch.compile(compiled_decode.own_code(tail_fn(eps)), dynamic=True, fullgraph=True)
 
     # ------------------------------------------------------------------------------------- storage
     def _ensure(self, rows: int, cols: int, new_tokens: int, stop_ids: list[int]) -> None:
@@ -383,19 +445,42 @@ class GraphedDecoder:
         self.out_logp = torch.zeros((c_out, c_t), dtype=torch.float32, device=dev)
         self.lengths = torch.zeros(c_out, **long)
         self.stop = torch.full((n_stop,), -1, **long)
+        self.zeros = torch.zeros((c_rows, f.inner.embed_tokens.embedding_dim), dtype=self.dtype, device=dev)
         self.cap = (c_rows, c_cols, c_out, c_t)
+        self._rope_tables()
+
+    def _rope_tables(self) -> None:
+        """cos / sin [Lcap, 1, D] of every column as a position, from the model's rotary embedding (what the step
+        would compute for those positions: its output is elementwise in the position), when `table_rope`."""
+        if not self.table_rope:
+            return
+        f = self.fused
+        with torch.no_grad():
+            x = f.inner.embed_tokens(self.columns[:1])
+            cos, sin = f.rope_tables(*f.inner.rotary_emb(x, self.columns[:, None]))
+        if cos.shape[0] != len(self.columns) or cos.dim() != 3:  # (a rotary embedding of another layout: per step)
+            self.table_rope = False
+            return
+        self.cos_table, self.sin_table = cos[:, 0], sin[:, 0]
 
     # ---------------------------------------------------------------------------------- the step body
     def _forward(self, b: int, lb: int) -> torch.Tensor:
         """Rows [:b]: feed their tokens, write their keys / values, attend over columns [:lb]; logits [b, V]."""
+        x, delta = self._hidden(b, lb)
+        f = self.fused
+        return f._apply(f._norm(f.inner.norm, x + delta), f.head)
+
+    def _hidden(self, b: int, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers on rows [:b] (their keys / values written, columns [:lb] read): (x, delta) [b, E],
+        the residual stream before the last MLP output and that output (the final norm's input is their sum)."""
         if self._layer is not None:
             try:
-                return self._forward_compiled(b, lb)
+                return self._hidden_compiled(b, lb)
             except Exception as err:  # Inductor could not compile (or run) the layer here: eager from now on
                 # (re-running the step is safe: its cache writes are the same values at the same columns)
-                self._layer, self.compile_error = None, compile_failure(err)
+                self._layer, self._inputs, self.compile_error = None, None, compile_failure(err)
                 warnings.warn(f"tiller: compiling the decode step's layer failed ({self.compile_error}); the step "
-                              "runs eagerly", stacklevel=3)
+                              "runs eagerly", stacklevel=4)
         f, s = self.fused, self.state
         inner = f.inner
         d, n_q, n_kv = f.head_dim, f.n_q, f.n_kv
@@ -411,9 +496,11 @@ class GraphedDecoder:
 
             def attend(q, k, v):
                 return f.decode_attention(q, k, v, mask)
-        x = inner.embed_tokens(s["tokens"][:b])  # [b, E]
-        cos, sin = f.rope_tables(*inner.rotary_emb(x[:1], s["positions"][:b, None]))  # [b, 1, D]: over the heads
+        x, cos, sin = self._embed(b)
+        delta = None
         for i, layer in enumerate(inner.layers):
+            if delta is not None:
+                x = x + delta
             qkv = f._apply(f._norm(layer.input_layernorm, x), f.qkv[i])
             qk = qkv[:, : (n_q + n_kv) * d].view(b, n_q + n_kv, d)
             if f.qk_norms[i]:  # Qwen3: RMSNorm over each query / key head
@@ -424,71 +511,89 @@ class GraphedDecoder:
             self.vc[i][rows, :, write] = v
             o = attend(q.reshape(b, n_kv, n_q // n_kv, d), self.kc[i][:b, :, :lb], self.vc[i][:b, :, :lb])
             x = f.add_branch(x, f._apply(o.reshape(b, n_q * d), f.o[i]), i, 0)
-            x = f.add_branch(x, f.mlp(f._norm(layer.post_attention_layernorm, x), i), i, 1)
-        return f._apply(f._norm(inner.norm, x), f.head)
+            delta = self._mlp_branch(x, i)
+        return x, delta
 
-    def _forward_compiled(self, b: int, lb: int) -> torch.Tensor:
-        """`_forward` with each layer's body in the compiled `layer_step_fn` (unpacked weights: Inductor traces
-        plain tensors; on CUDA they are the only ones)."""
+    def _embed(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [:b]'s input embeddings [b, E] and rotary cos / sin [b, 1, D] (from the tables where `table_rope`)."""
+        f, s = self.fused, self.state
+        x = f.inner.embed_tokens(s["tokens"][:b])
+        if self.cos_table is not None:
+            positions = s["positions"][:b]
+            return x, self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        return (x, *f.rope_tables(*f.inner.rotary_emb(x[:1], s["positions"][:b, None])))  # [b, 1, D]: over heads
+
+    def _mlp_branch(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer i's MLP (or experts block) output on the residual stream x, post-normed where the layer has post
+        norms (GLM-4): what its residual add adds."""
+        f = self.fused
+        out = f.mlp(f._norm(f.inner.layers[i].post_attention_layernorm, x), i)
+        post = f.post_norms[i]
+        return f._norm(post[1], out) if post else out
+
+    def _hidden_compiled(self, b: int, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_hidden` with each layer's body in the compiled `layer_step_fn` (unpacked weights: Inductor traces
+        plain tensors; on CUDA they are the only ones) and its inputs in the compiled `step_inputs` (CUDA)."""
         f, s = self.fused, self.state
         inner = f.inner
-        write, rows = s["write"][:b], self.arange[:b]
+        write, rows, start = s["write"][:b], self.arange[:b], s["start"][:b]
+        attn = None
+        if self._inputs is not None and self.cos_table is not None:
+            x, cos, sin, mask = self._inputs(s["tokens"][:b], s["positions"][:b], start, write,
+                                             inner.embed_tokens.weight, self.cos_table, self.sin_table,
+                                             self.columns[:lb], self.dtype if self.attention == "sdpa" else None)
+            attn = None if mask is None else (mask,)
+        else:
+            x, cos, sin = self._embed(b)
         if self.attention == "flex":  # each row's live blocks: first .. last, then repeats of the last (unread)
-            first, last, nb = s["start"][:b] // FLEX_BLOCK, write // FLEX_BLOCK, lb // FLEX_BLOCK
+            first, last, nb = start // FLEX_BLOCK, write // FLEX_BLOCK, lb // FLEX_BLOCK
             blocks = torch.minimum(first[:, None] + self.columns[:nb][None, :], last[:, None])
-            attn = (s["start"][:b], (last - first + 1).to(torch.int32)[:, None, None],
-                    blocks.to(torch.int32)[:, None, None, :])
+            attn = (start, (last - first + 1).to(torch.int32)[:, None, None], blocks.to(torch.int32)[:, None, None, :])
         elif self.attention == "triton":
-            attn = (s["start"][:b], self.columns[:lb])
-        else:  # an additive mask in the cache's dtype, made once a step (a bool mask: SDPA converts it in every layer)
-            cols = self.columns[:lb]
-            live = (cols[None, :] >= s["start"][:b, None]) & (cols[None, :] <= write[:, None])
+            attn = (start, self.columns[:lb])
+        elif attn is None:  # an additive mask in the cache's dtype, made once a step (a bool mask: SDPA converts it
+            cols = self.columns[:lb]  # in every layer)
+            live = (cols[None, :] >= start[:, None]) & (cols[None, :] <= write[:, None])
             attn = (torch.zeros(live.shape, dtype=self.dtype, device=self.device).masked_fill_(~live, float("-inf"))
                     [:, None, None, :],)
-        x = inner.embed_tokens(s["tokens"][:b])
-        cos, sin = f.rope_tables(*inner.rotary_emb(x[:1], s["positions"][:b, None]))
+        delta = self.zeros[:b]
         for i, layer in enumerate(inner.layers):
             extra = [n.weight for n in f.qk_norms[i]] or [None, None]
             extra += [n.weight for n in f.post_norms[i]] or [None, None]
             dense = f.gate_up[i] is not None  # else an experts layer: its block runs as the model's module
-            x = self._layer(x, cos, sin, attn, rows, write, self.kc[i], self.vc[i], layer.input_layernorm.weight,
-                            f.qkv[i][0], f.qkv[i][1], f.o[i][0], f.o[i][1], layer.post_attention_layernorm.weight,
-                            *(f.gate_up[i][0], f.down[i][0], f.down[i][1]) if dense else (None, None, None), *extra)
-            if not dense:
-                x = f.add_branch(x, f.mlp(f._norm(layer.post_attention_layernorm, x), i), i, 1)
-        return f._apply(f._norm(inner.norm, x), f.head)
+            out = self._layer(x, delta, cos, sin, attn, rows, write, self.kc[i], self.vc[i],
+                              layer.input_layernorm.weight, f.qkv[i][0], f.qkv[i][1], f.o[i][0], f.o[i][1],
+                              layer.post_attention_layernorm.weight,
+                              *(f.gate_up[i][0], f.down[i][0], f.down[i][1]) if dense else (None, None, None), *extra)
+            x, delta = out if dense else (out, self._mlp_branch(out, i))
+        return x, delta
 
     def _record(self, b: int, tokens: torch.Tensor, logp: torch.Tensor) -> None:
         """Record rows [:b]'s sampled tokens at their counters; stop rows that drew a stop token (device only)."""
         s = self.state
-        row_id, counter = s["row_id"][:b], s["counter"][:b]
-        self.out_tokens[row_id, counter] = tokens
-        self.out_logp[row_id, counter] = logp
-        hit = (tokens[:, None] == self.stop[None, :]).any(-1) & self.alive[:b]
-        self.lengths[row_id] = torch.where(hit, counter + 1, self.lengths[row_id])
-        self.alive[:b] &= ~hit
-        s["tokens"][:b] = tokens
+        record_rows(tokens, logp, s["counter"][:b], s["row_id"][:b], self.alive[:b], self.stop, s["tokens"][:b],
+                    self.out_tokens, self.out_logp, self.lengths)
 
     def _step(self, b: int, lb: int, sampler: Sampler) -> None:
         """One decode step of rows [:b], everything in place in the static buffers (what a graph records)."""
         s = self.state
-        logits = self._forward(b, lb)
+        x, delta = self._hidden(b, lb)
+        f = self.fused
+        if self._tail is not None:
+            try:
+                self._tail(sampler, x, delta, f.inner.norm.weight, f.head[0], f.head[1], s["keys"][:b],
+                           s["counter"][:b], s["row_id"][:b], self.alive[:b], self.stop, s["tokens"][:b],
+                           s["positions"][:b], s["write"][:b], self.out_tokens, self.out_logp, self.lengths)
+                return
+            except Exception as err:  # (it failed before changing any state: the tail runs eagerly below)
+                self._tail = None
+                warnings.warn(f"tiller: compiling the decode step's tail (norm, head, sampler) failed "
+                              f"({compile_failure(err)}); it runs eagerly", stacklevel=3)
+        logits = f._apply(f._norm(f.inner.norm, x + delta), f.head)
         s["counter"][:b] += 1
-        self._record(b, *self._draw(sampler, logits, s["keys"][:b], s["counter"][:b]))
+        self._record(b, *sampler(logits, s["keys"][:b], s["counter"][:b]))
         s["positions"][:b] += 1
         s["write"][:b] += 1
-
-    def _draw(self, sampler: Sampler, logits: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor):
-        """`sampler` on the step's logits: compiled where `_sample` is (a failed compile warns once and draws
-        eagerly from then on; the same math either way)."""
-        if self._sample is not None:
-            try:
-                return self._sample(sampler, logits, keys, counters)
-            except Exception as err:
-                self._sample = None
-                warnings.warn(f"tiller: compiling the decode step's sampler failed ({compile_failure(err)}); "
-                              "it samples eagerly", stacklevel=3)
-        return sampler(logits, keys, counters)
 
     def run_step(self, b: int, lb: int, sampler: Sampler) -> None:
         """One decode step of rows [:b] over columns [:lb] (`_run`)."""
@@ -588,7 +693,7 @@ class GraphedDecoder:
         s["start"][:rows] = width - prompt_len
         s["write"][:rows] = width
         self.alive[:rows] = True
-        self._record(rows, *self._draw(sampler, first_logits, s["keys"][:rows], s["counter"][:rows]))
+        self._record(rows, *sampler(first_logits, s["keys"][:rows], s["counter"][:rows]))
 
     def decode(self, rows: int, width: int, new_tokens: int, sampler: Sampler, compact_fraction: float) -> None:
         """Decode tokens 1 .. new_tokens - 1 of the wave set up by `start_wave`, compacting finished rows away."""
@@ -650,6 +755,9 @@ class SlotStep(GraphedDecoder):
         self.state = {name: torch.zeros(slots, **long) for name in ("tokens", "positions", "write", "start")}
         self.arange = torch.arange(slots, **long)
         self.columns = torch.arange(cols, **long)
+        self.zeros = torch.zeros((slots, text_config(self.fused.model).hidden_size), dtype=self.dtype,
+                                 device=self.device)
+        self.cos_table = self.sin_table = None  # (a served row's position may pass its column: rope per step)
         self.logits = None
         self._bound = ident
 
