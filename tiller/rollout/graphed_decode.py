@@ -445,12 +445,12 @@ class GraphedDecoder:
         self.out_logp = torch.zeros((c_out, c_t), dtype=torch.float32, device=dev)
         self.lengths = torch.zeros(c_out, **long)
         self.stop = torch.full((n_stop,), -1, **long)
-        self.zeros = torch.zeros((c_rows, f.inner.embed_tokens.embedding_dim), dtype=self.dtype, device=dev)
+        self.zeros = torch.zeros((c_rows, text_config(f.model).hidden_size), dtype=self.dtype, device=dev)
         self.cap = (c_rows, c_cols, c_out, c_t)
         self._rope_tables()
 
     def _rope_tables(self) -> None:
-        """cos / sin [Lcap, 1, D] of every column as a position, from the model's rotary embedding (what the step
+        """cos / sin [Lcap, D] of every column as a position, from the model's rotary embedding (what the step
         would compute for those positions: its output is elementwise in the position), when `table_rope`."""
         if not self.table_rope:
             return
