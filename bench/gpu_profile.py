@@ -7,7 +7,8 @@ Prints (and writes to `DIR/profile.json`): wall seconds of one `generate`, the G
 time summed), kernel launches and graph launches per decode step, host syncs (`cudaStreamSynchronize` /
 `cudaDeviceSynchronize`), the top kernels by GPU time (calls, us a call); and the decode steps alone, as this
 `generate` minus one of a single token (the prefill): `step_wall_ms` (unprofiled), `step_gpu_ms` (kernel time) and
-`step_kernels` a step, so a step's wall time splits into the GPU's work and what is not (launch gaps, the host).
+`step_kernels` a step, so a step's wall time splits into the GPU's work and what is not (launch gaps, the host),
+and `step_kernels_by_calls` (each kernel's launches a decode step, the most frequent first).
 `DIR/profile.txt` holds torch's table. The first `generate` (captures, compiles) is untimed. `--engine` picks
 another row of `bench/rollout.py`'s ENGINES (`native` is the eager engine). On `--device cpu` the 2M model runs (to
 test this script).
@@ -110,6 +111,11 @@ def main() -> int:
             "memcpy_calls": count("cudaMemcpyAsync"),
             "top_kernels": [{"name": e.key[:120], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 3),
                              "us_per_call": round(e.self_device_time_total / max(1, e.count), 2)} for e in top]}
+    # what a decode step's kernels are: each kernel's calls a step (this generate's minus the 1-token one's), the
+    # most frequent first: a step's ~500 kernels by name, for the next fusion
+    one_calls = {e.key: e.count for e in totals(one_events)[0]}
+    per_step = sorted(((e.key, (e.count - one_calls.get(e.key, 0)) / decode_steps) for e in dev), key=lambda kv: -kv[1])
+    info["step_kernels_by_calls"] = [{"name": k[:100], "per_step": round(c, 2)} for k, c in per_step[:40] if c > 0]
     if graphed is not None:
         info["graphs"] = {"captures": graphed.captures, "replays": graphed.replays, "eager": graphed.eager_steps,
                           "capture_error": graphed.capture_error, "compile_error": graphed.compile_error}
