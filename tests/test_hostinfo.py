@@ -297,6 +297,25 @@ def test_env_plain_output_has_the_lines(capsys):
     assert bf16_decision().reason in out and "GFLOP/s (1 thread)" in out
 
 
+def test_env_names_the_gpu_path_where_there_is_a_gpu():
+    """With a CUDA device `tiller env` says what decides the GPU path (torch's CUDA, Triton, varlen attention);
+    without one it prints no such line."""
+    from tiller.env_cli import format_facts
+
+    facts = hostinfo.host_facts(measure=False)
+    assert facts["torch_cuda"] == torch.version.cuda and isinstance(facts["varlen_attention"], bool)
+    assert "gpu path" not in format_facts({**facts, "cuda_devices": []})
+    gpu = {**facts, "cuda_devices": [{"index": 0, "name": "NVIDIA H200", "memory_gb": 139.8, "capability": "9.0"}],
+           "torch_cuda": "13.0", "varlen_attention": True}
+    lines = dict(line.split("  ", 1) for line in format_facts({**gpu, "triton_version": "3.6.0"}).splitlines())
+    assert lines["cuda"].strip() == "0: NVIDIA H200 140 GiB (sm 9.0)"
+    assert lines["gpu path"].strip() == ("torch CUDA 13.0; decode in CUDA graphs of Inductor-compiled layers (Triton "
+                                         "3.6.0); torch's varlen attention (packed update and prefill)")
+    plain = format_facts({**gpu, "triton_version": None, "varlen_attention": False})
+    assert "eager layers (Triton not installed: `pip install triton` compiles them)" in plain
+    assert "padded prefill, per-row packed attention" in plain
+
+
 def test_host_facts_without_measuring_has_the_same_keys(monkeypatch):
     monkeypatch.setenv("TILLER_EXPERTS_KERNEL", "0")
     monkeypatch.delenv("TILLER_DECODE_KERNEL", raising=False)

@@ -19,6 +19,16 @@ def _rate(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.1f} GFLOP/s"
 
 
+def gpu_path(facts: dict) -> str:
+    """What the native engine and the update do on this machine's GPU, from `host_facts()` (the `gpu path` line)."""
+    triton = facts["triton_version"]
+    decode = (f"decode in CUDA graphs of Inductor-compiled layers (Triton {triton})" if triton else  # (the default)
+              "decode in CUDA graphs of eager layers (Triton not installed: `pip install triton` compiles them)")
+    packed = ("torch's varlen attention (packed update and prefill)" if facts["varlen_attention"] else
+              "no torch varlen attention (this torch predates it: padded prefill, per-row packed attention)")
+    return f"torch CUDA {facts['torch_cuda']}; {decode}; {packed}"
+
+
 def format_facts(facts: dict) -> str:
     """The plain-text report of `host_facts()`: one `name  value` line per fact."""
     rows: list[tuple[str, str]] = []
@@ -54,6 +64,8 @@ def format_facts(facts: dict) -> str:
     cuda = facts["cuda_devices"]
     rows.append(("cuda", "; ".join(f"{d['index']}: {d['name']} {d['memory_gb']:.0f} GiB (sm {d['capability']})"
                                    for d in cuda) or "none"))
+    if cuda:
+        rows.append(("gpu path", gpu_path(facts)))
     env = facts["speed_env"]
     rows.append(("env", " ".join(f"{k}={v}" for k, v in env.items()) or "no speed-related variables set"))
     width = max(len(name) for name, _ in rows)

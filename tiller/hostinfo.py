@@ -21,6 +21,7 @@ Only the standard library and torch are imported here.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import platform
@@ -438,6 +439,11 @@ def host_facts(measure: bool = True) -> dict:
         "mem_total_gb": mem_total_gb(),
         "disk_free_gb": round(shutil.disk_usage(os.getcwd()).free / 2**30, 2),
         "cuda_devices": cuda_devices(),
+        # what decides the GPU path: torch's CUDA build, Triton (Inductor's GPU backend: compiled decode layers
+        # inside the CUDA graphs), torch's varlen attention (the packed update and prefill)
+        "torch_cuda": torch.version.cuda,
+        "triton_version": package_version("triton"),
+        "varlen_attention": importlib.util.find_spec("torch.nn.attention.varlen") is not None,
         "speed_env": {k: os.environ[k] for k in SPEED_ENV_VARS if k in os.environ},
     }
     if facts["tiller_version"] is None:  # running from a source tree that was never pip-installed
