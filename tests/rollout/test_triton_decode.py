@@ -57,6 +57,19 @@ def test_kernel_equals_masked_sdpa_over_live_columns():
             got = torch.ops.tiller.decode_attention_live(q, k, v, start, end, dim ** -0.5)
             assert td.splits_for(b, hk, cols)[0] > 1 or cols <= 64
             worst = max(worst, float((got - want).abs().max()))
+        singles = 0
+        for target in (td.TARGET_PROGRAMS, 1):  # also every shape in one split (256 rows of 2 heads run so):
+            td.TARGET_PROGRAMS = target  # the first kernel writes the output, no merge
+            for b, hk, group, dim, cols in [(3, 2, 7, 64, 200), (4, 1, 3, 48, 64)]:
+                q = torch.randn(b, hk, group, dim, generator=g)
+                k, v = torch.randn(b, hk, cols, dim, generator=g), torch.randn(b, hk, cols, dim, generator=g)
+                start = torch.randint(0, cols // 2, (b,), generator=g)
+                end = torch.minimum(start + torch.randint(0, cols, (b,), generator=g), torch.tensor(cols - 1))
+                want = td.reference(q, k, v, start, end, dim ** -0.5)
+                got = torch.ops.tiller.decode_attention_live(q, k, v, start, end, dim ** -0.5)
+                singles += td.splits_for(b, hk, cols)[0] == 1
+                worst = max(worst, float((got - want).abs().max()))
+        assert singles == 3, singles
         print(worst)
     """)
     assert float(out.split()[-1]) < 1e-5

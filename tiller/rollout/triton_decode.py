@@ -6,7 +6,8 @@ its kernel is a prefill kernel run with one query position. Here each program ta
 the columns): it loads the group's query heads once (GQA: the G query heads that share a KV head are the rows of
 one `tl.dot`), then walks only the 64-column blocks that hold the row's live columns [start, end] inside its split
 (a loop with bounds read from the device, so a short row costs little and nothing is read past `end`), keeping an
-online softmax (running max, sum and weighted values in fp32). A second small kernel merges the splits. The grid
+online softmax (running max, sum and weighted values in fp32). A second small kernel merges the splits (none
+when the grid needs one split, e.g. 256 rows of 2 KV heads: the first kernel writes the output). The grid
 depends only on (rows, columns), so a CUDA graph captures it once per bucket; nothing syncs with the host.
 
 Tensors: q [b, Hk, G, D]; the cache [>= b, Hk, L, D] (last dim contiguous; batch row i is cache row i); start / end
@@ -51,10 +52,10 @@ def splits_for(rows: int, kv_heads: int, columns: int) -> tuple[int, int]:
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                        s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, n_splits,
+    def _partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, scale,
+                        s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_og, n_splits,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -86,10 +87,15 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
             n0 += BLOCK
-        base = (b * tl.num_programs(1) + h) * n_splits + s
-        tl.store(m_ptr + base * G_PAD + g, m)
-        tl.store(l_ptr + base * G_PAD + g, l_sum)
-        tl.store(acc_ptr + (base * G_PAD + g[:, None]) * D_PAD + d[None, :], acc)
+        if SINGLE:  # one split: the output itself (no partials to merge, no second kernel)
+            out = acc / l_sum[:, None]
+            tl.store(o_ptr + b * s_ob + h * s_oh + g[:, None] * s_og + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=(g[:, None] < G) & (d[None, :] < D))
+        else:
+            base = (b * tl.num_programs(1) + h) * n_splits + s
+            tl.store(m_ptr + base * G_PAD + g, m)
+            tl.store(l_ptr + base * G_PAD + g, l_sum)
+            tl.store(acc_ptr + (base * G_PAD + g[:, None]) * D_PAD + d[None, :], acc)
 
     @triton.jit
     def _merge_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, s_ob, s_oh, s_og,
@@ -125,15 +131,19 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tens
     g_pad, d_pad = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(dim))
     q = q.contiguous()
     out = torch.empty_like(q)
+    single = n_splits == 1  # (a grid of rows x heads >= TARGET_PROGRAMS, or one block: 256 rows of Qwen2.5's 2 heads)
     f32 = dict(dtype=torch.float32, device=q.device)
-    m = torch.empty((b, hk, n_splits, g_pad), **f32)
-    l_sum = torch.empty((b, hk, n_splits, g_pad), **f32)
-    acc = torch.empty((b, hk, n_splits, g_pad, d_pad), **f32)
+    shape = (b, hk, n_splits, g_pad) if not single else (1,)  # (one split: the partials are never written)
+    m, l_sum = torch.empty(shape, **f32), torch.empty(shape, **f32)
+    acc = torch.empty((*shape, d_pad) if not single else (1,), **f32)
     _partial_kernel[(b, hk, n_splits)](
-        q, k, v, start, end, m, l_sum, acc, scale, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), n_splits,
+        q, k, v, start, end, m, l_sum, acc, out, scale, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), n_splits,
         G=group, G_PAD=g_pad, D=dim, D_PAD=d_pad, SPLIT=per, BLOCK=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # (fp32: no TF32 rounding of the scores)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SINGLE=single)  # (fp32: no TF32 score rounding)
+    if single:
+        return out
     _merge_kernel[(b, hk)](m, l_sum, acc, out, out.stride(0), out.stride(1), out.stride(2),
                            G=group, G_PAD=g_pad, D=dim, D_PAD=d_pad, n_splits=n_splits,
                            S_PAD=triton.next_power_of_2(n_splits))
