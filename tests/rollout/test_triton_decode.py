@@ -61,7 +61,9 @@ def test_kernel_equals_masked_sdpa_over_live_columns():
         for target in (td.TARGET_PROGRAMS, 1):  # also every shape in one split (256 rows of 2 heads run so):
             td.TARGET_PROGRAMS = target  # the first kernel writes the output, no merge
             for b, hk, group, dim, cols in [(3, 2, 7, 64, 200), (4, 1, 3, 48, 64)]:
-                q = torch.randn(b, hk, group, dim, generator=g)
+                # q a view as the step passes it: the query heads of a [b, Hq + Hk, D] rotary output
+                q = torch.randn(b, hk * group + hk, dim, generator=g)[:, : hk * group].reshape(b, hk, group, dim)
+                assert not q.is_contiguous()
                 k, v = torch.randn(b, hk, cols, dim, generator=g), torch.randn(b, hk, cols, dim, generator=g)
                 start = torch.randint(0, cols // 2, (b,), generator=g)
                 end = torch.minimum(start + torch.randint(0, cols, (b,), generator=g), torch.tensor(cols - 1))

@@ -129,8 +129,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tens
     columns = k.shape[2]
     n_splits, per = splits_for(b, hk, columns)
     g_pad, d_pad = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(dim))
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(-1) != 1:  # (the step's q is a view of the rotary output, its last dim contiguous: read as it is,
+        q = q.contiguous()  # no copy kernel)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     single = n_splits == 1  # (a grid of rows x heads >= TARGET_PROGRAMS, or one block: 256 rows of Qwen2.5's 2 heads)
     f32 = dict(dtype=torch.float32, device=q.device)
     shape = (b, hk, n_splits, g_pad) if not single else (1,)  # (one split: the partials are never written)
@@ -161,7 +162,7 @@ def decode_attention_live(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
 
 @decode_attention_live.register_fake
 def _(q, k, v, start, end, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # (contiguous, as the kernel's output)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
