@@ -80,12 +80,14 @@ def test_kernel_equals_masked_sdpa_over_live_columns():
 @needs_triton
 def test_static_step_with_the_triton_kernel_equals_the_eager_engine(tiny_model_dir):
     """The static decode step with static_attention="triton" (eager layers, and layers compiled by Inductor's C++
-    backend with the kernel an opaque custom op inside) gives the eager engine's greedy rows and logprobs, with a
-    prompt that starts past the first block and rows of different lengths."""
+    backend with the kernel an opaque custom op inside, then with the step's inputs and tail compiled too) gives the
+    eager engine's greedy rows and logprobs, with a prompt that starts past the first block and rows of different
+    lengths."""
     out = interpret(f"""
         import torch
         from tests.rollout.conftest import load, prompt_ids, PROMPTS
         from tiller.rollout import build_rollout_engine, SamplingParams, compiled_decode
+        from tiller.rollout.graphed_decode import GraphedDecoder
         model, tok = load({str(tiny_model_dir)!r}, sharpen=0.1)
         prompts = [prompt_ids(tok, ["The cat sat on the mat and " * 12])[0][:70], *prompt_ids(tok, PROMPTS[:2])]
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=4, ignore_eos=True)
@@ -95,6 +97,11 @@ def test_static_step_with_the_triton_kernel_equals_the_eager_engine(tiny_model_d
                                           static_attention="triton")
             got = engine.generate(prompts, greedy)
             assert engine._graphed.attention == "triton" and engine._graphed.compile_error is None
+            if compiled:  # and the step's edges compiled too, as CUDA runs it (inputs without a mask, the tail)
+                engine._graphed = GraphedDecoder(engine._fused, engine._graphed.sizes, compile=True,
+                                                 attention="triton", compile_edges=True)
+                got = engine.generate(prompts, greedy)
+                assert engine._graphed._inputs is not None and engine._graphed._tail is not None
             assert got.response_ids == eager.response_ids, (got.response_ids, eager.response_ids)
             err = max(abs(a - b) for x, y in zip(got.logprobs, eager.logprobs) for a, b in zip(x, y))
             print(compiled, err)
