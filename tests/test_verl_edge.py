@@ -17,6 +17,7 @@ from tiller.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "data" / "verl_scripts"
+BASE = ["actor_rollout_ref.model.path=/m", "data.train_files=[/t.parquet]"]
 
 
 def test_every_key_has_a_reader_or_a_declared_state():
@@ -156,3 +157,38 @@ def test_one_verl_script_through_the_command_line():
     assert cfg["actor_rollout_ref"]["actor"]["use_dynamic_bsz"] is True
     assert cfg["actor_rollout_ref"]["rollout"]["log_prob_use_dynamic_bsz"] is True
     assert "accepted with no effect here" in proc.stderr and "ulysses_sequence_parallel_size=8" in proc.stderr
+
+
+def test_compute_dtype_left_unset_follows_the_device_and_verls_mixed_precision(capsys):
+    """actor / critic dtype unset: bf16 on a GPU (verl's FSDP mixed precision), fp32 on a CPU; a role's
+    fsdp_config.mixed_precision.param_dtype sets it; a given dtype wins and must agree with it; fp16 and unknown keys
+    are refused by name; a reduce dtype other than fp32 loads (verl's Qwen3-Next example) with a no-effect line.
+    `tiller sft` likewise."""
+    from tiller.config.jobs import SFTConfig, validate_job
+
+    def dtypes(*extra):
+        cfg = load_config([*BASE, *extra])
+        return cfg.actor_rollout_ref.actor.dtype, cfg.critic.dtype
+
+    assert dtypes() == ("float32", "float32")
+    assert dtypes("trainer.device=cuda") == ("bfloat16", "bfloat16")
+    assert dtypes("trainer.device=cuda", "actor_rollout_ref.actor.dtype=float32") == ("float32", "bfloat16")
+    assert dtypes("trainer.device=cuda", "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+                  "+critic.model.fsdp_config.mixed_precision.param_dtype=fp32") == ("float32", "float32")
+    assert dtypes("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+                  "actor_rollout_ref.actor.dtype=bf16") == ("bf16", "float32")
+    for extra, match in (
+            (["actor_rollout_ref.actor.dtype=float32", "+actor_rollout_ref.actor.fsdp_config.mixed_precision."
+              "param_dtype=bf16"], "actor.dtype='float32' contradicts its fsdp_config.mixed_precision.param_dtype"),
+            (["+critic.fsdp.mixed_precision.param_dtype=fp16"], r"critic.fsdp.mixed_precision.param_dtype='fp16'"),
+            (["+actor_rollout_ref.actor.fsdp_config.mixed_precision.cast=1"], "mixed_precision.cast: not a mixed")):
+        with pytest.raises(ConfigError, match=match):
+            dtypes(*extra)
+    capsys.readouterr()
+    assert dtypes("trainer.device=cuda", "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16") \
+        == ("bfloat16", "bfloat16")
+    assert "mixed_precision.reduce_dtype='bf16' (tiller reduces gradients" in capsys.readouterr().err
+    job = ["model.partial_pretrain=/m", "data.train_files=[/t.jsonl]"]
+    sft = [load_config([*job, *extra], schema=SFTConfig, validate=validate_job).optim.dtype
+           for extra in ([], ["trainer.device=cuda"], ["trainer.device=cuda", "optim.dtype=float32"])]
+    assert sft == ["float32", "bfloat16", "float32"]

@@ -179,6 +179,16 @@ for _key in ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
              "disable_log_stats"):
     RULES[f"actor_rollout_ref.rollout.{_key}"] = noop(_VLLM, _vllm, "rollout.name=vllm")
+_MIXED_PRECISION = ("verl's FSDP mixed precision {param_dtype, reduce_dtype, buffer_dtype}: param_dtype (bf16 / fp32) "
+                    "is the role's compute dtype when {role}.dtype is unset (tiller keeps fp32 master weights and "
+                    "computes under autocast, as verl's bf16 params over fp32 shards); reduce_dtype and buffer_dtype: "
+                    "tiller reduces gradients and keeps buffers in fp32 (another value is said to have no effect)")
+for _key, _role in (("actor_rollout_ref.actor.fsdp_config.mixed_precision", "actor_rollout_ref.actor"),
+                    ("critic.model.fsdp_config.mixed_precision", "critic"), ("critic.fsdp.mixed_precision", "critic")):
+    RULES[_key] = Rule(HONOURED, _MIXED_PRECISION.replace("{role}", _role))
+RULES["actor_rollout_ref.ref.fsdp_config.mixed_precision"] = noop(
+    "the reference runs in the actor's worker, in actor_rollout_ref.actor.dtype (set it, or the actor's "
+    "fsdp_config.mixed_precision.param_dtype)")
 RULES["actor_rollout_ref.rollout.enforce_eager"] = noop(
     "vLLM's CUDA graphs / torch.compile, or the native engine's CUDA-graph decode (CUDA) / compiled decode step (CPU)",
     lambda cfg: cfg.actor_rollout_ref.rollout.name in ("vllm", "native"), "rollout.name=vllm or native")
@@ -767,6 +777,7 @@ def apply_edge(cfg: RLConfig) -> None:
         if get(cfg, key) is None:
             _set(cfg, key, _default(key))
     _resolve_followers(cfg)
+    _resolve_dtypes(cfg)
     _scale_ulysses_budgets(cfg)
     for path, rule in RULES.items():
         if rule.state != REFUSED:
@@ -1040,6 +1051,47 @@ def _resolve_followers(cfg: RLConfig) -> None:
         cfg.data.gen_batch_size = None  # verl's rollouter streams prompts one by one; tiller's producer by step batch
     if cfg.data.gen_batch_size is None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
+
+
+_MP_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+_MP_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+
+
+def _resolve_dtypes(cfg: RLConfig) -> None:
+    """The actor's and the critic's compute dtype where the user left it unset, as verl's FSDP workers choose it:
+    their `fsdp_config.mixed_precision.param_dtype` when given, else bf16 on a GPU (verl's default mixed precision:
+    bf16 compute, fp32 master weights and gradient reduction) and fp32 on a CPU (bf16 there is slow or emulated on
+    many hosts). A param_dtype that contradicts a given dtype, fp16, or a key verl does not have is refused by name;
+    reduce / buffer dtypes other than fp32 are said to have no effect."""
+    roles = (("actor_rollout_ref.actor.dtype", ("actor_rollout_ref.actor.fsdp_config.mixed_precision",)),
+             ("critic.dtype", ("critic.model.fsdp_config.mixed_precision", "critic.fsdp.mixed_precision")))
+    for dtype_key, mp_keys in roles:
+        from_mp = None
+        for mp_key in mp_keys:
+            mp = dict(get(cfg, mp_key) or {})
+            unknown = sorted(set(mp) - set(_MP_KEYS))
+            if unknown:
+                raise ConfigError(f"{mp_key}.{unknown[0]}: not a mixed-precision key (verl's: {', '.join(_MP_KEYS)})")
+            for name in ("reduce_dtype", "buffer_dtype"):  # (verl's Qwen3-Next example reduces in bf16: loads)
+                if name in mp and _MP_DTYPES.get(str(mp[name]).lower()) != "float32":
+                    print(f"tiller: accepted with no effect here: {mp_key}.{name}={mp[name]!r} (tiller reduces "
+                          "gradients and keeps buffers in fp32)", file=sys.stderr)
+            if mp.get("param_dtype") is not None:
+                value = _MP_DTYPES.get(str(mp["param_dtype"]).lower())
+                if value is None:
+                    raise ConfigError(f"{mp_key}.param_dtype={mp['param_dtype']!r}: tiller computes in bf16 or fp32 "
+                                      "(fp16 has no loss scaling here); give bf16 or fp32")
+                if from_mp is not None and value != from_mp:
+                    raise ConfigError(f"{mp_key}.param_dtype={mp['param_dtype']!r} differs from the other "
+                                      f"mixed_precision section of {dtype_key.rpartition('.')[0]}; give one")
+                from_mp = value
+        if _given(cfg, dtype_key):
+            given = _MP_DTYPES.get(str(get(cfg, dtype_key)).lower(), get(cfg, dtype_key))
+            if from_mp is not None and given != from_mp:
+                raise ConfigError(f"{dtype_key}={get(cfg, dtype_key)!r} contradicts its fsdp_config.mixed_precision."
+                                  f"param_dtype ({from_mp}); give one of the two")
+            continue
+        _set(cfg, dtype_key, from_mp or ("bfloat16" if cfg.trainer.device == "cuda" else "float32"))
 
 
 # token budget -> the Ulysses size of the worker that spends it (verl: max_token_len = budget x sp size)

@@ -24,6 +24,7 @@ from tiller.algos.preference import (
 from tiller.config.checks import check_choice as _choice
 from tiller.config.checks import check_positive as _positive
 from tiller.config.checks import check_ref_sync
+from tiller.config.given import given_keys
 from tiller.errors import ConfigError
 from tiller.models.chat_template import check_chat_template_settings
 from tiller.models.optimizer import HF_SCHEDULES, check_optimizer, check_schedule_kwargs
@@ -311,7 +312,8 @@ class JobOptimConfig:
     clip_grad: float = 1.0
     """Max global gradient norm (<= 0 disables clipping)."""
     dtype: str = "float32"
-    """Compute dtype: float32 | bfloat16 (autocast; weights and optimizer stay float32)."""
+    """Compute dtype: float32 | bfloat16 (autocast; weights and optimizer stay float32). Unset: bfloat16 where
+    trainer.device=cuda (verl's SFT trainer computes in bf16 over fp32 weights), float32 on a CPU."""
 
 
 @dataclass
@@ -577,6 +579,9 @@ def validate_job(cfg: Any) -> None:
     _positive("optim.lr", optim.lr)
     _choice("optim.lr_scheduler", optim.lr_scheduler, ("cosine", "constant", "linear", *HF_SCHEDULES))
     check_schedule_kwargs(optim.lr_scheduler, optim.lr_scheduler_kwargs, optim.lr, "optim.lr_scheduler_kwargs")
+    keys = given_keys(cfg)
+    if tr.device == "cuda" and ("optim.dtype" not in keys if keys is not None else optim.dtype == "float32"):
+        optim.dtype = "bfloat16"  # (unset: verl's mixed precision on a GPU)
     _choice("optim.dtype", optim.dtype, ("float32", "fp32", "bfloat16", "bf16"))
     check_optimizer(optim, "optim")  # the class imports, takes its keyword arguments, and the exemption rule is known
     if not 0 <= optim.warmup_steps_ratio < 1:

@@ -650,7 +650,9 @@ class ActorConfig:
     actor, old-logprob and reference forwards (exact; the n samples of a group cost one prompt). Off: one
     full forward per sample, as verl. Needs an HF causal LM (past_key_values); off under gradient checkpointing."""
     dtype: str = "float32"
-    """Training compute dtype: float32 | bfloat16 (autocast; fp16 is not offered: it is unusable on CPU)."""
+    """Training compute dtype: float32 | bfloat16 (autocast over fp32 master weights; fp16 is not offered). Unset, as
+    verl's FSDP workers choose: fsdp_config.mixed_precision.param_dtype where given, else bfloat16 where
+    trainer.device=cuda (verl's default mixed precision) and float32 on a CPU."""
     update_lanes: int = 1
     """tiller (CPU, one process): run this many of a mini-batch's micro-batches at a time, each in its own
     thread on trainer.num_threads / update_lanes torch threads (at least 1); the micro-batch count is rounded
@@ -1188,7 +1190,8 @@ class CriticConfig:
     """Aggregation of the value loss; null = actor_rollout_ref.actor.loss_agg_mode (verl's default,
     ${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean})."""
     dtype: str = "float32"
-    """Training compute dtype: float32 | bfloat16."""
+    """Training compute dtype: float32 | bfloat16. Unset, as the actor's: model.fsdp_config.mixed_precision.param_dtype
+    where given, else bfloat16 where trainer.device=cuda and float32 on a CPU."""
     update_lanes: int = 1
     """tiller (CPU, one process): the critic update's micro-batches run this many at a time, each in its own
     thread (as actor_rollout_ref.actor.update_lanes, async_training.share_idle_threads included)."""
