@@ -23,7 +23,7 @@ from tiller.rollout import SamplingParams, build_rollout_engine
 def test_missing_vllm_names_the_extra(monkeypatch, qwen):
     model, tok = qwen
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(UserError, match=r"pip install 'tiller\[vllm\]'"):
+    with pytest.raises(UserError, match=r"pip install 'tiller\[vllm\]'.*or rollout.name=native, tiller's own engine"):
         build_rollout_engine("vllm", model, tok)
 
 

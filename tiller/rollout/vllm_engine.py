@@ -106,7 +106,8 @@ def _import_vllm():
         import vllm
     except ImportError as err:
         raise UserError(f"actor_rollout_ref.rollout.name=vllm needs vLLM, which is not installed: "
-                        f"{INSTALL_HINT} ({err})") from err
+                        f"{INSTALL_HINT}; or rollout.name=native, tiller's own engine (CUDA graphs on a GPU, no "
+                        f"install) ({err})") from err
     return vllm
 
 
