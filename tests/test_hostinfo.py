@@ -309,8 +309,8 @@ def test_env_names_the_gpu_path_where_there_is_a_gpu():
            "torch_cuda": "13.0", "varlen_attention": True}
     lines = dict(line.split("  ", 1) for line in format_facts({**gpu, "triton_version": "3.6.0"}).splitlines())
     assert lines["cuda"].strip() == "0: NVIDIA H200 140 GiB (sm 9.0)"
-    assert lines["gpu path"].strip() == ("torch CUDA 13.0; decode in CUDA graphs of Inductor-compiled layers (Triton "
-                                         "3.6.0); torch's varlen attention (packed update and prefill)")
+    assert lines["gpu path"].strip() == ("torch CUDA 13.0; decode (by default) in CUDA graphs of Inductor-compiled "
+                                         "layers (Triton 3.6.0); torch's varlen attention (packed update and prefill)")
     plain = format_facts({**gpu, "triton_version": None, "varlen_attention": False})
     assert "eager layers (Triton not installed: `pip install triton` compiles them)" in plain
     assert "padded prefill, per-row packed attention" in plain

@@ -22,8 +22,9 @@ def _rate(value: float | None) -> str:
 def gpu_path(facts: dict) -> str:
     """What the native engine and the update do on this machine's GPU, from `host_facts()` (the `gpu path` line)."""
     triton = facts["triton_version"]
-    decode = (f"decode in CUDA graphs of Inductor-compiled layers (Triton {triton})" if triton else  # (the default)
-              "decode in CUDA graphs of eager layers (Triton not installed: `pip install triton` compiles them)")
+    decode = (f"decode (by default) in CUDA graphs of Inductor-compiled layers (Triton {triton})" if triton else
+              "decode (by default) in CUDA graphs of eager layers (Triton not installed: `pip install triton` "
+              "compiles them)")
     packed = ("torch's varlen attention (packed update and prefill)" if facts["varlen_attention"] else
               "no torch varlen attention (this torch predates it: padded prefill, per-row packed attention)")
     return f"torch CUDA {facts['torch_cuda']}; {decode}; {packed}"
