@@ -260,8 +260,6 @@ def test_compiled_step_edges_equal_the_eager_static_step(sharp_qwen):
     mask, and the tail: last residual add, final norm, head, sampler, bookkeeping): seeded samples with every filter,
     their logprobs, and greedy rows ended by stop tokens (lengths set on the device by the compiled tail) equal the
     eager static step's."""
-    from tiller.rollout.graphed_decode import GraphedDecoder
-
     model, tok = sharp_qwen
     prompts = prompt_ids(tok, MORE_PROMPTS)
     sampled = SamplingParams(n=3, max_new_tokens=10, ignore_eos=True, seed=11, temperature=0.7, top_k=20, top_p=0.9,
